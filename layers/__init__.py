@@ -1,0 +1,1 @@
+"""The YAML layer profiles, shipped inside the snapshotter package as snapshotter.layers."""

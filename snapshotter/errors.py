@@ -1,0 +1,65 @@
+"""Errors a user can act on. Each kind has its own exit code so scripts can branch on it."""
+
+
+class SnapError(Exception):
+    """Base class: the message is one line that names the cause and what to do."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+    def __str__(self) -> str:
+        msg = super().__str__()
+        return f"{msg} ({self.hint})" if self.hint else msg
+
+
+class UsageError(SnapError):
+    """Bad input: a missing root, a malformed reference, a bad profile."""
+
+    exit_code = 2
+
+
+class RegistryUnreachable(SnapError):
+    exit_code = 3
+
+
+class AuthError(SnapError):
+    exit_code = 4
+
+
+class NotFound(SnapError):
+    """An image, tag or blob the registry does not have."""
+
+    exit_code = 5
+
+
+class IntegrityError(SnapError):
+    """A digest mismatch or a hostile layer: nothing from it was written."""
+
+    exit_code = 6
+
+
+class StorageError(SnapError):
+    """The local disk failed us: full, read-only, unreadable file."""
+
+    exit_code = 7
+
+
+class EngineUnavailable(SnapError):
+    """No Docker engine to talk to."""
+
+    exit_code = 8
+
+
+class VerifyFailed(SnapError):
+    """`snap verify` found files that differ from the snapshot."""
+
+    exit_code = 9
+
+
+class RegistryError(SnapError):
+    """The registry answered, but with an error we cannot recover from."""
+
+    exit_code = 10

@@ -1,0 +1,310 @@
+"""Applying a layer tar onto a directory, the way a careful container runtime does (cf. umoci, containerd).
+
+- Every name is checked: absolute names and names with '..' are refused (the layer is hostile).
+- Parents are resolved inside the root, following symlinks as if the root were '/', so a symlink
+  in the tree can never lead a write outside it; the final component is never followed.
+- Regular files are written to a temp name in the same directory and renamed into place, so an
+  interrupted restore leaves no half-written file at an original path.
+- OCI whiteouts ('.wh.NAME') and opaque markers ('.wh..wh..opq') delete from lower layers only.
+- Owners are applied when running as root; device nodes only when asked; setuid/setgid bits
+  only when asked and running as root.
+- Directory mtimes are set last, and directories this layer only wrote into keep their old mtime.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import tarfile
+from dataclasses import dataclass, field
+from typing import BinaryIO, Optional
+
+from .errors import IntegrityError, StorageError
+from .fsindex import OPAQUE, WHITEOUT_PREFIX
+
+MAX_SYMLINK_HOPS = 40
+TMP_PREFIX = ".snap-tmp-"
+_SKIP_XATTRS = ("trusted.", "security.selinux")
+
+
+@dataclass
+class ExtractOptions:
+    same_owner: bool = field(default_factory=lambda: os.geteuid() == 0)
+    allow_devices: bool = False
+    allow_setuid: bool = False
+    fsync: bool = False  # fsync each file before its rename (power-loss safety; slower)
+
+
+@dataclass
+class ExtractStats:
+    files: int = 0
+    bytes: int = 0
+    skipped_devices: list[str] = field(default_factory=list)
+    stripped_setuid: list[str] = field(default_factory=list)
+
+
+def check_name(name: str) -> str:
+    """Root-relative path of a member name; refuses names that try to leave the root."""
+    if name.startswith("/"):
+        raise IntegrityError(f"layer entry {name!r} has an absolute path: refusing a hostile layer")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise IntegrityError(f"layer entry {name!r} escapes the root with '..': refusing a hostile layer")
+    if any("\0" in p for p in parts):
+        raise IntegrityError(f"layer entry {name!r} has a NUL byte: refusing a hostile layer")
+    return "/".join(parts)
+
+
+class Extractor:
+    def __init__(self, root: str, options: Optional[ExtractOptions] = None):
+        os.makedirs(root, exist_ok=True)
+        self.root = os.path.realpath(root)
+        self.opts = options or ExtractOptions()
+        self.stats = ExtractStats()
+
+    # ---- path resolution, scoped to the root ------------------------------------------------
+
+    def _resolve_dir(self, rel: str, create: bool = True) -> str:
+        """Real path of directory `rel`, following symlinks as if self.root were '/'.
+        Missing directories are created (0755, as the runtimes do)."""
+        parts = [p for p in rel.split("/") if p]
+        current = self.root
+        hops = 0
+        while parts:
+            part = parts.pop(0)
+            if part == "..":
+                current = os.path.dirname(current) if current != self.root else current
+                continue
+            nxt = os.path.join(current, part)
+            try:
+                st = os.lstat(nxt)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                self._note_parent(current)
+                os.mkdir(nxt, 0o755)
+                current = nxt
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                hops += 1
+                if hops > MAX_SYMLINK_HOPS:
+                    raise IntegrityError(f"too many symlinks resolving /{rel}: refusing a hostile layer")
+                target = os.readlink(nxt)
+                if target.startswith("/"):
+                    current = self.root
+                parts = [p for p in target.split("/") if p and p != "."] + parts
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                if not create:
+                    raise FileNotFoundError(nxt)
+                # A non-directory stands where a directory is needed: the new layer replaces it.
+                self._note_parent(current)
+                os.unlink(nxt)
+                os.mkdir(nxt, 0o755)
+            current = nxt
+        return current
+
+    def _locate(self, rel: str) -> tuple[str, str]:
+        """(real parent dir, final path) for a member; the final component is not followed."""
+        parent, _, base = rel.rpartition("/")
+        pdir = self._resolve_dir(parent)
+        return pdir, os.path.join(pdir, base)
+
+    # ---- directory mtimes ---------------------------------------------------------------------
+
+    def _note_parent(self, pdir: str) -> None:
+        """Remember a directory's times before we change its contents, to put them back."""
+        if pdir not in self._dir_times and pdir not in self._layer_dirs:
+            try:
+                st = os.lstat(pdir)
+                self._dir_times[pdir] = (st.st_atime_ns, st.st_mtime_ns)
+            except FileNotFoundError:
+                pass
+
+    # ---- applying a layer ------------------------------------------------------------------------
+
+    def apply(self, tar_stream: BinaryIO) -> None:
+        """Apply one layer (an uncompressed tar stream)."""
+        self._dir_times: dict[str, tuple[int, int]] = {}
+        self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
+        self._written: set[str] = set()  # root-relative paths this layer created
+        try:
+            with tarfile.open(fileobj=tar_stream, mode="r|", errorlevel=2) as tar:
+                for m in tar:
+                    self._apply_member(tar, m)
+        except tarfile.TarError as e:
+            raise IntegrityError(f"layer is not a valid tar archive: {e}")
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageError(f"disk full while restoring into {self.root}", "free space and run the restore again: it resumes")
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise StorageError(f"cannot write into {self.root}: {e.strerror}", "check permissions, or run as root")
+            raise
+        finally:
+            # Put back the times of directories we only wrote into, then set this layer's own
+            # directory times (deepest first, since setting a child can touch its parent).
+            for path, (at, mt) in self._dir_times.items():
+                if path not in self._layer_dirs:
+                    _utime(path, at, mt)
+            for path in sorted(self._layer_dirs, key=lambda p: p.count("/"), reverse=True):
+                at, mt = self._layer_dirs[path]
+                _utime(path, at, mt)
+
+    def _apply_member(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+        rel = check_name(m.name)
+        if not rel:
+            return  # the root entry itself: the root keeps its own attributes
+        parent, _, base = rel.rpartition("/")
+        if base.startswith(WHITEOUT_PREFIX):
+            self._whiteout(parent, base)
+            return
+        pdir, path = self._locate(rel)
+        self._note_parent(pdir)
+        try:
+            old = os.lstat(path)
+        except FileNotFoundError:
+            old = None
+
+        if m.isdir():
+            if old is not None and not stat.S_ISDIR(old.st_mode):
+                os.unlink(path)
+                old = None
+            if old is None:
+                os.mkdir(path, 0o700)
+            self._set_attrs(path, m, rel)
+            self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+            self._dir_times.pop(path, None)
+            self._written.add(rel)
+            return
+
+        if old is not None and stat.S_ISDIR(old.st_mode):
+            shutil.rmtree(path)  # a non-directory replaces a whole lower tree
+
+        tmp = os.path.join(pdir, f"{TMP_PREFIX}{os.getpid()}-{base[:100]}")
+        _remove(tmp)
+        try:
+            if m.isreg():
+                self._write_file(tar, m, tmp)
+            elif m.issym():
+                os.symlink(m.linkname, tmp)
+            elif m.islnk():
+                self._hardlink(m, tmp)
+            elif m.ischr() or m.isblk():
+                if not (self.opts.allow_devices and os.geteuid() == 0):
+                    self.stats.skipped_devices.append("/" + rel)
+                    return
+                kind = stat.S_IFCHR if m.ischr() else stat.S_IFBLK
+                os.mknod(tmp, kind | 0o600, os.makedev(m.devmajor, m.devminor))
+            elif m.isfifo():
+                os.mkfifo(tmp, 0o600)
+            else:
+                return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
+            if not m.islnk():
+                self._set_attrs(tmp, m, rel)
+            os.rename(tmp, path)
+        finally:
+            _remove(tmp)
+        self._written.add(rel)
+
+    def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            src = tar.extractfile(m)
+            left = m.size
+            while left > 0:
+                chunk = src.read(min(left, 1 << 20))
+                if not chunk:
+                    raise IntegrityError(f"layer entry {m.name!r} is truncated")
+                out.write(chunk)
+                left -= len(chunk)
+            if self.opts.fsync:
+                out.flush()
+                os.fsync(out.fileno())
+        self.stats.files += 1
+        self.stats.bytes += m.size
+
+    def _hardlink(self, m: tarfile.TarInfo, tmp: str) -> None:
+        target_rel = check_name(m.linkname)
+        if not target_rel:
+            raise IntegrityError(f"hardlink {m.name!r} points at the root: refusing a hostile layer")
+        tparent, _, tbase = target_rel.rpartition("/")
+        target = os.path.join(self._resolve_dir(tparent), tbase)
+        try:
+            tst = os.lstat(target)
+        except FileNotFoundError:
+            raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, which is not in the image")
+        if stat.S_ISDIR(tst.st_mode):
+            raise IntegrityError(f"hardlink {m.name!r} points at a directory: refusing a hostile layer")
+        os.link(target, tmp, follow_symlinks=False)
+
+    def _whiteout(self, parent: str, base: str) -> None:
+        try:
+            pdir = self._resolve_dir(parent, create=False)
+        except FileNotFoundError:
+            return  # nothing below to hide
+        if base == OPAQUE:
+            for name in os.listdir(pdir):
+                rel = f"{parent}/{name}" if parent else name
+                if rel not in self._written:
+                    self._note_parent(pdir)
+                    _remove_any(os.path.join(pdir, name))
+            return
+        name = base[len(WHITEOUT_PREFIX):]
+        if not name or name in (".", "..") or "/" in name:
+            raise IntegrityError(f"whiteout {base!r} names no valid path: refusing a hostile layer")
+        rel = f"{parent}/{name}" if parent else name
+        if rel in self._written:
+            return  # a whiteout never deletes from its own layer
+        self._note_parent(pdir)
+        _remove_any(os.path.join(pdir, name))
+
+    def _set_attrs(self, path: str, m: tarfile.TarInfo, rel: str) -> None:
+        mode = m.mode & 0o7777
+        if mode & (stat.S_ISUID | stat.S_ISGID) and not m.isdir():
+            if not (self.opts.allow_setuid and os.geteuid() == 0):
+                mode &= ~(stat.S_ISUID | stat.S_ISGID)
+                self.stats.stripped_setuid.append("/" + rel)
+        if self.opts.same_owner:
+            os.chown(path, m.uid, m.gid, follow_symlinks=False)
+        if not m.issym():
+            os.chmod(path, mode)  # after chown: chown clears setuid bits
+        for key, value in (m.pax_headers or {}).items():
+            if key.startswith("SCHILY.xattr."):
+                self._set_xattr(path, key[len("SCHILY.xattr."):], value)
+        os.utime(path, ns=(int(m.mtime) * 10**9, int(m.mtime) * 10**9), follow_symlinks=False)
+
+    def _set_xattr(self, path: str, name: str, value: str) -> None:
+        if name.startswith(_SKIP_XATTRS):
+            return
+        try:
+            os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EACCES):
+                raise
+
+
+def _utime(path: str, at: int, mt: int) -> None:
+    try:
+        os.utime(path, ns=(at, mt), follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_any(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

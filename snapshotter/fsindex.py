@@ -1,0 +1,324 @@
+"""File indexes: of a live box (a filesystem walk) and of an image (its layer tars), and their diff."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import stat
+import tarfile
+from dataclasses import astuple, dataclass, field
+from typing import BinaryIO, Callable, Iterator, Optional
+
+from .errors import StorageError, UsageError
+from .profile import Profile, VenvRoots
+
+FILE, DIR, SYMLINK, CHAR, BLOCK, FIFO = "file", "dir", "symlink", "char", "block", "fifo"
+WHITEOUT_PREFIX = ".wh."
+OPAQUE = ".wh..wh..opq"
+
+# Filesystems that are views of the kernel, never content of the box.
+PSEUDO_FS = {
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "mqueue", "debugfs", "tracefs", "securityfs",
+    "pstore", "bpf", "fusectl", "configfs", "hugetlbfs", "autofs", "binfmt_misc", "nsfs", "rpc_pipefs", "efivarfs",
+}
+
+
+@dataclass(slots=True)
+class Entry:
+    """One path of a filesystem tree, relative to its root, with the metadata a layer carries."""
+
+    path: str
+    kind: str
+    mode: int  # permission bits, including setuid/setgid/sticky
+    uid: int = 0
+    gid: int = 0
+    size: int = 0
+    mtime: int = 0  # whole seconds: what a reproducible tar header holds
+    linkname: str = ""  # symlink target
+    rdev: int = 0
+    digest: Optional[str] = None  # sha256 of a regular file's content, where known
+    inode: Optional[str] = None  # "dev:ino" of a box file with more than one link
+
+    def same_as(self, other: "Entry", compare_content: bool = False) -> bool:
+        if (self.kind, self.mode, self.uid, self.gid, self.mtime) != (other.kind, other.mode, other.uid, other.gid, other.mtime):
+            return False
+        if self.kind == FILE:
+            if self.size != other.size:
+                return False
+            if compare_content and self.digest and other.digest:
+                return self.digest == other.digest
+            return True
+        if self.kind == SYMLINK:
+            return self.linkname == other.linkname
+        if self.kind in (CHAR, BLOCK):
+            return self.rdev == other.rdev
+        return True
+
+
+def clean_path(name: str) -> str:
+    """A tar member name as a root-relative path ('./a/b/' -> 'a/b'); '' is the root itself."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    return "/".join(parts)
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+# ---- the box ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Scan:
+    entries: dict[str, Entry]
+    venv_roots: VenvRoots
+    skipped_secrets: list[str] = field(default_factory=list)
+
+
+def pseudo_mounts(root: str) -> set[str]:
+    """Root-relative mount points under `root` whose filesystem is a kernel view (proc, sysfs, ...)."""
+    root = os.path.realpath(root)
+    found: set[str] = set()
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                mount_point = fields[4].encode().decode("unicode_escape")
+                fstype = fields[sep + 1]
+                if fstype in PSEUDO_FS and (mount_point == root or mount_point.startswith(root.rstrip("/") + "/")):
+                    found.add(clean_path(mount_point[len(root):]))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optional[Entry]:
+    m = st.st_mode
+    if stat.S_ISREG(m):
+        kind = FILE
+    elif stat.S_ISDIR(m):
+        kind = DIR
+    elif stat.S_ISLNK(m):
+        kind = SYMLINK
+    elif stat.S_ISCHR(m):
+        kind = CHAR
+    elif stat.S_ISBLK(m):
+        kind = BLOCK
+    elif stat.S_ISFIFO(m):
+        kind = FIFO
+    else:
+        return None  # sockets: not content
+    return Entry(
+        path=rel,
+        kind=kind,
+        mode=stat.S_IMODE(m),
+        uid=st.st_uid,
+        gid=st.st_gid,
+        size=st.st_size if kind == FILE else 0,
+        mtime=int(st.st_mtime),
+        linkname=linkname,
+        rdev=st.st_rdev if kind in (CHAR, BLOCK) else 0,
+        inode=f"{st.st_dev}:{st.st_ino}" if kind == FILE and st.st_nlink > 1 else None,
+    )
+
+
+def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
+             progress: Optional[Callable[[int], None]] = None) -> Scan:
+    """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
+    left out (and listed) unless the profile opts in."""
+    if not os.path.isdir(root):
+        raise UsageError(f"root {root} does not exist or is not a directory")
+    root = os.path.realpath(root)
+    skip_mounts = pseudo_mounts(root)
+    extra = {clean_path(e) for e in extra_excludes}
+    entries: dict[str, Entry] = {}
+    venvs = VenvRoots()
+    secrets: list[str] = []
+    unreadable: list[str] = []
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+        try:
+            with os.scandir(abs_dir) as it:
+                children = list(it)
+        except PermissionError:
+            unreadable.append(rel_dir or "/")
+            continue
+        except FileNotFoundError:
+            continue  # removed while we walked
+        for de in children:
+            rel = f"{rel_dir}/{de.name}" if rel_dir else de.name
+            if rel in extra or rel in skip_mounts or profile.exclude.match(rel):
+                continue
+            if not profile.include_secrets and profile.secrets.match(rel):
+                secrets.append(rel)
+                continue
+            try:
+                st = os.lstat(de.path)
+                link = os.readlink(de.path) if stat.S_ISLNK(st.st_mode) else ""
+            except FileNotFoundError:
+                continue
+            except PermissionError:
+                unreadable.append(rel)
+                continue
+            e = entry_from_stat(rel, st, link)
+            if e is None:
+                continue
+            if e.kind == FILE and not os.access(de.path, os.R_OK):
+                unreadable.append(rel)
+                continue
+            entries[rel] = e
+            if e.kind == DIR:
+                stack.append(rel)
+            elif de.name == "pyvenv.cfg" and e.kind == FILE:
+                venvs.add(rel_dir)
+            if progress:
+                progress(1)
+    if unreadable:
+        shown = ", ".join("/" + u for u in sorted(unreadable)[:3])
+        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+        raise StorageError(f"cannot read {shown}{more} in the box",
+                           "run snap as root, or add the paths to the profile's exclude list")
+    return Scan(entries, venvs, sorted(secrets))
+
+
+# ---- an image -----------------------------------------------------------------------------------
+
+
+def entry_from_member(m: tarfile.TarInfo, rel: str) -> Optional[Entry]:
+    if m.isreg():
+        kind = FILE
+    elif m.isdir():
+        kind = DIR
+    elif m.issym():
+        kind = SYMLINK
+    elif m.ischr():
+        kind = CHAR
+    elif m.isblk():
+        kind = BLOCK
+    elif m.isfifo():
+        kind = FIFO
+    else:
+        return None
+    return Entry(
+        path=rel, kind=kind, mode=m.mode & 0o7777, uid=m.uid, gid=m.gid,
+        size=m.size if kind == FILE else 0, mtime=int(m.mtime), linkname=m.linkname if kind == SYMLINK else "",
+        rdev=os.makedev(m.devmajor, m.devminor) if kind in (CHAR, BLOCK) else 0,
+    )
+
+
+def _remove_tree(index: dict[str, Entry], path: str, keep_self: bool = False) -> None:
+    if not keep_self:
+        index.pop(path, None)
+    prefix = path + "/" if path else ""
+    for k in [k for k in index if k.startswith(prefix)]:
+        del index[k]
+
+
+def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, hash_files: bool = True) -> None:
+    """Apply one layer's tar (uncompressed stream) to an image index, as an extractor would:
+    whiteouts and opaque markers hide lower paths, a non-directory replaces a lower directory tree."""
+    layer: dict[str, Entry] = {}
+    whiteouts: list[str] = []
+    opaques: list[str] = []
+    with tarfile.open(fileobj=tar_stream, mode="r|") as tar:
+        for m in tar:
+            rel = clean_path(m.name)
+            if not rel:
+                continue
+            parent, _, base = rel.rpartition("/")
+            if base == OPAQUE:
+                opaques.append(parent)
+                continue
+            if base.startswith(WHITEOUT_PREFIX):
+                whiteouts.append(f"{parent}/{base[4:]}" if parent else base[4:])
+                continue
+            if m.islnk():
+                target = clean_path(m.linkname)
+                src = layer.get(target) or index.get(target)
+                if src is None or src.kind != FILE:
+                    continue
+                e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest)
+            else:
+                e = entry_from_member(m, rel)
+                if e is None:
+                    continue
+                if e.kind == FILE and hash_files:
+                    f = tar.extractfile(m)
+                    h = hashlib.sha256()
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                    e.digest = "sha256:" + h.hexdigest()
+            layer[rel] = e
+    for d in opaques:
+        _remove_tree(index, d, keep_self=True)
+    for w in whiteouts:
+        _remove_tree(index, w)
+    for rel, e in layer.items():
+        old = index.get(rel)
+        if old is not None and old.kind == DIR and e.kind != DIR:
+            _remove_tree(index, rel)
+        index[rel] = e
+
+
+def save_index(index: dict[str, Entry], path: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with gzip.open(tmp, "wt", compresslevel=1) as f:
+        for e in index.values():
+            f.write(json.dumps(astuple(e), separators=(",", ":")))
+            f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_index(path: str) -> Optional[dict[str, Entry]]:
+    try:
+        with gzip.open(path, "rt") as f:
+            return {e.path: e for e in (Entry(*json.loads(line)) for line in f)}
+    except (OSError, ValueError, TypeError):
+        return None  # a missing or damaged cache is rebuilt
+
+
+# ---- the diff -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Diff:
+    changed: list[Entry]  # added or modified paths of the box, sorted
+    deleted: list[str]  # base paths gone from the box (only the top-most of a deleted tree)
+
+
+def diff(base: dict[str, Entry], scan: Scan, skipped: Callable[[str], bool], rehash: bool = False,
+         root: str = "/") -> Diff:
+    """Compare the box with its base image. `skipped(path)` says a path was not scanned (excluded or
+    a secret): such base paths are unknown, not deleted."""
+    box = scan.entries
+    changed: list[Entry] = []
+    for rel in sorted(box):
+        e = box[rel]
+        old = base.get(rel)
+        if old is not None and rehash and e.kind == FILE and old.kind == FILE and old.digest:
+            e.digest = file_digest(os.path.join(root, rel))
+        if old is None or not e.same_as(old, compare_content=rehash):
+            changed.append(e)
+    deleted: list[str] = []
+    for rel in sorted(base):
+        if rel in box or skipped(rel):
+            continue
+        parent = rel.rpartition("/")[0]
+        if parent and (parent not in box or box[parent].kind != DIR):
+            continue  # the parent's own whiteout or replacement covers it
+        deleted.append(rel)
+    return Diff(changed, deleted)
+
+
+def iter_tree(index: dict[str, Entry]) -> Iterator[Entry]:
+    for k in sorted(index):
+        yield index[k]

@@ -1,0 +1,90 @@
+"""Assembling a snapshot image: base layers + snapshot layers, as an OCI manifest and config.
+
+Serialisation is canonical (sorted keys, no spaces) so the digest we compute is the digest the
+registry stores: we push these exact bytes."""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import datetime, timezone
+from typing import Optional
+
+from .compress import oci_media_type
+from .registry import OCI_CONFIG, OCI_MANIFEST, Image, sha256_digest
+
+SNAP_LAYER = "dev.snap.layer"  # layer annotation: which profile layer this is
+SNAP_BASE_LAYERS = "dev.snap.base-layers"  # manifest annotation: how many leading layers are the base's
+SNAP_PROFILE = "dev.snap.profile"
+BASE_NAME = "org.opencontainers.image.base.name"
+BASE_DIGEST = "org.opencontainers.image.base.digest"
+CREATED = "org.opencontainers.image.created"
+
+
+def canonical(doc: dict) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def descriptor(media_type: str, digest: str, size: int, annotations: Optional[dict] = None) -> dict:
+    d = {"mediaType": media_type, "digest": digest, "size": size}
+    if annotations:
+        d["annotations"] = annotations
+    return d
+
+
+def snapshot_config(base_config: dict, layers: list[tuple[str, str]], created: str) -> bytes:
+    """The base config with one diff_id and one history entry per snapshot layer.
+    `layers` is [(layer name, diff_id)]."""
+    cfg = copy.deepcopy(base_config)
+    rootfs = cfg.setdefault("rootfs", {"type": "layers", "diff_ids": []})
+    rootfs["type"] = "layers"
+    base_diff_ids = rootfs.setdefault("diff_ids", [])
+    history = cfg.setdefault("history", [])
+    # Tools pair non-empty history entries with layers: pad a base that lacks them.
+    real = sum(1 for h in history if not h.get("empty_layer"))
+    history.extend({"created_by": "(base image layer)"} for _ in range(len(base_diff_ids) - real))
+    for name, diff_id in layers:
+        base_diff_ids.append(diff_id)
+        history.append({"created": created, "created_by": f"snap commit: {name} layer", "comment": f"snap layer {name}"})
+    cfg["created"] = created
+    cfg.setdefault("architecture", "amd64")
+    cfg.setdefault("os", "linux")
+    return canonical(cfg)
+
+
+def snapshot_manifest(base: Image, base_name: str, config: bytes, layers: list[dict], profile: str,
+                      created: str) -> bytes:
+    """An OCI image manifest: the base's layers (media types in their OCI names; same bytes),
+    then the snapshot layer descriptors."""
+    base_layers = []
+    for d in base.layers:
+        nd = {"mediaType": oci_media_type(d["mediaType"]), "digest": d["digest"], "size": d["size"]}
+        if d.get("annotations"):
+            nd["annotations"] = d["annotations"]
+        base_layers.append(nd)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": descriptor(OCI_CONFIG, sha256_digest(config), len(config)),
+        "layers": base_layers + layers,
+        "annotations": {
+            BASE_NAME: base_name,
+            BASE_DIGEST: base.manifest_digest,
+            SNAP_BASE_LAYERS: str(len(base_layers)),
+            SNAP_PROFILE: profile,
+            CREATED: created,
+        },
+    }
+    return canonical(manifest)
+
+
+def snapshot_layer_count(image: Image) -> int:
+    """How many of an image's layers snap added (0 for an image snap did not make)."""
+    ann = image.manifest.get("annotations", {})
+    if SNAP_BASE_LAYERS not in ann:
+        return 0
+    return len(image.layers) - int(ann[SNAP_BASE_LAYERS])

@@ -1,0 +1,165 @@
+"""Generating layers: reproducible tars of box paths (plus whiteouts), compressed and hashed in one pass.
+
+The same content always gives the same bytes, so an unchanged layer keeps its digest and the
+registry already has it: entries sorted (whiteouts before their siblings), PAX headers with integer
+mtimes and numeric owners only, deterministic compression."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Optional
+
+from .compress import MEDIA_TYPE, Compressor
+from .errors import StorageError
+from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, WHITEOUT_PREFIX, Entry
+
+_TAR_TYPE = {FILE: tarfile.REGTYPE, DIR: tarfile.DIRTYPE, SYMLINK: tarfile.SYMTYPE, CHAR: tarfile.CHRTYPE,
+             BLOCK: tarfile.BLKTYPE, FIFO: tarfile.FIFOTYPE}
+
+
+@dataclass
+class LayerPlan:
+    """What goes into one snapshot layer."""
+
+    name: str
+    compression: str
+    entries: list[Entry] = field(default_factory=list)
+    whiteouts: list[str] = field(default_factory=list)  # deleted paths
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries and not self.whiteouts
+
+    @property
+    def content_size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+
+@dataclass
+class LayerBlob:
+    """A built layer: the blob on disk and the digests that name it."""
+
+    name: str
+    path: str
+    digest: str  # sha256 of the blob (compressed bytes)
+    diff_id: str  # sha256 of the uncompressed tar
+    size: int
+    media_type: str
+    changed_while_read: list[str] = field(default_factory=list)
+
+
+class _ExactReader:
+    """Reads exactly `size` bytes of a live file: pads with zeros if it shrank and stops at `size`
+    if it grew, noting either (a box keeps running while we commit it)."""
+
+    def __init__(self, f: BinaryIO, size: int, on_bytes: Optional[Callable[[int], None]]):
+        self.f, self.left, self.on_bytes, self.short = f, size, on_bytes, False
+
+    def read(self, n: int = -1) -> bytes:
+        if self.left <= 0:
+            return b""
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        if len(data) < n:
+            self.short = True
+            data += b"\0" * (n - len(data))
+        self.left -= len(data)
+        if self.on_bytes:
+            self.on_bytes(len(data))
+        return data
+
+
+def _sort_key(item: tuple[str, bool]) -> tuple[str, int, str]:
+    path, is_whiteout = item
+    parent, _, base = path.rpartition("/")
+    return (parent, 0 if is_whiteout else 1, base)
+
+
+def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(e.path + ("/" if e.kind == DIR else ""))
+    ti.mode = e.mode
+    ti.uid, ti.gid = e.uid, e.gid
+    ti.uname = ti.gname = ""
+    ti.mtime = int(e.mtime)
+    if linkname_for_hardlink is not None:
+        ti.type = tarfile.LNKTYPE
+        ti.linkname = linkname_for_hardlink
+        return ti
+    ti.type = _TAR_TYPE[e.kind]
+    if e.kind == FILE:
+        ti.size = e.size
+    elif e.kind == SYMLINK:
+        ti.linkname = e.linkname
+    elif e.kind in (CHAR, BLOCK):
+        ti.devmajor, ti.devminor = os.major(e.rdev), os.minor(e.rdev)
+    return ti
+
+
+def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None) -> list[str]:
+    """Write the plan as a tar stream to `out`. Returns the paths that changed while being read."""
+    items = [(e.path, False) for e in plan.entries] + [(w, True) for w in plan.whiteouts]
+    by_path = {e.path: e for e in plan.entries}
+    first_of_inode: dict[str, str] = {}
+    changed: list[str] = []
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar:
+        for path, is_whiteout in sorted(items, key=_sort_key):
+            if is_whiteout:
+                parent, _, base = path.rpartition("/")
+                ti = tarfile.TarInfo(f"{parent}/{WHITEOUT_PREFIX}{base}" if parent else f"{WHITEOUT_PREFIX}{base}")
+                ti.mode, ti.mtime, ti.uname, ti.gname = 0o644, 0, "", ""
+                tar.addfile(ti)
+                continue
+            e = by_path[path]
+            link_to = first_of_inode.get(e.inode) if e.inode else None
+            if e.inode and link_to is None:
+                first_of_inode[e.inode] = e.path
+            ti = _tarinfo(e, link_to)
+            if ti.type != tarfile.REGTYPE:
+                tar.addfile(ti)
+                continue
+            src = os.path.join(root, e.path)
+            try:
+                with open(src, "rb", buffering=0) as f:
+                    reader = _ExactReader(f, e.size, on_bytes)
+                    tar.addfile(ti, reader)
+                    if reader.short or f.read(1):
+                        changed.append(e.path)
+            except FileNotFoundError:
+                # Deleted while we committed: keep the archive well-formed, report it.
+                tar.addfile(ti, _ExactReader(_Empty(), e.size, on_bytes))
+                changed.append(e.path)
+            except PermissionError:
+                raise StorageError(f"cannot read /{e.path} in the box", "run snap as root, or exclude the path in the profile")
+    return changed
+
+
+class _Empty:
+    def read(self, n: int = -1) -> bytes:
+        return b""
+
+
+def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
+                on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
+    """Build one layer blob into `out_dir` (temp name, renamed to its digest when complete)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".building-{plan.name}-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            comp = Compressor(f, plan.compression, zstd_level)
+            changed = write_tar(comp, root, plan, on_bytes)
+            comp.finish()
+        final = os.path.join(out_dir, comp.blob.digest.split(":", 1)[1])
+        os.replace(tmp, final)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise StorageError(f"cannot write layer {plan.name} to {out_dir}: {e.strerror}",
+                           "free disk space or set SNAP_STATE_DIR to a larger disk")
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return LayerBlob(plan.name, final, comp.blob.digest, comp.tar.digest, comp.blob.size,
+                     MEDIA_TYPE[plan.compression], changed)

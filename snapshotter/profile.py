@@ -1,0 +1,243 @@
+"""Layer profiles: which paths of a box go to which layer, and which paths are never captured.
+
+A profile is YAML (see layers/*.yaml). Paths are globs relative to the box root:
+  "/opt/app/models/**"  anchored at the root ("**" crosses directories, "*" does not);
+  "*.pem"               a pattern with no "/" matches a file or directory name anywhere.
+A pattern matches a path when it matches the path or one of its parent directories.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Optional
+
+import yaml
+
+from .errors import UsageError
+
+COMPRESSIONS = ("zstd", "gzip", "none")
+REST = "rest"
+MiB = 1024 * 1024
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
+          "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TIB": 1024**4}
+
+
+def parse_size(value) -> int:
+    """'64MiB', '9.5GB', 1024 -> bytes."""
+    if isinstance(value, int) and value >= 0:
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise UsageError(f"size {value!r} is not valid", "write it like 512MiB, 9.5GB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def glob_regex(pattern: str) -> str:
+    """Translate one glob to a regex over root-relative paths (no leading slash)."""
+    anchored = pattern.startswith("/") or "/" in pattern.rstrip("/")
+    pat = pattern.strip("/")
+    if pat.endswith("/**"):
+        pat = pat[:-3]  # "dir/**" also takes dir itself; everything below comes with the suffix
+    out, i = [], 0
+    while i < len(pat):
+        c = pat[i]
+        if pat.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pat.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(c))
+            i += 1
+    body = "".join(out)
+    # Matching a parent directory counts: "a/b" matches "a/b/c".
+    return (f"{body}(?:/.*)?" if anchored else f"(?:.*/)?{body}(?:/.*)?")
+
+
+class PathSet:
+    """A compiled list of globs; `match(path)` takes a root-relative path."""
+
+    def __init__(self, patterns: Iterable[str]):
+        self.patterns = [p for p in patterns if p]
+        self._re = re.compile("|".join(f"(?:{glob_regex(p)})" for p in self.patterns)) if self.patterns else None
+
+    def match(self, path: str) -> bool:
+        return bool(self._re and self._re.fullmatch(path))
+
+    def which(self, path: str) -> Optional[str]:
+        """The first pattern that matches (for messages)."""
+        for p in self.patterns:
+            if re.fullmatch(glob_regex(p), path):
+                return p
+        return None
+
+
+@dataclass
+class LayerRule:
+    name: str
+    paths: PathSet = field(default_factory=lambda: PathSet([]))
+    venv: bool = False  # any directory holding pyvenv.cfg belongs here
+    min_size: Optional[int] = None  # any regular file at least this big belongs here
+    extensions: tuple[str, ...] = ()
+    compression: str = "zstd"
+
+
+@dataclass
+class Profile:
+    name: str
+    layers: list[LayerRule]
+    exclude: PathSet
+    secrets: PathSet
+    include_secrets: bool = False
+    zstd_level: int = 3
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [r.name for r in self.layers]
+
+    def rule(self, name: str) -> LayerRule:
+        return next(r for r in self.layers if r.name == name)
+
+    def classify(self, path: str, size: int, is_file: bool, venv_roots: "VenvRoots") -> str:
+        """The layer a path goes to: the first rule that claims it, else `rest`."""
+        for rule in self.layers:
+            if rule.name == REST:
+                continue
+            if rule.venv and venv_roots.contains(path):
+                return rule.name
+            if rule.paths.match(path):
+                return rule.name
+            if is_file and rule.min_size is not None and size >= rule.min_size:
+                return rule.name
+            if is_file and rule.extensions and path.lower().endswith(rule.extensions):
+                return rule.name
+        return REST
+
+
+class VenvRoots:
+    """Directories that hold a pyvenv.cfg, i.e. Python virtual environments."""
+
+    def __init__(self, roots: Iterable[str] = ()):
+        self.roots = set(roots)
+
+    def add(self, root: str) -> None:
+        self.roots.add(root)
+
+    def contains(self, path: str) -> bool:
+        p = path
+        while p:
+            if p in self.roots:
+                return True
+            p = p.rpartition("/")[0]
+        return False
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("snapshotter.layers").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str = "default") -> Profile:
+    """Load a profile by name (a file in layers/) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or "/" in name_or_path:
+        if not path.is_file():
+            raise UsageError(f"profile file {name_or_path} does not exist")
+        text, source = path.read_text(), str(path)
+    else:
+        res = resources.files("snapshotter.layers") / f"{name_or_path}.yaml"
+        if not res.is_file():
+            raise UsageError(f"no profile named {name_or_path!r}", f"known profiles: {', '.join(available_profiles())}")
+        text, source = res.read_text(), f"layers/{name_or_path}.yaml"
+    return parse_profile(text, source)
+
+
+@lru_cache(maxsize=None)
+def _default_text() -> str:
+    return (resources.files("snapshotter.layers") / "default.yaml").read_text()
+
+
+def parse_profile(text: str, source: str = "<profile>") -> Profile:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"profile {source} is not valid YAML{where}")
+    if not isinstance(doc, dict):
+        raise UsageError(f"profile {source} must be a YAML mapping with a 'layers' list")
+    unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "include_secrets", "zstd_level"}
+    if unknown:
+        raise UsageError(f"profile {source}: unknown key(s) {', '.join(sorted(unknown))}")
+    base: dict = {}
+    if doc.get("extends"):
+        if doc["extends"] != "default":
+            raise UsageError(f"profile {source}: only 'extends: default' is supported")
+        base = yaml.safe_load(_default_text())
+    layers_doc = doc.get("layers", base.get("layers"))
+    if not isinstance(layers_doc, list) or not layers_doc:
+        raise UsageError(f"profile {source}: 'layers' must be a non-empty list")
+    rules: list[LayerRule] = []
+    for i, item in enumerate(layers_doc):
+        rules.append(_parse_rule(item, f"{source}: layers[{i}]"))
+    names = [r.name for r in rules]
+    if len(set(names)) != len(names):
+        raise UsageError(f"profile {source}: layer names must be unique")
+    if REST not in names:
+        rules.append(LayerRule(REST))
+    exclude = _str_list(base.get("exclude", []), source, "exclude") + _str_list(doc.get("exclude", []), source, "exclude")
+    secrets = _str_list(base.get("secrets", []), source, "secrets") + _str_list(doc.get("secrets", []), source, "secrets")
+    level = doc.get("zstd_level", base.get("zstd_level", 3))
+    if not isinstance(level, int) or not 1 <= level <= 19:
+        raise UsageError(f"profile {source}: zstd_level must be an integer from 1 to 19")
+    return Profile(
+        name=str(doc.get("name", Path(source).stem)),
+        layers=rules,
+        exclude=PathSet(exclude),
+        secrets=PathSet(secrets),
+        include_secrets=bool(doc.get("include_secrets", False)),
+        zstd_level=level,
+    )
+
+
+def _parse_rule(item, where: str) -> LayerRule:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise UsageError(f"profile {where}: each layer needs a 'name'")
+    unknown = set(item) - {"name", "paths", "venv", "min_size", "extensions", "compression"}
+    if unknown:
+        raise UsageError(f"profile {where}: unknown key(s) {', '.join(sorted(unknown))}")
+    name = item["name"]
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,40}", name):
+        raise UsageError(f"profile {where}: layer name {name!r} must be lowercase letters, digits, - or _")
+    compression = item.get("compression", "zstd")
+    if compression not in COMPRESSIONS:
+        raise UsageError(f"profile {where}: compression must be one of {', '.join(COMPRESSIONS)}")
+    exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in _str_list(item.get("extensions", []), where, "extensions"))
+    return LayerRule(
+        name=name,
+        paths=PathSet(_str_list(item.get("paths", []), where, "paths")),
+        venv=bool(item.get("venv", False)),
+        min_size=parse_size(item["min_size"]) if item.get("min_size") is not None else None,
+        extensions=exts,
+        compression=compression,
+    )
+
+
+def _str_list(value, where: str, key: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"profile {where}: '{key}' must be a list of strings")
+    return value

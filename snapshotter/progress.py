@@ -1,0 +1,38 @@
+"""Progress bars (tqdm, on stderr). Off when SNAP_QUIET is set or stderr is not a terminal,
+unless SNAP_PROGRESS=1 forces them on."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from tqdm import tqdm
+
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    if os.environ.get("SNAP_QUIET"):
+        return False
+    if os.environ.get("SNAP_PROGRESS") == "1":
+        return True
+    return sys.stderr.isatty()
+
+
+def bar(desc: str, total: int | None = None, unit: str = "B") -> tqdm:
+    """A bar for bytes (scaled to KB/MB/GB) or for counted things."""
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
+        disable=not enabled(), leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
+    )
+
+
+def safe_update(b: tqdm):
+    """An update callback usable from worker threads."""
+
+    def update(n: int) -> None:
+        with _lock:
+            b.update(n)
+
+    return update

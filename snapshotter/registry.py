@@ -1,0 +1,471 @@
+"""Talking to an OCI registry (distribution v2 API) through oras-py.
+
+oras-py gives us the HTTP session, docker-config credentials and retries; this module adds what a
+snapshot tool needs on top: index -> platform manifest resolution, streamed chunked uploads in
+bounded memory, verified streamed downloads, cross-repository mounts, and manifests pushed as the
+exact bytes we hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import platform
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import oras.auth
+import oras.auth.utils
+import oras.container
+import oras.utils
+import oras.provider
+import requests
+
+from .errors import AuthError, IntegrityError, NotFound, RegistryError, RegistryUnreachable, UsageError
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
+MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
+INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
+
+CHUNK_SIZE = 16 * 1024 * 1024  # upload chunk: bounds memory, whatever the blob size
+PING_TIMEOUT = 10
+UPLOAD_ATTEMPTS = 3
+
+ProgressFn = Optional[Callable[[int], None]]
+
+_REF_RE = re.compile(
+    r"^(?P<repo>[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
+    r"(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
+)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """registry/repository[:tag][@digest]. The registry part is required: snap has no default registry."""
+
+    registry: str
+    repository: str
+    tag: Optional[str] = None
+    digest: Optional[str] = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Reference":
+        host, sep, rest = text.partition("/")
+        if not sep or not ("." in host or ":" in host or host == "localhost"):
+            raise UsageError(
+                f"image reference {text!r} has no registry host",
+                "write it as HOST[:PORT]/REPO[:TAG], e.g. 127.0.0.1:5000/box:v1",
+            )
+        m = _REF_RE.match(rest)
+        if not m:
+            raise UsageError(f"image reference {text!r} is not valid", "use HOST[:PORT]/REPO[:TAG][@sha256:DIGEST]")
+        tag, digest = m.group("tag"), m.group("digest")
+        if not tag and not digest:
+            tag = "latest"
+        return cls(host, m.group("repo"), tag, digest)
+
+    @property
+    def name(self) -> str:
+        return f"{self.registry}/{self.repository}"
+
+    @property
+    def target(self) -> str:
+        """What goes after /manifests/: the digest when pinned, else the tag."""
+        return self.digest or self.tag or "latest"
+
+    def with_digest(self, digest: str) -> "Reference":
+        return Reference(self.registry, self.repository, self.tag, digest)
+
+    def __str__(self) -> str:
+        s = self.name
+        if self.tag:
+            s += f":{self.tag}"
+        if self.digest:
+            s += f"@{self.digest}"
+        return s
+
+
+@dataclass
+class Credentials:
+    username: Optional[str] = None
+    password: Optional[str] = None
+
+
+@dataclass
+class TransportOptions:
+    """How to reach registries. Loopback hosts default to plain http (as Docker does for them)
+    unless they answer TLS; other hosts always use https."""
+
+    plain_http: Optional[bool] = None  # None: auto
+    ca_bundle: Optional[str] = None
+    tls_verify: bool = True
+    credentials: Credentials = field(default_factory=Credentials)
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def host_platform() -> tuple[str, str]:
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(platform.machine(), platform.machine())
+    return "linux", arch
+
+
+def _is_loopback(host: str) -> bool:
+    name = host.rsplit(":", 1)[0].strip("[]") if host.count(":") <= 1 or host.startswith("[") else host
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class Image:
+    """A resolved single-platform image: its manifest (exact bytes) and config."""
+
+    ref: Reference
+    manifest_bytes: bytes
+    manifest_digest: str
+    config_bytes: bytes
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads(self.manifest_bytes)
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.config_bytes)
+
+    @property
+    def layers(self) -> list[dict]:
+        return self.manifest["layers"]
+
+
+class Remote:
+    """One repository on one registry. Kept per repository because token auth scopes are per repo."""
+
+    def __init__(self, ref: Reference, options: Optional[TransportOptions] = None):
+        self.ref = ref
+        self.options = options or TransportOptions()
+        self.container = oras.container.Container(ref.repository, registry=ref.registry)
+        self.scheme = self._probe()
+        verify = self.options.ca_bundle or self.options.tls_verify
+        backend = self._auth_kind
+        self.oras = oras.provider.Registry(
+            ref.registry, insecure=self.scheme == "http", tls_verify=verify, auth_backend=backend
+        )
+        creds = self.options.credentials
+        if creds.username is not None:
+            self.oras.auth.set_basic_auth(creds.username, creds.password or "")
+        else:
+            self._load_docker_config()
+        self.has_credentials = bool(getattr(self.oras.auth, "_basic_auth", None))
+        if backend == "basic" and self.has_credentials:
+            # Send Basic credentials up front: saves a 401 round trip per request.
+            self.oras.headers["Authorization"] = f"Basic {self.oras.auth._basic_auth}"
+        elif not self.has_credentials:
+            self.oras.auth._basic_auth = None  # oras expects the attribute; unset it means anonymous
+
+    # ---- connection and auth -------------------------------------------------------------
+
+    def _probe(self) -> str:
+        """Ping /v2/ to pick http or https and learn the auth scheme; fail fast when down."""
+        host = self.ref.registry
+        verify = self.options.ca_bundle or self.options.tls_verify
+        schemes = ["https"]
+        if self.options.plain_http:
+            schemes = ["http"]
+        elif self.options.plain_http is None and _is_loopback(host):
+            schemes = ["https", "http"]
+        first_error: Optional[Exception] = None
+        for scheme in schemes:
+            try:
+                r = requests.get(f"{scheme}://{host}/v2/", timeout=PING_TIMEOUT, verify=verify)
+            except requests.exceptions.SSLError as e:
+                first_error = first_error or e
+                continue
+            except requests.exceptions.RequestException as e:
+                first_error = first_error or e
+                continue
+            if r.status_code == 400 and scheme == "http" and first_error is not None:
+                break  # an https server answering plain http: the TLS error is the real cause
+            challenge = r.headers.get("Www-Authenticate", "")
+            self._auth_kind = "basic" if challenge.lower().startswith("basic") else "token"
+            return scheme
+        if isinstance(first_error, requests.exceptions.SSLError):
+            raise RegistryUnreachable(
+                f"TLS to registry {host} failed: {_short(first_error)}",
+                "pass --ca-cert FILE for a private CA, or --plain-http for a registry without TLS",
+            )
+        raise RegistryUnreachable(
+            f"registry {host} is not reachable: {_short(first_error)}",
+            "check the host and port, and that the registry is running",
+        )
+
+    def _load_docker_config(self) -> None:
+        """Credentials from $DOCKER_CONFIG/config.json (else ~/.docker/config.json): inline auths,
+        credHelpers and credsStore, the helpers run by oras. (oras itself ignores $DOCKER_CONFIG.)"""
+        path = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
+        if not os.path.exists(path):
+            return
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+            auths = {_auth_key(k): v for k, v in (cfg.get("auths") or {}).items()}
+            self.oras.auth._auth_config = {
+                "auths": auths, "credsStore": cfg.get("credsStore"), "credHelpers": cfg.get("credHelpers") or {},
+            }
+            for host in oras.utils.iter_localhosts(self.ref.registry):
+                if self.oras.auth._load_auth(host):
+                    return
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise AuthError(f"cannot read registry credentials from {path}: {_short(e)}")
+
+    def _request(self, method: str, url: str, **kw) -> requests.Response:
+        headers = dict(self.oras.headers)
+        headers.update(kw.pop("headers", {}) or {})
+        try:
+            r = self.oras.do_request(url, method, headers=headers, **kw)
+        except requests.exceptions.SSLError as e:
+            raise RegistryUnreachable(f"TLS to registry {self.ref.registry} failed: {_short(e)}")
+        except requests.exceptions.RequestException as e:
+            raise RegistryUnreachable(f"registry {self.ref.registry} stopped answering: {_short(e)}")
+        except oras.auth.AuthenticationException as e:
+            raise AuthError(f"registry {self.ref.registry} refused the credentials: {_short(e)}")
+        except ValueError as e:
+            if "authentication" in str(e).lower():
+                raise AuthError(
+                    f"registry {self.ref.registry} asks for credentials we do not have",
+                    "log in with `docker login`, or pass --username and --password-stdin",
+                )
+            raise RegistryUnreachable(f"registry {self.ref.registry} failed: {_short(e)}")
+        if r.status_code in (401, 403):
+            if not self.has_credentials:
+                raise AuthError(
+                    f"registry {self.ref.registry} asks for credentials we do not have",
+                    "log in with `docker login`, or pass --username and --password-stdin",
+                )
+            raise AuthError(
+                f"registry {self.ref.registry} refused the credentials for {method} on {self.ref.repository} (HTTP {r.status_code})",
+                "check the username/password or the token's permissions",
+            )
+        return r
+
+    def _url(self, path: str) -> str:
+        return f"{self.scheme}://{self.ref.registry}/v2/{self.ref.repository}/{path}"
+
+    def _abs(self, location: str) -> str:
+        return urllib.parse.urljoin(f"{self.scheme}://{self.ref.registry}/", location)
+
+    # ---- manifests -------------------------------------------------------------------------
+
+    def get_manifest(self, target: str) -> tuple[bytes, str, str]:
+        """Return (bytes, media type, digest) of a manifest or index, verifying pinned digests."""
+        accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
+        r = self._request("GET", self._url(f"manifests/{target}"), headers={"Accept": accept})
+        if r.status_code == 404:
+            raise NotFound(f"image {self.ref.name}:{target} not found in the registry" if not target.startswith("sha256:")
+                           else f"image {self.ref.name}@{target} not found in the registry")
+        _check(r, f"fetch manifest {self.ref.name}:{target}")
+        body = r.content
+        digest = sha256_digest(body)
+        if target.startswith("sha256:") and digest != target:
+            raise IntegrityError(f"manifest {target} from {self.ref.registry} does not match its digest (got {digest})")
+        media = r.headers.get("Content-Type", "").split(";")[0].strip() or json.loads(body).get("mediaType", "")
+        return body, media, digest
+
+    def resolve(self, target: Optional[str] = None, want: Optional[tuple[str, str]] = None) -> Image:
+        """Fetch the image for this ref (following an index to the host platform) and its config."""
+        body, media, digest = self.get_manifest(target or self.ref.target)
+        doc = _json(body, "manifest")
+        if media in INDEX_TYPES or (not media and "manifests" in doc):
+            os_, arch = want or host_platform()
+            for m in doc.get("manifests", []):
+                p = m.get("platform", {})
+                if p.get("os") == os_ and p.get("architecture") == arch:
+                    return self.resolve(m["digest"], want)
+            raise NotFound(f"image {self.ref} has no {os_}/{arch} manifest in its index")
+        if media not in MANIFEST_TYPES and doc.get("mediaType") not in MANIFEST_TYPES:
+            raise UsageError(f"{self.ref} is not a container image (media type {media or 'unknown'})")
+        cfg_desc = doc["config"]
+        config = self.fetch_bytes(cfg_desc["digest"])
+        return Image(self.ref.with_digest(digest), body, digest, config)
+
+    def put_manifest(self, body: bytes, media_type: str, target: str) -> str:
+        """PUT the exact bytes (never re-serialised, so the digest is what we computed)."""
+        r = self._request("PUT", self._url(f"manifests/{target}"), data=body, headers={"Content-Type": media_type})
+        _check(r, f"push manifest to {self.ref.name}:{target}")
+        return sha256_digest(body)
+
+    # ---- blobs -------------------------------------------------------------------------------
+
+    def blob_exists(self, digest: str) -> bool:
+        r = self._request("HEAD", self._url(f"blobs/{digest}"))
+        return r.status_code == 200
+
+    def fetch_bytes(self, digest: str) -> bytes:
+        """A small blob (a config) into memory, verified."""
+        r = self._request("GET", self._url(f"blobs/{digest}"))
+        if r.status_code == 404:
+            raise NotFound(f"blob {digest} missing from {self.ref.name}")
+        _check(r, f"fetch blob {digest}")
+        if sha256_digest(r.content) != digest:
+            raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest")
+        return r.content
+
+    def open_blob(self, digest: str, offset: int = 0) -> requests.Response:
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        r = self._request("GET", self._url(f"blobs/{digest}"), stream=True, headers=headers)
+        if r.status_code == 404:
+            raise NotFound(f"blob {digest} missing from {self.ref.name}")
+        _check(r, f"fetch blob {digest}")
+        return r
+
+    def iter_blob(self, digest: str, progress: ProgressFn = None) -> Iterator[bytes]:
+        """Stream a blob. Raises IntegrityError at the end if the bytes do not hash to `digest`:
+        callers that write must treat what they got as untrusted until the generator finishes."""
+        h = hashlib.sha256()
+        with self.open_blob(digest) as r:
+            try:
+                for chunk in r.iter_content(chunk_size=1 << 20):
+                    h.update(chunk)
+                    if progress:
+                        progress(len(chunk))
+                    yield chunk
+            except requests.exceptions.RequestException as e:
+                raise RegistryUnreachable(f"download of {digest} from {self.ref.registry} broke off: {_short(e)}")
+        if "sha256:" + h.hexdigest() != digest:
+            raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest (tampered or corrupt)")
+
+    def download_blob(self, digest: str, dest: str, progress: ProgressFn = None) -> None:
+        """Download to `dest` atomically: written to dest.part, verified, then renamed."""
+        part = dest + ".part"
+        try:
+            with open(part, "wb") as f:
+                for chunk in self.iter_blob(digest, progress):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, dest)
+        finally:
+            if os.path.exists(part):
+                os.unlink(part)
+
+    def mount_blob(self, digest: str, from_repository: str) -> bool:
+        """Ask the registry to link a blob from another repository. False if it would not."""
+        q = urllib.parse.urlencode({"mount": digest, "from": from_repository})
+        r = self._request("POST", self._url(f"blobs/uploads/?{q}"), headers={"Content-Length": "0"})
+        if r.status_code == 201:
+            return True
+        if r.status_code == 202 and r.headers.get("Location"):
+            # The registry opened a normal upload instead; cancel it.
+            self._request("DELETE", self._abs(r.headers["Location"]))
+        return False
+
+    def upload_blob(self, path: str, digest: str, size: int, progress: ProgressFn = None) -> None:
+        """Upload a file as a blob with PATCH chunks (memory bounded by CHUNK_SIZE).
+
+        An upload session that breaks (registry restarted, connection lost) is started over; the
+        registry only accepts the blob at the final PUT when the digest matches."""
+        last: Optional[Exception] = None
+        for _ in range(UPLOAD_ATTEMPTS):
+            sent = [0]
+
+            def count(n: int) -> None:
+                sent[0] += n
+                if progress:
+                    progress(n)
+
+            try:
+                self._upload_once(path, digest, size, count)
+                return
+            except (RegistryUnreachable, RegistryError) as e:
+                last = e
+                if progress:
+                    progress(-sent[0])  # the bar restarts with the upload
+                try:
+                    if self.blob_exists(digest):
+                        return
+                except RegistryUnreachable:
+                    pass
+        raise last  # type: ignore[misc]
+
+    def _upload_once(self, path: str, digest: str, size: int, progress: Callable[[int], None]) -> None:
+        r = self._request("POST", self._url("blobs/uploads/"), headers={"Content-Length": "0"})
+        _check(r, f"start upload of {digest}")
+        location = self._abs(r.headers["Location"])
+        offset = 0
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(CHUNK_SIZE)
+                if not chunk:
+                    break
+                r = self._request(
+                    "PATCH",
+                    location,
+                    data=chunk,
+                    headers={
+                        "Content-Type": "application/octet-stream",
+                        "Content-Range": f"{offset}-{offset + len(chunk) - 1}",
+                        "Content-Length": str(len(chunk)),
+                    },
+                )
+                _check(r, f"upload of {digest}")
+                location = self._abs(r.headers["Location"])
+                offset += len(chunk)
+                progress(len(chunk))
+        if offset != size:
+            raise RegistryError(f"{path} changed size during upload ({offset} != {size})")
+        sep = "&" if "?" in location else "?"
+        r = self._request("PUT", f"{location}{sep}digest={urllib.parse.quote(digest)}",
+                          headers={"Content-Length": "0", "Content-Type": "application/octet-stream"})
+        _check(r, f"finish upload of {digest}")
+
+
+def _auth_key(key: str) -> str:
+    """Docker config auths may be keyed "https://host/v1/": reduce to "host"."""
+    return key.split("://", 1)[-1].split("/", 1)[0]
+
+
+def _check(r: requests.Response, what: str) -> None:
+    if r.status_code < 300:
+        return
+    detail = ""
+    try:
+        errors = r.json().get("errors", [])
+        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    except ValueError:
+        detail = r.text[:200].strip()
+    raise RegistryError(f"{what} failed: HTTP {r.status_code} {detail}".strip())
+
+
+def _json(body: bytes, what: str) -> dict:
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise RegistryError(f"the registry returned a {what} that is not JSON")
+
+
+def _short(e: Optional[BaseException]) -> str:
+    """The last, most specific line of a requests/urllib3 error chain."""
+    if e is None:
+        return "no answer"
+    text = str(e)
+    for key in ("Connection refused", "Name or service not known", "timed out", "certificate verify failed",
+                "No route to host", "Temporary failure in name resolution"):
+        if key in text:
+            return key
+    return text.splitlines()[0][:200]
+

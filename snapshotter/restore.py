@@ -1,0 +1,159 @@
+"""`snap restore` (extract mode): pull an image's layers, verify them, and apply them onto a directory.
+
+Each blob is downloaded to the local state dir and its digest checked before a single byte of it
+reaches the target; each layer's diff_id is checked as it is applied. A journal in the state dir
+records the layers already applied, so a restore that was interrupted resumes where it stopped."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from . import progress
+from .compress import HashingReader, decompressing_reader
+from .errors import IntegrityError, UsageError
+from .extract import ExtractOptions, Extractor
+from .image import SNAP_LAYER, snapshot_layer_count
+from .registry import Image, Reference, Remote, TransportOptions
+from .state import sub
+
+DOWNLOAD_WORKERS = 3
+
+
+@dataclass
+class RestoreOptions:
+    only_snapshot: bool = False
+    extract: ExtractOptions = field(default_factory=ExtractOptions)
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    log: Callable[[str], None] = lambda msg: None
+
+
+@dataclass
+class RestoreResult:
+    ref: Reference
+    manifest_digest: str
+    applied: list[str]  # layer names (or digests for base layers) applied now
+    resumed: int  # layers skipped because an earlier run had applied them
+    files: int
+    bytes: int
+    skipped_devices: list[str]
+    stripped_setuid: list[str]
+
+
+def layer_label(desc: dict, i: int) -> str:
+    return desc.get("annotations", {}).get(SNAP_LAYER) or f"base layer {i + 1}"
+
+
+def _journal_path(root: str) -> str:
+    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
+    return os.path.join(sub("restore-journal"), key + ".json")
+
+
+def _read_journal(path: str, manifest_digest: str) -> list[str]:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return doc.get("applied", []) if doc.get("manifest") == manifest_digest else []
+
+
+def _write_journal(path: str, manifest_digest: str, applied: list[str]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"manifest": manifest_digest, "applied": applied}, f)
+    os.replace(tmp, path)
+
+
+def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
+    """[(index, descriptor, diff_id)] of the layers to apply, in order."""
+    layers = image.layers
+    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
+    if len(diff_ids) != len(layers):
+        raise IntegrityError(f"image {image.ref} is inconsistent: {len(layers)} layers but {len(diff_ids)} diff_ids")
+    start = 0
+    if only_snapshot:
+        n = snapshot_layer_count(image)
+        if n == 0:
+            raise UsageError(f"{image.ref} was not made by snap commit", "drop --only-snapshot to restore all its layers")
+        start = len(layers) - n
+    return [(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
+
+
+def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> RestoreResult:
+    opts = opts or RestoreOptions()
+    reference = Reference.parse(ref)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise UsageError(f"restore target {root} exists and is not a directory")
+    remote = Remote(reference, opts.transport)
+    image = remote.resolve()
+    todo = select_layers(image, opts.only_snapshot)
+
+    journal = _journal_path(root)
+    done = _read_journal(journal, image.manifest_digest)
+    pending = [(i, d, diff_id) for i, d, diff_id in todo if d["digest"] not in done]
+    resumed = len(todo) - len(pending)
+    if resumed:
+        opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
+
+    blob_dir = sub("blobs")
+    extractor = Extractor(root, opts.extract)
+    applied: list[str] = []
+    total = sum(d["size"] for _, d, _ in pending)
+    with progress.bar("downloading", total) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
+        update = progress.safe_update(dl)
+
+        def fetch(desc: dict) -> str:
+            path = os.path.join(blob_dir, desc["digest"].split(":", 1)[1])
+            if os.path.exists(path):  # verified by an earlier run before it was renamed into place
+                update(desc["size"])
+            else:
+                remote.download_blob(desc["digest"], path, update)
+            return path
+
+        futures = [pool.submit(fetch, d) for _, d, _ in pending]
+        try:
+            for (i, desc, diff_id), fut in zip(pending, futures):
+                path = fut.result()  # raises IntegrityError on a tampered blob, before anything is written
+                label = layer_label(desc, i)
+                with progress.bar(f"extracting {label}", desc["size"]) as xb, open(path, "rb") as raw:
+                    counted = _CountingFile(raw, progress.safe_update(xb))
+                    stream = HashingReader(decompressing_reader(counted, desc["mediaType"]))
+                    extractor.apply(stream)
+                    stream.drain()
+                if stream.digest != diff_id:
+                    raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
+                done.append(desc["digest"])
+                _write_journal(journal, image.manifest_digest, done)
+                applied.append(label)
+                os.unlink(path)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    if os.path.exists(journal):
+        os.unlink(journal)
+    s = extractor.stats
+    return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
+                         s.skipped_devices, s.stripped_setuid)
+
+
+class _CountingFile:
+    """Passes reads through, reporting compressed bytes consumed (for the extract progress bar)."""
+
+    def __init__(self, f, on_bytes: Callable[[int], None]):
+        self.f, self.on_bytes = f, on_bytes
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.on_bytes(len(data))
+        return data
+
+    def readinto(self, b) -> int:
+        n = self.f.readinto(b)
+        self.on_bytes(n or 0)
+        return n

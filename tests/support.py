@@ -1,0 +1,276 @@
+"""Real parts for tests and the demo: a distribution registry on 127.0.0.1, and small base images
+made from files we write (pushed with snap's own registry client, no Docker)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+from typing import Optional
+
+import requests
+
+REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RegistryServer:
+    """docker-registry (distribution v2) with its own config, port and storage dir.
+    Optionally with htpasswd auth and TLS (a self-signed certificate made here)."""
+
+    def __init__(self, workdir: str, auth: Optional[tuple[str, str]] = None, tls: bool = False,
+                 port: Optional[int] = None):
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.auth = auth
+        self.tls = tls
+        self.storage = os.path.join(workdir, "storage")
+        self.proc: Optional[subprocess.Popen] = None
+        self.cert = os.path.join(workdir, "cert.pem")
+        self.key = os.path.join(workdir, "key.pem")
+        os.makedirs(self.storage, exist_ok=True)
+        self.config = os.path.join(workdir, "config.yml")
+        self._write_config()
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}"
+
+    def _write_config(self) -> None:
+        lines = [
+            "version: 0.1",
+            "log: {level: error, accesslog: {disabled: true}}",
+            "storage:",
+            f"  filesystem: {{rootdirectory: {self.storage}}}",
+            "  delete: {enabled: true}",
+            "http:",
+            f"  addr: 127.0.0.1:{self.port}",
+        ]
+        if self.tls:
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                 "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", self.key, "-out", self.cert],
+                check=True, capture_output=True)
+            lines.append(f"  tls: {{certificate: {self.cert}, key: {self.key}}}")
+        if self.auth:
+            htpasswd = os.path.join(self.workdir, "htpasswd")
+            out = subprocess.run(["htpasswd", "-Bbn", self.auth[0], self.auth[1]], check=True, capture_output=True, text=True)
+            with open(htpasswd, "w") as f:
+                f.write(out.stdout)
+            lines += ["auth:", "  htpasswd:", "    realm: snap-test", f"    path: {htpasswd}"]
+        with open(self.config, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def start(self) -> "RegistryServer":
+        self.proc = subprocess.Popen([REGISTRY_BIN, "serve", self.config], stdout=subprocess.DEVNULL,
+                                     stderr=open(os.path.join(self.workdir, "registry.log"), "ab"))
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"docker-registry exited: see {self.workdir}/registry.log")
+            try:
+                requests.get(f"{self.url}/v2/", timeout=1, verify=self.cert if self.tls else True)
+                return self
+            except requests.RequestException:
+                time.sleep(0.1)
+        raise RuntimeError("docker-registry did not start in 20s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def session(self) -> requests.Session:
+        s = requests.Session()
+        if self.auth:
+            s.auth = self.auth
+        s.verify = self.cert if self.tls else True
+        s.trust_env = False  # else REQUESTS_CA_BUNDLE from the environment overrides s.verify
+        return s
+
+    def has_blob(self, repo: str, digest: str) -> bool:
+        return self.session().head(f"{self.url}/v2/{repo}/blobs/{digest}").status_code == 200
+
+    def manifest(self, repo: str, ref: str) -> dict:
+        r = self.session().get(f"{self.url}/v2/{repo}/manifests/{ref}",
+                               headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+        r.raise_for_status()
+        return r.json()
+
+    def blob(self, repo: str, digest: str) -> bytes:
+        r = self.session().get(f"{self.url}/v2/{repo}/blobs/{digest}")
+        r.raise_for_status()
+        return r.content
+
+    def push_blob(self, repo: str, data: bytes) -> str:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        s = self.session()
+        r = s.post(f"{self.url}/v2/{repo}/blobs/uploads/")
+        r.raise_for_status()
+        loc = r.headers["Location"]
+        loc = loc if loc.startswith("http") else self.url + loc
+        r = s.put(loc + ("&" if "?" in loc else "?") + f"digest={digest}", data=data,
+                  headers={"Content-Type": "application/octet-stream"})
+        r.raise_for_status()
+        return digest
+
+    def push_image(self, repo: str, tag: str, layers: list[bytes], config: Optional[dict] = None,
+                   layer_media_type: str = "application/vnd.oci.image.layer.v1.tar+gzip",
+                   diff_ids: Optional[list[str]] = None) -> str:
+        """Push an image made of the given (already compressed) layer blobs. Returns the manifest digest."""
+        if diff_ids is None:
+            diff_ids = ["sha256:" + hashlib.sha256(_gunzip(b) if layer_media_type.endswith("gzip") else b).hexdigest()
+                        for b in layers]
+        cfg = dict(config or {})
+        cfg.setdefault("architecture", "amd64")
+        cfg.setdefault("os", "linux")
+        cfg.setdefault("config", {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+                                  "Cmd": ["/bin/sh"]})
+        cfg["rootfs"] = {"type": "layers", "diff_ids": diff_ids}
+        cfg["history"] = [{"created_by": f"test layer {i}"} for i in range(len(layers))]
+        cfg_bytes = json.dumps(cfg).encode()
+        descs = [{"mediaType": layer_media_type, "digest": self.push_blob(repo, b), "size": len(b)} for b in layers]
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": self.push_blob(repo, cfg_bytes), "size": len(cfg_bytes)},
+            "layers": descs,
+        }
+        body = json.dumps(manifest).encode()
+        r = self.session().put(f"{self.url}/v2/{repo}/manifests/{tag}", data=body,
+                               headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+        r.raise_for_status()
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def _gunzip(b: bytes) -> bytes:
+    return gzip.decompress(b)
+
+
+def tar_of_dir(root: str) -> bytes:
+    """An uncompressed tar of a directory tree, as an image layer holds it (numeric owners)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(dirnames) + sorted(filenames):
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, root)
+                ti = tar.gettarinfo(full, arcname=rel)
+                ti.uname = ti.gname = ""
+                if ti.isreg():
+                    with open(full, "rb") as f:
+                        tar.addfile(ti, f)
+                else:
+                    tar.addfile(ti)
+    return buf.getvalue()
+
+
+def gzip_bytes(b: bytes) -> bytes:
+    return gzip.compress(b, mtime=0)
+
+
+def write_tree(root: str, files: dict[str, bytes | str], mtime: int = 1_600_000_000) -> None:
+    """Write files (path -> content; a value starting with '->' makes a symlink)."""
+    for rel, content in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if isinstance(content, str) and content.startswith("->"):
+            os.symlink(content[2:], path)
+            continue
+        with open(path, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
+        os.utime(path, (mtime, mtime))
+
+
+def make_base_rootfs(root: str) -> None:
+    """A tiny rootfs: a few dirs, files, a symlink, a hardlink, and busybox if the machine has it."""
+    write_tree(root, {
+        "etc/os-release": "NAME=snap-test-base\n",
+        "etc/passwd": "root:x:0:0:root:/root:/bin/sh\n",
+        "usr/share/doc/base/README": "base image for snap tests\n" * 20,
+        "usr/lib/libfake.so.1": os.urandom(50_000),
+        "usr/lib/libfake.so": "->libfake.so.1",
+        "opt/app/main.py": "print('hello from the app')\n",
+        "opt/app/config.yaml": "port: 8188\n",
+        "opt/app/old_cache.bin": os.urandom(10_000),
+        "var/lib/app/state.db": "v1\n",
+    })
+    os.link(os.path.join(root, "usr/share/doc/base/README"), os.path.join(root, "usr/share/doc/base/README.hard"))
+    for d in ("root", "tmp", "proc", "sys", "dev", "bin"):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    os.chmod(os.path.join(root, "tmp"), 0o1777)
+    busybox = shutil.which("busybox")
+    if busybox:
+        shutil.copy2(busybox, os.path.join(root, "bin/busybox"))
+        os.symlink("busybox", os.path.join(root, "bin/sh"))
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            if not os.path.islink(p):
+                os.utime(p, (1_600_000_000, 1_600_000_000))
+    os.utime(root, (1_600_000_000, 1_600_000_000))
+
+
+def push_base_image(registry: RegistryServer, repo: str, tag: str, rootfs: str) -> str:
+    """Push a two-layer base image of `rootfs`: /bin + /etc in one layer, the rest in another."""
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        for name in os.listdir(rootfs):
+            src = os.path.join(rootfs, name)
+            dst = os.path.join(a if name in ("bin", "etc") else b, name)
+            subprocess.run(["cp", "-a", src, dst], check=True)
+        layers = [gzip_bytes(tar_of_dir(a)), gzip_bytes(tar_of_dir(b))]
+    return registry.push_image(repo, tag, layers)
+
+
+def snapshot_of_tree(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """Everything a restore must reproduce, per path: type, mode, owner, mtime, content digest or
+    link target, and which paths share an inode (hardlinks). Written independently of snap's code."""
+    out: dict[str, tuple] = {}
+    inodes: dict[tuple[int, int], str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        dirnames[:] = [d for d in dirnames if os.path.join(rel_dir, d) not in skip]
+        for name in sorted(dirnames + filenames):
+            rel = os.path.join(rel_dir, name)
+            if rel in skip:
+                continue
+            full = os.path.join(root, rel)
+            st = os.lstat(full)
+            kind = "dir" if os.path.isdir(full) and not os.path.islink(full) else "link" if os.path.islink(full) else "file"
+            extra = ""
+            if kind == "link":
+                extra = os.readlink(full)
+            elif kind == "file":
+                with open(full, "rb") as f:
+                    extra = hashlib.sha256(f.read()).hexdigest()
+                if st.st_nlink > 1:
+                    first = inodes.setdefault((st.st_dev, st.st_ino), rel)
+                    extra += f" linked-with:{first}"
+            out[rel] = (kind, oct(st.st_mode & 0o7777), st.st_uid, st.st_gid, int(st.st_mtime), extra)
+    return out

@@ -1,0 +1,71 @@
+"""Bad input ends in one line on stderr naming the cause, a distinct exit code, and no traceback."""
+
+import pytest
+
+from conftest import snap
+from support import free_port
+
+
+def assert_one_line_error(r, code, *words):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_unknown_base_image(registry, box):
+    r = snap("commit", f"{registry.host}/x:v1", "--base", f"{registry.host}/nosuch:1", "--root", box)
+    assert_one_line_error(r, 5, "not found", "nosuch")
+
+
+def test_registry_not_reachable(box):
+    port = free_port()
+    r = snap("commit", f"127.0.0.1:{port}/x:v1", "--base", f"127.0.0.1:{port}/base:1", "--root", box)
+    assert_one_line_error(r, 3, "not reachable", f"127.0.0.1:{port}")
+
+
+def test_root_that_does_not_exist(registry, base_ref, tmp_path):
+    r = snap("commit", f"{registry.host}/x:v1", "--base", base_ref, "--root", str(tmp_path / "missing"))
+    assert_one_line_error(r, 2, "does not exist")
+
+
+@pytest.mark.parametrize("text,words", [
+    ("layers: [unclosed", ("not valid YAML",)),
+    ("layers:\n  - name: venv\n    compression: brotli\n", ("compression",)),
+    ("layers:\n  - paths: [x]\n", ("name",)),
+    ("- just\n- a list\n", ("mapping",)),
+    ("layers:\n  - name: big\n    min_size: lots\n", ("size",)),
+])
+def test_bad_profile(registry, base_ref, box, tmp_path, text, words):
+    prof = tmp_path / "bad.yaml"
+    prof.write_text(text)
+    r = snap("commit", f"{registry.host}/x:v1", "--base", base_ref, "--root", box, "--profile", str(prof))
+    assert_one_line_error(r, 2, *words)
+
+
+def test_unknown_profile_name(registry, base_ref, box):
+    r = snap("commit", f"{registry.host}/x:v1", "--base", base_ref, "--root", box, "--profile", "nosuch")
+    assert_one_line_error(r, 2, "no profile named", "default")
+
+
+@pytest.mark.parametrize("ref", ["not a ref", "box:v1", "127.0.0.1:5000/UPPER:v1"])
+def test_malformed_reference(ref, box):
+    r = snap("restore", ref, "--root", box)
+    assert_one_line_error(r, 2, "reference")
+
+
+def test_restore_unknown_tag(registry, tmp_path):
+    r = snap("restore", f"{registry.host}/base:nosuchtag", "--root", str(tmp_path / "x"))
+    assert_one_line_error(r, 5, "not found")
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
+def test_help_explains_each_command():
+    for cmd in ("commit", "restore"):
+        r = snap(cmd, "--help")
+        assert r.returncode == 0
+        assert "--root" in r.stdout
+    r = snap("--help")
+    assert "Exit codes" in r.stdout
