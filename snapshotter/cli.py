@@ -92,16 +92,18 @@ def commit(
     root: str = typer.Option("/", "--root", help="Root of the box to capture."),
     profile: str = typer.Option("default", "--profile", "-p", help="Layer profile: a name from layers/ (default, comfyui, vllm) or a YAML file."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip for engines that cannot pull zstd (Docker < 23). Weights stay uncompressed."),
-    rehash: bool = typer.Option(False, "--rehash", help="Compare file contents with the base, not only size and mtime."),
+    rehash: bool = typer.Option(False, "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat cache."),
+    max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); snap restore joins them."),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image."""
     from .commit import CommitOptions, commit as do_commit
-    from .profile import load_profile
+    from .profile import load_profile, parse_size
 
     opts = CommitOptions(
         root=root, profile=load_profile(profile), compression=compression, rehash=rehash,
+        max_layer_size=parse_size(max_layer_size),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
     result = do_commit(target, base, opts)

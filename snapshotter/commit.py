@@ -10,14 +10,17 @@ from typing import Callable, Optional
 from . import progress
 from .compress import IterReader, decompressing_reader
 from .errors import UsageError
-from .fsindex import DIR, Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
-from .image import SNAP_LAYER, descriptor, now_rfc3339, snapshot_config, snapshot_manifest
-from .layer import LayerBlob, LayerPlan, build_layer
+from .fsindex import Entry, apply_layer_to_index, diff, load_index, save_index, scan_box
+from .image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART, SNAP_PART_FILE, descriptor, now_rfc3339, snapshot_config, snapshot_manifest
+from .layer import LayerBlob, build_layer, measure_layer, write_layer
+from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
-from .registry import OCI_CONFIG, Image, Reference, Remote, TransportOptions, sha256_digest
+from .registry import OCI_MANIFEST, Image, Reference, Remote, TransportOptions, sha256_digest
 from .state import state_dir, sub
+from .statcache import StatCache
 
-UPLOAD_WORKERS = 3
+LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
+MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
 
 
 @dataclass
@@ -25,7 +28,8 @@ class CommitOptions:
     root: str = "/"
     profile: Profile = field(default_factory=load_profile)
     compression: Optional[str] = None  # "gzip" turns every zstd layer into gzip (for old engines)
-    rehash: bool = False  # compare file contents, not just size and mtime
+    rehash: bool = False  # compare file contents with the base, and ignore the stat cache
+    max_layer_size: int = DEFAULT_MAX_LAYER_SIZE  # bigger files are cut into part layers
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
 
@@ -70,55 +74,12 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> dict
     return index
 
 
-def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
-                compression: Optional[str] = None) -> list[LayerPlan]:
-    """Assign every changed and deleted path to one profile layer."""
-    plans = {r.name: LayerPlan(r.name, _compression(r.compression, compression)) for r in profile.layers}
-    changed = {e.path: e for e in d.changed}
-    # Hardlinked files travel together, in the layer of their first path, so the links survive.
-    groups: dict[str, list[Entry]] = {}
-    for e in scan.entries.values():
-        if e.inode:
-            groups.setdefault(e.inode, []).append(e)
-    group_layer: dict[str, str] = {}
-    for inode, members in groups.items():
-        if any(m.path in changed for m in members):
-            members.sort(key=lambda m: m.path)
-            first = members[0]
-            group_layer[inode] = profile.classify(first.path, first.size, True, scan.venv_roots)
-            for m in members:
-                changed[m.path] = m
-    for path in sorted(changed):
-        e = changed[path]
-        name = group_layer.get(e.inode) if e.inode else None
-        name = name or profile.classify(path, e.size, e.kind != DIR, scan.venv_roots)
-        plans[name].entries.append(e)
-    # A directory that replaced a base non-directory goes with every layer below it, so each layer
-    # applies on its own (engines cannot create children under a file).
-    retyped = {p for p, e in changed.items() if e.kind == DIR and p in base and base[p].kind != DIR}
-    if retyped:
-        for plan in plans.values():
-            have = {e.path for e in plan.entries}
-            for p in sorted(retyped):
-                if p not in have and any(e.path.startswith(p + "/") for e in plan.entries):
-                    plan.entries.append(changed[p])
-            plan.entries.sort(key=lambda e: e.path)
-    for path in d.deleted:
-        old = base[path]
-        plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
-    return [plans[r.name] for r in profile.layers]
-
-
-def _compression(layer_default: str, override: Optional[str]) -> str:
-    if override is None or layer_default == "none":
-        return layer_default  # weights stay uncompressed whatever the engine
-    return override
-
-
 def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
     opts = opts or CommitOptions()
     if opts.compression not in (None, "zstd", "gzip"):
         raise UsageError(f"--compression {opts.compression} is not known: use zstd or gzip")
+    if opts.max_layer_size < 1024 * 1024:
+        raise UsageError("--max-layer-size must be at least 1MiB")
     profile = opts.profile
     target_ref, base_ref = Reference.parse(target), Reference.parse(base)
     if not os.path.isdir(opts.root):
@@ -139,36 +100,94 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
         return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path)) \
             or path in extra
     d = diff(index, scan, skipped, rehash=opts.rehash, root=root)
-    plans = [p for p in plan_layers(d, scan, index, profile, opts.compression) if not p.empty]
-
-    blobs: list[LayerBlob] = []
-    out_dir = sub("layers")
-    for plan in plans:
-        with progress.bar(f"packing {plan.name}", plan.content_size) as b:
-            blobs.append(build_layer(root, plan, out_dir, profile.zstd_level, progress.safe_update(b)))
+    plans = plan_layers(d, scan, index, profile, opts.compression, opts.max_layer_size)
+    if len(base_img.layers) + len(plans) > MAX_ENGINE_LAYERS:
+        opts.log(f"warning: the image has {len(base_img.layers) + len(plans)} layers; Docker cannot run images "
+                 f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
 
     target_remote = base_remote if target_ref.name == base_ref.name else Remote(target_ref, opts.transport)
     _ensure_base_layers(target_remote, base_remote, base_img)
-    statuses = _push_blobs(target_remote, blobs)
+    cache = StatCache(root, base_img.manifest_digest)
+    layers = _push_layers(root, plans, target_remote, cache, profile.zstd_level, opts.rehash)
 
     created = now_rfc3339()
-    config = snapshot_config(base_img.config, [(b.name, b.diff_id) for b in blobs], created)
-    layer_descs = [descriptor(b.media_type, b.digest, b.size, {SNAP_LAYER: b.name}) for b in blobs]
+    config = snapshot_config(base_img.config, [(p.label, b.diff_id) for p, b, _ in layers], created)
+    layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
     manifest = snapshot_manifest(base_img, str(base_ref), config, layer_descs, profile.name, created)
     config_digest = sha256_digest(config)
     if not target_remote.blob_exists(config_digest):
-        path = os.path.join(out_dir, config_digest.split(":", 1)[1])
-        _write_file(path, config)
-        target_remote.upload_blob(path, config_digest, len(config))
+        target_remote.upload_from(lambda out: out.write(config), config_digest, len(config))
     # The tag moves only now, after every blob is in.
-    digest = target_remote.put_manifest(manifest, "application/vnd.oci.image.manifest.v1+json", target_ref.target)
+    digest = target_remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
+    cache.save()
 
-    reports = [LayerReport(b.name, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), statuses[b.digest])
-               for b, p in zip(blobs, plans)]
-    for b in blobs:  # the registry has them now; the local copies were only for the upload
-        _unlink(b.path)
+    reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
+               for p, b, status in layers]
     return CommitResult(target_ref.with_digest(digest), digest, len(base_img.layers), reports,
-                        scan.skipped_secrets, sorted(p for b in blobs for p in b.changed_while_read), len(d.deleted))
+                        scan.skipped_secrets, sorted(x for _, b, _ in layers for x in b.changed_while_read), len(d.deleted))
+
+
+def _annotations(plan: LayerPlan) -> dict:
+    ann = {SNAP_LAYER: plan.name}
+    if plan.detail:
+        ann[SNAP_CONTENT] = plan.detail
+    if plan.part_of:
+        path, i, n = plan.part_of
+        ann[SNAP_PART] = f"{i}/{n}"
+        ann[SNAP_PART_FILE] = path
+    return ann
+
+
+def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatCache, zstd_level: int,
+                 rehash: bool) -> list[tuple[LayerPlan, LayerBlob, str]]:
+    """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
+    stat cache, and whose blob the registry has, is neither read nor uploaded."""
+    results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
+    todo: list[tuple[int, LayerPlan, str]] = []
+    for i, plan in enumerate(plans):
+        fp = plan.fingerprint(zstd_level)
+        hit = None if rehash else cache.lookup(fp)
+        if hit and remote.blob_exists(hit["digest"]):
+            blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
+            results[i] = (plan, blob, "exists, skipped (unchanged since the last commit, not read)")
+            cache.record(fp, hit)
+        else:
+            todo.append((i, plan, fp))
+    out_dir = sub("layers")
+    with progress.bar("packing", sum(p.content_size for _, p, _ in todo)) as pack, \
+            progress.bar("uploading") as up, ThreadPoolExecutor(LAYER_WORKERS) as pool:
+        on_pack, on_up = progress.safe_update(pack), progress.safe_update(up)
+
+        def produce(plan: LayerPlan) -> tuple[LayerBlob, str]:
+            if plan.compression == "none":
+                # Stored as is: hash it in one read, then stream it again to the registry only if
+                # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
+                blob = measure_layer(root, plan, zstd_level, on_pack)
+                if remote.blob_exists(blob.digest):
+                    return blob, "exists, skipped"
+                remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
+                return blob, "uploaded"
+            blob = build_layer(root, plan, out_dir, zstd_level, on_pack)
+            try:
+                if remote.blob_exists(blob.digest):
+                    return blob, "exists, skipped"
+                remote.upload_blob(blob.path, blob.digest, blob.size, on_up)
+                return blob, "uploaded"
+            finally:
+                os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
+
+        futures = {pool.submit(produce, plan): (i, plan, fp) for i, plan, fp in todo}
+        try:
+            for fut, (i, plan, fp) in futures.items():
+                blob, status = fut.result()
+                results[i] = (plan, blob, status)
+                cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
+                                  "media_type": blob.media_type})
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return [results[i] for i in range(len(plans))]
 
 
 def _ensure_base_layers(target: Remote, source: Remote, base: Image) -> None:
@@ -190,34 +209,3 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image) -> None:
             if not os.path.exists(path):
                 source.download_blob(d["digest"], path)
             target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
-
-
-def _push_blobs(remote: Remote, blobs: list[LayerBlob]) -> dict[str, str]:
-    statuses: dict[str, str] = {}
-    todo = []
-    for b in blobs:
-        if b.digest in statuses or remote.blob_exists(b.digest):
-            statuses[b.digest] = "exists, skipped"
-        else:
-            statuses[b.digest] = "uploaded"
-            todo.append(b)
-    if todo:
-        with progress.bar("uploading", sum(b.size for b in todo)) as bar, ThreadPoolExecutor(UPLOAD_WORKERS) as pool:
-            update = progress.safe_update(bar)
-            for f in [pool.submit(remote.upload_blob, b.path, b.digest, b.size, update) for b in todo]:
-                f.result()
-    return statuses
-
-
-def _write_file(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

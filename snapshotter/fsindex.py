@@ -9,7 +9,7 @@ import os
 import stat
 import tarfile
 from dataclasses import astuple, dataclass, field
-from typing import BinaryIO, Callable, Iterator, Optional
+from typing import BinaryIO, Callable, Optional
 
 from .errors import StorageError, UsageError
 from .profile import Profile, VenvRoots
@@ -40,6 +40,7 @@ class Entry:
     rdev: int = 0
     digest: Optional[str] = None  # sha256 of a regular file's content, where known
     inode: Optional[str] = None  # "dev:ino" of a box file with more than one link
+    stamp: str = ""  # box only: "ino:mtime_ns:ctime_ns", what the stat cache keys on (ctime cannot be faked)
 
     def same_as(self, other: "Entry", compare_content: bool = False) -> bool:
         if (self.kind, self.mode, self.uid, self.gid, self.mtime) != (other.kind, other.mode, other.uid, other.gid, other.mtime):
@@ -126,6 +127,7 @@ def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optiona
         linkname=linkname,
         rdev=st.st_rdev if kind in (CHAR, BLOCK) else 0,
         inode=f"{st.st_dev}:{st.st_ino}" if kind == FILE and st.st_nlink > 1 else None,
+        stamp=f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}",
     )
 
 
@@ -318,7 +320,3 @@ def diff(base: dict[str, Entry], scan: Scan, skipped: Callable[[str], bool], reh
         deleted.append(rel)
     return Diff(changed, deleted)
 
-
-def iter_tree(index: dict[str, Entry]) -> Iterator[Entry]:
-    for k in sorted(index):
-        yield index[k]

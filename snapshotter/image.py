@@ -14,6 +14,9 @@ from .compress import oci_media_type
 from .registry import OCI_CONFIG, OCI_MANIFEST, Image, sha256_digest
 
 SNAP_LAYER = "dev.snap.layer"  # layer annotation: which profile layer this is
+SNAP_CONTENT = "dev.snap.content"  # layer annotation: the one file it holds, or "bundle N"
+SNAP_PART = "dev.snap.part"  # layer annotation: "i/n" for a part of a file cut at the layer size cap
+SNAP_PART_FILE = "dev.snap.part-file"  # layer annotation: the file the parts join back into
 SNAP_BASE_LAYERS = "dev.snap.base-layers"  # manifest annotation: how many leading layers are the base's
 SNAP_PROFILE = "dev.snap.profile"
 BASE_NAME = "org.opencontainers.image.base.name"

@@ -14,35 +14,19 @@ from typing import BinaryIO, Callable, Optional
 from .compress import MEDIA_TYPE, Compressor
 from .errors import StorageError
 from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, WHITEOUT_PREFIX, Entry
+from .plan import LayerPlan
 
 _TAR_TYPE = {FILE: tarfile.REGTYPE, DIR: tarfile.DIRTYPE, SYMLINK: tarfile.SYMTYPE, CHAR: tarfile.CHRTYPE,
              BLOCK: tarfile.BLKTYPE, FIFO: tarfile.FIFOTYPE}
 
 
 @dataclass
-class LayerPlan:
-    """What goes into one snapshot layer."""
-
-    name: str
-    compression: str
-    entries: list[Entry] = field(default_factory=list)
-    whiteouts: list[str] = field(default_factory=list)  # deleted paths
-
-    @property
-    def empty(self) -> bool:
-        return not self.entries and not self.whiteouts
-
-    @property
-    def content_size(self) -> int:
-        return sum(e.size for e in self.entries)
-
-
-@dataclass
 class LayerBlob:
-    """A built layer: the blob on disk and the digests that name it."""
+    """A built layer: the digests that name it, and the blob on disk (None when it was only measured:
+    an uncompressed layer is streamed from the box again at upload instead of copied to disk)."""
 
     name: str
-    path: str
+    path: Optional[str]
     digest: str  # sha256 of the blob (compressed bytes)
     diff_id: str  # sha256 of the uncompressed tar
     size: int
@@ -119,12 +103,14 @@ def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Call
             if ti.type != tarfile.REGTYPE:
                 tar.addfile(ti)
                 continue
-            src = os.path.join(root, e.path)
+            source, offset = plan.slices.get(e.path, (e.path, 0))
+            src = os.path.join(root, source)
             try:
                 with open(src, "rb", buffering=0) as f:
+                    f.seek(offset)
                     reader = _ExactReader(f, e.size, on_bytes)
                     tar.addfile(ti, reader)
-                    if reader.short or f.read(1):
+                    if reader.short or (not plan.slices and f.read(1)):
                         changed.append(e.path)
             except FileNotFoundError:
                 # Deleted while we committed: keep the archive well-formed, report it.
@@ -140,18 +126,38 @@ class _Empty:
         return b""
 
 
+def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
+          on_bytes: Optional[Callable[[int], None]]) -> LayerBlob:
+    """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere)."""
+    comp = Compressor(out, plan.compression, zstd_level)
+    changed = write_tar(comp, root, plan, on_bytes)
+    comp.finish()
+    return LayerBlob(plan.name, None, comp.blob.digest, comp.tar.digest, comp.blob.size,
+                     MEDIA_TYPE[plan.compression], changed)
+
+
+def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
+                  on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
+    """Digests and size of a layer without keeping its bytes (stream it again with write_layer)."""
+    return _emit(None, root, plan, zstd_level, on_bytes)
+
+
+def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
+                on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
+    """Write the layer blob's bytes to `out` (the upload stream of a measured layer)."""
+    return _emit(out, root, plan, zstd_level, on_bytes)
+
+
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
                 on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
     """Build one layer blob into `out_dir` (temp name, renamed to its digest when complete)."""
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".building-{plan.name}-{os.getpid()}")
+    tmp = os.path.join(out_dir, f".building-{plan.name}-{os.getpid()}-{id(plan)}")
     try:
         with open(tmp, "wb") as f:
-            comp = Compressor(f, plan.compression, zstd_level)
-            changed = write_tar(comp, root, plan, on_bytes)
-            comp.finish()
-        final = os.path.join(out_dir, comp.blob.digest.split(":", 1)[1])
-        os.replace(tmp, final)
+            blob = _emit(f, root, plan, zstd_level, on_bytes)
+        blob.path = os.path.join(out_dir, blob.digest.split(":", 1)[1])
+        os.replace(tmp, blob.path)
     except OSError as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -161,5 +167,4 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return LayerBlob(plan.name, final, comp.blob.digest, comp.tar.digest, comp.blob.size,
-                     MEDIA_TYPE[plan.compression], changed)
+    return blob

@@ -93,6 +93,10 @@ class LayerRule:
     min_size: Optional[int] = None  # any regular file at least this big belongs here
     extensions: tuple[str, ...] = ()
     compression: str = "zstd"
+    # Weight handling: a file at least `file_layer_min` big gets a layer of its own; the layer's
+    # other files are bundled into layers of at most `bundle_max` bytes (stable when one is added).
+    file_layer_min: Optional[int] = None
+    bundle_max: Optional[int] = None
 
 
 @dataclass
@@ -215,7 +219,7 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
 def _parse_rule(item, where: str) -> LayerRule:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise UsageError(f"profile {where}: each layer needs a 'name'")
-    unknown = set(item) - {"name", "paths", "venv", "min_size", "extensions", "compression"}
+    unknown = set(item) - {"name", "paths", "venv", "min_size", "extensions", "compression", "file_layer_min", "bundle_max"}
     if unknown:
         raise UsageError(f"profile {where}: unknown key(s) {', '.join(sorted(unknown))}")
     name = item["name"]
@@ -232,6 +236,8 @@ def _parse_rule(item, where: str) -> LayerRule:
         min_size=parse_size(item["min_size"]) if item.get("min_size") is not None else None,
         extensions=exts,
         compression=compression,
+        file_layer_min=parse_size(item["file_layer_min"]) if item.get("file_layer_min") is not None else None,
+        bundle_max=parse_size(item["bundle_max"]) if item.get("bundle_max") is not None else None,
     )
 
 

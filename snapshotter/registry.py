@@ -375,10 +375,20 @@ class Remote:
         return False
 
     def upload_blob(self, path: str, digest: str, size: int, progress: ProgressFn = None) -> None:
-        """Upload a file as a blob with PATCH chunks (memory bounded by CHUNK_SIZE).
+        """Upload a file as a blob."""
 
-        An upload session that breaks (registry restarted, connection lost) is started over; the
-        registry only accepts the blob at the final PUT when the digest matches."""
+        def copy(out) -> None:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK_SIZE):
+                    out.write(chunk)
+
+        self.upload_from(copy, digest, size, progress)
+
+    def upload_from(self, produce: Callable[[object], None], digest: str, size: int, progress: ProgressFn = None) -> None:
+        """Upload a blob whose bytes `produce(out)` writes to `out`, sent as PATCH chunks (memory
+        bounded by CHUNK_SIZE). `produce` must give the same bytes each time it is called: an
+        upload session that breaks (registry restarted, connection lost) is started over, and the
+        registry only accepts the blob at the final PUT if the bytes match the digest."""
         last: Optional[Exception] = None
         for _ in range(UPLOAD_ATTEMPTS):
             sent = [0]
@@ -389,7 +399,7 @@ class Remote:
                     progress(n)
 
             try:
-                self._upload_once(path, digest, size, count)
+                self._upload_once(produce, digest, size, count)
                 return
             except (RegistryUnreachable, RegistryError) as e:
                 last = e
@@ -402,36 +412,61 @@ class Remote:
                     pass
         raise last  # type: ignore[misc]
 
-    def _upload_once(self, path: str, digest: str, size: int, progress: Callable[[int], None]) -> None:
+    def _upload_once(self, produce: Callable[[object], None], digest: str, size: int,
+                     progress: Callable[[int], None]) -> None:
         r = self._request("POST", self._url("blobs/uploads/"), headers={"Content-Length": "0"})
         _check(r, f"start upload of {digest}")
-        location = self._abs(r.headers["Location"])
-        offset = 0
-        with open(path, "rb") as f:
-            while True:
-                chunk = f.read(CHUNK_SIZE)
-                if not chunk:
-                    break
-                r = self._request(
-                    "PATCH",
-                    location,
-                    data=chunk,
-                    headers={
-                        "Content-Type": "application/octet-stream",
-                        "Content-Range": f"{offset}-{offset + len(chunk) - 1}",
-                        "Content-Length": str(len(chunk)),
-                    },
-                )
-                _check(r, f"upload of {digest}")
-                location = self._abs(r.headers["Location"])
-                offset += len(chunk)
-                progress(len(chunk))
-        if offset != size:
-            raise RegistryError(f"{path} changed size during upload ({offset} != {size})")
+        out = _ChunkedUpload(self, self._abs(r.headers["Location"]), digest, progress)
+        produce(out)
+        out.flush()
+        if out.offset != size:
+            raise IntegrityError(f"blob {digest} changed while it was uploaded ({out.offset} bytes, expected {size})",
+                                 "a file of the box changed during the commit; commit again")
+        location = out.location
         sep = "&" if "?" in location else "?"
         r = self._request("PUT", f"{location}{sep}digest={urllib.parse.quote(digest)}",
                           headers={"Content-Length": "0", "Content-Type": "application/octet-stream"})
+        if r.status_code == 400 and "DIGEST_INVALID" in r.text:
+            raise IntegrityError(f"blob {digest} changed while it was uploaded (the registry saw other bytes)",
+                                 "a file of the box changed during the commit; commit again")
         _check(r, f"finish upload of {digest}")
+
+
+class _ChunkedUpload:
+    """A write-only stream that PATCHes each CHUNK_SIZE bytes to an upload session."""
+
+    def __init__(self, remote: Remote, location: str, digest: str, progress: Callable[[int], None]):
+        self.remote, self.location, self.digest, self.progress = remote, location, digest, progress
+        self.buf = bytearray()
+        self.offset = 0
+
+    def write(self, data) -> int:
+        self.buf += data
+        if len(self.buf) >= CHUNK_SIZE:
+            self._send(bytes(self.buf[:CHUNK_SIZE]))
+            del self.buf[:CHUNK_SIZE]
+        return len(data)
+
+    def flush(self) -> None:
+        while self.buf:
+            self._send(bytes(self.buf[:CHUNK_SIZE]))
+            del self.buf[:CHUNK_SIZE]
+
+    def _send(self, chunk: bytes) -> None:
+        r = self.remote._request(
+            "PATCH",
+            self.location,
+            data=chunk,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Range": f"{self.offset}-{self.offset + len(chunk) - 1}",
+                "Content-Length": str(len(chunk)),
+            },
+        )
+        _check(r, f"upload of {self.digest}")
+        self.location = self.remote._abs(r.headers["Location"])
+        self.offset += len(chunk)
+        self.progress(len(chunk))
 
 
 def _auth_key(key: str) -> str:

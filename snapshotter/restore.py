@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -17,7 +19,8 @@ from . import progress
 from .compress import HashingReader, decompressing_reader
 from .errors import IntegrityError, UsageError
 from .extract import ExtractOptions, Extractor
-from .image import SNAP_LAYER, snapshot_layer_count
+from .image import SNAP_LAYER, SNAP_PART, SNAP_PART_FILE, snapshot_layer_count
+from .plan import PART_SUFFIX
 from .registry import Image, Reference, Remote, TransportOptions
 from .state import sub
 
@@ -135,11 +138,49 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
             for f in futures:
                 f.cancel()
             raise
+    _join_parts(extractor, todo, opts.extract.fsync)
     if os.path.exists(journal):
         os.unlink(journal)
     s = extractor.stats
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
                          s.skipped_devices, s.stripped_setuid)
+
+
+def _join_parts(extractor: Extractor, layers: list[tuple[int, dict, str]], fsync: bool) -> None:
+    """Join files that commit cut into part layers (over the registry's layer size cap) back into
+    their original path. Each part was verified with its layer; parts already joined are gone."""
+    files: dict[str, int] = {}
+    for _, desc, _ in layers:
+        ann = desc.get("annotations", {})
+        if SNAP_PART_FILE in ann:
+            files[ann[SNAP_PART_FILE]] = int(ann[SNAP_PART].split("/")[1])
+    for rel, count in files.items():
+        pdir, path = extractor._locate(rel)
+        parts = [f"{path}{PART_SUFFIX}{i:04d}-of-{count:04d}" for i in range(1, count + 1)]
+        if not all(os.path.lexists(p) for p in parts):
+            continue  # joined by an earlier run
+        dir_st = os.lstat(pdir)
+        st = os.lstat(parts[0])
+        tmp = os.path.join(pdir, f".snap-tmp-join-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as out:
+                for p in parts:
+                    with open(p, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 20)
+                if fsync:
+                    out.flush()
+                    os.fsync(out.fileno())
+            if extractor.opts.same_owner:
+                os.chown(tmp, st.st_uid, st.st_gid)
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+            os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+            os.rename(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for p in parts:
+            os.unlink(p)
+        os.utime(pdir, ns=(dir_st.st_atime_ns, dir_st.st_mtime_ns))
 
 
 class _CountingFile:

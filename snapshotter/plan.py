@@ -1,0 +1,190 @@
+"""Planning the snapshot layers: which changed path goes into which layer.
+
+Every changed or deleted path goes to one profile layer (venv, custom_nodes, models, rest, ...).
+A profile layer can then become several image layers, each kept stable so that adding or removing
+one model re-uploads nothing else:
+  - a file of at least the rule's `file_layer_min` gets a layer of its own (big weights);
+  - a file larger than the registry's layer cap is cut into part layers that restore joins back;
+  - the rest is bundled, sorted by path, into layers of at most `bundle_max` bytes, cut where the
+    path's hash says so (content-defined), so an insertion only changes the bundle it falls in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from .fsindex import DIR, FILE, Diff, Entry, Scan
+from .profile import LayerRule, Profile
+
+DEFAULT_MAX_LAYER_SIZE = int(9.5 * 1000**3)  # some registries reject layers over 10 GB
+PART_SUFFIX = ".snap-part-"  # "<path>.snap-part-0001-of-0003"
+_BUNDLE_FILL = 4  # content-defined bundle cuts every bundle_max / 4 bytes on average
+
+
+@dataclass
+class LayerPlan:
+    """What goes into one image layer."""
+
+    name: str  # the profile layer (venv, models, ...)
+    compression: str
+    entries: list[Entry] = field(default_factory=list)
+    whiteouts: list[str] = field(default_factory=list)  # deleted paths
+    detail: str = ""  # "" | "bundle 2" | the file of a single-file layer | "part 1/3 of <file>"
+    slices: dict[str, tuple[str, int]] = field(default_factory=dict)  # part entry -> (source file, offset)
+    part_of: Optional[tuple[str, int, int]] = None  # (file, index, count) for a part layer
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries and not self.whiteouts
+
+    @property
+    def content_size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.detail})" if self.detail else self.name
+
+    def fingerprint(self, zstd_level: int) -> str:
+        """A digest of everything the layer's bytes depend on, from stat data only: the stat cache's
+        key. ctime and inode are in it, so a file rewritten with its old mtime put back still counts
+        as changed."""
+        doc = {
+            "compression": self.compression,
+            "zstd_level": zstd_level if self.compression == "zstd" else None,
+            "entries": [[e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp]
+                        for e in self.entries],
+            "whiteouts": self.whiteouts,
+            "slices": sorted(self.slices.items()),
+        }
+        return "sha256:" + hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
+
+def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
+                compression: Optional[str] = None,
+                max_layer_size: int = DEFAULT_MAX_LAYER_SIZE) -> list[LayerPlan]:
+    """Assign every changed and deleted path to a profile layer, then split each as its rule says.
+    Returns the non-empty plans in profile order."""
+    plans = {r.name: LayerPlan(r.name, _compression(r.compression, compression)) for r in profile.layers}
+    changed = {e.path: e for e in d.changed}
+    # Hardlinked files travel together, in the layer of their first path, so the links survive.
+    groups: dict[str, list[Entry]] = {}
+    for e in scan.entries.values():
+        if e.inode:
+            groups.setdefault(e.inode, []).append(e)
+    group_layer: dict[str, str] = {}
+    for inode, members in groups.items():
+        if any(m.path in changed for m in members):
+            members.sort(key=lambda m: m.path)
+            first = members[0]
+            group_layer[inode] = profile.classify(first.path, first.size, True, scan.venv_roots)
+            for m in members:
+                changed[m.path] = m
+    for path in sorted(changed):
+        e = changed[path]
+        name = group_layer.get(e.inode) if e.inode else None
+        name = name or profile.classify(path, e.size, e.kind != DIR, scan.venv_roots)
+        plans[name].entries.append(e)
+    # A directory that replaced a base non-directory goes with every layer below it, so each layer
+    # applies on its own (engines cannot create children under a file).
+    retyped = {p for p, e in changed.items() if e.kind == DIR and p in base and base[p].kind != DIR}
+    if retyped:
+        for plan in plans.values():
+            have = {e.path for e in plan.entries}
+            for p in sorted(retyped):
+                if p not in have and any(e.path.startswith(p + "/") for e in plan.entries):
+                    plan.entries.append(changed[p])
+            plan.entries.sort(key=lambda e: e.path)
+    for path in d.deleted:
+        old = base[path]
+        plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
+    out: list[LayerPlan] = []
+    for rule in profile.layers:
+        out.extend(split_plan(plans[rule.name], rule, max_layer_size))
+    return [p for p in out if not p.empty]
+
+
+def _compression(layer_default: str, override: Optional[str]) -> str:
+    if override is None or layer_default == "none":
+        return layer_default  # weights stay uncompressed whatever the engine
+    return override
+
+
+def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[LayerPlan]:
+    """Cut one profile layer into image layers: single-file layers, part layers, bundles."""
+    if max_layer_size <= 0:
+        raise ValueError("max_layer_size must be positive")
+    weights = rule.file_layer_min is not None or rule.bundle_max is not None
+    singles: list[LayerPlan] = []
+    rest: list[Entry] = []
+    # For a weights layer, directories and deletions go into a small layer of their own, last:
+    # adding or removing a model changes a directory's mtime, and only that small layer follows.
+    meta = LayerPlan(plan.name, plan.compression, detail="directories and deletions")
+    for e in plan.entries:
+        big_alone = rule.file_layer_min is not None and e.size >= rule.file_layer_min
+        if e.kind == FILE and e.inode is None and (e.size > max_layer_size or big_alone):
+            singles.extend(_file_layers(plan, e, max_layer_size))
+        elif weights and e.kind == DIR:
+            meta.entries.append(e)
+        else:
+            rest.append(e)
+    if weights:
+        meta.whiteouts, whiteouts = list(plan.whiteouts), []
+    else:
+        whiteouts = plan.whiteouts
+    bundle_max = min(rule.bundle_max or max_layer_size, max_layer_size)
+    bundles = _bundles(plan, rest, whiteouts, bundle_max, content_cuts=rule.bundle_max is not None)
+    return bundles + singles + [meta]
+
+
+def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int) -> list[LayerPlan]:
+    if e.size <= max_layer_size:
+        return [LayerPlan(plan.name, plan.compression, [e], detail=e.path)]
+    count = -(-e.size // max_layer_size)
+    parts = []
+    for i in range(count):
+        offset = i * max_layer_size
+        part_path = f"{e.path}{PART_SUFFIX}{i + 1:04d}-of-{count:04d}"
+        part = replace(e, path=part_path, size=min(max_layer_size, e.size - offset))
+        parts.append(LayerPlan(plan.name, plan.compression, [part], detail=f"part {i + 1}/{count} of {e.path}",
+                               slices={part_path: (e.path, offset)}, part_of=(e.path, i + 1, count)))
+    return parts
+
+
+def _cut_after(path: str, size: int, bundle_max: int) -> bool:
+    """Content-defined bundle boundaries: a file ends its bundle with a chance proportional to its
+    size (by its path's hash), so bundles average a quarter of the cap and an added or removed file
+    moves only the boundaries next to it; the cap itself is rarely what cuts."""
+    h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") / 2**64
+    return h < size * _BUNDLE_FILL / bundle_max
+
+
+def _bundles(plan: LayerPlan, entries: list[Entry], whiteouts: list[str], bundle_max: int,
+             content_cuts: bool) -> list[LayerPlan]:
+    """Sorted entries and whiteouts, cut into bundles of at most bundle_max content bytes."""
+    items = sorted([(e.path, e) for e in entries] + [(w, None) for w in whiteouts], key=lambda t: t[0])
+    bundles: list[LayerPlan] = []
+    cur = LayerPlan(plan.name, plan.compression)
+    size = 0
+    for path, e in items:
+        esize = e.size if e is not None else 0
+        if not cur.empty and size + esize > bundle_max:
+            bundles.append(cur)
+            cur, size = LayerPlan(plan.name, plan.compression), 0
+        if e is None:
+            cur.whiteouts.append(path)
+        else:
+            cur.entries.append(e)
+        size += esize
+        if content_cuts and esize and _cut_after(path, esize, bundle_max):
+            bundles.append(cur)
+            cur, size = LayerPlan(plan.name, plan.compression), 0
+    if not cur.empty:
+        bundles.append(cur)
+    if len(bundles) > 1:
+        for i, b in enumerate(bundles):
+            b.detail = f"bundle {i + 1}"
+    return bundles

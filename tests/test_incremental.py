@@ -1,0 +1,161 @@
+"""Speed features that must stay correct: the stat cache, weight layers, part layers, bounded memory."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import NOT_CAPTURED, snap
+from support import snapshot_of_tree, write_tree
+from snapshotter import CommitOptions, commit
+from snapshotter.profile import parse_profile
+
+MiB = 1024 * 1024
+
+
+def bytes_read_by_this_process() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def statuses(result):
+    return {layer.name: layer.status for layer in result.layers}
+
+
+@pytest.fixture
+def model_box(box):
+    write_tree(box, {"opt/app/models/checkpoints/big.safetensors": os.urandom(40 * MiB)})
+    return box
+
+
+def test_nothing_changed_commit_reads_no_model_bytes(registry, base_ref, model_box):
+    opts = CommitOptions(root=model_box)
+    first = commit(f"{registry.host}/cache:v1", base_ref, opts)
+    before = bytes_read_by_this_process()
+    second = commit(f"{registry.host}/cache:v2", base_ref, CommitOptions(root=model_box))
+    read = bytes_read_by_this_process() - before
+    assert read < 5 * MiB, f"a nothing-changed commit read {read} bytes"
+    assert all("not read" in s for s in statuses(second).values()), statuses(second)
+    assert [layer.digest for layer in first.layers] == [layer.digest for layer in second.layers]
+    # --rehash reads everything again.
+    before = bytes_read_by_this_process()
+    third = commit(f"{registry.host}/cache:v3", base_ref, CommitOptions(root=model_box, rehash=True))
+    assert bytes_read_by_this_process() - before > 40 * MiB
+    assert not any("not read" in s for s in statuses(third).values())
+
+
+def test_file_rewritten_with_old_mtime_is_still_detected(registry, base_ref, model_box):
+    path = os.path.join(model_box, "opt/app/models/checkpoints/big.safetensors")
+    first = commit(f"{registry.host}/ctime:v1", base_ref, CommitOptions(root=model_box))
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # same size, other bytes, mtime put back: only ctime tells
+        f.write(b"\x00" * 4096)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = commit(f"{registry.host}/ctime:v2", base_ref, CommitOptions(root=model_box))
+    label = "models"  # 40 MiB: under the default 64 MiB single-file threshold, so in the models bundle
+    assert statuses(second)[label] == "uploaded"
+    a = {layer.name: layer.digest for layer in first.layers}
+    b = {layer.name: layer.digest for layer in second.layers}
+    assert a[label] != b[label]
+    assert a["venv"] == b["venv"]
+
+
+def test_cache_of_another_root_is_not_used(registry, base_ref, model_box, tmp_path):
+    commit(f"{registry.host}/other:v1", base_ref, CommitOptions(root=model_box))
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", model_box, str(copy)], check=True)
+    result = commit(f"{registry.host}/other:v2", base_ref, CommitOptions(root=str(copy)))
+    # Same content, so the same digests the registry already has, but found by reading, not from the cache.
+    assert all(s == "exists, skipped" for s in statuses(result).values()), statuses(result)
+
+
+WEIGHTS_PROFILE = """
+extends: default
+layers:
+  - name: venv
+    venv: true
+  - name: models
+    paths: ["**/models/**"]
+    compression: none
+    file_layer_min: 1MiB
+    bundle_max: 64KiB
+"""
+
+
+def test_weight_layers_are_stable_when_a_model_is_added_or_removed(registry, base_ref, box, tmp_path):
+    profile = parse_profile(WEIGHTS_PROFILE)
+    os.unlink(os.path.join(box, "opt/app/models/vae/vae.pt"))  # 500 KB: would sit alone in a bundle over the cap
+    write_tree(box, {f"opt/app/models/loras/l{i:02d}.safetensors": os.urandom(1 * MiB + i) for i in range(3)})
+    write_tree(box, {f"opt/app/models/configs/c{i:03d}.json": os.urandom(3000) for i in range(120)})
+
+    def layers(tag):
+        r = commit(f"{registry.host}/weights:{tag}", base_ref, CommitOptions(root=box, profile=profile))
+        return {layer.name: layer for layer in r.layers}
+
+    v1 = layers("v1")
+    singles = [n for n in v1 if n.startswith("models (opt/app/models/loras/")]
+    assert len(singles) == 3
+    bundles = [n for n in v1 if n.startswith("models (bundle")]
+    assert len(bundles) > 3  # 360 KB of small files in bundles of at most 64 KiB
+    assert all(v1[n].media_type == "application/vnd.oci.image.layer.v1.tar" for n in singles + bundles)
+    # The cap is on content; a tar adds a 512-byte header a file, padding, and a 10 KiB record at most.
+    assert all(v1[n].size <= 64 * 1024 + 1024 * v1[n].entries + 10240 for n in bundles), [(v1[n].size, v1[n].entries) for n in bundles]
+
+    meta = "models (directories and deletions)"
+    assert [n for n in v1 if n.startswith("models")][-1] == meta  # last of its layers: its dir mtimes are final
+
+    write_tree(box, {"opt/app/models/loras/new.safetensors": os.urandom(2 * MiB)}, mtime=1_700_000_001)
+    os.utime(os.path.join(box, "opt/app/models/loras"), (1_700_000_001, 1_700_000_001))  # not the same second as v1
+    v2 = layers("v2")
+    assert {n: v1[n].digest for n in singles + bundles} == {n: v2[n].digest for n in singles + bundles}
+    assert v2["models (opt/app/models/loras/new.safetensors)"].status == "uploaded"
+    assert v2[meta].digest != v1[meta].digest  # loras/ has a new mtime: only this small layer follows it
+
+    os.unlink(os.path.join(box, "opt/app/models/loras/l01.safetensors"))
+    v3 = layers("v3")
+    assert "models (opt/app/models/loras/l01.safetensors)" not in v3
+    assert {n: v1[n].digest for n in singles + bundles if "l01" not in n} == \
+        {n: v3[n].digest for n in singles + bundles if "l01" not in n}
+
+    # One small file added: only the bundle it falls into changes (content-defined cuts).
+    write_tree(box, {"opt/app/models/configs/c050b.json": os.urandom(3000)}, mtime=1_700_000_002)
+    v4 = layers("v4")
+    old = {v3[n].digest for n in v3 if n.startswith("models (bundle")}
+    new = {v4[n].digest for n in v4 if n.startswith("models (bundle")}
+    assert len(old - new) <= 1 and len(new - old) <= 2, "one insertion rewrote more than its own bundle"
+
+
+def test_files_over_the_layer_cap_are_split_and_joined_back(registry, base_ref, box, tmp_path):
+    write_tree(box, {"opt/app/models/huge.safetensors": os.urandom(3 * MiB + 123)})
+    r = snap("commit", f"{registry.host}/parts:v1", "--base", base_ref, "--root", box, "--max-layer-size", "1MiB",
+             "--json", check=True)
+    parts = [layer for layer in json.loads(r.stdout)["layers"] if "part" in layer["name"] and "huge" in layer["name"]]
+    assert [p["name"] for p in parts] == [f"models (part {i}/4 of opt/app/models/huge.safetensors)" for i in range(1, 5)]
+    manifest = registry.manifest("parts", "v1")
+    assert max(d["size"] for d in manifest["layers"]) < 1 * MiB + 16384  # content cap + tar header and record padding
+    out = tmp_path / "out"
+    snap("restore", f"{registry.host}/parts:v1", "--root", str(out), check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    assert not any(".snap-part-" in name for name in os.listdir(out / "opt/app/models"))
+
+
+def test_commit_and_restore_memory_is_flat_in_model_size(registry, base_ref, box, tmp_path):
+    """A big weight file is streamed: peak RSS stays far below its size."""
+    size = 400 * MiB
+    with open(os.path.join(box, "opt/app/models/large.safetensors"), "wb") as f:
+        for _ in range(size // (8 * MiB)):
+            f.write(os.urandom(8 * MiB))
+    code = (
+        "import resource, sys\n"
+        "from snapshotter import commit, restore, CommitOptions\n"
+        f"commit('{registry.host}/mem:v1', '{base_ref}', CommitOptions(root='{box}'))\n"
+        f"restore('{registry.host}/mem:v1', '{tmp_path / 'out'}')\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=600)
+    assert r.returncode == 0, r.stderr
+    peak_kib = int(r.stdout.strip().splitlines()[-1])
+    assert peak_kib * 1024 < 200 * MiB, f"peak RSS {peak_kib // 1024} MiB for a {size // MiB} MiB model"
+    assert os.path.getsize(tmp_path / "out/opt/app/models/large.safetensors") == size
