@@ -19,7 +19,7 @@ from . import progress
 from .compress import HashingReader, decompressing_reader
 from .errors import IntegrityError, UsageError
 from .extract import ExtractOptions, Extractor
-from .image import SNAP_LAYER, SNAP_PART, SNAP_PART_FILE, snapshot_layer_count
+from .image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART, SNAP_PART_FILE, snapshot_layer_count
 from .plan import PART_SUFFIX
 from .registry import Image, Reference, Remote, TransportOptions
 from .state import sub
@@ -48,7 +48,11 @@ class RestoreResult:
 
 
 def layer_label(desc: dict, i: int) -> str:
-    return desc.get("annotations", {}).get(SNAP_LAYER) or f"base layer {i + 1}"
+    """'venv', 'models (bundle 2)', ... as commit named it; 'base layer N' for the base's."""
+    ann = desc.get("annotations", {})
+    if SNAP_LAYER not in ann:
+        return f"base layer {i + 1}"
+    return f"{ann[SNAP_LAYER]} ({ann[SNAP_CONTENT]})" if SNAP_CONTENT in ann else ann[SNAP_LAYER]
 
 
 def _journal_path(root: str) -> str:

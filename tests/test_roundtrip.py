@@ -11,8 +11,18 @@ from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
 
 
+def label(desc):
+    ann = desc["annotations"]
+    return f"{ann['dev.snap.layer']} ({ann['dev.snap.content']})" if "dev.snap.content" in ann else ann["dev.snap.layer"]
+
+
 def layers_by_name(manifest):
-    return {d["annotations"]["dev.snap.layer"]: d for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
+    """snap's layers by label: the profile layer, and what part of it (for split layers)."""
+    return {label(d): d for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
+
+
+MODELS_META = "models (directories and deletions)"
+SNAP_LAYERS = ["venv", "custom_nodes", "models", MODELS_META, "rest"]
 
 
 def commit_json(target, base, root, *extra):
@@ -47,7 +57,7 @@ def test_image_layout_split_and_media_types(registry, base_ref, box):
     # Base layers first, unchanged, then one layer per non-empty profile layer, in profile order.
     assert [d["digest"] for d in m["layers"][:2]] == [d["digest"] for d in base["layers"]]
     named = layers_by_name(m)
-    assert list(named) == ["venv", "custom_nodes", "models", "rest"]
+    assert list(named) == SNAP_LAYERS
     assert named["venv"]["mediaType"].endswith("tar+zstd")
     assert named["models"]["mediaType"] == "application/vnd.oci.image.layer.v1.tar"  # weights: uncompressed
     ann = m["annotations"]
@@ -81,8 +91,9 @@ def _layer_members(registry, repo, desc):
 
 def test_each_path_lands_in_its_layer(registry, base_ref, box):
     commit_json(f"{registry.host}/split:v1", base_ref, box)
-    named = layers_by_name(registry.manifest("split", "v1"))
-    members = {name: _layer_members(registry, "split", d) for name, d in named.items()}
+    members: dict[str, list[str]] = {}  # per profile layer, over all its image layers
+    for d in registry.manifest("split", "v1")["layers"][2:]:
+        members.setdefault(d["annotations"]["dev.snap.layer"], []).extend(_layer_members(registry, "split", d))
     assert "opt/app/venv/lib/python3.11/site-packages/torch/_C.so" in members["venv"]
     assert "opt/app/custom_nodes/NodeA/nodes.py" in members["custom_nodes"]
     assert "opt/app/models/checkpoints/sd15.safetensors" in members["models"]
@@ -92,9 +103,9 @@ def test_each_path_lands_in_its_layer(registry, base_ref, box):
     for name, names in members.items():
         others = [n for o, ns in members.items() if o != name for n in ns]
         assert not set(names) & set(others), f"layer {name} shares paths with another layer"
-    models = members["models"]
-    assert models == sorted(models, key=lambda p: (p.rpartition("/")[0], not p.rpartition("/")[2].startswith(".wh."), p))
-    assert models.index("opt/app/.wh.old_cache.bin") < models.index("opt/app/models")  # whiteouts before siblings
+    meta = _layer_members(registry, "split", layers_by_name(registry.manifest("split", "v1"))[MODELS_META])
+    assert meta == sorted(meta, key=lambda p: (p.rpartition("/")[0], not p.rpartition("/")[2].startswith(".wh."), p))
+    assert meta.index("opt/app/.wh.old_cache.bin") < meta.index("opt/app/models")  # whiteouts before siblings
 
 
 def test_recommit_keeps_unchanged_layers_and_skips_upload(registry, base_ref, box):
@@ -119,7 +130,7 @@ def test_only_snapshot_onto_an_existing_base(registry, base_ref, base_rootfs, bo
     subprocess.run(["cp", "-a", base_rootfs, str(target)], check=True)
     r = snap("restore", f"{registry.host}/only:v1", "--root", str(target), "--only-snapshot", "--json", check=True)
     applied = json.loads(r.stdout)["applied"]
-    assert applied == ["venv", "custom_nodes", "models", "rest"]
+    assert applied == SNAP_LAYERS
     assert snapshot_of_tree(str(target), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
