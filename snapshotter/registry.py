@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import re
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -38,7 +39,11 @@ INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 
 CHUNK_SIZE = 16 * 1024 * 1024  # upload chunk: bounds memory, whatever the blob size
 PING_TIMEOUT = 10
+TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a wait forever
+RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we give up
 UPLOAD_ATTEMPTS = 3
+# oras's request function without its retry decorator (which sleeps up to minutes per request).
+_do_request = oras.provider.Registry.do_request.__wrapped__
 
 ProgressFn = Optional[Callable[[int], None]]
 
@@ -166,6 +171,8 @@ class Remote:
         self.oras = oras.provider.Registry(
             ref.registry, insecure=self.scheme == "http", tls_verify=verify, auth_backend=backend
         )
+        self.oras.session.mount("http://", _TimeoutAdapter())
+        self.oras.session.mount("https://", _TimeoutAdapter())
         creds = self.options.credentials
         if creds.username is not None:
             self.oras.auth.set_basic_auth(creds.username, creds.password or "")
@@ -234,31 +241,39 @@ class Remote:
             raise AuthError(f"cannot read registry credentials from {path}: {_short(e)}")
 
     def _request(self, method: str, url: str, **kw) -> requests.Response:
+        """One registry request through oras (auth, token refresh), retried by us with a short
+        backoff: a registry that restarts is waited for, one that is down fails in seconds.
+        (oras's own retry decorator waits minutes per request, so we call past it.)"""
         headers = dict(self.oras.headers)
         headers.update(kw.pop("headers", {}) or {})
-        try:
-            r = self.oras.do_request(url, method, headers=headers, **kw)
-        except requests.exceptions.SSLError as e:
-            raise RegistryUnreachable(f"TLS to registry {self.ref.registry} failed: {_short(e)}")
-        except requests.exceptions.RequestException as e:
-            raise RegistryUnreachable(f"registry {self.ref.registry} stopped answering: {_short(e)}")
-        except oras.auth.AuthenticationException as e:
-            raise AuthError(f"registry {self.ref.registry} refused the credentials: {_short(e)}")
-        except ValueError as e:
-            if "authentication" in str(e).lower():
-                raise AuthError(
-                    f"registry {self.ref.registry} asks for credentials we do not have",
-                    "log in with `docker login`, or pass --username and --password-stdin",
-                )
-            raise RegistryUnreachable(f"registry {self.ref.registry} failed: {_short(e)}")
+        registry = self.ref.registry
+        for delay in (*RETRY_DELAYS, None):
+            try:
+                r = _do_request(self.oras, url, method, headers=dict(headers), **kw)
+            except requests.exceptions.SSLError as e:
+                raise RegistryUnreachable(f"TLS to registry {registry} failed: {_short(e)}")
+            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+                if delay is None:
+                    raise RegistryUnreachable(f"registry {registry} stopped answering: {_short(e)}",
+                                              "run the command again when it is back: what was pushed stays pushed")
+                time.sleep(delay)
+                continue
+            except requests.exceptions.RequestException as e:
+                raise RegistryUnreachable(f"registry {registry} failed: {_short(e)}")
+            except (oras.auth.AuthenticationException, ValueError):
+                # oras could not answer the registry's auth challenge
+                raise AuthError(f"registry {registry} asks for credentials we do not have",
+                                "log in with `docker login`, or pass --username and --password-stdin")
+            if r.status_code in (502, 503, 504) and delay is not None:
+                time.sleep(delay)
+                continue
+            break
         if r.status_code in (401, 403):
             if not self.has_credentials:
-                raise AuthError(
-                    f"registry {self.ref.registry} asks for credentials we do not have",
-                    "log in with `docker login`, or pass --username and --password-stdin",
-                )
+                raise AuthError(f"registry {registry} asks for credentials we do not have",
+                                "log in with `docker login`, or pass --username and --password-stdin")
             raise AuthError(
-                f"registry {self.ref.registry} refused the credentials for {method} on {self.ref.repository} (HTTP {r.status_code})",
+                f"registry {registry} refused the credentials for {method} on {self.ref.repository} (HTTP {r.status_code})",
                 "check the username/password or the token's permissions",
             )
         return r
@@ -401,15 +416,12 @@ class Remote:
             try:
                 self._upload_once(produce, digest, size, count)
                 return
-            except (RegistryUnreachable, RegistryError) as e:
+            except RegistryError as e:  # the upload session broke while the registry stayed up
                 last = e
                 if progress:
                     progress(-sent[0])  # the bar restarts with the upload
-                try:
-                    if self.blob_exists(digest):
-                        return
-                except RegistryUnreachable:
-                    pass
+                if self.blob_exists(digest):
+                    return
         raise last  # type: ignore[misc]
 
     def _upload_once(self, produce: Callable[[object], None], digest: str, size: int,
@@ -467,6 +479,15 @@ class _ChunkedUpload:
         self.location = self.remote._abs(r.headers["Location"])
         self.offset += len(chunk)
         self.progress(len(chunk))
+
+
+class _TimeoutAdapter(requests.adapters.HTTPAdapter):
+    """oras passes no timeout to requests; this gives every request one."""
+
+    def send(self, request, **kw):
+        if kw.get("timeout") is None:
+            kw["timeout"] = TIMEOUT
+        return super().send(request, **kw)
 
 
 def _auth_key(key: str) -> str:

@@ -1,0 +1,181 @@
+"""Commit-side safety: interrupted pushes, a registry that restarts, unreadable files, secrets."""
+
+import glob
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+import pytest
+import zstandard
+
+from conftest import NOT_CAPTURED, snap
+from support import RegistryServer, push_base_image, snapshot_of_tree, write_tree
+from test_errors import assert_one_line_error
+
+MiB = 1024 * 1024
+
+
+def write_big(path, size):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        for _ in range(size // (4 * MiB)):
+            f.write(os.urandom(4 * MiB))
+
+
+def upload_bytes_in_progress(reg: RegistryServer) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(f"{reg.storage}/docker/registry/v2/repositories/*/_uploads/*/data"))
+
+
+def start_commit(reg, box, tag, base_ref):
+    return subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{reg.host}/{tag}", "--base", base_ref,
+                             "--root", box, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_upload(reg, proc, at_least=20 * MiB, timeout=120):
+    deadline = time.time() + timeout
+    while upload_bytes_in_progress(reg) < at_least:
+        assert proc.poll() is None, f"commit ended before the upload was interrupted: {proc.communicate()}"
+        assert time.time() < deadline, "the upload never started"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def own_registry(tmp_path, base_rootfs):
+    """A registry of this test's own, since the tests stop and restart it."""
+    reg = RegistryServer(str(tmp_path / "registry")).start()
+    push_base_image(reg, "base", "1", base_rootfs)
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture
+def big_box(box):
+    write_big(os.path.join(box, "opt/app/models/checkpoints/big.safetensors"), 256 * MiB)  # a layer of its own
+    return box
+
+
+def test_killed_push_leaves_no_tag_and_the_next_commit_finishes(own_registry, big_box, tmp_path):
+    reg = own_registry
+    base_ref = f"{reg.host}/base:1"
+    proc = start_commit(reg, big_box, "box:v1", base_ref)
+    wait_for_upload(reg, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # The tag moves last: after a kill there is no half-made image under it.
+    r = reg.session().get(f"{reg.url}/v2/box/manifests/v1")
+    assert r.status_code == 404
+
+    r = snap("commit", f"{reg.host}/box:v1", "--base", base_ref, "--root", big_box, "--json", check=True)
+    statuses = {layer["name"]: layer["status"] for layer in json.loads(r.stdout)["layers"]}
+    big = "models (opt/app/models/checkpoints/big.safetensors)"
+    assert statuses[big] == "uploaded"  # the interrupted blob is sent again
+    # Small layers finished before the kill: found in the registry, not sent again.
+    assert any(s.startswith("exists") for name, s in statuses.items() if name != big), statuses
+    out = tmp_path / "out"
+    snap("restore", f"{reg.host}/box:v1", "--root", str(out), check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(big_box, skip=NOT_CAPTURED)
+
+
+def test_registry_restarted_mid_upload(own_registry, big_box, tmp_path):
+    reg = own_registry
+    base_ref = f"{reg.host}/base:1"
+    proc = start_commit(reg, big_box, "box:v2", base_ref)
+    wait_for_upload(reg, proc)
+    reg.stop()
+    time.sleep(1)
+    reg.start()  # same port, same storage
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    snap("restore", f"{reg.host}/box:v2", "--root", str(tmp_path / "out"), check=True)
+    assert snapshot_of_tree(str(tmp_path / "out"), skip=NOT_CAPTURED) == snapshot_of_tree(big_box, skip=NOT_CAPTURED)
+
+
+def test_registry_down_during_commit_is_a_clear_error(own_registry, big_box):
+    reg = own_registry
+    proc = start_commit(reg, big_box, "box:v3", f"{reg.host}/base:1")
+    wait_for_upload(reg, proc)
+    reg.stop()
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 3, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("snap: error:")
+
+
+def test_unreadable_file_in_the_box(registry, base_ref, box):
+    secret_dir = os.path.join(box, "opt/app/private")
+    write_tree(box, {"opt/app/private/data.bin": b"x" * 100})
+    os.chmod(os.path.join(secret_dir, "data.bin"), 0)
+    # Root reads everything: drop the capabilities that let it ignore permissions.
+    cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",
+           sys.executable, "-m", "snapshotter", "commit", f"{registry.host}/unreadable:v1", "--base", base_ref, "--root", box]
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop root's capabilities")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert_one_line_error(r, 7, "/opt/app/private/data.bin", "exclude")
+    assert registry.session().get(f"{registry.url}/v2/unreadable/manifests/v1").status_code == 404
+
+
+def _all_layer_bytes(registry, repo, tag):
+    m = registry.manifest(repo, tag)
+    out = []
+    for d in m["layers"][2:]:
+        blob = registry.blob(repo, d["digest"])
+        if d["mediaType"].endswith("zstd"):
+            blob = zstandard.ZstdDecompressor().stream_reader(blob).read()
+        out.append(blob)
+    return out, registry.blob(repo, m["config"]["digest"])
+
+
+def test_secrets_are_left_out_and_listed(registry, base_ref, box):
+    write_tree(box, {
+        "root/.docker/config.json": '{"auths": {"r.example.com": {"auth": "c2VjcmV0LXRva2Vu"}}}',
+        "root/.ssh/id_ed25519": "-----BEGIN OPENSSH PRIVATE KEY-----\nSSH-KEY-MATERIAL\n",
+        "root/.aws/credentials": "[default]\naws_secret_access_key = AWS-SECRET-KEY\n",
+        "root/.netrc": "machine x login u password NETRC-PASSWORD\n",
+        "opt/app/certs/server.pem": "-----BEGIN PRIVATE KEY-----\nPEM-MATERIAL\n",
+        "opt/app/keep.txt": "kept\n",
+    })
+    r = snap("commit", f"{registry.host}/secrets:v1", "--base", base_ref, "--root", box, check=True)
+    for p in ("/root/.docker", "/root/.ssh", "/root/.aws", "/root/.netrc", "/opt/app/certs/server.pem"):
+        assert f"  {p}" in r.stderr, r.stderr
+    layers, config = _all_layer_bytes(registry, "secrets", "v1")
+    everything = b"".join(layers) + config
+    for needle in (b"c2VjcmV0LXRva2Vu", b"SSH-KEY-MATERIAL", b"AWS-SECRET-KEY", b"NETRC-PASSWORD", b"PEM-MATERIAL"):
+        assert needle not in everything
+    assert b"kept\n" in everything  # the comparison can see layer contents at all
+
+    # A profile can opt in.
+    prof = os.path.join(box, "..", "with-secrets.yaml")
+    with open(prof, "w") as f:
+        f.write("extends: default\ninclude_secrets: true\n")
+    snap("commit", f"{registry.host}/secrets:v2", "--base", base_ref, "--root", box, "--profile", prof, check=True)
+    layers, _ = _all_layer_bytes(registry, "secrets", "v2")
+    assert any(b"SSH-KEY-MATERIAL" in layer for layer in layers)
+
+
+def test_password_never_printed_nor_stored(tmp_path, base_rootfs, box):
+    user, password = "alice", "Very-Secret-Password-42"
+    reg = RegistryServer(str(tmp_path / "authreg"), auth=(user, password)).start()
+    try:
+        push_base_image(reg, "base", "1", base_rootfs)
+        r = snap("commit", f"{reg.host}/box:v1", "--base", f"{reg.host}/base:1", "--root", box, "-u", user,
+                 "--password-stdin", input=password, check=True)
+        assert password not in r.stdout + r.stderr
+        layers, config = _all_layer_bytes(reg, "box", "v1")
+        manifest = json.dumps(reg.manifest("box", "v1")).encode()
+        for blob in layers + [config, manifest]:
+            assert password.encode() not in blob
+        state = os.environ["SNAP_STATE_DIR"]
+        for dirpath, _, files in os.walk(state):
+            for name in files:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    assert password.encode() not in f.read()
+    finally:
+        reg.stop()
