@@ -1,14 +1,11 @@
 """Commit-side safety: interrupted pushes, a registry that restarts, unreadable files, secrets."""
 
 import glob
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import tarfile
-import threading
 import time
 
 import pytest

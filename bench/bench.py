@@ -1,0 +1,527 @@
+"""`make bench`: snap's times on a generated box, against the tools it must beat, with peak memory.
+
+Generates a box (the test base rootfs + a venv-like tree of small files, a few big random "weights"
+and a custom-nodes tree), pushes the base image to a local registry, then times on the same data:
+  snap: first commit, commit with nothing changed, after one custom node changed, after one model
+        added, restore into an empty directory (fresh state dir, as on a new machine);
+  peers: tar -c | zstd -T0 (packing floor), zstd -d | tar -x (unpacking floor), restic backup
+        (1st, 2nd, after each change) and restore, docker commit + docker push (in a dockerd this
+        script starts; skipped with the reason when it cannot start).
+Prints one Markdown table (snap vs peer, ratio, peak RSS, targets PASS/FAIL) and writes it, with the
+machine, to bench/out/results.md. Peak RSS is the largest process of the measured tree (what
+/usr/bin/time -v reports: ru_maxrss from wait4); for docker it is dockerd's own peak (VmHWM).
+
+    python3 bench/bench.py            # default sizes (20k files, 4 x 512 MiB weights)
+    python3 bench/bench.py --small    # quick smoke run (2k files, 4 x 50 MiB weights)
+Sizes: --files --weights-mib --weight-files --nodes --new-model-mib (or BENCH_FILES, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+OUT = os.path.join(HERE, "out")
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from support import RegistryServer, make_base_rootfs, push_base_image  # noqa: E402
+
+MiB = 1 << 20
+NOT_CAPTURED = ("proc", "sys", "dev", "tmp", "run")  # the default profile's never-captured dirs
+SMALL_FILE = "opt/app/custom_nodes/Node000/nodes.py"  # the one custom node file changed in case 3
+
+
+@dataclass
+class Run:
+    secs: float
+    rss: Optional[int]  # bytes
+    ok: bool
+    out: str = ""
+    note: str = ""
+
+
+class Bench:
+    """The run's state; cleanup() releases everything it started (also after Ctrl-C)."""
+
+    def __init__(self, work: str):
+        self.work = work
+        self.log = os.path.join(work, "bench.log")
+        self.reg: Optional[RegistryServer] = None
+        self.dockerd: Optional[subprocess.Popen] = None
+        self.child: Optional[subprocess.Popen] = None
+        self.res: dict[str, Run] = {}
+        self.skipped: dict[str, str] = {}  # peer -> why
+
+    def run(self, cmd, env=None, shell=False) -> Run:
+        """Run one measured command: wall clock and peak RSS (wait4), output appended to bench.log."""
+        with open(self.log, "ab") as lf:
+            lf.write(f"\n$ {cmd if shell else ' '.join(cmd)}\n".encode())
+            lf.flush()
+            t0 = time.perf_counter()
+            p = subprocess.Popen(["bash", "-o", "pipefail", "-c", cmd] if shell else cmd, env=env,
+                                 stdout=subprocess.PIPE, stderr=lf)
+            self.child = p
+            out = p.stdout.read()
+            _, status, ru = os.wait4(p.pid, 0)
+            secs = time.perf_counter() - t0
+            p.returncode = os.waitstatus_to_exitcode(status)
+            p.stdout.close()
+            self.child = None
+            lf.write(out)
+        return Run(secs, ru.ru_maxrss * 1024, p.returncode == 0, out.decode(errors="replace"),
+                   "" if p.returncode == 0 else f"exit {p.returncode}, see bench.log")
+
+    def cleanup(self) -> None:
+        if self.child and self.child.poll() is None:
+            self.child.kill()
+        if self.reg:
+            self.reg.stop()
+        if self.dockerd:
+            stop_dockerd(self.dockerd)
+        # dockerd may leave overlay/netns mounts under our dir; they must go before rmtree.
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f]
+        for m in sorted((m for m in mounts if m.startswith(self.work + "/")), reverse=True):
+            subprocess.run(["umount", "-l", m], capture_output=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- data
+
+def python_lines(rng: random.Random) -> list[str]:
+    """A pool of Python-looking lines: compressible, but not one repeated string."""
+    words = ["torch", "tensor", "self", "config", "model", "layer", "weight", "batch", "device", "dtype",
+             "hidden", "attention", "kwargs", "state", "cache", "output", "input", "index", "value", "name"]
+    tpl = ["def {a}_{b}(self, {c}, {d}=None):", "    {a} = {b}.{c}({d}, dim={n})", "    return {a}_{b}",
+           "class {A}{B}(nn.Module):", "    \"\"\"{A} {b} for the {c} {d}.\"\"\"", "import {a}.{b} as {c}",
+           "from {a}.{b} import {A}{B}, {C}", "    if {a} is not None and {b} > {n}:", "        raise ValueError(\"bad {a}: %r\" % {b})",
+           "    for {a} in range({n}):", "        {a}[{b}] = {c}.{d}({n})", "# {a} {b} {c}: see {d} #{n}", ""]
+    out = []
+    for _ in range(4000):
+        a, b, c, d = rng.choices(words, k=4)
+        out.append(rng.choice(tpl).format(a=a, b=b, c=c, d=d, A=a.title(), B=b.title(), C=c.title(), n=rng.randint(0, 4096)))
+    return out
+
+
+def write_text(path: str, rng: random.Random, lines: list[str], lo: int = 200, hi: int = 4000) -> int:
+    target, parts, size = rng.randint(lo, hi), [], 0
+    while size < target:
+        s = rng.choice(lines)
+        parts.append(s)
+        size += len(s) + 1
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    return size
+
+
+def write_random(path: str, size: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 8 * MiB)
+            f.write(os.urandom(n))  # truly random: no tool may dedup or compress it
+            left -= n
+
+
+def generate_box(base: str, box: str, args) -> dict:
+    subprocess.run(["cp", "-a", base, box], check=True)
+    rng = random.Random(1234)
+    lines = python_lines(rng)
+    app = os.path.join(box, "opt/app")
+    venv = os.path.join(app, "venv")
+    os.makedirs(os.path.join(venv, "bin"))
+    with open(os.path.join(venv, "pyvenv.cfg"), "w") as f:
+        f.write("home = /usr/bin\nversion = 3.11.7\n")
+    os.symlink("/usr/bin/python3", os.path.join(venv, "bin/python"))
+    text = 0
+    for i in range(args.files):  # packages of 100 files, in sub-packages of 20
+        pkg, sub = divmod(i, 100)
+        text += write_text(os.path.join(venv, f"lib/python3.11/site-packages/pkg{pkg:03d}/sub{sub // 20}/mod{sub}.py"), rng, lines)
+    for i in range(args.nodes):  # custom nodes of 10 files
+        node, k = divmod(i, 10)
+        name = "nodes.py" if k == 0 else "__init__.py" if k == 1 else f"module_{k}.py"
+        text += write_text(os.path.join(app, f"custom_nodes/Node{node:03d}/{name}"), rng, lines)
+    per = args.weights_mib * MiB // args.weight_files
+    for i in range(args.weight_files):
+        write_random(os.path.join(app, f"models/checkpoints/model-{i + 1:02d}-of-{args.weight_files:02d}.safetensors"), per)
+    return {"text_bytes": text, "weights_bytes": per * args.weight_files}
+
+
+def tree_listing(root: str) -> dict[str, tuple]:
+    """path -> (kind, size, mode, mtime) without the never-captured dirs: a cheap restore check."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir == ".":
+            dirnames[:] = [d for d in dirnames if d not in NOT_CAPTURED]
+        for n in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, n))
+            kind = "l" if os.path.islink(os.path.join(dirpath, n)) else "d" if n in dirnames else "f"
+            out[os.path.normpath(os.path.join(rel_dir, n))] = (kind, st.st_size if kind == "f" else 0,
+                                                                st.st_mode, int(st.st_mtime))
+    return out
+
+
+# ---------------------------------------------------------------- snap
+
+def snap(b: Bench, *args: str, state: str) -> Run:
+    env = dict(os.environ, SNAP_STATE_DIR=state, SNAP_QUIET="1", DOCKER_CONFIG=os.path.join(b.work, "docker-config"))
+    r = b.run([sys.executable, "-m", "snapshotter", *args], env=env)
+    if r.ok and args[0] == "commit":  # "name: status (size, kind, n entries, digest)" per layer
+        up = [m for m in re.findall(r"^.+?: (uploaded|exists, skipped).*?\((\d[\d.]* \w+),", r.out, re.M)]
+        sent = [size for status, size in up if status == "uploaded"]
+        r.note = f"{len(sent)} layer(s) uploaded ({', '.join(sent[:3])}{', ...' if len(sent) > 3 else ''}), " \
+                 f"{len(up) - len(sent)} skipped"
+    return r
+
+
+# ---------------------------------------------------------------- peers
+
+def restic_env(b: Bench) -> dict:
+    d = os.path.join(b.work, "restic")
+    return dict(os.environ, RESTIC_PASSWORD="bench", RESTIC_REPOSITORY=os.path.join(d, "repo"),
+                RESTIC_CACHE_DIR=os.path.join(d, "cache"))
+
+
+def restic_init(b: Bench) -> bool:
+    if not shutil.which("restic"):
+        b.skipped["restic"] = "restic is not installed (apt-get install restic)"
+        return False
+    r = b.run(["restic", "init"], env=restic_env(b))
+    if not r.ok:
+        b.skipped["restic"] = f"restic init failed ({r.note})"
+    return r.ok
+
+
+def restic_backup(b: Bench, box: str) -> Run:
+    r = b.run(["restic", "backup", "--json", "--host", "bench", box], env=restic_env(b))
+    lines, r.out = r.out.splitlines(), ""  # out: the snapshot id, for the restore
+    for line in lines:
+        if '"summary"' in line:
+            s = json.loads(line)
+            r.note = f"snapshot {s.get('snapshot_id', '?')[:8]}, {s.get('data_added', 0) / MiB:.1f} MiB added"
+            r.out = s.get("snapshot_id", "")
+    return r
+
+
+def start_dockerd(b: Bench) -> Optional[str]:
+    """Start our own dockerd; return its socket, or None with the reason in b.skipped."""
+    if os.geteuid() != 0 or not shutil.which("dockerd") or not shutil.which("docker"):
+        b.skipped["docker"] = "needs root and dockerd + docker (apt-get install docker.io)"
+        return None
+    d = os.path.join(b.work, "docker")
+    os.makedirs(d)
+    sock = os.path.join(d, "d.sock")
+    log = os.path.join(d, "dockerd.log")
+    b.dockerd = subprocess.Popen(
+        ["dockerd", "--host", f"unix://{sock}", "--data-root", f"{d}/data", "--exec-root", f"{d}/exec",
+         "--pidfile", f"{d}/d.pid", "--bridge", "none", "--iptables=false", "--insecure-registry", b.reg.host],
+        stdout=subprocess.DEVNULL, stderr=open(log, "ab"), start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if b.dockerd.poll() is not None:
+            tail = open(log).read().strip().splitlines()[-1:] or ["(empty log)"]
+            b.skipped["docker"] = f"dockerd exited {b.dockerd.returncode}: {tail[0][:200]}"
+            b.dockerd = None
+            return None
+        if subprocess.run(["docker", "-H", f"unix://{sock}", "version"], capture_output=True).returncode == 0:
+            return sock
+        time.sleep(0.5)
+    b.skipped["docker"] = "dockerd did not answer within 60s"
+    return None
+
+
+def stop_dockerd(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # its containerd, if dockerd did not stop it
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def dockerd_peak(pid: int, reset: bool = False) -> Optional[int]:
+    """dockerd's peak RSS in bytes (VmHWM), or reset it first (clear_refs 5)."""
+    try:
+        if reset:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+            return None
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def docker_setup(b: Bench, sock: str, base_ref: str, box: str) -> Optional[tuple[list[str], str]]:
+    """A container of the base image holding the generated data (copied in, untimed), as if
+    installed in it. Returns (docker command, container id), or None with the reason in b.skipped."""
+    docker = ["docker", "-H", f"unix://{sock}"]
+    try:
+        subprocess.run(docker + ["pull", "-q", base_ref], check=True, capture_output=True)
+        cid = subprocess.run(docker + ["create", base_ref, "/bin/sh"], check=True, capture_output=True, text=True).stdout.strip()
+        subprocess.run(f"tar -C {box} -cf - opt/app/venv opt/app/custom_nodes opt/app/models | {' '.join(docker)} cp - {cid}:/",
+                       shell=True, check=True, capture_output=True)
+        return docker, cid
+    except subprocess.CalledProcessError as e:
+        b.skipped["docker"] = f"{' '.join(map(str, e.cmd))[:80]} failed: {(e.stderr or b'').strip()[-200:]!r}"
+        return None
+
+
+def docker_commit_push(b: Bench, docker: list[str], cid: str, ref: str) -> Run:
+    dockerd_peak(b.dockerd.pid, reset=True)
+    c = b.run(docker + ["commit", cid, ref])
+    p = b.run(docker + ["push", ref]) if c.ok else c
+    rss = max(x for x in (c.rss, p.rss, dockerd_peak(b.dockerd.pid)) if x is not None)
+    return Run(c.secs + p.secs, rss, c.ok and p.ok, note=f"commit {c.secs:.1f}s + push {p.secs:.1f}s {p.note}".strip())
+
+
+# ---------------------------------------------------------------- the run
+
+ROWS = [  # case, snap key, peer label, peer key, target ratio, strict
+    ("1 first commit", "snap_first", "tar -c \\| zstd -T0", "tar_zstd", 1.3, False),
+    ("1 first commit", "snap_first", "restic backup (1st)", "restic_1", None, False),
+    ("1 first commit", "snap_first", "docker commit + push (1st)", "docker_1", None, False),
+    ("2 nothing changed", "snap_same", "restic backup (2nd, nothing changed)", "restic_2", 1.0, True),
+    ("3 one custom node changed", "snap_node", "restic backup (after the change)", "restic_3", None, False),
+    ("3 one custom node changed", "snap_node", "docker commit + push (after the change)", "docker_2", None, False),
+    ("4 one model added", "snap_model", "restic backup (after the model)", "restic_4", None, False),
+    ("5 restore to empty dir", "snap_restore", "zstd -d \\| tar -x", "untar", 1.3, False),
+    ("5 restore to empty dir", "snap_restore", "restic restore", "restic_restore", None, False),
+]
+
+
+def measure_all(b: Bench, args) -> dict:
+    w = b.work
+    base, box = os.path.join(w, "base"), os.path.join(w, "box")
+    os.makedirs(base)
+    make_base_rootfs(base)
+    b.reg = RegistryServer(os.path.join(w, "registry")).start()
+    push_base_image(b.reg, "bench/base", "1", base)
+    base_ref, box_ref = f"{b.reg.host}/bench/base:1", f"{b.reg.host}/bench/box"
+    t = time.time()
+    data = generate_box(base, box, args)
+    print(f"generated the box in {time.time() - t:.0f}s: {args.files} venv files + {args.nodes} custom-node files "
+          f"({data['text_bytes'] / MiB:.0f} MiB of text), {args.weight_files} weights ({data['weights_bytes'] / MiB:.0f} MiB)",
+          flush=True)
+    state = os.path.join(w, "snap-state")
+    res = b.res
+
+    def step(key: str, label: str, fn) -> None:
+        print(f"  {label} ...", end=" ", flush=True)
+        r = res[key] = fn()
+        print(f"{r.secs:.1f}s" + ("" if r.ok else f" FAILED ({r.note})"), flush=True)
+
+    # State 0: the generated box.
+    archive = os.path.join(w, "box.tar.zst")
+    step("tar_zstd", "tar -c | zstd -T0", lambda: b.run(f"tar -C {box} -cf - . | zstd -q -T0 -o {archive}", shell=True))
+    step("snap_first", "snap commit (first)", lambda: snap(b, "commit", f"{box_ref}:v1", "--base", base_ref, "--root", box, state=state))
+    step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+    restic = not args.no_restic and restic_init(b)
+    if restic:
+        step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
+        step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
+    sock = None if args.no_docker else start_dockerd(b)
+    if args.no_docker:
+        b.skipped["docker"] = "--no-docker"
+    dk = docker_setup(b, sock, base_ref, box) if sock else None
+    if dk:
+        docker, cid = dk
+        step("docker_1", "docker commit + push (1st)", lambda: docker_commit_push(b, docker, cid, f"{b.reg.host}/bench/docker-box:v1"))
+
+    # State 1: one custom node file changed.
+    with open(os.path.join(box, SMALL_FILE), "a") as f:
+        f.write("EDITED = True  # the one small change\n")
+    step("snap_node", "snap commit (one custom node changed)", lambda: snap(b, "commit", f"{box_ref}:v3", "--base", base_ref, "--root", box, state=state))
+    if restic:
+        step("restic_3", "restic backup (after the change)", lambda: restic_backup(b, box))
+    if dk:
+        subprocess.run(f"tar -C {box} -cf - {SMALL_FILE} | {' '.join(docker)} cp - {cid}:/", shell=True, check=True)
+        step("docker_2", "docker commit + push (after the change)", lambda: docker_commit_push(b, docker, cid, f"{b.reg.host}/bench/docker-box:v2"))
+    if b.dockerd:
+        stop_dockerd(b.dockerd)  # frees its memory for the rest
+        b.dockerd = None
+
+    # State 2: one model added.
+    write_random(os.path.join(box, "opt/app/models/loras/new-model.safetensors"), args.new_model_mib * MiB)
+    step("snap_model", f"snap commit (one {args.new_model_mib} MiB model added)", lambda: snap(b, "commit", f"{box_ref}:v4", "--base", base_ref, "--root", box, state=state))
+    if restic:
+        step("restic_4", "restic backup (after the model)", lambda: restic_backup(b, box))
+
+    # Restores of state 0 (v1, the archive, restic's 1st snapshot), each into an empty dir.
+    out_snap, out_tar = os.path.join(w, "restore-snap"), os.path.join(w, "restore-tar")
+    fresh = os.path.join(w, "snap-state-restore")  # a new machine: no blob cache, no journal
+    step("snap_restore", "snap restore (v1, empty dir)", lambda: snap(b, "restore", f"{box_ref}:v1", "--root", out_snap, state=fresh))
+    os.makedirs(out_tar)
+    step("untar", "zstd -d | tar -x", lambda: b.run(f"zstd -q -d -c {archive} | tar -C {out_tar} -xf -", shell=True))
+    if res["snap_restore"].ok and res["untar"].ok:
+        want, got = tree_listing(out_tar), tree_listing(out_snap)
+        bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        res["snap_restore"].note = f"{len(got)} paths, same as the tar restore" if not bad else \
+            f"DIFFERS from the tar restore at {len(bad)} path(s), e.g. {bad[:3]}"
+    data["archive_bytes"] = os.path.getsize(archive) if os.path.exists(archive) else 0
+    for d in (out_snap, out_tar, fresh):  # disk space for the next restore
+        shutil.rmtree(d, ignore_errors=True)
+    if os.path.exists(archive):
+        os.unlink(archive)
+    snap_id = res["restic_1"].out if "restic_1" in res else ""
+    if snap_id:
+        step("restic_restore", "restic restore (1st snapshot)",
+             lambda: b.run(["restic", "restore", snap_id, "--target", os.path.join(w, "restore-restic")], env=restic_env(b)))
+    return data
+
+
+# ---------------------------------------------------------------- report
+
+def fmt_mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / MiB:.0f} MiB"
+
+
+def machine() -> str:
+    mem = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    df = subprocess.run(["df", "-hT", tempfile.gettempdir()], capture_output=True, text=True).stdout.splitlines()[-1].split()
+    ver = lambda *c: (subprocess.run(list(c), capture_output=True, text=True).stdout.strip().splitlines() or ["?"])[0]  # noqa: E731
+    rev = ver("git", "-C", REPO, "rev-parse", "--short", "HEAD")
+    dirty = " (+ uncommitted changes)" if ver("git", "-C", REPO, "status", "--porcelain") != "?" else ""
+    return "\n".join([
+        f"- CPU: {os.cpu_count()} x {cpu}; RAM: {mem / 1024 / 1024:.1f} GiB",
+        f"- disk (temp dir): {df[0]} {df[1]}, {df[2]} total, {df[4]} free",
+        f"- load average (1 min) at the end: {os.getloadavg()[0]:.2f} (other work on the machine skews the times)",
+        f"- kernel {platform.release()}; Python {platform.python_version()}; snap at {rev}{dirty}",
+        f"- zstd {ver('zstd', '-q', '-V')}; {ver('restic', 'version')}; {ver('dockerd', '--version')}",
+    ])
+
+
+def memory_row(b: Bench, args, data: dict, label: str) -> tuple[list[str], dict]:
+    """Is snap's peak RSS flat in the weights' size? Against the other standard run (small <->
+    default) if bench/out has it, else against the weights' total (25% of it at most)."""
+    peak = max((r.rss for k, r in b.res.items() if k.startswith("snap_") and r.rss), default=0)
+    weights = data["weights_bytes"]
+    me = {"label": label, "weights_bytes": weights, "snap_peak_rss": peak}
+    other_path = os.path.join(OUT, f"run-{ {'small': 'default', 'default': 'small'}.get(label)}.json")
+    other = json.load(open(other_path)) if os.path.exists(other_path) else None
+    if other and other["weights_bytes"] != weights:
+        lo, hi = sorted([me, other], key=lambda d: d["weights_bytes"])
+        slope = (hi["snap_peak_rss"] - lo["snap_peak_rss"]) / (hi["weights_bytes"] - lo["weights_bytes"])
+        peer = f"{lo['label']}: {fmt_mib(lo['snap_peak_rss'])} at {fmt_mib(lo['weights_bytes'])} weights; " \
+               f"{hi['label']}: {fmt_mib(hi['snap_peak_rss'])} at {fmt_mib(hi['weights_bytes'])} weights"
+        verdict = "PASS" if slope <= 0.05 else "FAIL"
+        target = f"growth <= 5% of the weights' growth (here {slope:.1%})"
+    else:
+        peer = f"weights: {fmt_mib(weights)} (run --small and the default for a slope)"
+        limit = weights // 4
+        verdict = "INFO" if args.small else "PASS" if peak <= limit else "FAIL"
+        target = f"<= 25% of the weights ({fmt_mib(limit)})" + (", not judged with --small" if args.small else "")
+    return ["mem: peak RSS (max of snap runs)", "", fmt_mib(peak), peer, "", "", "", target, verdict], me
+
+
+def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
+    res = b.res
+    head = ["case", "snap s", "snap peak RSS", "peer", "peer s", "peer peak RSS", "ratio snap/peer", "target", "result"]
+    rows = []
+    for case, sk, peer, pk, limit, strict in ROWS:
+        s, p = res.get(sk), res.get(pk)
+        why = next((v for k, v in b.skipped.items() if pk.startswith(k)), None)
+        ratio = s.secs / p.secs if s and p and s.ok and p.ok and p.secs > 0 else None
+        target = "" if limit is None else (f"< {limit:.1f}x" if strict else f"<= {limit:.1f}x")
+        verdict = "" if limit is None else "SKIP" if ratio is None and why else "ERROR" if ratio is None else \
+            "PASS" if (ratio < limit if strict else ratio <= limit) else "FAIL"
+        rows.append([case, f"{s.secs:.2f}" if s and s.ok else "error" if s else "-", fmt_mib(s.rss) if s else "-",
+                     peer, f"{p.secs:.2f}" if p and p.ok else f"skipped: {why}" if why else "error" if p else "-",
+                     fmt_mib(p.rss) if p else "-", f"{ratio:.2f}x" if ratio else "-", target, verdict])
+    mem_row, me = memory_row(b, args, data, label)
+    rows.append(mem_row)
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    notes = [f"- {k}: {r.note}" for k, r in res.items() if r.note]
+    lines = [
+        f"# snap benchmark ({label})", "",
+        f"Box: {args.files} venv files + {args.nodes} custom-node files ({data['text_bytes'] / MiB:.0f} MiB of text), "
+        f"{args.weight_files} weights of {data['weights_bytes'] // args.weight_files // MiB} MiB "
+        f"({data['weights_bytes'] / MiB:.0f} MiB); model added in case 4: {args.new_model_mib} MiB; "
+        f"tar.zst of the box: {data.get('archive_bytes', 0) / MiB:.0f} MiB. Warm page cache, local registry on 127.0.0.1. "
+        f"Whole run: {total_secs / 60:.1f} min.", "", *table, "",
+        "Peak RSS: largest process of the measured tree (wait4 ru_maxrss, as /usr/bin/time -v); docker: dockerd's VmHWM.",
+        "Restores are of state 0 (snap v1, the tar.zst, restic's 1st snapshot); snap restores with an empty state dir.", "",
+        "Notes:", *notes, *[f"- {k} skipped: {v}" for k, v in b.skipped.items()], "", "Machine:", machine(), "",
+    ]
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, f"run-{label}.json"), "w") as f:
+        json.dump(me, f)
+    return "\n".join(lines)
+
+
+def parse_args():
+    env = lambda name, default: int(os.environ.get(f"BENCH_{name}", default))  # noqa: E731
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="quick run: 2k files, 4 x 50 MiB weights, 64 MiB model added")
+    ap.add_argument("--files", type=int, help="venv files (default 20000; BENCH_FILES)")
+    ap.add_argument("--weights-mib", type=int, help="total weights in MiB (default 2048; BENCH_WEIGHTS_MIB)")
+    ap.add_argument("--weight-files", type=int, help="weights files (default 4; BENCH_WEIGHT_FILES)")
+    ap.add_argument("--nodes", type=int, help="custom-node files (default 500; BENCH_NODES)")
+    ap.add_argument("--new-model-mib", type=int, help="model added in case 4 (default 256; BENCH_NEW_MODEL_MIB)")
+    ap.add_argument("--no-docker", action="store_true", help="skip the docker peer")
+    ap.add_argument("--no-restic", action="store_true", help="skip the restic peer")
+    ap.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"), help="where the temp dir goes (default $TMPDIR)")
+    a = ap.parse_args()
+    small = {"files": 2000, "weights_mib": 200, "weight_files": 4, "nodes": 100, "new_model_mib": 64}
+    full = {"files": 20000, "weights_mib": 2048, "weight_files": 4, "nodes": 500, "new_model_mib": 256}
+    for k, v in (small if a.small else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, env(k.upper(), v))
+    return a
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C
+
+
+def main() -> int:
+    args = parse_args()
+    label = "small" if args.small else "default"
+    if (args.files, args.weights_mib, args.nodes) != ((2000, 200, 100) if args.small else (20000, 2048, 500)):
+        label += f"-{args.files}f-{args.weights_mib}m"
+    b = Bench(tempfile.mkdtemp(prefix="snap-bench-", dir=args.workdir))
+    signal.signal(signal.SIGTERM, _interrupt)
+    os.makedirs(OUT, exist_ok=True)
+    print(f"snap benchmark ({label}) in {b.work}", flush=True)
+    t0 = time.time()
+    try:
+        data = measure_all(b, args)
+        md = report(b, args, data, label, time.time() - t0)
+        print("\n" + md)
+        with open(os.path.join(OUT, "results.md"), "w") as f:
+            f.write(md)
+        print(f"written to {os.path.relpath(os.path.join(OUT, 'results.md'), os.getcwd())}")
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        if os.path.exists(b.log):  # every command's output, for a look after the temp dir is gone
+            shutil.copy(b.log, os.path.join(OUT, f"bench-{label}.log"))
+        b.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
