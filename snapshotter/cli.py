@@ -40,7 +40,7 @@ def _errors(fn):
             _say(f"snap: error: {e}")
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt:
-            _say("snap: interrupted; nothing half-written was left at an original path (run it again to resume)")
+            _say("snap: interrupted (run the command again: a commit re-sends only what is missing, a restore resumes)")
             raise typer.Exit(130)
 
     return wrapper
@@ -88,8 +88,9 @@ def _fmt_size(n: int) -> str:
 @_errors
 def commit(
     target: str = typer.Argument(..., help="Where to push the snapshot, e.g. registry.example.com/me/box:v2"),
-    base: str = typer.Option(..., "--base", "-b", help="The image the box was started from (read from the registry; no Docker needed)."),
+    base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (read from the registry; no Docker needed). Required unless --from-container."),
     root: str = typer.Option("/", "--root", help="Root of the box to capture."),
+    from_container: Optional[str] = typer.Option(None, "--from-container", help="Capture a Docker container's changes (the engine's diff) instead of --root; --base defaults to its image."),
     profile: str = typer.Option("default", "--profile", "-p", help="Layer profile: a name from layers/ (default, comfyui, vllm) or a YAML file."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip for engines that cannot pull zstd (Docker < 23). Weights stay uncompressed."),
     rehash: bool = typer.Option(False, "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat cache."),
@@ -106,7 +107,13 @@ def commit(
         max_layer_size=parse_size(max_layer_size),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
-    result = do_commit(target, base, opts)
+    if from_container:
+        from .container import commit_from_container
+        result = commit_from_container(from_container, target, base, opts)
+    elif base is None:
+        raise UsageError("--base is required", "name the image the box was started from, e.g. --base registry.example.com/me/base:1")
+    else:
+        result = do_commit(target, base, opts)
     if result.skipped_secrets:
         _say(f"left out {len(result.skipped_secrets)} secret-looking path(s) (set include_secrets in the profile to keep them):")
         for p in result.skipped_secrets:
@@ -122,7 +129,7 @@ def commit(
     _say(f"base: {result.base_layers} layer(s); deleted paths: {result.deleted}")
     for layer in result.layers:
         kind = layer.media_type.rsplit(".", 1)[-1]
-        typer.echo(f"{layer.name}: {layer.status} ({_fmt_size(layer.size)}, {kind}, {layer.entries} entries, {layer.digest[:19]})")
+        typer.echo(f"{layer.name}: {layer.status}  [{_fmt_size(layer.size)}, {kind}, {layer.entries} entries, {layer.digest[:19]}]")
     if not result.layers:
         typer.echo("no changes against the base: the snapshot is the base image")
     typer.echo(f"pushed {result.ref}")
@@ -163,6 +170,70 @@ def restore(
     typer.echo(f"restored {result.ref} into {root}: {len(result.applied)} layer(s) applied"
                f"{f', {result.resumed} already applied' if result.resumed else ''}, "
                f"{result.files} files, {_fmt_size(result.bytes)}")
+
+
+@app.command("run")
+@_errors
+def run_image(
+    ref: str = typer.Argument(..., help="The snapshot image, e.g. registry.example.com/me/box:v2"),
+    command: Optional[List[str]] = typer.Argument(None, help="After --: a command to run instead of the image's (its entrypoint is kept)."),
+    no_gpu: bool = typer.Option(False, "--no-gpu", help="Give the container no GPUs (default: all of them when the host has NVIDIA GPUs)."),
+    publish: Optional[List[str]] = typer.Option(None, "--publish", "-p", help="Publish a port: [IP:]HOST:CONTAINER, e.g. 8188:8188. Repeatable."),
+    volume: Optional[List[str]] = typer.Option(None, "--volume", "-v", help="Bind mount: HOST:CONTAINER[:ro]. Repeatable."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="Set a variable: KEY=VALUE (or KEY, from snap's environment). Repeatable."),
+    name: Optional[str] = typer.Option(None, "--name", help="Name the container."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Start it in the background and print its id."),
+    username: Optional[str] = Username, password_stdin: bool = PasswordStdin,
+):
+    """Run mode: pull the snapshot into the Docker engine (DOCKER_HOST) and start it with the image's own
+    entrypoint, command, env and workdir. Exits with the container's exit code.
+    `snap run REF -- CMD ARGS...` replaces the command. No engine? Use `snap restore` (extract mode)."""
+    from .run import run as do_run
+
+    transport = _transport(False, None, False, username, password_stdin)
+    result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
+                    env=env or [], name=name, detach=detach, transport=transport, log=_say)
+    if detach:
+        typer.echo(result.container_id)
+        return
+    raise typer.Exit(result.exit_code or 0)
+
+
+@app.command()
+@_errors
+def verify(
+    ref: str = typer.Argument(..., help="The snapshot image, e.g. registry.example.com/me/box:v2"),
+    root: str = typer.Option(..., "--root", help="Directory to compare with the image (use / on a restored VM)."),
+    only_snapshot: bool = typer.Option(False, "--only-snapshot", help="Compare only the paths of snap's layers (the base came from elsewhere)."),
+    strict: bool = typer.Option(False, "--strict", help="Also report files the image does not have (outside the profile's exclude list)."),
+    allow_devices: bool = typer.Option(False, "--allow-devices", help="Expect device nodes (restored with --allow-devices)."),
+    allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Expect setuid/setgid bits (restored with --allow-setuid)."),
+    profile: str = typer.Option("default", "--profile", "-p", help="Profile whose exclude list is not compared."),
+    plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
+    username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
+):
+    """Compare a directory with the image, file by file: one line per path that differs (type, content,
+    mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not."""
+    from .errors import VerifyFailed
+    from .profile import load_profile
+    from .verify import VerifyOptions, verify as do_verify
+
+    opts = VerifyOptions(
+        only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
+        profile=load_profile(profile), transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin),
+    )
+    result = do_verify(ref, root, opts)
+    if as_json:
+        typer.echo(json.dumps({"ref": str(result.ref), "manifest_digest": result.manifest_digest, "checked": result.checked,
+                               "ok": result.ok, "differences": [asdict(d) for d in result.differences]}, indent=2))
+    else:
+        for d in result.differences:
+            typer.echo(str(d))
+    if not result.ok:
+        raise VerifyFailed(f"{len(result.differences)} path(s) in {root} differ from {result.ref}",
+                           "restore again to put them back")
+    if not as_json:
+        typer.echo(f"verified {result.ref}: {root} matches ({result.checked} paths)")
 
 
 @app.command("profiles")

@@ -6,27 +6,36 @@
 - Regular files are written to a temp name in the same directory and renamed into place, so an
   interrupted restore leaves no half-written file at an original path.
 - OCI whiteouts ('.wh.NAME') and opaque markers ('.wh..wh..opq') delete from lower layers only.
-- Owners are applied when running as root; device nodes only when asked; setuid/setgid bits
-  only when asked and running as root.
+- Owners are applied when running as root; device nodes only when asked; setuid/setgid bits and
+  file capabilities (the security.capability xattr) only when asked and running as root.
 - Directory mtimes are set last, and directories this layer only wrote into keep their old mtime.
+- Temp files a killed run left behind ('.snap-tmp-*') are removed when a run next writes into
+  their directory.
 """
 
 from __future__ import annotations
 
 import errno
+import gzip
 import os
+import re
 import shutil
 import stat
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from typing import BinaryIO, Optional
 
+import zstandard
+
 from .errors import IntegrityError, StorageError
-from .fsindex import OPAQUE, WHITEOUT_PREFIX
+from .fsindex import OPAQUE, WHITEOUT_PREFIX, clean_path
 
 MAX_SYMLINK_HOPS = 40
 TMP_PREFIX = ".snap-tmp-"
+_STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
 _SKIP_XATTRS = ("trusted.", "security.selinux")
+_CAPABILITY = "security.capability"
 
 
 @dataclass
@@ -42,7 +51,17 @@ class ExtractStats:
     files: int = 0
     bytes: int = 0
     skipped_devices: list[str] = field(default_factory=list)
-    stripped_setuid: list[str] = field(default_factory=list)
+    stripped_setuid: list[str] = field(default_factory=list)  # setuid/setgid bits or file capabilities
+    stale_tmp_removed: int = 0
+
+
+def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> StorageError:
+    """A one-line StorageError for an OSError met while writing in `place` (`what`: doing what)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(f"disk full in {place}{what}", hint or "free space and run the restore again: it resumes")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StorageError(f"cannot write in {place}{what}: {e.strerror}", hint or "check permissions, or run as root")
+    return StorageError(f"cannot write in {place}{what}: {e.strerror or e}")
 
 
 def check_name(name: str) -> str:
@@ -63,6 +82,7 @@ class Extractor:
         self.root = os.path.realpath(root)
         self.opts = options or ExtractOptions()
         self.stats = ExtractStats()
+        self._cleaned: set[str] = set()  # directories already swept for stale temp files this run
 
     # ---- path resolution, scoped to the root ------------------------------------------------
 
@@ -110,7 +130,19 @@ class Extractor:
         """(real parent dir, final path) for a member; the final component is not followed."""
         parent, _, base = rel.rpartition("/")
         pdir = self._resolve_dir(parent)
+        if pdir not in self._cleaned:
+            self._cleaned.add(pdir)
+            self._sweep_stale_tmp(pdir)
         return pdir, os.path.join(pdir, base)
+
+    def _sweep_stale_tmp(self, pdir: str) -> None:
+        """Remove temp files an interrupted run left in `pdir` (this run has none open there yet)."""
+        with os.scandir(pdir) as it:
+            stale = [de.path for de in it if de.name.startswith(TMP_PREFIX) and _STALE_TMP.fullmatch(de.name)]
+        for path in stale:
+            self._note_parent(pdir)
+            _remove_any(path)
+            self.stats.stale_tmp_removed += 1
 
     # ---- directory mtimes ---------------------------------------------------------------------
 
@@ -129,19 +161,21 @@ class Extractor:
         """Apply one layer (an uncompressed tar stream)."""
         self._dir_times: dict[str, tuple[int, int]] = {}
         self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
-        self._written: set[str] = set()  # root-relative paths this layer created
+        self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
+        name = ""
         try:
             with tarfile.open(fileobj=tar_stream, mode="r|", errorlevel=2) as tar:
                 for m in tar:
+                    name = m.name
                     self._apply_member(tar, m)
+            while tar_stream.read(1 << 20):  # read to the end here, so a corrupt tail is caught below
+                pass
         except tarfile.TarError as e:
             raise IntegrityError(f"layer is not a valid tar archive: {e}")
+        except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
+            raise IntegrityError(f"layer data does not decompress: {e}")  # checked before OSError: BadGzipFile is one
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StorageError(f"disk full while restoring into {self.root}", "free space and run the restore again: it resumes")
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise StorageError(f"cannot write into {self.root}: {e.strerror}", "check permissions, or run as root")
-            raise
+            raise storage_error(e, self.root, f" while writing /{clean_path(name)}" if name else "") from e
         finally:
             # Put back the times of directories we only wrote into, then set this layer's own
             # directory times (deepest first, since setting a child can touch its parent).
@@ -160,6 +194,11 @@ class Extractor:
         if base.startswith(WHITEOUT_PREFIX):
             self._whiteout(parent, base)
             return
+        if not (m.isdir() or m.isreg() or m.issym() or m.islnk() or m.ischr() or m.isblk() or m.isfifo()):
+            return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
+        if (m.ischr() or m.isblk()) and not (self.opts.allow_devices and os.geteuid() == 0):
+            self.stats.skipped_devices.append("/" + rel)
+            return  # skipped before anything is touched: the path keeps what lower layers put there
         pdir, path = self._locate(rel)
         self._note_parent(pdir)
         try:
@@ -176,14 +215,15 @@ class Extractor:
             self._set_attrs(path, m, rel)
             self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
             self._dir_times.pop(path, None)
-            self._written.add(rel)
+            self._written.add(path)
             return
 
         if old is not None and stat.S_ISDIR(old.st_mode):
             shutil.rmtree(path)  # a non-directory replaces a whole lower tree
 
-        tmp = os.path.join(pdir, f"{TMP_PREFIX}{os.getpid()}-{base[:100]}")
-        _remove(tmp)
+        # A short name: the member's own name may already be NAME_MAX bytes long.
+        tmp = os.path.join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
+        _remove_any(tmp)
         try:
             if m.isreg():
                 self._write_file(tar, m, tmp)
@@ -192,21 +232,16 @@ class Extractor:
             elif m.islnk():
                 self._hardlink(m, tmp)
             elif m.ischr() or m.isblk():
-                if not (self.opts.allow_devices and os.geteuid() == 0):
-                    self.stats.skipped_devices.append("/" + rel)
-                    return
                 kind = stat.S_IFCHR if m.ischr() else stat.S_IFBLK
                 os.mknod(tmp, kind | 0o600, os.makedev(m.devmajor, m.devminor))
-            elif m.isfifo():
-                os.mkfifo(tmp, 0o600)
             else:
-                return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
+                os.mkfifo(tmp, 0o600)
             if not m.islnk():
                 self._set_attrs(tmp, m, rel)
             os.rename(tmp, path)
         finally:
             _remove(tmp)
-        self._written.add(rel)
+        self._written.add(path)
 
     def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -230,10 +265,11 @@ class Extractor:
         if not target_rel:
             raise IntegrityError(f"hardlink {m.name!r} points at the root: refusing a hostile layer")
         tparent, _, tbase = target_rel.rpartition("/")
-        target = os.path.join(self._resolve_dir(tparent), tbase)
         try:
+            # Scoped like any path, and never creating or replacing anything on the way.
+            target = os.path.join(self._resolve_dir(tparent, create=False), tbase)
             tst = os.lstat(target)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, which is not in the image")
         if stat.S_ISDIR(tst.st_mode):
             raise IntegrityError(f"hardlink {m.name!r} points at a directory: refusing a hostile layer")
@@ -246,33 +282,39 @@ class Extractor:
             return  # nothing below to hide
         if base == OPAQUE:
             for name in os.listdir(pdir):
-                rel = f"{parent}/{name}" if parent else name
-                if rel not in self._written:
+                path = os.path.join(pdir, name)
+                if path not in self._written:
                     self._note_parent(pdir)
-                    _remove_any(os.path.join(pdir, name))
+                    _remove_any(path)
             return
         name = base[len(WHITEOUT_PREFIX):]
         if not name or name in (".", "..") or "/" in name:
             raise IntegrityError(f"whiteout {base!r} names no valid path: refusing a hostile layer")
-        rel = f"{parent}/{name}" if parent else name
-        if rel in self._written:
+        path = os.path.join(pdir, name)
+        if path in self._written:
             return  # a whiteout never deletes from its own layer
         self._note_parent(pdir)
-        _remove_any(os.path.join(pdir, name))
+        _remove_any(path)  # the final component is removed, never followed
 
     def _set_attrs(self, path: str, m: tarfile.TarInfo, rel: str) -> None:
         mode = m.mode & 0o7777
-        if mode & (stat.S_ISUID | stat.S_ISGID) and not m.isdir():
-            if not (self.opts.allow_setuid and os.geteuid() == 0):
-                mode &= ~(stat.S_ISUID | stat.S_ISGID)
-                self.stats.stripped_setuid.append("/" + rel)
+        keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
+        xattrs = {k[len("SCHILY.xattr."):]: v for k, v in (m.pax_headers or {}).items() if k.startswith("SCHILY.xattr.")}
+        stripped = False
+        if mode & (stat.S_ISUID | stat.S_ISGID) and not m.isdir() and not keep_privileges:
+            mode &= ~(stat.S_ISUID | stat.S_ISGID)
+            stripped = True
+        if _CAPABILITY in xattrs and not keep_privileges:
+            del xattrs[_CAPABILITY]  # file capabilities are setuid by another name
+            stripped = True
+        if stripped:
+            self.stats.stripped_setuid.append("/" + rel)
         if self.opts.same_owner:
             os.chown(path, m.uid, m.gid, follow_symlinks=False)
         if not m.issym():
             os.chmod(path, mode)  # after chown: chown clears setuid bits
-        for key, value in (m.pax_headers or {}).items():
-            if key.startswith("SCHILY.xattr."):
-                self._set_xattr(path, key[len("SCHILY.xattr."):], value)
+        for name, value in xattrs.items():
+            self._set_xattr(path, name, value)
         os.utime(path, ns=(int(m.mtime) * 10**9, int(m.mtime) * 10**9), follow_symlinks=False)
 
     def _set_xattr(self, path: str, name: str, value: str) -> None:

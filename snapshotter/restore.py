@@ -1,11 +1,12 @@
 """`snap restore` (extract mode): pull an image's layers, verify them, and apply them onto a directory.
 
-Each blob is downloaded to the local state dir and its digest checked before a single byte of it
-reaches the target; each layer's diff_id is checked as it is applied. A journal in the state dir
+Every blob is downloaded to the local state dir and its digest checked before a single byte of the
+image reaches the target; each layer's diff_id is checked as it is applied. A journal in the state dir
 records the layers already applied, so a restore that was interrupted resumes where it stopped."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 from . import progress
 from .compress import HashingReader, decompressing_reader
 from .errors import IntegrityError, UsageError
-from .extract import ExtractOptions, Extractor
+from .extract import ExtractOptions, Extractor, storage_error
 from .image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART, SNAP_PART_FILE, snapshot_layer_count
 from .plan import PART_SUFFIX
 from .registry import Image, Reference, Remote, TransportOptions
@@ -108,7 +109,6 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
         opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
 
     blob_dir = sub("blobs")
-    extractor = Extractor(root, opts.extract)
     applied: list[str] = []
     total = sum(d["size"] for _, d, _ in pending)
     with progress.bar("downloading", total) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
@@ -124,8 +124,11 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
 
         futures = [pool.submit(fetch, d) for _, d, _ in pending]
         try:
-            for (i, desc, diff_id), fut in zip(pending, futures):
-                path = fut.result()  # raises IntegrityError on a tampered blob, before anything is written
+            # Every blob is downloaded and its digest checked before the first byte reaches the root:
+            # a tampered layer anywhere in the image stops the restore with nothing written.
+            paths = [f.result() for f in futures]
+            extractor = Extractor(root, opts.extract)
+            for (i, desc, diff_id), path in zip(pending, paths):
                 label = layer_label(desc, i)
                 with progress.bar(f"extracting {label}", desc["size"]) as xb, open(path, "rb") as raw:
                     counted = _CountingFile(raw, progress.safe_update(xb))
@@ -138,11 +141,19 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
                 _write_journal(journal, image.manifest_digest, done)
                 applied.append(label)
                 os.unlink(path)
-        except BaseException:
+        except BaseException as e:
             for f in futures:
                 f.cancel()
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise storage_error(e, f"snap's state dir {blob_dir}", " while downloading layers",
+                                    "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: it resumes") from e
             raise
-    _join_parts(extractor, todo, opts.extract.fsync)
+    if not pending:
+        extractor = Extractor(root, opts.extract)
+    try:
+        _join_parts(extractor, todo, opts.extract.fsync)
+    except OSError as e:
+        raise storage_error(e, root, " while joining part layers") from e
     if os.path.exists(journal):
         os.unlink(journal)
     s = extractor.stats

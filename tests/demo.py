@@ -19,8 +19,8 @@ from support import RegistryServer, make_base_rootfs, push_base_image, snapshot_
 def run(*args: str) -> str:
     print(f"$ snap {' '.join(args)}", flush=True)
     r = subprocess.run([sys.executable, "-m", "snapshotter", *args], text=True, capture_output=True)
+    sys.stdout.write(r.stderr)  # snap's notes first: they were said before the result
     sys.stdout.write(r.stdout)
-    sys.stderr.write(r.stderr)
     if r.returncode != 0:
         sys.exit(f"demo failed: snap {args[0]} exited {r.returncode}")
     return r.stdout

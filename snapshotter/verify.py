@@ -1,0 +1,276 @@
+"""`snap verify`: compare a directory with the files of an image, path by path.
+
+The expected tree is built from the image's layers (streamed from the registry, each blob checked
+against its digest and diff_id; nothing is written to disk), the way restore would apply them:
+whiteouts, replaced trees, files joined from part layers. Every path of it is then checked in the
+directory: type, content digest, mode, owner, symlink target, device number.
+
+What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
+profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), and, as restore does
+not write them by default, device nodes and setuid/setgid bits (unless --allow-devices /
+--allow-setuid). Files in the directory that the image does not have are reported only with
+`strict` (a live root has much the image never held); paths the image deletes (whiteouts) are
+reported when they are still there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+import tarfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+import zstandard
+
+from . import progress
+from .compress import HashingReader, IterReader, decompressing_reader
+from .errors import IntegrityError, UsageError
+from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, entry_from_member, \
+    entry_from_stat, file_digest, pseudo_mounts
+from .image import SNAP_PART_FILE
+from .plan import PART_SUFFIX
+from .profile import Profile, load_profile
+from .registry import Image, Reference, Remote, TransportOptions
+from .restore import layer_label, select_layers
+
+_PART_RE = re.compile(re.escape(PART_SUFFIX) + r"(\d{4})-of-(\d{4})$")
+_PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
+
+
+@dataclass
+class VerifyOptions:
+    only_snapshot: bool = False
+    strict: bool = False  # also report files the image does not have
+    allow_setuid: bool = False  # expect setuid/setgid bits (restore --allow-setuid)
+    allow_devices: bool = False  # expect device nodes (restore --allow-devices)
+    profile: Profile = field(default_factory=load_profile)
+    transport: TransportOptions = field(default_factory=TransportOptions)
+
+
+@dataclass
+class Difference:
+    path: str  # "/opt/app/x"
+    kind: str  # missing | extra | type | content | mode | owner | symlink | device
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.detail}"
+
+
+@dataclass
+class VerifyResult:
+    ref: Reference
+    manifest_digest: str
+    checked: int  # image paths compared
+    differences: list[Difference]
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+
+# ---- the expected tree ------------------------------------------------------------------------
+
+
+def image_index(remote: Remote, image: Image, only_snapshot: bool) -> tuple[dict[str, Entry], set[str]]:
+    """(index of the image's paths, paths its layers delete that no later layer brings back)."""
+    index: dict[str, Entry] = {}
+    deleted: set[str] = set()
+    joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
+    for i, desc, diff_id in select_layers(image, only_snapshot):
+        label = layer_label(desc, i)
+        before = set(index)
+        with progress.bar(f"reading {label}", desc["size"]) as bar:
+            blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar)))
+            stream = HashingReader(decompressing_reader(blob, desc["mediaType"]))
+            try:
+                if SNAP_PART_FILE in desc.get("annotations", {}):
+                    _apply_part_layer(index, stream, joins)
+                else:
+                    apply_layer_to_index(index, stream)
+                stream.drain()  # to the end of the blob: its digest is checked there
+            except (tarfile.TarError, EOFError, OSError, zstandard.ZstdError) as e:
+                # A blob's digest is only known at its end: a corrupt one may fail to unpack first.
+                raise IntegrityError(f"layer {label} of {image.ref} is corrupt: {e}")
+        if stream.digest != diff_id:
+            raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
+        deleted |= before - index.keys()
+    for rel in index:
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise IntegrityError(f"image {image.ref} has a path that leaves the root ({rel!r}): refusing a hostile image")
+    return index, deleted - index.keys()
+
+
+def _apply_part_layer(index: dict[str, Entry], stream, joins: dict) -> None:
+    """A layer holding one part of a file cut at the layer size cap: hash it into the joined file,
+    which is what restore leaves at the path once the last part is in."""
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for m in tar:
+            rel = m.name.strip("/")
+            match = _PART_RE.search(rel)
+            if not (m.isreg() and match):
+                e = entry_from_member(m, rel)
+                if e is not None:
+                    index[rel] = e
+                continue
+            path = rel[:match.start()]
+            i, n = int(match.group(1)), int(match.group(2))
+            h, size = joins.pop(path) if i > 1 and path in joins else (hashlib.sha256(), 0)
+            f = tar.extractfile(m)
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            size += m.size
+            if i < n:
+                joins[path] = (h, size)
+                continue
+            e = entry_from_member(m, path)
+            e.size, e.digest = size, "sha256:" + h.hexdigest()
+            index[path] = e
+
+
+# ---- comparing ------------------------------------------------------------------------------
+
+
+def _kind_name(kind: str) -> str:
+    return {FILE: "a file", DIR: "a directory", SYMLINK: "a symlink"}.get(kind, f"a {kind} device" if kind in (CHAR, BLOCK) else f"a {kind}")
+
+
+def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions) -> tuple[int, list[Difference]]:
+    root = os.path.realpath(root)
+    excluded = opts.profile.exclude.match
+    diffs: list[Difference] = []
+    covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
+    real_dirs: dict[str, bool] = {"": True}
+    checked = 0
+
+    def under_covered(rel: str) -> bool:
+        parent = rel.rpartition("/")[0]
+        while parent:
+            if parent in covered:
+                return True
+            parent = parent.rpartition("/")[0]
+        return False
+
+    def is_real_dir(rel: str) -> bool:
+        """Is root/rel a directory reached without following any symlink?"""
+        if rel not in real_dirs:
+            parent = rel.rpartition("/")[0]
+            ok = is_real_dir(parent)
+            if ok:
+                try:
+                    ok = stat.S_ISDIR(os.lstat(os.path.join(root, rel)).st_mode)
+                except OSError:
+                    ok = False
+            real_dirs[rel] = ok
+        return real_dirs[rel]
+
+    for rel in sorted(index):
+        e = index[rel]
+        if excluded(rel) or under_covered(rel):
+            continue
+        if e.kind in (CHAR, BLOCK) and not opts.allow_devices:
+            continue  # restore skips device nodes unless asked
+        if e.kind != DIR:
+            covered.add(rel)  # nothing below a non-directory is reachable
+        checked += 1
+        shown = "/" + rel
+        if not is_real_dir(rel.rpartition("/")[0]):
+            diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
+            covered.add(rel)
+            continue
+        full = os.path.join(root, rel)
+        try:
+            st = os.lstat(full)
+            have = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
+        except FileNotFoundError:
+            diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
+            covered.add(rel)
+            continue
+        kind = have.kind if have else "socket"
+        if kind != e.kind:
+            diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
+            covered.add(rel)
+            continue
+        diffs.extend(_compare_entry(shown, full, have, e, opts.allow_setuid))
+
+    for rel in sorted(deleted):
+        if excluded(rel) or under_covered(rel) or rel.rpartition("/")[0] in deleted:
+            continue
+        if is_real_dir(rel.rpartition("/")[0]) and os.path.lexists(os.path.join(root, rel)):
+            diffs.append(Difference("/" + rel, "extra", "present, but the image deletes it"))
+            covered.add(rel)
+
+    if opts.strict:
+        diffs.extend(_extras(root, index, covered, opts))
+    diffs.sort(key=lambda d: d.path)
+    return checked, diffs
+
+
+def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid: bool) -> list[Difference]:
+    out: list[Difference] = []
+    if want.kind != SYMLINK and have.mode != want.mode:
+        stripped = want.kind != DIR and not allow_setuid and have.mode == want.mode & ~_PRIVILEGE_BITS
+        if not stripped:  # restore strips setuid/setgid unless --allow-setuid
+            out.append(Difference(shown, "mode", f"mode {have.mode:04o}, expected {want.mode:04o}"))
+    if (have.uid, have.gid) != (want.uid, want.gid):
+        out.append(Difference(shown, "owner", f"owner {have.uid}:{have.gid}, expected {want.uid}:{want.gid}"))
+    if want.kind == SYMLINK and have.linkname != want.linkname:
+        out.append(Difference(shown, "symlink", f"symlink to {have.linkname!r}, expected {want.linkname!r}"))
+    if want.kind in (CHAR, BLOCK) and have.rdev != want.rdev:
+        out.append(Difference(shown, "device", f"device {os.major(have.rdev)}:{os.minor(have.rdev)}, "
+                                               f"expected {os.major(want.rdev)}:{os.minor(want.rdev)}"))
+    if want.kind == FILE:
+        if have.size != want.size:
+            out.append(Difference(shown, "content", f"content differs: {have.size} bytes, expected {want.size}"))
+        elif want.digest:
+            try:
+                digest = file_digest(full)
+            except PermissionError:
+                digest = "unreadable"
+            if digest != want.digest:
+                out.append(Difference(shown, "content", f"content differs: {digest[:19]}, expected {want.digest[:19]}"))
+    return out
+
+
+def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyOptions) -> list[Difference]:
+    """Paths in the directory that the image does not have (only the top-most of an extra tree)."""
+    out: list[Difference] = []
+    skip = pseudo_mounts(root)
+    profile = opts.profile
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        try:
+            with os.scandir(os.path.join(root, rel_dir) if rel_dir else root) as it:
+                names = sorted(de.name for de in it)
+        except OSError:
+            continue
+        for name in names:
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if rel in skip or rel in covered or profile.exclude.match(rel):
+                continue
+            if not profile.include_secrets and profile.secrets.match(rel):
+                continue  # commit never captures credentials: their absence from the image is expected
+            e = index.get(rel)
+            if e is None:
+                out.append(Difference("/" + rel, "extra", "extra (not in the image)"))
+            elif e.kind == DIR:
+                stack.append(rel)
+    return out
+
+
+def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyResult:
+    opts = opts or VerifyOptions()
+    if not os.path.isdir(root):
+        raise UsageError(f"root {root} does not exist or is not a directory")
+    if opts.strict and opts.only_snapshot:
+        raise UsageError("--strict compares the whole image with the directory", "drop --only-snapshot")
+    reference = Reference.parse(ref)
+    remote = Remote(reference, opts.transport)
+    image = remote.resolve()
+    index, deleted = image_index(remote, image, opts.only_snapshot)
+    checked, diffs = compare(root, index, deleted, opts)
+    return VerifyResult(image.ref, image.manifest_digest, checked, diffs)

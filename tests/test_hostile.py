@@ -1,0 +1,404 @@
+"""Hostile layers, built by hand and pushed to a real registry, then `snap restore`d into a temp root.
+
+Whatever a layer says, nothing may be created, changed or deleted outside the root: each test
+checks a sentinel directory next to the root (and the directories above it) before and after.
+A layer that cannot be applied safely is refused with exit code 6."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import stat
+import struct
+import tarfile
+
+import pytest
+
+from conftest import snap
+from support import gzip_bytes
+
+TAR = "application/vnd.oci.image.layer.v1.tar"
+GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+MARK = "snap-pwned"  # the name every escape attempt tries to create
+IS_ROOT = os.geteuid() == 0
+
+
+# ---- building layers ---------------------------------------------------------------------------
+
+def member(name: str, kind: str = "file", data: bytes = b"", mode: int | None = None, linkname: str = "",
+           dev: tuple[int, int] = (0, 0), pax: dict | None = None) -> tuple[tarfile.TarInfo, bytes]:
+    ti = tarfile.TarInfo(name)
+    ti.type = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+               "hardlink": tarfile.LNKTYPE, "char": tarfile.CHRTYPE, "block": tarfile.BLKTYPE}[kind]
+    ti.mode = mode if mode is not None else (0o755 if kind == "dir" else 0o644)
+    ti.mtime = 1_600_000_000
+    ti.linkname = linkname
+    ti.devmajor, ti.devminor = dev
+    ti.size = len(data) if kind == "file" else 0
+    if pax:
+        ti.pax_headers = pax
+    return ti, data
+
+
+def layer(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for ti, data in members:
+            tar.addfile(ti, io.BytesIO(data) if ti.isreg() else None)
+    return buf.getvalue()
+
+
+def push(registry, request, *layers: bytes, gzip: bool = False) -> str:
+    """Push the layers as an image named after the test; returns its reference."""
+    repo = "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    if gzip:
+        registry.push_image(repo, "v1", [gzip_bytes(b) for b in layers], layer_media_type=GZIP)
+    else:
+        registry.push_image(repo, "v1", list(layers), layer_media_type=TAR)
+    return f"{registry.host}/{repo}:v1"
+
+
+# ---- the jail: a root with a sentinel directory next to it -------------------------------------
+
+def _tree(path: str) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            content = ""
+            if stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    content = hashlib.sha256(f.read()).hexdigest()
+            elif stat.S_ISLNK(st.st_mode):
+                content = os.readlink(p)
+            out[os.path.relpath(p, path)] = (st.st_mode, st.st_nlink, st.st_uid, st.st_mtime_ns, content)
+    return out
+
+
+class Jail:
+    def __init__(self, tmp_path):
+        self.base = tmp_path
+        self.root = tmp_path / "root"
+        self.outside = tmp_path / "outside"
+        self.outside.mkdir()
+        (self.outside / "keep").write_text("sentinel\n")
+        (self.outside / "secret").write_text("do not link me\n")
+        (self.outside / "sub").mkdir()
+        (self.outside / "sub" / "deep").write_text("deep\n")
+        self.before = self._state()
+
+    def _state(self):
+        # Above the test dir other test sessions may come and go: look only for the escape's mark.
+        around = [os.path.join(p, n) for p in (self.base.parent, self.base.parent.parent, "/")
+                  for n in os.listdir(p) if n.startswith(MARK)]
+        return _tree(str(self.outside)), sorted(n for n in os.listdir(self.base)), around
+
+    def through(self, link: str, via: str, target: str) -> str:
+        """The member name that reaches `target` (outside the root) through symlink `link` -> `via`
+        when the OS follows it as an ordinary path: what a naive extractor would write to."""
+        seen_from = os.path.normpath(os.path.join(self.root, via))
+        return os.path.normpath(f"{link}/{os.path.relpath(target, seen_from)}")
+
+    def restore(self, ref: str, *args: str):
+        r = snap("restore", ref, "--root", str(self.root), *args)
+        assert "Traceback" not in r.stderr, r.stderr
+        return r
+
+    def assert_untouched(self):
+        outside, names, around = self._state()
+        assert outside == self.before[0], "the sentinel directory next to the root changed"
+        assert set(names) <= set(self.before[1]) | {"root", "snap-state"}, names
+        assert around == self.before[2], "something appeared above the test directory"
+
+    def refused(self, r):
+        assert r.returncode == 6, (r.returncode, r.stdout, r.stderr)
+        lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
+        assert len(lines) == 1, r.stderr
+        self.assert_untouched()
+        return lines[0]
+
+    def ok(self, r):
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        self.assert_untouched()
+
+
+@pytest.fixture
+def jail(tmp_path):
+    return Jail(tmp_path)
+
+
+# ---- names that leave the root -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [f"../{MARK}", f"a/../../{MARK}", f"./../{MARK}", f"a/b/../../../{MARK}"])
+def test_dotdot_names_are_refused(registry, jail, request, name):
+    ref = push(registry, request, layer(member("a/", "dir"), member(name, data=b"escaped\n")))
+    line = jail.refused(jail.restore(ref))
+    assert "'..'" in line
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_absolute_names_are_refused(registry, jail, request, gz):
+    ref = push(registry, request, layer(member(f"{jail.outside}/{MARK}", data=b"escaped\n")), gzip=gz)
+    line = jail.refused(jail.restore(ref))
+    assert "absolute path" in line
+    assert not jail.root.exists() or not any(jail.root.iterdir())
+
+
+# ---- symlinks: written as data, never followed out of the root ----------------------------------
+
+def _find(root, name: str) -> list[str]:
+    """Where a file called `name` ended up under root (symlinks not followed)."""
+    return [os.path.join(d, name) for d, _, files in os.walk(root) if name in files]
+
+
+# Each escape aims at the sentinel directory, so that an extractor that does follow the link
+# damages only the sentinel (and the test sees it), never the machine's own files.
+@pytest.mark.parametrize("split", [False, True], ids=["same-layer", "next-layer"])
+@pytest.mark.parametrize("target", ["{outside}", "/", "../../..", "../../../../../../../.."])
+def test_write_through_an_escaping_symlink_stays_inside(registry, jail, request, split, target):
+    target = target.format(outside=jail.outside)
+    prefix = jail.through("evil", target, str(jail.outside))
+    link = member("evil", "symlink", linkname=target)
+    files = [member(f"{prefix}/{MARK}", data=b"inside\n"), member(f"{prefix}/sub/deep", data=b"overwritten\n")]
+    layers = [layer(link), layer(*files)] if split else [layer(link, *files)]
+    ref = push(registry, request, *layers)
+    jail.ok(jail.restore(ref))
+    assert os.readlink(jail.root / "evil") == target  # the link itself is data, kept as written
+    # Resolved as if the root were '/': the files land inside the root.
+    [found] = _find(jail.root, MARK)
+    assert open(found, "rb").read() == b"inside\n"
+    assert open(os.path.join(os.path.dirname(found), "sub/deep"), "rb").read() == b"overwritten\n"
+
+
+def test_chain_of_parent_symlinks_stays_inside(registry, jail, request):
+    name = jail.base.name
+    ref = push(registry, request, layer(
+        member("l1", "symlink", linkname=".."),  # followed by the OS: the test dir, where the sentinel is
+        member("l2", "symlink", linkname="l1/.."),  # ... the dir above it
+        member("l3", "symlink", linkname="l2"),
+        member("d/", "dir"),
+        member("d/up", "symlink", linkname="../../.."),
+    ), layer(
+        member(f"l1/outside/{MARK}-1", data=b"one\n"),
+        member(f"l2/{name}/outside/{MARK}-2", data=b"two\n"),
+        member(f"l3/{name}/outside/{MARK}-3", data=b"three\n"),
+        member(f"d/up/{name}/outside/{MARK}-4", data=b"four\n"),
+    ))
+    jail.ok(jail.restore(ref))
+    assert (jail.root / f"outside/{MARK}-1").read_bytes() == b"one\n"
+    for i, data in ((2, b"two\n"), (3, b"three\n"), (4, b"four\n")):
+        assert (jail.root / name / f"outside/{MARK}-{i}").read_bytes() == data
+
+
+def test_file_replacing_a_symlink_does_not_write_through_it(registry, jail, request):
+    ref = push(registry, request, layer(member("evil", "symlink", linkname=f"{jail.outside}/keep"),
+                     member("rel", "symlink", linkname="../outside/keep")),
+               layer(member("evil", data=b"replaced\n"), member("rel", data=b"replaced too\n")))
+    jail.ok(jail.restore(ref))
+    assert not (jail.root / "evil").is_symlink() and (jail.root / "evil").read_bytes() == b"replaced\n"
+    assert (jail.root / "rel").read_bytes() == b"replaced too\n"
+
+
+def test_directory_replacing_a_symlink_does_not_follow_it(registry, jail, request):
+    ref = push(registry, request, layer(member("evil", "symlink", linkname=str(jail.outside))),
+               layer(member("evil/", "dir", mode=0o700), member("evil/keep", data=b"mine\n")))
+    jail.ok(jail.restore(ref))
+    assert (jail.root / "evil").is_dir() and not (jail.root / "evil").is_symlink()
+    assert stat.S_IMODE(os.lstat(jail.root / "evil").st_mode) == 0o700
+    assert (jail.root / "evil/keep").read_bytes() == b"mine\n"
+
+
+def test_symlink_loop_is_refused(registry, jail, request):
+    ref = push(registry, request, layer(member("a", "symlink", linkname="b"), member("b", "symlink", linkname="a"),
+                                       member("a/x", data=b"x")))
+    assert "too many symlinks" in jail.refused(jail.restore(ref))
+
+
+# ---- hardlinks: the target must be inside the root, resolved like any other path ---------------
+
+@pytest.mark.parametrize("linkname", ["../../etc/passwd", "../outside/secret", "/etc/passwd", "{outside}/secret"])
+def test_hardlink_out_of_the_root_is_refused(registry, jail, request, linkname):
+    linkname = linkname.format(outside=jail.outside)
+    ref = push(registry, request, layer(member("hl", "hardlink", linkname=linkname)))
+    jail.refused(jail.restore(ref))
+    assert os.stat(jail.outside / "secret").st_nlink == 1
+    assert not os.path.lexists(jail.root / "hl")
+
+
+@pytest.mark.parametrize("via", ["{outside}", "../.."], ids=["absolute", "relative"])
+def test_hardlink_through_a_symlink_is_refused(registry, jail, request, via):
+    via = via.format(outside=jail.outside)
+    target = jail.through("d", via, str(jail.outside / "secret"))
+    ref = push(registry, request, layer(member("d", "symlink", linkname=via)), layer(member("hl", "hardlink", linkname=target)))
+    line = jail.refused(jail.restore(ref))
+    assert "not in the image" in line
+    assert os.stat(jail.outside / "secret").st_nlink == 1
+
+
+def test_hardlink_to_a_symlink_links_the_symlink_not_its_target(registry, jail, request):
+    ref = push(registry, request, layer(member("s", "symlink", linkname=f"{jail.outside}/secret"), member("hl", "hardlink", linkname="s")))
+    jail.ok(jail.restore(ref))
+    assert os.readlink(jail.root / "hl") == f"{jail.outside}/secret"
+    assert os.lstat(jail.root / "hl").st_ino == os.lstat(jail.root / "s").st_ino
+    assert os.stat(jail.outside / "secret").st_nlink == 1
+
+
+def test_refused_hardlink_target_changes_nothing_on_its_way(registry, jail, request):
+    """Looking up a hardlink target must not create directories or replace files."""
+    ref = push(registry, request, layer(member("f", data=b"a file\n")),
+               layer(member("hl", "hardlink", linkname="f/x")))
+    jail.refused(jail.restore(ref))
+    assert (jail.root / "f").read_bytes() == b"a file\n"
+
+
+# ---- device nodes and privileges -----------------------------------------------------------------
+
+def _devices_layer():
+    return layer(member("dev2/", "dir"), member("dev2/mynull", "char", mode=0o666, dev=(1, 3)),
+                 member("dev2/myloop", "block", mode=0o660, dev=(7, 0)))
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="device nodes need root")
+def test_device_nodes_are_skipped_unless_allowed(registry, jail, request, tmp_path):
+    ref = push(registry, request, layer(member("dev2/", "dir"), member("dev2/keep/", "dir"), member("dev2/keep/f", data=b"f")),
+               _devices_layer(), layer(member("dev2/keep", "char", dev=(1, 3))))
+    r = jail.restore(ref)
+    jail.ok(r)
+    assert "skipped 3 device node(s)" in r.stderr
+    assert sorted(os.listdir(jail.root / "dev2")) == ["keep"]
+    assert (jail.root / "dev2/keep/f").read_bytes() == b"f"  # a skipped node leaves the lower tree alone
+
+    other = tmp_path / "root2"
+    r = snap("restore", ref, "--root", str(other), "--allow-devices")
+    assert r.returncode == 0, r.stderr
+    st = os.lstat(other / "dev2/mynull")
+    assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (1, 3)
+    st = os.lstat(other / "dev2/myloop")
+    assert stat.S_ISBLK(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (7, 0)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+# A file capability (cap_net_bind_service+ep), as `setcap` writes it: VFS_CAP_REVISION_2 | effective.
+CAP = struct.pack("<IIIII", 0x02000001, 1 << 10, 0, 0, 0)
+
+
+def _privileged_layer():
+    cap_pax = {"SCHILY.xattr.security.capability": CAP.decode("utf-8", "surrogateescape")}
+    return layer(member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
+                 member("bin/wall", data=b"#!/bin/sh\n", mode=0o2755),
+                 member("bin/ping", data=b"#!/bin/sh\n", mode=0o755, pax=cap_pax),
+                 member("shared/", "dir", mode=0o2775))
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="setuid bits and capabilities are kept only as root")
+def test_setuid_setgid_and_capabilities_are_stripped_unless_allowed(registry, jail, request, tmp_path):
+    ref = push(registry, request, _privileged_layer())
+    r = jail.restore(ref)
+    jail.ok(r)
+    assert "stripped setuid/setgid from 3 file(s)" in r.stderr
+    mode = lambda p: stat.S_IMODE(os.lstat(p).st_mode)  # noqa: E731
+    assert mode(jail.root / "bin/su") == 0o755
+    assert mode(jail.root / "bin/wall") == 0o755
+    assert mode(jail.root / "shared") == 0o2775  # setgid on a directory only sets group inheritance
+    assert "security.capability" not in os.listxattr(jail.root / "bin/ping")
+
+    other = tmp_path / "root2"
+    r = snap("restore", ref, "--root", str(other), "--allow-setuid")
+    assert r.returncode == 0, r.stderr
+    assert mode(other / "bin/su") == 0o4755
+    assert mode(other / "bin/wall") == 0o2755
+    try:
+        assert os.getxattr(other / "bin/ping", "security.capability") == CAP
+    except OSError as e:  # a filesystem without xattrs: nothing to check
+        pytest.skip(f"no security xattrs here: {e}")
+
+
+# ---- whiteouts: delete from lower layers, inside the root only -----------------------------------
+
+@pytest.mark.parametrize("name", [".wh...", "a/.wh...", ".wh..", ".wh."])
+def test_whiteouts_naming_no_valid_path_are_refused(registry, jail, request, name):
+    ref = push(registry, request, layer(member("a/", "dir"), member("a/x", data=b"x")),
+               layer(member(name)))
+    line = jail.refused(jail.restore(ref))
+    assert "whiteout" in line
+    assert (jail.root / "a/x").exists()
+
+
+@pytest.mark.parametrize("via", ["{outside}", "../..", "../../.."], ids=["absolute", "relative", "above"])
+def test_whiteouts_through_a_symlink_stay_inside(registry, jail, request, via):
+    via = via.format(outside=jail.outside)
+    prefix = jail.through("evil", via, str(jail.outside))
+    ref = push(registry, request, layer(member("evil", "symlink", linkname=via)),
+               layer(member(f"{prefix}/.wh.keep"), member(f"{prefix}/.wh.sub"),
+                     member(f"{prefix}/sub/.wh..wh..opq")))
+    jail.ok(jail.restore(ref))
+
+
+def test_opaque_whiteout_through_a_symlink_stays_inside(registry, jail, request):
+    ref = push(registry, request, layer(member("evil", "symlink", linkname=str(jail.outside))),
+               layer(member("evil/.wh..wh..opq")))
+    jail.ok(jail.restore(ref))
+
+
+def test_whiteout_of_a_symlink_removes_the_link_only(registry, jail, request):
+    ref = push(registry, request, layer(member("evil", "symlink", linkname=str(jail.outside)),
+                                             member("evil2", "symlink", linkname="../outside")),
+               layer(member(".wh.evil"), member(".wh.evil2"), member(".wh..wh..opq")))
+    jail.ok(jail.restore(ref))
+    assert not os.path.lexists(jail.root / "evil") and not os.path.lexists(jail.root / "evil2")
+
+
+def test_whiteout_never_deletes_from_its_own_layer_even_through_a_symlink(registry, jail, request):
+    ref = push(registry, request, layer(member("low", data=b"lower\n")), layer(
+        member("real/", "dir"), member("alias", "symlink", linkname="real"),
+        member("real/f", data=b"mine\n"), member("alias/.wh.f"), member("alias/.wh..wh..opq"),
+        member(".wh.low"),
+    ))
+    jail.ok(jail.restore(ref))
+    assert (jail.root / "real/f").read_bytes() == b"mine\n"
+    assert not (jail.root / "low").exists()
+
+
+# ---- tampered blobs -------------------------------------------------------------------------------
+
+def _tamper(registry, digest: str) -> None:
+    hexd = digest.split(":", 1)[1]
+    path = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256", hexd[:2], hexd, "data")
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+        f.seek(0)
+        f.write(data)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("which", [0, 1], ids=["first-layer", "second-layer"])
+def test_tampered_blob_is_rejected_before_anything_is_written(registry, jail, request, gz, which):
+    ref = push(registry, request, layer(member("etc/", "dir"), member("etc/passwd", data=b"root:x:0:0::/root:/bin/sh\n" * 100)),
+               layer(member("opt/", "dir"), member("opt/app.py", data=b"print('hi')\n" * 100)), gzip=gz)
+    m = registry.manifest(ref.split("/", 1)[1].rsplit(":", 1)[0], "v1")
+    _tamper(registry, m["layers"][which]["digest"])
+    line = jail.refused(jail.restore(ref))
+    assert "does not match its digest" in line
+    # Whichever layer was tampered with, every blob is checked before anything is written.
+    assert not jail.root.exists() or list(jail.root.iterdir()) == []
+    blobs = jail.base / "snap-state" / "blobs"
+    assert not blobs.exists() or not [n for n in os.listdir(blobs) if n.endswith(".part")]
+
+
+@pytest.mark.parametrize("kind", ["truncated-gzip", "garbage-gzip", "bad-gzip-crc", "garbage-zstd", "not-a-tar"])
+def test_corrupt_layer_data_is_an_integrity_error(registry, jail, request, kind):
+    """The blob matches its digest (it was pushed so), but its bytes do not unpack."""
+    data = layer(member("a/", "dir"), member("a/f", data=os.urandom(100_000)))
+    blob, media = {
+        "truncated-gzip": (gzip_bytes(data)[:-5000], GZIP),
+        "garbage-gzip": (gzip_bytes(data)[:100] + b"\0" * 5000, GZIP),
+        "bad-gzip-crc": (gzip_bytes(data)[:-8] + b"\0" * 8, GZIP),
+        "garbage-zstd": (b"\x28\xb5\x2f\xfd" + os.urandom(5000), "application/vnd.oci.image.layer.v1.tar+zstd"),
+        "not-a-tar": (gzip_bytes(os.urandom(5000)), GZIP),
+    }[kind]
+    repo = "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    registry.push_image(repo, "v1", [blob], layer_media_type=media, diff_ids=["sha256:" + hashlib.sha256(data).hexdigest()])
+    jail.refused(jail.restore(f"{registry.host}/{repo}:v1"))

@@ -1,0 +1,192 @@
+"""A restore that is killed, or runs out of disk, leaves no half-written file at an original path,
+and a second run finishes the job: it skips the layers already applied and removes the temp files
+the killed run left behind."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+
+from conftest import snap
+
+TAR = "application/vnd.oci.image.layer.v1.tar"
+MiB = 1024 * 1024
+MTIME = 1_600_000_000
+IS_ROOT = os.geteuid() == 0
+
+
+def layer(files: dict[str, bytes], dirs: tuple[str, ...] = ()) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in dirs:
+            ti = tarfile.TarInfo(d + "/")
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, MTIME
+            tar.addfile(ti)
+        for name, data in files.items():
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(data), 0o640, MTIME
+            tar.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(MiB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def stale_temps(root) -> list[str]:
+    return [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files if n.startswith(".snap-tmp-")]
+
+
+def assert_one_line_error(r, code: int, *words: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+# ---- killed mid-file, then resumed -----------------------------------------------------------
+
+def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, state_dir):
+    old = b"old content\n" * 1000
+    big = os.urandom(MiB) * 200  # 200 MiB: extraction takes long enough to be killed in the middle
+    small = {"data/a.txt": b"first layer\n", "data/b.txt": b"also first\n"}
+    ref = f"{registry.host}/killed:v1"
+    registry.push_image("killed", "v1", [layer(small, dirs=("data",)),
+                                         layer({"data/big.bin": big, "data/after.txt": b"after big\n"})],
+                        layer_media_type=TAR)
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    (root / "data/big.bin").write_bytes(old)  # restoring over an older tree
+
+    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", ref, "--root", str(root)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    killed = False
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        temps = stale_temps(root)
+        if temps and os.path.getsize(temps[0]) > 16 * MiB:  # well inside the big file
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.002)
+    proc.wait(30)
+    proc.stdout.close()
+    proc.stderr.close()
+    assert killed, "the restore finished before it could be killed mid-file"
+
+    # (a) The original path holds a whole file, old or new, never a part of one.
+    assert file_sha(root / "data/big.bin") in (sha(old), sha(big))
+    assert not (root / "data/after.txt").exists()
+    assert stale_temps(root), "the killed run should have left its temp file (this test checks its cleanup)"
+    assert (root / "data/a.txt").read_bytes() == small["data/a.txt"]  # layer 1 was applied and recorded
+
+    # (b) A second run skips layer 1, applies layer 2, and cleans up after the killed run.
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["resumed"] == 1 and doc["applied"] == ["base layer 2"], doc
+    assert stale_temps(root) == []
+    assert not os.listdir(state_dir / "restore-journal")  # the journal is gone once the restore is complete
+
+    # Byte for byte: contents, modes, mtimes.
+    want = {**small, "data/big.bin": big, "data/after.txt": b"after big\n"}
+    got = {}
+    for dirpath, _, files in os.walk(root):
+        for n in files:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            got[os.path.relpath(p, root)] = (file_sha(p), oct(st.st_mode & 0o7777), int(st.st_mtime))
+    assert got == {k: (sha(v), "0o640", MTIME) for k, v in want.items()}
+    assert snap("verify", ref, "--root", str(root)).returncode == 0
+
+
+def test_stale_temp_files_are_removed_when_their_directory_is_written(registry, tmp_path):
+    registry.push_image("stale", "v1", [layer({"d/x.txt": b"x\n"}, dirs=("d",))], layer_media_type=TAR)
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    for name in (".snap-tmp-4242-0", ".snap-tmp-join-77", ".snap-tmp-999-model.safetensors"):
+        (root / "d" / name).write_bytes(b"left by a killed run")
+    (root / "d" / ".snap-tmp-notes.txt").write_text("a user's file that only looks like ours")
+    (root / "elsewhere").mkdir()
+    (root / "elsewhere" / ".snap-tmp-4242-0").write_bytes(b"in a directory this image does not write")
+    snap("restore", f"{registry.host}/stale:v1", "--root", str(root), check=True)
+    assert sorted(os.listdir(root / "d")) == [".snap-tmp-notes.txt", "x.txt"]
+    assert os.listdir(root / "elsewhere") == [".snap-tmp-4242-0"]
+
+
+def test_names_of_the_longest_length_restore(registry, tmp_path):
+    """A name of 255 bytes (NAME_MAX) in UTF-8: its temp file must still be a valid name."""
+    name = "模型" * 42 + "x" * 3  # 84 three-byte characters + 3 = 255 bytes
+    assert len(name.encode()) == 255
+    registry.push_image("longname", "v1", [layer({f"m/{name}": b"weights"}, dirs=("m",))], layer_media_type=TAR)
+    r = snap("restore", f"{registry.host}/longname:v1", "--root", str(tmp_path / "root"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "root/m" / name).read_bytes() == b"weights"
+
+
+# ---- disk full ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs, unmounted afterwards."""
+    if not IS_ROOT:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = []
+
+    def make(name: str, size: str = "2m"):
+        d = tmp_path / name
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield make
+    for d in mounted:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def test_disk_full_on_the_restore_root(registry, small_disk):
+    old = b"previous version\n" * 100
+    registry.push_image("diskfull", "v1", [layer({"app/small.txt": b"fits\n", "app/model.bin": os.urandom(3 * MiB),
+                                                  "app/z-after.txt": b"never reached\n"}, dirs=("app",))],
+                        layer_media_type=TAR)
+    root = small_disk("root")
+    (root / "app").mkdir()
+    (root / "app/model.bin").write_bytes(old)
+    r = snap("restore", f"{registry.host}/diskfull:v1", "--root", str(root))
+    assert_one_line_error(r, 7, "disk full", str(root), "/app/model.bin")
+    assert stale_temps(root) == []
+    assert (root / "app/model.bin").read_bytes() == old  # the old file is whole: never a partial new one
+    assert (root / "app/small.txt").read_bytes() == b"fits\n"
+    assert not (root / "app/z-after.txt").exists()
+
+
+def test_disk_full_in_the_state_dir(registry, small_disk, tmp_path):
+    registry.push_image("statefull", "v1", [layer({"big.bin": os.urandom(3 * MiB)})], layer_media_type=TAR)
+    state = small_disk("state", "1m")
+    root = tmp_path / "root"
+    r = snap("restore", f"{registry.host}/statefull:v1", "--root", str(root), env={"SNAP_STATE_DIR": str(state)})
+    assert_one_line_error(r, 7, "disk full", "state dir", "SNAP_STATE_DIR")
+    assert not root.exists() or list(root.iterdir()) == []
+    assert not [n for n in os.listdir(state / "blobs") if n.endswith(".part")]

@@ -1,0 +1,169 @@
+"""`snap verify REF --root DIR`: a restored tree verifies; each kind of change to it is reported."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import make_box, snap
+
+
+@pytest.fixture(scope="module")
+def restored_once(registry, base_ref, base_rootfs, tmp_path_factory):
+    """A box committed, then restored into a fresh directory, once for this module."""
+    d = tmp_path_factory.mktemp("verify")
+    env = {"SNAP_STATE_DIR": str(d / "state"), "SNAP_QUIET": "1", "DOCKER_CONFIG": str(d / "docker-config")}
+    ref = f"{registry.host}/verify:v1"
+    box = make_box(base_rootfs, str(d / "box"))
+    snap("commit", ref, "--base", base_ref, "--root", box, env=env, check=True)
+    snap("restore", ref, "--root", str(d / "restored"), env=env, check=True)
+    return ref, d / "restored"
+
+
+@pytest.fixture
+def restored(restored_once, tmp_path):
+    """(ref, a copy of the restored tree this test may change)."""
+    ref, out = restored_once
+    subprocess.run(["cp", "-a", str(out), str(tmp_path / "restored")], check=True)
+    return ref, tmp_path / "restored"
+
+
+def verify(ref, root, *args):
+    r = snap("verify", ref, "--root", str(root), *args)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def verify_json(ref, root, *args):
+    r = verify(ref, root, "--json", *args)
+    return r.returncode, json.loads(r.stdout)
+
+
+def test_restored_tree_verifies(restored):
+    ref, out = restored
+    r = verify(ref, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "matches" in r.stdout
+    code, doc = verify_json(ref, out, "--only-snapshot")
+    assert code == 0 and doc["ok"] and doc["checked"] > 5
+
+
+def _modify_content_same_size(out):
+    p = out / "opt/app/config.yaml"
+    st = os.stat(p)
+    p.write_text("port: 9001\n")  # same length
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with its mtime put back
+
+
+CHANGES = {
+    "content": (_modify_content_same_size, "/opt/app/config.yaml", "content"),
+    "size": (lambda out: (out / "etc/app.conf").write_text("threads = 16\n"), "/etc/app.conf", "content"),
+    "chmod": (lambda out: os.chmod(out / "opt/app/main.py", 0o600), "/opt/app/main.py", "mode"),
+    "chown": (lambda out: os.chown(out / "etc/os-release", 1234, 5678), "/etc/os-release", "owner"),
+    "symlink": (lambda out: (os.unlink(out / "usr/lib/libfake.so"), os.symlink("elsewhere.so", out / "usr/lib/libfake.so")),
+                "/usr/lib/libfake.so", "symlink"),
+    "deleted file": (lambda out: os.unlink(out / "opt/app/models/vae/vae.pt"), "/opt/app/models/vae/vae.pt", "missing"),
+    "deleted tree": (lambda out: subprocess.run(["rm", "-rf", str(out / "opt/app/custom_nodes")], check=True),
+                     "/opt/app/custom_nodes", "missing"),
+    "type": (lambda out: (os.unlink(out / "var/lib/app/state.db"), os.mkdir(out / "var/lib/app/state.db")),
+             "/var/lib/app/state.db", "type"),
+    "whited out file is back": (lambda out: (out / "opt/app/old_cache.bin").write_bytes(b"stale"),
+                                "/opt/app/old_cache.bin", "extra"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_each_change_is_reported(restored, change):
+    ref, case = restored
+    modify, path, kind = CHANGES[change]
+    modify(case)
+    r = verify(ref, case)
+    assert r.returncode == 9, r.stdout + r.stderr
+    assert [line for line in r.stdout.splitlines() if line.startswith(path + ":")], r.stdout
+    errors = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
+    assert len(errors) == 1 and "1 path(s)" in errors[0], r.stderr  # exactly this one difference
+    code, doc = verify_json(ref, case)
+    assert code == 9 and [(d["path"], d["kind"]) for d in doc["differences"]] == [(path, kind)]
+
+
+def test_extra_files_are_reported_only_when_strict(restored):
+    ref, out = restored
+    (out / "opt/app/new_dir").mkdir()
+    (out / "opt/app/new_dir/a.txt").write_text("not in the image\n")
+    (out / "tmp/scratch").write_text("excluded by the profile: never reported\n")
+    (out / "root/.ssh").mkdir(parents=True)  # a secret: commit leaves it out on purpose
+    assert verify(ref, out).returncode == 0
+    code, doc = verify_json(ref, out, "--strict")
+    assert code == 9
+    assert [(d["path"], d["kind"]) for d in doc["differences"]] == [("/opt/app/new_dir", "extra")]
+    r = verify(ref, out, "--strict", "--only-snapshot")
+    assert r.returncode == 2 and "drop --only-snapshot" in r.stderr
+
+
+def test_many_changes_one_line_each(restored):
+    ref, out = restored
+    for modify, _, _ in CHANGES.values():
+        modify(out)
+    r = verify(ref, out)
+    assert r.returncode == 9
+    reported = [line.split(":", 1)[0] for line in r.stdout.splitlines()]
+    assert reported == sorted(path for _, path, _ in CHANGES.values())
+
+
+def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp_path):
+    """A file cut into part layers at commit is compared as the whole file restore joins back."""
+    with open(os.path.join(box, "opt/app/models/huge.safetensors"), "wb") as f:
+        f.write(os.urandom(2 * 1024 * 1024 + 77))
+    ref = f"{registry.host}/verify-parts:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, "--max-layer-size", "1MiB", check=True)
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    assert verify(ref, out).returncode == 0
+    assert verify(ref, out, "--only-snapshot").returncode == 0
+    with open(out / "opt/app/models/huge.safetensors", "r+b") as f:
+        f.seek(1024 * 1024 + 5)  # in the second part
+        f.write(b"X")
+    code, doc = verify_json(ref, out)
+    assert code == 9
+    assert [(d["path"], d["kind"]) for d in doc["differences"]] == [("/opt/app/models/huge.safetensors", "content")]
+
+
+def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
+    import hashlib
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        ti = tarfile.TarInfo("a.txt")
+        ti.size = 1000
+        tar.addfile(ti, io.BytesIO(b"a" * 1000))
+    blob = buf.getvalue()
+    registry.push_image("verify-tampered", "v1", [blob], layer_media_type="application/vnd.oci.image.layer.v1.tar")
+    hexd = hashlib.sha256(blob).hexdigest()
+    with open(os.path.join(registry.storage, "docker/registry/v2/blobs/sha256", hexd[:2], hexd, "data"), "r+b") as f:
+        f.seek(600)
+        f.write(b"b")  # inside a.txt's content: the tar still parses
+    (tmp_path / "root").mkdir()
+    r = verify(f"{registry.host}/verify-tampered:v1", tmp_path / "root")
+    assert r.returncode == 6, r.stderr
+    assert "does not match its digest" in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="owners, setuid bits and device nodes need root")
+def test_setuid_and_devices_follow_what_restore_writes_by_default(registry, tmp_path):
+    from test_hostile import layer, member
+    registry.push_image("verify-priv", "v1", [layer(
+        member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
+        member("bin/plain", data=b"#!/bin/sh\n", mode=0o755), member("devs/", "dir"),
+        member("devs/null", "char", mode=0o666, dev=(1, 3)))], layer_media_type="application/vnd.oci.image.layer.v1.tar")
+    ref = f"{registry.host}/verify-priv:v1"
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)  # setuid stripped, device skipped
+    assert verify(ref, out).returncode == 0
+    code, doc = verify_json(ref, out, "--allow-setuid", "--allow-devices")
+    assert code == 9
+    assert [(d["path"], d["kind"]) for d in doc["differences"]] == [("/bin/su", "mode"), ("/devs/null", "missing")]
+    os.chmod(out / "bin/plain", 0o4755)  # a setuid bit the image never had is always reported
+    code, doc = verify_json(ref, out)
+    assert code == 9 and [(d["path"], d["kind"]) for d in doc["differences"]] == [("/bin/plain", "mode")]
