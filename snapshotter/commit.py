@@ -32,6 +32,9 @@ class CommitOptions:
     max_layer_size: int = DEFAULT_MAX_LAYER_SIZE  # bigger files are cut into part layers
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
+    # Where the changes come from instead of a walk of `root`, e.g. a container's diff (container.py):
+    # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
+    changes: Optional[Callable] = None
 
 
 @dataclass
@@ -93,13 +96,15 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
     # Our own state dir must never end up in the snapshot.
     own = os.path.relpath(state_dir(), root)
     extra = (own,) if not own.startswith("..") else ()
-    with progress.bar("scanning box", unit="files") as b:
-        scan = scan_box(root, profile, extra, progress.safe_update(b))
-
     def skipped(path: str) -> bool:
         return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path)) \
             or path in extra
-    d = diff(index, scan, skipped, rehash=opts.rehash, root=root)
+    if opts.changes is not None:
+        scan, d = opts.changes(base_img, index)
+    else:
+        with progress.bar("scanning box", unit="files") as b:
+            scan = scan_box(root, profile, extra, progress.safe_update(b))
+        d = diff(index, scan, skipped, rehash=opts.rehash, root=root)
     plans = plan_layers(d, scan, index, profile, opts.compression, opts.max_layer_size)
     if len(base_img.layers) + len(plans) > MAX_ENGINE_LAYERS:
         opts.log(f"warning: the image has {len(base_img.layers) + len(plans)} layers; Docker cannot run images "
@@ -149,7 +154,7 @@ def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatC
         hit = None if rehash else cache.lookup(fp)
         if hit and remote.blob_exists(hit["digest"]):
             blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
-            results[i] = (plan, blob, "exists, skipped (unchanged since the last commit, not read)")
+            results[i] = (plan, blob, "exists, skipped (unchanged, not read)")
             cache.record(fp, hit)
         else:
             todo.append((i, plan, fp))
