@@ -41,16 +41,17 @@ def oci_media_type(media_type: str) -> str:
 class HashingWriter(io.RawIOBase):
     """Counts and sha256-hashes what passes through, writing it on to `out` (if any)."""
 
-    def __init__(self, out: Optional[BinaryIO] = None):
+    def __init__(self, out: Optional[BinaryIO] = None, hashing: bool = True):
         self.out = out
-        self.sha = hashlib.sha256()
+        self.sha = hashlib.sha256() if hashing else None
         self.size = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        self.sha.update(b)
+        if self.sha is not None:
+            self.sha.update(b)
         self.size += len(b)
         if self.out is not None:
             self.out.write(b)
@@ -67,9 +68,11 @@ class Compressor(io.RawIOBase):
     Output is deterministic for the same input and settings: gzip headers carry no name or time,
     and zstd always runs in its multithreaded mode, whose frames do not depend on the thread count."""
 
-    def __init__(self, out: BinaryIO, compression: str, zstd_level: int = 3):
-        self.blob = HashingWriter(out)
-        self.tar = HashingWriter()
+    def __init__(self, out: Optional[BinaryIO], compression: str, zstd_level: int = 3, hashing: bool = True):
+        """`hashing=False` when the digests are known already (a layer streamed again to upload)."""
+        self.blob = HashingWriter(out, hashing)
+        # Uncompressed, the tar is the blob: one hash serves as both digest and diff_id.
+        self.tar = self.blob if compression == "none" else HashingWriter(None, hashing)
         self.compression = compression
         if compression == "zstd":
             cctx = zstandard.ZstdCompressor(level=zstd_level, threads=-1, write_checksum=True)
@@ -85,7 +88,8 @@ class Compressor(io.RawIOBase):
         return True
 
     def write(self, b) -> int:
-        self.tar.write(b)
+        if self.tar is not self.blob:
+            self.tar.write(b)
         self._sink.write(b)
         return len(b)
 

@@ -83,6 +83,10 @@ class Extractor:
         self.opts = options or ExtractOptions()
         self.stats = ExtractStats()
         self._cleaned: set[str] = set()  # directories already swept for stale temp files this run
+        # Resolved parent directories (rel -> real path). Resolution only goes through existing
+        # directories, so only removing or replacing a directory or a symlink can change an
+        # answer: those clear the cache.
+        self._dir_cache: dict[str, str] = {}
 
     # ---- path resolution, scoped to the root ------------------------------------------------
 
@@ -129,7 +133,9 @@ class Extractor:
     def _locate(self, rel: str) -> tuple[str, str]:
         """(real parent dir, final path) for a member; the final component is not followed."""
         parent, _, base = rel.rpartition("/")
-        pdir = self._resolve_dir(parent)
+        pdir = self._dir_cache.get(parent)
+        if pdir is None:
+            pdir = self._dir_cache[parent] = self._resolve_dir(parent)
         if pdir not in self._cleaned:
             self._cleaned.add(pdir)
             self._sweep_stale_tmp(pdir)
@@ -192,6 +198,7 @@ class Extractor:
             return  # the root entry itself: the root keeps its own attributes
         parent, _, base = rel.rpartition("/")
         if base.startswith(WHITEOUT_PREFIX):
+            self._dir_cache.clear()
             self._whiteout(parent, base)
             return
         if not (m.isdir() or m.isreg() or m.issym() or m.islnk() or m.ischr() or m.isblk() or m.isfifo()):
@@ -205,6 +212,8 @@ class Extractor:
             old = os.lstat(path)
         except FileNotFoundError:
             old = None
+        if old is not None and (stat.S_ISLNK(old.st_mode) or (stat.S_ISDIR(old.st_mode) and not m.isdir())):
+            self._dir_cache.clear()  # a symlink or a directory is about to be replaced
 
         if m.isdir():
             if old is not None and not stat.S_ISDIR(old.st_mode):
@@ -222,8 +231,8 @@ class Extractor:
             shutil.rmtree(path)  # a non-directory replaces a whole lower tree
 
         # A short name: the member's own name may already be NAME_MAX bytes long.
+        # No leftover can be there: _locate swept the directory of stale temp files on first use.
         tmp = os.path.join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
-        _remove_any(tmp)
         try:
             if m.isreg():
                 self._write_file(tar, m, tmp)
@@ -239,8 +248,9 @@ class Extractor:
             if not m.islnk():
                 self._set_attrs(tmp, m, rel)
             os.rename(tmp, path)
-        finally:
+        except BaseException:
             _remove(tmp)
+            raise
         self._written.add(path)
 
     def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str) -> None:

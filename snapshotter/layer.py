@@ -127,11 +127,13 @@ class _Empty:
 
 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
-          on_bytes: Optional[Callable[[int], None]]) -> LayerBlob:
+          on_bytes: Optional[Callable[[int], None]], hashing: bool = True) -> LayerBlob:
     """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere)."""
-    comp = Compressor(out, plan.compression, zstd_level)
+    comp = Compressor(out, plan.compression, zstd_level, hashing)
     changed = write_tar(comp, root, plan, on_bytes)
     comp.finish()
+    if not hashing:
+        return LayerBlob(plan.name, None, "", "", comp.blob.size, MEDIA_TYPE[plan.compression], changed)
     return LayerBlob(plan.name, None, comp.blob.digest, comp.tar.digest, comp.blob.size,
                      MEDIA_TYPE[plan.compression], changed)
 
@@ -144,8 +146,9 @@ def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
 
 def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
                 on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
-    """Write the layer blob's bytes to `out` (the upload stream of a measured layer)."""
-    return _emit(out, root, plan, zstd_level, on_bytes)
+    """Write the layer blob's bytes to `out`: the upload stream of a measured layer, not hashed
+    again (the registry checks the bytes against the digest measured before)."""
+    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False)
 
 
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,

@@ -449,20 +449,22 @@ class _ChunkedUpload:
 
     def __init__(self, remote: Remote, location: str, digest: str, progress: Callable[[int], None]):
         self.remote, self.location, self.digest, self.progress = remote, location, digest, progress
-        self.buf = bytearray()
+        self.parts: list[bytes] = []  # pending bytes, joined once a chunk's worth is here
+        self.pending = 0
         self.offset = 0
 
     def write(self, data) -> int:
-        self.buf += data
-        if len(self.buf) >= CHUNK_SIZE:
-            self._send(bytes(self.buf[:CHUNK_SIZE]))
-            del self.buf[:CHUNK_SIZE]
+        self.parts.append(bytes(data))
+        self.pending += len(data)
+        if self.pending >= CHUNK_SIZE:
+            self._send(b"".join(self.parts))
+            self.parts, self.pending = [], 0
         return len(data)
 
     def flush(self) -> None:
-        while self.buf:
-            self._send(bytes(self.buf[:CHUNK_SIZE]))
-            del self.buf[:CHUNK_SIZE]
+        if self.parts:
+            self._send(b"".join(self.parts))
+            self.parts, self.pending = [], 0
 
     def _send(self, chunk: bytes) -> None:
         r = self.remote._request(
