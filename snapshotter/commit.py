@@ -10,9 +10,12 @@ from typing import Callable, Optional
 from . import progress
 from .compress import IterReader, decompressing_reader
 from .errors import UsageError
-from .fsindex import Entry, apply_layer_to_index, diff, load_index, save_index, scan_box
-from .image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART, SNAP_PART_FILE, descriptor, now_rfc3339, snapshot_config, snapshot_manifest
-from .layer import LayerBlob, build_layer, measure_layer, write_layer
+from .errors import SnapError
+from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
+from .image import (BASE_DIGEST, BASE_NAME, SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
+                    SNAP_PROFILE, descriptor, now_rfc3339, snap_label, snapshot_config, snapshot_layer_count,
+                    snapshot_manifest)
+from .layer import LayerBlob, build_layer, header_key, measure_layer, tar_headers, write_layer
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
 from .registry import OCI_MANIFEST, Image, Reference, Remote, TransportOptions, sha256_digest
@@ -77,6 +80,21 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> dict
     return index
 
 
+def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> tuple[Scan, Diff]:
+    """Walk the box and diff it against the base index."""
+    # Our own state dir must never end up in the snapshot.
+    own = os.path.relpath(state_dir(), root)
+    extra = (own,) if not own.startswith("..") else ()
+
+    def skipped(path: str) -> bool:
+        return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path)) \
+            or path in extra
+
+    with progress.bar("scanning box", unit="files") as b:
+        scan = scan_box(root, profile, extra, progress.safe_update(b))
+    return scan, diff(index, scan, skipped, rehash=rehash, root=root)
+
+
 def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
     opts = opts or CommitOptions()
     if opts.compression not in (None, "zstd", "gzip"):
@@ -93,18 +111,10 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
     base_img = base_remote.resolve()
     index = base_index(base_remote, base_img, opts.log)
 
-    # Our own state dir must never end up in the snapshot.
-    own = os.path.relpath(state_dir(), root)
-    extra = (own,) if not own.startswith("..") else ()
-    def skipped(path: str) -> bool:
-        return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path)) \
-            or path in extra
     if opts.changes is not None:
         scan, d = opts.changes(base_img, index)
     else:
-        with progress.bar("scanning box", unit="files") as b:
-            scan = scan_box(root, profile, extra, progress.safe_update(b))
-        d = diff(index, scan, skipped, rehash=opts.rehash, root=root)
+        scan, d = box_changes(root, profile, index, opts.rehash)
     plans = plan_layers(d, scan, index, profile, opts.compression, opts.max_layer_size)
     if len(base_img.layers) + len(plans) > MAX_ENGINE_LAYERS:
         opts.log(f"warning: the image has {len(base_img.layers) + len(plans)} layers; Docker cannot run images "
@@ -118,7 +128,8 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
     created = now_rfc3339()
     config = snapshot_config(base_img.config, [(p.label, b.diff_id) for p, b, _ in layers], created)
     layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
-    manifest = snapshot_manifest(base_img, str(base_ref), config, layer_descs, profile.name, created)
+    manifest = snapshot_manifest(base_img, str(base_ref), config, layer_descs, profile.name, created,
+                                 {SNAP_MAX_LAYER: str(opts.max_layer_size)})
     config_digest = sha256_digest(config)
     if not target_remote.blob_exists(config_digest):
         target_remote.upload_from(lambda out: out.write(config), config_digest, len(config))
@@ -214,3 +225,41 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image) -> None:
             if not os.path.exists(path):
                 source.download_blob(d["digest"], path)
             target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
+
+
+def seed_stat_cache(root: str, image: Image, applied_headers: dict[str, list[tuple]],
+                    transport: TransportOptions, log: Callable[[str], None] = lambda msg: None) -> int:
+    """After a restore: teach the stat cache the snap layers just written, so the next commit of
+    this box (in a reclaim's last seconds) reads none of them. A layer is learned only if the
+    commit would plan exactly the tar headers that were extracted from it (`applied_headers`, by
+    blob digest); the contents are the layer's own, verified at restore. Returns how many."""
+    ann = image.manifest.get("annotations", {})
+    try:
+        profile = load_profile(ann[SNAP_PROFILE])  # a profile shipped in layers/; a custom file is not known here
+        base_remote = Remote(Reference.parse(ann[BASE_NAME]), transport)
+        base_img = base_remote.resolve()
+        if base_img.manifest_digest != ann.get(BASE_DIGEST):
+            return 0  # the base tag moved: a commit against it builds its layers anew anyway
+        index = base_index(base_remote, base_img, log)
+        scan, d = box_changes(root, profile, index)
+    except (KeyError, SnapError) as e:
+        log(f"stat cache not seeded: {e}")
+        return 0
+    snap_layers = image.layers[len(image.layers) - snapshot_layer_count(image):]
+    gzip = any(desc["mediaType"].endswith("gzip") for desc in snap_layers)
+    max_layer = int(ann.get(SNAP_MAX_LAYER, DEFAULT_MAX_LAYER_SIZE))
+    plans = plan_layers(d, scan, index, profile, "gzip" if gzip else None, max_layer)
+    diff_ids = dict(zip((desc["digest"] for desc in image.layers), image.config["rootfs"]["diff_ids"]))
+    by_label = {snap_label(desc): desc for desc in snap_layers}
+    cache = StatCache(root, base_img.manifest_digest)
+    learned = 0
+    for plan in plans:
+        desc = by_label.get(plan.label)
+        if desc is None or applied_headers.get(desc["digest"]) != [header_key(ti) for ti, _ in tar_headers(plan)]:
+            continue
+        cache.record(plan.fingerprint(profile.zstd_level), {
+            "digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
+            "media_type": desc["mediaType"]})
+        learned += 1
+    cache.save()
+    return learned

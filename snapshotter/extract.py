@@ -30,6 +30,7 @@ import zstandard
 
 from .errors import IntegrityError, StorageError
 from .fsindex import OPAQUE, WHITEOUT_PREFIX, clean_path
+from .layer import header_key
 
 MAX_SYMLINK_HOPS = 40
 TMP_PREFIX = ".snap-tmp-"
@@ -87,6 +88,7 @@ class Extractor:
         # directories, so only removing or replacing a directory or a symlink can change an
         # answer: those clear the cache.
         self._dir_cache: dict[str, str] = {}
+        self.record: Optional[list[tuple]] = None  # set to a list to keep the headers of the next layer
 
     # ---- path resolution, scoped to the root ------------------------------------------------
 
@@ -173,6 +175,8 @@ class Extractor:
             with tarfile.open(fileobj=tar_stream, mode="r|", errorlevel=2) as tar:
                 for m in tar:
                     name = m.name
+                    if self.record is not None:
+                        self.record.append(header_key(m))
                     self._apply_member(tar, m)
             while tar_stream.read(1 << 20):  # read to the end here, so a corrupt tail is caught below
                 pass

@@ -19,6 +19,7 @@ SNAP_PART = "dev.snap.part"  # layer annotation: "i/n" for a part of a file cut 
 SNAP_PART_FILE = "dev.snap.part-file"  # layer annotation: the file the parts join back into
 SNAP_BASE_LAYERS = "dev.snap.base-layers"  # manifest annotation: how many leading layers are the base's
 SNAP_PROFILE = "dev.snap.profile"
+SNAP_MAX_LAYER = "dev.snap.max-layer-size"  # manifest annotation: the cap files were cut at
 BASE_NAME = "org.opencontainers.image.base.name"
 BASE_DIGEST = "org.opencontainers.image.base.digest"
 CREATED = "org.opencontainers.image.created"
@@ -60,7 +61,7 @@ def snapshot_config(base_config: dict, layers: list[tuple[str, str]], created: s
 
 
 def snapshot_manifest(base: Image, base_name: str, config: bytes, layers: list[dict], profile: str,
-                      created: str) -> bytes:
+                      created: str, extra_annotations: Optional[dict] = None) -> bytes:
     """An OCI image manifest: the base's layers (media types in their OCI names; same bytes),
     then the snapshot layer descriptors."""
     base_layers = []
@@ -80,6 +81,7 @@ def snapshot_manifest(base: Image, base_name: str, config: bytes, layers: list[d
             SNAP_BASE_LAYERS: str(len(base_layers)),
             SNAP_PROFILE: profile,
             CREATED: created,
+            **(extra_annotations or {}),
         },
     }
     return canonical(manifest)
@@ -91,3 +93,11 @@ def snapshot_layer_count(image: Image) -> int:
     if SNAP_BASE_LAYERS not in ann:
         return 0
     return len(image.layers) - int(ann[SNAP_BASE_LAYERS])
+
+
+def snap_label(desc: dict) -> str:
+    """How commit named a layer: 'venv', 'models (bundle 2)', ...; '' for a layer snap did not make."""
+    ann = desc.get("annotations", {})
+    if SNAP_LAYER not in ann:
+        return ""
+    return f"{ann[SNAP_LAYER]} ({ann[SNAP_CONTENT]})" if SNAP_CONTENT in ann else ann[SNAP_LAYER]

@@ -81,26 +81,41 @@ def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
     return ti
 
 
-def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None) -> list[str]:
-    """Write the plan as a tar stream to `out`. Returns the paths that changed while being read."""
+def tar_headers(plan: LayerPlan) -> list[tuple[tarfile.TarInfo, Optional[Entry]]]:
+    """The tar headers of a plan in layer order, each with its entry (None for a whiteout):
+    sorted, whiteouts before their siblings, later paths of a hardlinked inode as links."""
     items = [(e.path, False) for e in plan.entries] + [(w, True) for w in plan.whiteouts]
     by_path = {e.path: e for e in plan.entries}
     first_of_inode: dict[str, str] = {}
+    out: list[tuple[tarfile.TarInfo, Optional[Entry]]] = []
+    for path, is_whiteout in sorted(items, key=_sort_key):
+        if is_whiteout:
+            parent, _, base = path.rpartition("/")
+            ti = tarfile.TarInfo(f"{parent}/{WHITEOUT_PREFIX}{base}" if parent else f"{WHITEOUT_PREFIX}{base}")
+            ti.mode, ti.mtime, ti.uname, ti.gname = 0o644, 0, "", ""
+            out.append((ti, None))
+            continue
+        e = by_path[path]
+        link_to = first_of_inode.get(e.inode) if e.inode else None
+        if e.inode and link_to is None:
+            first_of_inode[e.inode] = e.path
+        out.append((_tarinfo(e, link_to), e))
+    return out
+
+
+def header_key(ti: tarfile.TarInfo) -> tuple:
+    """What of a tar header decides the layer's bytes (with the content): compared when the stat
+    cache is seeded from a restore."""
+    return (ti.name.rstrip("/"), ti.type, ti.mode & 0o7777, ti.uid, ti.gid, ti.size, int(ti.mtime), ti.linkname,
+            ti.devmajor, ti.devminor)
+
+
+def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None) -> list[str]:
+    """Write the plan as a tar stream to `out`. Returns the paths that changed while being read."""
     changed: list[str] = []
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar:
-        for path, is_whiteout in sorted(items, key=_sort_key):
-            if is_whiteout:
-                parent, _, base = path.rpartition("/")
-                ti = tarfile.TarInfo(f"{parent}/{WHITEOUT_PREFIX}{base}" if parent else f"{WHITEOUT_PREFIX}{base}")
-                ti.mode, ti.mtime, ti.uname, ti.gname = 0o644, 0, "", ""
-                tar.addfile(ti)
-                continue
-            e = by_path[path]
-            link_to = first_of_inode.get(e.inode) if e.inode else None
-            if e.inode and link_to is None:
-                first_of_inode[e.inode] = e.path
-            ti = _tarinfo(e, link_to)
-            if ti.type != tarfile.REGTYPE:
+        for ti, e in tar_headers(plan):
+            if e is None or ti.type != tarfile.REGTYPE:
                 tar.addfile(ti)
                 continue
             source, offset = plan.slices.get(e.path, (e.path, 0))

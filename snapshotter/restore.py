@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import progress
+from .commit import seed_stat_cache
 from .compress import HashingReader, compression_of, decompressing_reader
 from .errors import IntegrityError, UsageError
 from .extract import ExtractOptions, Extractor, storage_error
-from .image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART, SNAP_PART_FILE, snapshot_layer_count
+from .image import SNAP_PART, SNAP_PART_FILE, snap_label, snapshot_layer_count
 from .plan import PART_SUFFIX
 from .registry import Image, Reference, Remote, TransportOptions
 from .state import sub
@@ -34,6 +35,7 @@ class RestoreOptions:
     extract: ExtractOptions = field(default_factory=ExtractOptions)
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
+    seed_stat_cache: bool = True  # so the first commit after a restore reads no unchanged layer
 
 
 @dataclass
@@ -46,14 +48,12 @@ class RestoreResult:
     bytes: int
     skipped_devices: list[str]
     stripped_setuid: list[str]
+    seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them
 
 
 def layer_label(desc: dict, i: int) -> str:
     """'venv', 'models (bundle 2)', ... as commit named it; 'base layer N' for the base's."""
-    ann = desc.get("annotations", {})
-    if SNAP_LAYER not in ann:
-        return f"base layer {i + 1}"
-    return f"{ann[SNAP_LAYER]} ({ann[SNAP_CONTENT]})" if SNAP_CONTENT in ann else ann[SNAP_LAYER]
+    return snap_label(desc) or f"base layer {i + 1}"
 
 
 def _journal_path(root: str) -> str:
@@ -110,6 +110,7 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
 
     blob_dir = sub("blobs")
     applied: list[str] = []
+    headers: dict[str, list[tuple]] = {}
     total = sum(d["size"] for _, d, _ in pending)
     with progress.bar("downloading", total) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
         update = progress.safe_update(dl)
@@ -130,6 +131,8 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
             extractor = Extractor(root, opts.extract)
             for (i, desc, diff_id), path in zip(pending, paths):
                 label = layer_label(desc, i)
+                # snap's own layers: keep their tar headers, to teach the stat cache afterwards.
+                extractor.record = [] if snap_label(desc) else None
                 with progress.bar(f"extracting {label}", desc["size"]) as xb, open(path, "rb") as raw:
                     counted = _CountingFile(raw, progress.safe_update(xb))
                     stream = HashingReader(decompressing_reader(counted, desc["mediaType"]))
@@ -140,6 +143,8 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
                         stream.drain()
                 if not same and stream.digest != diff_id:
                     raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
+                if extractor.record is not None:
+                    headers[desc["digest"]] = extractor.record
                 done.append(desc["digest"])
                 _write_journal(journal, image.manifest_digest, done)
                 applied.append(label)
@@ -159,9 +164,10 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
         raise storage_error(e, root, " while joining part layers") from e
     if os.path.exists(journal):
         os.unlink(journal)
+    seeded = seed_stat_cache(root, image, headers, opts.transport, opts.log) if headers and opts.seed_stat_cache else 0
     s = extractor.stats
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
-                         s.skipped_devices, s.stripped_setuid)
+                         s.skipped_devices, s.stripped_setuid, seeded)
 
 
 def _join_parts(extractor: Extractor, layers: list[tuple[int, dict, str]], fsync: bool) -> None:

@@ -159,3 +159,26 @@ def test_commit_and_restore_memory_is_flat_in_model_size(registry, base_ref, box
     peak_kib = int(r.stdout.strip().splitlines()[-1])
     assert peak_kib * 1024 < 200 * MiB, f"peak RSS {peak_kib // 1024} MiB for a {size // MiB} MiB model"
     assert os.path.getsize(tmp_path / "out/opt/app/models/large.safetensors") == size
+
+
+def test_a_restored_box_commits_without_reading_its_layers(registry, base_ref, model_box, tmp_path):
+    """After a reclaim: restore on a new machine (fresh state dir), then commit within seconds."""
+    first = commit(f"{registry.host}/seed:v1", base_ref, CommitOptions(root=model_box))
+    fresh_state = tmp_path / "new-machine-state"
+    env = {"SNAP_STATE_DIR": str(fresh_state)}
+    out = tmp_path / "restored"
+    r = snap("restore", f"{registry.host}/seed:v1", "--root", str(out), "--json", env=env, check=True)
+    assert json.loads(r.stdout)["seeded_layers"] == len(first.layers)
+
+    os.environ["SNAP_STATE_DIR"] = str(fresh_state)  # monkeypatched per test by conftest
+    write_tree(str(out), {"opt/app/custom_nodes/NodeA/nodes.py": "class A: changed = True\n"}, mtime=1_700_000_100)
+    before = bytes_read_by_this_process()
+    second = commit(f"{registry.host}/seed:v2", base_ref, CommitOptions(root=str(out)))
+    read = bytes_read_by_this_process() - before
+    assert read < 5 * MiB, f"the first commit after a restore read {read} bytes"
+    st = statuses(second)
+    assert st.pop("custom_nodes") == "uploaded"
+    assert all("not read" in s for s in st.values()), st
+    a = {layer.name: layer.digest for layer in first.layers}
+    b = {layer.name: layer.digest for layer in second.layers}
+    assert {k: v for k, v in a.items() if k != "custom_nodes"} == {k: v for k, v in b.items() if k != "custom_nodes"}
