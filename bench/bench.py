@@ -159,6 +159,9 @@ def generate_box(base: str, box: str, args) -> dict:
     per = args.weights_mib * MiB // args.weight_files
     for i in range(args.weight_files):
         write_random(os.path.join(app, f"models/checkpoints/model-{i + 1:02d}-of-{args.weight_files:02d}.safetensors"), per)
+    # A real box's files are older than snap's 2 s racy-clean window (files changed that close to
+    # a scan are not trusted to the stat cache); let the generated ones age past it too.
+    time.sleep(2.5)
     return {"text_bytes": text, "weights_bytes": per * args.weight_files}
 
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from .errors import SnapError, UsageError
+from .errors import SnapError, StorageError, UsageError
 from .registry import Credentials, TransportOptions
 
 app = typer.Typer(
@@ -42,6 +42,17 @@ def _errors(fn):
         except KeyboardInterrupt:
             _say("snap: interrupted (run the command again: a commit re-sends only what is missing, a restore resumes)")
             raise typer.Exit(130)
+        except OSError as e:  # the local machine failed us somewhere no closer handler knew
+            if os.environ.get("SNAP_DEBUG"):
+                raise
+            where = f" ({e.filename})" if e.filename else ""
+            _say(f"snap: error: local I/O failed: {e.strerror or e}{where} (check the disk, the path and its permissions)")
+            raise typer.Exit(StorageError.exit_code)
+        except Exception as e:  # a bug: still one line, the traceback on demand
+            if os.environ.get("SNAP_DEBUG"):
+                raise
+            _say(f"snap: internal error: {type(e).__name__}: {e} (run again with SNAP_DEBUG=1 for the traceback)")
+            raise typer.Exit(1)
 
     return wrapper
 

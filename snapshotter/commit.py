@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import tarfile
+import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import zstandard
+
 from . import progress
 from .compress import IterReader, decompressing_reader
-from .errors import UsageError
-from .errors import SnapError
+from .errors import IntegrityError, SnapError, UsageError
 from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
 from .image import (BASE_DIGEST, BASE_NAME, SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
                     SNAP_PROFILE, descriptor, now_rfc3339, snap_label, snapshot_config, snapshot_layer_count,
@@ -24,6 +28,7 @@ from .statcache import StatCache
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
+RACY_WINDOW_NS = 2 * 10**9  # files changed this close to the scan are re-read next time
 
 
 @dataclass
@@ -74,7 +79,10 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> dict
         for layer in image.layers:
             raw = IterReader(remote.iter_blob(layer["digest"], progress.safe_update(b)))
             stream = decompressing_reader(raw, layer["mediaType"])
-            apply_layer_to_index(index, stream)
+            try:
+                apply_layer_to_index(index, stream)
+            except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError) as e:
+                raise IntegrityError(f"base image layer {layer['digest'][:19]} is not a readable tar: {e}")
             raw.drain()  # runs the digest check at the end of the blob
     save_index(index, cache)
     return index
@@ -86,12 +94,13 @@ def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bo
     own = os.path.relpath(state_dir(), root)
     extra = (own,) if not own.startswith("..") else ()
 
-    def skipped(path: str) -> bool:
-        return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path)) \
-            or path in extra
-
     with progress.bar("scanning box", unit="files") as b:
         scan = scan_box(root, profile, extra, progress.safe_update(b))
+
+    def skipped(path: str) -> bool:
+        return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path)) \
+            or path in extra or scan.not_walked(path)
+
     return scan, diff(index, scan, skipped, rehash=rehash, root=root)
 
 
@@ -111,6 +120,7 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
     base_img = base_remote.resolve()
     index = base_index(base_remote, base_img, opts.log)
 
+    scan_started_ns = time.time_ns()
     if opts.changes is not None:
         scan, d = opts.changes(base_img, index)
     else:
@@ -123,7 +133,7 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
     target_remote = base_remote if target_ref.name == base_ref.name else Remote(target_ref, opts.transport)
     _ensure_base_layers(target_remote, base_remote, base_img)
     cache = StatCache(root, base_img.manifest_digest)
-    layers = _push_layers(root, plans, target_remote, cache, profile.zstd_level, opts.rehash)
+    layers = _push_layers(root, plans, target_remote, cache, profile.zstd_level, opts.rehash, scan_started_ns)
 
     created = now_rfc3339()
     config = snapshot_config(base_img.config, [(p.label, b.diff_id) for p, b, _ in layers], created)
@@ -154,8 +164,17 @@ def _annotations(plan: LayerPlan) -> dict:
     return ann
 
 
+def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
+    """Whether a built layer may go into the stat cache. Not if a file changed while it was read
+    (the blob may hold a torn copy), nor if a file changed just before the scan: within a coarse
+    ctime tick a later write can leave the same stat (git's "racy clean" rule)."""
+    if blob.changed_while_read:
+        return False
+    return all(e.ctime_ns < scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
+
+
 def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatCache, zstd_level: int,
-                 rehash: bool) -> list[tuple[LayerPlan, LayerBlob, str]]:
+                 rehash: bool, scan_started_ns: int) -> list[tuple[LayerPlan, LayerBlob, str]]:
     """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
     stat cache, and whose blob the registry has, is neither read nor uploaded."""
     results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
@@ -197,8 +216,9 @@ def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatC
             for fut, (i, plan, fp) in futures.items():
                 blob, status = fut.result()
                 results[i] = (plan, blob, status)
-                cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
-                                  "media_type": blob.media_type})
+                if _cacheable(plan, blob, scan_started_ns):
+                    cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
+                                      "media_type": blob.media_type})
         except BaseException:
             for f in futures:
                 f.cancel()
@@ -225,6 +245,7 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image) -> None:
             if not os.path.exists(path):
                 source.download_blob(d["digest"], path)
             target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
+            os.unlink(path)  # only a stop on the way to the other registry
 
 
 def seed_stat_cache(root: str, image: Image, applied_headers: dict[str, list[tuple]],

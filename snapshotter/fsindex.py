@@ -42,6 +42,10 @@ class Entry:
     inode: Optional[str] = None  # "dev:ino" of a box file with more than one link
     stamp: str = ""  # box only: "ino:mtime_ns:ctime_ns", what the stat cache keys on (ctime cannot be faked)
 
+    @property
+    def ctime_ns(self) -> int:
+        return int(self.stamp.rsplit(":", 1)[1])
+
     def same_as(self, other: "Entry", compare_content: bool = False) -> bool:
         if (self.kind, self.mode, self.uid, self.gid, self.mtime) != (other.kind, other.mode, other.uid, other.gid, other.mtime):
             return False
@@ -80,6 +84,11 @@ class Scan:
     entries: dict[str, Entry]
     venv_roots: VenvRoots
     skipped_secrets: list[str] = field(default_factory=list)
+    pseudo_mounts: set[str] = field(default_factory=set)  # kernel views (proc, sysfs, ...) not walked
+
+    def not_walked(self, path: str) -> bool:
+        """Under a pseudo mount: base paths there are unknown, not deleted."""
+        return any(path == m or path.startswith(m + "/") for m in self.pseudo_mounts)
 
 
 def pseudo_mounts(root: str) -> set[str]:
@@ -100,26 +109,20 @@ def pseudo_mounts(root: str) -> set[str]:
     return found
 
 
+_KIND_OF_MODE = {stat.S_IFREG: FILE, stat.S_IFDIR: DIR, stat.S_IFLNK: SYMLINK, stat.S_IFCHR: CHAR,
+                 stat.S_IFBLK: BLOCK, stat.S_IFIFO: FIFO}  # sockets are not content
+_KIND_OF_TAR = {**{t: FILE for t in tarfile.REGULAR_TYPES}, tarfile.DIRTYPE: DIR, tarfile.SYMTYPE: SYMLINK,
+                tarfile.CHRTYPE: CHAR, tarfile.BLKTYPE: BLOCK, tarfile.FIFOTYPE: FIFO}
+
+
 def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optional[Entry]:
-    m = st.st_mode
-    if stat.S_ISREG(m):
-        kind = FILE
-    elif stat.S_ISDIR(m):
-        kind = DIR
-    elif stat.S_ISLNK(m):
-        kind = SYMLINK
-    elif stat.S_ISCHR(m):
-        kind = CHAR
-    elif stat.S_ISBLK(m):
-        kind = BLOCK
-    elif stat.S_ISFIFO(m):
-        kind = FIFO
-    else:
-        return None  # sockets: not content
+    kind = _KIND_OF_MODE.get(stat.S_IFMT(st.st_mode))
+    if kind is None:
+        return None
     return Entry(
         path=rel,
         kind=kind,
-        mode=stat.S_IMODE(m),
+        mode=stat.S_IMODE(st.st_mode),
         uid=st.st_uid,
         gid=st.st_gid,
         size=st.st_size if kind == FILE else 0,
@@ -189,26 +192,15 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
         raise StorageError(f"cannot read {shown}{more} in the box",
                            "run snap as root, or add the paths to the profile's exclude list")
-    return Scan(entries, venvs, sorted(secrets))
+    return Scan(entries, venvs, sorted(secrets), skip_mounts)
 
 
 # ---- an image -----------------------------------------------------------------------------------
 
 
 def entry_from_member(m: tarfile.TarInfo, rel: str) -> Optional[Entry]:
-    if m.isreg():
-        kind = FILE
-    elif m.isdir():
-        kind = DIR
-    elif m.issym():
-        kind = SYMLINK
-    elif m.ischr():
-        kind = CHAR
-    elif m.isblk():
-        kind = BLOCK
-    elif m.isfifo():
-        kind = FIFO
-    else:
+    kind = _KIND_OF_TAR.get(m.type)
+    if kind is None:
         return None
     return Entry(
         path=rel, kind=kind, mode=m.mode & 0o7777, uid=m.uid, gid=m.gid,
@@ -225,7 +217,7 @@ def _remove_tree(index: dict[str, Entry], path: str, keep_self: bool = False) ->
         del index[k]
 
 
-def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, hash_files: bool = True) -> None:
+def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO) -> None:
     """Apply one layer's tar (uncompressed stream) to an image index, as an extractor would:
     whiteouts and opaque markers hide lower paths, a non-directory replaces a lower directory tree."""
     layer: dict[str, Entry] = {}
@@ -253,7 +245,7 @@ def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, hash_fil
                 e = entry_from_member(m, rel)
                 if e is None:
                     continue
-                if e.kind == FILE and hash_files:
+                if e.kind == FILE:
                     f = tar.extractfile(m)
                     h = hashlib.sha256()
                     while chunk := f.read(1 << 20):

@@ -77,13 +77,6 @@ class PathSet:
     def match(self, path: str) -> bool:
         return bool(self._re and self._re.fullmatch(path))
 
-    def which(self, path: str) -> Optional[str]:
-        """The first pattern that matches (for messages)."""
-        for p in self.patterns:
-            if re.fullmatch(glob_regex(p), path):
-                return p
-        return None
-
 
 @dataclass
 class LayerRule:
@@ -111,9 +104,6 @@ class Profile:
     @property
     def layer_names(self) -> list[str]:
         return [r.name for r in self.layers]
-
-    def rule(self, name: str) -> LayerRule:
-        return next(r for r in self.layers if r.name == name)
 
     def classify(self, path: str, size: int, is_file: bool, venv_roots: "VenvRoots") -> str:
         """The layer a path goes to: the first rule that claims it, else `rest`."""
@@ -159,7 +149,10 @@ def load_profile(name_or_path: str = "default") -> Profile:
     if path.suffix in (".yaml", ".yml") or "/" in name_or_path:
         if not path.is_file():
             raise UsageError(f"profile file {name_or_path} does not exist")
-        text, source = path.read_text(), str(path)
+        try:
+            text, source = path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read profile file {name_or_path}: {getattr(e, 'strerror', None) or e.reason}")
     else:
         res = resources.files("snapshotter.layers") / f"{name_or_path}.yaml"
         if not res.is_file():

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,7 +28,18 @@ def statuses(result):
 @pytest.fixture
 def model_box(box):
     write_tree(box, {"opt/app/models/checkpoints/big.safetensors": os.urandom(40 * MiB)})
+    # Files changed within 2 s of a scan are not trusted to the stat cache (racy clean): let the
+    # box age past that, as a real box's files have.
+    time.sleep(2.1)
     return box
+
+
+def test_files_changed_just_before_the_scan_are_read_again(registry, base_ref, box):
+    """The racy-clean rule: a layer with a file changed right before the scan is not cached."""
+    write_tree(box, {"opt/app/models/checkpoints/fresh.safetensors": os.urandom(4 * MiB)})
+    commit(f"{registry.host}/racy:v1", base_ref, CommitOptions(root=box))
+    second = commit(f"{registry.host}/racy:v2", base_ref, CommitOptions(root=box))
+    assert statuses(second)["models"] == "exists, skipped"  # read again, not trusted from the cache
 
 
 def test_nothing_changed_commit_reads_no_model_bytes(registry, base_ref, model_box):

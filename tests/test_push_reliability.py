@@ -137,14 +137,19 @@ def test_secrets_are_left_out_and_listed(registry, base_ref, box):
         "root/.aws/credentials": "[default]\naws_secret_access_key = AWS-SECRET-KEY\n",
         "root/.netrc": "machine x login u password NETRC-PASSWORD\n",
         "opt/app/certs/server.pem": "-----BEGIN PRIVATE KEY-----\nPEM-MATERIAL\n",
+        "home/ml/.cache/huggingface/token": "hf_HUGGINGFACE-TOKEN\n",
+        "etc/ssh/ssh_host_ed25519_key": "-----BEGIN OPENSSH PRIVATE KEY-----\nHOST-KEY-MATERIAL\n",
+        "root/.bash_history": "export HF_TOKEN=HISTORY-TOKEN\n",
         "opt/app/keep.txt": "kept\n",
     })
     r = snap("commit", f"{registry.host}/secrets:v1", "--base", base_ref, "--root", box, check=True)
-    for p in ("/root/.docker", "/root/.ssh", "/root/.aws", "/root/.netrc", "/opt/app/certs/server.pem"):
+    for p in ("/root/.docker", "/root/.ssh", "/root/.aws", "/root/.netrc", "/opt/app/certs/server.pem",
+              "/home/ml/.cache/huggingface/token", "/etc/ssh/ssh_host_ed25519_key", "/root/.bash_history"):
         assert f"  {p}" in r.stderr, r.stderr
     layers, config = _all_layer_bytes(registry, "secrets", "v1")
     everything = b"".join(layers) + config
-    for needle in (b"c2VjcmV0LXRva2Vu", b"SSH-KEY-MATERIAL", b"AWS-SECRET-KEY", b"NETRC-PASSWORD", b"PEM-MATERIAL"):
+    for needle in (b"c2VjcmV0LXRva2Vu", b"SSH-KEY-MATERIAL", b"AWS-SECRET-KEY", b"NETRC-PASSWORD", b"PEM-MATERIAL",
+                   b"HUGGINGFACE-TOKEN", b"HOST-KEY-MATERIAL", b"HISTORY-TOKEN"):
         assert needle not in everything
     assert b"kept\n" in everything  # the comparison can see layer contents at all
 
