@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from typing import List, Optional
 
+import click
 import typer
 
 from .errors import SnapError, StorageError, UsageError
@@ -42,6 +43,8 @@ def _errors(fn):
         except KeyboardInterrupt:
             _say("snap: interrupted (run the command again: a commit re-sends only what is missing, a restore resumes)")
             raise typer.Exit(130)
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+            raise  # typer's own ways out (an exit code chosen by the command, a usage error)
         except OSError as e:  # the local machine failed us somewhere no closer handler knew
             if os.environ.get("SNAP_DEBUG"):
                 raise
