@@ -95,8 +95,7 @@ def container_changes(ct, base_img: Image, index: dict[str, Entry], mirror: str,
         raise UsageError(f"container {ct.name} was started from image {image_id[:19]}, not from the base {base_img.ref}",
                          "pass the image it was started from as --base, or leave --base out")
 
-    def skipped(path: str) -> bool:
-        return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path))
+    skipped = profile.leaves_out
 
     changes = {rel: c["Kind"] for c in ct.diff() or [] if (rel := clean_path(c["Path"]))}
     secrets = sorted(p for p in changes if not profile.exclude.match(p) and skipped(p) and not skipped(_parent(p)))

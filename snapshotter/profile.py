@@ -105,6 +105,10 @@ class Profile:
     def layer_names(self) -> list[str]:
         return [r.name for r in self.layers]
 
+    def leaves_out(self, path: str) -> bool:
+        """A path never captured: excluded, or a secret (unless the profile keeps secrets)."""
+        return self.exclude.match(path) or (not self.include_secrets and self.secrets.match(path))
+
     def classify(self, path: str, size: int, is_file: bool, venv_roots: "VenvRoots") -> str:
         """The layer a path goes to: the first rule that claims it, else `rest`."""
         for rule in self.layers:
