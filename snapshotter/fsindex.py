@@ -16,6 +16,8 @@ from .profile import Profile, VenvRoots
 
 FILE, DIR, SYMLINK, CHAR, BLOCK, FIFO = "file", "dir", "symlink", "char", "block", "fifo"
 WHITEOUT_PREFIX = ".wh."
+XATTR_PAX = "SCHILY.xattr."
+SKIP_XATTRS = ("trusted.", "security.selinux")  # privileged, or labels of the host they were made on
 OPAQUE = ".wh..wh..opq"
 
 # Filesystems that are views of the kernel, never content of the box.
@@ -41,6 +43,7 @@ class Entry:
     digest: Optional[str] = None  # sha256 of a regular file's content, where known
     inode: Optional[str] = None  # "dev:ino" of a box file with more than one link
     stamp: str = ""  # box only: "ino:mtime_ns:ctime_ns", what the stat cache keys on (ctime cannot be faked)
+    xattrs: Optional[dict[str, str]] = None  # extended attributes (values as surrogate-escaped text, as in PAX)
 
     @property
     def ctime_ns(self) -> int:
@@ -48,6 +51,8 @@ class Entry:
 
     def same_as(self, other: "Entry", compare_content: bool = False) -> bool:
         if (self.kind, self.mode, self.uid, self.gid, self.mtime) != (other.kind, other.mode, other.uid, other.gid, other.mtime):
+            return False
+        if (self.xattrs or None) != (other.xattrs or None):
             return False
         if self.kind == FILE:
             if self.size != other.size:
@@ -177,6 +182,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             e = entry_from_stat(rel, st, link)
             if e is None:
                 continue
+            e.xattrs = read_xattrs(de.path)
             if e.kind == FILE and not os.access(de.path, os.R_OK):
                 unreadable.append(rel)
                 continue
@@ -198,6 +204,29 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
 # ---- an image -----------------------------------------------------------------------------------
 
 
+def read_xattrs(path: str) -> Optional[dict[str, str]]:
+    """A path's extended attributes worth carrying (not trusted.*, not SELinux labels: the host's)."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return None  # a filesystem without xattrs
+    out = {}
+    for name in names:
+        if name.startswith(SKIP_XATTRS):
+            continue
+        try:
+            out[name] = os.getxattr(path, name, follow_symlinks=False).decode("utf-8", "surrogateescape")
+        except OSError:
+            continue
+    return out or None
+
+
+def member_xattrs(m: tarfile.TarInfo) -> Optional[dict[str, str]]:
+    out = {k[len(XATTR_PAX):]: v for k, v in (m.pax_headers or {}).items()
+           if k.startswith(XATTR_PAX) and not k[len(XATTR_PAX):].startswith(SKIP_XATTRS)}
+    return out or None
+
+
 def entry_from_member(m: tarfile.TarInfo, rel: str) -> Optional[Entry]:
     kind = _KIND_OF_TAR.get(m.type)
     if kind is None:
@@ -206,6 +235,7 @@ def entry_from_member(m: tarfile.TarInfo, rel: str) -> Optional[Entry]:
         path=rel, kind=kind, mode=m.mode & 0o7777, uid=m.uid, gid=m.gid,
         size=m.size if kind == FILE else 0, mtime=int(m.mtime), linkname=m.linkname if kind == SYMLINK else "",
         rdev=os.makedev(m.devmajor, m.devminor) if kind in (CHAR, BLOCK) else 0,
+        xattrs=member_xattrs(m),
     )
 
 
@@ -240,7 +270,7 @@ def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO) -> None:
                 src = layer.get(target) or index.get(target)
                 if src is None or src.kind != FILE:
                     continue
-                e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest)
+                e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest, xattrs=src.xattrs)
             else:
                 e = entry_from_member(m, rel)
                 if e is None:

@@ -13,7 +13,7 @@ from typing import BinaryIO, Callable, Optional
 
 from .compress import MEDIA_TYPE, Compressor
 from .errors import StorageError
-from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, WHITEOUT_PREFIX, Entry
+from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, WHITEOUT_PREFIX, XATTR_PAX, Entry, member_xattrs
 from .plan import LayerPlan
 
 _TAR_TYPE = {FILE: tarfile.REGTYPE, DIR: tarfile.DIRTYPE, SYMLINK: tarfile.SYMTYPE, CHAR: tarfile.CHRTYPE,
@@ -67,6 +67,8 @@ def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
     ti.uid, ti.gid = e.uid, e.gid
     ti.uname = ti.gname = ""
     ti.mtime = int(e.mtime)
+    if e.xattrs:
+        ti.pax_headers = {XATTR_PAX + k: v for k, v in sorted(e.xattrs.items())}
     if linkname_for_hardlink is not None:
         ti.type = tarfile.LNKTYPE
         ti.linkname = linkname_for_hardlink
@@ -107,7 +109,7 @@ def header_key(ti: tarfile.TarInfo) -> tuple:
     """What of a tar header decides the layer's bytes (with the content): compared when the stat
     cache is seeded from a restore."""
     return (ti.name.rstrip("/"), ti.type, ti.mode & 0o7777, ti.uid, ti.gid, ti.size, int(ti.mtime), ti.linkname,
-            ti.devmajor, ti.devminor)
+            ti.devmajor, ti.devminor, tuple(sorted((member_xattrs(ti) or {}).items())))
 
 
 def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None) -> list[str]:

@@ -3,19 +3,25 @@ made from files we write (pushed with snap's own registry client, no Docker)."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
+from urllib.parse import parse_qs, urlparse
 
 import requests
 
@@ -167,6 +173,165 @@ class RegistryServer:
         return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
+class TokenServer:
+    """A token service as Docker Hub, GHCR or Harbor run one (distribution's token auth spec), on
+    127.0.0.1 in a thread of the test process. It checks Basic credentials and issues RS256 JWTs
+    signed with a key whose certificate is the registry's rootcertbundle. A known user gets the
+    actions asked for (only pull for a user in `read_only`), anonymous gets a token granting
+    nothing, wrong credentials get 401. `requests` records (user, scope) of each token asked for."""
+
+    service = "snap-test-registry"
+    issuer = "snap-test-token-issuer"
+
+    def __init__(self, workdir: str, users: dict[str, str], read_only: tuple[str, ...] = ()):
+        self.users, self.read_only = users, read_only
+        self.key = os.path.join(workdir, "token-key.pem")
+        self.cert = os.path.join(workdir, "token-cert.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                        "-subj", "/CN=snap-test-token", "-keyout", self.key, "-out", self.cert],
+                       check=True, capture_output=True)
+        with open(self.cert) as f:
+            pem = f.read()
+        self._x5c = "".join(pem.split("-----")[2].split())  # the certificate's DER, base64
+        self._signer = _rs256_signer(self.key)
+        self.requests: list[tuple[Optional[str], str]] = []
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def realm(self) -> str:
+        return f"http://127.0.0.1:{self.port}/token"
+
+    def issue(self, scopes: list[str], subject: str = "") -> str:
+        """A token for space-separated scopes such as "repository:box:pull,push"."""
+        access = []
+        for scope in scopes:
+            for one in scope.split():
+                kind, _, rest = one.partition(":")
+                name, _, actions = rest.rpartition(":")
+                access.append({"type": kind, "name": name, "actions": actions.split(",") if actions else []})
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [self._x5c]}
+        claims = {"iss": self.issuer, "sub": subject, "aud": self.service, "exp": now + 300, "nbf": now - 10,
+                  "iat": now, "jti": uuid.uuid4().hex, "access": access}
+        signing_input = _b64url(json.dumps(header).encode()) + "." + _b64url(json.dumps(claims).encode())
+        return signing_input + "." + _b64url(self._signer(signing_input.encode()))
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                q = parse_qs(urlparse(self.path).query)
+                user = None
+                auth = self.headers.get("Authorization", "")
+                if auth.startswith("Basic "):
+                    user, _, password = base64.b64decode(auth[6:]).decode().partition(":")
+                    if server.users.get(user) != password:
+                        server.requests.append((user, "refused"))
+                        return self._reply(401, {"details": "incorrect username or password"})
+                scopes = q.get("scope", [])
+                server.requests.append((user, " ".join(scopes)))
+                granted = []
+                for scope in scopes:
+                    for one in scope.split():
+                        kind, _, rest = one.partition(":")
+                        name, _, actions = rest.rpartition(":")
+                        allowed = [] if user is None else ["pull"] if user in server.read_only else actions.split(",")
+                        granted.append(f"{kind}:{name}:{','.join(a for a in actions.split(',') if a in allowed)}")
+                token = server.issue(granted, user or "")
+                self._reply(200, {"token": token, "access_token": token, "expires_in": 300})
+
+            def _reply(self, code: int, doc: dict) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+    def start(self) -> "TokenServer":
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+
+
+class _AdminBearer(requests.auth.AuthBase):
+    """For the test's own requests to a token registry: a full-access token for the URL's repository."""
+
+    def __init__(self, tokens: TokenServer):
+        self.tokens = tokens
+
+    def __call__(self, r):
+        m = re.match(r"^/v2/(.+?)/(?:blobs|manifests|tags)/", urlparse(r.url).path)
+        if m:
+            r.headers["Authorization"] = "Bearer " + self.tokens.issue([f"repository:{m.group(1)}:pull,push,delete"], "admin")
+        return r
+
+
+class TokenRegistryServer(RegistryServer):
+    """docker-registry with token auth (as Docker Hub, GHCR, GitLab, Harbor), its TokenServer beside it."""
+
+    def __init__(self, workdir: str, users: dict[str, str], read_only: tuple[str, ...] = (),
+                 port: Optional[int] = None):
+        self.tokens = TokenServer(workdir, users, read_only)
+        super().__init__(workdir, port=port)
+
+    def _write_config(self) -> None:
+        super()._write_config()
+        with open(self.config, "a") as f:
+            f.write("auth:\n  token:\n"
+                    f"    realm: {self.tokens.realm}\n"
+                    f"    service: {self.tokens.service}\n"
+                    f"    issuer: {self.tokens.issuer}\n"
+                    f"    rootcertbundle: {self.tokens.cert}\n")
+
+    def start(self) -> "TokenRegistryServer":
+        self.tokens.start()
+        super().start()
+        return self
+
+    def stop(self) -> None:
+        super().stop()
+        self.tokens.stop()
+
+    def session(self) -> requests.Session:
+        s = super().session()
+        s.auth = _AdminBearer(self.tokens)
+        return s
+
+
+def _b64url(b: bytes) -> str:
+    return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+
+def _rs256_signer(key_path: str):
+    """RSASSA-PKCS1-v1_5 with SHA-256: with the cryptography package when it is installed, else openssl."""
+    try:
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import padding
+    except ImportError:
+        return lambda data: subprocess.run(["openssl", "dgst", "-sha256", "-sign", key_path], input=data,
+                                           capture_output=True, check=True).stdout
+    with open(key_path, "rb") as f:
+        key = serialization.load_pem_private_key(f.read(), None)
+    return lambda data: key.sign(data, padding.PKCS1v15(), hashes.SHA256())
+
+
 def _gunzip(b: bytes) -> bytes:
     return gzip.decompress(b)
 
@@ -272,5 +437,7 @@ def snapshot_of_tree(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
                 if st.st_nlink > 1:
                     first = inodes.setdefault((st.st_dev, st.st_ino), rel)
                     extra += f" linked-with:{first}"
-            out[rel] = (kind, oct(st.st_mode & 0o7777), st.st_uid, st.st_gid, int(st.st_mtime), extra)
+            xattrs = tuple(sorted((n, os.getxattr(full, n, follow_symlinks=False))
+                                  for n in os.listxattr(full, follow_symlinks=False) if not n.startswith("security.selinux")))
+            out[rel] = (kind, oct(st.st_mode & 0o7777), st.st_uid, st.st_gid, int(st.st_mtime), extra) + ((xattrs,) if xattrs else ())
     return out

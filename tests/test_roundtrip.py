@@ -169,3 +169,16 @@ def test_rehash_finds_content_changed_behind_same_size_and_mtime(registry, base_
     out = tmp_path / "out"
     snap("restore", f"{registry.host}/rehash:v2", "--root", str(out), check=True)
     assert (out / "opt/app/config.yaml").read_text() == "port: 9999\n"
+
+
+def test_extended_attributes_round_trip(registry, base_ref, box, tmp_path):
+    """xattrs of changed files travel in PAX records (binary values too) and are written back."""
+    path = os.path.join(box, "opt/app/custom_nodes/NodeB/__init__.py")
+    os.setxattr(path, "user.snap.origin", b"\xff\x00binary-value")
+    os.setxattr(os.path.join(box, "opt/app/models"), "user.snap.dir", b"on a directory")
+    commit_json(f"{registry.host}/xattrs:v1", base_ref, box)
+    out = tmp_path / "out"
+    snap("restore", f"{registry.host}/xattrs:v1", "--root", str(out), check=True)
+    got = snapshot_of_tree(str(out), skip=NOT_CAPTURED)
+    assert got == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    assert os.getxattr(out / "opt/app/custom_nodes/NodeB/__init__.py", "user.snap.origin") == b"\xff\x00binary-value"
