@@ -98,8 +98,7 @@ def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bo
         scan = scan_box(root, profile, extra, progress.safe_update(b))
 
     def skipped(path: str) -> bool:
-        return profile.exclude.match(path) or (not profile.include_secrets and profile.secrets.match(path)) \
-            or path in extra or scan.not_walked(path)
+        return profile.leaves_out(path) or path in extra or scan.not_walked(path)
 
     return scan, diff(index, scan, skipped, rehash=rehash, root=root)
 
@@ -112,11 +111,14 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
         raise UsageError("--max-layer-size must be at least 1MiB")
     profile = opts.profile
     target_ref, base_ref = Reference.parse(target), Reference.parse(base)
+    if target_ref.digest:
+        raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
     if not os.path.isdir(opts.root):
         raise UsageError(f"root {opts.root} does not exist or is not a directory")
     root = os.path.realpath(opts.root)
 
-    base_remote = Remote(base_ref, opts.transport)
+    transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
+    base_remote = Remote(base_ref, transport)
     base_img = base_remote.resolve()
     index = base_index(base_remote, base_img, opts.log)
 
@@ -130,7 +132,7 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
         opts.log(f"warning: the image has {len(base_img.layers) + len(plans)} layers; Docker cannot run images "
                  f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
 
-    target_remote = base_remote if target_ref.name == base_ref.name else Remote(target_ref, opts.transport)
+    target_remote = base_remote if target_ref.name == base_ref.name else Remote(target_ref, transport)
     _ensure_base_layers(target_remote, base_remote, base_img)
     cache = StatCache(root, base_img.manifest_digest)
     layers = _push_layers(root, plans, target_remote, cache, profile.zstd_level, opts.rehash, scan_started_ns)
@@ -257,7 +259,7 @@ def seed_stat_cache(root: str, image: Image, applied_headers: dict[str, list[tup
     ann = image.manifest.get("annotations", {})
     try:
         profile = load_profile(ann[SNAP_PROFILE])  # a profile shipped in layers/; a custom file is not known here
-        base_remote = Remote(Reference.parse(ann[BASE_NAME]), transport)
+        base_remote = Remote(Reference.parse(ann[BASE_NAME]), transport.credentials_only_for(image.ref.registry))
         base_img = base_remote.resolve()
         if base_img.manifest_digest != ann.get(BASE_DIGEST):
             return 0  # the base tag moved: a commit against it builds its layers anew anyway

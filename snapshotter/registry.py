@@ -8,12 +8,14 @@ exact bytes we hashed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import json
 import os
 import platform
 import re
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -53,6 +55,17 @@ _REF_RE = re.compile(
     r"(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
 )
 
+# Docker Hub is named docker.io (index.docker.io of old) but its API is served by registry-1.docker.io,
+# and `docker login` stores its credentials under https://index.docker.io/v1/.
+DOCKER_HUB_NAMES = ("docker.io", "index.docker.io", "registry-1.docker.io")
+DOCKER_HUB_API = "registry-1.docker.io"
+DOCKER_HUB_LOGIN = "https://index.docker.io/v1/"
+
+
+def api_host(registry: str) -> str:
+    """The host[:port] that serves the /v2/ API of a registry named in a reference."""
+    return DOCKER_HUB_API if registry in DOCKER_HUB_NAMES else registry
+
 
 @dataclass(frozen=True)
 class Reference:
@@ -82,6 +95,10 @@ class Reference:
     @property
     def name(self) -> str:
         return f"{self.registry}/{self.repository}"
+
+    @property
+    def api_host(self) -> str:
+        return api_host(self.registry)
 
     @property
     def target(self) -> str:
@@ -115,6 +132,16 @@ class TransportOptions:
     ca_bundle: Optional[str] = None
     tls_verify: bool = True
     credentials: Credentials = field(default_factory=Credentials)
+    # The registry the explicit `credentials` are for; other registries get only the docker config's.
+    # None: every registry (a command that talks to one registry only).
+    credentials_registry: Optional[str] = None
+
+    def credentials_only_for(self, registry: str) -> "TransportOptions":
+        return dataclasses.replace(self, credentials_registry=registry)
+
+    def explicit_credentials_for(self, registry: str) -> bool:
+        return self.credentials.username is not None and (
+            self.credentials_registry is None or api_host(self.credentials_registry) == api_host(registry))
 
 
 def sha256_digest(data: bytes) -> str:
@@ -164,21 +191,24 @@ class Remote:
     def __init__(self, ref: Reference, options: Optional[TransportOptions] = None):
         self.ref = ref
         self.options = options or TransportOptions()
-        self.container = oras.container.Container(ref.repository, registry=ref.registry)
+        self.host = ref.api_host  # where requests go; ref.registry stays the name in messages
+        self.container = oras.container.Container(ref.repository, registry=self.host)
         self.scheme = self._probe()
         verify = self.options.ca_bundle or self.options.tls_verify
         backend = self._auth_kind
         self.oras = oras.provider.Registry(
-            ref.registry, insecure=self.scheme == "http", tls_verify=verify, auth_backend=backend
+            self.host, insecure=self.scheme == "http", tls_verify=verify, auth_backend=backend
         )
         self.oras.session.mount("http://", _TimeoutAdapter())
         self.oras.session.mount("https://", _TimeoutAdapter())
         creds = self.options.credentials
-        if creds.username is not None:
+        if self.options.explicit_credentials_for(ref.registry):
             self.oras.auth.set_basic_auth(creds.username, creds.password or "")
         else:
-            self._load_docker_config()
+            load_docker_credentials(self.oras.auth, ref.registry)
         self.has_credentials = bool(getattr(self.oras.auth, "_basic_auth", None))
+        self._token_lock = threading.Lock()  # layers upload in threads that share one token
+        self._scopes: dict[str, set[str]] = {}  # "repository:box" -> actions, of every token asked for
         if backend == "basic" and self.has_credentials:
             # Send Basic credentials up front: saves a 401 round trip per request.
             self.oras.headers["Authorization"] = f"Basic {self.oras.auth._basic_auth}"
@@ -189,7 +219,7 @@ class Remote:
 
     def _probe(self) -> str:
         """Ping /v2/ to pick http or https and learn the auth scheme; fail fast when down."""
-        host = self.ref.registry
+        host = self.host
         verify = self.options.ca_bundle or self.options.tls_verify
         schemes = ["https"]
         if self.options.plain_http:
@@ -221,25 +251,6 @@ class Remote:
             "check the host and port, and that the registry is running",
         )
 
-    def _load_docker_config(self) -> None:
-        """Credentials from $DOCKER_CONFIG/config.json (else ~/.docker/config.json): inline auths,
-        credHelpers and credsStore, the helpers run by oras. (oras itself ignores $DOCKER_CONFIG.)"""
-        path = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
-        if not os.path.exists(path):
-            return
-        try:
-            with open(path) as f:
-                cfg = json.load(f)
-            auths = {_auth_key(k): v for k, v in (cfg.get("auths") or {}).items()}
-            self.oras.auth._auth_config = {
-                "auths": auths, "credsStore": cfg.get("credsStore"), "credHelpers": cfg.get("credHelpers") or {},
-            }
-            for host in oras.utils.iter_localhosts(self.ref.registry):
-                if self.oras.auth._load_auth(host):
-                    return
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise AuthError(f"cannot read registry credentials from {path}: {_short(e)}")
-
     def _request(self, method: str, url: str, **kw) -> requests.Response:
         """One registry request through oras (auth, token refresh), retried by us with a short
         backoff: a registry that restarts is waited for, one that is down fails in seconds.
@@ -247,9 +258,13 @@ class Remote:
         headers = dict(self.oras.headers)
         headers.update(kw.pop("headers", {}) or {})
         registry = self.ref.registry
+        refreshed = False
         for delay in (*RETRY_DELAYS, None):
             try:
                 r = _do_request(self.oras, url, method, headers=dict(headers), **kw)
+                if r.status_code == 401 and not refreshed and self._needs_new_token(r):
+                    refreshed = True  # once: a token the server scopes down again is a refusal
+                    r = _do_request(self.oras, url, method, headers=dict(headers), **kw)
             except requests.exceptions.SSLError as e:
                 raise RegistryUnreachable(f"TLS to registry {registry} failed: {_short(e)}")
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
@@ -261,7 +276,10 @@ class Remote:
             except requests.exceptions.RequestException as e:
                 raise RegistryUnreachable(f"registry {registry} failed: {_short(e)}")
             except (oras.auth.AuthenticationException, ValueError):
-                # oras could not answer the registry's auth challenge
+                # oras could not answer the registry's auth challenge (no token for us)
+                if self.has_credentials:
+                    raise AuthError(f"registry {registry} refused the credentials for {self.ref.repository}",
+                                    "check the username/password or the token's permissions")
                 raise AuthError(f"registry {registry} asks for credentials we do not have",
                                 "log in with `docker login`, or pass --username and --password-stdin")
             if r.status_code in (502, 503, 504) and delay is not None:
@@ -278,11 +296,41 @@ class Remote:
             )
         return r
 
+    def _needs_new_token(self, r: requests.Response) -> bool:
+        """A 401 with a Bearer challenge after oras sent its token: the token lacks the scope this
+        request needs (a pull token on a push: error="insufficient_scope") or it expired. oras
+        keeps one token and would send it again. Get a new one for the challenge's scope (e.g.
+        repository:box:pull,push) joined with the scopes of the tokens before it, so that it
+        replaces the old one for every later request, pulls included. True if there is a new
+        token to try (ours, or one another thread got meanwhile)."""
+        auth = self.oras.auth
+        challenge = r.headers.get("Www-Authenticate", "")
+        if not isinstance(auth, oras.auth.TokenAuth) or not challenge.lower().startswith("bearer"):
+            return False
+        sent = r.request.headers.get("Authorization") if r.request is not None else None
+        r.close()
+        with self._token_lock:
+            if auth.token and sent != f"Bearer {auth.token}":
+                return True  # another thread replaced the token after this request was sent
+            h = oras.auth.utils.parse_auth_header(challenge)
+            for one in (h.scope or "").split():
+                resource, _, actions = one.rpartition(":")
+                self._scopes.setdefault(resource, set()).update(a for a in actions.split(",") if a)
+            if self._scopes:
+                h.scope = " ".join(f"{res}:{','.join(sorted(acts))}" for res, acts in sorted(self._scopes.items()))
+            # What oras's authenticate_request(refresh=True) does, without a moment with no token:
+            # other threads keep sending the old one until the new one is set.
+            token = auth.request_token(h)
+            if not token:
+                return False
+            auth.token = token
+            return True
+
     def _url(self, path: str) -> str:
-        return f"{self.scheme}://{self.ref.registry}/v2/{self.ref.repository}/{path}"
+        return f"{self.scheme}://{self.host}/v2/{self.ref.repository}/{path}"
 
     def _abs(self, location: str) -> str:
-        return urllib.parse.urljoin(f"{self.scheme}://{self.ref.registry}/", location)
+        return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
 
     # ---- manifests -------------------------------------------------------------------------
 
@@ -442,6 +490,34 @@ class Remote:
             raise IntegrityError(f"blob {digest} changed while it was uploaded (the registry saw other bytes)",
                                  "a file of the box changed during the commit; commit again")
         _check(r, f"finish upload of {digest}")
+
+
+def load_docker_credentials(auth: oras.auth.AuthBackend, registry: str) -> bool:
+    """Credentials for `registry` from $DOCKER_CONFIG/config.json (else ~/.docker/config.json) into
+    `auth`: inline auths, credHelpers and credsStore, the helpers run by oras. (oras itself ignores
+    $DOCKER_CONFIG.) Docker Hub's are found under any of its names. True if some were found."""
+    path = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        auths = {_auth_key(k): v for k, v in (cfg.get("auths") or {}).items()}
+        auth._auth_config = {
+            "auths": auths, "credsStore": cfg.get("credsStore"), "credHelpers": cfg.get("credHelpers") or {},
+        }
+        if registry in DOCKER_HUB_NAMES:
+            for key in DOCKER_HUB_NAMES:  # inline auths, whichever of its names docker used
+                if (auths.get(key) or {}).get("auth"):
+                    auth._basic_auth = auths[key]["auth"]
+                    return True
+            return auth._load_auth(DOCKER_HUB_LOGIN)  # the helpers, asked with the key docker gives them
+        for host in oras.utils.iter_localhosts(registry):
+            if auth._load_auth(host):
+                return True
+        return False
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise AuthError(f"cannot read registry credentials from {path}: {_short(e)}")
 
 
 class _ChunkedUpload:

@@ -1,15 +1,20 @@
-"""Registries with htpasswd auth and TLS (a self-signed certificate made by the test)."""
+"""Registries with htpasswd auth and TLS (a self-signed certificate made by the test), a registry
+with token auth (as Docker Hub, GHCR, GitLab, Harbor), and which registry gets which credentials."""
 
 import base64
 import json
 
+import oras.auth
 import pytest
+import requests
 
 from conftest import NOT_CAPTURED, snap
-from support import RegistryServer, push_base_image, snapshot_of_tree
+from snapshotter.registry import Reference, load_docker_credentials
+from support import RegistryServer, TokenRegistryServer, push_base_image, snapshot_of_tree
 from test_errors import assert_one_line_error
 
 USER, PASSWORD = "snapuser", "s3cret-Pa55"
+READER, READER_PASSWORD = "reader", "read-0nly"
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +67,151 @@ def test_untrusted_certificate(secure_registry, box):
     reg = secure_registry
     r = snap("restore", f"{reg.host}/base:1", "--root", box, "--username", USER, "--password-stdin", input=PASSWORD)
     assert_one_line_error(r, 3, "TLS", "--ca-cert")
+
+
+# ---- token auth: a pull-scoped token must not be reused for a push --------------------------------
+
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory, base_rootfs):
+    reg = TokenRegistryServer(str(tmp_path_factory.mktemp("token-registry")),
+                              users={USER: PASSWORD, READER: READER_PASSWORD}, read_only=(READER,)).start()
+    push_base_image(reg, "base", "1", base_rootfs)
+    yield reg
+    reg.stop()
+
+
+def test_token_auth_round_trip(token_registry, box, tmp_path):
+    reg = token_registry
+    r = snap("commit", f"{reg.host}/box:v1", "--base", f"{reg.host}/base:1", "--root", box,
+             "--username", USER, "--password-stdin", input=PASSWORD + "\n", check=True)
+    assert PASSWORD not in r.stdout + r.stderr
+    assert reg.manifest("box", "v1")["layers"]
+    # The first token was for pull; the push asked for a new one with the challenge's scope.
+    asked = [set(one.rsplit(":", 1)[1].split(",")) for user, scope in reg.tokens.requests if user == USER
+             for one in scope.split() if one.startswith("repository:box:")]
+    assert {"pull", "push"} in asked, reg.tokens.requests
+    out = tmp_path / "out"
+    snap("restore", f"{reg.host}/box:v1", "--root", str(out), "--username", USER, "--password-stdin",
+         input=PASSWORD + "\n", check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_token_auth_docker_config_credentials(token_registry, box, tmp_path):
+    reg = token_registry
+    cfg_dir = tmp_path / "docker-config"
+    cfg_dir.mkdir(exist_ok=True)
+    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    (cfg_dir / "config.json").write_text(json.dumps({"auths": {f"http://{reg.host}": {"auth": auth}}}))
+    snap("commit", f"{reg.host}/box:v2", "--base", f"{reg.host}/base:1", "--root", box,
+         env={"DOCKER_CONFIG": str(cfg_dir)}, check=True)
+    assert reg.manifest("box", "v2")["layers"]
+
+
+def test_token_auth_same_repository_push_then_pull(token_registry, base_rootfs, box, tmp_path):
+    """Target and base in one repository share one Remote: after the push token, pulls still work."""
+    reg = token_registry
+    push_base_image(reg, "same", "base", base_rootfs)
+    snap("commit", f"{reg.host}/same:snap", "--base", f"{reg.host}/same:base", "--root", box,
+         "--username", USER, "--password-stdin", input=PASSWORD + "\n", check=True)
+    out = tmp_path / "out"
+    snap("restore", f"{reg.host}/same:snap", "--root", str(out), "--username", USER, "--password-stdin",
+         input=PASSWORD + "\n", check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_token_auth_wrong_password(token_registry, box):
+    reg = token_registry
+    r = snap("commit", f"{reg.host}/box:v3", "--base", f"{reg.host}/base:1", "--root", box,
+             "--username", USER, "--password-stdin", input="wrong\n")
+    assert_one_line_error(r, 4, reg.host)
+    assert "wrong" not in r.stderr
+
+
+def test_token_auth_read_only_user_cannot_push(token_registry, box):
+    """The token server grants only pull: one new token is asked for, then a clear error (no loop)."""
+    reg = token_registry
+    before = len(reg.tokens.requests)
+    r = snap("commit", f"{reg.host}/box:v4", "--base", f"{reg.host}/base:1", "--root", box,
+             "--username", READER, "--password-stdin", input=READER_PASSWORD + "\n")
+    assert_one_line_error(r, 4, reg.host, "refused")
+    assert len(reg.tokens.requests) - before < 10, reg.tokens.requests[before:]  # no token-asking loop
+
+
+def test_token_auth_anonymous(token_registry, box):
+    reg = token_registry
+    r = snap("commit", f"{reg.host}/box:v5", "--base", f"{reg.host}/base:1", "--root", box)
+    assert_one_line_error(r, 4, "credentials")
+
+
+# ---- explicit credentials go to the target's registry only ---------------------------------------
+
+def test_explicit_credentials_not_sent_to_another_registry(tmp_path_factory, base_rootfs, box, tmp_path):
+    """The base is on another registry whose user and password (from the docker config) differ:
+    were --username/--password-stdin sent there too, it would refuse them."""
+    target = RegistryServer(str(tmp_path_factory.mktemp("target-registry")), auth=(USER, PASSWORD)).start()
+    other = RegistryServer(str(tmp_path_factory.mktemp("other-registry")), auth=("otheruser", "other-Pa55")).start()
+    try:
+        push_base_image(other, "base", "1", base_rootfs)
+        cfg_dir = tmp_path / "docker-config"
+        cfg_dir.mkdir(exist_ok=True)
+        auth = base64.b64encode(b"otheruser:other-Pa55").decode()
+        (cfg_dir / "config.json").write_text(json.dumps({"auths": {other.host: {"auth": auth}}}))
+        snap("commit", f"{target.host}/box:v1", "--base", f"{other.host}/base:1", "--root", box,
+             "--username", USER, "--password-stdin", input=PASSWORD + "\n", env={"DOCKER_CONFIG": str(cfg_dir)},
+             check=True)
+        assert target.manifest("box", "v1")["layers"]
+    finally:
+        target.stop()
+        other.stop()
+
+
+# ---- Docker Hub: API host and `docker login` credentials (no network) ------------------------------
+
+@pytest.mark.parametrize("text,api_host", [
+    ("docker.io/library/ubuntu:22.04", "registry-1.docker.io"),
+    ("index.docker.io/library/ubuntu:22.04", "registry-1.docker.io"),
+    ("registry-1.docker.io/library/ubuntu:22.04", "registry-1.docker.io"),
+    ("ghcr.io/me/box:v1", "ghcr.io"),
+    ("127.0.0.1:5000/box:v1", "127.0.0.1:5000"),
+    ("localhost:5000/box:v1", "localhost:5000"),
+    ("mydocker.io/box:v1", "mydocker.io"),
+])
+def test_registry_api_host(text, api_host):
+    ref = Reference.parse(text)
+    assert ref.api_host == api_host
+    assert str(ref) == text  # the name the user wrote stays the name shown and recorded
+
+
+def _docker_config(tmp_path, monkeypatch, auths: dict) -> None:
+    cfg_dir = tmp_path / "docker-config"
+    cfg_dir.mkdir(exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps({"auths": auths}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(cfg_dir))
+
+
+def _found(registry: str):
+    backend = oras.auth.get_auth_backend("token", requests.Session())
+    backend._basic_auth = None
+    load_docker_credentials(backend, registry)
+    return backend._basic_auth
+
+
+HUB_AUTH = base64.b64encode(b"hubuser:hub-Pa55").decode()
+
+
+@pytest.mark.parametrize("key", ["https://index.docker.io/v1/", "index.docker.io", "docker.io"])
+@pytest.mark.parametrize("registry", ["docker.io", "index.docker.io", "registry-1.docker.io"])
+def test_docker_hub_credentials_from_docker_login(tmp_path, monkeypatch, key, registry):
+    _docker_config(tmp_path, monkeypatch, {key: {"auth": HUB_AUTH}})
+    assert _found(registry) == HUB_AUTH
+
+
+def test_docker_hub_credentials_stay_on_docker_hub(tmp_path, monkeypatch):
+    local = base64.b64encode(b"me:local").decode()
+    _docker_config(tmp_path, monkeypatch, {"https://index.docker.io/v1/": {"auth": HUB_AUTH},
+                                           "http://127.0.0.1:5000": {"auth": local}})
+    assert _found("ghcr.io") is None
+    assert _found("mydocker.io") is None
+    assert _found("127.0.0.1:5000") == local
+    assert _found("localhost:5000") == local
+    assert _found("docker.io") == HUB_AUTH

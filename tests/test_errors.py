@@ -2,6 +2,8 @@
 
 import pytest
 
+import requests
+
 from conftest import snap
 from support import free_port
 
@@ -54,6 +56,13 @@ def test_unknown_profile_name(registry, base_ref, box):
 def test_malformed_reference(ref, box):
     r = snap("restore", ref, "--root", box)
     assert_one_line_error(r, 2, "reference")
+
+
+def test_commit_to_a_digest(registry, base_ref, box):
+    """A digest names content, not a place to push to: refused before anything is uploaded."""
+    r = snap("commit", f"{registry.host}/pinned@sha256:{'0' * 64}", "--base", base_ref, "--root", box)
+    assert_one_line_error(r, 2, "needs a tag")
+    assert "pinned" not in requests.get(f"{registry.url}/v2/_catalog").json()["repositories"]
 
 
 def test_restore_unknown_tag(registry, tmp_path):
