@@ -11,6 +11,8 @@
 - Directory mtimes are set last, and directories this layer only wrote into keep their old mtime.
 - Temp files a killed run left behind ('.snap-tmp-*') are removed when a run next writes into
   their directory.
+- A directory tree is never removed (a whiteout, or a non-directory replacing it) when a filesystem
+  is mounted at or below it: a layer must not empty a mounted volume.
 """
 
 from __future__ import annotations
@@ -89,6 +91,23 @@ class Extractor:
         # answer: those clear the cache.
         self._dir_cache: dict[str, str] = {}
         self.record: Optional[list[tuple]] = None  # set to a list to keep the headers of the next layer
+        self._reset_dir_times()
+
+    def _reset_dir_times(self) -> None:
+        self._dir_times: dict[str, tuple[int, int]] = {}  # dirs we only wrote into: their times before
+        self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
+        self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
+
+    def put_back_dir_times(self) -> None:
+        """Put back the times of directories we only wrote into, then set this layer's own directory
+        times (deepest first, since setting a child can touch its parent)."""
+        for path, (at, mt) in self._dir_times.items():
+            if path not in self._layer_dirs:
+                _utime(path, at, mt)
+        for path in sorted(self._layer_dirs, key=lambda p: p.count("/"), reverse=True):
+            at, mt = self._layer_dirs[path]
+            _utime(path, at, mt)
+        self._reset_dir_times()
 
     # ---- path resolution, scoped to the root ------------------------------------------------
 
@@ -132,12 +151,13 @@ class Extractor:
             current = nxt
         return current
 
-    def _locate(self, rel: str) -> tuple[str, str]:
-        """(real parent dir, final path) for a member; the final component is not followed."""
+    def _locate(self, rel: str, create: bool = True) -> tuple[str, str]:
+        """(real parent dir, final path) for a member; the final component is not followed.
+        With create=False a missing parent raises FileNotFoundError instead of being made."""
         parent, _, base = rel.rpartition("/")
         pdir = self._dir_cache.get(parent)
         if pdir is None:
-            pdir = self._dir_cache[parent] = self._resolve_dir(parent)
+            pdir = self._dir_cache[parent] = self._resolve_dir(parent, create)
         if pdir not in self._cleaned:
             self._cleaned.add(pdir)
             self._sweep_stale_tmp(pdir)
@@ -149,7 +169,7 @@ class Extractor:
             stale = [de.path for de in it if de.name.startswith(TMP_PREFIX) and _STALE_TMP.fullmatch(de.name)]
         for path in stale:
             self._note_parent(pdir)
-            _remove_any(path)
+            self._remove_any(path)
             self.stats.stale_tmp_removed += 1
 
     # ---- directory mtimes ---------------------------------------------------------------------
@@ -167,9 +187,7 @@ class Extractor:
 
     def apply(self, tar_stream: BinaryIO) -> None:
         """Apply one layer (an uncompressed tar stream)."""
-        self._dir_times: dict[str, tuple[int, int]] = {}
-        self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
-        self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
+        self._reset_dir_times()
         name = ""
         try:
             with tarfile.open(fileobj=tar_stream, mode="r|", errorlevel=2) as tar:
@@ -187,14 +205,7 @@ class Extractor:
         except OSError as e:
             raise storage_error(e, self.root, f" while writing /{clean_path(name)}" if name else "") from e
         finally:
-            # Put back the times of directories we only wrote into, then set this layer's own
-            # directory times (deepest first, since setting a child can touch its parent).
-            for path, (at, mt) in self._dir_times.items():
-                if path not in self._layer_dirs:
-                    _utime(path, at, mt)
-            for path in sorted(self._layer_dirs, key=lambda p: p.count("/"), reverse=True):
-                at, mt = self._layer_dirs[path]
-                _utime(path, at, mt)
+            self.put_back_dir_times()
 
     def _apply_member(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
         rel = check_name(m.name)
@@ -232,11 +243,12 @@ class Extractor:
             return
 
         if old is not None and stat.S_ISDIR(old.st_mode):
-            shutil.rmtree(path)  # a non-directory replaces a whole lower tree
+            self._remove_tree(path)  # a non-directory replaces a whole lower tree
 
         # A short name: the member's own name may already be NAME_MAX bytes long.
         # No leftover can be there: _locate swept the directory of stale temp files on first use.
         tmp = os.path.join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
+        renamed = False
         try:
             if m.isreg():
                 self._write_file(tar, m, tmp)
@@ -252,9 +264,12 @@ class Extractor:
             if not m.islnk():
                 self._set_attrs(tmp, m, rel)
             os.rename(tmp, path)
-        except BaseException:
-            _remove(tmp)
-            raise
+            # A rename onto another link of the same inode does nothing and leaves tmp in place:
+            # only a hardlink can be that (when `path` already links to its target).
+            renamed = not m.islnk()
+        finally:
+            if not renamed:
+                _remove(tmp)
         self._written.add(path)
 
     def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str) -> None:
@@ -299,7 +314,7 @@ class Extractor:
                 path = os.path.join(pdir, name)
                 if path not in self._written:
                     self._note_parent(pdir)
-                    _remove_any(path)
+                    self._remove_any(path)
             return
         name = base[len(WHITEOUT_PREFIX):]
         if not name or name in (".", "..") or "/" in name:
@@ -308,7 +323,30 @@ class Extractor:
         if path in self._written:
             return  # a whiteout never deletes from its own layer
         self._note_parent(pdir)
-        _remove_any(path)  # the final component is removed, never followed
+        self._remove_any(path)  # the final component is removed, never followed
+
+    def _remove_any(self, path: str) -> None:
+        """Remove a path of any type; the final component is never followed."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            self._remove_tree(path)
+        else:
+            os.unlink(path)
+
+    def _remove_tree(self, path: str) -> None:
+        """shutil.rmtree, refused when a filesystem is mounted at or below `path`: rmtree would
+        empty the mounted volume before failing on the mount point itself."""
+        mp = mount_below(path)
+        if mp is not None:
+            shown = "/" + os.path.relpath(path, self.root)
+            raise StorageError(f"the image deletes or replaces the directory {shown}, but {mp} is a mount point: "
+                               "refusing to empty a mounted filesystem",
+                               "unmount it, or restore into another directory")
+        self._dir_cache.clear()
+        shutil.rmtree(path)
 
     def _set_attrs(self, path: str, m: tarfile.TarInfo, rel: str) -> None:
         mode = m.mode & 0o7777
@@ -355,12 +393,41 @@ def _remove(path: str) -> None:
         pass
 
 
-def _remove_any(path: str) -> None:
+def mount_points() -> Optional[list[str]]:
+    """The mount points this process sees (/proc/self/mountinfo), or None if it cannot be read."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        fields = line.split(b" ")
+        if len(fields) > 4:  # field 5: the mount point, with space, tab, newline, backslash as \ooo
+            out.append(os.fsdecode(_OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])))
+    return out
+
+
+_OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def mount_below(path: str) -> Optional[str]:
+    """A mount point at or below directory `path` (a real path), or None."""
+    mounts = mount_points()
+    if mounts is not None:
+        prefix = path.rstrip("/") + "/"
+        for mp in mounts:
+            if mp == path or mp.startswith(prefix):
+                return mp
+        return None
+    # No /proc: another filesystem below shows as another st_dev (bind mounts of the same one do not).
+    dev = os.lstat(path).st_dev
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in dirnames:
+            full = os.path.join(dirpath, d)
+            try:
+                if os.lstat(full).st_dev != dev:
+                    return full
+            except FileNotFoundError:
+                pass
+    return None

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from .errors import UsageError
 from .fsindex import DIR, FILE, Diff, Entry, Scan
 from .profile import LayerRule, Profile
 
 DEFAULT_MAX_LAYER_SIZE = int(9.5 * 1000**3)  # some registries reject layers over 10 GB
 PART_SUFFIX = ".snap-part-"  # "<path>.snap-part-0001-of-0003"
+MAX_PARTS = 100_000  # a file cut into more parts than this is refused (by commit and restore)
+_PART_NAME = re.compile(re.escape(PART_SUFFIX) + r"([0-9]{4,6})-of-([0-9]{4,6})")
+_PART_ANNOTATION = re.compile(r"([0-9]{1,6})/([0-9]{1,6})")
 _BUNDLE_FILL = 4  # content-defined bundle cuts every bundle_max / 4 bytes on average
 
 
@@ -55,8 +60,8 @@ class LayerPlan:
         doc = {
             "compression": self.compression,
             "zstd_level": zstd_level if self.compression == "zstd" else None,
-            "entries": [[e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp]
-                        for e in self.entries],
+            "entries": [[e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
+                         sorted((e.xattrs or {}).items())] for e in self.entries],
             "whiteouts": self.whiteouts,
             "slices": sorted(self.slices.items()),
         }
@@ -107,6 +112,31 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
     return [p for p in out if not p.empty]
 
 
+def part_name(path: str, i: int, n: int) -> str:
+    """The name of part i of n of `path`: "<path>.snap-part-0001-of-0003" (the one place it is built)."""
+    return f"{path}{PART_SUFFIX}{i:04d}-of-{n:04d}"
+
+
+def parse_part_name(name: str) -> Optional[tuple[str, int, int]]:
+    """(path, i, n) of a name part_name() built, with 1 <= i <= n <= MAX_PARTS; None for any other name."""
+    m = _PART_NAME.search(name)
+    if m is None or m.end() != len(name):
+        return None
+    path, i, n = name[:m.start()], int(m.group(1)), int(m.group(2))
+    if not path or not 1 <= i <= n <= MAX_PARTS or part_name(path, i, n) != name:
+        return None
+    return path, i, n
+
+
+def parse_part_annotation(value: object) -> Optional[tuple[int, int]]:
+    """(i, n) of a part layer's "i/n" annotation, with 1 <= i <= n <= MAX_PARTS; None if malformed."""
+    m = _PART_ANNOTATION.fullmatch(value) if isinstance(value, str) else None
+    if m is None:
+        return None
+    i, n = int(m.group(1)), int(m.group(2))
+    return (i, n) if 1 <= i <= n <= MAX_PARTS else None
+
+
 def _compression(layer_default: str, override: Optional[str]) -> str:
     if override is None or layer_default == "none":
         return layer_default  # weights stay uncompressed whatever the engine
@@ -144,10 +174,13 @@ def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int) -> list[LayerPl
     if e.size <= max_layer_size:
         return [LayerPlan(plan.name, plan.compression, [e], detail=e.path)]
     count = -(-e.size // max_layer_size)
+    if count > MAX_PARTS:
+        raise UsageError(f"/{e.path} would be cut into {count} part layers (restore accepts at most {MAX_PARTS})",
+                         "raise --max-layer-size")
     parts = []
     for i in range(count):
         offset = i * max_layer_size
-        part_path = f"{e.path}{PART_SUFFIX}{i + 1:04d}-of-{count:04d}"
+        part_path = part_name(e.path, i + 1, count)
         part = replace(e, path=part_path, size=min(max_layer_size, e.size - offset))
         parts.append(LayerPlan(plan.name, plan.compression, [part], detail=f"part {i + 1}/{count} of {e.path}",
                                slices={part_path: (e.path, offset)}, part_of=(e.path, i + 1, count)))

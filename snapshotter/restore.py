@@ -2,7 +2,9 @@
 
 Every blob is downloaded to the local state dir and its digest checked before a single byte of the
 image reaches the target; each layer's diff_id is checked as it is applied. A journal in the state dir
-records the layers already applied, so a restore that was interrupted resumes where it stopped."""
+records how many layers of this run's list are applied (always a prefix: layers are applied in
+order), so a restore that was interrupted resumes where it stopped; a run with another image or
+another layer selection (--only-snapshot or not) starts over instead."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -19,14 +22,16 @@ from typing import Callable, Optional
 from . import progress
 from .commit import seed_stat_cache
 from .compress import HashingReader, compression_of, decompressing_reader
-from .errors import IntegrityError, UsageError
-from .extract import ExtractOptions, Extractor, storage_error
+from .errors import IntegrityError, StorageError, UsageError
+from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
 from .image import SNAP_PART, SNAP_PART_FILE, snap_label, snapshot_layer_count
-from .plan import PART_SUFFIX
+from .plan import parse_part_annotation, part_name
 from .registry import Image, Reference, Remote, TransportOptions
-from .state import sub
+from .state import state_dir, sub
 
 DOWNLOAD_WORKERS = 3
+JOURNAL_VERSION = 2
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the state dir safe
 
 
 @dataclass
@@ -53,28 +58,101 @@ class RestoreResult:
 
 def layer_label(desc: dict, i: int) -> str:
     """'venv', 'models (bundle 2)', ... as commit named it; 'base layer N' for the base's."""
-    return snap_label(desc) or f"base layer {i + 1}"
+    return printable(snap_label(desc)) or f"base layer {i + 1}"
 
 
-def _journal_path(root: str) -> str:
-    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-    return os.path.join(sub("restore-journal"), key + ".json")
+def printable(text: str) -> str:
+    """`text` (from the image: annotations, paths) fit for a one-line message: control characters escaped."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _read_journal(path: str, manifest_digest: str) -> list[str]:
+# ---- the journal ------------------------------------------------------------------------------
+
+
+class _Journal:
+    """{manifest digest, the digests of this run's layer list, how many of them are applied, files
+    joined from part layers}, in the state dir, keyed by the restore root. Resuming needs the same
+    manifest and the same list: an interrupted `--only-snapshot` run says nothing about a full one."""
+
+    def __init__(self, root: str, manifest_digest: str, layers: list[str], fsync: bool):
+        key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
+        self.path = os.path.join(_state_sub("restore-journal"), key + ".json")
+        self.root, self.manifest, self.layers, self.fsync = root, manifest_digest, layers, fsync
+        self.applied = 0
+        self.joined: list[str] = []
+
+    def load(self, log: Callable[[str], None]) -> None:
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            doc = None
+        applied = doc.get("applied") if isinstance(doc, dict) else None
+        if not (isinstance(doc, dict) and doc.get("version") == JOURNAL_VERSION and doc.get("manifest") == self.manifest
+                and doc.get("layers") == self.layers and type(applied) is int and 0 <= applied <= len(self.layers)):
+            why = ("was interrupted with another image or layer selection" if isinstance(doc, dict)
+                   else f"left an unreadable journal ({self.path})")
+            log(f"an earlier restore into {self.root} {why}: starting over, applying all {len(self.layers)} layer(s)")
+            self.write()  # at once: the tree is about to change under what the old journal says
+            return
+        self.applied = applied
+        self.joined = [j for j in doc.get("joined", []) if isinstance(j, str)]
+
+    def write(self) -> None:
+        """Replace the journal atomically. With --fsync everything written so far is made durable
+        first (os.sync: the tree may span filesystems), then the journal and its directory."""
+        doc = {"version": JOURNAL_VERSION, "manifest": self.manifest, "layers": self.layers,
+               "applied": self.applied, "joined": self.joined}
+        d = os.path.dirname(self.path)
+        tmp = self.path + ".tmp"
+        try:
+            if self.fsync:
+                os.sync()  # file data, and the directories of every rename, before the journal says so
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            if self.fsync:
+                _fsync_dir(d)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise storage_error(e, f"snap's state dir {d}", " while writing the restore journal",
+                                "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
+                                "it resumes") from e
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)}",
+                                " while removing the restore journal") from e
+
+
+def _state_sub(name: str) -> str:
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return []
-    return doc.get("applied", []) if doc.get("manifest") == manifest_digest else []
+        return sub(name)
+    except OSError as e:
+        raise storage_error(e, f"snap's state dir {state_dir()}", hint="point SNAP_STATE_DIR at a writable directory") from e
 
 
-def _write_journal(path: str, manifest_digest: str, applied: list[str]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"manifest": manifest_digest, "applied": applied}, f)
-    os.replace(tmp, path)
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- which layers, which parts ------------------------------------------------------------------
 
 
 def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
@@ -83,6 +161,10 @@ def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, st
     diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
     if len(diff_ids) != len(layers):
         raise IntegrityError(f"image {image.ref} is inconsistent: {len(layers)} layers but {len(diff_ids)} diff_ids")
+    for i, d in enumerate(layers):
+        if not (isinstance(d, dict) and isinstance(d.get("digest"), str) and _DIGEST.fullmatch(d["digest"])
+                and type(d.get("size")) is int and d["size"] >= 0 and isinstance(d.get("mediaType"), str)):
+            raise IntegrityError(f"image {image.ref} has a malformed descriptor for layer {i + 1}: refusing it")
     start = 0
     if only_snapshot:
         n = snapshot_layer_count(image)
@@ -90,6 +172,41 @@ def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, st
             raise UsageError(f"{image.ref} was not made by snap commit", "drop --only-snapshot to restore all its layers")
         start = len(layers) - n
     return [(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
+
+
+def part_files(layers: list[tuple[int, dict, str]]) -> dict[str, int]:
+    """{file: number of parts} for the files commit cut into part layers, from the layers'
+    annotations. Refused unless every file has each of its parts 1..n exactly once, all saying n."""
+    seen: dict[str, tuple[int, set[int]]] = {}
+    for i, desc, _ in layers:
+        ann = desc.get("annotations") or {}
+        if not isinstance(ann, dict) or (SNAP_PART_FILE not in ann and SNAP_PART not in ann):
+            continue
+        label = layer_label(desc, i)
+        part = parse_part_annotation(ann.get(SNAP_PART))
+        rel = ann.get(SNAP_PART_FILE)
+        if part is None or not isinstance(rel, str):
+            raise IntegrityError(f"layer {label} has a malformed part annotation "
+                                 f"({SNAP_PART}={ann.get(SNAP_PART)!r}, {SNAP_PART_FILE}={rel!r}): refusing a hostile image")
+        rel = check_name(rel)
+        if not rel:
+            raise IntegrityError(f"layer {label} is a part of the root directory: refusing a hostile image")
+        k, n = part
+        count, have = seen.setdefault(rel, (n, set()))
+        if n != count:
+            raise IntegrityError(f"the part layers of /{printable(rel)} disagree on its number of parts ({count} and {n}): "
+                                 "refusing a hostile image")
+        if k in have:
+            raise IntegrityError(f"part {k}/{n} of /{printable(rel)} is in the image twice: refusing a hostile image")
+        have.add(k)
+    for rel, (n, have) in seen.items():
+        if len(have) != n:
+            raise IntegrityError(f"/{printable(rel)} is cut into {n} parts, but the layers restored hold only {len(have)} of them: "
+                                 "refusing an incomplete image")
+    return {rel: n for rel, (n, _) in seen.items()}
+
+
+# ---- restore ----------------------------------------------------------------------------------------
 
 
 def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> RestoreResult:
@@ -100,37 +217,46 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
     remote = Remote(reference, opts.transport)
     image = remote.resolve()
     todo = select_layers(image, opts.only_snapshot)
+    parts = part_files(todo)  # a malformed image is refused before anything is downloaded or written
+    fsync = opts.extract.fsync
+    try:
+        extractor = Extractor(root, opts.extract)
+    except OSError as e:
+        raise StorageError(f"cannot create the restore root {root}: {e.strerror or e}",
+                           "restore into a directory on a writable filesystem") from e
 
-    journal = _journal_path(root)
-    done = _read_journal(journal, image.manifest_digest)
-    pending = [(i, d, diff_id) for i, d, diff_id in todo if d["digest"] not in done]
-    resumed = len(todo) - len(pending)
+    journal = _Journal(root, image.manifest_digest, [d["digest"] for _, d, _ in todo], fsync)
+    journal.load(opts.log)
+    resumed = journal.applied
+    pending = todo[resumed:]
     if resumed:
         opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
 
-    blob_dir = sub("blobs")
+    blob_dir = _state_sub("blobs")
     applied: list[str] = []
     headers: dict[str, list[tuple]] = {}
-    total = sum(d["size"] for _, d, _ in pending)
-    with progress.bar("downloading", total) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
+    # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
+    sizes = {d["digest"]: d["size"] for _, d, _ in pending}
+    last_use = {d["digest"]: n for n, (_, d, _) in enumerate(pending)}
+    with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
         update = progress.safe_update(dl)
 
-        def fetch(desc: dict) -> str:
-            path = os.path.join(blob_dir, desc["digest"].split(":", 1)[1])
+        def fetch(digest: str) -> str:
+            path = os.path.join(blob_dir, digest.split(":", 1)[1])
             if os.path.exists(path):  # verified by an earlier run before it was renamed into place
-                update(desc["size"])
+                update(sizes[digest])
             else:
-                remote.download_blob(desc["digest"], path, update)
+                remote.download_blob(digest, path, update)
             return path
 
-        futures = [pool.submit(fetch, d) for _, d, _ in pending]
+        futures = {digest: pool.submit(fetch, digest) for digest in sizes}
         try:
             # Every blob is downloaded and its digest checked before the first byte reaches the root:
             # a tampered layer anywhere in the image stops the restore with nothing written.
-            paths = [f.result() for f in futures]
-            extractor = Extractor(root, opts.extract)
-            for (i, desc, diff_id), path in zip(pending, paths):
+            paths = {digest: f.result() for digest, f in futures.items()}
+            for n, (i, desc, diff_id) in enumerate(pending):
                 label = layer_label(desc, i)
+                path = paths[desc["digest"]]
                 # snap's own layers: keep their tar headers, to teach the stat cache afterwards.
                 extractor.record = [] if snap_label(desc) else None
                 with progress.bar(f"extracting {label}", desc["size"]) as xb, open(path, "rb") as raw:
@@ -145,66 +271,130 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
                     raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
                 if extractor.record is not None:
                     headers[desc["digest"]] = extractor.record
-                done.append(desc["digest"])
-                _write_journal(journal, image.manifest_digest, done)
+                journal.applied = resumed + n + 1
+                journal.write()
                 applied.append(label)
-                os.unlink(path)
+                if last_use[desc["digest"]] == n:
+                    os.unlink(path)
         except BaseException as e:
-            for f in futures:
+            for f in futures.values():
                 f.cancel()
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            if isinstance(e, OSError) and e.errno is not None:
                 raise storage_error(e, f"snap's state dir {blob_dir}", " while downloading layers",
-                                    "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: it resumes") from e
+                                    "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
+                                    "it resumes") from e
             raise
-    if not pending:
-        extractor = Extractor(root, opts.extract)
-    try:
-        _join_parts(extractor, todo, opts.extract.fsync)
-    except OSError as e:
-        raise storage_error(e, root, " while joining part layers") from e
-    if os.path.exists(journal):
-        os.unlink(journal)
+    if parts:
+        _join_parts(extractor, parts, fsync, journal)
+    if fsync:
+        os.sync()  # all of it durable before the journal goes (the last renames' directories too)
+    journal.remove()
     seeded = seed_stat_cache(root, image, headers, opts.transport, opts.log) if headers and opts.seed_stat_cache else 0
     s = extractor.stats
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
                          s.skipped_devices, s.stripped_setuid, seeded)
 
 
-def _join_parts(extractor: Extractor, layers: list[tuple[int, dict, str]], fsync: bool) -> None:
+# ---- joining part layers ---------------------------------------------------------------------------
+
+
+def _join_parts(extractor: Extractor, files: dict[str, int], fsync: bool, journal: _Journal) -> None:
     """Join files that commit cut into part layers (over the registry's layer size cap) back into
-    their original path. Each part was verified with its layer; parts already joined are gone."""
-    files: dict[str, int] = {}
-    for _, desc, _ in layers:
-        ann = desc.get("annotations", {})
-        if SNAP_PART_FILE in ann:
-            files[ann[SNAP_PART_FILE]] = int(ann[SNAP_PART].split("/")[1])
-    for rel, count in files.items():
-        pdir, path = extractor._locate(rel)
-        parts = [f"{path}{PART_SUFFIX}{i:04d}-of-{count:04d}" for i in range(1, count + 1)]
-        if not all(os.path.lexists(p) for p in parts):
-            continue  # joined by an earlier run
-        dir_st = os.lstat(pdir)
-        st = os.lstat(parts[0])
-        tmp = os.path.join(pdir, f".snap-tmp-join-{os.getpid()}")
+    their original path. Each part was verified with its layer. Parts are opened without following
+    symlinks, relative to their directory, and must be regular files: a hostile image cannot make
+    a "part" of a host file. A file whose parts are all gone was joined by an earlier run; one with
+    only some of them is refused."""
+    try:
+        for rel, count in files.items():
+            try:
+                _join_file(extractor, rel, count, fsync, journal)
+            except OSError as e:
+                raise storage_error(e, extractor.root, f" while joining the parts of /{printable(rel)}") from e
+    finally:
+        extractor.put_back_dir_times()
+
+
+def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal: _Journal) -> None:
+    try:
+        pdir, _ = extractor._locate(rel, create=False)
+    except FileNotFoundError:
+        return  # no directory, so no parts: nothing to join
+    base = rel.rpartition("/")[2]
+    names = [part_name(base, k, count) for k in range(1, count + 1)]
+    dfd = os.open(pdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        present = [_lexists_at(name, dfd) for name in names]
+        if rel in journal.joined:  # joined and recorded; a killed run may have left some parts
+            for name, there in zip(names, present):
+                if there:
+                    extractor._note_parent(pdir)
+                    os.unlink(name, dir_fd=dfd)
+            return
+        if not any(present):
+            return  # joined by an earlier run
+        if not all(present):
+            first = present.index(False) + 1
+            raise IntegrityError(f"/{printable(rel)} is cut into {count} part layers, but {present.count(False)} of its parts "
+                                 f"(part {first} first) are missing from the restored tree: refusing to join an incomplete file",
+                                 "restore again into an empty directory")
+        extractor._note_parent(pdir)
+        tmp = f"{TMP_PREFIX}join-{os.getpid()}"
+        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:
-            with open(tmp, "wb") as out:
-                for p in parts:
-                    with open(p, "rb") as f:
+            with os.fdopen(out_fd, "wb") as out:
+                first_st = None
+                for k, name in enumerate(names, 1):
+                    fd, st = _open_part(name, dfd, rel, k, count)
+                    first_st = first_st or st
+                    with os.fdopen(fd, "rb") as f:
                         shutil.copyfileobj(f, out, 1 << 20)
+                out.flush()
                 if fsync:
-                    out.flush()
                     os.fsync(out.fileno())
-            if extractor.opts.same_owner:
-                os.chown(tmp, st.st_uid, st.st_gid)
-            os.chmod(tmp, stat.S_IMODE(st.st_mode))
-            os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-            os.rename(tmp, path)
+                if extractor.opts.same_owner:
+                    os.fchown(out.fileno(), first_st.st_uid, first_st.st_gid)
+                os.fchmod(out.fileno(), stat.S_IMODE(first_st.st_mode))  # after chown: chown clears setuid bits
+                os.utime(out.fileno(), ns=(first_st.st_atime_ns, first_st.st_mtime_ns))
+            os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        for p in parts:
-            os.unlink(p)
-        os.utime(pdir, ns=(dir_st.st_atime_ns, dir_st.st_mtime_ns))
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+        journal.joined.append(rel)
+        journal.write()  # before the parts go: a run killed while removing them knows the file is whole
+        for name in names:
+            os.unlink(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _lexists_at(name: str, dfd: int) -> bool:
+    try:
+        os.lstat(name, dir_fd=dfd)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _open_part(name: str, dfd: int, rel: str, k: int, count: int) -> tuple[int, os.stat_result]:
+    """A read-only fd on part k of /rel: a regular file in directory `dfd`, never through a symlink."""
+    st = os.lstat(name, dir_fd=dfd)
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise IntegrityError(f"part {k}/{count} of /{printable(rel)} is {kind}: refusing a hostile image")
+    try:
+        # O_NONBLOCK: had the path been swapped for a FIFO since the lstat, open would not hang on it.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise IntegrityError(f"part {k}/{count} of /{printable(rel)} is a symlink: refusing a hostile image")
+        raise
+    fst = os.fstat(fd)
+    if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise IntegrityError(f"part {k}/{count} of /{printable(rel)} changed while being joined: refusing it")
+    return fd, fst
 
 
 class _CountingFile:

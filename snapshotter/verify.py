@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import stat
 import tarfile
 from dataclasses import dataclass, field
@@ -31,12 +30,11 @@ from .errors import IntegrityError, UsageError
 from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, entry_from_member, \
     entry_from_stat, file_digest, pseudo_mounts
 from .image import SNAP_PART_FILE
-from .plan import PART_SUFFIX
+from .plan import parse_part_name
 from .profile import Profile, load_profile
 from .registry import Image, Reference, Remote, TransportOptions
 from .restore import layer_label, select_layers
 
-_PART_RE = re.compile(re.escape(PART_SUFFIX) + r"(\d{4})-of-(\d{4})$")
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 
 
@@ -110,14 +108,13 @@ def _apply_part_layer(index: dict[str, Entry], stream, joins: dict) -> None:
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for m in tar:
             rel = m.name.strip("/")
-            match = _PART_RE.search(rel)
-            if not (m.isreg() and match):
+            part = parse_part_name(rel) if m.isreg() else None
+            if part is None:
                 e = entry_from_member(m, rel)
                 if e is not None:
                     index[rel] = e
                 continue
-            path = rel[:match.start()]
-            i, n = int(match.group(1)), int(match.group(2))
+            path, i, n = part
             h, size = joins.pop(path) if i > 1 and path in joins else (hashlib.sha256(), 0)
             f = tar.extractfile(m)
             while chunk := f.read(1 << 20):

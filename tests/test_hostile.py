@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import stat
 import struct
@@ -57,6 +58,42 @@ def push(registry, request, *layers: bytes, gzip: bool = False) -> str:
     else:
         registry.push_image(repo, "v1", list(layers), layer_media_type=TAR)
     return f"{registry.host}/{repo}:v1"
+
+
+def push_annotated(registry, repo: str, layers: list[tuple[bytes, dict]], manifest_annotations: dict | None = None,
+                   tag: str = "v1") -> str:
+    """Push uncompressed layers with layer annotations (the dev.snap.* ones snap commit writes) and,
+    optionally, manifest annotations. Returns the image's reference."""
+    blobs = [b for b, _ in layers]
+    cfg = json.dumps({"architecture": "amd64", "os": "linux",
+                      "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(b).hexdigest() for b in blobs]},
+                      "history": [{"created_by": f"test layer {i}"} for i in range(len(blobs))]}).encode()
+    descs = []
+    for b, ann in layers:
+        d = {"mediaType": TAR, "digest": registry.push_blob(repo, b), "size": len(b)}
+        if ann:
+            d["annotations"] = ann
+        descs.append(d)
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           "digest": registry.push_blob(repo, cfg), "size": len(cfg)},
+                "layers": descs}
+    if manifest_annotations:
+        manifest["annotations"] = manifest_annotations
+    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=json.dumps(manifest).encode(),
+                               headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    r.raise_for_status()
+    return f"{registry.host}/{repo}:{tag}"
+
+
+def part_ann(path: str, part: str) -> dict:
+    """The annotations snap commit puts on a part layer ("i/n" of `path`)."""
+    return {"dev.snap.layer": "models", "dev.snap.content": f"part {part} of {path}",
+            "dev.snap.part": part, "dev.snap.part-file": path}
+
+
+def repo_for(request) -> str:
+    return "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
 
 
 # ---- the jail: a root with a sentinel directory next to it -------------------------------------
@@ -402,3 +439,84 @@ def test_corrupt_layer_data_is_an_integrity_error(registry, jail, request, kind)
     repo = "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
     registry.push_image(repo, "v1", [blob], layer_media_type=media, diff_ids=["sha256:" + hashlib.sha256(data).hexdigest()])
     jail.refused(jail.restore(f"{registry.host}/{repo}:v1"))
+
+
+# ---- part layers: a file cut at the layer size cap, joined back by restore --------------------------
+
+PART = "m/big.snap-part-{:04d}-of-{:04d}"
+
+
+def _part_image(registry, request, first: tuple[tarfile.TarInfo, bytes], anns=("1/2", "2/2"), extra=()) -> str:
+    """m/big cut into two part layers: the first part is `first`, the second a regular file."""
+    return push_annotated(registry, repo_for(request), [
+        (layer(member("m/", "dir")), {}),
+        (layer(first), part_ann("m/big", anns[0])),
+        (layer(member(PART.format(2, 2), data=b"second part\n")), part_ann("m/big", anns[1])),
+        *extra,
+    ])
+
+
+def _nothing_leaked(jail) -> None:
+    for d, _, files in os.walk(jail.root):
+        for n in files:
+            p = os.path.join(d, n)
+            if stat.S_ISREG(os.lstat(p).st_mode):  # never open a FIFO: it would block
+                with open(p, "rb") as f:
+                    assert b"do not link me" not in f.read(), f"{p} holds the host file's content"
+
+
+@pytest.mark.parametrize("kind", ["symlink-absolute", "symlink-relative", "directory", "fifo"])
+def test_a_part_that_is_not_a_regular_file_is_refused(registry, jail, request, kind):
+    """A "part" that is a symlink to a host file must not get that file copied into the root."""
+    name = PART.format(1, 2)
+    first = {
+        "symlink-absolute": member(name, "symlink", linkname=str(jail.outside / "secret")),
+        "symlink-relative": member(name, "symlink", linkname="../../outside/secret"),
+        "directory": member(name + "/", "dir"),
+        "fifo": member(name, "file"),
+    }[kind]
+    if kind == "fifo":
+        first[0].type = tarfile.FIFOTYPE
+    line = jail.refused(jail.restore(_part_image(registry, request, first)))
+    assert "part 1/2 of /m/big" in line, line
+    _nothing_leaked(jail)
+    assert not (jail.root / "m/big").exists()
+
+
+@pytest.mark.parametrize("ann", ["1", "x/2", "0/2", "3/2", "1/100001", "1/2\n", " 1/2", "\uff11/2", "1/-2", ""])
+def test_malformed_part_annotations_are_refused(registry, jail, request, ann):
+    r = jail.restore(_part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"), anns=(ann, "2/2")))
+    line = jail.refused(r)
+    assert "malformed part annotation" in line, line
+    assert not jail.root.exists() or list(jail.root.iterdir()) == []  # refused before anything is written
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../outside/keep", "m/../../outside/keep", ""])
+def test_part_files_outside_the_root_are_refused(registry, jail, request, path):
+    ref = push_annotated(registry, repo_for(request), [
+        (layer(member("m/", "dir"), member("m/x.snap-part-0001-of-0001", data=b"part\n")), part_ann(path, "1/1"))])
+    jail.refused(jail.restore(ref))
+
+
+@pytest.mark.parametrize("anns", [("1/2", "2/3"), ("1/2", "1/2"), ("1/3", "2/3")], ids=["counts-differ", "twice", "one-missing"])
+def test_inconsistent_part_layers_are_refused(registry, jail, request, anns):
+    ref = _part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"), anns=anns)
+    line = jail.refused(jail.restore(ref))
+    assert "/m/big" in line, line
+
+
+def test_parts_deleted_before_the_join_are_refused(registry, jail, request):
+    """Some parts there and some not at join time: an incomplete file, never silently left as parts."""
+    ref = _part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"),
+                      extra=[(layer(member("m/.wh." + PART.format(2, 2).split("/")[1])), {})])
+    line = jail.refused(jail.restore(ref))
+    assert "missing" in line and "/m/big" in line, line
+    assert not (jail.root / "m/big").exists()
+
+
+def test_well_formed_parts_are_joined(registry, jail, request):
+    ref = _part_image(registry, request, member(PART.format(1, 2), data=b"first part\n", mode=0o640))
+    jail.ok(jail.restore(ref, "--fsync"))
+    assert (jail.root / "m/big").read_bytes() == b"first part\nsecond part\n"
+    assert stat.S_IMODE(os.lstat(jail.root / "m/big").st_mode) == 0o640
+    assert os.listdir(jail.root / "m") == ["big"]

@@ -17,6 +17,11 @@ import time
 import pytest
 
 from conftest import snap
+from snapshotter.extract import Extractor
+from snapshotter.restore import RestoreOptions
+from test_hostile import layer as hlayer, member, part_ann, push_annotated
+
+restore_module = sys.modules["snapshotter.restore"]  # `snapshotter.restore` is the function
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 MiB = 1024 * 1024
@@ -146,24 +151,30 @@ def test_names_of_the_longest_length_restore(registry, tmp_path):
 # ---- disk full ------------------------------------------------------------------------------------
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 2 MiB tmpfs, unmounted afterwards."""
+def tmpfs():
+    """mount(path, size): a tmpfs at path (made if missing); all unmounted afterwards."""
     if not IS_ROOT:
         pytest.skip("mounting a tmpfs needs root")
     mounted = []
 
-    def make(name: str, size: str = "2m"):
-        d = tmp_path / name
-        d.mkdir()
+    def mount(d, size: str = "2m"):
+        d.mkdir(parents=True, exist_ok=True)
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
         mounted.append(d)
         return d
 
-    yield make
-    for d in mounted:
-        subprocess.run(["umount", str(d)], check=False)
+    yield mount
+    for d in reversed(mounted):
+        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path, tmpfs):
+    """A 2 MiB tmpfs, unmounted afterwards."""
+    return lambda name, size="2m": tmpfs(tmp_path / name, size)
 
 
 def test_disk_full_on_the_restore_root(registry, small_disk):
@@ -190,3 +201,158 @@ def test_disk_full_in_the_state_dir(registry, small_disk, tmp_path):
     assert_one_line_error(r, 7, "disk full", "state dir", "SNAP_STATE_DIR")
     assert not root.exists() or list(root.iterdir()) == []
     assert not [n for n in os.listdir(state / "blobs") if n.endswith(".part")]
+
+
+def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path):
+    data = layer({"f.txt": b"x\n"})
+    registry.push_image("journalfull", "v1", [data], layer_media_type=TAR)
+    state = small_disk("state", "1m")
+    (state / "blobs").mkdir()
+    (state / "restore-journal").mkdir()
+    (state / "blobs" / sha(data)).write_bytes(data)  # downloaded and verified by an earlier run
+    fd = os.open(state / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    root = tmp_path / "root"
+    r = snap("restore", f"{registry.host}/journalfull:v1", "--root", str(root), env={"SNAP_STATE_DIR": str(state)})
+    assert_one_line_error(r, 7, "disk full", "restore journal", "SNAP_STATE_DIR")
+    os.unlink(state / "filler")
+    r = snap("restore", f"{registry.host}/journalfull:v1", "--root", str(root), env={"SNAP_STATE_DIR": str(state)})
+    assert r.returncode == 0, r.stderr
+    assert (root / "f.txt").read_bytes() == b"x\n"
+
+
+def test_a_root_that_cannot_be_created_is_one_line(registry):
+    registry.push_image("badroot", "v1", [layer({"f.txt": b"x\n"})], layer_media_type=TAR)
+    r = snap("restore", f"{registry.host}/badroot:v1", "--root", "/proc/snap-no-such-dir/root")
+    assert_one_line_error(r, 7, "cannot create the restore root", "/proc/snap-no-such-dir/root")
+
+
+# ---- resuming: layers are applied in order, whatever an earlier run did ----------------------------
+
+class Interrupted(Exception):
+    """Stands for a Ctrl-C or a kill at a chosen point of an in-process restore."""
+
+
+def _interrupt_apply_after(monkeypatch, n: int):
+    """Make Extractor.apply stop the restore when it is called for layer n + 1 of the run.
+    Returns a function that puts Extractor.apply back."""
+    calls = []
+    apply = Extractor.apply
+
+    def interrupting(self, stream):
+        if len(calls) == n:
+            raise Interrupted()
+        calls.append(1)
+        return apply(self, stream)
+
+    monkeypatch.setattr(Extractor, "apply", interrupting)
+    return lambda: monkeypatch.setattr(Extractor, "apply", apply)
+
+
+SNAP_BUNDLE = {"dev.snap.layer": "rest", "dev.snap.content": "bundle 1"}
+
+
+def test_interrupted_only_snapshot_then_full_restore_applies_layers_in_order(registry, tmp_path, monkeypatch):
+    """An interrupted --only-snapshot run says nothing about a full restore of the same root: the
+    base layers must not be applied on top of the snapshot layer the first run applied."""
+    ref = push_annotated(registry, "order", [
+        (layer({"f.txt": b"base\n", "base-only.txt": b"b\n"}), {}),
+        (layer({"f.txt": b"snapshot\n"}), SNAP_BUNDLE),
+        (layer({"g.txt": b"g\n"}), {**SNAP_BUNDLE, "dev.snap.content": "bundle 2"}),
+    ], {"dev.snap.base-layers": "1"})
+    root = tmp_path / "root"
+    put_back = _interrupt_apply_after(monkeypatch, 1)
+    with pytest.raises(Interrupted):
+        restore_module.restore(ref, str(root), RestoreOptions(only_snapshot=True, seed_stat_cache=False))
+    put_back()
+    assert (root / "f.txt").read_bytes() == b"snapshot\n" and not (root / "g.txt").exists()
+
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert (root / "f.txt").read_bytes() == b"snapshot\n", "a base layer was applied over a snapshot layer"
+    assert (root / "g.txt").read_bytes() == b"g\n" and (root / "base-only.txt").exists()
+    doc = json.loads(r.stdout)
+    assert doc["resumed"] == 0 and len(doc["applied"]) == 3, doc
+    assert "starting over" in r.stderr
+
+
+def test_a_layer_listed_twice_is_downloaded_once_and_applied_twice(registry, tmp_path, state_dir):
+    one, two = layer({"f.txt": b"one\n"}), layer({"f.txt": b"two\n", "g.txt": b"g\n"})
+    registry.push_image("twice", "v1", [one, two, one, two, one], layer_media_type=TAR)
+    root = tmp_path / "root"
+    r = snap("restore", f"{registry.host}/twice:v1", "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["applied"]) == 5
+    assert (root / "f.txt").read_bytes() == b"one\n" and (root / "g.txt").read_bytes() == b"g\n"
+    assert os.listdir(state_dir / "blobs") == []  # each blob removed after its last use
+
+
+def test_reapplying_a_hardlink_to_a_lower_layer_file(registry, tmp_path):
+    """Restoring the snapshot layers again over a restored tree: the hardlink's path already links
+    to its target, so the rename of the temp link is a no-op that must not leave the temp behind."""
+    ref = push_annotated(registry, "relink", [
+        (hlayer(member("a/", "dir"), member("a/x", data=b"lower\n")), {}),
+        (hlayer(member("a/y", "hardlink", linkname="a/x"), member("a/z", data=b"after the link\n")), SNAP_BUNDLE),
+    ], {"dev.snap.base-layers": "1"})
+    root = tmp_path / "root"
+    snap("restore", ref, "--root", str(root), check=True)
+    r = snap("restore", ref, "--root", str(root), "--only-snapshot")
+    assert r.returncode == 0, r.stderr
+    assert stale_temps(root) == []
+    assert os.lstat(root / "a/y").st_ino == os.lstat(root / "a/x").st_ino
+    assert (root / "a/z").read_bytes() == b"after the link\n"
+
+
+def test_join_resumes_with_no_layer_left_and_a_stale_join_temp(registry, tmp_path, monkeypatch):
+    """A run killed while joining parts: every layer is applied, a join temp file is left."""
+    part = "m/big.snap-part-{:04d}-of-0002"
+    ref = push_annotated(registry, "joinresume", [
+        (layer({}, dirs=("m",)), {}),
+        (layer({part.format(1): b"first\n"}), part_ann("m/big", "1/2")),
+        (layer({part.format(2): b"second\n"}), part_ann("m/big", "2/2")),
+    ])
+    root = tmp_path / "root"
+
+    def killed(*args):
+        raise Interrupted()
+
+    join_parts = restore_module._join_parts
+    monkeypatch.setattr(restore_module, "_join_parts", killed)
+    with pytest.raises(Interrupted):
+        restore_module.restore(ref, str(root), RestoreOptions(seed_stat_cache=False))
+    monkeypatch.setattr(restore_module, "_join_parts", join_parts)
+    (root / "m" / ".snap-tmp-join-4242").write_bytes(b"first\n")  # what the killed join had written
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed"] == 3
+    assert os.listdir(root / "m") == ["big"]
+    assert (root / "m/big").read_bytes() == b"first\nsecond\n"
+
+
+# ---- mounted volumes ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["file", "symlink", "whiteout", "opaque", "parent-replaced", "parent-whited-out"])
+def test_a_layer_never_empties_a_mounted_volume(registry, tmp_path, tmpfs, request, how):
+    root = tmp_path / "root"
+    vol = root / "workspace" if not how.startswith("parent") else root / "data" / "vol"
+    tmpfs(vol)
+    (vol / "work.txt").write_text("precious\n")
+    members = {
+        "file": [member("workspace", data=b"a file now\n")],
+        "symlink": [member("workspace", "symlink", linkname="elsewhere")],
+        "whiteout": [member(".wh.workspace")],
+        "opaque": [member(".wh..wh..opq"), member("new.txt", data=b"new\n")],
+        "parent-replaced": [member("data", data=b"a file now\n")],
+        "parent-whited-out": [member(".wh.data")],
+    }[how]
+    repo = "mounted-" + how
+    registry.push_image(repo, "v1", [hlayer(*members)], layer_media_type=TAR)
+    r = snap("restore", f"{registry.host}/{repo}:v1", "--root", str(root))
+    assert (vol / "work.txt").read_text() == "precious\n", "the mounted volume was emptied"
+    assert_one_line_error(r, 7, "mount point", str(vol))

@@ -167,3 +167,19 @@ def test_setuid_and_devices_follow_what_restore_writes_by_default(registry, tmp_
     os.chmod(out / "bin/plain", 0o4755)  # a setuid bit the image never had is always reported
     code, doc = verify_json(ref, out)
     assert code == 9 and [(d["path"], d["kind"]) for d in doc["differences"]] == [("/bin/plain", "mode")]
+
+
+def test_part_names_are_built_and_parsed_in_one_place():
+    """plan (which names the parts), restore (which joins them) and verify (which hashes them
+    together) share one builder and one parser: names past 9999 parts parse too, others do not."""
+    from snapshotter.plan import MAX_PARTS, parse_part_annotation, parse_part_name, part_name
+    for path, i, n in [("opt/m.bin", 1, 3), ("a b/c", 7, 7), ("m/x", 10000, 12345), ("x", MAX_PARTS, MAX_PARTS)]:
+        assert parse_part_name(part_name(path, i, n)) == (path, i, n)
+    assert part_name("m/x", 2, 3) == "m/x.snap-part-0002-of-0003"
+    for name in ["m/x", "m/x.snap-part-0002-of-0003.txt", "m/x.snap-part-2-of-3", "m/x.snap-part-00002-of-00003",
+                 "m/x.snap-part-0004-of-0003", "m/x.snap-part-0000-of-0003", ".snap-part-0001-of-0001",
+                 part_name("m/x", 1, MAX_PARTS + 1), "m/x.snap-part-\u0661\u0662\u0663\u0664-of-1234"]:
+        assert parse_part_name(name) is None, name
+    assert parse_part_annotation("2/3") == (2, 3)
+    for bad in ["", "1", "0/1", "2/1", "1/2\n", " 1/2", "1/-2", f"1/{MAX_PARTS + 1}", None, 12]:
+        assert parse_part_annotation(bad) is None, bad
