@@ -186,7 +186,7 @@ def snap(b: Bench, *args: str, state: str) -> Run:
     env = dict(os.environ, SNAP_STATE_DIR=state, SNAP_QUIET="1", DOCKER_CONFIG=os.path.join(b.work, "docker-config"))
     r = b.run([sys.executable, "-m", "snapshotter", *args], env=env)
     if r.ok and args[0] == "commit":  # "name: status (size, kind, n entries, digest)" per layer
-        up = [m for m in re.findall(r"^.+?: (uploaded|exists, skipped).*?\((\d[\d.]* \w+),", r.out, re.M)]
+        up = [m for m in re.findall(r"^.+?: (uploaded|exists, skipped).*?\[(\d[\d.]* \w+),", r.out, re.M)]
         sent = [size for status, size in up if status == "uploaded"]
         r.note = f"{len(sent)} layer(s) uploaded ({', '.join(sent[:3])}{', ...' if len(sent) > 3 else ''}), " \
                  f"{len(up) - len(sent)} skipped"
