@@ -31,13 +31,12 @@ from typing import BinaryIO, Optional
 import zstandard
 
 from .errors import IntegrityError, StorageError
-from .fsindex import OPAQUE, WHITEOUT_PREFIX, clean_path
+from .fsindex import OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, clean_path
 from .layer import header_key
 
 MAX_SYMLINK_HOPS = 40
 TMP_PREFIX = ".snap-tmp-"
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
-_SKIP_XATTRS = ("trusted.", "security.selinux")
 _CAPABILITY = "security.capability"
 
 
@@ -370,7 +369,7 @@ class Extractor:
         os.utime(path, ns=(int(m.mtime) * 10**9, int(m.mtime) * 10**9), follow_symlinks=False)
 
     def _set_xattr(self, path: str, name: str, value: str) -> None:
-        if name.startswith(_SKIP_XATTRS):
+        if name.startswith(SKIP_XATTRS):
             return
         try:
             os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
