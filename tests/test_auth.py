@@ -39,12 +39,9 @@ def test_tls_and_password_stdin_round_trip(secure_registry, box, tmp_path):
 
 def test_docker_config_credentials(secure_registry, box, tmp_path):
     reg = secure_registry
-    cfg_dir = tmp_path / "docker-config"
-    cfg_dir.mkdir(exist_ok=True)
-    token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-    (cfg_dir / "config.json").write_text(json.dumps({"auths": {reg.host: {"auth": token}}}))
+    cfg_dir = docker_config(tmp_path, {reg.host: basic(USER, PASSWORD)})
     r = snap("commit", f"{reg.host}/box:v2", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert,
-             env={"DOCKER_CONFIG": str(cfg_dir)}, check=True)
+             env={"DOCKER_CONFIG": cfg_dir}, check=True)
     assert "pushed" in r.stdout
     assert reg.manifest("box", "v2")["layers"]
 
@@ -98,12 +95,9 @@ def test_token_auth_round_trip(token_registry, box, tmp_path):
 
 def test_token_auth_docker_config_credentials(token_registry, box, tmp_path):
     reg = token_registry
-    cfg_dir = tmp_path / "docker-config"
-    cfg_dir.mkdir(exist_ok=True)
-    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-    (cfg_dir / "config.json").write_text(json.dumps({"auths": {f"http://{reg.host}": {"auth": auth}}}))
+    cfg_dir = docker_config(tmp_path, {f"http://{reg.host}": basic(USER, PASSWORD)})
     snap("commit", f"{reg.host}/box:v2", "--base", f"{reg.host}/base:1", "--root", box,
-         env={"DOCKER_CONFIG": str(cfg_dir)}, check=True)
+         env={"DOCKER_CONFIG": cfg_dir}, check=True)
     assert reg.manifest("box", "v2")["layers"]
 
 
@@ -152,12 +146,9 @@ def test_explicit_credentials_not_sent_to_another_registry(tmp_path_factory, bas
     other = RegistryServer(str(tmp_path_factory.mktemp("other-registry")), auth=("otheruser", "other-Pa55")).start()
     try:
         push_base_image(other, "base", "1", base_rootfs)
-        cfg_dir = tmp_path / "docker-config"
-        cfg_dir.mkdir(exist_ok=True)
-        auth = base64.b64encode(b"otheruser:other-Pa55").decode()
-        (cfg_dir / "config.json").write_text(json.dumps({"auths": {other.host: {"auth": auth}}}))
+        cfg_dir = docker_config(tmp_path, {other.host: basic("otheruser", "other-Pa55")})
         snap("commit", f"{target.host}/box:v1", "--base", f"{other.host}/base:1", "--root", box,
-             "--username", USER, "--password-stdin", input=PASSWORD + "\n", env={"DOCKER_CONFIG": str(cfg_dir)},
+             "--username", USER, "--password-stdin", input=PASSWORD + "\n", env={"DOCKER_CONFIG": cfg_dir},
              check=True)
         assert target.manifest("box", "v1")["layers"]
     finally:
@@ -182,11 +173,20 @@ def test_registry_api_host(text, api_host):
     assert str(ref) == text  # the name the user wrote stays the name shown and recorded
 
 
-def _docker_config(tmp_path, monkeypatch, auths: dict) -> None:
+def docker_config(tmp_path, auths: dict) -> str:
+    """A Docker config dir holding `auths` (host -> {"auth": base64 user:password}); for DOCKER_CONFIG."""
     cfg_dir = tmp_path / "docker-config"
     cfg_dir.mkdir(exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps({"auths": auths}))
-    monkeypatch.setenv("DOCKER_CONFIG", str(cfg_dir))
+    return str(cfg_dir)
+
+
+def basic(user: str, password: str) -> dict:
+    return {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def _docker_config(tmp_path, monkeypatch, auths: dict) -> None:
+    monkeypatch.setenv("DOCKER_CONFIG", docker_config(tmp_path, auths))
 
 
 def _found(registry: str):
