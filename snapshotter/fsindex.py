@@ -13,6 +13,7 @@ from typing import BinaryIO, Callable, Optional
 
 from .errors import StorageError, UsageError
 from .profile import Profile, VenvRoots
+from .state import replace_file
 
 FILE, DIR, SYMLINK, CHAR, BLOCK, FIFO = "file", "dir", "symlink", "char", "block", "fifo"
 WHITEOUT_PREFIX = ".wh."
@@ -294,12 +295,12 @@ def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO) -> None:
 
 
 def save_index(index: dict[str, Entry], path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with gzip.open(tmp, "wt", compresslevel=1) as f:
+    def write(f) -> None:
         for e in index.values():
             f.write(json.dumps(astuple(e), separators=(",", ":")))
             f.write("\n")
-    os.replace(tmp, path)
+
+    replace_file(path, write, lambda p, m: gzip.open(p, m, compresslevel=1), "wt")
 
 
 def load_index(path: str) -> Optional[dict[str, Entry]]:

@@ -27,7 +27,7 @@ from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_
 from .image import SNAP_PART, SNAP_PART_FILE, snap_label, snapshot_layer_count
 from .plan import parse_part_annotation, part_name
 from .registry import Image, Reference, Remote, TransportOptions
-from .state import state_dir, sub
+from .state import replace_file, state_dir, sub
 
 DOWNLOAD_WORKERS = 3
 JOURNAL_VERSION = 2
@@ -106,23 +106,11 @@ class _Journal:
         doc = {"version": JOURNAL_VERSION, "manifest": self.manifest, "layers": self.layers,
                "applied": self.applied, "joined": self.joined}
         d = os.path.dirname(self.path)
-        tmp = self.path + ".tmp"
         try:
             if self.fsync:
                 os.sync()  # file data, and the directories of every rename, before the journal says so
-            with open(tmp, "w") as f:
-                json.dump(doc, f)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            if self.fsync:
-                _fsync_dir(d)
+            replace_file(self.path, lambda f: json.dump(doc, f), durable=self.fsync)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise storage_error(e, f"snap's state dir {d}", " while writing the restore journal",
                                 "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
                                 "it resumes") from e
@@ -142,14 +130,6 @@ def _state_sub(name: str) -> str:
         return sub(name)
     except OSError as e:
         raise storage_error(e, f"snap's state dir {state_dir()}", hint="point SNAP_STATE_DIR at a writable directory") from e
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- which layers, which parts ------------------------------------------------------------------

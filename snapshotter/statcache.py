@@ -12,7 +12,7 @@ import json
 import os
 from typing import Optional
 
-from .state import sub
+from .state import replace_file, sub
 
 VERSION = 1
 
@@ -40,7 +40,4 @@ class StatCache:
 
     def save(self) -> None:
         """Keep what this commit used: layers that are gone from the box fall out of the cache."""
-        tmp = f"{self.path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"key": self.key, "layers": self.new}, f)
-        os.replace(tmp, self.path)
+        replace_file(self.path, lambda f: json.dump({"key": self.key, "layers": self.new}, f))

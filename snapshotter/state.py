@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import IO, Callable
 
 
 def state_dir() -> str:
@@ -20,3 +21,29 @@ def sub(*parts: str) -> str:
     path = os.path.join(root, *parts)
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., IO] = open, mode: str = "w",
+                 durable: bool = False) -> None:
+    """Write a file whole or not at all: `write` fills a temp file beside it, which then replaces
+    `path`; on any failure the temp file is removed. `durable` also fsyncs the file and directory."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with opener(tmp, mode) as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

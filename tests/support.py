@@ -28,6 +28,18 @@ import requests
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,13 +112,8 @@ class RegistryServer:
         raise RuntimeError("docker-registry did not start in 20s")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc, 10)
         self.proc = None
 
     def session(self) -> requests.Session:

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tarfile
 import time
@@ -24,7 +23,7 @@ import uuid
 import pytest
 
 from conftest import NOT_CAPTURED, make_box, snap
-from support import RegistryServer, free_port, push_base_image, snapshot_of_tree
+from support import RegistryServer, free_port, push_base_image, snapshot_of_tree, stop_process
 from test_errors import assert_one_line_error
 from test_roundtrip import commit_json, label, layers_by_name
 
@@ -78,12 +77,7 @@ class Dockerd:
                 c.remove(force=True)
         except Exception:
             pass  # stopping the daemon stops them too, only slower
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 60)
 
     def _tail(self) -> str:
         with open(self.log, errors="replace") as f:
