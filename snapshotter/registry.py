@@ -1,7 +1,7 @@
 """Talking to an OCI registry (distribution v2 API) through oras-py.
 
 oras-py gives us the HTTP session, docker-config credentials and retries; this module adds what a
-snapshot tool needs on top: index -> platform manifest resolution, streamed chunked uploads in
+snapshot tool needs on top: index -> platform manifest resolution, streamed uploads in
 bounded memory, verified streamed downloads, cross-repository mounts, and manifests pushed as the
 exact bytes we hashed.
 """
@@ -14,6 +14,7 @@ import ipaddress
 import json
 import os
 import platform
+import queue
 import re
 import threading
 import time
@@ -39,7 +40,8 @@ DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
 MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
 INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 
-CHUNK_SIZE = 16 * 1024 * 1024  # upload chunk: bounds memory, whatever the blob size
+PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the packer and the socket
+QUEUED_PIECES = 8  # memory per upload: about this many pieces, whatever the blob size
 PING_TIMEOUT = 10
 TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a wait forever
 RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we give up
@@ -251,23 +253,29 @@ class Remote:
             "check the host and port, and that the registry is running",
         )
 
-    def _request(self, method: str, url: str, **kw) -> requests.Response:
+    def _request(self, method: str, url: str, resend: bool = True, **kw) -> requests.Response:
         """One registry request through oras (auth, token refresh), retried by us with a short
         backoff: a registry that restarts is waited for, one that is down fails in seconds.
-        (oras's own retry decorator waits minutes per request, so we call past it.)"""
+        (oras's own retry decorator waits minutes per request, so we call past it.)
+        `resend=False` for a streamed body, which cannot be sent twice: a broken connection or an
+        expired token is then a RegistryError, for the caller to start its upload over."""
         headers = dict(self.oras.headers)
         headers.update(kw.pop("headers", {}) or {})
         registry = self.ref.registry
         refreshed = False
-        for delay in (*RETRY_DELAYS, None):
+        for delay in (*RETRY_DELAYS, None) if resend else (None,):
             try:
                 r = _do_request(self.oras, url, method, headers=dict(headers), **kw)
                 if r.status_code == 401 and not refreshed and self._needs_new_token(r):
                     refreshed = True  # once: a token the server scopes down again is a refusal
+                    if not resend:
+                        raise RegistryError(f"registry {registry} asked for a new token during an upload")
                     r = _do_request(self.oras, url, method, headers=dict(headers), **kw)
             except requests.exceptions.SSLError as e:
                 raise RegistryUnreachable(f"TLS to registry {registry} failed: {_short(e)}")
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+                if not resend:
+                    raise RegistryError(f"upload to registry {registry} broke: {_short(e)}")
                 if delay is None:
                     raise RegistryUnreachable(f"registry {registry} stopped answering: {_short(e)}",
                                               "run the command again when it is back: what was pushed stays pushed")
@@ -442,16 +450,16 @@ class Remote:
 
         def copy(out) -> None:
             with open(path, "rb") as f:
-                while chunk := f.read(CHUNK_SIZE):
+                while chunk := f.read(PIECE_SIZE):
                     out.write(chunk)
 
         self.upload_from(copy, digest, size, progress)
 
     def upload_from(self, produce: Callable[[object], None], digest: str, size: int, progress: ProgressFn = None) -> None:
-        """Upload a blob whose bytes `produce(out)` writes to `out`, sent as PATCH chunks (memory
-        bounded by CHUNK_SIZE). `produce` must give the same bytes each time it is called: an
-        upload session that breaks (registry restarted, connection lost) is started over, and the
-        registry only accepts the blob at the final PUT if the bytes match the digest."""
+        """Upload a blob whose bytes `produce(out)` writes to `out`, streamed as the body of one
+        PATCH in bounded memory. `produce` must give the same bytes each time it is called: an
+        upload that breaks (registry restarted, connection lost) is started over, and the registry
+        only accepts the blob at the final PUT if the bytes match the digest."""
         last: Optional[Exception] = None
         for _ in range(UPLOAD_ATTEMPTS):
             sent = [0]
@@ -464,11 +472,11 @@ class Remote:
             try:
                 self._upload_once(produce, digest, size, count)
                 return
-            except RegistryError as e:  # the upload session broke while the registry stayed up
+            except RegistryError as e:  # the upload broke while the registry stayed up
                 last = e
                 if progress:
                     progress(-sent[0])  # the bar restarts with the upload
-                if self.blob_exists(digest):
+                if self.blob_exists(digest):  # (waits for a registry that restarts)
                     return
         raise last  # type: ignore[misc]
 
@@ -476,13 +484,16 @@ class Remote:
                      progress: Callable[[int], None]) -> None:
         r = self._request("POST", self._url("blobs/uploads/"), headers={"Content-Length": "0"})
         _check(r, f"start upload of {digest}")
-        out = _ChunkedUpload(self, self._abs(r.headers["Location"]), digest, progress)
-        produce(out)
-        out.flush()
+        out = _StreamedUpload(self, self._abs(r.headers["Location"]), digest, progress)
+        try:
+            produce(out)
+        except BaseException:
+            out.abort()
+            raise
+        location = out.finish()
         if out.offset != size:
             raise IntegrityError(f"blob {digest} changed while it was uploaded ({out.offset} bytes, expected {size})",
                                  "a file of the box changed during the commit; commit again")
-        location = out.location
         sep = "&" if "?" in location else "?"
         r = self._request("PUT", f"{location}{sep}digest={urllib.parse.quote(digest)}",
                           headers={"Content-Length": "0", "Content-Type": "application/octet-stream"})
@@ -520,43 +531,97 @@ def load_docker_credentials(auth: oras.auth.AuthBackend, registry: str) -> bool:
         raise AuthError(f"cannot read registry credentials from {path}: {_short(e)}")
 
 
-class _ChunkedUpload:
-    """A write-only stream that PATCHes each CHUNK_SIZE bytes to an upload session."""
+class _StreamedUpload:
+    """A write-only stream sent as the body of one PATCH with chunked transfer encoding (a
+    "streamed upload", as docker push sends it): one request per blob, where 16 MiB PATCH chunks
+    cost the registry a writer reopen and a hash-state save each. A thread runs the request and
+    takes pieces from a short queue, so memory stays bounded whatever the blob size."""
 
-    def __init__(self, remote: Remote, location: str, digest: str, progress: Callable[[int], None]):
+    _END = object()
+
+    def __init__(self, remote: "Remote", location: str, digest: str, progress: Callable[[int], None]):
         self.remote, self.location, self.digest, self.progress = remote, location, digest, progress
-        self.parts: list[bytes] = []  # pending bytes, joined once a chunk's worth is here
+        self.parts: list[bytes] = []  # bytes written, joined into one piece once PIECE_SIZE is here
         self.pending = 0
-        self.offset = 0
+        self.offset = 0  # bytes handed to the request
+        self.queue: queue.Queue = queue.Queue(QUEUED_PIECES)
+        self.aborted = False
+        self.response: Optional[requests.Response] = None
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._send, name=f"upload {digest[:19]}", daemon=True)
+        self.thread.start()
 
     def write(self, data) -> int:
         self.parts.append(bytes(data))
         self.pending += len(data)
-        if self.pending >= CHUNK_SIZE:
-            self._send(b"".join(self.parts))
-            self.parts, self.pending = [], 0
+        if self.pending >= PIECE_SIZE:
+            self._queue(b"".join(self.parts))
         return len(data)
 
-    def flush(self) -> None:
+    def finish(self) -> str:
+        """End the body, wait for the registry's answer; the upload's next location."""
         if self.parts:
-            self._send(b"".join(self.parts))
-            self.parts, self.pending = [], 0
-
-    def _send(self, chunk: bytes) -> None:
-        r = self.remote._request(
-            "PATCH",
-            self.location,
-            data=chunk,
-            headers={
-                "Content-Type": "application/octet-stream",
-                "Content-Range": f"{self.offset}-{self.offset + len(chunk) - 1}",
-                "Content-Length": str(len(chunk)),
-            },
-        )
+            self._queue(b"".join(self.parts))
+        self._put(self._END)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        r = self.response
         _check(r, f"upload of {self.digest}")
-        self.location = self.remote._abs(r.headers["Location"])
-        self.offset += len(chunk)
-        self.progress(len(chunk))
+        # The registry says how much it holds; a body it did not take whole (e.g. sent again empty
+        # after an auth challenge) must not reach the PUT.
+        got = r.headers.get("Range", "")
+        if self.offset and got and got != f"0-{self.offset - 1}":
+            raise RegistryError(f"upload of {self.digest} incomplete: the registry holds {got}, we sent {self.offset} bytes")
+        return self.remote._abs(r.headers["Location"])
+
+    def abort(self) -> None:
+        """The producer failed: end the request without a valid body."""
+        self.aborted = True
+        try:
+            while True:
+                self.queue.get_nowait()  # make room: the request thread may be waiting for a piece
+        except queue.Empty:
+            pass
+        self.queue.put(self._END)
+        self.thread.join(TIMEOUT[0])
+
+    def _queue(self, piece: bytes) -> None:
+        self.parts, self.pending = [], 0
+        self._put(piece)
+        self.offset += len(piece)
+
+    def _put(self, item) -> None:
+        while True:
+            if not self.thread.is_alive():  # the request ended early: the registry refused or broke
+                self.thread.join()
+                raise self.error or RegistryError(f"upload of {self.digest} ended before its body was sent")
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _body(self) -> Iterator[bytes]:
+        while True:
+            piece = self.queue.get()
+            if self.aborted:
+                raise _Aborted()
+            if piece is self._END:
+                return
+            yield piece
+            self.progress(len(piece))
+
+    def _send(self) -> None:
+        try:
+            self.response = self.remote._request("PATCH", self.location, data=self._body(), resend=False,
+                                                 headers={"Content-Type": "application/octet-stream"})
+        except BaseException as e:  # handed to the writer
+            self.error = e
+
+
+class _Aborted(Exception):
+    """Raised inside a streamed request body to end the request when its producer failed."""
 
 
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
