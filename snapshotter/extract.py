@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import io
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ import stat
 import tarfile
 import zlib
 from dataclasses import dataclass, field
-from typing import BinaryIO, Optional
+from typing import BinaryIO, Callable, Optional
 
 import zstandard
 
@@ -36,6 +37,7 @@ from .layer import header_key
 
 MAX_SYMLINK_HOPS = 40
 TMP_PREFIX = ".snap-tmp-"
+READ_BUFFER = 1 << 20
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
 _CAPABILITY = "security.capability"
 
@@ -90,6 +92,7 @@ class Extractor:
         # answer: those clear the cache.
         self._dir_cache: dict[str, str] = {}
         self.record: Optional[list[tuple]] = None  # set to a list to keep the headers of the next layer
+        self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
         self._reset_dir_times()
 
     def _reset_dir_times(self) -> None:
@@ -184,18 +187,26 @@ class Extractor:
 
     # ---- applying a layer ------------------------------------------------------------------------
 
-    def apply(self, tar_stream: BinaryIO) -> None:
-        """Apply one layer (an uncompressed tar stream)."""
+    def apply(self, tar_stream: BinaryIO, take: Optional[Callable[[int, int], Optional[str]]] = None) -> None:
+        """Apply one layer (an uncompressed tar stream). `take(offset, size)`, if given, may hand
+        over a file holding a regular file's data (a split layer: staging.py), to be renamed into
+        place instead of copied; the stream must then be one that seeks forward without reading."""
         self._reset_dir_times()
+        self._take = take
         name = ""
         try:
-            with tarfile.open(fileobj=tar_stream, mode="r|", errorlevel=2) as tar:
+            # tarfile's stream mode ("r|") reads in 10 KiB pieces and copies its whole buffer on
+            # every header read: slow for GBs and for many small files alike. Its seeking mode
+            # over a buffered forward-only view of the stream reads members in order just the same.
+            raw = tar_stream if take is not None else _ForwardOnly(tar_stream)
+            stream = io.BufferedReader(raw, READ_BUFFER)
+            with tarfile.open(fileobj=stream, mode="r:", errorlevel=2) as tar:
                 for m in tar:
                     name = m.name
                     if self.record is not None:
                         self.record.append(header_key(m))
                     self._apply_member(tar, m)
-            while tar_stream.read(1 << 20):  # read to the end here, so a corrupt tail is caught below
+            while stream.read(READ_BUFFER):  # read to the end here, so a corrupt tail is caught below
                 pass
         except tarfile.TarError as e:
             raise IntegrityError(f"layer is not a valid tar archive: {e}")
@@ -204,6 +215,7 @@ class Extractor:
         except OSError as e:
             raise storage_error(e, self.root, f" while writing /{clean_path(name)}" if name else "") from e
         finally:
+            self._take = None
             self.put_back_dir_times()
 
     def _apply_member(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
@@ -272,9 +284,19 @@ class Extractor:
         self._written.add(path)
 
     def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str) -> None:
+        staged = self._take(m.offset_data, m.size) if self._take else None
+        if staged is not None:
+            try:
+                os.rename(staged, tmp)  # verified at download; written once
+                self.stats.files += 1
+                self.stats.bytes += m.size
+                return
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                # The state dir is on another filesystem than this directory: copied below.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            src = tar.extractfile(m)
+        with os.fdopen(fd, "wb") as out, (open(staged, "rb") if staged is not None else tar.extractfile(m)) as src:
             left = m.size
             while left > 0:
                 chunk = src.read(min(left, 1 << 20))
@@ -376,6 +398,44 @@ class Extractor:
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EACCES):
                 raise
+
+
+class _ForwardOnly(io.RawIOBase):
+    """A layer stream as tarfile's seeking mode wants it: tell() counts what was read, seek()
+    moves forward only (reading and dropping), which is all tarfile does reading members in order."""
+
+    def __init__(self, src: BinaryIO):
+        self.src, self.pos = src, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        data = self.src.read(len(b))
+        n = len(data)
+        b[:n] = data
+        self.pos += n
+        return n
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            pos += self.pos
+        elif whence != io.SEEK_SET:
+            raise IntegrityError("layer stream: seek from its end")
+        if pos < self.pos:
+            raise IntegrityError("layer stream: tar members out of order")  # tarfile never does this reading in order
+        while self.pos < pos:
+            data = self.src.read(min(pos - self.pos, READ_BUFFER))
+            if not data:
+                break  # past the end: the next read finds nothing, and tarfile reports it
+            self.pos += len(data)
+        return self.pos
 
 
 def _utime(path: str, at: int, mt: int) -> None:

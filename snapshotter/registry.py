@@ -420,15 +420,18 @@ class Remote:
         if "sha256:" + h.hexdigest() != digest:
             raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest (tampered or corrupt)")
 
-    def download_blob(self, digest: str, dest: str, progress: ProgressFn = None) -> None:
-        """Download to `dest` atomically: written to dest.part, verified, then renamed."""
+    def download_blob(self, digest: str, dest: str, progress: ProgressFn = None, durable: bool = False) -> None:
+        """Download to `dest` atomically: written to dest.part, verified, then renamed. `durable`
+        fsyncs it first (else a power loss can leave a renamed file with lost bytes: a cache
+        that keeps blobs across runs must check them again, as restore does)."""
         part = dest + ".part"
         try:
             with open(part, "wb") as f:
                 for chunk in self.iter_blob(digest, progress):
                     f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(part, dest)
         finally:
             if os.path.exists(part):

@@ -27,6 +27,7 @@ from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_
 from .image import SNAP_PART, SNAP_PART_FILE, snap_label, snapshot_layer_count
 from .plan import parse_part_annotation, part_name
 from .registry import Image, Reference, Remote, TransportOptions
+from .staging import SPLIT_SUFFIX, SplitLayer, download_split
 from .state import replace_file, state_dir, sub
 
 DOWNLOAD_WORKERS = 3
@@ -218,15 +219,23 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
     # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
     sizes = {d["digest"]: d["size"] for _, d, _ in pending}
     last_use = {d["digest"]: n for n, (_, d, _) in enumerate(pending)}
+    # An uncompressed layer is its tar (its digest is its diff_id): kept split, so that its big
+    # files are renamed into place instead of copied (staging.py).
+    split = {d["digest"] for _, d, diff_id in pending if compression_of(d["mediaType"]) == "none" and diff_id == d["digest"]}
     with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
         update = progress.safe_update(dl)
 
         def fetch(digest: str) -> str:
-            path = os.path.join(blob_dir, digest.split(":", 1)[1])
-            if os.path.exists(path):  # verified by an earlier run before it was renamed into place
+            path = os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if digest in split else ""))
+            # Left by an interrupted run: verified before its rename, but not fsynced (unless
+            # --fsync), so after a power loss its bytes may be lost. Hashed again before use.
+            if os.path.exists(path) and _stored_digest(path) == digest:
                 update(sizes[digest])
+            elif digest in split:
+                _remove_blob(path)
+                download_split(remote.iter_blob(digest, update), path, durable=fsync)
             else:
-                remote.download_blob(digest, path, update)
+                remote.download_blob(digest, path, update, durable=fsync)
             return path
 
         futures = {digest: pool.submit(fetch, digest) for digest in sizes}
@@ -239,23 +248,25 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
                 path = paths[desc["digest"]]
                 # snap's own layers: keep their tar headers, to teach the stat cache afterwards.
                 extractor.record = [] if snap_label(desc) else None
-                with progress.bar(f"extracting {label}", desc["size"]) as xb, open(path, "rb") as raw:
-                    counted = _CountingFile(raw, progress.safe_update(xb))
-                    stream = HashingReader(decompressing_reader(counted, desc["mediaType"]))
-                    # An uncompressed blob is its tar: its digest, checked at download, is the diff_id.
-                    same = compression_of(desc["mediaType"]) == "none" and diff_id == desc["digest"]
-                    extractor.apply(counted if same else stream)
-                    if not same:
-                        stream.drain()
-                if not same and stream.digest != diff_id:
-                    raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
+                with progress.bar(f"extracting {label}", desc["size"]) as xb:
+                    if desc["digest"] in split:  # its digest, checked at download, is the diff_id
+                        with SplitLayer(path, progress.safe_update(xb)) as layer:
+                            extractor.apply(layer, take=layer.take)
+                    else:
+                        with open(path, "rb") as raw:
+                            stream = HashingReader(decompressing_reader(_CountingFile(raw, progress.safe_update(xb)),
+                                                                        desc["mediaType"]))
+                            extractor.apply(stream)
+                            stream.drain()
+                        if stream.digest != diff_id:
+                            raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
                 if extractor.record is not None:
                     headers[desc["digest"]] = extractor.record
                 journal.applied = resumed + n + 1
                 journal.write()
                 applied.append(label)
                 if last_use[desc["digest"]] == n:
-                    os.unlink(path)
+                    _remove_blob(path)
         except BaseException as e:
             for f in futures.values():
                 f.cancel()
@@ -375,6 +386,25 @@ def _open_part(name: str, dfd: int, rel: str, k: int, count: int) -> tuple[int, 
         os.close(fd)
         raise IntegrityError(f"part {k}/{count} of /{printable(rel)} changed while being joined: refusing it")
     return fd, fst
+
+
+def _stored_digest(path: str) -> Optional[str]:
+    """The digest of a blob kept in the state dir (a file, or a split layer's directory)."""
+    try:
+        if path.endswith(SPLIT_SUFFIX):
+            with SplitLayer(path) as layer:
+                return layer.digest()
+        with open(path, "rb") as f:
+            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+    except (OSError, ValueError, IntegrityError):
+        return None  # incomplete (a kill while its files were moved into place): fetched again
+
+
+def _remove_blob(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
 
 
 class _CountingFile:

@@ -414,7 +414,8 @@ def _tamper(registry, digest: str) -> None:
 @pytest.mark.parametrize("which", [0, 1], ids=["first-layer", "second-layer"])
 def test_tampered_blob_is_rejected_before_anything_is_written(registry, jail, request, gz, which):
     ref = push(registry, request, layer(member("etc/", "dir"), member("etc/passwd", data=b"root:x:0:0::/root:/bin/sh\n" * 100)),
-               layer(member("opt/", "dir"), member("opt/app.py", data=b"print('hi')\n" * 100)), gzip=gz)
+               layer(member("opt/", "dir"), member("opt/app.py", data=b"print('hi')\n" * 100),
+                     member("opt/model.bin", data=os.urandom(3 << 20))), gzip=gz)  # big: split at download
     m = registry.manifest(ref.split("/", 1)[1].rsplit(":", 1)[0], "v1")
     _tamper(registry, m["layers"][which]["digest"])
     line = jail.refused(jail.restore(ref))

@@ -15,15 +15,18 @@ import tarfile
 import time
 
 import pytest
+import zstandard
 
 from conftest import snap
 from snapshotter.extract import Extractor
 from snapshotter.restore import RestoreOptions
+from snapshotter.staging import SPLIT_SUFFIX, download_split
 from test_hostile import layer as hlayer, member, part_ann, push_annotated
 
 restore_module = sys.modules["snapshotter.restore"]  # `snapshotter.restore` is the function
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
+ZSTD = TAR + "+zstd"
 MiB = 1024 * 1024
 MTIME = 1_600_000_000
 IS_ROOT = os.geteuid() == 0
@@ -75,9 +78,11 @@ def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, stat
     big = os.urandom(MiB) * 200  # 200 MiB: extraction takes long enough to be killed in the middle
     small = {"data/a.txt": b"first layer\n", "data/b.txt": b"also first\n"}
     ref = f"{registry.host}/killed:v1"
-    registry.push_image("killed", "v1", [layer(small, dirs=("data",)),
-                                         layer({"data/big.bin": big, "data/after.txt": b"after big\n"})],
-                        layer_media_type=TAR)
+    # Compressed: the big file is copied out of the stream (an uncompressed layer's big files are
+    # renamed into place whole, never copied: nothing to kill mid-file there).
+    tars = [layer(small, dirs=("data",)), layer({"data/big.bin": big, "data/after.txt": b"after big\n"})]
+    registry.push_image("killed", "v1", [zstandard.ZstdCompressor(level=1).compress(t) for t in tars],
+                        layer_media_type=ZSTD, diff_ids=["sha256:" + sha(t) for t in tars])
     root = tmp_path / "root"
     (root / "data").mkdir(parents=True)
     (root / "data/big.bin").write_bytes(old)  # restoring over an older tree
@@ -209,7 +214,8 @@ def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path
     state = small_disk("state", "1m")
     (state / "blobs").mkdir()
     (state / "restore-journal").mkdir()
-    (state / "blobs" / sha(data)).write_bytes(data)  # downloaded and verified by an earlier run
+    # Downloaded and verified by an earlier run (an uncompressed layer is kept split: staging.py).
+    download_split([data], str(state / "blobs" / (sha(data) + SPLIT_SUFFIX)))
     fd = os.open(state / "filler", os.O_WRONLY | os.O_CREAT)
     try:
         while True:
@@ -245,11 +251,11 @@ def _interrupt_apply_after(monkeypatch, n: int):
     calls = []
     apply = Extractor.apply
 
-    def interrupting(self, stream):
+    def interrupting(self, stream, **kw):
         if len(calls) == n:
             raise Interrupted()
         calls.append(1)
-        return apply(self, stream)
+        return apply(self, stream, **kw)
 
     monkeypatch.setattr(Extractor, "apply", interrupting)
     return lambda: monkeypatch.setattr(Extractor, "apply", apply)
@@ -356,3 +362,56 @@ def test_a_layer_never_empties_a_mounted_volume(registry, tmp_path, tmpfs, reque
     r = snap("restore", f"{registry.host}/{repo}:v1", "--root", str(root))
     assert (vol / "work.txt").read_text() == "precious\n", "the mounted volume was emptied"
     assert_one_line_error(r, 7, "mount point", str(vol))
+
+
+# ---- uncompressed layers: big files renamed into place, written once ----------------------------
+
+def _wchar() -> int:
+    """Bytes this process passed to write() so far (all its threads)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def test_big_files_of_an_uncompressed_layer_are_written_once(registry, tmp_path, state_dir):
+    big = os.urandom(24 * MiB)
+    files = {"models/w.safetensors": big, "models/config.json": b"{}\n"}
+    registry.push_image("once", "v1", [layer(files, dirs=("models",))], layer_media_type=TAR)
+    before = _wchar()
+    restore_module.restore(f"{registry.host}/once:v1", str(tmp_path / "root"))
+    written = _wchar() - before
+    # Downloaded into a file of its own, then renamed into place: once, not downloaded then copied.
+    assert 24 * MiB <= written < 30 * MiB, written / MiB
+    for name, data in files.items():
+        assert (tmp_path / "root" / name).read_bytes() == data
+        assert oct(os.lstat(tmp_path / "root" / name).st_mode & 0o7777) == "0o640"
+    assert os.listdir(state_dir / "blobs") == []  # the split layer is gone once applied
+
+
+def test_state_dir_on_another_filesystem_copies_instead(registry, tmp_path, tmpfs):
+    big = os.urandom(5 * MiB)
+    registry.push_image("exdev", "v1", [layer({"w.bin": big}, dirs=())], layer_media_type=TAR)
+    state = tmpfs(tmp_path / "state", "64m")  # a rename from here into the root fails with EXDEV
+    r = snap("restore", f"{registry.host}/exdev:v1", "--root", str(tmp_path / "root"), env={"SNAP_STATE_DIR": str(state)})
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "root/w.bin").read_bytes() == big
+    assert stale_temps(tmp_path / "root") == []
+    assert os.listdir(state / "blobs") == []
+
+
+def test_a_split_layer_left_incomplete_is_downloaded_again(registry, tmp_path, state_dir):
+    """A run killed after it renamed some of a split layer's files into place leaves the split
+    incomplete: the next run must not trust it."""
+    big, other = os.urandom(3 * MiB), os.urandom(2 * MiB)
+    data = layer({"w.bin": big, "x.bin": other})
+    registry.push_image("partial", "v1", [data], layer_media_type=TAR)
+    split = state_dir / "blobs" / (sha(data) + SPLIT_SUFFIX)
+    (state_dir / "blobs").mkdir(parents=True)
+    download_split([data], str(split))
+    contents = sorted(n for n in os.listdir(split) if n.startswith("c"))
+    assert len(contents) == 2  # both files kept apart from the tar
+    os.unlink(split / contents[0])  # "renamed into place" by the killed run
+    r = snap("restore", f"{registry.host}/partial:v1", "--root", str(tmp_path / "root"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "root/w.bin").read_bytes() == big
+    assert (tmp_path / "root/x.bin").read_bytes() == other
+    assert os.listdir(state_dir / "blobs") == []
