@@ -30,7 +30,7 @@ from .registry import Image, Reference, Remote, TransportOptions
 from .staging import SPLIT_SUFFIX, SplitLayer, download_split
 from .state import replace_file, state_dir, sub
 
-DOWNLOAD_WORKERS = 3
+DOWNLOAD_WORKERS = 4
 JOURNAL_VERSION = 2
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the state dir safe
 
