@@ -13,18 +13,17 @@ from typing import Callable, Optional
 import zstandard
 
 from . import progress
-from .compress import IterReader, decompressing_reader
-from .errors import IntegrityError, SnapError, UsageError
+from .compress import MEDIA_TYPE, IterReader, decompressing_reader
+from .errors import IntegrityError, UsageError
 from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
-from .image import (BASE_DIGEST, BASE_NAME, SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
-                    SNAP_PROFILE, descriptor, now_rfc3339, snap_label, snapshot_config, snapshot_layer_count,
-                    snapshot_manifest)
+from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, descriptor, now_rfc3339,
+                    snapshot_config, snapshot_manifest)
 from .layer import LayerBlob, build_layer, header_key, measure_layer, tar_headers, write_layer
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
 from .registry import OCI_MANIFEST, Image, Reference, Remote, TransportOptions, sha256_digest
 from .state import state_dir, sub
-from .statcache import StatCache
+from .statcache import StatCache, headers_digest, load_restore_record
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
@@ -135,7 +134,8 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
     target_remote = base_remote if target_ref.name == base_ref.name else Remote(target_ref, transport)
     _ensure_base_layers(target_remote, base_remote, base_img)
     cache = StatCache(root, base_img.manifest_digest)
-    layers = _push_layers(root, plans, target_remote, cache, profile.zstd_level, opts.rehash, scan_started_ns)
+    restored = load_restore_record(root, base_img.manifest_digest, profile.name, opts.max_layer_size)
+    layers = _push_layers(root, plans, target_remote, cache, restored, profile.zstd_level, opts.rehash, scan_started_ns)
 
     created = now_rfc3339()
     config = snapshot_config(base_img.config, [(p.label, b.diff_id) for p, b, _ in layers], created)
@@ -175,15 +175,29 @@ def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
     return all(e.ctime_ns < scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
 
 
-def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatCache, zstd_level: int,
-                 rehash: bool, scan_started_ns: int) -> list[tuple[LayerPlan, LayerBlob, str]]:
+def _restored_layer(record: Optional[dict], plan: LayerPlan) -> Optional[dict]:
+    """The blob of `plan` if the last restore into this root extracted exactly these tar headers
+    and none of the plan's files changed since (their ctime is older than the restore's end)."""
+    layer = record["layers"].get(plan.label) if record else None
+    if not isinstance(layer, dict) or layer.get("media_type") != MEDIA_TYPE[plan.compression]:
+        return None
+    if any(e.ctime_ns > record["restored_at_ns"] for e in plan.entries):
+        return None
+    if layer.get("headers") != headers_digest([header_key(ti) for ti, _ in tar_headers(plan)]):
+        return None
+    return {k: layer[k] for k in ("digest", "diff_id", "size", "media_type")}
+
+
+def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatCache, restored: Optional[dict],
+                 zstd_level: int, rehash: bool, scan_started_ns: int) -> list[tuple[LayerPlan, LayerBlob, str]]:
     """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
-    stat cache, and whose blob the registry has, is neither read nor uploaded."""
+    stat cache (or that the last restore into this root wrote and nothing changed since), and
+    whose blob the registry has, is neither read nor uploaded."""
     results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
     todo: list[tuple[int, LayerPlan, str]] = []
     for i, plan in enumerate(plans):
         fp = plan.fingerprint(zstd_level)
-        hit = None if rehash else cache.lookup(fp)
+        hit = None if rehash else cache.lookup(fp) or _restored_layer(restored, plan)
         if hit and remote.blob_exists(hit["digest"]):
             blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
             results[i] = (plan, blob, "exists, skipped (unchanged, not read)")
@@ -248,41 +262,3 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image) -> None:
                 source.download_blob(d["digest"], path)
             target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
             os.unlink(path)  # only a stop on the way to the other registry
-
-
-def seed_stat_cache(root: str, image: Image, applied_headers: dict[str, list[tuple]],
-                    transport: TransportOptions, log: Callable[[str], None] = lambda msg: None) -> int:
-    """After a restore: teach the stat cache the snap layers just written, so the next commit of
-    this box (in a reclaim's last seconds) reads none of them. A layer is learned only if the
-    commit would plan exactly the tar headers that were extracted from it (`applied_headers`, by
-    blob digest); the contents are the layer's own, verified at restore. Returns how many."""
-    ann = image.manifest.get("annotations", {})
-    try:
-        profile = load_profile(ann[SNAP_PROFILE])  # a profile shipped in layers/; a custom file is not known here
-        base_remote = Remote(Reference.parse(ann[BASE_NAME]), transport.credentials_only_for(image.ref.registry))
-        base_img = base_remote.resolve()
-        if base_img.manifest_digest != ann.get(BASE_DIGEST):
-            return 0  # the base tag moved: a commit against it builds its layers anew anyway
-        index = base_index(base_remote, base_img, log)
-        scan, d = box_changes(root, profile, index)
-    except (KeyError, SnapError) as e:
-        log(f"stat cache not seeded: {e}")
-        return 0
-    snap_layers = image.layers[len(image.layers) - snapshot_layer_count(image):]
-    gzip = any(desc["mediaType"].endswith("gzip") for desc in snap_layers)
-    max_layer = int(ann.get(SNAP_MAX_LAYER, DEFAULT_MAX_LAYER_SIZE))
-    plans = plan_layers(d, scan, index, profile, "gzip" if gzip else None, max_layer)
-    diff_ids = dict(zip((desc["digest"] for desc in image.layers), image.config["rootfs"]["diff_ids"]))
-    by_label = {snap_label(desc): desc for desc in snap_layers}
-    cache = StatCache(root, base_img.manifest_digest)
-    learned = 0
-    for plan in plans:
-        desc = by_label.get(plan.label)
-        if desc is None or applied_headers.get(desc["digest"]) != [header_key(ti) for ti, _ in tar_headers(plan)]:
-            continue
-        cache.record(plan.fingerprint(profile.zstd_level), {
-            "digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
-            "media_type": desc["mediaType"]})
-        learned += 1
-    cache.save()
-    return learned

@@ -15,20 +15,21 @@ import os
 import re
 import shutil
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import progress
-from .commit import seed_stat_cache
 from .compress import HashingReader, compression_of, decompressing_reader
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
-from .image import SNAP_PART, SNAP_PART_FILE, snap_label, snapshot_layer_count
-from .plan import parse_part_annotation, part_name
+from .image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, snap_label, snapshot_layer_count
+from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
 from .registry import Image, Reference, Remote, TransportOptions
 from .staging import SPLIT_SUFFIX, SplitLayer, download_split
 from .state import replace_file, state_dir, sub
+from .statcache import CLOCK_TICK_S, headers_digest, write_restore_record
 
 DOWNLOAD_WORKERS = 4
 JOURNAL_VERSION = 2
@@ -41,7 +42,7 @@ class RestoreOptions:
     extract: ExtractOptions = field(default_factory=ExtractOptions)
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
-    seed_stat_cache: bool = True  # so the first commit after a restore reads no unchanged layer
+    seed_stat_cache: bool = True  # record the snap layers, so that the next commit reads no unchanged one
 
 
 @dataclass
@@ -54,7 +55,7 @@ class RestoreResult:
     bytes: int
     skipped_devices: list[str]
     stripped_setuid: list[str]
-    seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them
+    seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them (statcache.py)
 
 
 def layer_label(desc: dict, i: int) -> str:
@@ -280,10 +281,35 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
     if fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
-    seeded = seed_stat_cache(root, image, headers, opts.transport, opts.log) if headers and opts.seed_stat_cache else 0
+    seeded = _record_for_next_commit(root, image, headers) if headers and opts.seed_stat_cache else 0
     s = extractor.stats
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
                          s.skipped_devices, s.stripped_setuid, seeded)
+
+
+def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, list[tuple]]) -> int:
+    """Note the snap layers just extracted (their tar headers, by digest) for the next commit of
+    this root (statcache.write_restore_record). Returns how many."""
+    ann = image.manifest.get("annotations") or {}
+    try:
+        max_layer = int(ann.get(SNAP_MAX_LAYER, DEFAULT_MAX_LAYER_SIZE))
+    except ValueError:
+        return 0
+    diff_ids = dict(zip((desc["digest"] for desc in image.layers), image.config["rootfs"]["diff_ids"]))
+    layers = {}
+    for desc in image.layers:
+        label, keys = snap_label(desc), applied_headers.get(desc["digest"])
+        if label and keys is not None:
+            layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
+                             "media_type": desc["mediaType"], "headers": headers_digest(keys)}
+    restored_at = time.time_ns()
+    try:
+        write_restore_record(root, {"base": ann.get(BASE_DIGEST), "profile": ann.get(SNAP_PROFILE),
+                                    "max_layer": max_layer, "restored_at_ns": restored_at, "layers": layers})
+    except OSError:
+        return 0  # an optimisation only: the next commit reads the layers instead
+    time.sleep(CLOCK_TICK_S)  # later writes get ctimes past restored_at (statcache.CLOCK_TICK_S)
+    return len(layers)
 
 
 # ---- joining part layers ---------------------------------------------------------------------------

@@ -196,3 +196,27 @@ def test_a_restored_box_commits_without_reading_its_layers(registry, base_ref, m
     a = {layer.name: layer.digest for layer in first.layers}
     b = {layer.name: layer.digest for layer in second.layers}
     assert {k: v for k, v in a.items() if k != "custom_nodes"} == {k: v for k, v in b.items() if k != "custom_nodes"}
+
+
+def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_box, tmp_path):
+    """The restore's record is trusted only for files not changed since the restore: a weight
+    rewritten in place, same size, with its mtime put back, is read and uploaded again."""
+    commit(f"{registry.host}/seedchg:v1", base_ref, CommitOptions(root=model_box))
+    fresh_state = tmp_path / "new-machine-state"
+    out = tmp_path / "restored"
+    snap("restore", f"{registry.host}/seedchg:v1", "--root", str(out), env={"SNAP_STATE_DIR": str(fresh_state)}, check=True)
+    big = out / "opt/app/models/checkpoints/big.safetensors"
+    st = os.stat(big)
+    with open(big, "r+b") as f:
+        f.seek(1000)
+        f.write(b"tampered after the restore")
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as restored: only ctime tells
+
+    os.environ["SNAP_STATE_DIR"] = str(fresh_state)  # monkeypatched per test by conftest
+    second = commit(f"{registry.host}/seedchg:v2", base_ref, CommitOptions(root=str(out)))
+    st2 = statuses(second)
+    big_layer = "models"  # 40 MiB: below the single-file threshold, in the models bundle
+    assert st2[big_layer] == "uploaded", st2
+    assert all("not read" in s for name, s in st2.items() if name != big_layer), st2
+    r = snap("restore", f"{registry.host}/seedchg:v2", "--root", str(tmp_path / "again"), check=True)
+    assert (tmp_path / "again/opt/app/models/checkpoints/big.safetensors").read_bytes() == big.read_bytes()
