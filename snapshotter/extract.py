@@ -99,6 +99,7 @@ class Extractor:
         self._dir_times: dict[str, tuple[int, int]] = {}  # dirs we only wrote into: their times before
         self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
         self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
+        self._new_dirs: set[str] = set()  # directories this layer created: they hold only what it wrote
 
     def put_back_dir_times(self) -> None:
         """Put back the times of directories we only wrote into, then set this layer's own directory
@@ -132,6 +133,7 @@ class Extractor:
                     raise
                 self._note_parent(current)
                 os.mkdir(nxt, 0o755)
+                self._new_dirs.add(nxt)
                 current = nxt
                 continue
             if stat.S_ISLNK(st.st_mode):
@@ -150,6 +152,7 @@ class Extractor:
                 self._note_parent(current)
                 os.unlink(nxt)
                 os.mkdir(nxt, 0o755)
+                self._new_dirs.add(nxt)
             current = nxt
         return current
 
@@ -235,7 +238,8 @@ class Extractor:
         pdir, path = self._locate(rel)
         self._note_parent(pdir)
         try:
-            old = os.lstat(path)
+            # In a directory this layer created, only what this layer wrote can be there.
+            old = os.lstat(path) if pdir not in self._new_dirs or path in self._written else None
         except FileNotFoundError:
             old = None
         if old is not None and (stat.S_ISLNK(old.st_mode) or (stat.S_ISDIR(old.st_mode) and not m.isdir())):
@@ -247,6 +251,7 @@ class Extractor:
                 old = None
             if old is None:
                 os.mkdir(path, 0o700)
+                self._new_dirs.add(path)
             self._set_attrs(path, m, rel)
             self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
             self._dir_times.pop(path, None)
@@ -261,8 +266,9 @@ class Extractor:
         tmp = os.path.join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
         renamed = False
         try:
+            attrs_set = False
             if m.isreg():
-                self._write_file(tar, m, tmp)
+                attrs_set = self._write_file(tar, m, tmp, rel)
             elif m.issym():
                 os.symlink(m.linkname, tmp)
             elif m.islnk():
@@ -272,7 +278,7 @@ class Extractor:
                 os.mknod(tmp, kind | 0o600, os.makedev(m.devmajor, m.devminor))
             else:
                 os.mkfifo(tmp, 0o600)
-            if not m.islnk():
+            if not m.islnk() and not (m.isreg() and attrs_set):
                 self._set_attrs(tmp, m, rel)
             os.rename(tmp, path)
             # A rename onto another link of the same inode does nothing and leaves tmp in place:
@@ -283,14 +289,16 @@ class Extractor:
                 _remove(tmp)
         self._written.add(path)
 
-    def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str) -> None:
+    def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str, rel: str) -> bool:
+        """Write a regular file's data to `tmp`. True if its attributes were set too (on the open fd:
+        no path lookups)."""
         staged = self._take(m.offset_data, m.size) if self._take else None
         if staged is not None:
             try:
                 os.rename(staged, tmp)  # verified at download; written once
                 self.stats.files += 1
                 self.stats.bytes += m.size
-                return
+                return False
             except OSError as e:
                 if e.errno != errno.EXDEV:
                     raise
@@ -304,11 +312,13 @@ class Extractor:
                     raise IntegrityError(f"layer entry {m.name!r} is truncated")
                 out.write(chunk)
                 left -= len(chunk)
+            out.flush()
             if self.opts.fsync:
-                out.flush()
                 os.fsync(out.fileno())
+            self._set_attrs(out.fileno(), m, rel)
         self.stats.files += 1
         self.stats.bytes += m.size
+        return True
 
     def _hardlink(self, m: tarfile.TarInfo, tmp: str) -> None:
         target_rel = check_name(m.linkname)
@@ -369,7 +379,8 @@ class Extractor:
         self._dir_cache.clear()
         shutil.rmtree(path)
 
-    def _set_attrs(self, path: str, m: tarfile.TarInfo, rel: str) -> None:
+    def _set_attrs(self, path, m: tarfile.TarInfo, rel: str) -> None:
+        """Owner, mode, xattrs, mtime on a path (never followed) or an open fd."""
         mode = m.mode & 0o7777
         keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
         xattrs = {k[len("SCHILY.xattr."):]: v for k, v in (m.pax_headers or {}).items() if k.startswith("SCHILY.xattr.")}
@@ -382,19 +393,20 @@ class Extractor:
             stripped = True
         if stripped:
             self.stats.stripped_setuid.append("/" + rel)
+        nofollow = {} if isinstance(path, int) else {"follow_symlinks": False}
         if self.opts.same_owner:
-            os.chown(path, m.uid, m.gid, follow_symlinks=False)
+            os.chown(path, m.uid, m.gid, **nofollow)
         if not m.issym():
             os.chmod(path, mode)  # after chown: chown clears setuid bits
         for name, value in xattrs.items():
-            self._set_xattr(path, name, value)
-        os.utime(path, ns=(int(m.mtime) * 10**9, int(m.mtime) * 10**9), follow_symlinks=False)
+            self._set_xattr(path, name, value, nofollow)
+        os.utime(path, ns=(int(m.mtime) * 10**9, int(m.mtime) * 10**9), **nofollow)
 
-    def _set_xattr(self, path: str, name: str, value: str) -> None:
+    def _set_xattr(self, path, name: str, value: str, nofollow: dict) -> None:
         if name.startswith(SKIP_XATTRS):
             return
         try:
-            os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
+            os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), **nofollow)
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EACCES):
                 raise
