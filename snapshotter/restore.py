@@ -1,7 +1,9 @@
 """`snap restore` (extract mode): pull an image's layers, verify them, and apply them onto a directory.
 
-Every blob is downloaded to the local state dir and its digest checked before a single byte of the
-image reaches the target; each layer's diff_id is checked as it is applied. A journal in the state dir
+Blobs download to the local state dir, several at once, and each layer is applied as soon as its
+digest is checked and the layers before it are applied: no unverified byte reaches the target, and
+the extraction of the first layers overlaps the download of the rest. Each layer's diff_id is
+checked as it is applied. A journal in the state dir
 records how many layers of this run's list are applied (always a prefix: layers are applied in
 order), so a restore that was interrupted resumes where it stopped; a run with another image or
 another layer selection (--only-snapshot or not) starts over instead."""
@@ -239,14 +241,13 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
                 remote.download_blob(digest, path, update, durable=fsync)
             return path
 
+        # Submitted in layer order: the first layers arrive first, and each is applied as soon as it
+        # is verified and the ones before it are applied, while the later ones still download.
         futures = {digest: pool.submit(fetch, digest) for digest in sizes}
         try:
-            # Every blob is downloaded and its digest checked before the first byte reaches the root:
-            # a tampered layer anywhere in the image stops the restore with nothing written.
-            paths = {digest: f.result() for digest, f in futures.items()}
             for n, (i, desc, diff_id) in enumerate(pending):
                 label = layer_label(desc, i)
-                path = paths[desc["digest"]]
+                path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
                 # snap's own layers: keep their tar headers, to teach the stat cache afterwards.
                 extractor.record = [] if snap_label(desc) else None
                 with progress.bar(f"extracting {label}", desc["size"]) as xb:
@@ -271,6 +272,9 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
         except BaseException as e:
             for f in futures.values():
                 f.cancel()
+            if journal.applied > resumed:
+                opts.log(f"stopped with {journal.applied} of {len(todo)} layer(s) applied: "
+                         "the next restore into this root resumes after them")
             if isinstance(e, OSError) and e.errno is not None:
                 raise storage_error(e, f"snap's state dir {blob_dir}", " while downloading layers",
                                     "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
