@@ -51,6 +51,8 @@ class Run:
     ok: bool
     out: str = ""
     note: str = ""
+    cpu: float = 0.0  # user + sys seconds of the measured tree
+    reg_cpu: float = 0.0  # user + sys seconds the registry spent meanwhile (it shares the cores)
 
 
 class Bench:
@@ -73,6 +75,7 @@ class Bench:
         with open(self.log, "ab") as lf:
             lf.write(f"\n$ {cmd if shell else ' '.join(cmd)}\n".encode())
             lf.flush()
+            reg0 = self.registry_cpu()
             t0 = time.perf_counter()
             p = subprocess.Popen(["bash", "-o", "pipefail", "-c", cmd] if shell else cmd, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -80,12 +83,17 @@ class Bench:
             out = p.stdout.read()
             _, status, ru = os.wait4(p.pid, 0)
             secs = time.perf_counter() - t0
+            reg_cpu = self.registry_cpu() - reg0
             p.returncode = os.waitstatus_to_exitcode(status)
             p.stdout.close()
             self.child = None
             lf.write(out)
         return Run(secs, ru.ru_maxrss * 1024, p.returncode == 0, out.decode(errors="replace"),
-                   "" if p.returncode == 0 else f"exit {p.returncode}, see bench.log")
+                   "" if p.returncode == 0 else f"exit {p.returncode}, see bench.log",
+                   ru.ru_utime + ru.ru_stime, reg_cpu)
+
+    def registry_cpu(self) -> float:
+        return proc_cpu(self.reg.proc.pid) if self.reg and self.reg.proc else 0.0
 
     def cleanup(self) -> None:
         if self.child and self.child.poll() is None:
@@ -100,6 +108,16 @@ class Bench:
         for m in sorted((m for m in mounts if m.startswith(self.work + "/")), reverse=True):
             subprocess.run(["umount", "-l", m], capture_output=True)
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + sys) a running process has used so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 # ---------------------------------------------------------------- data
@@ -296,10 +314,13 @@ def docker_setup(b: Bench, sock: str, base_ref: str, box: str) -> Optional[tuple
 
 def docker_commit_push(b: Bench, docker: list[str], cid: str, ref: str) -> Run:
     dockerd_peak(b.dockerd.pid, reset=True)
+    daemon0 = proc_cpu(b.dockerd.pid)  # the work is done by dockerd, not by the docker client
     c = b.run(docker + ["commit", cid, ref])
     p = b.run(docker + ["push", ref]) if c.ok else c
     rss = max(x for x in (c.rss, p.rss, dockerd_peak(b.dockerd.pid)) if x is not None)
-    return Run(c.secs + p.secs, rss, c.ok and p.ok, note=f"commit {c.secs:.1f}s + push {p.secs:.1f}s {p.note}".strip())
+    return Run(c.secs + p.secs, rss, c.ok and p.ok, note=f"commit {c.secs:.1f}s + push {p.secs:.1f}s {p.note}".strip(),
+               cpu=(c.cpu + p.cpu if p is not c else c.cpu) + proc_cpu(b.dockerd.pid) - daemon0,
+               reg_cpu=c.reg_cpu + p.reg_cpu if p is not c else c.reg_cpu)
 
 
 def registry_floor(b: Bench, archive: str, repo: str, streams: int = 4) -> Run:
@@ -372,7 +393,8 @@ def measure_all(b: Bench, args) -> dict:
             mid = sorted(done, key=lambda r: (not r.ok, r.secs))[len(done) // 2]
             times = ", ".join(f"{r.secs:.2f}" for r in done)
             res[key] = Run(mid.secs, max((r.rss for r in done if r.rss), default=None), all(r.ok for r in done), mid.out,
-                           f"median of {len(done)} runs ({times} s){'; ' + mid.note if mid.note else ''}")
+                           f"median of {len(done)} runs ({times} s){'; ' + mid.note if mid.note else ''}",
+                           mid.cpu, mid.reg_cpu)
 
     # State 0: the generated box. The first-commit family is measured args.reps times: snap's
     # extra runs go to other repositories with their own state dirs, so each is a first commit.
@@ -446,6 +468,12 @@ def measure_all(b: Bench, args) -> dict:
 
 # ---------------------------------------------------------------- report
 
+def fmt_cpu(r: Optional[Run]) -> str:
+    if not (r and r.ok):
+        return "-"
+    return f"{r.cpu:.1f}" + (f" + {r.reg_cpu:.1f} reg" if r.reg_cpu >= 0.05 else "")
+
+
 def fmt_mib(n: Optional[int]) -> str:
     return "-" if n is None else f"{n / MiB:.0f} MiB"
 
@@ -486,12 +514,13 @@ def memory_row(b: Bench, args, data: dict, label: str) -> tuple[list[str], dict]
         limit = weights // 4
         verdict = "INFO" if args.small else "PASS" if peak <= limit else "FAIL"
         target = f"<= 25% of the weights ({fmt_mib(limit)})" + (", not judged with --small" if args.small else "")
-    return ["mem: peak RSS (max of snap runs)", "", fmt_mib(peak), peer, "", "", "", target, verdict], me
+    return ["mem: peak RSS (max of snap runs)", "", "", fmt_mib(peak), peer, "", "", "", "", target, verdict], me
 
 
 def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
     res = b.res
-    head = ["case", "snap s", "snap peak RSS", "peer", "peer s", "peer peak RSS", "ratio snap/peer", "target", "result"]
+    head = ["case", "snap s", "snap CPU s", "snap peak RSS", "peer", "peer s", "peer CPU s", "peer peak RSS",
+            "ratio snap/peer", "target", "result"]
     rows = []
     for case, sk, peer, pk, limit, strict in ROWS:
         s, p = res.get(sk), res.get(pk)
@@ -500,9 +529,9 @@ def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
         target = "" if limit is None else (f"< {limit:.1f}x" if strict else f"<= {limit:.1f}x")
         verdict = "" if limit is None else "SKIP" if ratio is None and why else "ERROR" if ratio is None else \
             "PASS" if (ratio < limit if strict else ratio <= limit) else "FAIL"
-        rows.append([case, f"{s.secs:.2f}" if s and s.ok else "error" if s else "-", fmt_mib(s.rss) if s else "-",
+        rows.append([case, f"{s.secs:.2f}" if s and s.ok else "error" if s else "-", fmt_cpu(s), fmt_mib(s.rss) if s else "-",
                      peer, f"{p.secs:.2f}" if p and p.ok else f"skipped: {why}" if why else "error" if p else "-",
-                     fmt_mib(p.rss) if p else "-", f"{ratio:.2f}x" if ratio else "-", target, verdict])
+                     fmt_cpu(p), fmt_mib(p.rss) if p else "-", f"{ratio:.2f}x" if ratio else "-", target, verdict])
     mem_row, me = memory_row(b, args, data, label)
     rows.append(mem_row)
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
@@ -515,6 +544,8 @@ def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
         f"tar.zst of the box: {data.get('archive_bytes', 0) / MiB:.0f} MiB. Warm page cache, local registry on 127.0.0.1. "
         f"Whole run: {total_secs / 60:.1f} min.", "", *table, "",
         "Peak RSS: largest process of the measured tree (wait4 ru_maxrss, as /usr/bin/time -v); docker: dockerd's VmHWM.",
+        "CPU s: user + sys seconds of the measured tree (docker: with dockerd's); \"+ N reg\": what the registry "
+        f"spent meanwhile, on the same {os.cpu_count()} cores (pushes: it hashes every byte it receives).",
         "Restores are of state 0 (snap v1, the tar.zst, restic's 1st snapshot); snap restores with an empty state dir.", "",
         "Notes:", *notes, *[f"- {k} skipped: {v}" for k, v in b.skipped.items()], "", "Machine:", machine(), "",
     ]
