@@ -2,21 +2,26 @@
 
 Blobs download to the local state dir, several at once, and each layer is applied as soon as its
 digest is checked and the layers before it are applied: no unverified byte reaches the target, and
-the extraction of the first layers overlaps the download of the rest. Each layer's diff_id is
-checked as it is applied. A journal in the state dir
+the extraction of the first layers overlaps the download of the rest. Layers are applied in order,
+by one extractor in a child process (_ExtractWorker), so that unpacking does not wait on the
+download threads for Python's lock. Each layer's diff_id is checked as it is applied. A journal in the state dir
 records how many layers of this run's list are applied (always a prefix: layers are applied in
 order), so a restore that was interrupted resumes where it stopped; a run with another image or
 another layer selection (--only-snapshot or not) starts over instead."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
+import signal
 import stat
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,8 +29,8 @@ from typing import Callable, Optional
 
 from . import progress
 from .compress import HashingReader, compression_of, decompressing_reader
-from .errors import IntegrityError, StorageError, UsageError
-from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
+from .errors import IntegrityError, SnapError, StorageError, UsageError
+from .extract import TMP_PREFIX, ExtractOptions, Extractor, ExtractStats, check_name, storage_error
 from .image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, snap_label, snapshot_layer_count
 from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
 from .registry import Image, Reference, Remote, TransportOptions
@@ -33,7 +38,9 @@ from .staging import SPLIT_SUFFIX, SplitLayer, download_split
 from .state import replace_file, state_dir, sub
 from .statcache import CLOCK_TICK_S, headers_digest, write_restore_record
 
-DOWNLOAD_WORKERS = 4
+# Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
+# process of their own beside them; more streams than cores only slowed the restore down.
+DOWNLOAD_WORKERS = max(2, min(4, os.cpu_count() or 2))
 JOURNAL_VERSION = 2
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the state dir safe
 
@@ -225,7 +232,9 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
     # An uncompressed layer is its tar (its digest is its diff_id): kept split, so that its big
     # files are renamed into place instead of copied (staging.py).
     split = {d["digest"] for _, d, diff_id in pending if compression_of(d["mediaType"]) == "none" and diff_id == d["digest"]}
-    with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
+    # Started before the download threads (a fork copies only the thread that forks).
+    worker = _ExtractWorker(extractor)
+    with worker, progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
         update = progress.safe_update(dl)
 
         def fetch(digest: str) -> str:
@@ -248,22 +257,12 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
             for n, (i, desc, diff_id) in enumerate(pending):
                 label = layer_label(desc, i)
                 path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
-                # snap's own layers: keep their tar headers, to teach the stat cache afterwards.
-                extractor.record = [] if snap_label(desc) else None
+                job = _Layer(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
+                             record=bool(snap_label(desc)))  # snap's own: its headers teach the stat cache
                 with progress.bar(f"extracting {label}", desc["size"]) as xb:
-                    if desc["digest"] in split:  # its digest, checked at download, is the diff_id
-                        with SplitLayer(path, progress.safe_update(xb)) as layer:
-                            extractor.apply(layer, take=layer.take)
-                    else:
-                        with open(path, "rb") as raw:
-                            stream = HashingReader(decompressing_reader(_CountingFile(raw, progress.safe_update(xb)),
-                                                                        desc["mediaType"]))
-                            extractor.apply(stream)
-                            stream.drain()
-                        if stream.digest != diff_id:
-                            raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
-                if extractor.record is not None:
-                    headers[desc["digest"]] = extractor.record
+                    record = worker.apply(job, progress.safe_update(xb))
+                if record is not None:
+                    headers[desc["digest"]] = record
                 journal.applied = resumed + n + 1
                 journal.write()
                 applied.append(label)
@@ -286,7 +285,9 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
     seeded = _record_for_next_commit(root, image, headers) if headers and opts.seed_stat_cache else 0
-    s = extractor.stats
+    s = worker.stats
+    s.files += extractor.stats.files  # the joins
+    s.bytes += extractor.stats.bytes
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
                          s.skipped_devices, s.stripped_setuid, seeded)
 
@@ -435,6 +436,128 @@ def _remove_blob(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.exists(path):
         os.unlink(path)
+
+
+# ---- applying layers, in a process of its own -----------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    path: str  # the verified blob (or its split form)
+    media_type: str
+    diff_id: str
+    split: bool  # kept split at download (staging.py); its digest is its diff_id
+    label: str
+    record: bool  # send back its tar headers
+
+
+def _apply_layer(extractor: Extractor, job: _Layer, on_bytes: Callable[[int], None]) -> Optional[list[tuple]]:
+    extractor.record = [] if job.record else None
+    if job.split:
+        with SplitLayer(job.path, on_bytes) as layer:
+            extractor.apply(layer, take=layer.take)
+    else:
+        with open(job.path, "rb") as raw:
+            stream = HashingReader(decompressing_reader(_CountingFile(raw, on_bytes), job.media_type))
+            extractor.apply(stream)
+            stream.drain()
+        if stream.digest != job.diff_id:
+            raise IntegrityError(f"layer {job.label} does not match its diff_id in the image config")
+    return extractor.record
+
+
+class _ExtractWorker:
+    """Applies the layers, one after the other, in a child process. Python runs one thread at a time:
+    in the downloading process, unpacking the venv's many small files took twice as long while
+    the weights were hashed and written beside it. Same extractor, same order, same checks; the
+    child is forked (spawned if the caller runs other threads, which a fork does not copy) and
+    is killed with its parent."""
+
+    PROGRESS_EVERY = 4 << 20  # bytes between progress messages
+
+    def __init__(self, extractor: Extractor):
+        ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
+        self.conn, child_end = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child_end, extractor.root, extractor.opts, os.getpid()),
+                                name="snap-extract", daemon=True)
+        self.proc.start()
+        child_end.close()
+        self.stats = ExtractStats()
+
+    def apply(self, job: _Layer, on_bytes: Callable[[int], None]) -> Optional[list[tuple]]:
+        self.conn.send(job)
+        while True:
+            try:
+                kind, payload = self.conn.recv()
+            except EOFError:
+                raise SnapError(f"the extraction process died (exit code {self.proc.exitcode}) while applying "
+                                f"layer {job.label}", "run the restore again: it resumes") from None
+            if kind == "progress":
+                on_bytes(payload)
+            elif kind == "error":
+                raise payload
+            else:
+                self.stats, record = payload
+                return record
+
+    def __enter__(self) -> "_ExtractWorker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(5 if exc[0] is None else 0)
+        if self.proc.is_alive():  # interrupted mid-layer: its temp files are swept by the next run
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def _worker_main(conn, root: str, opts: ExtractOptions, parent: int) -> None:
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    extractor = Extractor(root, opts)
+    pending = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal pending
+        pending += n
+        if pending >= _ExtractWorker.PROGRESS_EVERY:
+            conn.send(("progress", pending))
+            pending = 0
+
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            record = _apply_layer(extractor, job, on_bytes)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, to be raised there
+            try:
+                conn.send(("error", e))
+            except Exception:  # not picklable
+                conn.send(("error", SnapError(f"{type(e).__name__}: {e}")))
+            return
+        if pending:
+            conn.send(("progress", pending))
+            pending = 0
+        conn.send(("done", (extractor.stats, record)))
+
+
+def _die_with_parent(parent: int) -> None:
+    """A killed restore must not leave a child writing into the root (Linux: PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
 
 
 class _CountingFile:

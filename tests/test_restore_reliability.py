@@ -8,17 +8,19 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 
 import pytest
 import zstandard
 
 from conftest import snap
-from snapshotter.extract import Extractor
+from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore import RestoreOptions
 from snapshotter.staging import SPLIT_SUFFIX, download_split
 from test_hostile import layer as hlayer, member, part_ann, push_annotated
@@ -73,6 +75,14 @@ def assert_one_line_error(r, code: int, *words: str) -> None:
 
 # ---- killed mid-file, then resumed -----------------------------------------------------------
 
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, state_dir):
     old = b"old content\n" * 1000
     big = os.urandom(MiB) * 200  # 200 MiB: extraction takes long enough to be killed in the middle
@@ -94,6 +104,8 @@ def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, stat
     while time.time() < deadline and proc.poll() is None:
         temps = stale_temps(root)
         if temps and os.path.getsize(temps[0]) > 16 * MiB:  # well inside the big file
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(c) for c in f.read().split()]  # the extraction process
             proc.send_signal(signal.SIGKILL)
             killed = True
             break
@@ -102,6 +114,11 @@ def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, stat
     proc.stdout.close()
     proc.stderr.close()
     assert killed, "the restore finished before it could be killed mid-file"
+    assert children, "the layers are applied in a child process"
+    deadline = time.time() + 10  # it dies with its parent, and writes nothing more
+    while time.time() < deadline and any(_running(c) for c in children):
+        time.sleep(0.05)
+    assert not any(_running(c) for c in children), "the extraction process outlived a killed restore"
 
     # (a) The original path holds a whole file, old or new, never a part of one.
     assert file_sha(root / "data/big.bin") in (sha(old), sha(big))
@@ -246,19 +263,20 @@ class Interrupted(Exception):
 
 
 def _interrupt_apply_after(monkeypatch, n: int):
-    """Make Extractor.apply stop the restore when it is called for layer n + 1 of the run.
-    Returns a function that puts Extractor.apply back."""
+    """Stop the restore when it hands layer n + 1 of the run to the extraction process (patched on
+    the parent's side: the child may be spawned, and not see a patch). Returns a function that
+    undoes the patch."""
     calls = []
-    apply = Extractor.apply
+    apply = restore_module._ExtractWorker.apply
 
-    def interrupting(self, stream, **kw):
+    def interrupting(self, job, on_bytes):
         if len(calls) == n:
             raise Interrupted()
         calls.append(1)
-        return apply(self, stream, **kw)
+        return apply(self, job, on_bytes)
 
-    monkeypatch.setattr(Extractor, "apply", interrupting)
-    return lambda: monkeypatch.setattr(Extractor, "apply", apply)
+    monkeypatch.setattr(restore_module._ExtractWorker, "apply", interrupting)
+    return lambda: monkeypatch.setattr(restore_module._ExtractWorker, "apply", apply)
 
 
 SNAP_BUNDLE = {"dev.snap.layer": "rest", "dev.snap.content": "bundle 1"}
@@ -415,3 +433,35 @@ def test_a_split_layer_left_incomplete_is_downloaded_again(registry, tmp_path, s
     assert (tmp_path / "root/w.bin").read_bytes() == big
     assert (tmp_path / "root/x.bin").read_bytes() == other
     assert os.listdir(state_dir / "blobs") == []
+
+
+# ---- the extraction process -------------------------------------------------------------------
+
+def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tmp_path, state_dir, monkeypatch):
+    """A fork copies only the thread that forks: a library caller with threads of its own gets a
+    spawned extraction process instead. Same result, and its errors come back whole."""
+    files = {"app/a.txt": b"a\n" * 1000, "app/b.bin": os.urandom(2 * MiB)}
+    tars = [layer(files, dirs=("app",))]
+    registry.push_image("spawned", "v1", [zstandard.ZstdCompressor().compress(t) for t in tars],
+                        layer_media_type=ZSTD, diff_ids=["sha256:" + sha(t) for t in tars])
+    registry.push_image("spawned", "bad", [zstandard.ZstdCompressor().compress(t) for t in tars],
+                        layer_media_type=ZSTD, diff_ids=["sha256:" + "0" * 64])
+    methods = []
+    get_context = restore_module.multiprocessing.get_context
+    monkeypatch.setattr(restore_module.multiprocessing, "get_context", lambda m: methods.append(m) or get_context(m))
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        restore_module.restore(f"{registry.host}/spawned:v1", str(tmp_path / "root"), RestoreOptions(seed_stat_cache=False))
+        with pytest.raises(IntegrityError, match="does not match its diff_id"):
+            restore_module.restore(f"{registry.host}/spawned:bad", str(tmp_path / "other"), RestoreOptions(seed_stat_cache=False))
+    finally:
+        stop.set()
+        other.join()
+    assert methods == ["spawn", "spawn"]
+    for name, data in files.items():
+        assert (tmp_path / "root" / name).read_bytes() == data
+    # An error crosses the process boundary with its hint (the exit code comes from its class).
+    back = pickle.loads(pickle.dumps(StorageError("disk full in /x", "free space")))
+    assert type(back) is StorageError and str(back) == "disk full in /x (free space)"
