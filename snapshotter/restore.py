@@ -17,6 +17,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -539,9 +540,10 @@ def _worker_main(conn, root: str, opts: ExtractOptions, parent: int) -> None:
             record = _apply_layer(extractor, job, on_bytes)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, to be raised there
             try:
-                conn.send(("error", e))
-            except Exception:  # not picklable
-                conn.send(("error", SnapError(f"{type(e).__name__}: {e}")))
+                pickle.loads(pickle.dumps(e))  # some exceptions pickle but do not unpickle
+            except Exception:
+                e = SnapError(f"{type(e).__name__}: {e}")
+            conn.send(("error", e))
             return
         if pending:
             conn.send(("progress", pending))
