@@ -14,9 +14,6 @@ class SnapError(Exception):
         msg = super().__str__()
         return f"{msg} ({self.hint})" if self.hint else msg
 
-    def __reduce__(self):  # pickled with its hint (restore's extraction process sends errors back)
-        return (type(self), (self.args[0] if self.args else "", self.hint))
-
 
 class UsageError(SnapError):
     """Bad input: a missing root, a malformed reference, a bad profile."""
@@ -39,7 +36,7 @@ class NotFound(SnapError):
 
 
 class IntegrityError(SnapError):
-    """A digest mismatch or a hostile layer: nothing from it was written."""
+    """A digest mismatch, or a hostile or corrupt layer: refused."""
 
     exit_code = 6
 

@@ -41,7 +41,7 @@ from .statcache import CLOCK_TICK_S, headers_digest, write_restore_record
 
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
 # process of their own beside them; more streams than cores only slowed the restore down.
-DOWNLOAD_WORKERS = max(2, min(4, os.cpu_count() or 2))
+DOWNLOAD_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))
 JOURNAL_VERSION = 2
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the state dir safe
 
@@ -233,9 +233,10 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
     # An uncompressed layer is its tar (its digest is its diff_id): kept split, so that its big
     # files are renamed into place instead of copied (staging.py).
     split = {d["digest"] for _, d, diff_id in pending if compression_of(d["mediaType"]) == "none" and diff_id == d["digest"]}
-    # Started before the download threads (a fork copies only the thread that forks).
+    # Started before the download threads (a fork copies only the thread that forks), and stopped
+    # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
     worker = _ExtractWorker(extractor)
-    with worker, progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
+    with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
         update = progress.safe_update(dl)
 
         def fetch(digest: str) -> str:
@@ -471,8 +472,9 @@ class _ExtractWorker:
     """Applies the layers, one after the other, in a child process. Python runs one thread at a time:
     in the downloading process, unpacking the venv's many small files took twice as long while
     the weights were hashed and written beside it. Same extractor, same order, same checks; the
-    child is forked (spawned if the caller runs other threads, which a fork does not copy) and
-    is killed with its parent."""
+    child is forked (spawned if the caller runs other threads, which a fork does not copy: a
+    program calling restore() from a thread-running __main__ needs the usual `if __name__ ==
+    "__main__":` guard) and is killed with its parent."""
 
     PROGRESS_EVERY = 4 << 20  # bytes between progress messages
 
@@ -481,25 +483,32 @@ class _ExtractWorker:
         self.conn, child_end = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child_end, extractor.root, extractor.opts, os.getpid()),
                                 name="snap-extract", daemon=True)
-        self.proc.start()
+        # Ctrl-C goes to the whole process group: the child is born with SIGINT blocked, then
+        # ignores it; one pressed meanwhile reaches the parent once unblocked.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         child_end.close()
         self.stats = ExtractStats()
 
     def apply(self, job: _Layer, on_bytes: Callable[[int], None]) -> Optional[list[tuple]]:
-        self.conn.send(job)
-        while True:
-            try:
+        try:
+            self.conn.send(job)
+            while True:
                 kind, payload = self.conn.recv()
-            except EOFError:
-                raise SnapError(f"the extraction process died (exit code {self.proc.exitcode}) while applying "
-                                f"layer {job.label}", "run the restore again: it resumes") from None
-            if kind == "progress":
+                if kind != "progress":
+                    break
                 on_bytes(payload)
-            elif kind == "error":
-                raise payload
-            else:
-                self.stats, record = payload
-                return record
+        except (EOFError, OSError):  # OSError: a broken pipe
+            self.proc.join(1)
+            raise SnapError(f"the extraction process died (exit code {self.proc.exitcode}) while applying "
+                            f"layer {job.label}", "run the restore again: it resumes") from None
+        if kind == "error":
+            raise payload
+        self.stats, record = payload
+        return record
 
     def __enter__(self) -> "_ExtractWorker":
         return self
@@ -510,16 +519,23 @@ class _ExtractWorker:
         except OSError:
             pass
         self.proc.join(5 if exc[0] is None else 0)
-        if self.proc.is_alive():  # interrupted mid-layer: its temp files are swept by the next run
+        if self.proc.is_alive():  # stopped mid-layer: its temp files are swept by the next run
             self.proc.kill()
             self.proc.join()
         self.conn.close()
 
 
 def _worker_main(conn, root: str, opts: ExtractOptions, parent: int) -> None:
-    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    extractor = Extractor(root, opts)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _die_with_parent(parent)
+    try:
+        _serve(conn, Extractor(root, opts))
+    except BaseException:  # noqa: BLE001 - the parent is gone or the pipe broke: no one to tell
+        os._exit(1)  # quietly: no child's traceback on the user's terminal
+
+
+def _serve(conn, extractor: Extractor) -> None:
     pending = 0
 
     def on_bytes(n: int) -> None:
@@ -552,14 +568,21 @@ def _worker_main(conn, root: str, opts: ExtractOptions, parent: int) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    """A killed restore must not leave a child writing into the root (Linux: PR_SET_PDEATHSIG)."""
+    """A killed restore must not leave a child writing into the root: PR_SET_PDEATHSIG (Linux),
+    else a thread that watches for the parent to go."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        armed = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) == 0  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the parent died before the line above
+        armed = False
+    if os.getppid() != parent:  # the parent died before that
         os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
 
 
 class _CountingFile:
