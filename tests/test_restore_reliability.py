@@ -467,30 +467,38 @@ def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tm
     assert type(back) is StorageError and str(back) == "disk full in /x (free space)"
 
 
-def test_an_extraction_process_that_dies_is_a_one_line_error(registry, tmp_path, state_dir):
+def _restore_while_writing(registry, repo: str, root, act) -> tuple[subprocess.Popen, list[int], str, bytes]:
+    """Restore a one-layer image holding a 100 MiB file; once its extraction process is well
+    inside that file, call act(restore process, extraction pids). Returns (process, extraction
+    pids, stderr, the big file's bytes)."""
     big = os.urandom(MiB) * 100
     tars = [layer({"data/big.bin": big, "data/after.txt": b"after\n"}, dirs=("data",))]
-    registry.push_image("childdies", "v1", [zstandard.ZstdCompressor(level=1).compress(t) for t in tars],
+    registry.push_image(repo, "v1", [zstandard.ZstdCompressor(level=1).compress(t) for t in tars],
                         layer_media_type=ZSTD, diff_ids=["sha256:" + sha(t) for t in tars])
-    root = tmp_path / "root"
-    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{registry.host}/childdies:v1", "--root", str(root)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{registry.host}/{repo}:v1", "--root", str(root)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline, children = time.time() + 60, []
     while time.time() < deadline and proc.poll() is None and not children:
         temps = stale_temps(root) if root.exists() else []
-        if temps and os.path.getsize(temps[0]) > 8 * MiB:  # the child is writing the big file
+        if temps and os.path.getsize(temps[0]) > 8 * MiB:
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                 children = [int(c) for c in f.read().split()]
-            for c in children:
-                os.kill(c, signal.SIGKILL)  # as the kernel's OOM killer would
+            act(proc, children)
         time.sleep(0.002)
-    out, err = proc.communicate(timeout=60)
-    assert children, "the restore finished before its extraction process could be killed"
-    assert proc.returncode == 1, (proc.returncode, err)
+    _, err = proc.communicate(timeout=60)
+    assert children, "the restore finished before the test could act"
     assert "Traceback" not in err, err
+    assert not (root / "data/after.txt").exists()
+    return proc, children, err, big
+
+
+def test_an_extraction_process_that_dies_is_a_one_line_error(registry, tmp_path, state_dir):
+    root = tmp_path / "root"
+    kill = lambda proc, children: [os.kill(c, signal.SIGKILL) for c in children]  # noqa: E731 - as the OOM killer would
+    proc, _, err, big = _restore_while_writing(registry, "childdies", root, kill)
+    assert proc.returncode == 1, (proc.returncode, err)
     lines = [line for line in err.splitlines() if line.startswith("snap: error:")]
     assert len(lines) == 1 and "the extraction process died" in lines[0] and "base layer 1" in lines[0], err
-    assert not (root / "data/after.txt").exists()
     # The next run resumes (nothing was applied) and finishes.
     r = snap("restore", f"{registry.host}/childdies:v1", "--root", str(root))
     assert r.returncode == 0, r.stderr
@@ -499,24 +507,7 @@ def test_an_extraction_process_that_dies_is_a_one_line_error(registry, tmp_path,
 
 def test_ctrl_c_stops_the_extraction_process_too(registry, tmp_path, state_dir):
     """Ctrl-C reaches the whole process group: the restore stops (130), and so does its child."""
-    big = os.urandom(MiB) * 100
-    tars = [layer({"data/big.bin": big, "data/after.txt": b"after\n"}, dirs=("data",))]
-    registry.push_image("ctrlc", "v1", [zstandard.ZstdCompressor(level=1).compress(t) for t in tars],
-                        layer_media_type=ZSTD, diff_ids=["sha256:" + sha(t) for t in tars])
-    root = tmp_path / "root"
-    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{registry.host}/ctrlc:v1", "--root", str(root)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline, children = time.time() + 60, []
-    while time.time() < deadline and proc.poll() is None and not children:
-        temps = stale_temps(root) if root.exists() else []
-        if temps and os.path.getsize(temps[0]) > 8 * MiB:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                children = [int(c) for c in f.read().split()]
-            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        time.sleep(0.002)
-    out, err = proc.communicate(timeout=60)
-    assert children, "the restore finished before it could be interrupted"
+    ctrl_c = lambda proc, children: os.killpg(proc.pid, signal.SIGINT)  # noqa: E731 - what a terminal does
+    proc, children, err, _ = _restore_while_writing(registry, "ctrlc", tmp_path / "root", ctrl_c)
     assert proc.returncode == 130, (proc.returncode, err)
-    assert "Traceback" not in err, err
     assert not any(_running(c) for c in children), "the extraction process outlived the interrupted restore"
-    assert not (root / "data/after.txt").exists()
