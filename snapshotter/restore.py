@@ -3,7 +3,7 @@
 Blobs download to the local state dir, several at once, and each layer is applied as soon as its
 digest is checked and the layers before it are applied: no unverified byte reaches the target, and
 the extraction of the first layers overlaps the download of the rest. Layers are applied in order,
-by one extractor in a child process (_ExtractWorker), so that unpacking does not wait on the
+by one extractor in a child process (applier.py), so that unpacking does not wait on the
 download threads for Python's lock. Each layer's diff_id is checked as it is applied. A journal in the state dir
 records how many layers of this run's list are applied (always a prefix: layers are applied in
 order), so a restore that was interrupted resumes where it stopped; a run with another image or
@@ -11,27 +11,23 @@ another layer selection (--only-snapshot or not) starts over instead."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
-import multiprocessing
 import os
-import pickle
 import re
 import shutil
-import signal
 import stat
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import progress
-from .compress import HashingReader, compression_of, decompressing_reader
-from .errors import IntegrityError, SnapError, StorageError, UsageError
-from .extract import TMP_PREFIX, ExtractOptions, Extractor, ExtractStats, check_name, storage_error
+from .applier import ExtractWorker, LayerJob
+from .compress import compression_of
+from .errors import IntegrityError, StorageError, UsageError
+from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
 from .image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, snap_label, snapshot_layer_count
 from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
 from .registry import Image, Reference, Remote, TransportOptions
@@ -235,7 +231,7 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
     split = {d["digest"] for _, d, diff_id in pending if compression_of(d["mediaType"]) == "none" and diff_id == d["digest"]}
     # Started before the download threads (a fork copies only the thread that forks), and stopped
     # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
-    worker = _ExtractWorker(extractor)
+    worker = ExtractWorker(extractor)
     with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
         update = progress.safe_update(dl)
 
@@ -259,7 +255,7 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
             for n, (i, desc, diff_id) in enumerate(pending):
                 label = layer_label(desc, i)
                 path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
-                job = _Layer(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
+                job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
                              record=bool(snap_label(desc)))  # snap's own: its headers teach the stat cache
                 with progress.bar(f"extracting {label}", desc["size"]) as xb:
                     record = worker.apply(job, progress.safe_update(xb))
@@ -438,165 +434,3 @@ def _remove_blob(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.exists(path):
         os.unlink(path)
-
-
-# ---- applying layers, in a process of its own -----------------------------------------------------
-
-
-@dataclass
-class _Layer:
-    path: str  # the verified blob (or its split form)
-    media_type: str
-    diff_id: str
-    split: bool  # kept split at download (staging.py); its digest is its diff_id
-    label: str
-    record: bool  # send back its tar headers
-
-
-def _apply_layer(extractor: Extractor, job: _Layer, on_bytes: Callable[[int], None]) -> Optional[list[tuple]]:
-    extractor.record = [] if job.record else None
-    if job.split:
-        with SplitLayer(job.path, on_bytes) as layer:
-            extractor.apply(layer, take=layer.take)
-    else:
-        with open(job.path, "rb") as raw:
-            stream = HashingReader(decompressing_reader(_CountingFile(raw, on_bytes), job.media_type))
-            extractor.apply(stream)
-            stream.drain()
-        if stream.digest != job.diff_id:
-            raise IntegrityError(f"layer {job.label} does not match its diff_id in the image config")
-    return extractor.record
-
-
-class _ExtractWorker:
-    """Applies the layers, one after the other, in a child process. Python runs one thread at a time:
-    in the downloading process, unpacking the venv's many small files took twice as long while
-    the weights were hashed and written beside it. Same extractor, same order, same checks; the
-    child is forked (spawned if the caller runs other threads, which a fork does not copy: a
-    program calling restore() from a thread-running __main__ needs the usual `if __name__ ==
-    "__main__":` guard) and is killed with its parent."""
-
-    PROGRESS_EVERY = 4 << 20  # bytes between progress messages
-
-    def __init__(self, extractor: Extractor):
-        ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
-        self.conn, child_end = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child_end, extractor.root, extractor.opts, os.getpid()),
-                                name="snap-extract", daemon=True)
-        # Ctrl-C goes to the whole process group: the child is born with SIGINT blocked, then
-        # ignores it; one pressed meanwhile reaches the parent once unblocked.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            self.proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        child_end.close()
-        self.stats = ExtractStats()
-
-    def apply(self, job: _Layer, on_bytes: Callable[[int], None]) -> Optional[list[tuple]]:
-        try:
-            self.conn.send(job)
-            while True:
-                kind, payload = self.conn.recv()
-                if kind != "progress":
-                    break
-                on_bytes(payload)
-        except (EOFError, OSError):  # OSError: a broken pipe
-            self.proc.join(1)
-            raise SnapError(f"the extraction process died (exit code {self.proc.exitcode}) while applying "
-                            f"layer {job.label}", "run the restore again: it resumes") from None
-        if kind == "error":
-            raise payload
-        self.stats, record = payload
-        return record
-
-    def __enter__(self) -> "_ExtractWorker":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(5 if exc[0] is None else 0)
-        if self.proc.is_alive():  # stopped mid-layer: its temp files are swept by the next run
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
-
-
-def _worker_main(conn, root: str, opts: ExtractOptions, parent: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _die_with_parent(parent)
-    try:
-        _serve(conn, Extractor(root, opts))
-    except BaseException:  # noqa: BLE001 - the parent is gone or the pipe broke: no one to tell
-        os._exit(1)  # quietly: no child's traceback on the user's terminal
-
-
-def _serve(conn, extractor: Extractor) -> None:
-    pending = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal pending
-        pending += n
-        if pending >= _ExtractWorker.PROGRESS_EVERY:
-            conn.send(("progress", pending))
-            pending = 0
-
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        try:
-            record = _apply_layer(extractor, job, on_bytes)
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, to be raised there
-            try:
-                pickle.loads(pickle.dumps(e))  # some exceptions pickle but do not unpickle
-            except Exception:
-                e = SnapError(f"{type(e).__name__}: {e}")
-            conn.send(("error", e))
-            return
-        if pending:
-            conn.send(("progress", pending))
-            pending = 0
-        conn.send(("done", (extractor.stats, record)))
-
-
-def _die_with_parent(parent: int) -> None:
-    """A killed restore must not leave a child writing into the root: PR_SET_PDEATHSIG (Linux),
-    else a thread that watches for the parent to go."""
-    try:
-        armed = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) == 0  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        armed = False
-    if os.getppid() != parent:  # the parent died before that
-        os._exit(1)
-    if not armed:
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
-
-
-class _CountingFile:
-    """Passes reads through, reporting compressed bytes consumed (for the extract progress bar)."""
-
-    def __init__(self, f, on_bytes: Callable[[int], None]):
-        self.f, self.on_bytes = f, on_bytes
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.on_bytes(len(data))
-        return data
-
-    def readinto(self, b) -> int:
-        n = self.f.readinto(b)
-        self.on_bytes(n or 0)
-        return n

@@ -20,6 +20,8 @@ import pytest
 import zstandard
 
 from conftest import snap
+from snapshotter import applier
+from snapshotter.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore import RestoreOptions
 from snapshotter.staging import SPLIT_SUFFIX, download_split
@@ -267,7 +269,7 @@ def _interrupt_apply_after(monkeypatch, n: int):
     the parent's side: the child may be spawned, and not see a patch). Returns a function that
     undoes the patch."""
     calls = []
-    apply = restore_module._ExtractWorker.apply
+    apply = ExtractWorker.apply
 
     def interrupting(self, job, on_bytes):
         if len(calls) == n:
@@ -275,8 +277,8 @@ def _interrupt_apply_after(monkeypatch, n: int):
         calls.append(1)
         return apply(self, job, on_bytes)
 
-    monkeypatch.setattr(restore_module._ExtractWorker, "apply", interrupting)
-    return lambda: monkeypatch.setattr(restore_module._ExtractWorker, "apply", apply)
+    monkeypatch.setattr(ExtractWorker, "apply", interrupting)
+    return lambda: monkeypatch.setattr(ExtractWorker, "apply", apply)
 
 
 SNAP_BUNDLE = {"dev.snap.layer": "rest", "dev.snap.content": "bundle 1"}
@@ -447,8 +449,8 @@ def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tm
     registry.push_image("spawned", "bad", [zstandard.ZstdCompressor().compress(t) for t in tars],
                         layer_media_type=ZSTD, diff_ids=["sha256:" + "0" * 64])
     methods = []
-    get_context = restore_module.multiprocessing.get_context
-    monkeypatch.setattr(restore_module.multiprocessing, "get_context", lambda m: methods.append(m) or get_context(m))
+    get_context = applier.multiprocessing.get_context
+    monkeypatch.setattr(applier.multiprocessing, "get_context", lambda m: methods.append(m) or get_context(m))
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
