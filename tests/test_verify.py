@@ -123,7 +123,9 @@ def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp
     assert verify(ref, out, "--only-snapshot").returncode == 0
     with open(out / "opt/app/models/huge.safetensors", "r+b") as f:
         f.seek(1024 * 1024 + 5)  # in the second part
-        f.write(b"X")
+        byte = f.read(1)[0]
+        f.seek(1024 * 1024 + 5)
+        f.write(bytes([byte ^ 0xFF]))  # a changed byte (writing "X" changed nothing once in 256 runs)
     code, doc = verify_json(ref, out)
     assert code == 9
     assert [(d["path"], d["kind"]) for d in doc["differences"]] == [("/opt/app/models/huge.safetensors", "content")]
