@@ -331,10 +331,10 @@ def docker_commit_push(b: Bench, docker: list[str], cid: str, ref: str) -> Run:
     daemon0 = proc_cpu(b.dockerd.pid)  # the work is done by dockerd, not by the docker client
     c = b.run(docker + ["commit", cid, ref])
     p = b.run(docker + ["push", ref]) if c.ok else c
+    runs = [c] if p is c else [c, p]
     rss = max(x for x in (c.rss, p.rss, dockerd_peak(b.dockerd.pid)) if x is not None)
     return Run(c.secs + p.secs, rss, c.ok and p.ok, note=f"commit {c.secs:.1f}s + push {p.secs:.1f}s {p.note}".strip(),
-               cpu=(c.cpu + p.cpu if p is not c else c.cpu) + proc_cpu(b.dockerd.pid) - daemon0,
-               reg_cpu=c.reg_cpu + p.reg_cpu if p is not c else c.reg_cpu)
+               cpu=sum(r.cpu for r in runs) + proc_cpu(b.dockerd.pid) - daemon0, reg_cpu=sum(r.reg_cpu for r in runs))
 
 
 def registry_floor(b: Bench, archive: str, repo: str, streams: int = 4) -> Run:
