@@ -4,10 +4,10 @@ Blobs download to the local state dir, several at once, and each layer is applie
 digest is checked and the layers before it are applied: no unverified byte reaches the target, and
 the extraction of the first layers overlaps the download of the rest. Layers are applied in order,
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
-download threads for Python's lock. Each layer's diff_id is checked as it is applied. A journal in the state dir
-records how many layers of this run's list are applied (always a prefix: layers are applied in
-order), so a restore that was interrupted resumes where it stopped; a run with another image or
-another layer selection (--only-snapshot or not) starts over instead."""
+download threads for Python's lock. Each layer's diff_id is checked as it is applied. A journal
+in the state dir records how many layers of this run's list are applied (always a prefix), so a
+restore that was interrupted resumes where it stopped; a run with another image or another layer
+selection (--only-snapshot or not) starts over instead."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
                 label = layer_label(desc, i)
                 path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
                 job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
-                             record=bool(snap_label(desc)))  # snap's own: its headers teach the stat cache
+                               record=bool(snap_label(desc)))  # snap's own: its headers teach the stat cache
                 with progress.bar(f"extracting {label}", desc["size"]) as xb:
                     record = worker.apply(job, progress.safe_update(xb))
                 if record is not None:
