@@ -1,6 +1,8 @@
 # snap: `make demo` runs the whole round trip on a local registry; `make test` runs the suite.
-PYTHON ?= python3
-SETUP_STAMP := .setup.stamp
+# snap and its tests run from the virtualenv .ci/setup creates, never the machine's own Python.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+SETUP_STAMP := $(VENV)/.setup.stamp  # inside the venv: removing the venv redoes the setup
 
 .PHONY: setup demo test bench clean
 
@@ -20,4 +22,4 @@ bench: $(SETUP_STAMP)
 	$(PYTHON) bench/bench.py
 
 clean:
-	rm -rf $(SETUP_STAMP) .demo bench/out .pytest_cache build *.egg-info
+	rm -rf $(VENV) .ci/wheels .demo bench/out .pytest_cache build *.egg-info

@@ -9,7 +9,6 @@ import sys
 from dataclasses import asdict
 from typing import List, Optional
 
-import click
 import typer
 
 from .errors import SnapError, StorageError, UsageError
@@ -24,6 +23,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+# typer's own exits; newer typers vendor click and no longer export click's exception classes.
+_TYPER_WAYS_OUT = tuple({typer.Exit, typer.Abort, getattr(typer, "TyperException", typer.Exit)})
 
 
 def _say(msg: str) -> None:
@@ -43,7 +46,7 @@ def _errors(fn):
         except KeyboardInterrupt:
             _say("snap: interrupted (run the command again: a commit re-sends only what is missing, a restore resumes)")
             raise typer.Exit(130)
-        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+        except _TYPER_WAYS_OUT:
             raise  # typer's own ways out (an exit code chosen by the command, a usage error)
         except OSError as e:  # the local machine failed us somewhere no closer handler knew
             if os.environ.get("SNAP_DEBUG"):
