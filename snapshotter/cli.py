@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from .errors import SnapError, StorageError, UsageError
-from .registry import Credentials, TransportOptions
+from .transport import Credentials, TransportOptions
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"

@@ -17,13 +17,15 @@ from .compress import MEDIA_TYPE, IterReader, decompressing_reader
 from .errors import IntegrityError, UsageError
 from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, descriptor, now_rfc3339,
-                    snapshot_config, snapshot_manifest)
+                    Image, sha256_digest, snapshot_config, snapshot_manifest)
 from .layer import LayerBlob, build_layer, header_key, measure_layer, tar_headers, write_layer
+from .mediatypes import OCI_MANIFEST
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
-from .registry import OCI_MANIFEST, Image, Reference, Remote, TransportOptions, sha256_digest
+from .registry import Reference, Remote
 from .state import state_dir, sub
 from .statcache import StatCache, headers_digest, load_restore_record
+from .transport import TransportOptions
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this

@@ -1,4 +1,5 @@
-"""Layer media types and streaming (de)compression with hashing in the same pass."""
+"""Layer compression: which media type is which, and streaming (de)compression with hashing in the
+same pass."""
 
 from __future__ import annotations
 
@@ -10,25 +11,17 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Optional
 import zstandard
 
 from .errors import UsageError
-
-LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
-LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
-LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
-DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
-DOCKER_LAYER_TAR = "application/vnd.docker.image.rootfs.diff.tar"
-# Foreign (non-distributable) variants carry the same bytes.
-_NONDIST = "application/vnd.oci.image.layer.nondistributable.v1.tar"
-
-MEDIA_TYPE = {"none": LAYER_TAR, "gzip": LAYER_GZIP, "zstd": LAYER_ZSTD}
+from .mediatypes import (DOCKER_LAYER_GZIP, DOCKER_LAYER_TAR, LAYER_GZIP, LAYER_TAR, LAYER_ZSTD, MEDIA_TYPE,
+                         NONDISTRIBUTABLE_TAR)
 
 
 def compression_of(media_type: str) -> str:
     """'none' | 'gzip' | 'zstd' for a layer media type."""
-    if media_type in (LAYER_TAR, DOCKER_LAYER_TAR, _NONDIST):
+    if media_type in (LAYER_TAR, DOCKER_LAYER_TAR, NONDISTRIBUTABLE_TAR):
         return "none"
-    if media_type in (LAYER_GZIP, DOCKER_LAYER_GZIP, _NONDIST + "+gzip"):
+    if media_type in (LAYER_GZIP, DOCKER_LAYER_GZIP, NONDISTRIBUTABLE_TAR + "+gzip"):
         return "gzip"
-    if media_type in (LAYER_ZSTD, _NONDIST + "+zstd"):
+    if media_type in (LAYER_ZSTD, NONDISTRIBUTABLE_TAR + "+zstd"):
         return "zstd"
     raise UsageError(f"unsupported layer media type {media_type}")
 

@@ -26,7 +26,7 @@ from .errors import NotFound, SnapError, UsageError
 from .extract import ExtractOptions, Extractor
 from .fsindex import DIR, FILE, Diff, Entry, Scan, clean_path, diff, entry_from_stat, file_digest
 from .profile import Profile, VenvRoots
-from .registry import Image, sha256_digest
+from .image import Image, sha256_digest
 from .run import connect
 from .state import sub
 

@@ -1,4 +1,5 @@
-"""Assembling a snapshot image: base layers + snapshot layers, as an OCI manifest and config.
+"""Images: a resolved image (`Image`), and assembling a snapshot image (base layers + snapshot
+layers, as an OCI manifest and config).
 
 Serialisation is canonical (sorted keys, no spaces) so the digest we compute is the digest the
 registry stores: we push these exact bytes."""
@@ -6,12 +7,17 @@ registry stores: we push these exact bytes."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .compress import oci_media_type
-from .registry import OCI_CONFIG, OCI_MANIFEST, Image, sha256_digest
+from .mediatypes import OCI_CONFIG, OCI_MANIFEST
+
+if TYPE_CHECKING:  # registry.py builds Images: imported for the annotation only
+    from .registry import Reference
 
 SNAP_LAYER = "dev.snap.layer"  # layer annotation: which profile layer this is
 SNAP_CONTENT = "dev.snap.content"  # layer annotation: the one file it holds, or "bundle N"
@@ -23,6 +29,32 @@ SNAP_MAX_LAYER = "dev.snap.max-layer-size"  # manifest annotation: the cap files
 BASE_NAME = "org.opencontainers.image.base.name"
 BASE_DIGEST = "org.opencontainers.image.base.digest"
 CREATED = "org.opencontainers.image.created"
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Image:
+    """A resolved single-platform image: its manifest (exact bytes) and config."""
+
+    ref: Reference
+    manifest_bytes: bytes
+    manifest_digest: str
+    config_bytes: bytes
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads(self.manifest_bytes)
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.config_bytes)
+
+    @property
+    def layers(self) -> list[dict]:
+        return self.manifest["layers"]
 
 
 def canonical(doc: dict) -> bytes:

@@ -28,12 +28,14 @@ from .applier import ExtractWorker, LayerJob
 from .compress import compression_of
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
-from .image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, snap_label, snapshot_layer_count
+from .image import (BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, Image, snap_label,
+                    snapshot_layer_count)
 from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
-from .registry import Image, Reference, Remote, TransportOptions
+from .registry import Reference, Remote
 from .staging import SPLIT_SUFFIX, SplitLayer, download_split
 from .state import replace_file, state_dir, sub
 from .statcache import CLOCK_TICK_S, headers_digest, write_restore_record
+from .transport import TransportOptions
 
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
 # process of their own beside them; more streams than cores only slowed the restore down.

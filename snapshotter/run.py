@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
 
 from .errors import AuthError, EngineUnavailable, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
-from .registry import Reference, TransportOptions
+from .registry import Reference
+from .transport import TransportOptions
 
 GPU_MODES = ("auto", "all", "none")
 RESTORE_HINT = "without an engine, use extract mode: snap restore REF --root DIR"

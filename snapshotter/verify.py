@@ -29,11 +29,12 @@ from .compress import HashingReader, IterReader, decompressing_reader
 from .errors import IntegrityError, UsageError
 from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, entry_from_member, \
     entry_from_stat, file_digest, pseudo_mounts
-from .image import SNAP_PART_FILE
+from .image import SNAP_PART_FILE, Image
 from .plan import parse_part_name
 from .profile import Profile, load_profile
-from .registry import Image, Reference, Remote, TransportOptions
+from .registry import Reference, Remote
 from .restore import layer_label, select_layers
+from .transport import TransportOptions
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 

@@ -9,7 +9,8 @@ import pytest
 import requests
 
 from conftest import NOT_CAPTURED, snap
-from snapshotter.registry import Reference, load_docker_credentials
+from snapshotter.registry import Reference
+from snapshotter.transport import load_docker_credentials
 from support import RegistryServer, TokenRegistryServer, push_base_image, snapshot_of_tree
 from test_errors import assert_one_line_error
 

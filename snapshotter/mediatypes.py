@@ -1,0 +1,21 @@
+"""Every media type snap reads or writes, in one place: manifests, indexes, configs and layers."""
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
+MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
+INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
+
+LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+DOCKER_LAYER_TAR = "application/vnd.docker.image.rootfs.diff.tar"
+# Foreign (non-distributable) variants carry the same bytes.
+NONDISTRIBUTABLE_TAR = "application/vnd.oci.image.layer.nondistributable.v1.tar"
+
+# The layer media type snap writes for each --compression.
+MEDIA_TYPE = {"none": LAYER_TAR, "gzip": LAYER_GZIP, "zstd": LAYER_ZSTD}
