@@ -22,7 +22,8 @@ from .layer import LayerBlob, build_layer, header_key, measure_layer, tar_header
 from .mediatypes import OCI_MANIFEST
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
-from .registry import Reference, Remote
+from .reference import Reference
+from .registry import Remote
 from .state import state_dir, sub
 from .statcache import StatCache, headers_digest, load_restore_record
 from .transport import TransportOptions

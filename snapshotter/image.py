@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Optional
 from .compress import oci_media_type
 from .mediatypes import OCI_CONFIG, OCI_MANIFEST
 
-if TYPE_CHECKING:  # registry.py builds Images: imported for the annotation only
-    from .registry import Reference
+if TYPE_CHECKING:  # imported for the annotation only
+    from .reference import Reference
 
 SNAP_LAYER = "dev.snap.layer"  # layer annotation: which profile layer this is
 SNAP_CONTENT = "dev.snap.content"  # layer annotation: the one file it holds, or "bundle N"

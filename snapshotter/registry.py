@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import queue
-import re
 import threading
 import urllib.parse
 from dataclasses import dataclass
@@ -22,70 +21,14 @@ import requests
 from .errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, UsageError
 from .image import Image, sha256_digest
 from .mediatypes import INDEX_TYPES, MANIFEST_TYPES
-from .transport import TIMEOUT, Transport, TransportOptions, api_host, short_error
+from .reference import Reference
+from .transport import TIMEOUT, Transport, TransportOptions, short_error
 
 PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the packer and the socket
 QUEUED_PIECES = 8  # memory per upload: about this many pieces, whatever the blob size
 UPLOAD_ATTEMPTS = 3
 
 ProgressFn = Optional[Callable[[int], None]]
-
-_REF_RE = re.compile(
-    r"^(?P<repo>[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
-    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
-    r"(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
-)
-
-
-@dataclass(frozen=True)
-class Reference:
-    """registry/repository[:tag][@digest]. The registry part is required: snap has no default registry."""
-
-    registry: str
-    repository: str
-    tag: Optional[str] = None
-    digest: Optional[str] = None
-
-    @classmethod
-    def parse(cls, text: str) -> "Reference":
-        host, sep, rest = text.partition("/")
-        if not sep or not ("." in host or ":" in host or host == "localhost"):
-            raise UsageError(
-                f"image reference {text!r} has no registry host",
-                "write it as HOST[:PORT]/REPO[:TAG], e.g. 127.0.0.1:5000/box:v1",
-            )
-        m = _REF_RE.match(rest)
-        if not m:
-            raise UsageError(f"image reference {text!r} is not valid", "use HOST[:PORT]/REPO[:TAG][@sha256:DIGEST]")
-        tag, digest = m.group("tag"), m.group("digest")
-        if not tag and not digest:
-            tag = "latest"
-        return cls(host, m.group("repo"), tag, digest)
-
-    @property
-    def name(self) -> str:
-        return f"{self.registry}/{self.repository}"
-
-    @property
-    def api_host(self) -> str:
-        return api_host(self.registry)
-
-    @property
-    def target(self) -> str:
-        """What goes after /manifests/: the digest when pinned, else the tag."""
-        return self.digest or self.tag or "latest"
-
-    def with_digest(self, digest: str) -> "Reference":
-        return Reference(self.registry, self.repository, self.tag, digest)
-
-    def __str__(self) -> str:
-        s = self.name
-        if self.tag:
-            s += f":{self.tag}"
-        if self.digest:
-            s += f"@{self.digest}"
-        return s
-
 
 def host_platform() -> tuple[str, str]:
     arch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(platform.machine(), platform.machine())
@@ -106,13 +49,14 @@ class Remote:
         accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
         r = self.transport.request("GET", self.transport.url(f"manifests/{target}"), headers={"Accept": accept})
         if r.status_code == 404:
-            raise NotFound(f"image {self.ref.name}:{target} not found in the registry" if not target.startswith("sha256:")
+            raise NotFound(f"image {self.ref.name}:{target} not found in the registry" if ":" not in target
                            else f"image {self.ref.name}@{target} not found in the registry")
         _check(r, f"fetch manifest {self.ref.name}:{target}")
         body = r.content
         digest = sha256_digest(body)
-        if target.startswith("sha256:") and digest != target:
-            raise IntegrityError(f"manifest {target} from {self.ref.registry} does not match its digest (got {digest})")
+        algorithm, pinned, _ = target.partition(":")  # a digest (sha256, sha384, sha512), or a tag
+        if pinned and f"{algorithm}:{hashlib.new(algorithm, body).hexdigest()}" != target:
+            raise IntegrityError(f"manifest {target} from {self.ref.registry} does not match its digest")
         media = r.headers.get("Content-Type", "").split(";")[0].strip() or json.loads(body).get("mediaType", "")
         return body, media, digest
 

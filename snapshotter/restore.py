@@ -31,7 +31,8 @@ from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_
 from .image import (BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, Image, snap_label,
                     snapshot_layer_count)
 from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
-from .registry import Reference, Remote
+from .reference import Reference
+from .registry import Remote
 from .staging import SPLIT_SUFFIX, SplitLayer, download_split
 from .state import replace_file, state_dir, sub
 from .statcache import CLOCK_TICK_S, headers_digest, write_restore_record

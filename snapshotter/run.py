@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
 
 from .errors import AuthError, EngineUnavailable, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
-from .registry import Reference
+from .reference import Reference
 from .transport import TransportOptions
 
 GPU_MODES = ("auto", "all", "none")
@@ -144,8 +144,8 @@ def pull(client, reference: Reference, transport: Optional[TransportOptions], lo
     Credentials given to snap (--username) go to the engine; else it uses its own docker config."""
     import docker
 
-    target = reference.digest or reference.tag or "latest"
-    image = f"{reference.name}{'@' if target.startswith('sha256:') else ':'}{target}"
+    target = reference.target
+    image = f"{reference.name}{'@' if reference.digest else ':'}{target}"
     creds = transport.credentials if transport else None
     auth = {"username": creds.username, "password": creds.password or ""} if creds and creds.username is not None else None
     log(f"pulling {image}")

@@ -25,6 +25,7 @@ import oras.utils
 import requests
 
 from .errors import AuthError, RegistryError, RegistryUnreachable
+from .reference import DOCKER_HUB_NAMES, api_host
 
 PING_TIMEOUT = 10
 TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a wait forever
@@ -32,16 +33,7 @@ RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we 
 # oras's request function without its retry decorator (which sleeps up to minutes per request).
 _do_request = oras.provider.Registry.do_request.__wrapped__
 
-# Docker Hub is named docker.io (index.docker.io of old) but its API is served by registry-1.docker.io,
-# and `docker login` stores its credentials under https://index.docker.io/v1/.
-DOCKER_HUB_NAMES = ("docker.io", "index.docker.io", "registry-1.docker.io")
-DOCKER_HUB_API = "registry-1.docker.io"
-DOCKER_HUB_LOGIN = "https://index.docker.io/v1/"
-
-
-def api_host(registry: str) -> str:
-    """The host[:port] that serves the /v2/ API of a registry named in a reference."""
-    return DOCKER_HUB_API if registry in DOCKER_HUB_NAMES else registry
+DOCKER_HUB_LOGIN = "https://index.docker.io/v1/"  # the key `docker login` stores Docker Hub's credentials under
 
 
 @dataclass

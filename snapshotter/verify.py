@@ -32,7 +32,8 @@ from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_inde
 from .image import SNAP_PART_FILE, Image
 from .plan import parse_part_name
 from .profile import Profile, load_profile
-from .registry import Reference, Remote
+from .reference import Reference
+from .registry import Remote
 from .restore import layer_label, select_layers
 from .transport import TransportOptions
 

@@ -9,7 +9,6 @@ import pytest
 import requests
 
 from conftest import NOT_CAPTURED, snap
-from snapshotter.registry import Reference
 from snapshotter.transport import load_docker_credentials
 from support import RegistryServer, TokenRegistryServer, push_base_image, snapshot_of_tree
 from test_errors import assert_one_line_error
@@ -157,22 +156,7 @@ def test_explicit_credentials_not_sent_to_another_registry(tmp_path_factory, bas
         other.stop()
 
 
-# ---- Docker Hub: API host and `docker login` credentials (no network) ------------------------------
-
-@pytest.mark.parametrize("text,api_host", [
-    ("docker.io/library/ubuntu:22.04", "registry-1.docker.io"),
-    ("index.docker.io/library/ubuntu:22.04", "registry-1.docker.io"),
-    ("registry-1.docker.io/library/ubuntu:22.04", "registry-1.docker.io"),
-    ("ghcr.io/me/box:v1", "ghcr.io"),
-    ("127.0.0.1:5000/box:v1", "127.0.0.1:5000"),
-    ("localhost:5000/box:v1", "localhost:5000"),
-    ("mydocker.io/box:v1", "mydocker.io"),
-])
-def test_registry_api_host(text, api_host):
-    ref = Reference.parse(text)
-    assert ref.api_host == api_host
-    assert str(ref) == text  # the name the user wrote stays the name shown and recorded
-
+# ---- Docker Hub: `docker login` credentials (no network; API hosts: test_reference.py) ----------------
 
 def docker_config(tmp_path, auths: dict) -> str:
     """A Docker config dir holding `auths` (host -> {"auth": base64 user:password}); for DOCKER_CONFIG."""

@@ -52,7 +52,7 @@ def test_unknown_profile_name(registry, base_ref, box):
     assert_one_line_error(r, 2, "no profile named", "default")
 
 
-@pytest.mark.parametrize("ref", ["not a ref", "box:v1", "127.0.0.1:5000/UPPER:v1"])
+@pytest.mark.parametrize("ref", ["not a ref", "box:v1:v2", "127.0.0.1:5000/UPPER:v1"])  # more: test_reference.py
 def test_malformed_reference(ref, box):
     r = snap("restore", ref, "--root", box)
     assert_one_line_error(r, 2, "reference")
