@@ -34,6 +34,7 @@ import zstandard
 from .errors import IntegrityError, StorageError
 from .fsindex import OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, clean_path
 from .layer import header_key
+from .mounts import inside, read_mounts
 
 MAX_SYMLINK_HOPS = 40
 TMP_PREFIX = ".snap-tmp-"
@@ -464,33 +465,11 @@ def _remove(path: str) -> None:
         pass
 
 
-def mount_points() -> Optional[list[str]]:
-    """The mount points this process sees (/proc/self/mountinfo), or None if it cannot be read."""
-    try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    out = []
-    for line in lines:
-        fields = line.split(b" ")
-        if len(fields) > 4:  # field 5: the mount point, with space, tab, newline, backslash as \ooo
-            out.append(os.fsdecode(_OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])))
-    return out
-
-
-_OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
-
-
 def mount_below(path: str) -> Optional[str]:
     """A mount point at or below directory `path` (a real path), or None."""
-    mounts = mount_points()
+    mounts = read_mounts()
     if mounts is not None:
-        prefix = path.rstrip("/") + "/"
-        for mp in mounts:
-            if mp == path or mp.startswith(prefix):
-                return mp
-        return None
+        return next((m.point for m in mounts if inside(path, m.point) is not None), None)
     # No /proc: another filesystem below shows as another st_dev (bind mounts of the same one do not).
     dev = os.lstat(path).st_dev
     for dirpath, dirnames, _ in os.walk(path):

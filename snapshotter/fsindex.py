@@ -12,6 +12,7 @@ from dataclasses import astuple, dataclass, field
 from typing import BinaryIO, Callable, Optional
 
 from .errors import StorageError, UsageError
+from .mounts import inside, read_mounts
 from .profile import Profile, VenvRoots
 from .state import replace_file
 
@@ -100,18 +101,24 @@ class Scan:
 def pseudo_mounts(root: str) -> set[str]:
     """Root-relative mount points under `root` whose filesystem is a kernel view (proc, sysfs, ...)."""
     root = os.path.realpath(root)
-    found: set[str] = set()
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                sep = fields.index("-")
-                mount_point = fields[4].encode().decode("unicode_escape")
-                fstype = fields[sep + 1]
-                if fstype in PSEUDO_FS and (mount_point == root or mount_point.startswith(root.rstrip("/") + "/")):
-                    found.add(clean_path(mount_point[len(root):]))
-    except (OSError, ValueError):
-        pass
+    found = (inside(root, m.point) for m in read_mounts() or () if m.fstype in PSEUDO_FS)
+    return {clean_path(rel) for rel in found if rel is not None}
+
+
+def bind_mounted_files(root: str) -> set[str]:
+    """Root-relative paths of single files mounted over a path inside `root`: what a container runtime
+    injects from the host (the NVIDIA toolkit's libcuda.so.<driver version>, nvidia-smi, Docker's
+    /etc/hosts). They belong to the host, not the box."""
+    root = os.path.realpath(root)
+    found = set()
+    for m in read_mounts() or ():
+        rel = inside(root, m.point)
+        if rel:
+            try:
+                if stat.S_ISREG(os.lstat(m.point).st_mode):
+                    found.add(clean_path(rel))
+            except OSError:
+                continue
     return found
 
 
