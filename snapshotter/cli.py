@@ -135,6 +135,9 @@ def commit(
         _say(f"left out {len(result.skipped_secrets)} secret-looking path(s) (set include_secrets in the profile to keep them):")
         for p in result.skipped_secrets:
             _say(f"  /{p}")
+    if result.host_files:
+        _say(f"left out {len(result.host_files)} file(s) bind-mounted from the host (GPU driver files and links to them; "
+             "the next host's runtime mounts its own): " + ", ".join(repr("/" + p) for p in result.host_files))
     if result.changed_while_read:
         _say(f"warning: {len(result.changed_while_read)} file(s) changed while being captured: " +
              ", ".join("/" + p for p in result.changed_while_read[:5]))

@@ -66,6 +66,7 @@ class CommitResult:
     skipped_secrets: list[str]
     changed_while_read: list[str]
     deleted: int
+    host_files: list[str] = field(default_factory=list)  # bind-mounted from the host (GPU driver files), and links to them
 
 
 def base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> dict[str, Entry]:
@@ -155,7 +156,8 @@ def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> Comm
     reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
                for p, b, status in layers]
     return CommitResult(target_ref.with_digest(digest), digest, len(base_img.layers), reports,
-                        scan.skipped_secrets, sorted(x for _, b, _ in layers for x in b.changed_while_read), len(d.deleted))
+                        scan.skipped_secrets, sorted(x for _, b, _ in layers for x in b.changed_while_read), len(d.deleted),
+                        scan.host_files)
 
 
 def _annotations(plan: LayerPlan) -> dict:

@@ -92,10 +92,18 @@ class Scan:
     venv_roots: VenvRoots
     skipped_secrets: list[str] = field(default_factory=list)
     pseudo_mounts: set[str] = field(default_factory=set)  # kernel views (proc, sysfs, ...) not walked
+    host_files: list[str] = field(default_factory=list)  # files bind-mounted from the host, and links to them
 
     def not_walked(self, path: str) -> bool:
-        """Under a pseudo mount: base paths there are unknown, not deleted."""
-        return any(path == m or path.startswith(m + "/") for m in self.pseudo_mounts)
+        """Under a pseudo mount, a left-out secret or a host file: base paths there are unknown, not deleted."""
+        left_out = self.pseudo_mounts.union(self.skipped_secrets, self.host_files)
+        return any(p in left_out for p in _self_and_parents(path))
+
+
+def _self_and_parents(path: str):
+    while path:
+        yield path
+        path = path.rpartition("/")[0]
 
 
 def pseudo_mounts(root: str) -> set[str]:
@@ -120,6 +128,39 @@ def bind_mounted_files(root: str) -> set[str]:
             except OSError:
                 continue
     return found
+
+
+def resolve_in_box(entries: dict[str, Entry], path: str, hops: int = 40) -> Optional[str]:
+    """`path` with the symlinks of the box (its scan entries) resolved, as seen from inside the box:
+    absolute targets start at the box root, `..` stops there. None for a symlink loop."""
+    done: list[str] = []
+    todo = list(reversed(path.split("/")))
+    while todo:
+        part = todo.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        e = entries.get("/".join(done + [part]))
+        if e is None or e.kind != SYMLINK:
+            done.append(part)
+            continue
+        hops -= 1
+        if hops < 0:
+            return None
+        if e.linkname.startswith("/"):
+            done = []
+        todo.extend(reversed(e.linkname.split("/")))
+    return "/".join(done)
+
+
+def links_to(entries: dict[str, Entry], targets: set[str]) -> list[str]:
+    """The symlinks of the box that lead (directly or through other links) to one of `targets`."""
+    if not targets:
+        return []
+    return [rel for rel, e in entries.items() if e.kind == SYMLINK and resolve_in_box(entries, rel) in targets]
 
 
 _KIND_OF_MODE = {stat.S_IFREG: FILE, stat.S_IFDIR: DIR, stat.S_IFLNK: SYMLINK, stat.S_IFCHR: CHAR,
@@ -155,6 +196,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         raise UsageError(f"root {root} does not exist or is not a directory")
     root = os.path.realpath(root)
     skip_mounts = pseudo_mounts(root)
+    mounted = bind_mounted_files(root)
+    host_files: list[str] = []
     extra = {clean_path(e) for e in extra_excludes}
     entries: dict[str, Entry] = {}
     venvs = VenvRoots()
@@ -175,6 +218,9 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         for de in children:
             rel = f"{rel_dir}/{de.name}" if rel_dir else de.name
             if rel in extra or rel in skip_mounts or profile.exclude.match(rel):
+                continue
+            if rel in mounted:
+                host_files.append(rel)
                 continue
             if not profile.include_secrets and profile.secrets.match(rel):
                 secrets.append(rel)
@@ -201,12 +247,15 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
                 venvs.add(rel_dir)
             if progress:
                 progress(1)
+    host_files.extend(links_to(entries, mounted))
+    for rel in host_files:
+        entries.pop(rel, None)
     if unreadable:
         shown = ", ".join("/" + u for u in sorted(unreadable)[:3])
         more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
         raise StorageError(f"cannot read {shown}{more} in the box",
                            "run snap as root, or add the paths to the profile's exclude list")
-    return Scan(entries, venvs, sorted(secrets), skip_mounts)
+    return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files))
 
 
 # ---- an image -----------------------------------------------------------------------------------

@@ -448,3 +448,20 @@ def snapshot_of_tree(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
                                   for n in os.listxattr(full, follow_symlinks=False) if not n.startswith("security.selinux")))
             out[rel] = (kind, oct(st.st_mode & 0o7777), st.st_uid, st.st_gid, int(st.st_mtime), extra) + ((xattrs,) if xattrs else ())
     return out
+
+
+def snap_layer_files(registry: RegistryServer, repo: str, tag: str) -> dict[str, tarfile.TarInfo]:
+    """Every tar member of the layers snap added to an image (gzip, zstd or plain), by name."""
+    import zstandard
+    out: dict[str, tarfile.TarInfo] = {}
+    for d in registry.manifest(repo, tag)["layers"]:
+        if "dev.snap.layer" not in d.get("annotations", {}):
+            continue
+        blob = registry.blob(repo, d["digest"])
+        if d["mediaType"].endswith("zstd"):
+            blob = zstandard.ZstdDecompressor().stream_reader(blob).read()
+        elif d["mediaType"].endswith("gzip"):
+            blob = _gunzip(blob)
+        with tarfile.open(fileobj=io.BytesIO(blob)) as t:
+            out.update((m.name.rstrip("/"), m) for m in t.getmembers())
+    return out
