@@ -1,0 +1,50 @@
+"""snap installs into a fresh virtualenv with pip, from its declared dependencies alone.
+
+The wheels come from .ci/wheels (fetched by .ci/setup): pip runs with --no-index, so the test never
+reaches a package index, and a module snap imports without declaring it is simply not there."""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WHEELS = os.path.join(REPO, ".ci", "wheels")
+OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_CONFIG_FILE": os.devnull}
+
+# Every module of the package, imported the way the CLI's commands import them.
+IMPORT_ALL = ("import importlib, pkgutil, snapshotter\n"
+              "for m in pkgutil.iter_modules(snapshotter.__path__):\n"
+              "    if m.name != '__main__':  # that one runs the CLI\n"
+              "        importlib.import_module('snapshotter.' + m.name)\n")
+
+
+def _wheels_for_snap() -> bool:
+    return bool(glob.glob(os.path.join(WHEELS, "setuptools-*.whl")) and glob.glob(os.path.join(WHEELS, "typer-*.whl")))
+
+
+@pytest.mark.skipif(not _wheels_for_snap(), reason="no wheels of snap's dependencies in .ci/wheels (run .ci/setup)")
+def test_pip_install_into_a_fresh_venv_then_snap_help(tmp_path):
+    # A copy of the sources: the build writes build/ and *.egg-info next to them.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO, name), src)
+    for name in ("snapshotter", "layers"):
+        shutil.copytree(os.path.join(REPO, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, **OFFLINE}
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run([str(venv / "bin/pip"), "install", "-q", "--no-index", "--find-links", WHEELS, str(src)],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(venv / "bin/snap"), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for command in ("commit", "restore", "verify", "run"):
+        assert command in r.stdout
+    r = subprocess.run([str(venv / "bin/python"), "-c", IMPORT_ALL], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
