@@ -6,7 +6,6 @@ registry stores: we push these exact bytes."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -75,7 +74,7 @@ def descriptor(media_type: str, digest: str, size: int, annotations: Optional[di
 def snapshot_config(base_config: dict, layers: list[tuple[str, str]], created: str) -> bytes:
     """The base config with one diff_id and one history entry per snapshot layer.
     `layers` is [(layer name, diff_id)]."""
-    cfg = copy.deepcopy(base_config)
+    cfg = oci_clean(base_config)  # a new document: the base's is not touched
     rootfs = cfg.setdefault("rootfs", {"type": "layers", "diff_ids": []})
     rootfs["type"] = "layers"
     base_diff_ids = rootfs.setdefault("diff_ids", [])
@@ -90,6 +89,27 @@ def snapshot_config(base_config: dict, layers: list[tuple[str, str]], created: s
     cfg.setdefault("architecture", "amd64")
     cfg.setdefault("os", "linux")
     return canonical(cfg)
+
+
+# Maps of name -> object in an image config: a null member stands for an empty object there.
+_OBJECT_MAPS = ("ExposedPorts", "Volumes")
+
+
+def oci_clean(doc):
+    """`doc` without its nulls, as the OCI image-spec's schema wants a config: Docker's configs carry
+    `"Env": null`, `"Entrypoint": null` and the like, which mean the same as a missing member.
+    Inside ExposedPorts and Volumes a null member becomes {} (the port or volume stays)."""
+    if isinstance(doc, list):
+        return [oci_clean(v) for v in doc if v is not None]
+    if not isinstance(doc, dict):
+        return doc
+    out = {}
+    for k, v in doc.items():
+        if k in _OBJECT_MAPS and isinstance(v, dict):
+            out[k] = {name: oci_clean(obj) if obj is not None else {} for name, obj in v.items()}
+        elif v is not None:
+            out[k] = oci_clean(v)
+    return out
 
 
 def snapshot_manifest(base: Image, base_name: str, config: bytes, layers: list[dict], profile: str,
