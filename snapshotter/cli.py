@@ -244,6 +244,7 @@ def verify(
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
         profile=load_profile(profile), transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin),
+        log=_say,
     )
     result = do_verify(ref, root, opts)
     if as_json:

@@ -81,7 +81,8 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> dict
     with progress.bar("reading base layers", total) as b:
         for layer in image.layers:
             raw = IterReader(remote.iter_blob(layer["digest"], progress.safe_update(b)))
-            stream = decompressing_reader(raw, layer["mediaType"])
+            stream = decompressing_reader(raw, layer["mediaType"],
+                                          lambda msg, d=layer["digest"]: log(f"warning: base layer {d[:19]}: {msg}"))
             try:
                 apply_layer_to_index(index, stream)
             except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError) as e:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import tarfile
 from typing import BinaryIO, Callable, Iterable, Iterator, Optional
 
 import zstandard
 
-from .errors import UsageError
+from .errors import IntegrityError, UsageError
 from .mediatypes import (DOCKER_LAYER_GZIP, DOCKER_LAYER_TAR, LAYER_GZIP, LAYER_TAR, LAYER_ZSTD, MEDIA_TYPE,
                          NONDISTRIBUTABLE_TAR)
 
@@ -146,12 +147,85 @@ class HashingReader(io.RawIOBase):
         return "sha256:" + self.sha.hexdigest()
 
 
-def decompressing_reader(raw: BinaryIO, media_type: str) -> BinaryIO:
-    """The uncompressed tar stream of a layer blob."""
-    kind = compression_of(media_type)
-    if kind == "zstd":
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False)
-    if kind == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    return raw
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_SNIFF = tarfile.BLOCKSIZE  # enough for the magic numbers, and for a tar's first header
 
+
+def sniff_compression(head: bytes) -> Optional[str]:
+    """'zstd' | 'gzip' | 'none' by a blob's first bytes, as engines decide; None if they are none
+    of these (not even a tar header with a valid checksum, nor an end-of-archive block)."""
+    if head.startswith(_ZSTD_MAGIC) or (len(head) >= 4 and head[1:4] == b"\x2a\x4d\x18" and head[0] & 0xF0 == 0x50):
+        return "zstd"  # a zstd frame, or a skippable frame before one
+    if head.startswith(_GZIP_MAGIC):
+        return "gzip"
+    if len(head) == tarfile.BLOCKSIZE:
+        if head.count(0) == tarfile.BLOCKSIZE:
+            return "none"  # an empty archive
+        try:
+            if tarfile.nti(head[148:156]) in tarfile.calc_chksums(head):
+                return "none"
+        except (tarfile.HeaderError, ValueError):
+            pass
+    return None
+
+
+def label_mismatch(media_type: str, actual: str) -> Optional[str]:
+    """A one-line note when a layer's media type says another compression than its bytes."""
+    try:
+        said = compression_of(media_type)
+    except UsageError:
+        said = None
+    if said == actual:
+        return None
+    name = {"none": "a plain tar", "gzip": "gzip", "zstd": "zstd"}[actual]
+    return f"labelled {media_type} but its bytes are {name} (relabelled by a tool such as docker push): read as {name}"
+
+
+class _Prefixed(io.RawIOBase):
+    """`head` (bytes already read), then the rest of `raw`."""
+
+    def __init__(self, head: bytes, raw: BinaryIO):
+        self.head, self.raw = head, raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self.head:
+            n = min(len(b), len(self.head))
+            b[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        data = self.raw.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+def read_head(raw: BinaryIO, n: int = _SNIFF) -> bytes:
+    """Up to n first bytes of a stream (fewer only at its end)."""
+    head = b""
+    while len(head) < n:
+        data = raw.read(n - len(head))
+        if not data:
+            break
+        head += data
+    return head
+
+
+def decompressing_reader(raw: BinaryIO, media_type: str, note: Optional[Callable[[str], None]] = None) -> BinaryIO:
+    """The uncompressed tar stream of a layer blob, decompressed by what its bytes are (zstd, gzip or
+    a plain tar), not by its media type: `docker push` relabels plain-tar layers as gzip. `note`
+    gets one line when the label and the bytes disagree."""
+    head = read_head(raw)
+    kind = sniff_compression(head)
+    if kind is None:
+        raise IntegrityError(f"layer ({media_type}) is neither zstd, gzip nor a tar archive")
+    if note is not None and (msg := label_mismatch(media_type, kind)):
+        note(msg)
+    stream = _Prefixed(head, raw)
+    if kind == "zstd":
+        return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True, closefd=False)
+    if kind == "gzip":
+        return gzip.GzipFile(fileobj=stream, mode="rb")
+    return stream

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from . import progress
 from .applier import ExtractWorker, LayerJob
-from .compress import compression_of
+from .compress import label_mismatch, read_head, sniff_compression
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
 from .image import (BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, Image, snap_label,
@@ -229,9 +229,9 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
     # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
     sizes = {d["digest"]: d["size"] for _, d, _ in pending}
     last_use = {d["digest"]: n for n, (_, d, _) in enumerate(pending)}
-    # An uncompressed layer is its tar (its digest is its diff_id): kept split, so that its big
-    # files are renamed into place instead of copied (staging.py).
-    split = {d["digest"] for _, d, diff_id in pending if compression_of(d["mediaType"]) == "none" and diff_id == d["digest"]}
+    # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
+    # kept split, so that its big files are renamed into place instead of copied (staging.py).
+    split = {d["digest"] for _, d, diff_id in pending if diff_id == d["digest"]}
     # Started before the download threads (a fork copies only the thread that forks), and stopped
     # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
     worker = ExtractWorker(extractor)
@@ -258,6 +258,7 @@ def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> Resto
             for n, (i, desc, diff_id) in enumerate(pending):
                 label = layer_label(desc, i)
                 path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
+                _note_mislabelled(desc, path, desc["digest"] in split, label, opts.log)
                 job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
                                record=bool(snap_label(desc)))  # snap's own: its headers teach the stat cache
                 with progress.bar(f"extracting {label}", desc["size"]) as xb:
@@ -418,6 +419,18 @@ def _open_part(name: str, dfd: int, rel: str, k: int, count: int) -> tuple[int, 
         os.close(fd)
         raise IntegrityError(f"part {k}/{count} of /{printable(rel)} changed while being joined: refusing it")
     return fd, fst
+
+
+def _note_mislabelled(desc: dict, path: str, split: bool, label: str, log: Callable[[str], None]) -> None:
+    """Say it in one line when a layer's bytes are not what its media type says (the extractor
+    reads them by their bytes all the same)."""
+    if split:
+        kind = "none"
+    else:
+        with open(path, "rb") as f:
+            kind = sniff_compression(read_head(f))
+    if kind is not None and (msg := label_mismatch(desc["mediaType"], kind)):
+        log(f"warning: {label}: {msg}")
 
 
 def _stored_digest(path: str) -> Optional[str]:

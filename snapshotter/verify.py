@@ -20,7 +20,7 @@ import os
 import stat
 import tarfile
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import zstandard
 
@@ -48,6 +48,7 @@ class VerifyOptions:
     allow_devices: bool = False  # expect device nodes (restore --allow-devices)
     profile: Profile = field(default_factory=load_profile)
     transport: TransportOptions = field(default_factory=TransportOptions)
+    log: Callable[[str], None] = lambda msg: None
 
 
 @dataclass
@@ -75,17 +76,22 @@ class VerifyResult:
 # ---- the expected tree ------------------------------------------------------------------------
 
 
-def image_index(remote: Remote, image: Image, only_snapshot: bool) -> tuple[dict[str, Entry], set[str]]:
+def image_index(remote: Remote, image: Image, only_snapshot: bool,
+                log: Callable[[str], None] = lambda msg: None) -> tuple[dict[str, Entry], set[str]]:
     """(index of the image's paths, paths its layers delete that no later layer brings back)."""
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
     for i, desc, diff_id in select_layers(image, only_snapshot):
         label = layer_label(desc, i)
+
+        def note(msg: str, label: str = label) -> None:
+            log(f"warning: {label}: {msg}")
+
         before = set(index)
         with progress.bar(f"reading {label}", desc["size"]) as bar:
             blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar)))
-            stream = HashingReader(decompressing_reader(blob, desc["mediaType"]))
+            stream = HashingReader(decompressing_reader(blob, desc["mediaType"], note))
             try:
                 if SNAP_PART_FILE in desc.get("annotations", {}):
                     _apply_part_layer(index, stream, joins)
@@ -270,6 +276,6 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     reference = Reference.parse(ref)
     remote = Remote(reference, opts.transport)
     image = remote.resolve()
-    index, deleted = image_index(remote, image, opts.only_snapshot)
+    index, deleted = image_index(remote, image, opts.only_snapshot, opts.log)
     checked, diffs = compare(root, index, deleted, opts)
     return VerifyResult(image.ref, image.manifest_digest, checked, diffs)

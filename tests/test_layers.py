@@ -10,7 +10,8 @@ import pytest
 import referencing
 import referencing.jsonschema
 
-from conftest import make_box, snap
+from conftest import NOT_CAPTURED, make_box, snap
+from support import snapshot_of_tree
 from test_roundtrip import commit_json
 
 SCHEMA_DIR = os.path.join(os.path.dirname(__file__), "data", "oci-schema")
@@ -64,3 +65,53 @@ def test_manifest_and_config_validate_against_the_image_spec_schema(registry, ba
     oci_validator("config-schema.json").validate(config)
     assert config["config"]["ExposedPorts"] == {"8188/tcp": {}} and config["config"]["Cmd"] == ["/bin/sh"]
     assert "Env" not in config["config"] and "author" not in config
+
+
+# ---- layers read by their bytes ---------------------------------------------------------------
+
+DOCKER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+
+
+def put_manifest(registry, repo: str, tag: str, manifest: dict) -> None:
+    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=json.dumps(manifest).encode(),
+                               headers={"Content-Type": manifest["mediaType"]})
+    r.raise_for_status()
+
+
+def as_docker_pushes_it(manifest: dict) -> dict:
+    """The manifest `docker push` writes for an image it pulled: Docker's schema 2, every layer
+    labelled gzip (snap's plain-tar weights included), no annotations."""
+    return {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+            "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                       "digest": manifest["config"]["digest"], "size": manifest["config"]["size"]},
+            "layers": [{"mediaType": DOCKER_GZIP, "digest": d["digest"], "size": d["size"]} for d in manifest["layers"]]}
+
+
+def test_layers_are_read_by_their_bytes_not_their_label(registry, base_ref, box, tmp_path):
+    """After docker pull + docker push, snap's plain-tar weight layers are labelled gzip; elsewhere
+    gzip bytes may come labelled zstd. Restore, verify and commit (reading it as a base) read each
+    layer by its magic bytes, say in one line which label is wrong, and restore the box byte for byte."""
+    commit_json(f"{registry.host}/relabel:src", base_ref, box, "--compression", "gzip")
+    m = registry.manifest("relabel", "src")
+    put_manifest(registry, "relabel", "pushed", as_docker_pushes_it(m))
+    zstd_label = dict(m, layers=[dict(d, mediaType=LAYER_ZSTD) if d.get("annotations", {}).get("dev.snap.layer") == "venv"
+                                 else d for d in m["layers"]])
+    put_manifest(registry, "relabel", "zstd-label", zstd_label)
+    expected = snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+    plain = sum(d["mediaType"] == "application/vnd.oci.image.layer.v1.tar" for d in m["layers"])
+    assert plain == 2  # the weights and the models' directories
+    for tag, wrong, count in (("pushed", f"labelled {DOCKER_GZIP} but its bytes are a plain tar", plain),
+                              ("zstd-label", f"labelled {LAYER_ZSTD} but its bytes are gzip", 1)):
+        ref = f"{registry.host}/relabel:{tag}"
+        out = tmp_path / f"restored-{tag}"
+        r = snap("restore", ref, "--root", str(out), check=True)
+        assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == expected
+        lines = [line for line in r.stderr.splitlines() if "labelled" in line]
+        assert len(lines) == count and all(line.startswith("warning: ") and wrong in line for line in lines), r.stderr
+        r = snap("verify", ref, "--root", str(out), check=True)
+        assert wrong in r.stderr
+        # The relabelled image as the base of a commit: its index is read by the bytes too.
+        r = snap("commit", f"{registry.host}/relabel:on-{tag}", "--base", ref, "--root", str(out), check=True)
+        assert wrong in r.stderr
