@@ -52,7 +52,7 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
 
 class ExtractWorker:
     """Applies the layers, one after the other, in a child process, forked (spawned if the caller
-    runs other threads, which a fork does not copy: a program calling restore() from a
+    runs other threads, which a fork does not copy: a program calling restore_image() from a
     thread-running __main__ needs the usual `if __name__ == "__main__":` guard) and killed with
     its parent."""
 

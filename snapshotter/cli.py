@@ -108,7 +108,7 @@ def commit(
     base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (read from the registry; no Docker needed). Required unless --from-container."),
     root: str = typer.Option("/", "--root", help="Root of the box to capture."),
     from_container: Optional[str] = typer.Option(None, "--from-container", help="Capture a Docker container's changes (the engine's diff) instead of --root; --base defaults to its image."),
-    profile: str = typer.Option("default", "--profile", "-p", help="Layer profile: a name from layers/ (default, comfyui, vllm) or a YAML file."),
+    profile: str = typer.Option("default", "--profile", help="Layer profile: a name from layers/ (default, comfyui, vllm) or a YAML file."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip for engines that cannot pull zstd (Docker < 23). Weights stay uncompressed."),
     rehash: bool = typer.Option(False, "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat cache."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); snap restore joins them."),
@@ -116,7 +116,7 @@ def commit(
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image."""
-    from .commit import CommitOptions, commit as do_commit
+    from .commit import CommitOptions, commit_box
     from .profile import load_profile, parse_size
 
     opts = CommitOptions(
@@ -130,7 +130,7 @@ def commit(
     elif base is None:
         raise UsageError("--base is required", "name the image the box was started from, e.g. --base registry.example.com/me/base:1")
     else:
-        result = do_commit(target, base, opts)
+        result = commit_box(target, base, opts)
     if result.skipped_secrets:
         _say(f"left out {len(result.skipped_secrets)} secret-looking path(s) (set include_secrets in the profile to keep them):")
         for p in result.skipped_secrets:
@@ -170,14 +170,14 @@ def restore(
     """Extract mode: pull the image's layers, verify every digest, and write them at their original paths.
     Needs no Docker. An interrupted restore leaves no half-written file and resumes when run again."""
     from .extract import ExtractOptions
-    from .restore import RestoreOptions, restore as do_restore
+    from .restore import RestoreOptions, restore_image
 
     opts = RestoreOptions(
         only_snapshot=only_snapshot,
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
-    result = do_restore(ref, root, opts)
+    result = restore_image(ref, root, opts)
     if result.skipped_devices:
         _say(f"skipped {len(result.skipped_devices)} device node(s) (pass --allow-devices as root to create them)")
     if result.stripped_setuid:

@@ -107,7 +107,7 @@ def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bo
     return scan, diff(index, scan, skipped, rehash=rehash, root=root)
 
 
-def commit(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
+def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
     opts = opts or CommitOptions()
     if opts.compression not in (None, "zstd", "gzip"):
         raise UsageError(f"--compression {opts.compression} is not known: use zstd or gzip")

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from . import progress
-from .commit import CommitOptions, CommitResult, commit
+from .commit import CommitOptions, CommitResult, commit_box
 from .compress import IterReader
 from .errors import NotFound, SnapError, UsageError
 from .extract import ExtractOptions, Extractor
@@ -50,7 +50,7 @@ def commit_from_container(container: str, target: str, base: Optional[str], opts
     shutil.rmtree(mirror, ignore_errors=True)
     os.makedirs(mirror)
     try:
-        return commit(target, base, replace(
+        return commit_box(target, base, replace(
             opts, root=mirror,
             changes=lambda img, index: container_changes(ct, img, index, mirror, opts.profile, opts.log)))
     finally:

@@ -200,7 +200,7 @@ def part_files(layers: list[tuple[int, dict, str]]) -> dict[str, int]:
 # ---- restore ----------------------------------------------------------------------------------------
 
 
-def restore(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> RestoreResult:
+def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> RestoreResult:
     opts = opts or RestoreOptions()
     reference = Reference.parse(ref)
     if os.path.exists(root) and not os.path.isdir(root):

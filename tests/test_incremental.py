@@ -10,7 +10,7 @@ import pytest
 
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
-from snapshotter import CommitOptions, commit
+from snapshotter import CommitOptions, commit_box
 from snapshotter.profile import parse_profile
 
 MiB = 1024 * 1024
@@ -37,35 +37,35 @@ def model_box(box):
 def test_files_changed_just_before_the_scan_are_read_again(registry, base_ref, box):
     """The racy-clean rule: a layer with a file changed right before the scan is not cached."""
     write_tree(box, {"opt/app/models/checkpoints/fresh.safetensors": os.urandom(4 * MiB)})
-    commit(f"{registry.host}/racy:v1", base_ref, CommitOptions(root=box))
-    second = commit(f"{registry.host}/racy:v2", base_ref, CommitOptions(root=box))
+    commit_box(f"{registry.host}/racy:v1", base_ref, CommitOptions(root=box))
+    second = commit_box(f"{registry.host}/racy:v2", base_ref, CommitOptions(root=box))
     assert statuses(second)["models"] == "exists, skipped"  # read again, not trusted from the cache
 
 
 def test_nothing_changed_commit_reads_no_model_bytes(registry, base_ref, model_box):
     opts = CommitOptions(root=model_box)
-    first = commit(f"{registry.host}/cache:v1", base_ref, opts)
+    first = commit_box(f"{registry.host}/cache:v1", base_ref, opts)
     before = bytes_read_by_this_process()
-    second = commit(f"{registry.host}/cache:v2", base_ref, CommitOptions(root=model_box))
+    second = commit_box(f"{registry.host}/cache:v2", base_ref, CommitOptions(root=model_box))
     read = bytes_read_by_this_process() - before
     assert read < 5 * MiB, f"a nothing-changed commit read {read} bytes"
     assert all("not read" in s for s in statuses(second).values()), statuses(second)
     assert [layer.digest for layer in first.layers] == [layer.digest for layer in second.layers]
     # --rehash reads everything again.
     before = bytes_read_by_this_process()
-    third = commit(f"{registry.host}/cache:v3", base_ref, CommitOptions(root=model_box, rehash=True))
+    third = commit_box(f"{registry.host}/cache:v3", base_ref, CommitOptions(root=model_box, rehash=True))
     assert bytes_read_by_this_process() - before > 40 * MiB
     assert not any("not read" in s for s in statuses(third).values())
 
 
 def test_file_rewritten_with_old_mtime_is_still_detected(registry, base_ref, model_box):
     path = os.path.join(model_box, "opt/app/models/checkpoints/big.safetensors")
-    first = commit(f"{registry.host}/ctime:v1", base_ref, CommitOptions(root=model_box))
+    first = commit_box(f"{registry.host}/ctime:v1", base_ref, CommitOptions(root=model_box))
     st = os.stat(path)
     with open(path, "r+b") as f:  # same size, other bytes, mtime put back: only ctime tells
         f.write(b"\x00" * 4096)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    second = commit(f"{registry.host}/ctime:v2", base_ref, CommitOptions(root=model_box))
+    second = commit_box(f"{registry.host}/ctime:v2", base_ref, CommitOptions(root=model_box))
     label = "models"  # 40 MiB: under the default 64 MiB single-file threshold, so in the models bundle
     assert statuses(second)[label] == "uploaded"
     a = {layer.name: layer.digest for layer in first.layers}
@@ -75,10 +75,10 @@ def test_file_rewritten_with_old_mtime_is_still_detected(registry, base_ref, mod
 
 
 def test_cache_of_another_root_is_not_used(registry, base_ref, model_box, tmp_path):
-    commit(f"{registry.host}/other:v1", base_ref, CommitOptions(root=model_box))
+    commit_box(f"{registry.host}/other:v1", base_ref, CommitOptions(root=model_box))
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", model_box, str(copy)], check=True)
-    result = commit(f"{registry.host}/other:v2", base_ref, CommitOptions(root=str(copy)))
+    result = commit_box(f"{registry.host}/other:v2", base_ref, CommitOptions(root=str(copy)))
     # Same content, so the same digests the registry already has, but found by reading, not from the cache.
     assert all(s == "exists, skipped" for s in statuses(result).values()), statuses(result)
 
@@ -103,7 +103,7 @@ def test_weight_layers_are_stable_when_a_model_is_added_or_removed(registry, bas
     write_tree(box, {f"opt/app/models/configs/c{i:03d}.json": os.urandom(3000) for i in range(120)})
 
     def layers(tag):
-        r = commit(f"{registry.host}/weights:{tag}", base_ref, CommitOptions(root=box, profile=profile))
+        r = commit_box(f"{registry.host}/weights:{tag}", base_ref, CommitOptions(root=box, profile=profile))
         return {layer.name: layer for layer in r.layers}
 
     v1 = layers("v1")
@@ -161,9 +161,9 @@ def test_commit_and_restore_memory_is_flat_in_model_size(registry, base_ref, box
             f.write(os.urandom(8 * MiB))
     code = (
         "import sys\n"
-        "from snapshotter import commit, restore, CommitOptions\n"
-        f"commit('{registry.host}/mem:v1', '{base_ref}', CommitOptions(root='{box}'))\n"
-        f"restore('{registry.host}/mem:v1', '{tmp_path / 'out'}')\n"
+        "from snapshotter import commit_box, restore_image, CommitOptions\n"
+        f"commit_box('{registry.host}/mem:v1', '{base_ref}', CommitOptions(root='{box}'))\n"
+        f"restore_image('{registry.host}/mem:v1', '{tmp_path / 'out'}')\n"
         # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking parent (pytest,
         # which may hold hundreds of MiB from earlier tests); VmHWM is this process's own peak.
         "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))\n"
@@ -177,7 +177,7 @@ def test_commit_and_restore_memory_is_flat_in_model_size(registry, base_ref, box
 
 def test_a_restored_box_commits_without_reading_its_layers(registry, base_ref, model_box, tmp_path):
     """After a reclaim: restore on a new machine (fresh state dir), then commit within seconds."""
-    first = commit(f"{registry.host}/seed:v1", base_ref, CommitOptions(root=model_box))
+    first = commit_box(f"{registry.host}/seed:v1", base_ref, CommitOptions(root=model_box))
     fresh_state = tmp_path / "new-machine-state"
     env = {"SNAP_STATE_DIR": str(fresh_state)}
     out = tmp_path / "restored"
@@ -187,7 +187,7 @@ def test_a_restored_box_commits_without_reading_its_layers(registry, base_ref, m
     os.environ["SNAP_STATE_DIR"] = str(fresh_state)  # monkeypatched per test by conftest
     write_tree(str(out), {"opt/app/custom_nodes/NodeA/nodes.py": "class A: changed = True\n"}, mtime=1_700_000_100)
     before = bytes_read_by_this_process()
-    second = commit(f"{registry.host}/seed:v2", base_ref, CommitOptions(root=str(out)))
+    second = commit_box(f"{registry.host}/seed:v2", base_ref, CommitOptions(root=str(out)))
     read = bytes_read_by_this_process() - before
     assert read < 5 * MiB, f"the first commit after a restore read {read} bytes"
     st = statuses(second)
@@ -201,7 +201,7 @@ def test_a_restored_box_commits_without_reading_its_layers(registry, base_ref, m
 def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_box, tmp_path):
     """The restore's record is trusted only for files not changed since the restore: a weight
     rewritten in place, same size, with its mtime put back, is read and uploaded again."""
-    commit(f"{registry.host}/seedchg:v1", base_ref, CommitOptions(root=model_box))
+    commit_box(f"{registry.host}/seedchg:v1", base_ref, CommitOptions(root=model_box))
     fresh_state = tmp_path / "new-machine-state"
     out = tmp_path / "restored"
     snap("restore", f"{registry.host}/seedchg:v1", "--root", str(out), env={"SNAP_STATE_DIR": str(fresh_state)}, check=True)
@@ -213,7 +213,7 @@ def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_b
     os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as restored: only ctime tells
 
     os.environ["SNAP_STATE_DIR"] = str(fresh_state)  # monkeypatched per test by conftest
-    second = commit(f"{registry.host}/seedchg:v2", base_ref, CommitOptions(root=str(out)))
+    second = commit_box(f"{registry.host}/seedchg:v2", base_ref, CommitOptions(root=str(out)))
     st2 = statuses(second)
     big_layer = "models"  # 40 MiB: below the single-file threshold, in the models bundle
     assert st2[big_layer] == "uploaded", st2

@@ -20,14 +20,12 @@ import pytest
 import zstandard
 
 from conftest import snap
-from snapshotter import applier
+from snapshotter import applier, restore as restore_module
 from snapshotter.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
-from snapshotter.restore import RestoreOptions
+from snapshotter.restore import RestoreOptions, restore_image
 from snapshotter.staging import SPLIT_SUFFIX, download_split
 from test_hostile import layer as hlayer, member, part_ann, push_annotated
-
-restore_module = sys.modules["snapshotter.restore"]  # `snapshotter.restore` is the function
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 ZSTD = TAR + "+zstd"
@@ -295,7 +293,7 @@ def test_interrupted_only_snapshot_then_full_restore_applies_layers_in_order(reg
     root = tmp_path / "root"
     put_back = _interrupt_apply_after(monkeypatch, 1)
     with pytest.raises(Interrupted):
-        restore_module.restore(ref, str(root), RestoreOptions(only_snapshot=True, seed_stat_cache=False))
+        restore_image(ref, str(root), RestoreOptions(only_snapshot=True, seed_stat_cache=False))
     put_back()
     assert (root / "f.txt").read_bytes() == b"snapshot\n" and not (root / "g.txt").exists()
 
@@ -351,7 +349,7 @@ def test_join_resumes_with_no_layer_left_and_a_stale_join_temp(registry, tmp_pat
     join_parts = restore_module._join_parts
     monkeypatch.setattr(restore_module, "_join_parts", killed)
     with pytest.raises(Interrupted):
-        restore_module.restore(ref, str(root), RestoreOptions(seed_stat_cache=False))
+        restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
     monkeypatch.setattr(restore_module, "_join_parts", join_parts)
     (root / "m" / ".snap-tmp-join-4242").write_bytes(b"first\n")  # what the killed join had written
     r = snap("restore", ref, "--root", str(root), "--json")
@@ -397,7 +395,7 @@ def test_big_files_of_an_uncompressed_layer_are_written_once(registry, tmp_path,
     files = {"models/w.safetensors": big, "models/config.json": b"{}\n"}
     registry.push_image("once", "v1", [layer(files, dirs=("models",))], layer_media_type=TAR)
     before = _wchar()
-    restore_module.restore(f"{registry.host}/once:v1", str(tmp_path / "root"))
+    restore_image(f"{registry.host}/once:v1", str(tmp_path / "root"))
     written = _wchar() - before
     # Downloaded into a file of its own, then renamed into place: once, not downloaded then copied.
     assert 24 * MiB <= written < 30 * MiB, written / MiB
@@ -455,9 +453,9 @@ def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tm
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
-        restore_module.restore(f"{registry.host}/spawned:v1", str(tmp_path / "root"), RestoreOptions(seed_stat_cache=False))
+        restore_image(f"{registry.host}/spawned:v1", str(tmp_path / "root"), RestoreOptions(seed_stat_cache=False))
         with pytest.raises(IntegrityError, match="does not match its diff_id"):
-            restore_module.restore(f"{registry.host}/spawned:bad", str(tmp_path / "other"), RestoreOptions(seed_stat_cache=False))
+            restore_image(f"{registry.host}/spawned:bad", str(tmp_path / "other"), RestoreOptions(seed_stat_cache=False))
     finally:
         stop.set()
         other.join()
