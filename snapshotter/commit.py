@@ -25,7 +25,7 @@ from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote
 from .state import state_dir, sub
-from .statcache import StatCache, headers_digest, load_restore_record
+from .statcache import StatCache, blob_entry, headers_digest, load_restore_record
 from .transport import TransportOptions
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
@@ -191,7 +191,7 @@ def _restored_layer(record: Optional[dict], plan: LayerPlan) -> Optional[dict]:
         return None
     if layer.get("headers") != headers_digest([header_key(ti) for ti, _ in tar_headers(plan)]):
         return None
-    return {k: layer[k] for k in ("digest", "diff_id", "size", "media_type")}
+    return blob_entry(layer)
 
 
 def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatCache, restored: Optional[dict],

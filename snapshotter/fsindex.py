@@ -8,7 +8,7 @@ import json
 import os
 import stat
 import tarfile
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import BinaryIO, Callable, Optional
 
 from .errors import StorageError, UsageError
@@ -350,8 +350,19 @@ def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO) -> None:
         index[rel] = e
 
 
+# The base-index cache holds each Entry positionally (astuple: compact, quick to load). Its first
+# line names the format version and Entry's fields: a cache of another version or field layout is
+# rebuilt, never read into the wrong fields. Version 1 had no such line.
+INDEX_VERSION = 2
+
+
+def _index_header() -> dict:
+    return {"version": INDEX_VERSION, "fields": [f.name for f in fields(Entry)]}
+
+
 def save_index(index: dict[str, Entry], path: str) -> None:
     def write(f) -> None:
+        f.write(json.dumps(_index_header()) + "\n")
         for e in index.values():
             f.write(json.dumps(astuple(e), separators=(",", ":")))
             f.write("\n")
@@ -360,10 +371,21 @@ def save_index(index: dict[str, Entry], path: str) -> None:
 
 
 def load_index(path: str) -> Optional[dict[str, Entry]]:
+    """The index saved at `path`; None if it is missing, damaged, or of another version or layout."""
+    header = _index_header()
     try:
         with gzip.open(path, "rt") as f:
-            return {e.path: e for e in (Entry(*json.loads(line)) for line in f)}
-    except (OSError, ValueError, TypeError):
+            if json.loads(f.readline() or "null") != header:
+                return None
+            rows = (json.loads(line) for line in f)
+            index = {}
+            for row in rows:
+                if not isinstance(row, list) or len(row) != len(header["fields"]):
+                    return None
+                e = Entry(*row)
+                index[e.path] = e
+            return index
+    except (OSError, ValueError, TypeError, EOFError):
         return None  # a missing or damaged cache is rebuilt
 
 

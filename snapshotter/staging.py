@@ -28,6 +28,7 @@ from .errors import IntegrityError
 STAGE_MIN = 1 << 20  # smaller contents stay in the skeleton: a rename saves nothing on them
 BLOCK = tarfile.BLOCKSIZE
 SPLIT_SUFFIX = ".split"
+SEGMENTS_VERSION = 1  # of segments.json: a split layer of another version is downloaded again
 PAX_MAX = 1 << 16  # PAX records longer than this are not parsed (snap's are a few hundred bytes)
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _META = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
@@ -143,7 +144,7 @@ class _Splitter:
             os.fsync(self.skeleton.fileno())
         self.skeleton.close()
         with open(os.path.join(self.dir, "segments.json"), "w") as f:
-            json.dump(self.segments, f)
+            json.dump({"version": SEGMENTS_VERSION, "segments": self.segments}, f)
 
     def close(self) -> None:
         for f in (self.content, self.skeleton):
@@ -200,7 +201,10 @@ class SplitLayer(io.RawIOBase):
     def __init__(self, dirpath: str, on_bytes: Optional[Callable[[int], None]] = None):
         self.dir, self.on_bytes = dirpath, on_bytes
         with open(os.path.join(dirpath, "segments.json")) as f:
-            segs = json.load(f)
+            doc = json.load(f)
+        if not (isinstance(doc, dict) and doc.get("version") == SEGMENTS_VERSION):
+            raise ValueError(f"{dirpath} is a split layer of another format version")
+        segs = doc["segments"]
         # (start in the stream, length, content name or None, start in the skeleton)
         self.segments: list[tuple[int, int, Optional[str], int]] = []
         pos = skel = 0

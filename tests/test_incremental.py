@@ -1,5 +1,6 @@
 """Speed features that must stay correct: the stat cache, weight layers, part layers, bounded memory."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -220,3 +221,64 @@ def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_b
     assert all("not read" in s for name, s in st2.items() if name != big_layer), st2
     r = snap("restore", f"{registry.host}/seedchg:v2", "--root", str(tmp_path / "again"), check=True)
     assert (tmp_path / "again/opt/app/models/checkpoints/big.safetensors").read_bytes() == big.read_bytes()
+
+
+# ---- caches of another format ------------------------------------------------------------------
+
+def _swap(row: list, i: int, j: int) -> list:
+    row = list(row)
+    row[i], row[j] = row[j], row[i]
+    return row
+
+
+@pytest.mark.parametrize("header", ["none (version 1)", "another version", "another field layout"])
+def test_a_base_index_cache_of_another_format_is_rebuilt(registry, base_ref, box, state_dir, header):
+    """A base-index cache whose rows are laid out otherwise (here size and mtime swapped) is never
+    read into the wrong fields: the commit rebuilds the index and gives the same image."""
+    first = commit_box(f"{registry.host}/idxfmt:v1", base_ref, CommitOptions(root=box))
+    [cache] = (state_dir / "base-index").iterdir()
+    with gzip.open(cache, "rt") as f:
+        current, *rows = [json.loads(line) for line in f]
+    size, mtime = current["fields"].index("size"), current["fields"].index("mtime")
+    lines = [_swap(row, size, mtime) for row in rows]
+    if header == "another version":
+        lines.insert(0, {**current, "version": current["version"] + 1})
+    elif header == "another field layout":
+        lines.insert(0, {**current, "fields": _swap(current["fields"], size, mtime)})
+    with gzip.open(cache, "wt") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+
+    second = commit_box(f"{registry.host}/idxfmt:v2", base_ref, CommitOptions(root=box))
+    assert [(layer.name, layer.digest) for layer in second.layers] == [(layer.name, layer.digest) for layer in first.layers]
+    assert second.deleted == first.deleted
+    with gzip.open(cache, "rt") as f:
+        assert json.loads(f.readline()) == current  # rebuilt in this version's format
+
+
+def test_a_stat_cache_of_another_layout_is_ignored(registry, base_ref, model_box, state_dir):
+    first = commit_box(f"{registry.host}/scfmt:v1", base_ref, CommitOptions(root=model_box))
+    [path] = (state_dir / "stat-cache").iterdir()
+    doc = json.loads(path.read_text())
+    assert doc["layers"]  # the first commit did cache its layers
+    # The same key, but each blob as a list: not what this version writes.
+    doc["layers"] = {fp: [b["digest"], b["diff_id"], b["size"], b["media_type"]] for fp, b in doc["layers"].items()}
+    path.write_text(json.dumps(doc))
+    second = commit_box(f"{registry.host}/scfmt:v2", base_ref, CommitOptions(root=model_box))
+    assert all(s == "exists, skipped" for s in statuses(second).values()), statuses(second)  # read, not trusted
+    assert [layer.digest for layer in second.layers] == [layer.digest for layer in first.layers]
+    third = commit_box(f"{registry.host}/scfmt:v3", base_ref, CommitOptions(root=model_box))
+    assert all("not read" in s for s in statuses(third).values()), statuses(third)  # rewritten in this version's layout
+
+
+def test_a_restore_record_of_another_layout_is_ignored(registry, base_ref, model_box, tmp_path, state_dir):
+    first = commit_box(f"{registry.host}/recfmt:v1", base_ref, CommitOptions(root=model_box))
+    out = tmp_path / "restored"
+    snap("restore", f"{registry.host}/recfmt:v1", "--root", str(out), check=True)
+    [path] = (state_dir / "restored").iterdir()
+    doc = json.loads(path.read_text())
+    for layer in doc["layers"].values():
+        layer["diff-id"] = layer.pop("diff_id")  # a field renamed: not what this version writes
+    path.write_text(json.dumps(doc))
+    second = commit_box(f"{registry.host}/recfmt:v2", base_ref, CommitOptions(root=str(out)))
+    assert all(s == "exists, skipped" for s in statuses(second).values()), statuses(second)  # read, not trusted
+    assert [layer.digest for layer in second.layers] == [layer.digest for layer in first.layers]

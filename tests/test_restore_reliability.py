@@ -435,6 +435,42 @@ def test_a_split_layer_left_incomplete_is_downloaded_again(registry, tmp_path, s
     assert os.listdir(state_dir / "blobs") == []
 
 
+def test_a_split_layer_of_another_format_is_downloaded_again(registry, tmp_path, state_dir):
+    """A split layer left by a snap whose segments.json is laid out otherwise is not read: the
+    layer is downloaded again."""
+    big = os.urandom(2 * MiB)
+    data = layer({"w.bin": big})
+    registry.push_image("splitfmt", "v1", [data], layer_media_type=TAR)
+    split = state_dir / "blobs" / (sha(data) + SPLIT_SUFFIX)
+    (state_dir / "blobs").mkdir(parents=True)
+    download_split([data], str(split))
+    doc = json.loads((split / "segments.json").read_text())
+    # The next version, say, names each segment's fields.
+    segments = [dict(zip(("kind", "name", "length") if seg[0] == "c" else ("kind", "length"), seg)) for seg in doc["segments"]]
+    (split / "segments.json").write_text(json.dumps({"version": doc["version"] + 1, "segments": segments}))
+    r = snap("restore", f"{registry.host}/splitfmt:v1", "--root", str(tmp_path / "root"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "root/w.bin").read_bytes() == big
+    assert os.listdir(state_dir / "blobs") == []
+
+
+def test_a_journal_of_another_version_is_not_resumed_from(registry, tmp_path, state_dir):
+    """A journal another version of snap left (here one saying every layer is applied) is not
+    read as this version's: the restore starts over and applies every layer."""
+    one, two = layer({"a.txt": b"a\n"}), layer({"b.txt": b"b\n"})
+    manifest_digest = registry.push_image("journalfmt", "v1", [one, two], layer_media_type=TAR)
+    root = tmp_path / "root"
+    journal = state_dir / "restore-journal" / (hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
+    journal.parent.mkdir(parents=True)
+    layers = [d["digest"] for d in registry.manifest("journalfmt", "v1")["layers"]]
+    journal.write_text(json.dumps({"version": restore_module.JOURNAL_VERSION + 1, "manifest": manifest_digest,
+                                   "layers": layers, "applied": 2, "joined": []}))
+    r = snap("restore", f"{registry.host}/journalfmt:v1", "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed"] == 0 and "starting over" in r.stderr
+    assert (root / "a.txt").read_bytes() == b"a\n" and (root / "b.txt").read_bytes() == b"b\n"
+
+
 # ---- the extraction process -------------------------------------------------------------------
 
 def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tmp_path, state_dir, monkeypatch):
