@@ -5,13 +5,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
-from snapshotter import CommitOptions, commit_box
+from snapshotter import CommitOptions, commit as commit_module, commit_box
 from snapshotter.profile import parse_profile
 
 MiB = 1024 * 1024
@@ -27,20 +26,27 @@ def statuses(result):
 
 
 @pytest.fixture
-def model_box(box):
+def model_box(box, monkeypatch):
     write_tree(box, {"opt/app/models/checkpoints/big.safetensors": os.urandom(40 * MiB)})
-    # Files changed within 2 s of a scan are not trusted to the stat cache (racy clean): let the
-    # box age past that, as a real box's files have.
-    time.sleep(2.1)
+    # Files changed within RACY_WINDOW_NS before a scan are not trusted to the stat cache (racy
+    # clean). A real box's files are older than that: here the window is closed instead.
+    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)
     return box
 
 
-def test_files_changed_just_before_the_scan_are_read_again(registry, base_ref, box):
-    """The racy-clean rule: a layer with a file changed right before the scan is not cached."""
+def test_files_changed_just_before_the_scan_are_read_again(registry, base_ref, box, monkeypatch):
+    """The racy-clean rule: a layer with a file changed within the window before the scan is not cached."""
     write_tree(box, {"opt/app/models/checkpoints/fresh.safetensors": os.urandom(4 * MiB)})
+    # An hour wide: the file is inside the window however long this machine takes to reach the scan.
+    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 3600 * 10**9)
     commit_box(f"{registry.host}/racy:v1", base_ref, CommitOptions(root=box))
     second = commit_box(f"{registry.host}/racy:v2", base_ref, CommitOptions(root=box))
     assert statuses(second)["models"] == "exists, skipped"  # read again, not trusted from the cache
+    # The window is what made the difference: closed, the same files are cached and not read.
+    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)
+    commit_box(f"{registry.host}/racy:v3", base_ref, CommitOptions(root=box))
+    fourth = commit_box(f"{registry.host}/racy:v4", base_ref, CommitOptions(root=box))
+    assert statuses(fourth)["models"] == "exists, skipped (unchanged, not read)"
 
 
 def test_nothing_changed_commit_reads_no_model_bytes(registry, base_ref, model_box):
@@ -77,11 +83,16 @@ def test_file_rewritten_with_old_mtime_is_still_detected(registry, base_ref, mod
 
 def test_cache_of_another_root_is_not_used(registry, base_ref, model_box, tmp_path):
     commit_box(f"{registry.host}/other:v1", base_ref, CommitOptions(root=model_box))
-    copy = tmp_path / "copy"
-    subprocess.run(["cp", "-a", model_box, str(copy)], check=True)
-    result = commit_box(f"{registry.host}/other:v2", base_ref, CommitOptions(root=str(copy)))
+    # Moved, not copied: every file keeps its inode and ctime, so each layer's fingerprint is the
+    # same. Only the root tells the two boxes apart.
+    moved = str(tmp_path / "moved")
+    os.rename(model_box, moved)
+    result = commit_box(f"{registry.host}/other:v2", base_ref, CommitOptions(root=moved))
     # Same content, so the same digests the registry already has, but found by reading, not from the cache.
     assert all(s == "exists, skipped" for s in statuses(result).values()), statuses(result)
+    os.rename(moved, model_box)  # back at its own root, the box finds its cache again
+    again = commit_box(f"{registry.host}/other:v3", base_ref, CommitOptions(root=model_box))
+    assert all("not read" in s for s in statuses(again).values()), statuses(again)
 
 
 WEIGHTS_PROFILE = """
