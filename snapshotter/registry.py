@@ -10,8 +10,6 @@ import hashlib
 import json
 import os
 import platform
-import queue
-import threading
 import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -22,11 +20,8 @@ from .errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable
 from .image import Image, sha256_digest
 from .mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from .reference import Reference
-from .transport import TIMEOUT, Transport, TransportOptions, short_error
-
-PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the packer and the socket
-QUEUED_PIECES = 8  # memory per upload: about this many pieces, whatever the blob size
-UPLOAD_ATTEMPTS = 3
+from .transport import Transport, TransportOptions, check, short_error
+from .upload import PIECE_SIZE, upload
 
 ProgressFn = Optional[Callable[[int], None]]
 
@@ -51,7 +46,7 @@ class Remote:
         if r.status_code == 404:
             raise NotFound(f"image {self.ref.name}:{target} not found in the registry" if ":" not in target
                            else f"image {self.ref.name}@{target} not found in the registry")
-        _check(r, f"fetch manifest {self.ref.name}:{target}")
+        check(r, f"fetch manifest {self.ref.name}:{target}")
         body = r.content
         digest = sha256_digest(body)
         algorithm, pinned, _ = target.partition(":")  # a digest (sha256, sha384, sha512), or a tag
@@ -80,7 +75,7 @@ class Remote:
     def put_manifest(self, body: bytes, media_type: str, target: str) -> str:
         """PUT the exact bytes (never re-serialised, so the digest is what we computed)."""
         r = self.transport.request("PUT", self.transport.url(f"manifests/{target}"), data=body, headers={"Content-Type": media_type})
-        _check(r, f"push manifest to {self.ref.name}:{target}")
+        check(r, f"push manifest to {self.ref.name}:{target}")
         return sha256_digest(body)
 
     # ---- blobs -------------------------------------------------------------------------------
@@ -94,7 +89,7 @@ class Remote:
         r = self.transport.request("GET", self.transport.url(f"blobs/{digest}"))
         if r.status_code == 404:
             raise NotFound(f"blob {digest} missing from {self.ref.name}")
-        _check(r, f"fetch blob {digest}")
+        check(r, f"fetch blob {digest}")
         if sha256_digest(r.content) != digest:
             raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest")
         return r.content
@@ -104,7 +99,7 @@ class Remote:
         r = self.transport.request("GET", self.transport.url(f"blobs/{digest}"), stream=True, headers=headers)
         if r.status_code == 404:
             raise NotFound(f"blob {digest} missing from {self.ref.name}")
-        _check(r, f"fetch blob {digest}")
+        check(r, f"fetch blob {digest}")
         return r
 
     def iter_blob(self, digest: str, progress: ProgressFn = None) -> Iterator[bytes]:
@@ -162,156 +157,10 @@ class Remote:
         self.upload_from(copy, digest, size, progress)
 
     def upload_from(self, produce: Callable[[object], None], digest: str, size: int, progress: ProgressFn = None) -> None:
-        """Upload a blob whose bytes `produce(out)` writes to `out`, streamed as the body of one
-        PATCH in bounded memory. `produce` must give the same bytes each time it is called: an
-        upload that breaks (registry restarted, connection lost) is started over, and the registry
-        only accepts the blob at the final PUT if the bytes match the digest."""
-        last: Optional[Exception] = None
-        for _ in range(UPLOAD_ATTEMPTS):
-            sent = [0]
-
-            def count(n: int) -> None:
-                sent[0] += n
-                if progress:
-                    progress(n)
-
-            try:
-                self._upload_once(produce, digest, size, count)
-                return
-            except RegistryError as e:  # the upload broke while the registry stayed up
-                last = e
-                if progress:
-                    progress(-sent[0])  # the bar restarts with the upload
-                if self.blob_exists(digest):  # (waits for a registry that restarts)
-                    return
-        raise last  # type: ignore[misc]
-
-    def _upload_once(self, produce: Callable[[object], None], digest: str, size: int,
-                     progress: Callable[[int], None]) -> None:
-        r = self.transport.request("POST", self.transport.url("blobs/uploads/"), headers={"Content-Length": "0"})
-        _check(r, f"start upload of {digest}")
-        out = _StreamedUpload(self, self.transport.absolute(r.headers["Location"]), digest, progress)
-        try:
-            produce(out)
-        except BaseException:
-            out.abort()
-            raise
-        location = out.finish()
-        if out.offset != size:
-            raise IntegrityError(f"blob {digest} changed while it was uploaded ({out.offset} bytes, expected {size})",
-                                 "a file of the box changed during the commit; commit again")
-        sep = "&" if "?" in location else "?"
-        r = self.transport.request("PUT", f"{location}{sep}digest={urllib.parse.quote(digest)}",
-                          headers={"Content-Length": "0", "Content-Type": "application/octet-stream"})
-        if r.status_code == 400 and "DIGEST_INVALID" in r.text:
-            raise IntegrityError(f"blob {digest} changed while it was uploaded (the registry saw other bytes)",
-                                 "a file of the box changed during the commit; commit again")
-        _check(r, f"finish upload of {digest}")
-
-
-class _StreamedUpload:
-    """A write-only stream sent as the body of one PATCH with chunked transfer encoding (a
-    "streamed upload", as docker push sends it): one request per blob, where 16 MiB PATCH chunks
-    cost the registry a writer reopen and a hash-state save each. A thread runs the request and
-    takes pieces from a short queue, so memory stays bounded whatever the blob size."""
-
-    _END = object()
-
-    def __init__(self, remote: "Remote", location: str, digest: str, progress: Callable[[int], None]):
-        self.remote, self.location, self.digest, self.progress = remote, location, digest, progress
-        self.parts: list[bytes] = []  # bytes written, joined into one piece once PIECE_SIZE is here
-        self.pending = 0
-        self.offset = 0  # bytes handed to the request
-        self.queue: queue.Queue = queue.Queue(QUEUED_PIECES)
-        self.aborted = False
-        self.response: Optional[requests.Response] = None
-        self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._send, name=f"upload {digest[:19]}", daemon=True)
-        self.thread.start()
-
-    def write(self, data) -> int:
-        self.parts.append(bytes(data))
-        self.pending += len(data)
-        if self.pending >= PIECE_SIZE:
-            self._queue(b"".join(self.parts))
-        return len(data)
-
-    def finish(self) -> str:
-        """End the body, wait for the registry's answer; the upload's next location."""
-        if self.parts:
-            self._queue(b"".join(self.parts))
-        self._put(self._END)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        r = self.response
-        _check(r, f"upload of {self.digest}")
-        # The registry says how much it holds; a body it did not take whole (e.g. sent again empty
-        # after an auth challenge) must not reach the PUT.
-        got = r.headers.get("Range", "")
-        if self.offset and got and got != f"0-{self.offset - 1}":
-            raise RegistryError(f"upload of {self.digest} incomplete: the registry holds {got}, we sent {self.offset} bytes")
-        return self.remote.transport.absolute(r.headers["Location"])
-
-    def abort(self) -> None:
-        """The producer failed: end the request without a valid body."""
-        self.aborted = True
-        try:
-            while True:
-                self.queue.get_nowait()  # make room: the request thread may be waiting for a piece
-        except queue.Empty:
-            pass
-        self.queue.put(self._END)
-        self.thread.join(TIMEOUT[0])
-
-    def _queue(self, piece: bytes) -> None:
-        self.parts, self.pending = [], 0
-        self._put(piece)
-        self.offset += len(piece)
-
-    def _put(self, item) -> None:
-        while True:
-            if not self.thread.is_alive():  # the request ended early: the registry refused or broke
-                self.thread.join()
-                raise self.error or RegistryError(f"upload of {self.digest} ended before its body was sent")
-            try:
-                self.queue.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def _body(self) -> Iterator[bytes]:
-        while True:
-            piece = self.queue.get()
-            if self.aborted:
-                raise _Aborted()
-            if piece is self._END:
-                return
-            yield piece
-            self.progress(len(piece))
-
-    def _send(self) -> None:
-        try:
-            self.response = self.remote.transport.request("PATCH", self.location, data=self._body(), resend=False,
-                                                 headers={"Content-Type": "application/octet-stream"})
-        except BaseException as e:  # handed to the writer
-            self.error = e
-
-
-class _Aborted(Exception):
-    """Raised inside a streamed request body to end the request when its producer failed."""
-
-
-def _check(r: requests.Response, what: str) -> None:
-    if r.status_code < 300:
-        return
-    detail = ""
-    try:
-        errors = r.json().get("errors", [])
-        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
-    except ValueError:
-        detail = r.text[:200].strip()
-    raise RegistryError(f"{what} failed: HTTP {r.status_code} {detail}".strip())
+        """Upload a blob whose bytes `produce(out)` writes to `out`, streamed in bounded memory.
+        `produce` must give the same bytes each time it is called: an upload that breaks resumes
+        by running it again (upload.py)."""
+        upload(self, produce, digest, size, progress)
 
 
 def _json(body: bytes, what: str) -> dict:

@@ -9,6 +9,7 @@ module calls past its retry decorator (which sleeps minutes per request) and add
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import ipaddress
 import json
 import os
@@ -16,7 +17,7 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import oras.auth
 import oras.auth.utils
@@ -30,6 +31,8 @@ from .reference import DOCKER_HUB_NAMES, api_host
 PING_TIMEOUT = 10
 TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a wait forever
 RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we give up
+RETRY_STATUSES = (429, 500, 502, 503, 504)  # busy, throttling or restarting: worth asking again
+MAX_RETRY_AFTER = 60  # seconds: a longer Retry-After is waited this long, then asked again
 # oras's request function without its retry decorator (which sleeps up to minutes per request).
 _do_request = oras.provider.Registry.do_request.__wrapped__
 
@@ -82,6 +85,7 @@ class Transport:
         self.registry, self.repository = registry, repository
         self.options = options or TransportOptions()
         self.host = api_host(registry)  # where requests go; `registry` stays the name in messages
+        self.sleep: Callable[[float], None] = time.sleep  # tests swap it to see the waits
         self.scheme = self._probe()
         verify = self.options.ca_bundle or self.options.tls_verify
         backend = self._auth_kind
@@ -140,7 +144,8 @@ class Transport:
 
     def request(self, method: str, url: str, resend: bool = True, **kw) -> requests.Response:
         """One registry request through oras (auth, token refresh), retried by us with a short
-        backoff: a registry that restarts is waited for, one that is down fails in seconds.
+        backoff: a registry that restarts or throttles (429/5xx, its Retry-After honoured) is
+        waited for, one that is down fails in seconds.
         (oras's own retry decorator waits minutes per request, so we call past it.)
         `resend=False` for a streamed body, which cannot be sent twice: a broken connection or an
         expired token is then a RegistryError, for the caller to start its upload over."""
@@ -164,7 +169,7 @@ class Transport:
                 if delay is None:
                     raise RegistryUnreachable(f"registry {registry} stopped answering: {short_error(e)}",
                                               "run the command again when it is back: what was pushed stays pushed")
-                time.sleep(delay)
+                self.backoff(delay)
                 continue
             except requests.exceptions.RequestException as e:
                 raise RegistryUnreachable(f"registry {registry} failed: {short_error(e)}")
@@ -175,8 +180,9 @@ class Transport:
                                     "check the username/password or the token's permissions")
                 raise AuthError(f"registry {registry} asks for credentials we do not have",
                                 "log in with `docker login`, or pass --username and --password-stdin")
-            if r.status_code in (502, 503, 504) and delay is not None:
-                time.sleep(delay)
+            if r.status_code in RETRY_STATUSES and delay is not None:
+                self.backoff(retry_delay(r, delay))
+                r.close()
                 continue
             break
         if r.status_code in (401, 403):
@@ -188,6 +194,10 @@ class Transport:
                 "check the username/password or the token's permissions",
             )
         return r
+
+    def backoff(self, seconds: float) -> None:
+        """Wait before asking again. $SNAP_RETRY_SCALE scales every wait (tests make them short)."""
+        self.sleep(seconds * _retry_scale())
 
     def _needs_new_token(self, r: requests.Response) -> bool:
         """A 401 with a Bearer challenge after oras sent its token: the token lacks the scope this
@@ -224,6 +234,29 @@ class Transport:
 
     def absolute(self, location: str) -> str:
         return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
+
+
+def retry_delay(r: requests.Response, default: float) -> float:
+    """How long to wait before asking again: the registry's Retry-After (seconds or an HTTP date,
+    at most MAX_RETRY_AFTER), else our own backoff step."""
+    value = r.headers.get("Retry-After", "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return default
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+def _retry_scale() -> float:
+    try:
+        return max(0.0, float(os.environ.get("SNAP_RETRY_SCALE") or 1))
+    except ValueError:
+        return 1.0
 
 
 def load_docker_credentials(auth: oras.auth.AuthBackend, registry: str) -> bool:
@@ -266,6 +299,19 @@ class _TimeoutAdapter(requests.adapters.HTTPAdapter):
 def _auth_key(key: str) -> str:
     """Docker config auths may be keyed "https://host/v1/": reduce to "host"."""
     return key.split("://", 1)[-1].split("/", 1)[0]
+
+
+def check(r: requests.Response, what: str) -> None:
+    """A RegistryError with the registry's own error codes, for an answer that is not a success."""
+    if r.status_code < 300:
+        return
+    detail = ""
+    try:
+        errors = r.json().get("errors", [])
+        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    except ValueError:
+        detail = r.text[:200].strip()
+    raise RegistryError(f"{what} failed: HTTP {r.status_code} {detail}".strip())
 
 
 def short_error(e: Optional[BaseException]) -> str:

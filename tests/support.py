@@ -465,3 +465,174 @@ def snap_layer_files(registry: RegistryServer, repo: str, tag: str) -> dict[str,
         with tarfile.open(fileobj=io.BytesIO(blob)) as t:
             out.update((m.name.rstrip("/"), m) for m in t.getmembers())
     return out
+
+
+class FaultProxy:
+    """A reverse proxy on 127.0.0.1 in front of a registry, in a thread of the test process, that
+    counts what passes and makes the faults a real link or registry has: a connection cut in the
+    middle of an upload, a slow download, a 429/503 answer with Retry-After, a registry that
+    refuses PATCH. Point snap at `proxy.host` instead of `registry.host`.
+
+    - `answer(method, path)`: return (status, headers) to answer a request without forwarding it
+      (None forwards it); set it from the test.
+    - `cut_upload_after`: bytes of the next upload body (PATCH or PUT) after which both
+      connections are cut; the registry keeps what it got. One cut, then it resets to None.
+    - `throttle`: bytes per second for blob download bodies; `midway` is set once `midway_at`
+      bytes of one have passed.
+    - `body_bytes[method]`: request body bytes forwarded; `log`: (method, path, status)."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.answer = lambda method, path: None
+        self.cut_upload_after: Optional[int] = None
+        self.cut = threading.Event()
+        self.throttle: Optional[int] = None
+        self.midway_at = 1 << 20
+        self.midway = threading.Event()
+        self.body_bytes: dict[str, int] = {}
+        self.log: list[tuple[str, str, int]] = []
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd.daemon_threads = True
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self._httpd.server_address[1]}"
+
+    def upload_bytes(self) -> int:
+        return self.body_bytes.get("PATCH", 0) + self.body_bytes.get("PUT", 0)
+
+    def _count(self, method: str, n: int) -> None:
+        with self._lock:
+            self.body_bytes[method] = self.body_bytes.get(method, 0) + n
+
+    def _handler(self):
+        proxy = self
+        import http.client
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _body(self):
+                """The request body, decoded from chunked encoding if it is chunked."""
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return
+                        data = self.rfile.read(size)
+                        self.rfile.readline()
+                        yield data
+                else:
+                    left = int(self.headers.get("Content-Length") or 0)
+                    while left:
+                        data = self.rfile.read(min(left, 1 << 16))
+                        if not data:
+                            return
+                        left -= len(data)
+                        yield data
+
+            def _forwarded(self, method: str, upstream):
+                limit = proxy.cut_upload_after if method in ("PATCH", "PUT") else None
+                sent = 0
+                for data in self._body():
+                    if limit is not None and sent + len(data) > limit:
+                        data = data[:limit - sent]
+                        upstream.send(b"%x\r\n%s\r\n" % (len(data), data) if data else b"")
+                        proxy._count(method, len(data))
+                        proxy.cut_upload_after = None
+                        raise _Cut()
+                    sent += len(data)
+                    proxy._count(method, len(data))
+                    yield data
+
+            def _any(self):
+                method, path = self.command, self.path
+                canned = proxy.answer(method, path)
+                if canned is not None:
+                    for _ in self._body():
+                        pass
+                    status, headers = canned
+                    self.send_response(status)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    proxy.log.append((method, path, status))
+                    return
+                upstream = http.client.HTTPConnection(proxy.upstream, timeout=300)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")}
+                chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
+                try:
+                    if chunked or self.headers.get("Content-Length") not in (None, "0"):
+                        upstream.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+                        for k, v in headers.items():
+                            upstream.putheader(k, v)
+                        upstream.putheader("Transfer-Encoding", "chunked")
+                        upstream.endheaders()
+                        for data in self._forwarded(method, upstream):
+                            upstream.send(b"%x\r\n%s\r\n" % (len(data), data))
+                        upstream.send(b"0\r\n\r\n")
+                    else:
+                        upstream.request(method, path, headers={**headers, "Content-Length": "0"})
+                    r = upstream.getresponse()
+                except _Cut:
+                    upstream.sock.shutdown(socket.SHUT_RDWR)
+                    upstream.close()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    proxy.log.append((method, path, -1))
+                    proxy.cut.set()
+                    return
+                proxy.log.append((method, path, r.status))
+                self.send_response_only(r.status)
+                length = r.getheader("Content-Length")
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                body = b"" if method == "HEAD" or length is not None else r.read()
+                self.send_header("Content-Length", length if length is not None else str(len(body)))
+                self.end_headers()
+                if method == "HEAD":
+                    upstream.close()
+                    return
+                if length is None:
+                    self.wfile.write(body)
+                    upstream.close()
+                    return
+                passed = 0
+                slow = proxy.throttle and "/blobs/" in path and method == "GET"
+                while data := r.read(16384 if slow else 1 << 20):
+                    try:
+                        self.wfile.write(data)
+                    except OSError:
+                        break
+                    passed += len(data)
+                    if slow:
+                        if passed >= proxy.midway_at:
+                            proxy.midway.set()
+                        time.sleep(len(data) / proxy.throttle)  # the slow link itself
+                upstream.close()
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+    def start(self) -> "FaultProxy":
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread:
+            self._httpd.shutdown()
+            self._thread.join()
+
+
+class _Cut(Exception):
+    """The proxy cuts this upload's connections here."""
