@@ -180,7 +180,26 @@ class RegistryServer:
         return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
-class TokenServer:
+class _ThreadedServer:
+    """An HTTP server of the test process, run in a thread: `_httpd` is set by the subclass."""
+
+    _httpd: ThreadingHTTPServer
+    _thread: Optional[threading.Thread] = None
+
+    def start(self):
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+
+
+class TokenServer(_ThreadedServer):
     """A token service as Docker Hub, GHCR or Harbor run one (distribution's token auth spec), on
     127.0.0.1 in a thread of the test process. It checks Basic credentials and issues RS256 JWTs
     signed with a key whose certificate is the registry's rootcertbundle. A known user gets the
@@ -205,7 +224,6 @@ class TokenServer:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self._thread: Optional[threading.Thread] = None
 
     @property
     def realm(self) -> str:
@@ -264,17 +282,6 @@ class TokenServer:
 
         return Handler
 
-    def start(self) -> "TokenServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread:
-            self._httpd.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._httpd.server_close()
 
 
 class _AdminBearer(requests.auth.AuthBase):
@@ -467,7 +474,7 @@ def snap_layer_files(registry: RegistryServer, repo: str, tag: str) -> dict[str,
     return out
 
 
-class FaultProxy:
+class FaultProxy(_ThreadedServer):
     """A reverse proxy on 127.0.0.1 in front of a registry, in a thread of the test process, that
     counts what passes and makes the faults a real link or registry has: a connection cut in the
     middle of an upload, a slow download, a 429/503 answer with Retry-After, a registry that
@@ -494,7 +501,6 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
-        self._thread: Optional[threading.Thread] = None
 
     @property
     def host(self) -> str:
@@ -623,15 +629,6 @@ class FaultProxy:
 
         return Handler
 
-    def start(self) -> "FaultProxy":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread:
-            self._httpd.shutdown()
-            self._thread.join()
 
 
 class _Cut(Exception):
