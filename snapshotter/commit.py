@@ -187,7 +187,7 @@ def _restored_layer(record: Optional[dict], plan: LayerPlan) -> Optional[dict]:
     layer = record["layers"].get(plan.label) if record else None
     if not isinstance(layer, dict) or layer.get("media_type") != MEDIA_TYPE[plan.compression]:
         return None
-    if any(e.ctime_ns > record["restored_at_ns"] for e in plan.entries):
+    if any(e.ctime_ns > record["restored_at_ns"] for e in plan.entries if e.stamp):  # parent copies: no stamp
         return None
     if layer.get("headers") != headers_digest([header_key(ti) for ti, _ in tar_headers(plan)]):
         return None

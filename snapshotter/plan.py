@@ -93,23 +93,54 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         name = group_layer.get(e.inode) if e.inode else None
         name = name or profile.classify(path, e.size, e.kind != DIR, scan.venv_roots)
         plans[name].entries.append(e)
-    # A directory that replaced a base non-directory goes with every layer below it, so each layer
-    # applies on its own (engines cannot create children under a file).
-    retyped = {p for p, e in changed.items() if e.kind == DIR and p in base and base[p].kind != DIR}
-    if retyped:
-        for plan in plans.values():
-            have = {e.path for e in plan.entries}
-            for p in sorted(retyped):
-                if p not in have and any(e.path.startswith(p + "/") for e in plan.entries):
-                    plan.entries.append(changed[p])
-            plan.entries.sort(key=lambda e: e.path)
     for path in d.deleted:
         old = base[path]
         plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
     out: list[LayerPlan] = []
     for rule in profile.layers:
         out.extend(split_plan(plans[rule.name], rule, max_layer_size))
-    return [p for p in out if not p.empty]
+    out = [p for p in out if not p.empty]
+    add_parent_dirs(out, scan.entries, changed)
+    return out
+
+
+def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry]) -> None:
+    """Give every layer each parent directory of its paths, as `docker commit` and buildkit do:
+    Docker and podman create a parent a layer lacks as 0755 root:root, over the one below it.
+
+    The copies carry the box's mode, owner and xattrs. The mtime: the box's in the topmost layer
+    that carries the directory (that one decides what an engine shows, and what restore leaves),
+    and in every layer for a directory the box has as in the base. In the lower layers a changed
+    directory carries the newest mtime of that layer's own paths under it instead: adding a model
+    changes its directory's mtime, and that must not change the layer of every other model in it."""
+    below: list[set[str]] = []
+    topmost: dict[str, int] = {}
+    for i, plan in enumerate(layers):
+        dirs: set[str] = set()
+        for path in [e.path for e in plan.entries] + plan.whiteouts:
+            parent = path.rpartition("/")[0]
+            while parent and parent not in dirs:
+                dirs.add(parent)
+                parent = parent.rpartition("/")[0]
+        below.append(dirs)
+        for d in dirs.union(e.path for e in plan.entries if e.kind == DIR):
+            topmost[d] = i
+    for i, plan in enumerate(layers):
+        own = {e.path for e in plan.entries}
+        added = False
+        for d in sorted(below[i] - own):
+            e = box.get(d)
+            if e is None or e.kind != DIR:
+                continue  # not seen in the box (cannot happen for a walk): engines make it as they do
+            mtime = e.mtime
+            if d in changed and topmost[d] != i:
+                mtime = max((x.mtime for x in plan.entries if x.path.startswith(d + "/")), default=0)
+            # No stamp: a directory's ctime moves with every file added to it, and the stat cache
+            # keys on what the layer's bytes depend on (its mode, owner, xattrs and this mtime).
+            plan.entries.append(replace(e, mtime=mtime, stamp="", inode=None, digest=None))
+            added = True
+        if added:
+            plan.entries.sort(key=lambda x: x.path)
 
 
 def part_name(path: str, i: int, n: int) -> str:

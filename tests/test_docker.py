@@ -447,3 +447,21 @@ def test_commit_from_container_gives_the_layers_of_a_walk(registry, base_ref, en
         ct.remove(force=True)
     assert_one_line_error(snap("commit", f"{registry.host}/fromct:v4", "--from-container", name), 5, name)
 
+
+
+def test_parent_directories_keep_their_mode_and_owner_in_docker(registry, engine, tmp_path):
+    """Docker 20.10 makes a parent directory a layer lacks 0755 root:root, over the one below it: a
+    box whose 0700 /home/user (1000:1000) and /root got a new file shows them as in the box."""
+    from test_layers import home_box, make_home_base
+
+    base_ref, rootfs = make_home_base(registry, str(tmp_path), "dock-home-base")
+    box = home_box(rootfs, str(tmp_path / "box"))
+    ref = f"{registry.host}/dock-home:v1"
+    commit_json(ref, base_ref, box, "--compression", "gzip")
+    dirs = ("/home", "/home/user", "/home/user/proj", "/root")
+    r = snap("run", ref, "--", "/bin/sh", "-c", "stat -c '%a %u:%g %n' " + " ".join(dirs), check=True)
+    want = []
+    for d in dirs:
+        st = os.lstat(os.path.join(box, d.lstrip("/")))
+        want.append(f"{st.st_mode & 0o7777:o} {st.st_uid}:{st.st_gid} {d}")
+    assert r.stdout.splitlines() == want

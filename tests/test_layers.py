@@ -1,18 +1,24 @@
 """What a layer carries and how it is read back: configs valid by the OCI schema, layers read by
 their bytes rather than their label, parent directories in every layer, hardlinked weights."""
 
+import gzip
+import io
 import json
 import os
+import stat
+import subprocess
+import tarfile
 from urllib.parse import urljoin
 
 import jsonschema
 import pytest
 import referencing
 import referencing.jsonschema
+import zstandard
 
 from conftest import NOT_CAPTURED, make_box, snap
-from support import snapshot_of_tree
-from test_roundtrip import commit_json
+from support import make_base_rootfs, push_base_image, snapshot_of_tree, write_tree
+from test_roundtrip import commit_json, layers_by_name
 
 SCHEMA_DIR = os.path.join(os.path.dirname(__file__), "data", "oci-schema")
 
@@ -115,3 +121,97 @@ def test_layers_are_read_by_their_bytes_not_their_label(registry, base_ref, box,
         # The relabelled image as the base of a commit: its index is read by the bytes too.
         r = snap("commit", f"{registry.host}/relabel:on-{tag}", "--base", ref, "--root", str(out), check=True)
         assert wrong in r.stderr
+
+
+# ---- parent directories --------------------------------------------------------------------------
+
+
+def make_home_base(registry, workdir: str, repo: str) -> tuple[str, str]:
+    """A base with /home/user (0700, 1000:1000) and /home/user/proj, and /root 0700; returns
+    (base ref, its rootfs). The box made from it adds a file to each of proj and /root."""
+    if os.geteuid() != 0:
+        pytest.skip("owners other than our own need root")
+    rootfs = os.path.join(workdir, "home-base")
+    os.makedirs(rootfs)
+    make_base_rootfs(rootfs)
+    write_tree(rootfs, {"home/user/proj/old.txt": "old\n", "home/user/.profile": "export A=1\n"})
+    for rel, mode, owner in (("home/user", 0o700, 1000), ("home/user/proj", 0o750, 1000), ("home", 0o755, 0),
+                             ("root", 0o700, 0)):
+        path = os.path.join(rootfs, rel)
+        os.chown(path, owner, owner)
+        os.chmod(path, mode)
+    for rel in ("home/user/proj/old.txt", "home/user/.profile"):
+        os.chown(os.path.join(rootfs, rel), 1000, 1000)
+    for rel in ("home/user/proj", "home/user", "home", "root", ""):
+        os.utime(os.path.join(rootfs, rel), (1_600_000_000, 1_600_000_000))
+    push_base_image(registry, repo, "1", rootfs)
+    return f"{registry.host}/{repo}:1", rootfs
+
+
+def home_box(base_rootfs: str, dest: str) -> str:
+    """The home base with new files in unchanged-mode directories: /home/user/proj/new.txt, /root/notes.txt."""
+    subprocess.run(["cp", "-a", base_rootfs, dest], check=True)
+    write_tree(dest, {"home/user/proj/new.txt": "new\n", "root/notes.txt": "root's\n"}, mtime=1_700_000_000)
+    os.chown(os.path.join(dest, "home/user/proj/new.txt"), 1000, 1000)
+    os.utime(os.path.join(dest, "home/user/proj"), (1_700_000_005, 1_700_000_005))
+    os.utime(os.path.join(dest, "root"), (1_700_000_006, 1_700_000_006))
+    return dest
+
+
+def layer_tar(registry, repo: str, desc: dict) -> tarfile.TarFile:
+    blob = registry.blob(repo, desc["digest"])
+    if desc["mediaType"].endswith("+zstd"):
+        blob = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True).read()
+    elif desc["mediaType"].endswith("gzip"):
+        blob = gzip.decompress(blob)
+    return tarfile.open(fileobj=io.BytesIO(blob))
+
+
+def assert_layers_carry_their_parents(registry, repo: str, tag: str, box: str) -> dict[str, list[tarfile.TarInfo]]:
+    """Every snap layer of the image holds each parent directory of each of its paths, with the
+    box's mode and owner; the topmost layer holding a directory has its mtime too. Returns each
+    layer's members by label."""
+    layers = {}
+    topmost: dict[str, tarfile.TarInfo] = {}
+    for label, desc in layers_by_name(registry.manifest(repo, tag)).items():
+        with layer_tar(registry, repo, desc) as t:
+            members = t.getmembers()
+        layers[label] = members
+        names = {m.name.rstrip("/"): m for m in members}
+        for m in members:
+            parent = m.name.rstrip("/").rpartition("/")[0]
+            while parent:
+                assert parent in names and names[parent].isdir(), f"{label}: /{m.name} without its parent /{parent}"
+                st = os.lstat(os.path.join(box, parent))
+                got = names[parent]
+                assert (got.mode, got.uid, got.gid) == (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid), (label, parent)
+                parent = parent.rpartition("/")[0]
+        topmost.update((name, m) for name, m in names.items() if m.isdir())
+    for name, m in topmost.items():
+        assert m.mtime == int(os.lstat(os.path.join(box, name)).st_mtime), name
+    return layers
+
+
+def test_every_layer_carries_its_parent_directories(registry, base_ref, base_rootfs, tmp_path):
+    """A file added under /home/user/proj (0700 1000:1000 /home/user, both as in the base) and
+    under /root: its layer holds home/, home/user/ and home/user/proj/ with the box's attributes,
+    and a restore of the snapshot's layers alone, into an empty directory, gives them back."""
+    base_ref, rootfs = make_home_base(registry, str(tmp_path), "homebase")
+    box = home_box(rootfs, str(tmp_path / "box"))
+    commit_json(f"{registry.host}/homebox:v1", base_ref, box)
+    layers = assert_layers_carry_their_parents(registry, "homebox", "v1", box)
+    rest = {m.name.rstrip("/"): m for m in layers["rest"]}
+    assert {"home", "home/user", "home/user/proj", "home/user/proj/new.txt", "root", "root/notes.txt"} <= set(rest)
+    assert (rest["home/user"].mode, rest["home/user"].uid, rest["home/user"].gid) == (0o700, 1000, 1000)
+    assert "home/user/.profile" not in rest  # parents only, not their other contents
+    # The usual box too: venv, custom nodes, weights and their directories' layer, each with its parents.
+    box2 = make_box(base_rootfs, str(tmp_path / "box2"))
+    commit_json(f"{registry.host}/homebox:v2", base_ref, box2)
+    assert len(assert_layers_carry_their_parents(registry, "homebox", "v2", box2)) == 5
+
+    out = tmp_path / "snapshot-only"
+    snap("restore", f"{registry.host}/homebox:v1", "--root", str(out), "--only-snapshot", check=True)
+    for rel in ("home", "home/user", "home/user/proj", "root"):
+        want, got = os.lstat(os.path.join(box, rel)), os.lstat(out / rel)
+        assert (got.st_mode, got.st_uid, got.st_gid, int(got.st_mtime)) == \
+            (want.st_mode, want.st_uid, want.st_gid, int(want.st_mtime)), rel
