@@ -260,6 +260,67 @@ def verify(
         typer.echo(f"verified {result.ref}: {root} matches ({result.checked} paths)")
 
 
+@app.command()
+@_errors
+def watch(
+    target: Optional[str] = typer.Argument(None, help="The moving tag, e.g. registry.example.com/me/box:v2; each snapshot also gets TAG-yyyymmddThhmmssZ (UTC)."),
+    base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (as for commit)."),
+    root: str = typer.Option("/", "--root", help="Root of the box to watch."),
+    every: str = typer.Option("5m", "--every", help="At most one snapshot per this interval (90s, 5m, 1h); a burst of writes is snapshotted as soon as it is over."),
+    keep: Optional[int] = typer.Option(None, "--keep", help="Keep this many TAG-<time> snapshots; older ones are deleted (where the registry allows deletes)."),
+    grace: float = typer.Option(4.0, "--grace", help="Seconds the final snapshot may take after SIGTERM/SIGINT/SIGHUP or a reclaim notice (RunPod kills 5 s after SIGTERM)."),
+    provider: str = typer.Option("auto", "--provider", help="Reclaim notices to poll: auto (the cloud the machine's DMI data names, else none), aws, gcp, azure or none."),
+    metadata_url: Optional[str] = typer.Option(None, "--metadata-url", help="Base URL of the metadata service (default: the provider's; or SNAP_METADATA_URL)."),
+    daemon: bool = typer.Option(False, "--daemon", help="Detach; pid file and log in the state dir. For containers without an init system."),
+    stop: bool = typer.Option(False, "--stop", help="Stop the watcher of --root: SIGTERM, then wait for its final snapshot; exits with its code."),
+    profile: str = typer.Option("default", "--profile", help="Layer profile (as for commit)."),
+    compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip (as for commit)."),
+    max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (as for commit)."),
+    plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
+    username: Optional[str] = Username, password_stdin: bool = PasswordStdin,
+):
+    """Keep the registry's snapshot of the box seconds old: commit when the box changed (big files go
+    up as soon as they are complete), and one final snapshot on SIGTERM, SIGINT, SIGHUP or a provider's
+    reclaim notice (AWS, GCP, Azure). The moving tag only ever names a complete snapshot.
+    Exits 0 after the final snapshot; non-zero with one line if it could not finish within --grace."""
+    from . import daemon as dmn
+    from .commit import CommitOptions
+    from .notices import notice_watcher
+    from .profile import load_profile, parse_size
+    from .watch import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
+
+    if stop:
+        code = dmn.stop(root, log=_say)
+        _say(f"snap watch of {root} stopped (exit code {code})")
+        raise typer.Exit(code)
+    if target is None or base is None:
+        raise UsageError("watch needs TARGET and --base", "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
+    opts = WatchOptions(
+        commit=CommitOptions(root=root, profile=load_profile(profile), compression=compression,
+                             max_layer_size=parse_size(max_layer_size),
+                             transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin)),
+        every=parse_duration(every), keep=keep, grace=grace,
+        notices=notice_watcher(provider, metadata_url), log=log_line,
+    )
+    files = dmn.watch_files(root)
+    dmn.take_lock(files, root)
+    ready = dmn.detach(files) if daemon else (lambda: None)
+    dmn.note_pid(files, target, grace)
+    notices = f"{opts.notices.provider} notices at {opts.notices.base_url}" if opts.notices else "no provider notices"
+
+    def on_ready() -> None:
+        log_line(f"watching {root} for {target} (pid {os.getpid()}, every {opts.every:g}s, grace {grace:g}s, {notices})")
+        ready()
+
+    try:
+        code = do_watch(target, base, opts, on_ready)
+    except SnapError as e:
+        dmn.note_exit(files, e.exit_code)
+        raise
+    dmn.note_exit(files, code)
+    exit_now(code)
+
+
 @app.command("profiles")
 @_errors
 def list_profiles():

@@ -92,73 +92,138 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> dict
     return index
 
 
-def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> tuple[Scan, Diff]:
-    """Walk the box and diff it against the base index."""
-    # Our own state dir must never end up in the snapshot.
+def own_excludes(root: str) -> tuple[str, ...]:
+    """Our own state dir must never end up in the snapshot."""
     own = os.path.relpath(state_dir(), root)
-    extra = (own,) if not own.startswith("..") else ()
+    return (own,) if not own.startswith("..") else ()
 
+
+def scan_root(root: str, profile: Profile) -> Scan:
+    """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out)."""
     with progress.bar("scanning box", unit="files") as b:
-        scan = scan_box(root, profile, extra, progress.safe_update(b))
+        return scan_box(root, profile, own_excludes(root), progress.safe_update(b))
+
+
+def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> Diff:
+    """Diff a scan of the box against the base index."""
+    extra = own_excludes(root)
 
     def skipped(path: str) -> bool:
         return profile.leaves_out(path) or path in extra or scan.not_walked(path)
 
-    return scan, diff(index, scan, skipped, rehash=rehash, root=root)
+    return diff(index, scan, skipped, rehash=rehash, root=root)
 
 
-def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
-    opts = opts or CommitOptions()
+def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> tuple[Scan, Diff]:
+    """Walk the box and diff it against the base index."""
+    scan = scan_root(root, profile)
+    return scan, changes_in(scan, root, profile, index, rehash)
+
+
+@dataclass
+class CommitPlan:
+    """What a commit would send: the box diffed against its base and split into layers, nothing
+    pushed yet. `known(plan)` is the blob a layer already has (stat cache or last restore)."""
+
+    root: str
+    base_ref: Reference
+    base_remote: Remote
+    base_img: Image
+    index: dict[str, Entry]
+    scan: Scan
+    diff: Diff
+    plans: list[LayerPlan]
+    cache: StatCache
+    restored: Optional[dict]
+    scan_started_ns: int
+    zstd_level: int
+    rehash: bool
+
+    def known(self, plan: LayerPlan) -> Optional[dict]:
+        if self.rehash:
+            return None
+        return self.cache.lookup(plan.fingerprint(self.zstd_level)) or _restored_layer(self.restored, plan)
+
+
+def _check_options(opts: CommitOptions) -> None:
     if opts.compression not in (None, "zstd", "gzip"):
         raise UsageError(f"--compression {opts.compression} is not known: use zstd or gzip")
     if opts.max_layer_size < 1024 * 1024:
         raise UsageError("--max-layer-size must be at least 1MiB")
-    profile = opts.profile
-    target_ref, base_ref = Reference.parse(target), Reference.parse(base)
-    if target_ref.digest:
-        raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
+
+
+def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOptions] = None) -> CommitPlan:
+    """Read the base, walk the box, diff and plan the layers: everything a commit does before it
+    reads a file's bytes or pushes anything (`snap status` stops here)."""
+    _check_options(opts)
+    base_ref = Reference.parse(base)
     if not os.path.isdir(opts.root):
         raise UsageError(f"root {opts.root} does not exist or is not a directory")
     root = os.path.realpath(opts.root)
-
-    transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
-    base_remote = Remote(base_ref, transport)
+    base_remote = Remote(base_ref, transport or opts.transport)
     base_img = base_remote.resolve()
     index = base_index(base_remote, base_img, opts.log)
-
     scan_started_ns = time.time_ns()
     if opts.changes is not None:
         scan, d = opts.changes(base_img, index)
     else:
-        scan, d = box_changes(root, profile, index, opts.rehash)
-    plans = plan_layers(d, scan, index, profile, opts.compression, opts.max_layer_size)
+        scan, d = box_changes(root, opts.profile, index, opts.rehash)
+    plans = plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size)
+    cache = StatCache(root, base_img.manifest_digest)
+    restored = load_restore_record(root, base_img.manifest_digest, opts.profile.name, opts.max_layer_size)
+    return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
+                      opts.profile.zstd_level, opts.rehash)
+
+
+def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions) -> Remote:
+    """The repository the snapshot goes to, with the base's blobs made available in it."""
+    remote = cp.base_remote if target_ref.name == cp.base_ref.name else Remote(target_ref, transport)
+    _ensure_base_layers(remote, cp.base_remote, cp.base_img)
+    return remote
+
+
+def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:
+    """Build and upload some of a plan's layers (all of them for a commit)."""
+    return _push_layers(plans, remote, cp)
+
+
+def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
+    opts = opts or CommitOptions()
+    _check_options(opts)
+    target_ref = Reference.parse(target)
+    if target_ref.digest:
+        raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
+    transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
+    cp = plan_commit(base, opts, transport)
+    return push_commit(cp, target_ref, transport, opts)
+
+
+def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
+    """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
+    base_img, plans = cp.base_img, cp.plans
     if len(base_img.layers) + len(plans) > MAX_ENGINE_LAYERS:
         opts.log(f"warning: the image has {len(base_img.layers) + len(plans)} layers; Docker cannot run images "
                  f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
-
-    target_remote = base_remote if target_ref.name == base_ref.name else Remote(target_ref, transport)
-    _ensure_base_layers(target_remote, base_remote, base_img)
-    cache = StatCache(root, base_img.manifest_digest)
-    restored = load_restore_record(root, base_img.manifest_digest, profile.name, opts.max_layer_size)
-    layers = _push_layers(root, plans, target_remote, cache, restored, profile.zstd_level, opts.rehash, scan_started_ns)
+    remote = target_remote(cp, target_ref, transport)
+    layers = push_layers(cp, remote, plans)
 
     created = now_rfc3339()
     config = snapshot_config(base_img.config, [(p.label, b.diff_id) for p, b, _ in layers], created)
     layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
-    manifest = snapshot_manifest(base_img, str(base_ref), config, layer_descs, profile.name, created,
+    manifest = snapshot_manifest(base_img, str(cp.base_ref), config, layer_descs, opts.profile.name, created,
                                  {SNAP_MAX_LAYER: str(opts.max_layer_size)})
     config_digest = sha256_digest(config)
-    if not target_remote.blob_exists(config_digest):
-        target_remote.upload_from(lambda out: out.write(config), config_digest, len(config))
+    if not remote.blob_exists(config_digest):
+        remote.upload_from(lambda out: out.write(config), config_digest, len(config))
     # The tag moves only now, after every blob is in.
-    digest = target_remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
-    cache.save()
+    digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
+    cp.cache.save()
 
     reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
                for p, b, status in layers]
     return CommitResult(target_ref.with_digest(digest), digest, len(base_img.layers), reports,
-                        scan.skipped_secrets, sorted(x for _, b, _ in layers for x in b.changed_while_read), len(d.deleted),
-                        scan.host_files)
+                        cp.scan.skipped_secrets, sorted(x for _, b, _ in layers for x in b.changed_while_read),
+                        len(cp.diff.deleted), cp.scan.host_files)
 
 
 def _annotations(plan: LayerPlan) -> dict:
@@ -194,20 +259,20 @@ def _restored_layer(record: Optional[dict], plan: LayerPlan) -> Optional[dict]:
     return blob_entry(layer)
 
 
-def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatCache, restored: Optional[dict],
-                 zstd_level: int, rehash: bool, scan_started_ns: int) -> list[tuple[LayerPlan, LayerBlob, str]]:
+def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:
     """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
     stat cache (or that the last restore into this root wrote and nothing changed since), and
     whose blob the registry has, is neither read nor uploaded."""
+    root, zstd_level = cp.root, cp.zstd_level
     results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
     todo: list[tuple[int, LayerPlan, str]] = []
     for i, plan in enumerate(plans):
         fp = plan.fingerprint(zstd_level)
-        hit = None if rehash else cache.lookup(fp) or _restored_layer(restored, plan)
+        hit = cp.known(plan)
         if hit and remote.blob_exists(hit["digest"]):
             blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
             results[i] = (plan, blob, "exists, skipped (unchanged, not read)")
-            cache.record(fp, hit)
+            cp.cache.record(fp, hit)
         else:
             todo.append((i, plan, fp))
     out_dir = sub("layers")
@@ -238,9 +303,9 @@ def _push_layers(root: str, plans: list[LayerPlan], remote: Remote, cache: StatC
             for fut, (i, plan, fp) in futures.items():
                 blob, status = fut.result()
                 results[i] = (plan, blob, status)
-                if _cacheable(plan, blob, scan_started_ns):
-                    cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
-                                      "media_type": blob.media_type})
+                if _cacheable(plan, blob, cp.scan_started_ns):
+                    cp.cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
+                                         "media_type": blob.media_type})
         except BaseException:
             for f in futures:
                 f.cancel()

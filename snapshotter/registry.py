@@ -78,6 +78,39 @@ class Remote:
         check(r, f"push manifest to {self.ref.name}:{target}")
         return sha256_digest(body)
 
+    def manifest_digest(self, tag: str) -> Optional[str]:
+        """The digest a tag points at (HEAD, nothing downloaded); None if there is no such tag."""
+        accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
+        r = self.transport.request("HEAD", self.transport.url(f"manifests/{tag}"), headers={"Accept": accept})
+        if r.status_code == 404:
+            return None
+        _check(r, f"look up {self.ref.name}:{tag}")
+        return r.headers.get("Docker-Content-Digest") or self.get_manifest(tag)[2]
+
+    def list_tags(self) -> list[str]:
+        """Every tag of the repository, following the registry's pages (Link: rel="next")."""
+        tags: list[str] = []
+        url = self.transport.url("tags/list?n=1000")
+        while url:
+            r = self.transport.request("GET", url)
+            if r.status_code == 404:
+                return tags  # a repository with nothing pushed yet
+            _check(r, f"list the tags of {self.ref.name}")
+            tags.extend(_json(r.content, "tag list").get("tags") or [])
+            nxt = r.links.get("next", {}).get("url")
+            url = self.transport.absolute(nxt) if nxt else ""
+        return tags
+
+    def delete_manifest(self, digest: str) -> bool:
+        """Delete a manifest (and every tag on it). False when the registry does not allow it."""
+        r = self.transport.request("DELETE", self.transport.url(f"manifests/{digest}"))
+        if r.status_code in (404, 202, 200):
+            return True
+        if r.status_code in (400, 403, 405) or "UNSUPPORTED" in r.text:
+            return False
+        _check(r, f"delete manifest {digest} from {self.ref.name}")
+        return True
+
     # ---- blobs -------------------------------------------------------------------------------
 
     def blob_exists(self, digest: str) -> bool:

@@ -49,9 +49,11 @@ class StatCache:
     def record(self, fingerprint: str, blob: dict) -> None:
         self.new[fingerprint] = blob
 
-    def save(self) -> None:
-        """Keep what this commit used: layers that are gone from the box fall out of the cache."""
-        replace_file(self.path, lambda f: json.dump({"key": self.key, "layers": self.new}, f))
+    def save(self, keep_old: bool = False) -> None:
+        """Keep what this commit used: layers that are gone from the box fall out of the cache.
+        `keep_old` adds to the cache instead (layers sent ahead of a commit, by `snap watch`)."""
+        layers = {**self.old, **self.new} if keep_old else self.new
+        replace_file(self.path, lambda f: json.dump({"key": self.key, "layers": layers}, f))
 
 
 # ---- what a restore leaves for the next commit ------------------------------------------------

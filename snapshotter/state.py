@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import IO, Callable
 
 
@@ -27,7 +28,7 @@ def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., I
                  durable: bool = False) -> None:
     """Write a file whole or not at all: `write` fills a temp file beside it, which then replaces
     `path`; on any failure the temp file is removed. `durable` also fsyncs the file and directory."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"  # threads of one process may write the same file
     try:
         with opener(tmp, mode) as f:
             write(f)

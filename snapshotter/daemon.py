@@ -1,0 +1,181 @@
+"""`snap watch` where there is no init system (a container): one watcher per box root (a lock
+file, held with flock for the watcher's life, so a watcher killed with -9 leaves no stale lock),
+detached with a double fork, its pid file and log in the state dir, and `snap watch --stop`."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .errors import NotFound, UsageError
+from .state import replace_file, sub
+
+READY = "\0ready\n"  # what the detached watcher sends its starter once it watches
+
+
+@dataclass
+class WatchFiles:
+    lock: str
+    pid: str
+    log: str
+    exit: str
+
+
+def watch_files(root: str) -> WatchFiles:
+    """The files of the watcher of `root`, in the state dir."""
+    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
+    d = sub("watch")
+    return WatchFiles(*(os.path.join(d, f"{key}.{ext}") for ext in ("lock", "pid", "log", "exit")))
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def take_lock(files: WatchFiles, root: str) -> int:
+    """Hold the root's watch lock (kept across fork); refuse if another watcher holds it."""
+    fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        pid = _read_json(files.pid).get("pid", "?")
+        raise UsageError(f"another snap watch (pid {pid}) is already watching {root!r}",
+                         "stop it with: snap watch --stop --root ROOT")
+    return fd
+
+
+def lock_held(files: WatchFiles) -> bool:
+    try:
+        fd = os.open(files.lock, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's lock, if it got one
+
+
+def note_pid(files: WatchFiles, target: str, grace: float) -> None:
+    replace_file(files.pid, lambda f: json.dump({"pid": os.getpid(), "target": target, "grace": grace}, f))
+
+
+def note_exit(files: WatchFiles, code: int) -> None:
+    replace_file(files.exit, lambda f: json.dump({"pid": os.getpid(), "code": code}, f))
+
+
+def detach(files: WatchFiles) -> Callable[[], None]:
+    """Double fork. The starting process waits for the watcher's readiness (printing what the
+    watcher says until then) and exits; this returns only in the detached watcher, with the
+    function that signals readiness. The watcher's output goes to the log file."""
+    r, w = os.pipe()
+    if os.fork() > 0:  # the starter
+        os.close(w)
+        _relay_until_ready(r, files)
+    os.close(r)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)  # the middle process: the watcher is now no session leader, reparented to init
+    log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    # Until ready, stderr goes to the starter too (a usage error is shown where it was typed).
+    tee = _Tee(w, log)
+    sys.stderr = tee
+
+    def ready() -> None:
+        tee.ready()
+        os.dup2(log, 2)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+
+    return ready
+
+
+class _Tee:
+    """stderr of the watcher before it is ready: to its log and to the starter."""
+
+    def __init__(self, pipe: int, log: int):
+        self.pipe, self.log = pipe, log
+
+    def write(self, text: str) -> int:
+        data = text.encode(errors="replace")
+        os.write(self.log, data)
+        if self.pipe >= 0:
+            try:
+                os.write(self.pipe, data)
+            except OSError:
+                pass
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def ready(self) -> None:
+        if self.pipe >= 0:
+            try:
+                os.write(self.pipe, READY.encode())
+            except OSError:
+                pass
+            os.close(self.pipe)
+            self.pipe = -1
+
+
+def _relay_until_ready(r: int, files: WatchFiles) -> None:
+    buf = b""
+    with os.fdopen(r, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(4096):
+            buf += chunk
+            if READY.encode() in buf:
+                sys.stderr.write(buf.split(READY.encode())[0].decode(errors="replace"))
+                sys.stderr.write(f"detached: pid file {files.pid}, log {files.log}\n")
+                sys.stderr.flush()
+                os._exit(0)
+    sys.stderr.write(buf.decode(errors="replace"))
+    sys.stderr.flush()
+    os._exit(_read_json(files.exit).get("code") or 1)
+
+
+def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] = lambda m: None) -> int:
+    """Send the watcher of `root` the notice (SIGTERM) and wait for its final snapshot. Its exit code."""
+    files = watch_files(root)
+    info = _read_json(files.pid)
+    if not lock_held(files) or not isinstance(info.get("pid"), int):
+        raise NotFound(f"no snap watch is running for {root!r}")
+    pid = info["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        raise NotFound(f"no snap watch is running for {root!r} (pid {pid} is gone)")
+    log(f"sent SIGTERM to snap watch (pid {pid}); waiting for its final snapshot")
+    grace = info.get("grace") if isinstance(info.get("grace"), (int, float)) else 4
+    deadline = time.monotonic() + (timeout if timeout is not None else grace + 30)
+    while lock_held(files):  # the lock goes when the watcher's process is gone
+        if time.monotonic() > deadline:
+            raise UsageError(f"snap watch (pid {pid}) did not stop in time", f"see its log {files.log}")
+        time.sleep(0.05)
+    done = _read_json(files.exit)
+    return done.get("code", 1) if done.get("pid") == pid else 1

@@ -1,0 +1,454 @@
+"""`snap watch`: keep a snapshot of the box seconds old in the registry, and flush the rest when
+the box is about to be reclaimed.
+
+The loop scans the box's metadata (no file is read) at a pace that keeps its own cost near
+SCAN_BUDGET of one core, commits with commit.py's library API when something changed (at most once
+per `every`, at once when a burst of writes is over), sends big files ahead as soon as they are
+stable, and ends with one final commit on a signal or a provider's reclaim notice. Each snapshot
+goes under an immutable tag `<tag>-<UTC time>` first; the moving tag is then put on the same
+manifest bytes, so it only ever names a complete snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+from .commit import CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, target_remote
+from .errors import AuthError, SnapError, UsageError
+from .fsindex import FILE, Entry, Scan, scan_box
+from .image import Image, snapshot_layer_count
+from .mediatypes import OCI_MANIFEST
+from .notices import NoticeWatcher
+from .reference import Reference
+from .registry import Remote
+
+MiB = 1024 * 1024
+DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
+ASSUMED_THROUGHPUT = 50 * MiB  # bytes/s to the registry until the watcher has measured it
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '5m', '1h', '1.5m' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|ms)?\s*", str(text))
+    if not m:
+        raise UsageError(f"duration {text!r} is not valid", "write it as 90s, 5m or 1h")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+@dataclass
+class WatchOptions:
+    commit: CommitOptions = field(default_factory=CommitOptions)
+    every: float = 300.0  # at most one snapshot per this many seconds (a burst of writes excepted)
+    keep: Optional[int] = None  # immutable snapshot tags kept (oldest deleted); None: all
+    grace: float = 4.0  # the final commit's time limit after a signal or notice
+    notices: Optional[NoticeWatcher] = None
+    # Tuning (environment variables so that tests can make them tiny):
+    quiet: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_QUIET", 10.0))  # a burst is over after this
+    stable: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_STABLE", 5.0))  # a big file is complete after this
+    min_scan: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_MIN_SCAN", 2.0))  # seconds between scans, at least
+    scan_budget: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_BUDGET", 0.005))  # of one core, for scans
+    notice_poll: float = field(default_factory=lambda: _env_seconds("SNAP_NOTICE_POLL", 5.0))
+    log: Callable[[str], None] = lambda msg: None
+    clock: Callable[[], float] = time.time  # wall clock (compared with file times); injectable for tests
+
+
+def _token(e: Entry) -> tuple:
+    """What a change of a path looks like in a metadata scan (stamp: inode, mtime and ctime in ns)."""
+    return (e.kind, e.mode, e.uid, e.gid, e.size, e.stamp, e.linkname, tuple(sorted((e.xattrs or {}).items())))
+
+
+def _times(e: Entry) -> float:
+    """The later of mtime and ctime, in seconds (a rename into place changes only the ctime)."""
+    _, mtime_ns, ctime_ns = e.stamp.split(":")
+    return max(int(mtime_ns), int(ctime_ns)) / 1e9
+
+
+class Watcher:
+    """The loop's state. tick() is one step (scan, maybe send big files ahead, maybe commit); run()
+    calls it at the scan pace until stopped; final() is the last commit. Tests drive tick() with
+    their own clock."""
+
+    def __init__(self, target: str, base: str, opts: WatchOptions):
+        self.opts = opts
+        self.moving = Reference.parse(target)
+        if self.moving.digest or not self.moving.tag:
+            raise UsageError("watch needs a tag to move", f"drop the @sha256 part: {self.moving.name}:TAG")
+        if len(self.moving.tag) > 128 - 20:
+            raise UsageError(f"tag {self.moving.tag!r} is too long", "snapshots are tagged TAG-yyyymmddThhmmssZ: use a tag of at most 108 characters")
+        if opts.keep is not None and opts.keep < 1:
+            raise UsageError("--keep must be at least 1")
+        if opts.every < 0 or opts.grace <= 0:
+            raise UsageError("--every must be >= 0 and --grace > 0")
+        if not os.path.isdir(opts.commit.root):
+            raise UsageError(f"root {opts.commit.root!r} does not exist or is not a directory")
+        Reference.parse(base)
+        self.base = base
+        self.root = os.path.realpath(opts.commit.root)
+        self.transport = opts.commit.transport.credentials_only_for(self.moving.registry)
+        rules = [r.file_layer_min for r in opts.commit.profile.layers if getattr(r, "file_layer_min", None)]
+        self.big = min(rules) if rules else DEFAULT_BIG
+        self.log = opts.log
+        self.lock = threading.Lock()  # one tag move at a time; the newest snapshot wins
+        self.seq = 0
+        self.moved_seq = 0
+        self.last_tag = ""
+        self.current: Optional[str] = None  # the immutable tag the moving tag names
+        self.tokens: dict[str, tuple] = {}  # the last scan
+        self.entries: dict[str, Entry] = {}
+        self.since: dict[str, float] = {}  # when a path got its current token
+        self.committed: Optional[dict[str, tuple]] = None  # tokens of the box as of the last snapshot
+        self.sent_ahead: dict[str, tuple] = {}  # big files sent before a commit: path -> token sent
+        self.last_commit_at = float("-inf")
+        self.last_change_at = float("-inf")
+        self.burst_bytes = 0
+        self.retry_at = float("-inf")
+        self.backoff = 0.0
+        self.scan_cost = 0.0  # seconds the last scan took
+        self.throughput = float(ASSUMED_THROUGHPUT)
+        self.prune_refused = False
+        self.snapshots = 0
+
+    # ---- scanning ------------------------------------------------------------------------------
+
+    def _scan(self) -> Scan:
+        t = time.monotonic()
+        scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root))
+        self.scan_cost = time.monotonic() - t
+        return scan
+
+    def _observe(self, scan: Scan, now: float) -> list[str]:
+        """Note a scan: paths whose token changed since the last one get `since` = now."""
+        tokens = {p: _token(e) for p, e in scan.entries.items()}
+        changed = [p for p, t in tokens.items() if self.tokens.get(p) != t] + [p for p in self.tokens if p not in tokens]
+        for p in changed:
+            self.since[p] = now
+            if p in tokens:
+                self.burst_bytes += scan.entries[p].size
+        for p in [p for p in self.since if p not in tokens]:
+            del self.since[p]
+        if changed and self.committed is not None:
+            self.last_change_at = now
+        self.tokens, self.entries = tokens, scan.entries
+        return changed
+
+    def _stable(self, e: Entry, now: float) -> bool:
+        """Unchanged for `stable` seconds: seen so by the watcher, or its times say so."""
+        return now - self.since.get(e.path, now) >= self.opts.stable or now - _times(e) >= self.opts.stable
+
+    def _new_big(self, entries: dict[str, Entry]) -> list[Entry]:
+        """Big files that are not in the last snapshot as they are now."""
+        committed = self.committed or {}
+        return [e for e in entries.values() if e.kind == FILE and e.size >= self.big and e.inode is None
+                and committed.get(e.path) != _token(e)]
+
+    def _held(self, entries: dict[str, Entry], now: float, final: bool = False) -> dict[str, str]:
+        """Big files left out of a snapshot, with why: still being written, or (final) too big to
+        send within the grace and not sent ahead."""
+        held = {}
+        budget = self.throughput * self.opts.grace / 2
+        for e in self._new_big(entries):
+            if not self._stable(e, now):
+                held[e.path] = "still being written"
+            elif final and self.sent_ahead.get(e.path) != _token(e) and e.size > budget:
+                held[e.path] = f"not sent yet, would not fit in the {self.opts.grace:g}s grace"
+        return held
+
+    def _pending(self) -> list[str]:
+        """Paths that differ from the last snapshot, big files being written left aside."""
+        if self.committed is None:
+            return ["(first snapshot)"]
+        held = self._held(self.entries, self.opts.clock())
+        changed = [p for p, t in self.tokens.items() if self.committed.get(p) != t]
+        changed += [p for p in self.committed if p not in self.tokens]
+        return [p for p in changed if p not in held]
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One step: scan; send big stable files ahead; commit if due. A registry that fails is
+        retried later with a growing delay; the loop goes on."""
+        now = self.opts.clock()
+        if now < self.retry_at:
+            return
+        try:
+            self._observe(self._scan(), now)
+            pending = self._pending()
+            if not pending:
+                self.burst_bytes = 0
+                return
+            if self.committed is None:
+                self._snapshot(first=True)
+                return
+            self._send_ahead(now)
+            due = now - self.last_commit_at >= self.opts.every
+            burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
+            if due or burst_over:
+                self._snapshot()
+            self.backoff = 0.0
+        except (UsageError, AuthError):
+            raise  # the user must act: retrying cannot help
+        except SnapError as e:
+            self.backoff = min(max(self.backoff * 2, 1.0), max(self.opts.every, 60.0))
+            self.retry_at = now + self.backoff
+            self.log(f"{e}; trying again in {self.backoff:g}s (the last snapshot stays current)")
+
+    def next_interval(self) -> float:
+        """Seconds to the next scan: the scan's cost stays near the budget."""
+        interval = max(self.opts.min_scan, self.scan_cost / max(self.opts.scan_budget, 1e-6))
+        wait_retry = self.retry_at - self.opts.clock()
+        return max(interval, wait_retry) if wait_retry > 0 else interval
+
+    def run(self, stop: threading.Event, on_ready: Callable[[], None] = lambda: None) -> None:
+        self.tick()
+        on_ready()
+        while not stop.wait(self.next_interval()):
+            self.tick()
+
+    # ---- sending -------------------------------------------------------------------------------
+
+    def _commit_options(self, now: float, final: bool, held_out: dict[str, str]) -> CommitOptions:
+        """commit's options, with a fresh scan whose big files still being written are left out."""
+        opts = self.opts.commit
+
+        def changes(base_img: Image, index: dict[str, Entry]):
+            scan = self._scan()
+            held = self._held(scan.entries, now, final)
+            held_out.update(held)
+            d = changes_in(scan, self.root, opts.profile, index, opts.rehash)
+            d.changed = [e for e in d.changed if e.path not in held]
+            return scan, d
+
+        return dataclasses.replace(opts, changes=changes, log=self.log)
+
+    def _send_ahead(self, now: float) -> None:
+        """Upload the layers of big new files that are complete (stable), before the commit that
+        will name them: that commit then finds their blobs in the registry."""
+        ready = {e.path for e in self._new_big(self.entries)
+                 if self._stable(e, now) and self.sent_ahead.get(e.path) != _token(e)}
+        if not ready:
+            return
+        held: dict[str, str] = {}
+        cp = plan_commit(self.base, self._commit_options(now, False, held), self.transport)
+        plans = [p for p in cp.plans if (p.part_of[0] if p.part_of else p.detail) in ready]
+        if not plans:
+            return
+        remote = target_remote(cp, self.moving, self.transport)
+        t = time.monotonic()
+        results = push_layers(cp, remote, plans)
+        cp.cache.save(keep_old=True)
+        sent = sum(b.size for _, b, status in results if status == "uploaded")
+        if sent > 16 * MiB:
+            self.throughput = sent / max(time.monotonic() - t, 1e-3)
+        for plan, blob, status in results:
+            path = plan.part_of[0] if plan.part_of else plan.detail
+            self.sent_ahead[path] = _token(cp.scan.entries[path])
+            self.log(f"sent ahead: {plan.label} ({blob.size} bytes, {status})")
+
+    def _tag_name(self) -> str:
+        stamp = datetime.fromtimestamp(self.opts.clock(), timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        name = f"{self.moving.tag}-{stamp}"
+        n = 1
+        while name <= self.last_tag and self.last_tag.startswith(f"{self.moving.tag}-{stamp}"):
+            n += 1
+            name = f"{self.moving.tag}-{stamp}-{n}"
+        self.last_tag = name
+        return name
+
+    def _snapshot(self, first: bool = False, final: bool = False) -> Optional[str]:
+        """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
+        name, or None when the box matched the moving tag's snapshot already (first only)."""
+        with self.lock:
+            self.seq += 1
+            seq = self.seq
+        now = self.opts.clock()
+        held: dict[str, str] = {}
+        opts = self._commit_options(now, final, held)
+        cp = plan_commit(self.base, opts, self.transport)
+        tokens = {p: _token(e) for p, e in cp.scan.entries.items() if p not in held}
+        if first and self._is_current(cp):
+            self.log(f"{self.moving} already holds this box: nothing to send")
+            self._committed(tokens, now)
+            return None
+        for path, why in sorted(held.items()):
+            self.log(f"held back: /{path} ({why}); the next snapshot takes it")
+        tag = self._tag_name()
+        ref = Reference(self.moving.registry, self.moving.repository, tag)
+        result = push_commit(cp, ref, self.transport, opts)
+        with self.lock:
+            moved = seq > self.moved_seq
+            if moved:
+                remote = Remote(self.moving, self.transport)
+                body, _, _ = remote.get_manifest(result.manifest_digest)
+                remote.put_manifest(body, OCI_MANIFEST, self.moving.tag)
+                self.moved_seq, self.current = seq, tag
+        self._committed(tokens, now)
+        self.snapshots += 1
+        sent = [layer for layer in result.layers if layer.status == "uploaded"]
+        self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent, "
+                 f"{sum(layer.size for layer in sent)} bytes)" + (f"; {self.moving.tag} moved to it" if moved else ""))
+        if self.opts.keep:
+            self._prune()
+        return tag
+
+    def _committed(self, tokens: dict[str, tuple], now: float) -> None:
+        self.committed = tokens
+        self.last_commit_at = now
+        self.burst_bytes = 0
+
+    def _is_current(self, cp: CommitPlan) -> bool:
+        """Whether the moving tag already names this box: every layer known unchanged, the same
+        layers and base in its manifest."""
+        known = [cp.known(p) for p in cp.plans]
+        if any(k is None for k in known):
+            return False
+        remote = Remote(self.moving, self.transport)
+        digest = remote.manifest_digest(self.moving.tag)
+        if digest is None:
+            return False
+        img = remote.resolve(digest)
+        ours = [d["digest"] for d in img.layers[len(img.layers) - snapshot_layer_count(img):]] if snapshot_layer_count(img) else []
+        base_digest = img.manifest.get("annotations", {}).get("org.opencontainers.image.base.digest")
+        return base_digest == cp.base_img.manifest_digest and ours == [k["digest"] for k in known]
+
+    def snapshot_tags(self, tags: list[str]) -> list[str]:
+        """This watch's immutable tags among `tags`, oldest first."""
+        pat = re.compile(re.escape(self.moving.tag) + r"-(\d{8}T\d{6}Z)(?:-(\d+))?$")
+        found = [(m.group(1), int(m.group(2) or 1), t) for t in tags if (m := pat.match(t))]
+        return [t for _, _, t in sorted(found)]
+
+    def _prune(self) -> None:
+        """Delete the oldest immutable snapshots beyond --keep (never one a kept tag names)."""
+        if self.prune_refused:
+            return
+        remote = Remote(self.moving, self.transport)
+        tags = remote.list_tags()
+        ours = self.snapshot_tags(tags)
+        drop, keep = ours[:-self.opts.keep], ours[-self.opts.keep:]
+        if not drop:
+            return
+        protected = {remote.manifest_digest(t) for t in keep + [self.moving.tag]}
+        for tag in drop:
+            digest = remote.manifest_digest(tag)
+            if digest is None or digest in protected:
+                continue
+            if not remote.delete_manifest(digest):
+                self.prune_refused = True
+                self.log(f"--keep: registry {self.moving.registry} does not allow deleting manifests "
+                         "(storage.delete.enabled in its config); older snapshots stay")
+                return
+            self.log(f"deleted old snapshot {tag}")
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def final(self, reason: str) -> int:
+        """One last commit, bounded by the grace. 0 when it is in (or nothing changed), else the
+        exit code of what stopped it; the moving tag names a complete snapshot either way."""
+        self.log(f"{reason}: final snapshot (grace {self.opts.grace:g}s)")
+        box: dict = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                now = self.opts.clock()
+                self._observe(self._scan(), now)
+                if self.committed is not None and not self._pending():
+                    box["tag"] = None
+                else:
+                    box["tag"] = self._snapshot(final=True)
+            except BaseException as e:  # handed to the waiting thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="final snapshot", daemon=True).start()
+        current = f"{self.moving.tag} still names {self.current}" if self.current else f"{self.moving.tag} was not moved"
+        if not done.wait(self.opts.grace):
+            self._error(f"the final snapshot did not finish within the {self.opts.grace:g}s grace ({current})")
+            return 1
+        if "error" in box:
+            e = box["error"]
+            self._error(f"the final snapshot failed: {e} ({current})")
+            return e.exit_code if isinstance(e, SnapError) else 1
+        if box["tag"] is None:
+            self.log(f"nothing changed since {self.current or 'the last snapshot'}: {self.moving} is current")
+        else:
+            self.log(f"final snapshot {box['tag']} pushed; {self.moving} names it")
+        return 0
+
+    def _error(self, msg: str) -> None:
+        self.log(f"snap: error: {msg}")
+
+
+# ---- running it: signals, notices, exit --------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], None] = lambda: None) -> int:
+    """Watch until a signal or a reclaim notice, then make the final snapshot. The exit code."""
+    watcher = Watcher(target, base, opts)
+    stop = threading.Event()
+    reason: list[str] = []
+    failed: list[BaseException] = []
+
+    def on_signal(signum, _frame) -> None:
+        if not reason:
+            reason.append(f"signal {signal.Signals(signum).name}")
+        stop.set()
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, on_signal)
+
+    def loop() -> None:
+        try:
+            watcher.run(stop, on_ready)
+        except BaseException as e:  # a usage or auth error (or a bug): the loop cannot go on
+            failed.append(e)
+            stop.set()
+
+    def notices() -> None:
+        notice = opts.notices
+        while notice is not None and not stop.wait(opts.notice_poll):
+            found = notice.check()
+            if found and not reason:
+                reason.append(f"reclaim notice: {found}")
+                stop.set()
+
+    threading.Thread(target=loop, name="watch loop", daemon=True).start()
+    threading.Thread(target=notices, name="notices", daemon=True).start()
+    while not stop.wait(1.0):
+        pass
+    if failed and not reason:
+        e = failed[0]
+        opts.log(f"snap: error: {e}" if isinstance(e, SnapError) else f"snap: internal error: {type(e).__name__}: {e}")
+        return e.exit_code if isinstance(e, SnapError) else 1
+    return watcher.final(reason[0] if reason else "stopped")
+
+
+def exit_now(code: int) -> None:
+    """Exit at once: threads still uploading (a big file sent ahead) are not waited for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def log_line(msg: str, stream=None) -> None:
+    """A watch log line: UTC time first (the daemon's log is read after the fact)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    out = stream or sys.stderr
+    out.write(f"{stamp} {msg}\n" if not msg.startswith("snap: error: ") else f"{msg}\n")
+    out.flush()
+
