@@ -277,6 +277,7 @@ class Watcher:
         held: dict[str, str] = {}
         opts = self._commit_options(now, final, held)
         cp = plan_commit(self.base, opts, self.transport)
+        self._trace(f"planned {len(cp.plans)} layer(s)")
         tokens = {p: _token(e) for p, e in cp.scan.entries.items() if p not in held}
         if first and self._is_current(cp):
             self.log(f"{self.moving} already holds this box: nothing to send")
@@ -287,6 +288,7 @@ class Watcher:
         tag = self._tag_name()
         ref = Reference(self.moving.registry, self.moving.repository, tag)
         result = push_commit(cp, ref, self.transport, opts)
+        self._trace(f"pushed {tag}")
         with self.lock:
             moved = seq > self.moved_seq
             if moved:
@@ -294,6 +296,7 @@ class Watcher:
                 body, _, _ = remote.get_manifest(result.manifest_digest)
                 remote.put_manifest(body, OCI_MANIFEST, self.moving.tag)
                 self.moved_seq, self.current = seq, tag
+                self._trace(f"moved {self.moving.tag} to {tag}")
         self._committed(tokens, now)
         self.snapshots += 1
         sent = [layer for layer in result.layers if layer.status == "uploaded"]
@@ -302,6 +305,11 @@ class Watcher:
         if self.opts.keep:
             self._prune()
         return tag
+
+    def _trace(self, msg: str) -> None:
+        """Progress markers for tests that kill the watcher at chosen moments (SNAP_WATCH_TRACE=1)."""
+        if os.environ.get("SNAP_WATCH_TRACE"):
+            self.log(f"trace: {msg}")
 
     def _committed(self, tokens: dict[str, tuple], now: float) -> None:
         self.committed = tokens

@@ -51,8 +51,9 @@ class RegistryServer:
     Optionally with htpasswd auth and TLS (a self-signed certificate made here)."""
 
     def __init__(self, workdir: str, auth: Optional[tuple[str, str]] = None, tls: bool = False,
-                 port: Optional[int] = None):
+                 port: Optional[int] = None, delete: bool = True):
         self.workdir = workdir
+        self.delete = delete  # storage.delete.enabled: whether manifests may be deleted
         self.port = port or free_port()
         self.auth = auth
         self.tls = tls
@@ -78,7 +79,7 @@ class RegistryServer:
             "log: {level: error, accesslog: {disabled: true}}",
             "storage:",
             f"  filesystem: {{rootdirectory: {self.storage}}}",
-            "  delete: {enabled: true}",
+            f"  delete: {{enabled: {'true' if self.delete else 'false'}}}",
             "http:",
             f"  addr: 127.0.0.1:{self.port}",
         ]
@@ -633,3 +634,89 @@ class FaultProxy(_ThreadedServer):
 
 class _Cut(Exception):
     """The proxy cuts this upload's connections here."""
+
+
+class MetadataServer(_ThreadedServer):
+    """A cloud's instance metadata service on 127.0.0.1, in a thread of the test process. It speaks
+    only the documented paths and headers of one provider and refuses requests without them:
+    aws   IMDSv2: PUT /latest/api/token (X-aws-ec2-metadata-token-ttl-seconds), then
+          GET /latest/meta-data/spot/instance-action (X-aws-ec2-metadata-token): 404 until a notice;
+    gcp   GET /computeMetadata/v1/instance/preempted (Metadata-Flavor: Google): FALSE, then TRUE;
+    azure GET /metadata/scheduledevents?api-version=2020-07-01 (Metadata: true): Events, Preempt.
+    `preempt()` issues the notice; `requests` records (method, path) of every request, `refused`
+    those it turned away."""
+
+    def __init__(self, provider: str):
+        self.provider = provider
+        self.noticed = False
+        self.requests: list[tuple[str, str]] = []
+        self.refused: list[tuple[str, str]] = []
+        self.answered = threading.Event()  # set once a well-formed poll was answered
+        self.token = uuid.uuid4().hex
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def preempt(self) -> None:
+        self.noticed = True
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, code: int, body: bytes = b"", ctype: str = "text/plain") -> None:
+                if code >= 400 and code != 404:
+                    server.refused.append((self.command, self.path))
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self):
+                server.requests.append(("PUT", self.path))
+                if server.provider != "aws" or self.path != "/latest/api/token":
+                    return self._reply(404)
+                if not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds", "").isdigit():
+                    return self._reply(400)
+                self._reply(200, server.token.encode())
+
+            def do_GET(self):
+                server.requests.append(("GET", self.path))
+                p, h = self.path, self.headers
+                if server.provider == "aws" and p == "/latest/meta-data/spot/instance-action":
+                    if h.get("X-aws-ec2-metadata-token") != server.token:
+                        return self._reply(401)
+                    server.answered.set()
+                    if not server.noticed:
+                        return self._reply(404)
+                    return self._reply(200, json.dumps({"action": "terminate", "time": "2026-12-03T12:00:00Z"}).encode(),
+                                       "application/json")
+                if server.provider == "gcp" and p == "/computeMetadata/v1/instance/preempted":
+                    if h.get("Metadata-Flavor") != "Google":
+                        return self._reply(403)
+                    server.answered.set()
+                    return self._reply(200, b"TRUE" if server.noticed else b"FALSE")
+                if server.provider == "azure" and p == "/metadata/scheduledevents?api-version=2020-07-01":
+                    if h.get("Metadata") != "true":
+                        return self._reply(400)
+                    server.answered.set()
+                    events = [{"EventId": "A123", "EventType": "Preempt", "ResourceType": "VirtualMachine",
+                               "Resources": ["box"], "EventStatus": "Scheduled", "NotBefore": "Thu, 03 Dec 2026 12:00:30 GMT"}]
+                    doc = {"DocumentIncarnation": 2 if server.noticed else 1, "Events": events if server.noticed else []}
+                    return self._reply(200, json.dumps(doc).encode(), "application/json")
+                self._reply(404)
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+
+def fake_dmi(path: str, **files: str) -> str:
+    """A directory laid out like /sys/class/dmi/id with the given files (sys_vendor=..., ...)."""
+    os.makedirs(path, exist_ok=True)
+    for name, value in files.items():
+        with open(os.path.join(path, name), "w") as f:
+            f.write(value + "\n")
+    return path

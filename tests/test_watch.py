@@ -1,0 +1,363 @@
+"""`snap watch` against the real test registry: snapshots when the box changes, the moving tag only on
+complete snapshots, big files sent ahead and never half-written, --keep, registry outages, signals,
+provider notices (emulated metadata services), --daemon/--stop, kill -9 at random moments.
+
+The loop is driven two ways, both without sleeps: in-process through Watcher.tick() with a clock the
+test moves, and as the real `snap watch` process, waited on through the lines it prints."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import NOT_CAPTURED, snap
+from support import MetadataServer, RegistryServer, fake_dmi, push_base_image, snapshot_of_tree, write_tree
+from snapshotter import CommitOptions, restore_image
+from snapshotter.notices import detect_provider, notice_watcher
+from snapshotter.profile import load_profile, parse_profile
+from snapshotter.watch import Watcher, WatchOptions
+
+MiB = 1024 * 1024
+TIMEOUT = 120  # generous overall bound for a watcher process to say something
+
+# The default profile with weights of 1 MiB and more in layers of their own (so tests stay small).
+SMALL_WEIGHTS = open(os.path.join(os.path.dirname(__file__), "..", "layers", "default.yaml")).read() \
+    .replace("file_layer_min: 64MiB", "file_layer_min: 1MiB").replace("min_size: 64MiB", "min_size: 1MiB")
+
+# Tiny pacing for watcher processes: scan at once, a burst is over after 0.2 s, files stable after 0.2 s.
+FAST = {"SNAP_WATCH_MIN_SCAN": "0", "SNAP_WATCH_BUDGET": "1", "SNAP_WATCH_QUIET": "0.2", "SNAP_WATCH_STABLE": "0.2",
+        "SNAP_NOTICE_POLL": "0.05"}
+
+
+class FakeClock:
+    """Wall-clock seconds that move only when the test says so."""
+
+    def __init__(self):
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def watcher(registry, base_ref, box, repo, lines, clock=None, profile=None, **kw) -> Watcher:
+    opts = WatchOptions(commit=CommitOptions(root=box, profile=profile or load_profile()), log=lines.append,
+                        clock=clock or FakeClock(), **kw)
+    return Watcher(f"{registry.host}/{repo}:v2", base_ref, opts)
+
+
+def tags(registry, repo):
+    return sorted(registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or [])
+
+
+def digest_of(registry, repo, tag):
+    r = registry.session().head(f"{registry.url}/v2/{repo}/manifests/{tag}",
+                                headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    return r.headers.get("Docker-Content-Digest") if r.status_code == 200 else None
+
+
+def assert_restores_to(ref, tree, tmp_path, name):
+    out = tmp_path / name
+    restore_image(ref, str(out))
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == tree
+
+
+def snap_layers(manifest):
+    return {d["annotations"].get("dev.snap.content", d["annotations"]["dev.snap.layer"]): d
+            for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
+
+
+# ---- the loop, in process -------------------------------------------------------------------------
+
+
+def test_changes_are_snapshotted_at_most_once_per_interval_and_the_tag_moves(registry, base_ref, box, tmp_path):
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "w-every", lines, clock, every=600, quiet=10**6)
+    w.tick()
+    first = [t for t in tags(registry, "w-every") if t != "v2"]
+    assert len(first) == 1 and digest_of(registry, "w-every", "v2") == digest_of(registry, "w-every", first[0])
+    assert_restores_to(f"{registry.host}/w-every:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r1")
+
+    w.tick()  # nothing changed: no snapshot
+    write_tree(box, {"opt/app/notes.txt": "edited\n"})
+    clock.advance(60)
+    w.tick()  # changed, but the interval is not over
+    assert len(tags(registry, "w-every")) == 2
+    clock.advance(600)
+    w.tick()
+    snaps = [t for t in tags(registry, "w-every") if t != "v2"]
+    assert len(snaps) == 2 and all(t.startswith("v2-") and t.endswith("Z") for t in snaps)
+    assert digest_of(registry, "w-every", "v2") == digest_of(registry, "w-every", max(snaps))
+    assert_restores_to(f"{registry.host}/w-every:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r2")
+
+
+def test_a_burst_of_writes_is_snapshotted_once_it_is_quiet(registry, base_ref, box):
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "w-burst", lines, clock, profile=parse_profile(SMALL_WEIGHTS),
+                every=3600, quiet=30, stable=5)
+    w.tick()
+    write_tree(box, {f"opt/app/models/loras/l{i}.safetensors": os.urandom(MiB + i) for i in range(3)})
+    w.tick()  # the burst: still going as far as the watcher knows
+    clock.advance(10)
+    w.tick()  # quiet for 10 s: not yet (the weights are sent ahead, being stable)
+    assert len(tags(registry, "w-burst")) == 2
+    clock.advance(25)
+    w.tick()  # quiet for 35 s: snapshot now, long before --every
+    assert len(tags(registry, "w-burst")) == 3
+    m = registry.manifest("w-burst", "v2")
+    assert {f"opt/app/models/loras/l{i}.safetensors" for i in range(3)} <= set(snap_layers(m))
+
+
+def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_ref, box, tmp_path):
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "w-ahead", lines, clock, profile=parse_profile(SMALL_WEIGHTS),
+                every=0, quiet=10**6, stable=5)
+    w.tick()
+    path = os.path.join(box, "opt/app/models/checkpoints/new.safetensors")
+    data = os.urandom(3 * MiB)
+    with open(path, "wb") as f:
+        f.write(data[:MiB])  # half-written: the download is still going
+    w.tick()  # --every 0: a snapshot now, without the file being written
+    assert any("held back: /opt/app/models/checkpoints/new.safetensors (still being written)" in line for line in lines)
+    m = registry.manifest("w-ahead", "v2")
+    assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(m)
+    with open(path, "ab") as f:
+        f.write(data[MiB:])
+    clock.advance(2)
+    w.tick()  # complete, but not stable yet: still held back
+    assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(registry.manifest("w-ahead", "v2"))
+
+    # Stable: its layer goes up first, then the snapshot finds it in the registry.
+    clock.advance(5)
+    w.opts.every = 3600  # sent ahead only; no snapshot due
+    w.tick()
+    ahead = [line for line in lines if line.startswith("sent ahead: models (opt/app/models/checkpoints/new.safetensors)")]
+    assert ahead and "uploaded" in ahead[0]
+    assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(registry.manifest("w-ahead", "v2"))
+    w.opts.every = 0
+    w.tick()
+    layer = snap_layers(registry.manifest("w-ahead", "v2"))["opt/app/models/checkpoints/new.safetensors"]
+    assert layer["size"] > 3 * MiB
+    pushed = [line for line in lines if line.startswith("snapshot ")][-1]
+    assert int(pushed.split(" sent, ")[1].split(" bytes")[0]) < MiB, pushed  # the weight was not sent again
+    assert_restores_to(f"{registry.host}/w-ahead:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
+@pytest.mark.parametrize("deletes", [True, False], ids=["registry-deletes", "registry-refuses-deletes"])
+def test_keep_deletes_the_oldest_snapshots(deletes, base_rootfs, box, tmp_path):
+    reg = RegistryServer(str(tmp_path / "reg"), delete=deletes).start()
+    try:
+        push_base_image(reg, "base", "1", base_rootfs)
+        lines, clock = [], FakeClock()
+        w = watcher(reg, f"{reg.host}/base:1", box, "keep", lines, clock, every=0, keep=2)
+        for i in range(4):
+            write_tree(box, {"opt/app/counter.txt": f"{i}\n"})
+            clock.advance(1)
+            w.tick()
+        snaps = [t for t in tags(reg, "keep") if t != "v2"]
+        refusals = [line for line in lines if "does not allow deleting manifests" in line]
+        if deletes:
+            assert len(snaps) == 2 and not refusals
+            assert digest_of(reg, "keep", "v2") == digest_of(reg, "keep", max(snaps))
+        else:
+            assert len(snaps) == 4 and len(refusals) == 1
+        assert_restores_to(f"{reg.host}/keep:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+    finally:
+        reg.stop()
+
+
+def test_a_registry_outage_is_retried_and_never_stops_the_loop(base_rootfs, box, tmp_path):
+    reg = RegistryServer(str(tmp_path / "reg")).start()
+    try:
+        push_base_image(reg, "base", "1", base_rootfs)
+        lines, clock = [], FakeClock()
+        w = watcher(reg, f"{reg.host}/base:1", box, "outage", lines, clock, every=0)
+        w.tick()
+        before = digest_of(reg, "outage", "v2")
+        reg.stop()
+        write_tree(box, {"opt/app/during-outage.txt": "x\n"})
+        w.tick()
+        assert "not reachable" in lines[-1] and "trying again in 1s" in lines[-1]
+        clock.advance(1)
+        w.tick()
+        assert "trying again in 2s" in lines[-1]  # backoff grows
+        reg.start()
+        assert digest_of(reg, "outage", "v2") == before
+        w.tick()  # still backing off: nothing tried
+        clock.advance(2)
+        w.tick()
+        assert digest_of(reg, "outage", "v2") != before
+        assert_restores_to(f"{reg.host}/outage:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+    finally:
+        reg.stop()
+
+
+# ---- the real process: signals, notices, daemon, kill -9 ------------------------------------------
+
+
+class WatchProcess:
+    """`snap watch` as a process; lines() yields what it prints on stderr, as it prints it."""
+
+    def __init__(self, *args, env=None):
+        e = dict(os.environ, **FAST, **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", *args], stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True, env=e)
+        self.seen: list[str] = []
+        self._timer = threading.Timer(TIMEOUT, self.proc.kill)  # a hung test still ends
+        self._timer.start()
+
+    def wait_for(self, text: str) -> str:
+        for line in self.proc.stderr:
+            self.seen.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"snap watch ended without saying {text!r}:\n{''.join(self.seen)}")
+
+    def finish(self) -> int:
+        self.seen.extend(self.proc.stderr)
+        code = self.proc.wait()
+        self._timer.cancel()
+        return code
+
+
+def start_watch(registry, base_ref, box, repo, *extra, env=None) -> WatchProcess:
+    p = WatchProcess(f"{registry.host}/{repo}:v2", "--base", base_ref, "--root", box, "--every", "1h", *extra, env=env)
+    p.wait_for("watching ")
+    return p
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_makes_one_final_snapshot_then_exit_0(sig, registry, base_ref, box, tmp_path):
+    p = start_watch(registry, base_ref, box, f"sig-{sig.name.lower()}")
+    write_tree(box, {"opt/app/last-minute.txt": "saved by the final snapshot\n"})
+    p.proc.send_signal(sig)
+    assert p.finish() == 0, "".join(p.seen)
+    assert any(f"signal {sig.name}: final snapshot" in line for line in p.seen)
+    assert any("final snapshot v2-" in line for line in p.seen)
+    assert_restores_to(f"{registry.host}/sig-{sig.name.lower()}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
+def test_a_final_snapshot_that_cannot_finish_exits_non_zero_and_the_tag_stays(base_rootfs, box, tmp_path):
+    reg = RegistryServer(str(tmp_path / "reg")).start()
+    try:
+        push_base_image(reg, "base", "1", base_rootfs)
+        before = snapshot_of_tree(box, skip=NOT_CAPTURED)
+        p = start_watch(reg, f"{reg.host}/base:1", box, "nograce", "--grace", "1")
+        reg.stop()
+        write_tree(box, {"opt/app/lost.txt": "the registry is gone\n"})
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.finish() != 0
+        errors = [line for line in p.seen if line.startswith("snap: error: ")]
+        assert len(errors) == 1 and "final snapshot" in errors[0] and "v2 still names v2-" in errors[0], p.seen
+        reg.start()
+        assert_restores_to(f"{reg.host}/nograce:v2", before, tmp_path, "r")
+    finally:
+        reg.stop()
+
+
+def test_the_provider_is_read_from_dmi_files_only(tmp_path):
+    assert detect_provider(fake_dmi(str(tmp_path / "aws"), sys_vendor="Amazon EC2", product_name="m5.large")) == "aws"
+    assert detect_provider(fake_dmi(str(tmp_path / "gcp"), sys_vendor="Google", product_name="Google Compute Engine")) == "gcp"
+    assert detect_provider(fake_dmi(str(tmp_path / "az"), sys_vendor="Microsoft Corporation",
+                                    chassis_asset_tag="7783-7084-3265-9085-8269-3286-77")) == "azure"
+    # Hyper-V on a desk is Microsoft too, but not Azure; a container usually has no DMI at all.
+    assert detect_provider(fake_dmi(str(tmp_path / "hv"), sys_vendor="Microsoft Corporation", chassis_asset_tag="none")) is None
+    assert detect_provider(str(tmp_path / "missing")) is None
+    assert notice_watcher("auto", "http://127.0.0.1:9", str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("provider,dmi", [
+    ("aws", {"sys_vendor": "Amazon EC2"}),
+    ("gcp", {"product_name": "Google Compute Engine"}),
+    ("azure", {"chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77"}),
+])
+def test_a_reclaim_notice_makes_the_final_snapshot(provider, dmi, registry, base_ref, box, tmp_path):
+    server = MetadataServer(provider).start()
+    try:
+        # The emulation itself refuses a request without the provider's header.
+        import requests
+        path = {"aws": "/latest/meta-data/spot/instance-action", "gcp": "/computeMetadata/v1/instance/preempted",
+                "azure": "/metadata/scheduledevents?api-version=2020-07-01"}[provider]
+        assert requests.get(server.url + path, timeout=5).status_code in (400, 401, 403)
+        server.refused.clear()
+        env = {"SNAP_DMI_DIR": fake_dmi(str(tmp_path / "dmi"), **dmi), "SNAP_METADATA_URL": server.url}
+        p = start_watch(registry, base_ref, box, f"notice-{provider}", env=env)
+        assert any(f"{provider} notices at {server.url}" in line for line in p.seen)
+        assert server.answered.wait(TIMEOUT)  # it polls, headers and all
+        write_tree(box, {"opt/app/before-reclaim.txt": provider})
+        server.preempt()
+        assert p.finish() == 0, "".join(p.seen)
+        assert any("reclaim notice" in line for line in p.seen)
+        assert not server.refused
+        assert_restores_to(f"{registry.host}/notice-{provider}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+    finally:
+        server.stop()
+
+
+def test_no_metadata_request_off_cloud(registry, base_ref, box, tmp_path):
+    server = MetadataServer("aws").start()
+    try:
+        env = {"SNAP_DMI_DIR": fake_dmi(str(tmp_path / "dmi"), sys_vendor="QEMU"), "SNAP_METADATA_URL": server.url}
+        p = start_watch(registry, base_ref, box, "offcloud", env=env)
+        assert any("no provider notices" in line for line in p.seen)
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.finish() == 0
+        assert server.requests == []
+    finally:
+        server.stop()
+
+
+def test_daemon_one_per_root_and_stop(registry, base_ref, box, tmp_path, state_dir):
+    env = dict(os.environ, **FAST)
+    start = subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry.host}/daemon:v2", "--base",
+                            base_ref, "--root", box, "--every", "1h", "--daemon"], capture_output=True, text=True,
+                           env=env, timeout=TIMEOUT)
+    assert start.returncode == 0, start.stderr
+    assert "watching " in start.stderr and "detached: pid file" in start.stderr
+    try:
+        again = snap("watch", f"{registry.host}/daemon:v2", "--base", base_ref, "--root", box)
+        assert again.returncode == 2
+        assert again.stderr.count("\n") == 1 and "already watching" in again.stderr
+    finally:
+        write_tree(box, {"opt/app/daemon.txt": "flushed by --stop\n"})
+        stop = snap("watch", "--stop", "--root", box)
+    assert stop.returncode == 0, stop.stderr
+    logs = [f for f in os.listdir(state_dir / "watch") if f.endswith(".log")]
+    log = (state_dir / "watch" / logs[0]).read_text()
+    assert "signal SIGTERM: final snapshot" in log and "final snapshot v2-" in log
+    assert_restores_to(f"{registry.host}/daemon:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+    assert snap("watch", "--stop", "--root", box).returncode == 5  # nothing left to stop
+
+
+def test_kill_9_at_random_moments_leaves_the_tag_on_a_complete_snapshot(registry, base_ref, box, tmp_path):
+    """The watcher is killed with -9 after a random one of its progress lines, several times; each
+    time the moving tag must restore, byte for byte, to a state the box was in."""
+    rng = random.Random(11)
+    os.makedirs(os.path.join(box, "opt/app/data"))
+    states = [snapshot_of_tree(box, skip=NOT_CAPTURED)]
+    env = {"SNAP_WATCH_TRACE": "1"}
+    for round_ in range(4):
+        p = WatchProcess(f"{registry.host}/kill9:v2", "--base", base_ref, "--root", box, "--every", "0", env=env)
+        # Changes land only between snapshots, as whole files (renamed into place).
+        for step in range(rng.randint(1, 6)):
+            p.wait_for("trace: ")
+            if step % 2 == 0:
+                part = tmp_path / "part"  # written outside the box, renamed in whole
+                part.write_bytes(os.urandom(rng.randint(1, 200_000)))
+                os.rename(part, os.path.join(box, f"opt/app/data/r{round_}-{step}.bin"))
+                states.append(snapshot_of_tree(box, skip=NOT_CAPTURED))
+        p.proc.kill()
+        p.finish()
+        if digest_of(registry, "kill9", "v2") is None:
+            continue  # killed before the first snapshot was complete: no tag yet, which is fine
+        out = tmp_path / f"restored-{round_}"
+        restore_image(f"{registry.host}/kill9:v2", str(out))
+        assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) in states
+    assert digest_of(registry, "kill9", "v2") is not None
