@@ -321,6 +321,62 @@ def watch(
     exit_now(code)
 
 
+@app.command("log")
+@_errors
+def log_(
+    target: str = typer.Argument(..., help="The repository (any tag of it), e.g. registry.example.com/me/box:v2"),
+    plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
+    username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
+):
+    """List the snapshots of the repository, newest first: tags, UTC time, total size, base, and the
+    layers new in each versus the one before (label and size)."""
+    from .history import snapshot_log
+
+    snaps = snapshot_log(target, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin))
+    if as_json:
+        typer.echo(json.dumps([asdict(s) for s in snaps], indent=2))
+        return
+    for s in snaps:
+        typer.echo(f"{', '.join(s.tags)}  {s.created.replace('T', ' ').replace('Z', ' UTC')}  {_fmt_size(s.size)}  "
+                   f"{s.digest[:19]}  base {s.base}")
+        for layer in s.new:
+            typer.echo(f"    new: {layer.label}  {_fmt_size(layer.size)}")
+        if not s.new:
+            typer.echo("    no new layers")
+
+
+@app.command()
+@_errors
+def status(
+    base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (default: the base of the last commit or watch of --root)."),
+    root: str = typer.Option("/", "--root", help="Root of the box."),
+    profile: str = typer.Option("default", "--profile", "-p", help="Layer profile (as for commit)."),
+    compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip (as for commit)."),
+    max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Part-layer cap (as for commit)."),
+    plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
+    username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
+):
+    """What a commit would send now: the layers that changed since the last commit (with the size of
+    their files) and those it would skip. Reads only file metadata; pushes nothing."""
+    from .commit import CommitOptions
+    from .history import box_status
+    from .profile import load_profile, parse_size
+
+    opts = CommitOptions(root=root, profile=load_profile(profile), compression=compression,
+                         max_layer_size=parse_size(max_layer_size),
+                         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say)
+    st = box_status(base, opts)
+    if as_json:
+        typer.echo(json.dumps({**asdict(st), "to_send": st.to_send}, indent=2))
+        return
+    for layer in st.layers:
+        what = "changed, would send" if layer.changed else "unchanged, skipped"
+        typer.echo(f"{layer.label}: {what}  [{_fmt_size(layer.size)}, {layer.entries} entries]")
+    changed = sum(1 for layer in st.layers if layer.changed)
+    typer.echo(f"{changed} of {len(st.layers)} layer(s) changed against base {st.base}, "
+               f"{_fmt_size(st.to_send)} of files to send; {st.deleted} deleted path(s)")
+
+
 @app.command("profiles")
 @_errors
 def list_profiles():

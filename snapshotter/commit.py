@@ -25,7 +25,7 @@ from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote
 from .state import state_dir, sub
-from .statcache import StatCache, blob_entry, headers_digest, load_restore_record
+from .statcache import StatCache, blob_entry, headers_digest, load_restore_record, note_last_commit
 from .transport import TransportOptions
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
@@ -218,6 +218,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     # The tag moves only now, after every blob is in.
     digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
     cp.cache.save()
+    note_last_commit(cp.root, str(cp.base_ref), str(target_ref))
 
     reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
                for p, b, status in layers]

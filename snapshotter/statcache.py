@@ -105,3 +105,29 @@ def load_restore_record(root: str, base_digest: str, profile: str, max_layer_siz
             and doc.get("base") == base_digest and doc.get("profile") == profile and doc.get("max_layer") == max_layer_size
             and type(doc.get("restored_at_ns")) is int and isinstance(doc.get("layers"), dict))
     return doc if fits else None
+
+
+# ---- what a commit leaves for `snap status` ------------------------------------------------------
+
+
+LAST_COMMIT_VERSION = 1
+
+
+def _last_commit_path(root: str) -> str:
+    return os.path.join(sub("last-commit"), hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
+
+
+def note_last_commit(root: str, base: str, target: str) -> None:
+    """Remembered per root, so that `snap status` needs no --base after a commit or a watch."""
+    doc = {"version": LAST_COMMIT_VERSION, "base": base, "target": target}
+    replace_file(_last_commit_path(root), lambda f: json.dump(doc, f))
+
+
+def last_base(root: str) -> Optional[str]:
+    try:
+        with open(_last_commit_path(root)) as f:
+            doc = json.load(f)
+        base = doc.get("base") if doc.get("version") == LAST_COMMIT_VERSION else None
+        return base if isinstance(base, str) else None
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -1,0 +1,77 @@
+"""`snap log` and `snap status` against the real test registry."""
+
+import json
+import os
+
+from conftest import snap
+from support import push_base_image, write_tree
+
+MiB = 1024 * 1024
+MODEL = "opt/app/models/checkpoints/added.safetensors"
+
+
+def test_log_lists_snapshots_newest_first_with_their_new_layers(registry, base_ref, box):
+    repo = f"{registry.host}/base"  # the base image's own repository: its tag "1" is no snapshot
+    snap("commit", f"{repo}:snap-a", "--base", base_ref, "--root", box, check=True)
+    write_tree(box, {MODEL: os.urandom(2 * MiB)})
+    snap("commit", f"{repo}:snap-b", "--base", base_ref, "--root", box, check=True)
+    snap("commit", f"{repo}:snap-b-copy", "--base", base_ref, "--root", box, check=True)
+
+    r = snap("log", f"{repo}:snap-b", "--json", check=True)
+    snaps = json.loads(r.stdout)
+    assert [s["tags"] for s in snaps][-1] == ["snap-a"]
+    assert all("1" not in s["tags"] for s in snaps)
+    newest, older = snaps[0], snaps[-2]
+    assert newest["created"] >= older["created"] >= snaps[-1]["created"]
+    b = registry.manifest("base", "snap-b")
+    with_model = next(s for s in snaps if "snap-b" in s["tags"])
+    assert with_model["digest"] == "sha256:" + __import__("hashlib").sha256(
+        registry.session().get(f"{registry.url}/v2/base/manifests/snap-b",
+                               headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}).content).hexdigest()
+    assert with_model["size"] == sum(d["size"] for d in b["layers"]) + b["config"]["size"]
+    assert with_model["base"] == base_ref
+    # The first snapshot's layers are all new; the second adds the model (and what its directory changed).
+    a = registry.manifest("base", "snap-a")
+    assert {layer["digest"] for layer in snaps[-1]["new"]} == {d["digest"] for d in a["layers"][2:]}
+    model = [layer for layer in snaps[-2]["new"] if layer["label"] == "models" or MODEL in layer["label"]]
+    assert model and all(layer["digest"] not in {d["digest"] for d in a["layers"]} for layer in snaps[-2]["new"])
+
+    text = snap("log", f"{repo}:snap-b", check=True).stdout.splitlines()
+    assert text[0].split("  ")[0] in (", ".join(newest["tags"]),)
+    assert any(line.startswith("    new: ") for line in text)
+
+
+def test_log_of_a_repository_without_snapshots_is_one_line(registry, base_rootfs):
+    push_base_image(registry, "only-a-base", "1", base_rootfs)
+    r = snap("log", f"{registry.host}/only-a-base:1")
+    assert r.returncode == 5 and r.stderr.count("\n") == 1 and "no snapshots" in r.stderr
+
+
+def test_status_says_what_a_commit_would_send_and_pushes_nothing(registry, base_ref, box, tmp_path):
+    write_tree(box, {MODEL: os.urandom(2 * MiB)})
+    before = registry.session().get(f"{registry.url}/v2/_catalog").json()
+    r = snap("status", "--base", base_ref, "--root", box, "--json", check=True)
+    st = json.loads(r.stdout)
+    assert all(layer["changed"] for layer in st["layers"]) and st["deleted"] == 1
+    assert st["to_send"] >= 2 * MiB + 2_000_000  # the new model and the box's checkpoint, before compression
+    assert registry.session().get(f"{registry.url}/v2/_catalog").json() == before
+
+    # A restored box: every layer is known (from the restore), nothing to send until a file changes.
+    snap("commit", f"{registry.host}/status:v1", "--base", base_ref, "--root", box, check=True)
+    out = str(tmp_path / "restored")
+    snap("restore", f"{registry.host}/status:v1", "--root", out, check=True)
+    r = snap("status", "--base", base_ref, "--root", out, "--json", check=True)
+    assert not any(layer["changed"] for layer in json.loads(r.stdout)["layers"]), r.stdout
+    write_tree(out, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: changed = True\n"})
+    r = snap("status", "--root", box, check=True)  # --base from the last commit of that root
+    assert f"against base {base_ref}," in r.stdout
+    r = snap("status", "--base", base_ref, "--root", out, check=True)
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("custom_nodes: changed, would send") for line in lines), r.stdout
+    assert any(line.startswith("venv: unchanged, skipped") for line in lines), r.stdout
+    assert lines[-1].startswith("1 of ")
+
+
+def test_status_without_base_before_any_commit_is_one_line(box):
+    r = snap("status", "--root", box)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--base is required" in r.stderr
