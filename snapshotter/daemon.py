@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from .errors import NotFound, UsageError
 from .state import replace_file, sub
 
+VERSION = 1  # of the pid and exit files
 READY = "\0ready\n"  # what the detached watcher sends its starter once it watches
 
 
@@ -40,7 +41,7 @@ def _read_json(path: str) -> dict:
     try:
         with open(path) as f:
             doc = json.load(f)
-        return doc if isinstance(doc, dict) else {}
+        return doc if isinstance(doc, dict) and doc.get("version") == VERSION else {}
     except (OSError, ValueError):
         return {}
 
@@ -75,11 +76,11 @@ def lock_held(files: WatchFiles) -> bool:
 
 
 def note_pid(files: WatchFiles, target: str, grace: float) -> None:
-    replace_file(files.pid, lambda f: json.dump({"pid": os.getpid(), "target": target, "grace": grace}, f))
+    replace_file(files.pid, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "target": target, "grace": grace}, f))
 
 
 def note_exit(files: WatchFiles, code: int) -> None:
-    replace_file(files.exit, lambda f: json.dump({"pid": os.getpid(), "code": code}, f))
+    replace_file(files.exit, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "code": code}, f))
 
 
 def detach(files: WatchFiles) -> Callable[[], None]:
