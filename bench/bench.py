@@ -228,6 +228,57 @@ def snap(b: Bench, *args: str, state: str, cold: bool = False) -> Run:
     return r
 
 
+def start_watch(b: Bench, target: str, base_ref: str, box: str, state: str, every: str) -> subprocess.Popen:
+    """`snap watch` on the box, returned once it says it is watching (its first snapshot is made)."""
+    env = dict(os.environ, SNAP_STATE_DIR=state, SNAP_QUIET="1", DOCKER_CONFIG=os.path.join(b.work, "docker-config"))
+    p = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", target, "--base", base_ref, "--root", box,
+                          "--every", every, "--provider", "none"], stderr=subprocess.PIPE, text=True, env=env)
+    b.child = p
+    with open(b.log, "a") as lf:
+        lf.write(f"\n$ snap watch {target} --every {every}\n")
+        for line in p.stderr:
+            lf.write(line)
+            if "watching " in line:
+                return p
+    raise RuntimeError(f"snap watch exited ({p.wait()}) before watching: see bench.log")
+
+
+def stop_watch(b: Bench, p: subprocess.Popen) -> tuple[float, str, int]:
+    """SIGTERM, then wait for the final snapshot: (seconds from the signal to the exit, its output, code)."""
+    t0 = time.perf_counter()
+    p.send_signal(signal.SIGTERM)
+    rest = p.stderr.read()
+    code = p.wait()
+    secs = time.perf_counter() - t0
+    b.child = None
+    with open(b.log, "a") as lf:
+        lf.write(rest)
+    return secs, rest, code
+
+
+def watch_idle(b: Bench, target: str, base_ref: str, box: str, state: str, window: float) -> Run:
+    """CPU of a watcher of the unchanged box at --every 60s, over `window` seconds after its start."""
+    p = start_watch(b, target, base_ref, box, state, "60s")
+    cpu0, t0 = proc_cpu(p.pid), time.perf_counter()
+    time.sleep(window)
+    cpu, secs = proc_cpu(p.pid) - cpu0, time.perf_counter() - t0
+    _, out, code = stop_watch(b, p)
+    per_hour = cpu / secs * 3600
+    return Run(secs, None, code == 0, out, f"{cpu:.2f} CPU s in {secs:.0f} s of watching: {per_hour:.1f} CPU s per hour, "
+               f"{per_hour / 36:.2f}% of one core", cpu)
+
+
+def watch_final(b: Bench, target: str, base_ref: str, box: str, state: str) -> Run:
+    """Time from SIGTERM to the final snapshot pushed (the watcher exits right after), one file changed."""
+    p = start_watch(b, target, base_ref, box, state, "1h")
+    with open(os.path.join(box, SMALL_FILE), "a") as f:
+        f.write("WATCHED = True  # changed just before the notice\n")
+    os.sync()
+    secs, out, code = stop_watch(b, p)
+    ok = code == 0 and "final snapshot" in out and "pushed" in out
+    return Run(secs, None, ok, out, "" if ok else f"exit {code}: {out.strip().splitlines()[-1:]}")
+
+
 # ---------------------------------------------------------------- peers
 
 def restic_env(b: Bench) -> dict:
@@ -452,6 +503,11 @@ def measure_all(b: Bench, args) -> dict:
     if restic:
         step("restic_4", "restic backup (after the model)", lambda: restic_backup(b, box))
 
+    # snap watch on the box as it is now: idle cost, then SIGTERM after one small change.
+    step("watch_idle", "snap watch, idle at --every 60s", lambda: watch_idle(
+        b, f"{box_ref}:watch", base_ref, box, state, 20 if args.small else 120))
+    step("watch_final", "snap watch, SIGTERM -> final snapshot", lambda: watch_final(b, f"{box_ref}:watch", base_ref, box, state))
+
     # Restores of state 0 (v1, the archive, restic's 1st snapshot), each into an empty dir.
     # Nothing is deleted between these runs: ext4 then allocates new inodes slowly for minutes.
     outs = []
@@ -532,6 +588,22 @@ def memory_row(b: Bench, args, data: dict, label: str) -> tuple[list[str], dict]
     return ["mem: peak RSS (max of snap runs)", "", "", fmt_mib(peak), peer, "", "", "", "", target, verdict], me
 
 
+def watch_rows(res: dict) -> list[list[str]]:
+    """The watcher's rows: absolute targets, no peer."""
+    rows = []
+    final, idle = res.get("watch_final"), res.get("watch_idle")
+    if final:
+        verdict = "ERROR" if not final.ok else "PASS" if final.secs < 2.0 else "FAIL"
+        rows.append(["6 snap watch: SIGTERM to final snapshot pushed (one custom node changed)",
+                     f"{final.secs:.2f}" if final.ok else "error", "-", "-", "-", "-", "-", "-", "-", "< 2 s", verdict])
+    if idle:
+        pct = idle.cpu / idle.secs * 100 if idle.secs else 0.0
+        verdict = "ERROR" if not idle.ok else "PASS" if pct < 1.0 else "FAIL"
+        rows.append([f"7 snap watch idle, box unchanged, --every 60s ({idle.cpu / idle.secs * 3600:.1f} CPU s per hour)",
+                     "-", f"{pct:.2f}% of a core", "-", "-", "-", "-", "-", "-", "< 1% of a core", verdict])
+    return rows
+
+
 def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
     res = b.res
     cold_restores = os.access("/proc/sys/vm/drop_caches", os.W_OK)
@@ -550,6 +622,7 @@ def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
                      fmt_cpu(p), fmt_mib(p.rss) if p else "-", f"{ratio:.2f}x" if ratio else "-", target, verdict])
     mem_row, me = memory_row(b, args, data, label)
     rows.append(mem_row)
+    rows.extend(watch_rows(res))
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     notes = [f"- {k}: {r.note}" for k, r in res.items() if r.note]
     lines = [
