@@ -84,7 +84,7 @@ class Remote:
         r = self.transport.request("HEAD", self.transport.url(f"manifests/{tag}"), headers={"Accept": accept})
         if r.status_code == 404:
             return None
-        _check(r, f"look up {self.ref.name}:{tag}")
+        check(r, f"look up {self.ref.name}:{tag}")
         return r.headers.get("Docker-Content-Digest") or self.get_manifest(tag)[2]
 
     def list_tags(self) -> list[str]:
@@ -95,7 +95,7 @@ class Remote:
             r = self.transport.request("GET", url)
             if r.status_code == 404:
                 return tags  # a repository with nothing pushed yet
-            _check(r, f"list the tags of {self.ref.name}")
+            check(r, f"list the tags of {self.ref.name}")
             tags.extend(_json(r.content, "tag list").get("tags") or [])
             nxt = r.links.get("next", {}).get("url")
             url = self.transport.absolute(nxt) if nxt else ""
@@ -108,7 +108,7 @@ class Remote:
             return True
         if r.status_code in (400, 403, 405) or "UNSUPPORTED" in r.text:
             return False
-        _check(r, f"delete manifest {digest} from {self.ref.name}")
+        check(r, f"delete manifest {digest} from {self.ref.name}")
         return True
 
     # ---- blobs -------------------------------------------------------------------------------
