@@ -9,6 +9,7 @@ import zstandard
 
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
+from snapshotter import CommitOptions, commit as commit_module, commit_box
 
 
 def label(desc):
@@ -109,20 +110,23 @@ def test_each_path_lands_in_its_layer(registry, base_ref, box):
     assert meta.index("opt/app/.wh.old_cache.bin") < meta.index("opt/app/models")  # whiteouts before siblings
 
 
-def test_recommit_keeps_unchanged_layers_and_skips_upload(registry, base_ref, box):
-    first = commit_json(f"{registry.host}/inc:v1", base_ref, box)
+def test_recommit_keeps_unchanged_layers_and_skips_upload(registry, base_ref, box, monkeypatch):
+    """A second commit takes the layers whose files did not change from the stat cache, without
+    reading them; only the layer with the changed file is built and uploaded."""
+    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)  # the box's files count as old: the first commit caches
+    first = commit_box(f"{registry.host}/inc:v1", base_ref, CommitOptions(root=box))
     # Change one custom node file only.
     write_tree(box, {"opt/app/custom_nodes/NodeB/__init__.py": "B = 3\n"}, mtime=1_700_000_000)
     r = snap("commit", f"{registry.host}/inc:v2", "--base", base_ref, "--root", box, check=True)
-    assert "models: exists, skipped" in r.stdout
-    assert "venv: exists, skipped" in r.stdout
+    assert "models: exists, skipped (unchanged, not read)" in r.stdout
+    assert "venv: exists, skipped (unchanged, not read)" in r.stdout
     assert "custom_nodes: uploaded" in r.stdout
     a = layers_by_name(registry.manifest("inc", "v1"))
     b = layers_by_name(registry.manifest("inc", "v2"))
     assert a["venv"]["digest"] == b["venv"]["digest"]
     assert a["models"]["digest"] == b["models"]["digest"]
     assert a["custom_nodes"]["digest"] != b["custom_nodes"]["digest"]
-    assert {layer["name"]: layer["status"] for layer in first["layers"]}["models"] == "uploaded"
+    assert {layer.name: layer.status for layer in first.layers}["models"] == "uploaded"
 
 
 def test_only_snapshot_onto_an_existing_base(registry, base_ref, base_rootfs, box, tmp_path):
@@ -160,15 +164,18 @@ def test_unchanged_box_gives_base_layers_only(registry, base_ref, base_rootfs, t
 
 
 def test_rehash_finds_content_changed_behind_same_size_and_mtime(registry, base_ref, base_rootfs, tmp_path):
+    """--rehash compares the contents of files whose metadata matches the base: a base file
+    rewritten at the same size with its mtime put back is captured, and no file that is the same."""
     box = tmp_path / "box"
     subprocess.run(["cp", "-a", base_rootfs, str(box)], check=True)
     write_tree(str(box), {"opt/app/config.yaml": "port: 9999\n"})  # same size, same mtime as the base's
-    plain = commit_json(f"{registry.host}/rehash:v1", base_ref, str(box))
-    assert plain["layers"] == []  # size+mtime comparison cannot see it: that is what --rehash is for
-    hashed = commit_json(f"{registry.host}/rehash:v2", base_ref, str(box), "--rehash")
+    hashed = commit_json(f"{registry.host}/rehash:v1", base_ref, str(box), "--rehash")
     assert [layer["name"] for layer in hashed["layers"]] == ["rest"]
+    rest = layers_by_name(registry.manifest("rehash", "v1"))["rest"]
+    assert _layer_members(registry, "rehash", rest) == ["opt/app/config.yaml"]
     out = tmp_path / "out"
-    snap("restore", f"{registry.host}/rehash:v2", "--root", str(out), check=True)
+    snap("restore", f"{registry.host}/rehash:v1", "--root", str(out), check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(str(box), skip=NOT_CAPTURED)
     assert (out / "opt/app/config.yaml").read_text() == "port: 9999\n"
 
 
