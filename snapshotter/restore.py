@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -235,8 +236,16 @@ def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) ->
     # Started before the download threads (a fork copies only the thread that forks), and stopped
     # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
     worker = ExtractWorker(extractor)
+    # Set on an error or Ctrl-C: downloads in flight give up at their next chunk instead of
+    # holding the exit until they end (a weight on a slow link takes minutes).
+    stopping = threading.Event()
     with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
-        update = progress.safe_update(dl)
+        shown = progress.safe_update(dl)
+
+        def update(n: int) -> None:
+            if stopping.is_set():
+                raise _Stopped()
+            shown(n)
 
         def fetch(digest: str) -> str:
             path = os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if digest in split else ""))
@@ -271,6 +280,7 @@ def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) ->
                 if last_use[desc["digest"]] == n:
                     _remove_blob(path)
         except BaseException as e:
+            stopping.set()
             for f in futures.values():
                 f.cancel()
             if journal.applied > resumed:
@@ -292,6 +302,10 @@ def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) ->
     s.bytes += extractor.stats.bytes
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
                          s.skipped_devices, s.stripped_setuid, seeded)
+
+
+class _Stopped(Exception):
+    """A download given up because the restore is stopping (its .part is removed on the way out)."""
 
 
 def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, list[tuple]]) -> int:

@@ -487,7 +487,8 @@ class FaultProxy(_ThreadedServer):
       connections are cut; the registry keeps what it got. One cut, then it resets to None.
     - `throttle`: bytes per second for blob download bodies; `midway` is set once `midway_at`
       bytes of one have passed.
-    - `body_bytes[method]`: request body bytes forwarded; `log`: (method, path, status)."""
+    - `body_bytes[method]`: request body bytes forwarded; `blob_bytes_sent`: blob download body
+      bytes passed to the client; `log`: (method, path, status)."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream
@@ -498,6 +499,7 @@ class FaultProxy(_ThreadedServer):
         self.midway_at = 1 << 20
         self.midway = threading.Event()
         self.body_bytes: dict[str, int] = {}
+        self.blob_bytes_sent = 0
         self.log: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -617,6 +619,9 @@ class FaultProxy(_ThreadedServer):
                     except OSError:
                         break
                     passed += len(data)
+                    if "/blobs/" in path and method == "GET":
+                        with proxy._lock:
+                            proxy.blob_bytes_sent += len(data)
                     if slow:
                         if passed >= proxy.midway_at:
                             proxy.midway.set()

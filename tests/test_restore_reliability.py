@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from snapshotter.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore import RestoreOptions, restore_image
 from snapshotter.staging import SPLIT_SUFFIX, download_split
+from support import FaultProxy
 from test_hostile import layer as hlayer, member, part_ann, push_annotated
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
@@ -75,12 +77,75 @@ def assert_one_line_error(r, code: int, *words: str) -> None:
 
 # ---- killed mid-file, then resumed -----------------------------------------------------------
 
-def _running(pid: int) -> bool:
+# `snap restore` whose extraction process holds still once it has taken PAUSE_AT bytes of one
+# layer's blob: it writes a byte to the test's pipe and waits there, mid-file, until the test acts
+# (no polling, no race with a restore that would finish first).
+PAUSE_AT = 16 * MiB
+_PAUSED_RESTORE = """
+import os, runpy, sys, threading
+from snapshotter import applier
+
+apply_layer = applier.apply_layer
+
+def held(extractor, job, on_bytes):
+    taken = 0
+    def count(n):
+        nonlocal taken
+        taken += n
+        if taken >= PAUSE_AT:
+            os.write(FD, b"p")
+            threading.Event().wait()
+        on_bytes(n)
+    return apply_layer(extractor, job, count)
+
+applier.apply_layer = held
+sys.argv = ["snap", *ARGS]
+runpy.run_module("snapshotter", run_name="__main__")
+"""
+
+
+def start_paused_restore(ref: str, root, **popen) -> tuple[subprocess.Popen, list[int]]:
+    """Start `snap restore ref --root root` and return once its extraction process holds still
+    mid-layer: (the restore process, the extraction process ids)."""
+    r, w = os.pipe()
+    code = f"PAUSE_AT, FD, ARGS = {PAUSE_AT}, {w}, {['restore', ref, '--root', str(root)]!r}\n" + _PAUSED_RESTORE
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            pass_fds=(w,), **popen)
+    os.close(w)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        ready, _, _ = select.select([r], [], [], 120)
+        held = ready and os.read(r, 1) == b"p"  # b"": every writer gone, the restore ended without pausing
+    finally:
+        os.close(r)
+    if not held:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the restore never reached {PAUSE_AT} bytes of a layer: {err}")
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        return proc, [int(c) for c in f.read().split()]
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> bool:
+    """Wait until every process in `pids` has exited (pidfds: no polling). True if they all have."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            pass  # gone already
+    try:
+        deadline = time.monotonic() + timeout
+        while fds:
+            ready, _, _ = select.select(fds, [], [], max(0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            for fd in ready:
+                fds.remove(fd)
+                os.close(fd)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, state_dir):
@@ -97,28 +162,15 @@ def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, stat
     (root / "data").mkdir(parents=True)
     (root / "data/big.bin").write_bytes(old)  # restoring over an older tree
 
-    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", ref, "--root", str(root)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
-    killed = False
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        temps = stale_temps(root)
-        if temps and os.path.getsize(temps[0]) > 16 * MiB:  # well inside the big file
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                children = [int(c) for c in f.read().split()]  # the extraction process
-            proc.send_signal(signal.SIGKILL)
-            killed = True
-            break
-        time.sleep(0.002)
+    proc, children = start_paused_restore(ref, root)
+    assert children, "the layers are applied in a child process"
+    [temp] = stale_temps(root)
+    assert os.path.getsize(temp) > 0, "held in the middle of the big file"
+    proc.send_signal(signal.SIGKILL)
     proc.wait(30)
+    assert wait_gone(children), "the extraction process outlived a killed restore"  # it dies with its parent
     proc.stdout.close()
     proc.stderr.close()
-    assert killed, "the restore finished before it could be killed mid-file"
-    assert children, "the layers are applied in a child process"
-    deadline = time.time() + 10  # it dies with its parent, and writes nothing more
-    while time.time() < deadline and any(_running(c) for c in children):
-        time.sleep(0.05)
-    assert not any(_running(c) for c in children), "the extraction process outlived a killed restore"
 
     # (a) The original path holds a whole file, old or new, never a part of one.
     assert file_sha(root / "data/big.bin") in (sha(old), sha(big))
@@ -504,25 +556,17 @@ def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tm
 
 
 def _restore_while_writing(registry, repo: str, root, act) -> tuple[subprocess.Popen, list[int], str, bytes]:
-    """Restore a one-layer image holding a 100 MiB file; once its extraction process is well
-    inside that file, call act(restore process, extraction pids). Returns (process, extraction
-    pids, stderr, the big file's bytes)."""
+    """Restore a one-layer image holding a 100 MiB file; once its extraction process is inside
+    that file, call act(restore process, extraction pids). Returns (process, extraction pids,
+    stderr, the big file's bytes)."""
     big = os.urandom(MiB) * 100
     tars = [layer({"data/big.bin": big, "data/after.txt": b"after\n"}, dirs=("data",))]
     registry.push_image(repo, "v1", [zstandard.ZstdCompressor(level=1).compress(t) for t in tars],
                         layer_media_type=ZSTD, diff_ids=["sha256:" + sha(t) for t in tars])
-    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{registry.host}/{repo}:v1", "--root", str(root)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline, children = time.time() + 60, []
-    while time.time() < deadline and proc.poll() is None and not children:
-        temps = stale_temps(root) if root.exists() else []
-        if temps and os.path.getsize(temps[0]) > 8 * MiB:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                children = [int(c) for c in f.read().split()]
-            act(proc, children)
-        time.sleep(0.002)
+    proc, children = start_paused_restore(f"{registry.host}/{repo}:v1", root, start_new_session=True)
+    assert children and stale_temps(root), "held inside the big file, by the extraction process"
+    act(proc, children)
     _, err = proc.communicate(timeout=60)
-    assert children, "the restore finished before the test could act"
     assert "Traceback" not in err, err
     assert not (root / "data/after.txt").exists()
     return proc, children, err, big
@@ -546,4 +590,34 @@ def test_ctrl_c_stops_the_extraction_process_too(registry, tmp_path, state_dir):
     ctrl_c = lambda proc, children: os.killpg(proc.pid, signal.SIGINT)  # noqa: E731 - what a terminal does
     proc, children, err, _ = _restore_while_writing(registry, "ctrlc", tmp_path / "root", ctrl_c)
     assert proc.returncode == 130, (proc.returncode, err)
-    assert not any(_running(c) for c in children), "the extraction process outlived the interrupted restore"
+    assert wait_gone(children), "the extraction process outlived the interrupted restore"
+
+
+@pytest.mark.parametrize("media_type", [TAR, ZSTD])
+def test_ctrl_c_during_a_download(registry, tmp_path, state_dir, media_type):
+    """Ctrl-C while a big layer is on a slow link: the restore stops (130) without waiting for the
+    rest of it, nothing of that layer reaches the root or stays in the state dir, and the next
+    run finishes the job."""
+    big = os.urandom(32 * MiB)
+    tars = [layer({"data/a.txt": b"first\n"}, dirs=("data",)), layer({"data/big.bin": big})]
+    blobs = tars if media_type == TAR else [zstandard.ZstdCompressor(level=1).compress(t) for t in tars]
+    registry.push_image("ctrlcdl", "v1", blobs, layer_media_type=media_type, diff_ids=["sha256:" + sha(t) for t in tars])
+    root = tmp_path / "root"
+    proxy = FaultProxy(registry.host).start()
+    proxy.throttle = 4 * MiB  # bytes per second: the big layer takes 8 s on this link
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{proxy.host}/ctrlcdl:v1", "--root", str(root)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        assert proxy.midway.wait(120), "the big layer never got on the wire"  # its first MiB passed
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proxy.stop()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    assert proxy.blob_bytes_sent < sum(map(len, blobs)), "the restore waited for the whole download before stopping"
+    assert not (root / "data/big.bin").exists() and stale_temps(root) == []
+    assert not [n for n in os.listdir(state_dir / "blobs") if n.startswith(sha(blobs[1]))]  # not even a .part
+    r = snap("restore", f"{registry.host}/ctrlcdl:v1", "--root", str(root))
+    assert r.returncode == 0, r.stderr
+    assert (root / "data/big.bin").read_bytes() == big and (root / "data/a.txt").read_bytes() == b"first\n"
