@@ -5,7 +5,7 @@ fingerprint (path, size, mtime, inode, ctime, mode, owner of every entry) is loo
 hit whose blob the registry still has is reused as it is. The cache is per (box root, base image):
 a cache from another root or base is never consulted.
 
-Both files here carry a format version; one of another version, or whose entries are not laid out
+Every file here carries a format version; one of another version, or whose entries are not laid out
 as this version writes them, is ignored (and rewritten), never misread."""
 
 from __future__ import annotations
@@ -59,14 +59,6 @@ class StatCache:
 # ---- what a restore leaves for the next commit ------------------------------------------------
 
 RESTORED_VERSION = 1
-BLOB_FIELDS = {"digest": str, "diff_id": str, "size": int, "media_type": str}  # what a hit gives commit
-
-
-def blob_entry(value) -> Optional[dict]:
-    """`value` if it is a blob as this version records it ({digest, diff_id, size, media_type}), else None."""
-    if isinstance(value, dict) and all(type(value.get(k)) is t for k, t in BLOB_FIELDS.items()):
-        return {k: value[k] for k in BLOB_FIELDS}
-    return None
 # Written files get a ctime from the kernel's coarse clock, which lags the fine one by up to a tick
 # (10 ms at HZ=100): a restore waits this long after noting its end, so that any later write gets
 # a ctime past it.
