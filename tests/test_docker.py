@@ -19,6 +19,7 @@ import subprocess
 import tarfile
 import time
 import uuid
+from typing import Optional
 
 import pytest
 
@@ -39,11 +40,12 @@ ENGINE_FILES = ("etc/hostname", "etc/hosts", "etc/resolv.conf", "etc/mtab", ".do
 class Dockerd:
     """dockerd as root on its own socket, data-root and exec-root (its own containerd too)."""
 
-    def __init__(self, workdir: str, insecure_registry: str):
+    def __init__(self, workdir: str, insecure_registry: str, path: Optional[str] = None):
         self.workdir = workdir
         self.host = f"unix://{workdir}/docker.sock"
         self.log = os.path.join(workdir, "dockerd.log")
-        ns = f"snaptest{os.getpid()}"
+        self.env = {**os.environ, "PATH": path} if path else None  # where it looks for helpers (the NVIDIA hook)
+        ns = f"snaptest{os.getpid()}-{os.path.basename(workdir)}"
         self.argv = [
             shutil.which("dockerd"), "--host", self.host, "--data-root", f"{workdir}/data",
             "--exec-root", f"{workdir}/exec", "--pidfile", f"{workdir}/docker.pid", "--bridge", "none",
@@ -53,7 +55,7 @@ class Dockerd:
         self.proc = None
 
     def start(self) -> "Dockerd":
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=self.env)
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -224,6 +226,59 @@ def test_gpus_are_requested_when_the_host_has_them(registry, base_ref, box, engi
     assert {c.id for c in engine.containers.list(all=True)} == before  # the refused container is gone
     r = snap("run", "--no-gpu", ref, "--", "/bin/sh", "-c", "echo ran", env=env, check=True)
     assert r.stdout.strip() == "ran"
+
+
+NVIDIA_HOOK = "nvidia-container-runtime-hook"  # the NVIDIA toolkit's: dockerd offers GPUs when it finds it
+
+
+@pytest.fixture(scope="session")
+def gpu_engine(dockerd, registry, tmp_path_factory):
+    """(Dockerd, log of the NVIDIA hook's calls or None) of an engine that can give containers GPUs.
+    Where the toolkit is installed, the test dockerd already can. Elsewhere a second dockerd gets
+    a stand-in hook on its PATH: the engine then takes GPU requests as with the real toolkit (it
+    sets NVIDIA_VISIBLE_DEVICES and calls the hook before the container starts), minus the devices."""
+    if shutil.which(NVIDIA_HOOK):
+        yield dockerd, None
+        return
+    workdir = tmp_path_factory.mktemp("gpu-dockerd")
+    calls = workdir / "hook-calls"
+    hook = workdir / "bin" / NVIDIA_HOOK
+    hook.parent.mkdir()
+    hook.write_text(f"#!/bin/sh\ncat > /dev/null\necho \"$*\" >> {calls}\n")  # the container's state comes on stdin
+    hook.chmod(0o755)
+    d = Dockerd(str(workdir), registry.host, path=f"{hook.parent}:{os.environ['PATH']}").start()
+    yield d, calls
+    d.stop()
+
+
+def test_gpus_reach_the_engine_that_can_give_them(registry, base_ref, box, gpu_engine, tmp_path):
+    """On a host with NVIDIA GPUs `snap run` requests all of them, and an engine with the NVIDIA
+    toolkit gives them to the container: the request is in the container's HostConfig, the toolkit's
+    hook ran, and the container sees NVIDIA_VISIBLE_DEVICES=all. --no-gpu requests none."""
+    engine, calls = gpu_engine
+    client = engine.client()
+    ref = f"{registry.host}/dock:gpuok"
+    commit_json(ref, base_ref, box, "--compression", "gzip")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA A100'\n")  # the host has GPUs
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DOCKER_HOST": engine.host}
+    name = f"snap-gpu-{uuid.uuid4().hex[:8]}"
+    r = snap("run", "--name", name, ref, "--", "/bin/sh", "-c", "echo \"gpus=$NVIDIA_VISIBLE_DEVICES\"", env=env, check=True)
+    try:
+        assert r.stdout.strip() == "gpus=all"
+        requests_ = client.containers.get(name).attrs["HostConfig"]["DeviceRequests"]
+        assert [(d["Count"], d["Capabilities"]) for d in requests_] == [(-1, [["gpu"]])]
+        if calls is not None:
+            assert calls.read_text().split() == ["prestart"]
+        r = snap("run", "--no-gpu", "--name", name + "-none", ref, "--", "/bin/sh", "-c",
+                 "echo \"gpus=$NVIDIA_VISIBLE_DEVICES\"", env=env, check=True)
+        assert r.stdout.strip() == "gpus="
+        assert not client.containers.get(name + "-none").attrs["HostConfig"]["DeviceRequests"]
+    finally:
+        for c in client.containers.list(all=True, filters={"name": name}):
+            c.remove(force=True)
 
 
 def test_run_without_an_engine_points_to_extract_mode():
