@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .compress import HashingReader, decompressing_reader
-from .errors import IntegrityError, SnapError
+from .compress import check_layer
+from .errors import SnapError
 from .extract import ExtractOptions, Extractor, ExtractStats
 from .staging import SplitLayer
+from .tarrules import HeadersDigest
 
 
 @dataclass
@@ -31,23 +32,21 @@ class LayerJob:
     diff_id: str
     split: bool  # kept split at download (staging.py); its digest is its diff_id
     label: str
-    record: bool  # send back its tar headers
+    record: bool  # send back the digest of its tar headers
 
 
-def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[list[tuple]]:
-    """Apply one verified layer; its tar headers if job.record. on_bytes: stored bytes consumed."""
-    extractor.record = [] if job.record else None
-    if job.split:
+def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
+    """Apply one verified layer; the digest of its tar headers if job.record. on_bytes: stored bytes consumed."""
+    extractor.record = HeadersDigest() if job.record else None
+    what = f"layer {job.label}"
+    if job.split:  # its digest, checked at download, is its diff_id
         with SplitLayer(job.path, on_bytes) as layer:
-            extractor.apply(layer, take=layer.take)
+            extractor.apply(layer, take=layer.take, layer=what)
     else:
         with open(job.path, "rb") as raw:
-            stream = HashingReader(decompressing_reader(_CountingFile(raw, on_bytes), job.media_type))
-            extractor.apply(stream)
-            stream.drain()
-        if stream.digest != job.diff_id:
-            raise IntegrityError(f"layer {job.label} does not match its diff_id in the image config")
-    return extractor.record
+            check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
+                        lambda stream: extractor.apply(stream, layer=what))
+    return extractor.record.hexdigest() if extractor.record is not None else None
 
 
 class ExtractWorker:
@@ -73,7 +72,7 @@ class ExtractWorker:
         child_end.close()
         self.stats = ExtractStats()
 
-    def apply(self, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[list[tuple]]:
+    def apply(self, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
         try:
             self.conn.send(job)
             while True:

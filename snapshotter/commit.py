@@ -18,14 +18,15 @@ from .errors import IntegrityError, UsageError
 from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, descriptor, now_rfc3339,
                     Image, sha256_digest, snapshot_config, snapshot_manifest)
-from .layer import LayerBlob, build_layer, header_key, measure_layer, tar_headers, write_layer
+from .layer import LayerBlob, build_layer, measure_layer, tar_headers, write_layer
 from .mediatypes import OCI_MANIFEST
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote
 from .state import state_dir, sub
-from .statcache import StatCache, blob_entry, headers_digest, load_restore_record, note_last_commit
+from .statcache import StatCache, blob_entry, load_restore_record, note_last_commit
+from .tarrules import header_key, headers_digest
 from .transport import TransportOptions
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once

@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import io
 import tarfile
+import zlib
 from typing import BinaryIO, Callable, Iterable, Iterator, Optional
 
 import zstandard
@@ -229,3 +230,17 @@ def decompressing_reader(raw: BinaryIO, media_type: str, note: Optional[Callable
     if kind == "gzip":
         return gzip.GzipFile(fileobj=stream, mode="rb")
     return stream
+
+def check_layer(raw: BinaryIO, media_type: str, diff_id: str, label: str,
+                consume: Callable[[BinaryIO], None], note: Optional[Callable[[str], None]] = None) -> None:
+    """Decompress a layer blob, hand its tar stream to `consume`, read it to its end and check it
+    against the layer's diff_id (IntegrityError, as for data that does not decompress). The one
+    way restore's applier and verify read a layer. `note`: see decompressing_reader."""
+    stream = HashingReader(decompressing_reader(raw, media_type, note))
+    try:
+        consume(stream)
+        stream.drain()
+    except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
+        raise IntegrityError(f"layer {label} does not decompress: {e}") from None
+    if stream.digest != diff_id:
+        raise IntegrityError(f"layer {label} does not match its diff_id in the image config")

@@ -63,3 +63,9 @@ class RegistryError(SnapError):
     """The registry answered, but with an error we cannot recover from."""
 
     exit_code = 10
+
+
+def quoted_path(rel: str) -> str:
+    """A root-relative path from an image or a tree, for a message: '/a/b', quoted and escaped like
+    repr, so that a newline or a control character in a name cannot forge lines of output."""
+    return repr("/" + rel.lstrip("/"))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import gzip
-import io
 import os
 import re
 import shutil
@@ -31,14 +30,16 @@ from typing import BinaryIO, Callable, Optional
 
 import zstandard
 
-from .errors import IntegrityError, StorageError
-from .fsindex import OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, clean_path
-from .layer import header_key
+from .errors import IntegrityError, StorageError, quoted_path
+from .fsindex import clean_path
 from .mounts import inside, read_mounts
+from .tarreader import TarReader
+from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key,
+                       whiteout_target)
 
-MAX_SYMLINK_HOPS = 40
 TMP_PREFIX = ".snap-tmp-"
 READ_BUFFER = 1 << 20
+XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
 _CAPABILITY = "security.capability"
 
@@ -69,18 +70,6 @@ def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> Sto
     return StorageError(f"cannot write in {place}{what}: {e.strerror or e}")
 
 
-def check_name(name: str) -> str:
-    """Root-relative path of a member name; refuses names that try to leave the root."""
-    if name.startswith("/"):
-        raise IntegrityError(f"layer entry {name!r} has an absolute path: refusing a hostile layer")
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise IntegrityError(f"layer entry {name!r} escapes the root with '..': refusing a hostile layer")
-    if any("\0" in p for p in parts):
-        raise IntegrityError(f"layer entry {name!r} has a NUL byte: refusing a hostile layer")
-    return "/".join(parts)
-
-
 class Extractor:
     def __init__(self, root: str, options: Optional[ExtractOptions] = None):
         os.makedirs(root, exist_ok=True)
@@ -92,7 +81,7 @@ class Extractor:
         # directories, so only removing or replacing a directory or a symlink can change an
         # answer: those clear the cache.
         self._dir_cache: dict[str, str] = {}
-        self.record: Optional[list[tuple]] = None  # set to a list to keep the headers of the next layer
+        self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
         self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
         self._reset_dir_times()
 
@@ -191,38 +180,31 @@ class Extractor:
 
     # ---- applying a layer ------------------------------------------------------------------------
 
-    def apply(self, tar_stream: BinaryIO, take: Optional[Callable[[int, int], Optional[str]]] = None) -> None:
+    def apply(self, tar_stream: BinaryIO, take: Optional[Callable[[int, int], Optional[str]]] = None,
+              layer: str = "layer") -> None:
         """Apply one layer (an uncompressed tar stream). `take(offset, size)`, if given, may hand
         over a file holding a regular file's data (a split layer: staging.py), to be renamed into
-        place instead of copied; the stream must then be one that seeks forward without reading."""
+        place instead of copied; the stream then skips that data without reading it (its `skip`)."""
         self._reset_dir_times()
         self._take = take
         name = ""
         try:
-            # tarfile's stream mode ("r|") reads in 10 KiB pieces and copies its whole buffer on
-            # every header read: slow for GBs and for many small files alike. Its seeking mode
-            # over a buffered forward-only view of the stream reads members in order just the same.
-            raw = tar_stream if take is not None else _ForwardOnly(tar_stream)
-            stream = io.BufferedReader(raw, READ_BUFFER)
-            with tarfile.open(fileobj=stream, mode="r:", errorlevel=2) as tar:
-                for m in tar:
-                    name = m.name
-                    if self.record is not None:
-                        self.record.append(header_key(m))
-                    self._apply_member(tar, m)
-            while stream.read(READ_BUFFER):  # read to the end here, so a corrupt tail is caught below
-                pass
-        except tarfile.TarError as e:
-            raise IntegrityError(f"layer is not a valid tar archive: {e}")
+            reader = TarReader(tar_stream, layer)
+            for m in reader:
+                name = m.name
+                if self.record is not None:
+                    self.record.add(header_key(m))
+                self._apply_member(reader, m)
+            reader.stream.drain()  # read to the end here, so a corrupt tail is caught below
         except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
-            raise IntegrityError(f"layer data does not decompress: {e}")  # checked before OSError: BadGzipFile is one
+            raise IntegrityError(f"{layer} does not decompress: {e}")  # checked before OSError: BadGzipFile is one
         except OSError as e:
-            raise storage_error(e, self.root, f" while writing /{clean_path(name)}" if name else "") from e
+            raise storage_error(e, self.root, f" while writing {quoted_path(clean_path(name))}" if name else "") from e
         finally:
             self._take = None
             self.put_back_dir_times()
 
-    def _apply_member(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+    def _apply_member(self, reader: TarReader, m: tarfile.TarInfo) -> None:
         rel = check_name(m.name)
         if not rel:
             return  # the root entry itself: the root keeps its own attributes
@@ -269,7 +251,7 @@ class Extractor:
         try:
             attrs_set = False
             if m.isreg():
-                attrs_set = self._write_file(tar, m, tmp, rel)
+                attrs_set = self._write_file(reader, m, tmp, rel)
             elif m.issym():
                 os.symlink(m.linkname, tmp)
             elif m.islnk():
@@ -290,7 +272,7 @@ class Extractor:
                 _remove(tmp)
         self._written.add(path)
 
-    def _write_file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, tmp: str, rel: str) -> bool:
+    def _write_file(self, reader: TarReader, m: tarfile.TarInfo, tmp: str, rel: str) -> bool:
         """Write a regular file's data to `tmp`. True if its attributes were set too (on the open fd:
         no path lookups)."""
         staged = self._take(m.offset_data, m.size) if self._take else None
@@ -305,14 +287,13 @@ class Extractor:
                     raise
                 # The state dir is on another filesystem than this directory: copied below.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as out, (open(staged, "rb") if staged is not None else tar.extractfile(m)) as src:
-            left = m.size
-            while left > 0:
-                chunk = src.read(min(left, 1 << 20))
-                if not chunk:
-                    raise IntegrityError(f"layer entry {m.name!r} is truncated")
-                out.write(chunk)
-                left -= len(chunk)
+        with os.fdopen(fd, "wb") as out:
+            if staged is not None:
+                with open(staged, "rb") as src:
+                    shutil.copyfileobj(src, out, READ_BUFFER)
+            else:
+                while chunk := reader.read_data(READ_BUFFER):
+                    out.write(chunk)
             out.flush()
             if self.opts.fsync:
                 os.fsync(out.fileno())
@@ -348,9 +329,7 @@ class Extractor:
                     self._note_parent(pdir)
                     self._remove_any(path)
             return
-        name = base[len(WHITEOUT_PREFIX):]
-        if not name or name in (".", "..") or "/" in name:
-            raise IntegrityError(f"whiteout {base!r} names no valid path: refusing a hostile layer")
+        name = whiteout_target(base)
         path = os.path.join(pdir, name)
         if path in self._written:
             return  # a whiteout never deletes from its own layer
@@ -411,44 +390,6 @@ class Extractor:
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EACCES):
                 raise
-
-
-class _ForwardOnly(io.RawIOBase):
-    """A layer stream as tarfile's seeking mode wants it: tell() counts what was read, seek()
-    moves forward only (reading and dropping), which is all tarfile does reading members in order."""
-
-    def __init__(self, src: BinaryIO):
-        self.src, self.pos = src, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b) -> int:
-        data = self.src.read(len(b))
-        n = len(data)
-        b[:n] = data
-        self.pos += n
-        return n
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_CUR:
-            pos += self.pos
-        elif whence != io.SEEK_SET:
-            raise IntegrityError("layer stream: seek from its end")
-        if pos < self.pos:
-            raise IntegrityError("layer stream: tar members out of order")  # tarfile never does this reading in order
-        while self.pos < pos:
-            data = self.src.read(min(pos - self.pos, READ_BUFFER))
-            if not data:
-                break  # past the end: the next read finds nothing, and tarfile reports it
-            self.pos += len(data)
-        return self.pos
 
 
 def _utime(path: str, at: int, mt: int) -> None:

@@ -11,16 +11,14 @@ import tarfile
 from dataclasses import astuple, dataclass, field, fields
 from typing import BinaryIO, Callable, Optional
 
-from .errors import StorageError, UsageError
+from .errors import IntegrityError, StorageError, UsageError
 from .mounts import inside, read_mounts
 from .profile import Profile, VenvRoots
 from .state import replace_file
+from .tarreader import iter_members, data_chunks
+from .tarrules import MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, check_name, member_xattrs, whiteout_target
 
 FILE, DIR, SYMLINK, CHAR, BLOCK, FIFO = "file", "dir", "symlink", "char", "block", "fifo"
-WHITEOUT_PREFIX = ".wh."
-XATTR_PAX = "SCHILY.xattr."
-SKIP_XATTRS = ("trusted.", "security.selinux")  # privileged, or labels of the host they were made on
-OPAQUE = ".wh..wh..opq"
 
 # Filesystems that are views of the kernel, never content of the box.
 PSEUDO_FS = {
@@ -278,12 +276,6 @@ def read_xattrs(path: str) -> Optional[dict[str, str]]:
     return out or None
 
 
-def member_xattrs(m: tarfile.TarInfo) -> Optional[dict[str, str]]:
-    out = {k[len(XATTR_PAX):]: v for k, v in (m.pax_headers or {}).items()
-           if k.startswith(XATTR_PAX) and not k[len(XATTR_PAX):].startswith(SKIP_XATTRS)}
-    return out or None
-
-
 def entry_from_member(m: tarfile.TarInfo, rel: str) -> Optional[Entry]:
     kind = _KIND_OF_TAR.get(m.type)
     if kind is None:
@@ -296,58 +288,110 @@ def entry_from_member(m: tarfile.TarInfo, rel: str) -> Optional[Entry]:
     )
 
 
-def _remove_tree(index: dict[str, Entry], path: str, keep_self: bool = False) -> None:
-    if not keep_self:
-        index.pop(path, None)
-    prefix = path + "/" if path else ""
-    for k in [k for k in index if k.startswith(prefix)]:
-        del index[k]
+def _under(path: str, roots: set[str]) -> bool:
+    """Is `path` one of `roots` or below one of them?"""
+    while path:
+        if path in roots:
+            return True
+        path = path.rpartition("/")[0]
+    return False
 
 
-def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO) -> None:
-    """Apply one layer's tar (uncompressed stream) to an image index, as an extractor would:
-    whiteouts and opaque markers hide lower paths, a non-directory replaces a lower directory tree."""
+def resolve_parent(index: dict[str, Entry], layer: dict[str, Entry], rel: str, name: str = "") -> str:
+    """Where an extractor writes `rel` (a checked name): its parent directories resolved through
+    the image's symlinks as if the root were '/' (extract.py does the same on disk), the final
+    component not followed. Refuses a loop, as restore does."""
+    parent, _, base = rel.rpartition("/")
+    parts = [p for p in parent.split("/") if p]
+    out: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if out:
+                out.pop()
+            continue
+        here = "/".join((*out, part))
+        e = layer.get(here) or index.get(here)
+        if e is not None and e.kind == SYMLINK:
+            hops += 1
+            if hops > MAX_SYMLINK_HOPS:
+                raise IntegrityError(f"too many symlinks resolving {name or rel!r}: refusing a hostile layer")
+            if e.linkname.startswith("/"):
+                out = []
+            parts = [p for p in e.linkname.split("/") if p and p != "."] + parts
+            continue
+        out.append(part)
+    return "/".join((*out, base))
+
+
+def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, label: str = "layer") -> set[str]:
+    """Apply one layer's tar (uncompressed stream) to an image index, as an extractor would, with
+    the same checks (names, whiteouts, hardlinks, symlink loops): whiteouts and opaque markers hide
+    lower paths, a non-directory replaces a lower directory tree, a path below a symlink lands
+    where the symlink leads. Linear in the index and the layer. Returns the paths it removed."""
     layer: dict[str, Entry] = {}
-    whiteouts: list[str] = []
-    opaques: list[str] = []
-    with tarfile.open(fileobj=tar_stream, mode="r|") as tar:
-        for m in tar:
-            rel = clean_path(m.name)
-            if not rel:
-                continue
-            parent, _, base = rel.rpartition("/")
+    whiteouts: set[str] = set()
+    opaques: set[str] = set()
+    for reader, m in iter_members(tar_stream, label):
+        rel = check_name(m.name)
+        if not rel:
+            continue
+        if "/" in rel:
+            rel = resolve_parent(index, layer, rel, m.name)
+        parent, _, base = rel.rpartition("/")
+        if base.startswith(WHITEOUT_PREFIX):
             if base == OPAQUE:
-                opaques.append(parent)
-                continue
-            if base.startswith(WHITEOUT_PREFIX):
-                whiteouts.append(f"{parent}/{base[4:]}" if parent else base[4:])
-                continue
-            if m.islnk():
-                target = clean_path(m.linkname)
-                src = layer.get(target) or index.get(target)
-                if src is None or src.kind != FILE:
-                    continue
-                e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest, xattrs=src.xattrs)
+                opaques.add(parent)
             else:
-                e = entry_from_member(m, rel)
-                if e is None:
-                    continue
-                if e.kind == FILE:
-                    f = tar.extractfile(m)
-                    h = hashlib.sha256()
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
-                    e.digest = "sha256:" + h.hexdigest()
-            layer[rel] = e
-    for d in opaques:
-        _remove_tree(index, d, keep_self=True)
-    for w in whiteouts:
-        _remove_tree(index, w)
+                name = whiteout_target(base)
+                whiteouts.add(f"{parent}/{name}" if parent else name)
+            continue
+        if m.islnk():
+            target = check_name(m.linkname)
+            if "/" in target:
+                target = resolve_parent(index, layer, target, m.linkname)
+            src = layer.get(target) or index.get(target)
+            if not target or src is None or src.kind == DIR:
+                raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, which is not a file in the image: "
+                                     "refusing a hostile layer")
+            if src.kind != FILE:
+                continue
+            e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest, xattrs=src.xattrs)
+        else:
+            e = entry_from_member(m, rel)
+            if e is None:
+                continue
+            if e.kind == FILE:
+                h = hashlib.sha256()
+                for chunk in data_chunks(reader):
+                    h.update(chunk)
+                e.digest = "sha256:" + h.hexdigest()
+        layer[rel] = e
+    # What this layer replaces: a lower directory tree under a non-directory.
+    replaced = {rel for rel, e in layer.items() if e.kind != DIR and rel in index and index[rel].kind == DIR}
+    removed: set[str] = set()
+    if whiteouts or opaques or replaced:
+        for rel in [r for r in index if _gone(r, whiteouts, opaques, replaced)]:
+            del index[rel]
+            removed.add(rel)
     for rel, e in layer.items():
-        old = index.get(rel)
-        if old is not None and old.kind == DIR and e.kind != DIR:
-            _remove_tree(index, rel)
         index[rel] = e
+    return removed - index.keys()
+
+
+def _gone(rel: str, whiteouts: set[str], opaques: set[str], replaced: set[str]) -> bool:
+    """Does a lower path go with this layer's whiteouts, opaque markers, or replaced trees?"""
+    parent = rel.rpartition("/")[0]
+    return _under(rel, whiteouts) or _under(parent, replaced) or _under_opaque(rel, opaques)
+
+
+def _under_opaque(rel: str, opaques: set[str]) -> bool:
+    """Below (not at) a directory marked opaque ('' is the root)."""
+    if "" in opaques:
+        return True
+    parent = rel.rpartition("/")[0]
+    return _under(parent, opaques)
 
 
 # The base-index cache holds each Entry positionally (astuple: compact, quick to load). Its first

@@ -13,7 +13,8 @@ from typing import BinaryIO, Callable, Optional
 
 from .compress import MEDIA_TYPE, Compressor
 from .errors import StorageError
-from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, WHITEOUT_PREFIX, XATTR_PAX, Entry, member_xattrs
+from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry
+from .tarrules import XATTR_PAX, layer_order, whiteout_name
 from .plan import LayerPlan
 
 READ_SIZE = 1 << 20  # per read of a file's content
@@ -33,12 +34,6 @@ class LayerBlob:
     size: int
     media_type: str
     changed_while_read: list[str] = field(default_factory=list)
-
-
-def _sort_key(item: tuple[str, bool]) -> tuple[str, int, str]:
-    path, is_whiteout = item
-    parent, _, base = path.rpartition("/")
-    return (parent, 0 if is_whiteout else 1, base)
 
 
 def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
@@ -70,10 +65,9 @@ def tar_headers(plan: LayerPlan) -> list[tuple[tarfile.TarInfo, Optional[Entry]]
     by_path = {e.path: e for e in plan.entries}
     first_of_inode: dict[str, str] = {}
     out: list[tuple[tarfile.TarInfo, Optional[Entry]]] = []
-    for path, is_whiteout in sorted(items, key=_sort_key):
+    for path, is_whiteout in sorted(items, key=layer_order):
         if is_whiteout:
-            parent, _, base = path.rpartition("/")
-            ti = tarfile.TarInfo(f"{parent}/{WHITEOUT_PREFIX}{base}" if parent else f"{WHITEOUT_PREFIX}{base}")
+            ti = tarfile.TarInfo(whiteout_name(path))
             ti.mode, ti.mtime, ti.uname, ti.gname = 0o644, 0, "", ""
             out.append((ti, None))
             continue
@@ -83,13 +77,6 @@ def tar_headers(plan: LayerPlan) -> list[tuple[tarfile.TarInfo, Optional[Entry]]
             first_of_inode[e.inode] = e.path
         out.append((_tarinfo(e, link_to), e))
     return out
-
-
-def header_key(ti: tarfile.TarInfo) -> tuple:
-    """What of a tar header decides the layer's bytes (with the content): compared when the stat
-    cache is seeded from a restore."""
-    return (ti.name.rstrip("/"), ti.type, ti.mode & 0o7777, ti.uid, ti.gid, ti.size, int(ti.mtime), ti.linkname,
-            ti.devmajor, ti.devminor, tuple(sorted((member_xattrs(ti) or {}).items())))
 
 
 def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None) -> list[str]:

@@ -36,7 +36,7 @@ from .reference import Reference
 from .registry import Remote
 from .staging import SPLIT_SUFFIX, SplitLayer, download_split
 from .state import replace_file, state_dir, sub
-from .statcache import CLOCK_TICK_S, headers_digest, write_restore_record
+from .statcache import CLOCK_TICK_S, write_restore_record
 from .transport import TransportOptions
 
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
@@ -226,7 +226,7 @@ def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) ->
 
     blob_dir = _state_sub("blobs")
     applied: list[str] = []
-    headers: dict[str, list[tuple]] = {}
+    headers: dict[str, str] = {}  # layer digest -> digest of its tar headers
     # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
     sizes = {d["digest"]: d["size"] for _, d, _ in pending}
     last_use = {d["digest"]: n for n, (_, d, _) in enumerate(pending)}
@@ -308,7 +308,7 @@ class _Stopped(Exception):
     """A download given up because the restore is stopping (its .part is removed on the way out)."""
 
 
-def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, list[tuple]]) -> int:
+def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, str]) -> int:
     """Note the snap layers just extracted (their tar headers, by digest) for the next commit of
     this root (statcache.write_restore_record). Returns how many."""
     ann = image.manifest.get("annotations") or {}
@@ -319,10 +319,10 @@ def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, 
     diff_ids = dict(zip((desc["digest"] for desc in image.layers), image.config["rootfs"]["diff_ids"]))
     layers = {}
     for desc in image.layers:
-        label, keys = snap_label(desc), applied_headers.get(desc["digest"])
-        if label and keys is not None:
+        label, headers = snap_label(desc), applied_headers.get(desc["digest"])
+        if label and headers is not None:
             layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
-                             "media_type": desc["mediaType"], "headers": headers_digest(keys)}
+                             "media_type": desc["mediaType"], "headers": headers}
     restored_at = time.time_ns()
     try:
         write_restore_record(root, {"base": ann.get(BASE_DIGEST), "profile": ann.get(SNAP_PROFILE),

@@ -3,14 +3,14 @@
 A compressed layer is kept as its blob. An uncompressed layer (model weights: GBs) is split while
 it downloads: the content of each regular file of at least STAGE_MIN bytes goes to a file of its
 own, everything else of the tar (headers, small files, padding) to a "skeleton" file. The blob's
-digest is still checked over the whole stream, and `SplitLayer.stream()` gives the extractor the
-exact bytes of the blob back. But the extractor can also `take` a member's content file and rename
+digest is still checked over the whole stream, and `SplitLayer` gives the extractor the exact
+bytes of the blob back. But the extractor can also `take` a member's content file and rename
 it into place: the weights are written once, not downloaded to one file and copied to another, and
 the disk holds them once.
 
 The split is an optimisation only: the extractor takes a content file only when it is exactly the
-data of the member tarfile parsed (same offset, same size), so a tar the splitter reads differently
-from tarfile (a hostile one) is extracted by copying, from the same verified bytes.
+data of the member the tar reader parsed (same offset, same size), so a tar the splitter reads
+differently (a hostile one) is extracted by copying, from the same verified bytes.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import tarfile
 from typing import BinaryIO, Callable, Iterable, Optional
 
 from .errors import IntegrityError
+from .tarreader import MAX_META, header_number, pax_records
 
 STAGE_MIN = 1 << 20  # smaller contents stay in the skeleton: a rename saves nothing on them
 BLOCK = tarfile.BLOCKSIZE
 SPLIT_SUFFIX = ".split"
 SEGMENTS_VERSION = 1  # of segments.json: a split layer of another version is downloaded again
-PAX_MAX = 1 << 16  # PAX records longer than this are not parsed (snap's are a few hundred bytes)
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _META = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 
@@ -113,13 +113,13 @@ class _Splitter:
         if block.count(0) == BLOCK:
             return  # an end-of-archive block: whatever follows stays in the skeleton
         try:
-            size = tarfile.nti(block[124:136])
-        except (tarfile.HeaderError, ValueError):
-            return  # not a header tarfile reads: the rest goes to the skeleton block by block
+            size = header_number(block[124:136])
+        except ValueError:
+            return  # not a header the reader takes: the rest goes to the skeleton block by block
         kind = block[156:157]
         pax_size, self.pax_size = self.pax_size, None
         if kind in _META:
-            if kind == tarfile.XHDTYPE and 0 < size <= PAX_MAX:
+            if kind == tarfile.XHDTYPE and 0 < size <= MAX_META:
                 self.pax = b""
             self.state, self.left = "skip", _padded(size)
         elif kind in _REGULAR or kind not in tarfile.SUPPORTED_TYPES:
@@ -154,24 +154,11 @@ class _Splitter:
 
 def _pax_size(data: bytes) -> Optional[int]:
     """The "size" record of PAX extended header data, if any (files over 8 GiB carry it)."""
-    pos = 0
-    while pos < len(data) and data[pos] != 0:
-        space = data.find(b" ", pos)
-        try:
-            length = int(data[pos:space])
-        except ValueError:
-            return None
-        if length <= 0 or space < 0:
-            return None
-        record = data[space + 1:pos + length - 1]
-        key, _, value = record.partition(b"=")
-        if key == b"size":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-        pos += length
-    return None
+    try:
+        size = pax_records(data).get("size")
+    except ValueError:
+        return None
+    return int(size) if size is not None and size.isdigit() else None
 
 
 def download_split(chunks: Iterable[bytes], dest: str, durable: bool = False) -> None:
@@ -196,7 +183,7 @@ def download_split(chunks: Iterable[bytes], dest: str, durable: bool = False) ->
 
 class SplitLayer(io.RawIOBase):
     """The tar stream of a split layer, read back from its skeleton and content files. Moves
-    forward only; seeking over a content file does not read it, and `take` hands it over."""
+    forward only; skipping a content file does not read it, and `take` hands it over."""
 
     def __init__(self, dirpath: str, on_bytes: Optional[Callable[[int], None]] = None):
         self.dir, self.on_bytes = dirpath, on_bytes
@@ -226,12 +213,6 @@ class SplitLayer(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
 
     def take(self, offset: int, size: int) -> Optional[str]:
         """The path of the content file holding exactly the member data at `offset` (`size`
@@ -273,19 +254,16 @@ class SplitLayer(io.RawIOBase):
             return got
         return 0
 
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_CUR:
-            pos += self.pos
-        elif whence != io.SEEK_SET:
-            raise IntegrityError("layer stream: seek from its end")
-        if pos < self.pos:
-            raise IntegrityError("layer stream: tar members out of order")
+    def skip(self, n: int) -> int:
+        """Move n bytes forward without reading (tarreader.ForwardStream calls it to pass over a
+        content file it took); returns how far it got."""
+        n = min(n, self.size - self.pos)
         if self.on_bytes:
-            self.on_bytes(min(pos, self.size) - self.pos)
-        self.pos = min(pos, self.size)
+            self.on_bytes(n)
+        self.pos += n
         while self.i < len(self.segments) and self.pos >= self.segments[self.i][0] + self.segments[self.i][1]:
             self._next_segment()
-        return self.pos
+        return n
 
     def _next_segment(self) -> None:
         if self.file is not None:

@@ -65,11 +65,6 @@ RESTORED_VERSION = 1
 CLOCK_TICK_S = 0.02
 
 
-def headers_digest(header_keys: list[tuple]) -> str:
-    """One digest for a layer's tar headers (layer.header_key of each, in order)."""
-    return hashlib.sha256(repr(header_keys).encode()).hexdigest()
-
-
 def _restored_path(root: str) -> str:
     name = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
     return os.path.join(sub("restored"), name + ".json")

@@ -18,14 +18,11 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import tarfile
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import zstandard
-
 from . import progress
-from .compress import HashingReader, IterReader, decompressing_reader
+from .compress import IterReader, check_layer
 from .errors import IntegrityError, UsageError
 from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, entry_from_member, \
     entry_from_stat, file_digest, pseudo_mounts
@@ -35,6 +32,8 @@ from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote
 from .restore import layer_label, select_layers
+from .tarreader import data_chunks, iter_members
+from .tarrules import check_name
 from .transport import TransportOptions
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
@@ -78,7 +77,8 @@ class VerifyResult:
 
 def image_index(remote: Remote, image: Image, only_snapshot: bool,
                 log: Callable[[str], None] = lambda msg: None) -> tuple[dict[str, Entry], set[str]]:
-    """(index of the image's paths, paths its layers delete that no later layer brings back)."""
+    """(index of the image's paths, paths its layers delete that no later layer brings back).
+    Layers are read with restore's checks: an image restore refuses is refused here too."""
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
@@ -88,52 +88,41 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
         def note(msg: str, label: str = label) -> None:
             log(f"warning: {label}: {msg}")
 
-        before = set(index)
+        def consume(stream) -> None:
+            if SNAP_PART_FILE in desc.get("annotations", {}):
+                _apply_part_layer(index, stream, joins, label)
+            else:
+                deleted.update(apply_layer_to_index(index, stream, f"layer {label}"))
+
         with progress.bar(f"reading {label}", desc["size"]) as bar:
             blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar)))
-            stream = HashingReader(decompressing_reader(blob, desc["mediaType"], note))
-            try:
-                if SNAP_PART_FILE in desc.get("annotations", {}):
-                    _apply_part_layer(index, stream, joins)
-                else:
-                    apply_layer_to_index(index, stream)
-                stream.drain()  # to the end of the blob: its digest is checked there
-            except (tarfile.TarError, EOFError, OSError, zstandard.ZstdError) as e:
-                # A blob's digest is only known at its end: a corrupt one may fail to unpack first.
-                raise IntegrityError(f"layer {label} of {image.ref} is corrupt: {e}")
-        if stream.digest != diff_id:
-            raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
-        deleted |= before - index.keys()
-    for rel in index:
-        if rel.startswith("/") or ".." in rel.split("/"):
-            raise IntegrityError(f"image {image.ref} has a path that leaves the root ({rel!r}): refusing a hostile image")
-    return index, deleted - index.keys()
+            check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
+        deleted -= index.keys()
+    return index, deleted
 
 
-def _apply_part_layer(index: dict[str, Entry], stream, joins: dict) -> None:
+def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, label: str) -> None:
     """A layer holding one part of a file cut at the layer size cap: hash it into the joined file,
     which is what restore leaves at the path once the last part is in."""
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for m in tar:
-            rel = m.name.strip("/")
-            part = parse_part_name(rel) if m.isreg() else None
-            if part is None:
-                e = entry_from_member(m, rel)
-                if e is not None:
-                    index[rel] = e
-                continue
-            path, i, n = part
-            h, size = joins.pop(path) if i > 1 and path in joins else (hashlib.sha256(), 0)
-            f = tar.extractfile(m)
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-            size += m.size
-            if i < n:
-                joins[path] = (h, size)
-                continue
-            e = entry_from_member(m, path)
-            e.size, e.digest = size, "sha256:" + h.hexdigest()
-            index[path] = e
+    for reader, m in iter_members(stream, f"layer {label}"):
+        rel = check_name(m.name)
+        part = parse_part_name(rel) if m.isreg() else None
+        if part is None:
+            e = entry_from_member(m, rel) if rel else None
+            if e is not None:
+                index[rel] = e
+            continue
+        path, i, n = part
+        h, size = joins.pop(path) if i > 1 and path in joins else (hashlib.sha256(), 0)
+        for chunk in data_chunks(reader):
+            h.update(chunk)
+        size += m.size
+        if i < n:
+            joins[path] = (h, size)
+            continue
+        e = entry_from_member(m, path)
+        e.size, e.digest = size, "sha256:" + h.hexdigest()
+        index[path] = e
 
 
 # ---- comparing ------------------------------------------------------------------------------
