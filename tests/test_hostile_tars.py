@@ -1,0 +1,219 @@
+"""Hostile tars, round 2: headers that would make a tar reader hang, blow up memory or fill the disk,
+and values no file can have. Each is refused by `snap restore` and by `snap verify` alike, with
+exit 6 and one line, within a bounded time (the subprocess timeout is the failure signal only)
+and under 256 MiB of peak memory, and nothing is written outside the root."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zlib
+
+import pytest
+
+from test_hostile import GZIP, MARK, TAR, jail, layer, member, push  # noqa: F401 - jail is a fixture
+
+RUN_TIMEOUT = 300  # far more than any of these takes once fixed: reaching it means a hang
+PEAK_LIMIT_KIB = 256 * 1024
+# Runs the snap CLI in this process and notes the peak RSS of the process and of its children
+# (the extraction process) in the file named by $SNAP_TEST_PEAK, in KiB.
+_WRAPPER = """
+import os, resource, runpy
+try:
+    runpy.run_module("snapshotter", run_name="__main__", alter_sys=True)
+finally:
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    with open(os.environ["SNAP_TEST_PEAK"], "w") as f:
+        f.write(str(peak))
+"""
+
+
+def run_snap(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, int]:
+    """(result, peak RSS in KiB) of the snap command line."""
+    with tempfile.TemporaryDirectory() as d:  # not in tmp_path: the jail watches what appears there
+        peak_file = os.path.join(d, "peak")
+        e = {**os.environ, "SNAP_TEST_PEAK": peak_file, **(env or {})}
+        r = subprocess.run([sys.executable, "-c", _WRAPPER, *args], capture_output=True, text=True, env=e,
+                           timeout=RUN_TIMEOUT)
+        with open(peak_file) as f:
+            peak = int(f.read())
+    assert "Traceback" not in r.stderr, r.stderr
+    return r, peak
+
+
+def refused_by_both(jail, tmp_path, ref: str) -> list[str]:
+    """Restore and verify both refuse the image (exit 6, one line, nothing outside touched, memory
+    bounded). Returns the two error lines."""
+    lines = []
+    r, peak = run_snap(tmp_path, "restore", ref, "--root", str(jail.root))
+    lines.append(jail.refused(r))
+    assert peak < PEAK_LIMIT_KIB, f"restore peaked at {peak // 1024} MiB"
+    jail.root.mkdir(exist_ok=True)
+    r, peak = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    lines.append(jail.refused(r))
+    assert peak < PEAK_LIMIT_KIB, f"verify peaked at {peak // 1024} MiB"
+    return lines
+
+
+# ---- raw headers: what tarfile will not write -----------------------------------------------------
+
+def raw_header(name: bytes, kind: bytes = b"0", size: int = 0, size_field: bytes | None = None,
+               extra: dict[int, bytes] | None = None) -> bytes:
+    """A ustar header block with a correct checksum; `extra` overwrites bytes at given offsets."""
+    buf = bytearray(512)
+    buf[0:len(name)] = name
+    buf[100:108] = b"0000644\0"
+    buf[108:116] = b"0000000\0"
+    buf[116:124] = b"0000000\0"
+    buf[124:136] = size_field if size_field is not None else b"%011o\0" % size
+    buf[136:148] = b"%011o\0" % 1_600_000_000
+    buf[156:157] = kind
+    buf[257:265] = b"ustar\x0000"
+    for at, data in (extra or {}).items():
+        buf[at:at + len(data)] = data
+    buf[148:156] = b" " * 8
+    buf[148:156] = b"%06o\0 " % sum(buf)
+    return bytes(buf)
+
+
+def padded(data: bytes) -> bytes:
+    return data + bytes(-len(data) % 512)
+
+
+def pax_member(records: dict[bytes, bytes], name: bytes = b"f", kind: bytes = b"0", data: bytes = b"") -> bytes:
+    body = b""
+    for k, v in records.items():
+        rec = b" " + k + b"=" + v + b"\n"
+        n = len(rec) + 1
+        while len(str(n).encode()) + len(rec) != n:
+            n += 1
+        body += str(n).encode() + rec
+    return (raw_header(b"PaxHeaders/f", b"x", len(body)) + padded(body)
+            + raw_header(name, kind, len(data)) + padded(data))
+
+
+END = bytes(1024)
+
+
+class GzipLayer:
+    """A gzip layer streamed together from pieces (some repeated many times), with its diff_id:
+    a big uncompressed layer without holding it in memory."""
+
+    def __init__(self):
+        self.z = zlib.compressobj(1, zlib.DEFLATED, 31)
+        self.sha = hashlib.sha256()
+        self.out: list[bytes] = []
+
+    def add(self, data: bytes, times: int = 1) -> "GzipLayer":
+        for _ in range(times):
+            self.sha.update(data)
+            self.out.append(self.z.compress(data))
+        return self
+
+    def push(self, registry, request) -> str:
+        blob = b"".join(self.out) + self.z.flush()
+        repo = "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+        registry.push_image(repo, "v1", [blob], layer_media_type=GZIP, diff_ids=["sha256:" + self.sha.hexdigest()])
+        return f"{registry.host}/{repo}:v1"
+
+
+# ---- hangs -----------------------------------------------------------------------------------------
+
+def test_negative_size_cannot_send_the_reader_backwards(registry, jail, request, tmp_path):
+    back = b"\xff" + ((1 << 88) - 2048).to_bytes(11, "big")  # base-256 for -2048: two blocks back
+    tar = raw_header(b"a", size=1) + padded(b"x") + raw_header(b"b", size_field=back) + END
+    lines = refused_by_both(jail, tmp_path, push(registry, request, tar))
+    assert all("negative" in line for line in lines), lines
+
+
+def test_pax_header_of_many_digits_is_refused_at_once(registry, jail, request, tmp_path):
+    digits = b"1" * 400_000  # Python 3.11.7's PAX regexes are quadratic on this (CVE-2024-6232)
+    tar = raw_header(b"PaxHeaders/f", b"x", len(digits)) + padded(digits) + raw_header(b"f") + END
+    lines = refused_by_both(jail, tmp_path, push(registry, request, tar))
+    assert all("PAX record" in line for line in lines), lines
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", [b"x", b"L", b"K"], ids=["pax", "gnu-longname", "gnu-longlink"])
+def test_huge_extended_header_stays_within_memory(registry, jail, request, tmp_path, kind):
+    size = 200 << 20  # compresses to a few hundred KiB
+    start = b"%d path=" % size  # one PAX record (for "x"), a name (for L and K): a lot of bytes either way
+    fill, rest = divmod(size - len(start) - 1, 1 << 20)
+    gz = GzipLayer().add(raw_header(b"ext", kind, size)).add(start).add(b"a" * (1 << 20), fill).add(b"a" * rest)
+    gz.add(b"\n").add(raw_header(b"f", b"2")).add(END)
+    lines = refused_by_both(jail, tmp_path, gz.push(registry, request))
+    assert all("extended header" in line for line in lines), lines
+
+
+# ---- disk --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["old", "pax"])
+def test_gnu_sparse_files_are_refused_not_expanded(registry, jail, request, tmp_path, form):
+    real = 64 << 20
+    if form == "old":  # type S: the map in the header (one 1-byte piece at the end of 64 MiB)
+        sparse = raw_header(b"sparse", b"S", 1, extra={386: b"%011o\0" % (real - 1) + b"%011o\0" % 1,
+                                                         483: b"%011o\0" % real})
+        tar = sparse + padded(b"z") + END
+    else:  # PAX format 1.0
+        tar = pax_member({b"GNU.sparse.major": b"1", b"GNU.sparse.minor": b"0", b"GNU.sparse.name": b"sparse",
+                          b"GNU.sparse.realsize": b"%d" % real}, name=b"GNUSparseFile.0/sparse",
+                         data=b"1\n%d\n1\n" % (real - 1) + bytes(507) + b"z") + END
+    lines = refused_by_both(jail, tmp_path, push(registry, request, tar))
+    assert all("sparse" in line for line in lines), lines
+    assert not any("sparse" in n for _, _, names in os.walk(jail.root) for n in names)
+
+
+# ---- values no file can have: exit 6, never "internal error" --------------------------------------------
+
+@pytest.mark.parametrize("records,word", [
+    ({b"mtime": b"nan"}, "mtime"),
+    ({b"mtime": b"1" * 30}, "mtime"),
+    ({b"mtime": b"-inf"}, "mtime"),
+    ({b"uid": b"99999999999"}, "uid"),
+    ({b"gid": b"-1"}, "gid"),
+    ({b"size": b"-5"}, "size"),
+    ({b"SCHILY.xattr.user.a\0b": b"v"}, "NUL"),
+    ({b"path": b"a\0b"}, "NUL"),
+], ids=["nan-mtime", "huge-mtime", "inf-mtime", "uid", "gid", "size", "xattr-name-nul", "path-nul"])
+def test_impossible_pax_values_are_refused(registry, jail, request, tmp_path, records, word):
+    tar = pax_member(records) + END
+    lines = refused_by_both(jail, tmp_path, push(registry, request, tar))
+    assert all(word in line for line in lines), lines
+
+
+def test_nul_in_a_symlink_target_is_refused(registry, jail, request, tmp_path):
+    tar = pax_member({b"linkpath": b"target\0/etc/passwd"}, name=b"s", kind=b"2") + END
+    lines = refused_by_both(jail, tmp_path, push(registry, request, tar))
+    assert all("NUL" in line for line in lines), lines
+
+
+def test_uid_out_of_range_in_the_header_is_refused(registry, jail, request, tmp_path):
+    huge = b"\x80" + (1 << 40).to_bytes(7, "big")  # base-256 in the 8-byte uid field
+    tar = raw_header(b"f", extra={108: huge}) + END
+    lines = refused_by_both(jail, tmp_path, push(registry, request, tar))
+    assert all("uid" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("cut", ["data", "header", "pax"])
+def test_truncated_tars_are_refused(registry, jail, request, tmp_path, cut):
+    if cut == "data":
+        tar = raw_header(b"f", size=10_000) + b"x" * 1000
+    elif cut == "header":
+        tar = raw_header(b"f", size=1) + padded(b"x") + raw_header(b"g")[:300]
+    else:
+        tar = raw_header(b"PaxHeaders/f", b"x", 5000) + b"30 path=x\n"
+    lines = refused_by_both(jail, tmp_path, push(registry, request, tar))
+    assert all("truncated" in line for line in lines), lines
+
+
+def test_names_with_newlines_cannot_forge_lines(registry, jail, request, tmp_path):
+    forged = b"x\nsnap: error: forged"
+    tar = pax_member({b"path": b"../" + forged}) + END
+    r, _ = run_snap(tmp_path, "restore", push(registry, request, tar), "--root", str(jail.root))
+    jail.refused(r)
+    assert not any(line.startswith("snap: error: forged") for line in r.stderr.splitlines()), r.stderr
+    assert not os.path.lexists(jail.base / MARK)
