@@ -231,7 +231,7 @@ def verify(
     strict: bool = typer.Option(False, "--strict", help="Also report files the image does not have (outside the profile's exclude list)."),
     allow_devices: bool = typer.Option(False, "--allow-devices", help="Expect device nodes (restored with --allow-devices)."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Expect setuid/setgid bits (restored with --allow-setuid)."),
-    profile: str = typer.Option("default", "--profile", "-p", help="Profile whose exclude list is not compared."),
+    profile: str = typer.Option("default", "--profile", help="Profile whose exclude list is not compared."),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
@@ -350,7 +350,7 @@ def log_(
 def status(
     base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (default: the base of the last commit or watch of --root)."),
     root: str = typer.Option("/", "--root", help="Root of the box."),
-    profile: str = typer.Option("default", "--profile", "-p", help="Layer profile (as for commit)."),
+    profile: str = typer.Option("default", "--profile", help="Layer profile (as for commit)."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip (as for commit)."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Part-layer cap (as for commit)."),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,

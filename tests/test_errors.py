@@ -78,3 +78,12 @@ def test_help_explains_each_command():
         assert "--root" in r.stdout
     r = snap("--help")
     assert "Exit codes" in r.stdout
+
+
+@pytest.mark.parametrize("cmd", ["commit", "verify", "watch", "status"])
+def test_dash_p_means_publish_only(cmd):
+    """`-p` is --publish, as in `docker run`; the commands that take a profile spell --profile out."""
+    r = snap(cmd, "127.0.0.1:5000/box:v1", "-p", "comfyui")
+    assert r.returncode == 2 and "No such option: -p" in r.stderr, r.stderr
+    assert "--profile" in snap(cmd, "--help").stdout
+    assert "--publish" in snap("run", "--help").stdout and "-p" in snap("run", "--help").stdout
