@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tarfile
 import time
@@ -13,9 +14,10 @@ from typing import Callable, Optional
 import zstandard
 
 from . import progress
+from .blobsources import BlobSources
 from .compress import MEDIA_TYPE, IterReader, decompressing_reader
 from .errors import IntegrityError, UsageError
-from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
+from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, descriptor, now_rfc3339,
                     Image, sha256_digest, snapshot_config, snapshot_manifest)
 from .layer import LayerBlob, build_layer, measure_layer, tar_headers, write_layer
@@ -24,7 +26,7 @@ from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote
-from .state import state_dir, sub
+from .state import exclusive, state_dir, sub
 from .statcache import StatCache, blob_entry, load_restore_record, note_last_commit
 from .tarrules import header_key, headers_digest
 from .transport import TransportOptions
@@ -55,7 +57,7 @@ class LayerReport:
     size: int
     media_type: str
     entries: int
-    status: str  # "uploaded" | "exists, skipped"
+    status: str  # "uploaded" | "exists, skipped" | "mounted from REPO", "... (unchanged, not read)"
 
 
 @dataclass
@@ -139,6 +141,7 @@ class CommitPlan:
     scan_started_ns: int
     zstd_level: int
     rehash: bool
+    sources: BlobSources = field(default_factory=BlobSources)  # where blobs of this registry were seen
 
     def known(self, plan: LayerPlan) -> Optional[dict]:
         if self.rehash:
@@ -179,7 +182,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
 def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions) -> Remote:
     """The repository the snapshot goes to, with the base's blobs made available in it."""
     remote = cp.base_remote if target_ref.name == cp.base_ref.name else Remote(target_ref, transport)
-    _ensure_base_layers(remote, cp.base_remote, cp.base_img)
+    _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources)
     return remote
 
 
@@ -189,7 +192,13 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
 
 
 def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
+    """Commit the box to `target`, holding the state dir's lock (state.exclusive)."""
     opts = opts or CommitOptions()
+    with exclusive(opts.log):
+        return _commit_box(target, base, opts)
+
+
+def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
     _check_options(opts)
     target_ref = Reference.parse(target)
     if target_ref.digest:
@@ -220,6 +229,9 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
     cp.cache.save()
     note_last_commit(cp.root, str(cp.base_ref), str(target_ref))
+    cp.sources.note(target_ref.api_host, target_ref.repository,
+                    [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest, base_img.manifest["config"]["digest"]])
+    cp.sources.save()
 
     reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
                for p, b, status in layers]
@@ -261,19 +273,31 @@ def _restored_layer(record: Optional[dict], plan: LayerPlan) -> Optional[dict]:
     return blob_entry(layer)
 
 
+def _in_registry(remote: Remote, digest: str, sources: BlobSources) -> str:
+    """"exists, skipped" if the target repository holds the blob; "mounted from REPO" if another
+    repository of the registry known to hold it (blobsources.py) lends it; "" if it must be sent."""
+    if remote.blob_exists(digest):
+        return "exists, skipped"
+    for repository in sources.repositories(remote.ref.api_host, digest):
+        if repository != remote.ref.repository and remote.mount_blob(digest, repository):
+            return f"mounted from {repository}"
+    return ""
+
+
 def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:
     """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
     stat cache (or that the last restore into this root wrote and nothing changed since), and
-    whose blob the registry has, is neither read nor uploaded."""
-    root, zstd_level = cp.root, cp.zstd_level
+    whose blob the registry has (or mounts from another repository), is neither read nor uploaded."""
+    root, zstd_level, sources = cp.root, cp.zstd_level, cp.sources
     results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
     todo: list[tuple[int, LayerPlan, str]] = []
     for i, plan in enumerate(plans):
         fp = plan.fingerprint(zstd_level)
         hit = cp.known(plan)
-        if hit and remote.blob_exists(hit["digest"]):
+        there = _in_registry(remote, hit["digest"], sources) if hit else ""
+        if there:
             blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
-            results[i] = (plan, blob, "exists, skipped (unchanged, not read)")
+            results[i] = (plan, blob, f"{there} (unchanged, not read)")
             cp.cache.record(fp, hit)
         else:
             todo.append((i, plan, fp))
@@ -287,14 +311,14 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                 # Stored as is: hash it in one read, then stream it again to the registry only if
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
                 blob = measure_layer(root, plan, zstd_level, on_pack)
-                if remote.blob_exists(blob.digest):
-                    return blob, "exists, skipped"
+                if there := _in_registry(remote, blob.digest, sources):
+                    return blob, there
                 remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
                 return blob, "uploaded"
             blob = build_layer(root, plan, out_dir, zstd_level, on_pack)
             try:
-                if remote.blob_exists(blob.digest):
-                    return blob, "exists, skipped"
+                if there := _in_registry(remote, blob.digest, sources):
+                    return blob, there
                 remote.upload_blob(blob.path, blob.digest, blob.size, on_up)
                 return blob, "uploaded"
             finally:
@@ -315,23 +339,26 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
     return [results[i] for i in range(len(plans))]
 
 
-def _ensure_base_layers(target: Remote, source: Remote, base: Image) -> None:
+def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: BlobSources) -> None:
     """Make the base's blobs available in the target repository: nothing to do in the same repo,
-    a cross-repository mount on the same registry, else a copy through the local disk."""
+    a cross-repository mount on the same registry (from the base's repository or another known to
+    hold the blob), else a copy through the local disk."""
     if target is source:
         return
     missing = [d for d in base.layers + [base.manifest["config"]] if not target.blob_exists(d["digest"])]
     if not missing:
         return
-    same_registry = target.ref.registry == source.ref.registry
+    same_registry = target.ref.api_host == source.ref.api_host
+    if same_registry:
+        sources.note(source.ref.api_host, source.ref.repository, [d["digest"] for d in missing])
     tmp_dir = sub("blobs")
     with progress.bar("copying base layers", sum(d["size"] for d in missing)) as b:
         for d in missing:
-            if same_registry and target.mount_blob(d["digest"], source.ref.repository):
+            if _in_registry(target, d["digest"], sources):
                 b.update(d["size"])
                 continue
             path = os.path.join(tmp_dir, d["digest"].split(":", 1)[1])
-            if not os.path.exists(path):
+            if not (os.path.exists(path) and file_digest(path) == d["digest"]):  # a killed run's: checked first
                 source.download_blob(d["digest"], path)
             target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
             os.unlink(path)  # only a stop on the way to the other registry

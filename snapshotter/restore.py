@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 from . import progress
 from .applier import ExtractWorker, LayerJob
+from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
@@ -35,7 +36,7 @@ from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
 from .reference import Reference
 from .registry import Remote
 from .staging import SPLIT_SUFFIX, SplitLayer, download_split
-from .state import replace_file, state_dir, sub
+from .state import exclusive, replace_file, state_dir, sub
 from .statcache import CLOCK_TICK_S, write_restore_record
 from .transport import TransportOptions
 
@@ -202,7 +203,13 @@ def part_files(layers: list[tuple[int, dict, str]]) -> dict[str, int]:
 
 
 def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> RestoreResult:
+    """Restore `ref` into `root`, holding the state dir's lock (state.exclusive)."""
     opts = opts or RestoreOptions()
+    with exclusive(opts.log):
+        return _restore_image(ref, root, opts)
+
+
+def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     reference = Reference.parse(ref)
     if os.path.exists(root) and not os.path.isdir(root):
         raise UsageError(f"restore target {root} exists and is not a directory")
@@ -296,12 +303,27 @@ def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) ->
     if fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
+    _note_sources(reference, image)
     seeded = _record_for_next_commit(root, image, headers) if headers and opts.seed_stat_cache else 0
     s = worker.stats
     s.files += extractor.stats.files  # the joins
     s.bytes += extractor.stats.bytes
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, s.files, s.bytes,
                          s.skipped_devices, s.stripped_setuid, seeded)
+
+
+def _note_sources(reference: Reference, image: Image) -> None:
+    """Remember that this repository holds the image's blobs: a later commit to another repository
+    of the registry mounts them from here instead of uploading them (blobsources.py)."""
+    sources = BlobSources()
+    sources.note(reference.api_host, reference.repository,
+                 [d["digest"] for d in image.layers] + [image.manifest["config"]["digest"]])
+    try:
+        sources.save()
+    except OSError:
+        pass  # an optimisation only: the next commit uploads instead of mounting
+
+
 
 
 class _Stopped(Exception):

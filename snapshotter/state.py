@@ -1,10 +1,20 @@
-"""Where snap keeps local state: built layers, downloaded blobs, cached base indexes."""
+"""Where snap keeps local state: built layers, downloaded blobs, cached base indexes; and the
+lock that gives one snap process at a time the state dir."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import threading
-from typing import IO, Callable
+from contextlib import contextmanager
+from typing import IO, Callable, Iterator
+
+from .errors import StorageError
+
+LOCK_NAME = "lock"
+_held = 0  # how deep this process is in exclusive() (a commit from a container commits inside)
+_held_guard = threading.Lock()
 
 
 def state_dir() -> str:
@@ -48,3 +58,67 @@ def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., I
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+@contextmanager
+def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
+    """Hold the state dir's lock for the block: a second snap process on the same state dir waits
+    for the first (saying so in one line) and never touches its files. Once it is held, anything
+    a killed run left half-made (`.building-*` layers, `*.part` downloads, temp files) is swept:
+    no other process can be writing it."""
+    global _held
+    with _held_guard:
+        nested = _held > 0
+        _held += 1
+    try:
+        if nested:
+            yield
+            return
+        try:
+            root = sub()
+            fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise StorageError(f"cannot use snap's state dir {state_dir()!r}: {e.strerror or e}",
+                               "point SNAP_STATE_DIR at a writable directory") from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                log(f"waiting for another snap process (pid {holder}) that is using the state dir {root!r}")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # only for the message of a process that waits
+            except OSError:
+                pass  # a full disk: the lock holds all the same
+            sweep_leftovers(root)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+    finally:
+        with _held_guard:
+            _held -= 1
+
+
+def is_leftover(name: str) -> bool:
+    """A name snap gives only to what it is still making: built layers, downloads, temp files."""
+    return name.startswith(".building-") or name.endswith(".part") or ".tmp." in name
+
+
+def sweep_leftovers(root: str) -> int:
+    """Remove what killed runs left half-made in the state dir. Returns how many entries."""
+    removed = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [n for n in dirnames if is_leftover(n)]:
+            shutil.rmtree(os.path.join(dirpath, name), ignore_errors=True)
+            dirnames.remove(name)
+            removed += 1
+        for name in filenames:
+            if is_leftover(name):
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+    return removed

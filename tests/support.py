@@ -487,8 +487,8 @@ class FaultProxy(_ThreadedServer):
       connections are cut; the registry keeps what it got. One cut, then it resets to None.
     - `throttle`: bytes per second for blob download bodies; `midway` is set once `midway_at`
       bytes of one have passed.
-    - `body_bytes[method]`: request body bytes forwarded; `blob_bytes_sent`: blob download body
-      bytes passed to the client; `log`: (method, path, status)."""
+    - `body_bytes[method]`: request body bytes forwarded (manifests under "PUT manifest");
+      `blob_bytes_sent`: blob download body bytes passed to the client; `log`: (method, path, status)."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream
@@ -545,6 +545,8 @@ class FaultProxy(_ThreadedServer):
 
             def _forwarded(self, method: str, upstream):
                 limit = proxy.cut_upload_after if method in ("PATCH", "PUT") else None
+                if "/manifests/" in self.path:
+                    method = f"{method} manifest"  # counted apart from blob bytes
                 sent = 0
                 for data in self._body():
                     if limit is not None and sent + len(data) > limit:

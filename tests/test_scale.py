@@ -1,0 +1,107 @@
+"""A new box at scale: blobs mounted from repositories known to hold them instead of uploaded
+again, one snap process per state dir, leftovers of killed runs swept, cached blobs checked."""
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import snap
+from snapshotter import CommitOptions, commit_box
+from support import FaultProxy, write_tree
+
+MiB = 1024 * 1024
+commit_module = sys.modules["snapshotter.commit"]
+
+
+@pytest.fixture
+def proxy(registry):
+    p = FaultProxy(registry.host).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def weight_box(box, monkeypatch):
+    write_tree(box, {"opt/app/models/checkpoints/big.safetensors": os.urandom(70 * MiB)})  # a layer of its own
+    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)  # the box's files are trusted to the stat cache
+    return box
+
+
+def test_a_weight_already_in_the_registry_is_mounted_not_uploaded(registry, proxy, base_ref, weight_box):
+    first = commit_box(f"{proxy.host}/mount-a:v1", base_ref, CommitOptions(root=weight_box))
+    assert proxy.upload_bytes() > 70 * MiB
+    sent_before = proxy.upload_bytes()
+
+    second = commit_box(f"{proxy.host}/mount-b:v1", base_ref, CommitOptions(root=weight_box))
+    manifest = registry.manifest("mount-b", "v1")
+    # Only the new config went up: every layer, the weight and the base's included, was mounted.
+    assert proxy.upload_bytes() - sent_before == manifest["config"]["size"]
+    assert {layer.status for layer in second.layers} == {"mounted from mount-a (unchanged, not read)"}
+    assert [layer.digest for layer in second.layers] == [layer.digest for layer in first.layers]
+    for d in manifest["layers"]:
+        assert registry.has_blob("mount-b", d["digest"])
+    mounts = [path for method, path, status in proxy.log if method == "POST" and "mount=" in path and status == 201]
+    assert len(mounts) == len(manifest["layers"]) + 1  # and the base's config
+
+
+def test_blobs_of_a_restore_are_mounted_by_the_next_commit_elsewhere(registry, proxy, base_ref, weight_box, tmp_path):
+    commit_box(f"{registry.host}/mount-src:v1", base_ref, CommitOptions(root=weight_box))
+    state = tmp_path / "new-machine-state"  # a new machine: only the restore taught it anything
+    env = {"SNAP_STATE_DIR": str(state)}
+    out = tmp_path / "out"
+    snap("restore", f"{proxy.host}/mount-src:v1", "--root", str(out), env=env, check=True)
+    sent_before = proxy.upload_bytes()
+    r = snap("commit", f"{proxy.host}/mount-dst:v1", "--base", base_ref, "--root", str(out), "--json", env=env, check=True)
+    layers = json.loads(r.stdout)["layers"]
+    assert all(layer["status"].startswith("mounted from mount-src") for layer in layers), layers
+    # Sent: the new config, and the base's (the restore saw only the snapshot's own config).
+    configs = registry.manifest("mount-dst", "v1")["config"]["size"] + registry.manifest("base", "1")["config"]["size"]
+    assert proxy.upload_bytes() - sent_before == configs
+
+
+def test_a_second_snap_process_waits_for_the_first(registry, base_ref, box, state_dir):
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / "lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first process, mid-run
+        held.write("4242\n")
+        held.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{registry.host}/locked:v1",
+                                 "--base", base_ref, "--root", box], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            line = proc.stderr.readline()  # returns when it says it waits (or when it ends: then it did not wait)
+            assert "waiting for another snap process (pid 4242)" in line, line
+            assert proc.poll() is None
+            assert not registry.session().get(f"{registry.url}/v2/locked/tags/list").ok  # nothing pushed yet
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert registry.manifest("locked", "v1")
+
+
+def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, proxy, base_ref, box, state_dir):
+    base = registry.manifest("base", "1")
+    layer = base["layers"][0]["digest"]
+    leftovers = [state_dir / "layers" / ".building-venv-123-456", state_dir / "blobs" / "0123abcd.part",
+                 state_dir / "stat-cache" / "x.json.tmp.999"]
+    for p in leftovers:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"half-made")
+    (state_dir / "blobs" / "deadbeef.split.part").mkdir()
+    keep = state_dir / "keep.json"
+    keep.write_text("{}")
+    # A blob a killed run left in the cache, damaged: it is checked, found bad, and fetched again.
+    cached = state_dir / "blobs" / layer.split(":", 1)[1]
+    cached.write_bytes(b"not the layer")
+    # The target is another registry (by name) than the base's: base layers are copied through the cache.
+    commit_box(f"{proxy.host}/swept:v1", base_ref, CommitOptions(root=box))
+    for p in leftovers + [state_dir / "blobs" / "deadbeef.split.part"]:
+        assert not p.exists(), p
+    assert keep.exists()
+    assert hashlib.sha256(registry.blob("swept", layer)).hexdigest() == layer.split(":", 1)[1]
