@@ -5,7 +5,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from support import RegistryServer, make_base_rootfs, push_base_image, write_tree  # noqa: E402
+from support import FaultProxy, RegistryServer, make_base_rootfs, push_base_image, write_tree  # noqa: E402
 
 # Paths the default profile never captures; a restored tree is compared without them.
 NOT_CAPTURED = ("proc", "sys", "dev", "tmp", "run")
@@ -16,6 +16,14 @@ def registry(tmp_path_factory):
     reg = RegistryServer(str(tmp_path_factory.mktemp("registry"))).start()
     yield reg
     reg.stop()
+
+
+@pytest.fixture
+def proxy(registry):
+    """A FaultProxy in front of the session's registry: snap pointed at proxy.host."""
+    p = FaultProxy(registry.host).start()
+    yield p
+    p.stop()
 
 
 @pytest.fixture(autouse=True)

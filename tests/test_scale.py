@@ -12,17 +12,10 @@ import pytest
 
 from conftest import snap
 from snapshotter import CommitOptions, commit_box
-from support import FaultProxy, write_tree
+from support import write_tree
 
 MiB = 1024 * 1024
 commit_module = sys.modules["snapshotter.commit"]
-
-
-@pytest.fixture
-def proxy(registry):
-    p = FaultProxy(registry.host).start()
-    yield p
-    p.stop()
 
 
 @pytest.fixture

@@ -9,16 +9,8 @@ import pytest
 
 from snapshotter import upload as upload_mod
 from snapshotter.registry import Reference, Remote
-from support import FaultProxy
 
 MiB = 1024 * 1024
-
-
-@pytest.fixture
-def proxy(registry):
-    p = FaultProxy(registry.host).start()
-    yield p
-    p.stop()
 
 
 @pytest.fixture
