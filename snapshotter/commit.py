@@ -18,8 +18,8 @@ from .blobsources import BlobSources
 from .compress import MEDIA_TYPE, IterReader, decompressing_reader
 from .errors import IntegrityError, UsageError
 from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
-from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, descriptor, now_rfc3339,
-                    Image, sha256_digest, snapshot_config, snapshot_manifest)
+from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
+                    now_rfc3339, Image, sha256_digest, snapshot_config, snapshot_manifest)
 from .layer import LayerBlob, build_layer, measure_layer, tar_headers, write_layer
 from .mediatypes import OCI_MANIFEST
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
@@ -248,6 +248,8 @@ def _annotations(plan: LayerPlan) -> dict:
         path, i, n = plan.part_of
         ann[SNAP_PART] = f"{i}/{n}"
         ann[SNAP_PART_FILE] = path
+    if plan.part_links:
+        ann[SNAP_PART_LINKS] = json.dumps(plan.part_links)
     return ann
 
 

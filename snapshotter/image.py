@@ -22,6 +22,7 @@ SNAP_LAYER = "dev.snap.layer"  # layer annotation: which profile layer this is
 SNAP_CONTENT = "dev.snap.content"  # layer annotation: the one file it holds, or "bundle N"
 SNAP_PART = "dev.snap.part"  # layer annotation: "i/n" for a part of a file cut at the layer size cap
 SNAP_PART_FILE = "dev.snap.part-file"  # layer annotation: the file the parts join back into
+SNAP_PART_LINKS = "dev.snap.part-links"  # last part's annotation: the file's other names (JSON list), linked at the join
 SNAP_BASE_LAYERS = "dev.snap.base-layers"  # manifest annotation: how many leading layers are the base's
 SNAP_PROFILE = "dev.snap.profile"
 SNAP_MAX_LAYER = "dev.snap.max-layer-size"  # manifest annotation: the cap files were cut at

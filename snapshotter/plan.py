@@ -40,6 +40,7 @@ class LayerPlan:
     detail: str = ""  # "" | "bundle 2" | the file of a single-file layer | "part 1/3 of <file>"
     slices: dict[str, tuple[str, int]] = field(default_factory=dict)  # part entry -> (source file, offset)
     part_of: Optional[tuple[str, int, int]] = None  # (file, index, count) for a part layer
+    part_links: list[str] = field(default_factory=list)  # last part: the file's other names (hardlinks)
 
     @property
     def empty(self) -> bool:
@@ -64,6 +65,7 @@ class LayerPlan:
                          sorted((e.xattrs or {}).items())] for e in self.entries],
             "whiteouts": self.whiteouts,
             "slices": sorted(self.slices.items()),
+            "part_links": self.part_links,
         }
         return "sha256:" + hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
@@ -184,10 +186,20 @@ def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[La
     # For a weights layer, directories and deletions go into a small layer of their own, last:
     # adding or removing a model changes a directory's mtime, and only that small layer follows.
     meta = LayerPlan(plan.name, plan.compression, detail="directories and deletions")
+    # The names of one inode travel with its first name (in path order), into the same layer: its
+    # content is written once and the others are hardlinks to it. Not into a later layer: Docker
+    # and podman refuse a hardlink to a lower layer's file.
+    names: dict[str, list[Entry]] = {}
     for e in plan.entries:
+        if e.inode:
+            names.setdefault(e.inode, []).append(e)
+    others = {group[0].path: group[1:] for group in (sorted(g, key=lambda x: x.path) for g in names.values())}
+    for e in plan.entries:
+        if e.inode and e.path not in others:
+            continue  # another name of an inode: it goes with the first
         big_alone = rule.file_layer_min is not None and e.size >= rule.file_layer_min
-        if e.kind == FILE and e.inode is None and (e.size > max_layer_size or big_alone):
-            singles.extend(_file_layers(plan, e, max_layer_size))
+        if e.kind == FILE and (e.size > max_layer_size or big_alone):
+            singles.extend(_file_layers(plan, e, max_layer_size, others.get(e.path, [])))
         elif weights and e.kind == DIR:
             meta.entries.append(e)
         else:
@@ -197,13 +209,15 @@ def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[La
     else:
         whiteouts = plan.whiteouts
     bundle_max = min(rule.bundle_max or max_layer_size, max_layer_size)
-    bundles = _bundles(plan, rest, whiteouts, bundle_max, content_cuts=rule.bundle_max is not None)
+    bundles = _bundles(plan, rest, whiteouts, bundle_max, rule.bundle_max is not None, others)
     return bundles + singles + [meta]
 
 
-def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int) -> list[LayerPlan]:
+def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int, other_names: list[Entry]) -> list[LayerPlan]:
+    """The layer of a big file (with its other names, as hardlinks), or its part layers. The other
+    names of a file cut into parts are listed on its last part: restore links them to the joined file."""
     if e.size <= max_layer_size:
-        return [LayerPlan(plan.name, plan.compression, [e], detail=e.path)]
+        return [LayerPlan(plan.name, plan.compression, [e, *other_names], detail=e.path)]
     count = -(-e.size // max_layer_size)
     if count > MAX_PARTS:
         raise UsageError(f"/{e.path} would be cut into {count} part layers (restore accepts at most {MAX_PARTS})",
@@ -212,9 +226,10 @@ def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int) -> list[LayerPl
     for i in range(count):
         offset = i * max_layer_size
         part_path = part_name(e.path, i + 1, count)
-        part = replace(e, path=part_path, size=min(max_layer_size, e.size - offset))
+        part = replace(e, path=part_path, size=min(max_layer_size, e.size - offset), inode=None)
         parts.append(LayerPlan(plan.name, plan.compression, [part], detail=f"part {i + 1}/{count} of {e.path}",
                                slices={part_path: (e.path, offset)}, part_of=(e.path, i + 1, count)))
+    parts[-1].part_links = [o.path for o in other_names]
     return parts
 
 
@@ -227,8 +242,9 @@ def _cut_after(path: str, size: int, bundle_max: int) -> bool:
 
 
 def _bundles(plan: LayerPlan, entries: list[Entry], whiteouts: list[str], bundle_max: int,
-             content_cuts: bool) -> list[LayerPlan]:
-    """Sorted entries and whiteouts, cut into bundles of at most bundle_max content bytes."""
+             content_cuts: bool, other_names: dict[str, list[Entry]]) -> list[LayerPlan]:
+    """Sorted entries and whiteouts, cut into bundles of at most bundle_max content bytes. The
+    other names of an inode go into the bundle of its first name (they add no content)."""
     items = sorted([(e.path, e) for e in entries] + [(w, None) for w in whiteouts], key=lambda t: t[0])
     bundles: list[LayerPlan] = []
     cur = LayerPlan(plan.name, plan.compression)
@@ -242,12 +258,15 @@ def _bundles(plan: LayerPlan, entries: list[Entry], whiteouts: list[str], bundle
             cur.whiteouts.append(path)
         else:
             cur.entries.append(e)
+            cur.entries.extend(other_names.get(path, ()))
         size += esize
         if content_cuts and esize and _cut_after(path, esize, bundle_max):
             bundles.append(cur)
             cur, size = LayerPlan(plan.name, plan.compression), 0
     if not cur.empty:
         bundles.append(cur)
+    for b in bundles:
+        b.entries.sort(key=lambda x: x.path)
     if len(bundles) > 1:
         for i, b in enumerate(bundles):
             b.detail = f"bundle {i + 1}"

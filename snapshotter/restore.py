@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import stat
+import tarfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +31,8 @@ from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_error
-from .image import (BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PROFILE, Image, snap_label,
-                    snapshot_layer_count)
+from .image import (BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, SNAP_PROFILE, Image,
+                    snap_label, snapshot_layer_count)
 from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
 from .reference import Reference
 from .registry import Remote
@@ -199,6 +200,30 @@ def part_files(layers: list[tuple[int, dict, str]]) -> dict[str, int]:
     return {rel: n for rel, (n, _) in seen.items()}
 
 
+def part_links(layers: list[tuple[int, dict, str]]) -> dict[str, list[str]]:
+    """{file: its other names} for the files cut into part layers that had hardlinks (listed on
+    the last part): restore links them to the joined file. Names are checked like tar names."""
+    out: dict[str, list[str]] = {}
+    for i, desc, _ in layers:
+        ann = desc.get("annotations") or {}
+        if not isinstance(ann, dict) or SNAP_PART_LINKS not in ann:
+            continue
+        rel = ann.get(SNAP_PART_FILE)
+        try:
+            names = json.loads(ann[SNAP_PART_LINKS]) if isinstance(ann[SNAP_PART_LINKS], str) else None
+        except ValueError:
+            names = None
+        if not isinstance(rel, str) or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise IntegrityError(f"layer {layer_label(desc, i)} has a malformed {SNAP_PART_LINKS} annotation: "
+                                 "refusing a hostile image")
+        rel, names = check_name(rel), [check_name(n) for n in names]
+        if "" in names or rel in names:
+            raise IntegrityError(f"layer {layer_label(desc, i)} links the root or /{printable(rel)} to itself: "
+                                 "refusing a hostile image")
+        out[rel] = names
+    return out
+
+
 # ---- restore ----------------------------------------------------------------------------------------
 
 
@@ -217,6 +242,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     image = remote.resolve()
     todo = select_layers(image, opts.only_snapshot)
     parts = part_files(todo)  # a malformed image is refused before anything is downloaded or written
+    links = part_links(todo)
     fsync = opts.extract.fsync
     try:
         extractor = Extractor(root, opts.extract)
@@ -299,7 +325,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
                                     "it resumes") from e
             raise
     if parts:
-        _join_parts(extractor, parts, fsync, journal)
+        _join_parts(extractor, parts, links, fsync, journal)
     if fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
@@ -358,16 +384,22 @@ def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, 
 # ---- joining part layers ---------------------------------------------------------------------------
 
 
-def _join_parts(extractor: Extractor, files: dict[str, int], fsync: bool, journal: _Journal) -> None:
+def _join_parts(extractor: Extractor, files: dict[str, int], links: dict[str, list[str]], fsync: bool,
+                journal: _Journal) -> None:
     """Join files that commit cut into part layers (over the registry's layer size cap) back into
     their original path. Each part was verified with its layer. Parts are opened without following
     symlinks, relative to their directory, and must be regular files: a hostile image cannot make
     a "part" of a host file. A file whose parts are all gone was joined by an earlier run; one with
-    only some of them is refused."""
+    only some of them is refused. The file's other names (`links`) are then hardlinked to it, as
+    a layer's hardlink is made (scoped to the root, never replacing a directory)."""
     try:
         for rel, count in files.items():
             try:
                 _join_file(extractor, rel, count, fsync, journal)
+                for name in links.get(rel, ()):
+                    link = tarfile.TarInfo(name)
+                    link.type, link.linkname = tarfile.LNKTYPE, rel
+                    extractor._apply_member(None, link)  # a hardlink entry: no data to read
             except OSError as e:
                 raise storage_error(e, extractor.root, f" while joining the parts of /{printable(rel)}") from e
     finally:

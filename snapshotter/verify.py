@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from . import progress
@@ -31,7 +31,7 @@ from .plan import parse_part_name
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote
-from .restore import layer_label, select_layers
+from .restore import layer_label, part_links, select_layers
 from .tarreader import data_chunks, iter_members
 from .tarrules import check_name
 from .transport import TransportOptions
@@ -82,7 +82,9 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
-    for i, desc, diff_id in select_layers(image, only_snapshot):
+    layers = select_layers(image, only_snapshot)
+    links = part_links(layers)
+    for i, desc, diff_id in layers:
         label = layer_label(desc, i)
 
         def note(msg: str, label: str = label) -> None:
@@ -90,7 +92,7 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
 
         def consume(stream) -> None:
             if SNAP_PART_FILE in desc.get("annotations", {}):
-                _apply_part_layer(index, stream, joins, label)
+                _apply_part_layer(index, stream, joins, links, label)
             else:
                 deleted.update(apply_layer_to_index(index, stream, f"layer {label}"))
 
@@ -101,9 +103,9 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
     return index, deleted
 
 
-def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, label: str) -> None:
+def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[str, list[str]], label: str) -> None:
     """A layer holding one part of a file cut at the layer size cap: hash it into the joined file,
-    which is what restore leaves at the path once the last part is in."""
+    which is what restore leaves at the path once the last part is in (and at its other names)."""
     for reader, m in iter_members(stream, f"layer {label}"):
         rel = check_name(m.name)
         part = parse_part_name(rel) if m.isreg() else None
@@ -123,6 +125,8 @@ def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, label: str) 
         e = entry_from_member(m, path)
         e.size, e.digest = size, "sha256:" + h.hexdigest()
         index[path] = e
+        for name in links.get(path, ()):
+            index[name] = replace(e, path=name)
 
 
 # ---- comparing ------------------------------------------------------------------------------

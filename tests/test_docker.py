@@ -520,3 +520,30 @@ def test_parent_directories_keep_their_mode_and_owner_in_docker(registry, engine
         st = os.lstat(os.path.join(box, d.lstrip("/")))
         want.append(f"{st.st_mode & 0o7777:o} {st.st_uid}:{st.st_gid} {d}")
     assert r.stdout.splitlines() == want
+
+
+def test_hardlinked_weights_are_one_inode_in_docker_and_umoci(registry, base_ref, base_rootfs, engine, tmp_path):
+    """A weight with three names and a small file with two: Docker (snap run) and umoci show each
+    as one inode, as restore does (tests/test_layers.py)."""
+    from test_layers import LINKED, assert_content_written_once, hardlink_box
+
+    need("skopeo")
+    need("umoci")
+    box, profile = hardlink_box(base_rootfs, str(tmp_path / "box"))
+    ref = f"{registry.host}/dock-links:v1"
+    commit_json(ref, base_ref, box, "--profile", profile, "--compression", "gzip")
+    assert_content_written_once(registry, "dock-links", "v1")
+    names = [n for group in LINKED for n in group]
+    r = snap("run", ref, "--", "/bin/sh", "-c", "stat -c '%i' " + " ".join("/" + n for n in names), check=True)
+    inodes = dict(zip(names, r.stdout.split()))
+    for group in LINKED:
+        assert len({inodes[n] for n in group}) == 1, (group, inodes)
+    assert inodes[LINKED[0][0]] != inodes[LINKED[1][0]]
+
+    layout, bundle = tmp_path / "oci", tmp_path / "bundle"
+    subprocess.run(["skopeo", "copy", "-q", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:v1"],
+                   check=True, capture_output=True)
+    subprocess.run(["umoci", "unpack", "--image", f"{layout}:v1", str(bundle)], check=True, capture_output=True)
+    for group in LINKED:
+        assert len({os.lstat(bundle / "rootfs" / n).st_ino for n in group}) == 1, group
+    assert snapshot_of_tree(str(bundle / "rootfs"), skip=NOT_CAPTURED)[LINKED[0][2]][5].startswith(sha256_file(os.path.join(box, LINKED[0][0])))

@@ -215,3 +215,106 @@ def test_every_layer_carries_its_parent_directories(registry, base_ref, base_roo
         want, got = os.lstat(os.path.join(box, rel)), os.lstat(out / rel)
         assert (got.st_mode, got.st_uid, got.st_gid, int(got.st_mtime)) == \
             (want.st_mode, want.st_uid, want.st_gid, int(want.st_mtime)), rel
+
+
+# ---- hardlinked weights ------------------------------------------------------------------------------
+
+MiB = 1024 * 1024
+LINK_PROFILE = """
+extends: default
+layers:
+  - name: venv
+    venv: true
+  - name: models
+    paths: ["**/models/**"]
+    compression: none
+    file_layer_min: 1MiB
+    bundle_max: 64KiB
+"""
+BIG = "opt/app/models/checkpoints/big.safetensors"
+# Names of one inode each, its first name (in path order) first.
+LINKED = [(BIG, "opt/app/models/loras/big-link.safetensors", "opt/app/models/zz/alias.bin"),
+          ("opt/app/models/configs/c000.json", "opt/app/models/zz/c000-link.json")]
+
+
+def hardlink_box(base_rootfs: str, dest: str) -> tuple[str, str]:
+    """The usual box plus a 3 MiB weight with two more names, and a small file (among 60 that fill
+    several 64 KiB bundles) with another name far from it in path order. Returns (box, profile file)."""
+    box = make_box(base_rootfs, dest)
+    write_tree(box, {BIG: os.urandom(3 * MiB + 5)})
+    write_tree(box, {f"opt/app/models/configs/c{i:03d}.json": os.urandom(3000) for i in range(60)})
+    for first, *others in LINKED:
+        for name in others:
+            os.makedirs(os.path.dirname(os.path.join(box, name)), exist_ok=True)
+            os.link(os.path.join(box, first), os.path.join(box, name))
+    profile = dest + "-profile.yaml"
+    with open(profile, "w") as f:
+        f.write(LINK_PROFILE)
+    return box, profile
+
+
+def same_inode(root: str, names) -> bool:
+    return len({os.lstat(os.path.join(root, n)).st_ino for n in names}) == 1
+
+
+def tree_without_link_order(root: str) -> dict:
+    """snapshot_of_tree, without which name of an inode a walk met first (compared by same_inode)."""
+    return {k: v[:5] + (v[5].split(" linked-with:")[0],) + v[6:] for k, v in snapshot_of_tree(root, skip=NOT_CAPTURED).items()}
+
+
+def assert_content_written_once(registry, repo: str, tag: str) -> dict[str, list[tarfile.TarInfo]]:
+    """Each inode's content is in the image once: its other names are hardlinks to it in the same
+    layer (Docker refuses a hardlink to a lower layer's file). Returns the layers' members by label."""
+    layers = {}
+    regular: dict[str, str] = {}
+    for label, desc in layers_by_name(registry.manifest(repo, tag)).items():
+        with layer_tar(registry, repo, desc) as t:
+            members = t.getmembers()
+        layers[label] = members
+        names = {m.name: m for m in members}
+        for m in members:
+            if m.isreg():
+                regular[m.name] = label
+            if m.islnk():
+                assert m.linkname in names and names[m.linkname].isreg(), f"{label}: {m.name} -> {m.linkname} not in the layer"
+    for first, *others in LINKED:
+        assert not any(n in regular for n in others), f"a second copy of {first}"
+    return layers
+
+
+def test_hardlinked_weights_get_their_own_layer_and_stay_one_inode(registry, base_ref, base_rootfs, tmp_path):
+    box, profile = hardlink_box(base_rootfs, str(tmp_path / "box"))
+    commit_json(f"{registry.host}/links:v1", base_ref, box, "--profile", profile)
+    layers = assert_content_written_once(registry, "links", "v1")
+    single = {m.name: m for m in layers[f"models ({BIG})"]}
+    assert single[BIG].isreg() and single[BIG].size == 3 * MiB + 5
+    assert all(single[n].islnk() and single[n].linkname == BIG for n in LINKED[0][1:])
+    assert sum(1 for label in layers if label.startswith("models (bundle")) > 2  # c000's link travels with it
+
+    out = tmp_path / "restored"
+    snap("restore", f"{registry.host}/links:v1", "--root", str(out), check=True)
+    assert tree_without_link_order(str(out)) == tree_without_link_order(box)
+    assert all(same_inode(str(out), names) for names in LINKED)
+
+
+def test_a_hardlinked_file_cut_into_parts_is_linked_again_after_the_join(registry, base_ref, base_rootfs, tmp_path):
+    """Over --max-layer-size the first name is cut into part layers; its other names are listed on
+    the last part, and restore links them to the joined file. verify sees them too."""
+    box, profile = hardlink_box(base_rootfs, str(tmp_path / "box"))
+    ref = f"{registry.host}/links:parts"
+    commit_json(ref, base_ref, box, "--profile", profile, "--max-layer-size", "1MiB")
+    layers = assert_content_written_once(registry, "links", "parts")
+    parts = [label for label in layers if label.startswith("models (part ") and label.endswith(f" of {BIG})")]
+    assert parts == [f"models (part {i}/4 of {BIG})" for i in range(1, 5)]
+    last = layers_by_name(registry.manifest("links", "parts"))[parts[-1]]
+    assert json.loads(last["annotations"]["dev.snap.part-links"]) == list(LINKED[0][1:])
+    assert not any(m.name in LINKED[0] for label in layers for m in layers[label])  # only the parts carry it
+
+    out = tmp_path / "restored"
+    snap("restore", ref, "--root", str(out), check=True)
+    assert tree_without_link_order(str(out)) == tree_without_link_order(box)
+    assert all(same_inode(str(out), names) for names in LINKED)
+    snap("verify", ref, "--root", str(out), check=True)
+    os.unlink(out / LINKED[0][2])
+    r = snap("verify", ref, "--root", str(out))
+    assert r.returncode == 9 and f"/{LINKED[0][2]}: missing" in r.stdout
