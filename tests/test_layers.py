@@ -18,6 +18,7 @@ import zstandard
 
 from conftest import NOT_CAPTURED, make_box, snap
 from support import make_base_rootfs, push_base_image, snapshot_of_tree, write_tree
+from test_errors import assert_one_line_error
 from test_roundtrip import commit_json, layers_by_name
 
 SCHEMA_DIR = os.path.join(os.path.dirname(__file__), "data", "oci-schema")
@@ -318,3 +319,33 @@ def test_a_hardlinked_file_cut_into_parts_is_linked_again_after_the_join(registr
     os.unlink(out / LINKED[0][2])
     r = snap("verify", ref, "--root", str(out))
     assert r.returncode == 9 and f"/{LINKED[0][2]}: missing" in r.stdout
+
+
+def test_part_links_from_a_hostile_image_stay_in_the_root(registry, base_ref, base_rootfs, tmp_path):
+    """The other names of a cut file come from a manifest annotation: a name that leaves the root,
+    a malformed list, or a name under a symlink to outside the root never writes outside it."""
+    box, profile = hardlink_box(base_rootfs, str(tmp_path / "box"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(str(outside), os.path.join(box, "opt/app/escape"))  # absolute: resolved inside the root at restore
+    commit_json(f"{registry.host}/evil-links:src", base_ref, box, "--profile", profile, "--max-layer-size", "1MiB")
+    m = registry.manifest("evil-links", "src")
+    last = next(d for d in m["layers"] if d.get("annotations", {}).get("dev.snap.part-links"))
+
+    def with_links(value: str) -> dict:
+        return dict(m, layers=[dict(d, annotations=dict(d["annotations"], **{"dev.snap.part-links": value}))
+                               if d is last else d for d in m["layers"]])
+
+    for tag, value in (("dotdot", json.dumps(["../../evil"])), ("absolute", json.dumps(["/evil"])),
+                       ("malformed", "[not json"), ("not-a-list", json.dumps({"a": 1})), ("itself", json.dumps([BIG]))):
+        put_manifest(registry, "evil-links", tag, with_links(value))
+        out = tmp_path / f"out-{tag}"
+        assert_one_line_error(snap("restore", f"{registry.host}/evil-links:{tag}", "--root", str(out)), 6, "refusing")
+        assert not out.exists() or not os.listdir(out)  # refused before anything is written
+    assert not (tmp_path / "evil").exists()
+
+    put_manifest(registry, "evil-links", "symlink", with_links(json.dumps(["opt/app/escape/evil.bin"])))
+    out = tmp_path / "out-symlink"
+    snap("restore", f"{registry.host}/evil-links:symlink", "--root", str(out), check=True)
+    assert not os.listdir(outside)
+    assert same_inode(str(out), [BIG, str(outside).lstrip("/") + "/evil.bin"])  # the link landed inside the root
