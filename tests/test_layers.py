@@ -19,6 +19,7 @@ import zstandard
 from conftest import NOT_CAPTURED, make_box, snap
 from support import make_base_rootfs, push_base_image, snapshot_of_tree, write_tree
 from test_errors import assert_one_line_error
+from test_incremental import WEIGHTS_PROFILE
 from test_roundtrip import commit_json, layers_by_name
 
 SCHEMA_DIR = os.path.join(os.path.dirname(__file__), "data", "oci-schema")
@@ -221,17 +222,6 @@ def test_every_layer_carries_its_parent_directories(registry, base_ref, base_roo
 # ---- hardlinked weights ------------------------------------------------------------------------------
 
 MiB = 1024 * 1024
-LINK_PROFILE = """
-extends: default
-layers:
-  - name: venv
-    venv: true
-  - name: models
-    paths: ["**/models/**"]
-    compression: none
-    file_layer_min: 1MiB
-    bundle_max: 64KiB
-"""
 BIG = "opt/app/models/checkpoints/big.safetensors"
 # Names of one inode each, its first name (in path order) first.
 LINKED = [(BIG, "opt/app/models/loras/big-link.safetensors", "opt/app/models/zz/alias.bin"),
@@ -250,7 +240,7 @@ def hardlink_box(base_rootfs: str, dest: str) -> tuple[str, str]:
             os.link(os.path.join(box, first), os.path.join(box, name))
     profile = dest + "-profile.yaml"
     with open(profile, "w") as f:
-        f.write(LINK_PROFILE)
+        f.write(WEIGHTS_PROFILE)  # weights of 1 MiB get a layer of their own, bundles of 64 KiB
     return box, profile
 
 
