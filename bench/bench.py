@@ -229,7 +229,7 @@ def snap(b: Bench, *args: str, state: str, cold: bool = False) -> Run:
 
 
 def start_watch(b: Bench, target: str, base_ref: str, box: str, state: str, every: str) -> subprocess.Popen:
-    """`snap watch` on the box, returned once it says it is watching (its first snapshot is made)."""
+    """`snap watch` on the box, returned once its first snapshot is made (or found current)."""
     env = dict(os.environ, SNAP_STATE_DIR=state, SNAP_QUIET="1", DOCKER_CONFIG=os.path.join(b.work, "docker-config"))
     p = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", target, "--base", base_ref, "--root", box,
                           "--every", every, "--provider", "none"], stderr=subprocess.PIPE, text=True, env=env)
@@ -238,7 +238,7 @@ def start_watch(b: Bench, target: str, base_ref: str, box: str, state: str, ever
         lf.write(f"\n$ snap watch {target} --every {every}\n")
         for line in p.stderr:
             lf.write(line)
-            if "watching " in line:
+            if " moved to it" in line or "already holds this box" in line:
                 return p
     raise RuntimeError(f"snap watch exited ({p.wait()}) before watching: see bench.log")
 
@@ -505,7 +505,7 @@ def measure_all(b: Bench, args) -> dict:
 
     # snap watch on the box as it is now: idle cost, then SIGTERM after one small change.
     step("watch_idle", "snap watch, idle at --every 60s", lambda: watch_idle(
-        b, f"{box_ref}:watch", base_ref, box, state, 20 if args.small else 120))
+        b, f"{box_ref}:watch", base_ref, box, state, 30 if args.small else 180))
     step("watch_final", "snap watch, SIGTERM -> final snapshot", lambda: watch_final(b, f"{box_ref}:watch", base_ref, box, state))
 
     # Restores of state 0 (v1, the archive, restic's 1st snapshot), each into an empty dir.

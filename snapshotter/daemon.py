@@ -179,4 +179,17 @@ def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] 
             raise UsageError(f"snap watch (pid {pid}) did not stop in time", f"see its log {files.log}")
         time.sleep(0.05)
     done = _read_json(files.exit)
-    return done.get("code", 1) if done.get("pid") == pid else 1
+    code = done.get("code", 1) if done.get("pid") == pid else 1
+    if code:
+        log(f"snap watch (pid {pid}) ended with code {code}: {_last_line(files.log)}")
+    return code
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(empty log)"
+    except OSError:
+        return f"(no log at {path})"

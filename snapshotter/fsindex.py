@@ -187,9 +187,10 @@ def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optiona
 
 
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
-             progress: Optional[Callable[[int], None]] = None) -> Scan:
+             progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
-    left out (and listed) unless the profile opts in."""
+    left out (and listed) unless the profile opts in. `metadata_only` (a watcher looking for
+    changes) reads no symlink targets, xattrs or permissions: a change of those changes the ctime."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
     root = os.path.realpath(root)
@@ -225,7 +226,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
                 continue
             try:
                 st = os.lstat(de.path)
-                link = os.readlink(de.path) if stat.S_ISLNK(st.st_mode) else ""
+                link = os.readlink(de.path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
             except FileNotFoundError:
                 continue
             except PermissionError:
@@ -234,8 +235,9 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             e = entry_from_stat(rel, st, link)
             if e is None:
                 continue
-            e.xattrs = read_xattrs(de.path)
-            if e.kind == FILE and not os.access(de.path, os.R_OK):
+            if not metadata_only:
+                e.xattrs = read_xattrs(de.path)
+            if not metadata_only and e.kind == FILE and not os.access(de.path, os.R_OK):
                 unreadable.append(rel)
                 continue
             entries[rel] = e

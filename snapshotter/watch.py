@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from .commit import CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, target_remote
+from .commit import (CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, scan_root,
+                     target_remote)
 from .errors import AuthError, SnapError, UsageError
 from .fsindex import FILE, Entry, Scan, scan_box
 from .image import Image, snapshot_layer_count
@@ -32,6 +33,7 @@ from .registry import Remote
 
 MiB = 1024 * 1024
 DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
+ACTIVE_FACTOR = 10  # scan budget multiplier while the box is changing
 ASSUMED_THROUGHPUT = 50 * MiB  # bytes/s to the registry until the watcher has measured it
 
 
@@ -66,8 +68,9 @@ class WatchOptions:
 
 
 def _token(e: Entry) -> tuple:
-    """What a change of a path looks like in a metadata scan (stamp: inode, mtime and ctime in ns)."""
-    return (e.kind, e.mode, e.uid, e.gid, e.size, e.stamp, e.linkname, tuple(sorted((e.xattrs or {}).items())))
+    """What a change of a path looks like in a metadata scan (stamp: inode, mtime and ctime in ns;
+    a new symlink target or xattr changes the ctime, so neither is read)."""
+    return (e.kind, e.mode, e.uid, e.gid, e.size, e.stamp)
 
 
 def _times(e: Entry) -> float:
@@ -125,7 +128,7 @@ class Watcher:
 
     def _scan(self) -> Scan:
         t = time.monotonic()
-        scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root))
+        scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True)
         self.scan_cost = time.monotonic() - t
         return scan
 
@@ -184,19 +187,7 @@ class Watcher:
         if now < self.retry_at:
             return
         try:
-            self._observe(self._scan(), now)
-            pending = self._pending()
-            if not pending:
-                self.burst_bytes = 0
-                return
-            if self.committed is None:
-                self._snapshot(first=True)
-                return
-            self._send_ahead(now)
-            due = now - self.last_commit_at >= self.opts.every
-            burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
-            if due or burst_over:
-                self._snapshot()
+            self._step(now)
             self.backoff = 0.0
         except (UsageError, AuthError):
             raise  # the user must act: retrying cannot help
@@ -205,15 +196,33 @@ class Watcher:
             self.retry_at = now + self.backoff
             self.log(f"{e}; trying again in {self.backoff:g}s (the last snapshot stays current)")
 
+    def _step(self, now: float) -> None:
+        self._observe(self._scan(), now)
+        if not self._pending():
+            self.burst_bytes = 0
+        elif self.committed is None:
+            self._snapshot(first=True)
+        else:
+            self._send_ahead(now)
+            due = now - self.last_commit_at >= self.opts.every
+            burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
+            if due or burst_over:
+                self._snapshot()
+
     def next_interval(self) -> float:
-        """Seconds to the next scan: the scan's cost stays near the budget."""
-        interval = max(self.opts.min_scan, self.scan_cost / max(self.opts.scan_budget, 1e-6))
+        """Seconds to the next scan: a scan's cost stays near the budget, ten times it while the
+        box is changing (so the end of a burst is seen soon after it is over)."""
+        changing = self.opts.clock() - self.last_change_at < 2 * self.opts.quiet or self.burst_bytes >= self.big
+        budget = self.opts.scan_budget * (ACTIVE_FACTOR if changing else 1)
+        interval = max(self.opts.min_scan, self.scan_cost / max(budget, 1e-6))
         wait_retry = self.retry_at - self.opts.clock()
         return max(interval, wait_retry) if wait_retry > 0 else interval
 
     def run(self, stop: threading.Event, on_ready: Callable[[], None] = lambda: None) -> None:
-        self.tick()
+        """Ready first (a detached watcher's starter returns; the first snapshot of a big box may
+        take minutes), then tick at the scan pace until stopped."""
         on_ready()
+        self.tick()
         while not stop.wait(self.next_interval()):
             self.tick()
 
@@ -224,7 +233,7 @@ class Watcher:
         opts = self.opts.commit
 
         def changes(base_img: Image, index: dict[str, Entry]):
-            scan = self._scan()
+            scan = scan_root(self.root, opts.profile)
             held = self._held(scan.entries, now, final)
             held_out.update(held)
             d = changes_in(scan, self.root, opts.profile, index, opts.rehash)
@@ -270,9 +279,10 @@ class Watcher:
     def _snapshot(self, first: bool = False, final: bool = False) -> Optional[str]:
         """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
         name, or None when the box matched the moving tag's snapshot already (first only)."""
-        with self.lock:
+        with self.lock:  # the worker's and the final snapshot's may overlap
             self.seq += 1
             seq = self.seq
+            tag = self._tag_name()
         now = self.opts.clock()
         held: dict[str, str] = {}
         opts = self._commit_options(now, final, held)
@@ -285,7 +295,6 @@ class Watcher:
             return None
         for path, why in sorted(held.items()):
             self.log(f"held back: /{path} ({why}); the next snapshot takes it")
-        tag = self._tag_name()
         ref = Reference(self.moving.registry, self.moving.repository, tag)
         result = push_commit(cp, ref, self.transport, opts)
         self._trace(f"pushed {tag}")

@@ -98,6 +98,26 @@ def test_changes_are_snapshotted_at_most_once_per_interval_and_the_tag_moves(reg
     assert_restores_to(f"{registry.host}/w-every:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r2")
 
 
+def test_after_a_restore_the_watcher_adds_no_snapshot_until_something_changes(registry, base_ref, box, tmp_path):
+    """The container recipe: restore the last snapshot, then watch. The restored box is the moving
+    tag's snapshot already (the restore's record says which layers it wrote): nothing is pushed."""
+    lines = []
+    watcher(registry, base_ref, box, "w-restored", lines, every=0).tick()
+    out = tmp_path / "restored"
+    restore_image(f"{registry.host}/w-restored:v2", str(out))
+    before = tags(registry, "w-restored")
+    clock = FakeClock()
+    w = watcher(registry, base_ref, str(out), "w-restored", lines, clock, every=0)
+    w.tick()
+    assert tags(registry, "w-restored") == before
+    assert lines[-1].endswith("already holds this box: nothing to send")
+    write_tree(str(out), {"opt/app/after-restore.txt": "new work\n"})
+    clock.advance(1)
+    w.tick()
+    assert len(tags(registry, "w-restored")) == len(before) + 1
+    assert_restores_to(f"{registry.host}/w-restored:v2", snapshot_of_tree(str(out), skip=NOT_CAPTURED), tmp_path, "again")
+
+
 def test_a_burst_of_writes_is_snapshotted_once_it_is_quiet(registry, base_ref, box):
     lines, clock = [], FakeClock()
     w = watcher(registry, base_ref, box, "w-burst", lines, clock, profile=parse_profile(SMALL_WEIGHTS),
@@ -230,6 +250,7 @@ class WatchProcess:
 def start_watch(registry, base_ref, box, repo, *extra, env=None) -> WatchProcess:
     p = WatchProcess(f"{registry.host}/{repo}:v2", "--base", base_ref, "--root", box, "--every", "1h", *extra, env=env)
     p.wait_for("watching ")
+    p.wait_for(" moved to it")  # the first snapshot
     return p
 
 
