@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 from dataclasses import asdict
 from typing import List, Optional
@@ -18,7 +20,7 @@ app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
     "Exit codes: 0 ok, 1 unexpected, 2 bad input, 3 registry unreachable, 4 auth, 5 not found, "
     "6 integrity (digest mismatch or hostile layer), 7 local disk, 8 no Docker engine, 9 verify found "
-    "differences, 10 registry error, 130 interrupted.",
+    "differences, 10 registry error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -33,6 +35,24 @@ def _say(msg: str) -> None:
     typer.echo(msg, err=True)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, stopped as Ctrl-C is: transfers in flight given up, the journal left as it was; exit 143."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops():
+    """Within the block SIGTERM stops the command the way Ctrl-C does, instead of killing it outright."""
+
+    def stop(signum, frame):
+        raise _Terminated()
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _errors(fn):
     """Turn a SnapError into one line on stderr and its exit code; never a traceback for bad input."""
 
@@ -43,9 +63,10 @@ def _errors(fn):
         except SnapError as e:
             _say(f"snap: error: {e}")
             raise typer.Exit(e.exit_code)
-        except KeyboardInterrupt:
-            _say("snap: interrupted (run the command again: a commit re-sends only what is missing, a restore resumes)")
-            raise typer.Exit(130)
+        except KeyboardInterrupt as e:
+            how, code = ("terminated", 143) if isinstance(e, _Terminated) else ("interrupted", 130)
+            _say(f"snap: {how} (run the command again: a commit re-sends only what is missing, a restore resumes)")
+            raise typer.Exit(code)
         except _TYPER_WAYS_OUT:
             raise  # typer's own ways out (an exit code chosen by the command, a usage error)
         except OSError as e:  # the local machine failed us somewhere no closer handler knew
@@ -130,7 +151,8 @@ def commit(
     elif base is None:
         raise UsageError("--base is required", "name the image the box was started from, e.g. --base registry.example.com/me/base:1")
     else:
-        result = commit_box(target, base, opts)
+        with _sigterm_stops():
+            result = commit_box(target, base, opts)
     if result.skipped_secrets:
         _say(f"left out {len(result.skipped_secrets)} secret-looking path(s) (set include_secrets in the profile to keep them):")
         for p in result.skipped_secrets:
@@ -177,7 +199,8 @@ def restore(
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
-    result = restore_image(ref, root, opts)
+    with _sigterm_stops():
+        result = restore_image(ref, root, opts)
     if result.skipped_devices:
         _say(f"skipped {len(result.skipped_devices)} device node(s) (pass --allow-devices as root to create them)")
     if result.stripped_setuid:

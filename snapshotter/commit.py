@@ -306,7 +306,10 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
     out_dir = sub("layers")
     with progress.bar("packing", sum(p.content_size for _, p, _ in todo)) as pack, \
             progress.bar("uploading") as up, ThreadPoolExecutor(LAYER_WORKERS) as pool:
-        on_pack, on_up = progress.safe_update(pack), progress.safe_update(up)
+        # An error or Ctrl-C sets remote.stopping: layers being read or sent give up at their next
+        # chunk, and the exit does not wait for a weight to finish on a slow link.
+        on_pack = progress.stoppable(progress.safe_update(pack), remote.stopping)
+        on_up = progress.stoppable(progress.safe_update(up), remote.stopping)
 
         def produce(plan: LayerPlan) -> tuple[LayerBlob, str]:
             if plan.compression == "none":
@@ -335,6 +338,7 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                     cp.cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
                                          "media_type": blob.media_type})
         except BaseException:
+            remote.stopping.set()
             for f in futures:
                 f.cancel()
             raise

@@ -28,6 +28,22 @@ def bar(desc: str, total: int | None = None, unit: str = "B") -> tqdm:
     )
 
 
+class Stopped(Exception):
+    """Work in flight given up because the command is stopping (an error elsewhere, Ctrl-C, SIGTERM)."""
+
+
+def stoppable(update, stopping: threading.Event):
+    """`update`, raising Stopped once `stopping` is set: work that reports progress per chunk
+    gives up at its next chunk instead of holding the exit until it ends."""
+
+    def guarded(n: int) -> None:
+        if stopping.is_set():
+            raise Stopped()
+        update(n)
+
+    return guarded
+
+
 def safe_update(b: tqdm):
     """An update callback usable from worker threads."""
 

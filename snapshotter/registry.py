@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import platform
+import threading
 import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -36,6 +37,8 @@ class Remote:
     def __init__(self, ref: Reference, options: Optional[TransportOptions] = None):
         self.ref = ref
         self.transport = Transport(ref.registry, ref.repository, options)
+        # Set by the caller on an error or Ctrl-C: uploads in flight give up, even one whose socket hangs.
+        self.stopping = threading.Event()
 
     # ---- manifests -------------------------------------------------------------------------
 

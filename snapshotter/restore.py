@@ -273,12 +273,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     # holding the exit until they end (a weight on a slow link takes minutes).
     stopping = threading.Event()
     with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
-        shown = progress.safe_update(dl)
-
-        def update(n: int) -> None:
-            if stopping.is_set():
-                raise _Stopped()
-            shown(n)
+        update = progress.stoppable(progress.safe_update(dl), stopping)
 
         def fetch(digest: str) -> str:
             path = os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if digest in split else ""))
@@ -348,12 +343,6 @@ def _note_sources(reference: Reference, image: Image) -> None:
         sources.save()
     except OSError:
         pass  # an optimisation only: the next commit uploads instead of mounting
-
-
-
-
-class _Stopped(Exception):
-    """A download given up because the restore is stopping (its .part is removed on the way out)."""
 
 
 def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, str]) -> int:

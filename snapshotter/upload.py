@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import requests
 
 from .errors import IntegrityError, RegistryError
+from .progress import Stopped
 from .transport import RETRY_DELAYS, RETRY_STATUSES, TIMEOUT, check, retry_delay
 
 if TYPE_CHECKING:
@@ -162,10 +163,17 @@ class _StreamedUpload:
         if self.parts:
             self._queue()
         self._put(self._END)
-        self.thread.join()
+        while self.thread.is_alive():  # the registry's answer; a stop does not wait for it
+            self._check_stopping()
+            self.thread.join(0.2)
         if self.error is not None:
             raise self.error
         return self.location
+
+    def _check_stopping(self) -> None:
+        if self.remote.stopping.is_set():
+            self.aborted = True  # the request thread (a daemon) ends at its next piece, or with the process
+            raise Stopped()
 
     def abort(self) -> None:
         """The producer failed: end the request without a valid body."""
@@ -185,6 +193,7 @@ class _StreamedUpload:
 
     def _put(self, item) -> None:
         while True:
+            self._check_stopping()
             if not self.thread.is_alive():  # the requests ended early: the registry refused or broke
                 self.thread.join()
                 if item is self._END and self.error is None:

@@ -483,6 +483,8 @@ class FaultProxy(_ThreadedServer):
 
     - `answer(method, path)`: return (status, headers) to answer a request without forwarding it
       (None forwards it); set it from the test.
+    - `stall_uploads_after`: bytes of a PATCH body after which the proxy stops forwarding (sets
+      `stalled`) until `release` is set.
     - `cut_upload_after`: bytes of the next upload body (PATCH or PUT) after which both
       connections are cut; the registry keeps what it got. One cut, then it resets to None.
     - `throttle`: bytes per second for blob download bodies; `midway` is set once `midway_at`
@@ -494,6 +496,8 @@ class FaultProxy(_ThreadedServer):
         self.upstream = upstream
         self.answer = lambda method, path: None
         self.cut_upload_after: Optional[int] = None
+        self.stall_uploads_after: Optional[int] = None
+        self.stalled, self.release = threading.Event(), threading.Event()
         self.cut = threading.Event()
         self.throttle: Optional[int] = None
         self.midway_at = 1 << 20
@@ -558,6 +562,9 @@ class FaultProxy(_ThreadedServer):
                     sent += len(data)
                     proxy._count(method, len(data))
                     yield data
+                    if proxy.stall_uploads_after is not None and method == "PATCH" and sent >= proxy.stall_uploads_after:
+                        proxy.stalled.set()
+                        proxy.release.wait(300)  # a link that stops moving, until the test lets it go
 
             def _any(self):
                 method, path = self.command, self.path

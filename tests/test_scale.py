@@ -5,6 +5,7 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -98,3 +99,26 @@ def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, p
         assert not p.exists(), p
     assert keep.exists()
     assert hashlib.sha256(registry.blob("swept", layer)).hexdigest() == layer.split(":", 1)[1]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_during_an_upload_does_not_wait_for_it(registry, proxy, base_ref, weight_box, sig, code):
+    """The link stalls in the middle of the weight's upload; Ctrl-C or SIGTERM stops the commit
+    there (it would otherwise wait for the upload, here for ever), and the tag never moves."""
+    proxy.stall_uploads_after = 8 * MiB
+    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{proxy.host}/stopped:v1", "--base", base_ref,
+                             "--root", weight_box], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proxy.stalled.wait(120), "the upload never got going"
+        proc.send_signal(sig)
+        try:
+            _, err = proc.communicate(timeout=60)  # a generous bound, only to fail instead of hanging
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the commit waited for the stalled upload")
+    finally:
+        proxy.release.set()
+    assert proc.returncode == code, err
+    assert err.strip().splitlines()[-1].startswith("snap: " + ("interrupted" if code == 130 else "terminated")), err
+    assert "Traceback" not in err
+    assert not registry.session().get(f"{registry.url}/v2/stopped/manifests/v1").ok
