@@ -2,6 +2,12 @@
 manifest resolution, manifests pushed as the exact bytes we hashed, verified streamed downloads,
 streamed uploads in bounded memory, cross-repository mounts. HTTP, auth and retries are
 transport.py's.
+
+oras-py does here what transport.py says (its session and its answers to auth challenges), and no
+protocol step: its manifest calls re-serialise JSON (the digest would not be the one we hashed),
+its upload reads a whole blob into memory (or PATCHes 16 MiB chunks, a writer reopen each on the
+registry) and its download does not check the digest. So manifests, blobs and uploads (upload.py)
+are our own requests over transport.py.
 """
 
 from __future__ import annotations
@@ -141,6 +147,7 @@ class Remote:
     def iter_blob(self, digest: str, progress: ProgressFn = None) -> Iterator[bytes]:
         """Stream a blob. Raises IntegrityError at the end if the bytes do not hash to `digest`:
         callers that write must treat what they got as untrusted until the generator finishes."""
+        # Not oras's download_blob: it never checks the digest of what it wrote.
         h = hashlib.sha256()
         with self.open_blob(digest) as r:
             try:

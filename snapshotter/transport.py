@@ -2,8 +2,15 @@
 tokens and their scopes, Docker's credentials), and how a request survives a registry that restarts
 (timeouts, retries with backoff). registry.py speaks the distribution protocol over this.
 
-oras-py gives the HTTP session, the token dance and the docker-config credential helpers; this
-module calls past its retry decorator (which sleeps minutes per request) and adds our own.
+What oras-py does here, through its public API only: the HTTP session (`Registry.session`,
+`Registry.headers`), the answer to a registry's 401 (`auth.authenticate_request`: Basic, or a
+bearer token asked for with our credentials or anonymously) and bearer token requests
+(`auth.request_token`). What it does not do here: find credentials (the docker SDK reads
+$DOCKER_CONFIG or ~/.docker/config.json, Docker Hub's legacy key and credential helpers:
+`docker.auth.load_config` and `resolve_authconfig`); retry (its `do_request` retries every error
+with sleeps of up to minutes, so requests go through its session and our own short backoff); and
+(registry.py, upload.py) uploads and downloads: its upload reads a whole blob into memory and its
+download does not check the digest.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import email.utils
 import ipaddress
-import json
 import os
 import threading
 import time
@@ -19,6 +25,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import docker.auth
+import docker.errors
 import oras.auth
 import oras.auth.utils
 import oras.provider
@@ -33,10 +41,7 @@ TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a w
 RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we give up
 RETRY_STATUSES = (429, 500, 502, 503, 504)  # busy, throttling or restarting: worth asking again
 MAX_RETRY_AFTER = 60  # seconds: a longer Retry-After is waited this long, then asked again
-# oras's request function without its retry decorator (which sleeps up to minutes per request).
-_do_request = oras.provider.Registry.do_request.__wrapped__
 
-DOCKER_HUB_LOGIN = "https://index.docker.io/v1/"  # the key `docker login` stores Docker Hub's credentials under
 
 
 @dataclass
@@ -92,21 +97,23 @@ class Transport:
         self.oras = oras.provider.Registry(
             self.host, insecure=self.scheme == "http", tls_verify=verify, auth_backend=backend
         )
-        self.oras.session.mount("http://", _TimeoutAdapter())
-        self.oras.session.mount("https://", _TimeoutAdapter())
+        self.session = self.oras.session
+        self.verify = verify
+        self.session.mount("http://", _TimeoutAdapter())
+        self.session.mount("https://", _TimeoutAdapter())
         creds = self.options.credentials
         if self.options.explicit_credentials_for(registry):
-            self.oras.auth.set_basic_auth(creds.username, creds.password or "")
+            found: Optional[tuple[str, str]] = (creds.username, creds.password or "")
         else:
-            load_docker_credentials(self.oras.auth, registry)
-        self.has_credentials = bool(getattr(self.oras.auth, "_basic_auth", None))
+            found = docker_credentials(registry)
+        self.has_credentials = found is not None
         self._token_lock = threading.Lock()  # layers upload in threads that share one token
         self._scopes: dict[str, set[str]] = {}  # "repository:box" -> actions, of every token asked for
-        if backend == "basic" and self.has_credentials:
-            # Send Basic credentials up front: saves a 401 round trip per request.
-            self.oras.headers["Authorization"] = f"Basic {self.oras.auth._basic_auth}"
-        elif not self.has_credentials:
-            self.oras.auth._basic_auth = None  # oras expects the attribute; unset it means anonymous
+        if found is not None:
+            self.oras.auth.set_basic_auth(*found)  # what the token backend sends to the token realm
+            if backend == "basic":
+                # Send Basic credentials up front: saves a 401 round trip per request.
+                self.oras.set_header("Authorization", f"Basic {oras.auth.utils.get_basic_auth(*found)}")
 
     def _probe(self) -> str:
         """Ping /v2/ to pick http or https and learn the auth scheme; fail fast when down."""
@@ -143,10 +150,10 @@ class Transport:
         )
 
     def request(self, method: str, url: str, resend: bool = True, **kw) -> requests.Response:
-        """One registry request through oras (auth, token refresh), retried by us with a short
+        """One registry request over oras's session (auth, token refresh), retried by us with a short
         backoff: a registry that restarts or throttles (429/5xx, its Retry-After honoured) is
         waited for, one that is down fails in seconds.
-        (oras's own retry decorator waits minutes per request, so we call past it.)
+        (oras's do_request retries with waits of minutes, so it is not used.)
         `resend=False` for a streamed body, which cannot be sent twice: a broken connection or an
         expired token is then a RegistryError, for the caller to start its upload over."""
         headers = dict(self.oras.headers)
@@ -155,12 +162,12 @@ class Transport:
         refreshed = False
         for delay in (*RETRY_DELAYS, None) if resend else (None,):
             try:
-                r = _do_request(self.oras, url, method, headers=dict(headers), **kw)
+                r = self._send(method, url, dict(headers), **kw)
                 if r.status_code == 401 and not refreshed and self._needs_new_token(r):
                     refreshed = True  # once: a token the server scopes down again is a refusal
                     if not resend:
                         raise RegistryError(f"registry {registry} asked for a new token during an upload")
-                    r = _do_request(self.oras, url, method, headers=dict(headers), **kw)
+                    r = self._send(method, url, dict(headers), **kw)
             except requests.exceptions.SSLError as e:
                 raise RegistryUnreachable(f"TLS to registry {registry} failed: {short_error(e)}")
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
@@ -173,13 +180,8 @@ class Transport:
                 continue
             except requests.exceptions.RequestException as e:
                 raise RegistryUnreachable(f"registry {registry} failed: {short_error(e)}")
-            except (oras.auth.AuthenticationException, ValueError):
-                # oras could not answer the registry's auth challenge (no token for us)
-                if self.has_credentials:
-                    raise AuthError(f"registry {registry} refused the credentials for {self.repository}",
-                                    "check the username/password or the token's permissions")
-                raise AuthError(f"registry {registry} asks for credentials we do not have",
-                                "log in with `docker login`, or pass --username and --password-stdin")
+            except oras.auth.AuthenticationException:
+                raise self._no_token()
             if r.status_code in RETRY_STATUSES and delay is not None:
                 self.backoff(retry_delay(r, delay))
                 r.close()
@@ -198,6 +200,29 @@ class Transport:
     def backoff(self, seconds: float) -> None:
         """Wait before asking again. $SNAP_RETRY_SCALE scales every wait (tests make them short)."""
         self.sleep(seconds * _retry_scale())
+
+    def _send(self, method: str, url: str, headers: dict, **kw) -> requests.Response:
+        """One request; a 401 answered once by oras's auth backend (a bearer token for the
+        challenge's scope), as oras's do_request does but without its retry decorator."""
+        auth = self.oras.auth
+        if isinstance(auth, oras.auth.TokenAuth):
+            headers.update(auth.get_auth_header())  # the token we hold, if any
+        r = self.session.request(method, url, headers=headers, verify=self.verify, **kw)
+        if r.status_code != 401 or self._auth_kind == "basic":
+            return r  # Basic credentials went with the request: a 401 is a refusal
+        headers, changed = auth.authenticate_request(r, headers)
+        if not changed:
+            raise self._no_token()
+        r.close()
+        return self.session.request(method, url, headers=headers, verify=self.verify, **kw)
+
+    def _no_token(self) -> AuthError:
+        """oras could not answer the registry's auth challenge: no token for us."""
+        if self.has_credentials:
+            return AuthError(f"registry {self.registry} refused the credentials for {self.repository}",
+                             "check the username/password or the token's permissions")
+        return AuthError(f"registry {self.registry} asks for credentials we do not have",
+                         "log in with `docker login`, or pass --username and --password-stdin")
 
     def _needs_new_token(self, r: requests.Response) -> bool:
         """A 401 with a Bearer challenge after oras sent its token: the token lacks the scope this
@@ -259,32 +284,28 @@ def _retry_scale() -> float:
         return 1.0
 
 
-def load_docker_credentials(auth: oras.auth.AuthBackend, registry: str) -> bool:
-    """Credentials for `registry` from $DOCKER_CONFIG/config.json (else ~/.docker/config.json) into
-    `auth`: inline auths, credHelpers and credsStore, the helpers run by oras. (oras itself ignores
-    $DOCKER_CONFIG.) Docker Hub's are found under any of its names. True if some were found."""
-    path = os.path.join(os.environ.get("DOCKER_CONFIG") or os.path.expanduser("~/.docker"), "config.json")
-    if not os.path.exists(path):
-        return False
+def docker_credentials(registry: str) -> Optional[tuple[str, str]]:
+    """(username, password) for `registry` from Docker's config, read by the docker SDK: inline
+    auths, credsStore and credHelpers (the helper programs run), Docker Hub under any of its keys.
+    A loopback registry's are also found under its other name (localhost or 127.0.0.1). None if
+    there are none."""
+    # The SDK falls back to ~/.docker when $DOCKER_CONFIG holds no config.json; Docker does not.
+    env_dir = os.environ.get("DOCKER_CONFIG")
+    path = os.path.join(env_dir, "config.json") if env_dir else None
+    if path and not os.path.exists(path):
+        return None
+    names = ["docker.io"] if registry in DOCKER_HUB_NAMES else list(oras.utils.iter_localhosts(registry))
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-        auths = {_auth_key(k): v for k, v in (cfg.get("auths") or {}).items()}
-        auth._auth_config = {
-            "auths": auths, "credsStore": cfg.get("credsStore"), "credHelpers": cfg.get("credHelpers") or {},
-        }
-        if registry in DOCKER_HUB_NAMES:
-            for key in DOCKER_HUB_NAMES:  # inline auths, whichever of its names docker used
-                if (auths.get(key) or {}).get("auth"):
-                    auth._basic_auth = auths[key]["auth"]
-                    return True
-            return auth._load_auth(DOCKER_HUB_LOGIN)  # the helpers, asked with the key docker gives them
-        for host in oras.utils.iter_localhosts(registry):
-            if auth._load_auth(host):
-                return True
-        return False
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise AuthError(f"cannot read registry credentials from {path}: {short_error(e)}")
+        config = docker.auth.load_config(path)
+        for name in names:
+            found = docker.auth.resolve_authconfig(config, name) or {}
+            username = found.get("username", found.get("Username"))
+            if username is not None:
+                return username, found.get("password", found.get("Password")) or ""
+    except (docker.errors.DockerException, OSError, ValueError) as e:
+        raise AuthError(f"cannot read registry credentials for {registry} from Docker's config: {short_error(e)}",
+                        "check ~/.docker/config.json (or $DOCKER_CONFIG) and its credential helpers")
+    return None
 
 
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
@@ -294,24 +315,6 @@ class _TimeoutAdapter(requests.adapters.HTTPAdapter):
         if kw.get("timeout") is None:
             kw["timeout"] = TIMEOUT
         return super().send(request, **kw)
-
-
-def _auth_key(key: str) -> str:
-    """Docker config auths may be keyed "https://host/v1/": reduce to "host"."""
-    return key.split("://", 1)[-1].split("/", 1)[0]
-
-
-def check(r: requests.Response, what: str) -> None:
-    """A RegistryError with the registry's own error codes, for an answer that is not a success."""
-    if r.status_code < 300:
-        return
-    detail = ""
-    try:
-        errors = r.json().get("errors", [])
-        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
-    except ValueError:
-        detail = r.text[:200].strip()
-    raise RegistryError(f"{what} failed: HTTP {r.status_code} {detail}".strip())
 
 
 def short_error(e: Optional[BaseException]) -> str:

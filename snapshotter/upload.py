@@ -37,6 +37,7 @@ def upload(remote: "Remote", produce: Produce, digest: str, size: int,
     attempt runs `produce` again and sends only what follows. A registry that lost the upload
     (distribution 2.8 drops one whose PATCH broke mid-way) gets it again from zero. The registry
     accepts the blob only at the final PUT, and only if the bytes hash to `digest`."""
+    # Not oras's upload_blob: it reads the whole blob into memory (20 GB of RAM for a 20 GB model).
     shown = 0  # bytes on the progress bar for this blob
 
     def count(n: int) -> None:

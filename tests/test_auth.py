@@ -3,13 +3,13 @@ with token auth (as Docker Hub, GHCR, GitLab, Harbor), and which registry gets w
 
 import base64
 import json
+import os
+import sys
 
-import oras.auth
 import pytest
-import requests
 
 from conftest import NOT_CAPTURED, snap
-from snapshotter.transport import load_docker_credentials
+from snapshotter.transport import docker_credentials
 from support import RegistryServer, TokenRegistryServer, push_base_image, snapshot_of_tree
 from test_errors import assert_one_line_error
 
@@ -44,6 +44,19 @@ def test_docker_config_credentials(secure_registry, box, tmp_path):
              env={"DOCKER_CONFIG": cfg_dir}, check=True)
     assert "pushed" in r.stdout
     assert reg.manifest("box", "v2")["layers"]
+
+
+def test_credential_helper_credentials(secure_registry, box, tmp_path):
+    """Credentials from a credential helper named in credHelpers (as `docker login` with
+    docker-credential-pass or -ecr-login leaves them): the helper program is run."""
+    reg = secure_registry
+    path, log = credential_helper(tmp_path, "snaptest", {reg.host: (USER, PASSWORD)})
+    cfg_dir = docker_config(tmp_path, {}, credHelpers={reg.host: "snaptest"})
+    r = snap("commit", f"{reg.host}/box:v6", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert,
+             env={"DOCKER_CONFIG": cfg_dir, "PATH": path}, check=True)
+    assert PASSWORD not in r.stdout + r.stderr
+    assert reg.manifest("box", "v6")["layers"]
+    assert reg.host in open(log).read().split()
 
 
 def test_wrong_password(secure_registry, box):
@@ -158,11 +171,12 @@ def test_explicit_credentials_not_sent_to_another_registry(tmp_path_factory, bas
 
 # ---- Docker Hub: `docker login` credentials (no network; API hosts: test_reference.py) ----------------
 
-def docker_config(tmp_path, auths: dict) -> str:
-    """A Docker config dir holding `auths` (host -> {"auth": base64 user:password}); for DOCKER_CONFIG."""
+def docker_config(tmp_path, auths: dict, **more) -> str:
+    """A Docker config dir holding `auths` (host -> {"auth": base64 user:password}) and `more` keys
+    (credHelpers, credsStore); for DOCKER_CONFIG."""
     cfg_dir = tmp_path / "docker-config"
     cfg_dir.mkdir(exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps({"auths": auths}))
+    (cfg_dir / "config.json").write_text(json.dumps({"auths": auths, **more}))
     return str(cfg_dir)
 
 
@@ -170,15 +184,36 @@ def basic(user: str, password: str) -> dict:
     return {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
-def _docker_config(tmp_path, monkeypatch, auths: dict) -> None:
-    monkeypatch.setenv("DOCKER_CONFIG", docker_config(tmp_path, auths))
+def credential_helper(tmp_path, name: str, secrets: dict) -> tuple[str, str]:
+    """A real `docker-credential-NAME` program (as docker-credential-pass or -ecr-login are) that
+    answers `get` for the servers in `secrets` (server -> (user, password)) and logs each server
+    it is asked about. Returns (PATH with it first, the log file)."""
+    bin_dir = tmp_path / "helper-bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / f"{name}.log"
+    table = {k: {"Username": u, "Secret": p} for k, (u, p) in secrets.items()}
+    prog = bin_dir / f"docker-credential-{name}"
+    prog.write_text(f"""#!{sys.executable}
+import json, sys
+server = sys.stdin.read().strip()
+open({str(log)!r}, "a").write(server + "\\n")
+table = {table!r}
+if sys.argv[1:] != ["get"] or server not in table:
+    print("credentials not found in native keychain")
+    sys.exit(1)
+print(json.dumps(dict(table[server], ServerURL=server)))
+""")
+    prog.chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}", str(log)
+
+
+def _docker_config(tmp_path, monkeypatch, auths: dict, **more) -> None:
+    monkeypatch.setenv("DOCKER_CONFIG", docker_config(tmp_path, auths, **more))
 
 
 def _found(registry: str):
-    backend = oras.auth.get_auth_backend("token", requests.Session())
-    backend._basic_auth = None
-    load_docker_credentials(backend, registry)
-    return backend._basic_auth
+    found = docker_credentials(registry)
+    return base64.b64encode(":".join(found).encode()).decode() if found else None
 
 
 HUB_AUTH = base64.b64encode(b"hubuser:hub-Pa55").decode()
@@ -200,3 +235,33 @@ def test_docker_hub_credentials_stay_on_docker_hub(tmp_path, monkeypatch):
     assert _found("127.0.0.1:5000") == local
     assert _found("localhost:5000") == local
     assert _found("docker.io") == HUB_AUTH
+
+
+def test_docker_hub_credentials_from_a_helper(tmp_path, monkeypatch):
+    """`docker login` with a credsStore keeps Docker Hub's credentials under its legacy key."""
+    path, log = credential_helper(tmp_path, "snaptest", {"https://index.docker.io/v1/": ("hubuser", "hub-Pa55")})
+    monkeypatch.setenv("PATH", path)
+    _docker_config(tmp_path, monkeypatch, {}, credsStore="snaptest")
+    assert _found("docker.io") == HUB_AUTH
+    assert _found("ghcr.io") is None
+    assert open(log).read().split() == ["https://index.docker.io/v1/", "ghcr.io"]
+
+
+def test_empty_docker_config_dir_is_not_the_users(tmp_path, monkeypatch):
+    """$DOCKER_CONFIG names the only config: one without config.json means no credentials, never ~/.docker's."""
+    home = tmp_path / "home"
+    (home / ".docker").mkdir(parents=True)
+    (home / ".docker" / "config.json").write_text(json.dumps({"auths": {"ghcr.io": basic("me", "home")}}))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "empty"))
+    assert _found("ghcr.io") is None
+    monkeypatch.delenv("DOCKER_CONFIG")
+    assert _found("ghcr.io") == basic("me", "home")["auth"]
+
+
+def test_broken_credential_helper_is_one_line(secure_registry, box, tmp_path):
+    reg = secure_registry
+    cfg_dir = docker_config(tmp_path, {}, credHelpers={reg.host: "nosuchhelper"})
+    r = snap("commit", f"{reg.host}/box:v9", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert,
+             env={"DOCKER_CONFIG": cfg_dir})
+    assert_one_line_error(r, 4, "credentials")
