@@ -186,16 +186,22 @@ def restore(
     allow_devices: bool = typer.Option(False, "--allow-devices", help="Create device nodes from the layers (root only)."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Keep setuid/setgid bits (root only); stripped otherwise."),
     fsync: bool = typer.Option(False, "--fsync", help="fsync every file before renaming it into place (survives power loss; slower)."),
+    force: bool = typer.Option(False, "--force", help="Apply a full image (base layers too) even onto a root that "
+                               "already holds an operating system (an etc/os-release, a populated usr/): refused otherwise."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Profile (name or YAML file) whose `exclude` paths "
+                                          "(/etc/hostname, /etc/resolv.conf, /proc, ...) are never written. "
+                                          "Default: the one the snapshot was committed with, if snap ships it, else default."),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
     """Extract mode: pull the image's layers, verify every digest, and write them at their original paths.
-    Needs no Docker. An interrupted restore leaves no half-written file and resumes when run again."""
+    Needs no Docker. An interrupted restore leaves no half-written file and resumes when run again.
+    The profile's excluded paths are never written; a full image onto a live system is refused."""
     from .extract import ExtractOptions
     from .restore import RestoreOptions, restore_image
 
     opts = RestoreOptions(
-        only_snapshot=only_snapshot,
+        only_snapshot=only_snapshot, force=force, profile=profile,
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )

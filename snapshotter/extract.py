@@ -33,6 +33,7 @@ import zstandard
 from .errors import IntegrityError, StorageError, quoted_path
 from .fsindex import clean_path
 from .mounts import inside, read_mounts
+from .profile import PathSet
 from .tarreader import TarReader
 from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key,
                        whiteout_target)
@@ -50,6 +51,9 @@ class ExtractOptions:
     allow_devices: bool = False
     allow_setuid: bool = False
     fsync: bool = False  # fsync each file before its rename (power-loss safety; slower)
+    # Globs (the profile's `exclude`: /etc/hostname, /etc/resolv.conf, /proc, /tmp, ...) of paths the
+    # machine owns: never written, replaced or deleted, whatever the layers hold.
+    never_write: tuple[str, ...] = ()
 
 
 @dataclass
@@ -59,6 +63,7 @@ class ExtractStats:
     skipped_devices: list[str] = field(default_factory=list)
     stripped_setuid: list[str] = field(default_factory=list)  # setuid/setgid bits or file capabilities
     stale_tmp_removed: int = 0
+    left_alone: int = 0  # entries skipped because they are under ExtractOptions.never_write
 
 
 def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> StorageError:
@@ -83,6 +88,7 @@ class Extractor:
         self._dir_cache: dict[str, str] = {}
         self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
         self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
+        self._never = PathSet(self.opts.never_write)
         self._reset_dir_times()
 
     def _reset_dir_times(self) -> None:
@@ -213,6 +219,9 @@ class Extractor:
             self._dir_cache.clear()
             self._whiteout(parent, base)
             return
+        if self._never.match(rel) and self._leave_alone(rel, m):
+            self.stats.left_alone += 1
+            return
         if not (m.isdir() or m.isreg() or m.issym() or m.islnk() or m.ischr() or m.isblk() or m.isfifo()):
             return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
         if (m.ischr() or m.isblk()) and not (self.opts.allow_devices and os.geteuid() == 0):
@@ -317,14 +326,28 @@ class Extractor:
             raise IntegrityError(f"hardlink {m.name!r} points at a directory: refusing a hostile layer")
         os.link(target, tmp, follow_symlinks=False)
 
+    def _leave_alone(self, rel: str, m: tarfile.TarInfo) -> bool:
+        """Whether to skip an entry under never_write. Only the top of such a tree, a directory
+        (/proc, /tmp: mount points), is made when it is missing, so that the tree can boot."""
+        parent = rel.rpartition("/")[0]
+        if not m.isdir() or (parent and self._never.match(parent)):
+            return True
+        return os.path.lexists(self._locate(rel)[1])
+
     def _whiteout(self, parent: str, base: str) -> None:
         try:
             pdir = self._resolve_dir(parent, create=False)
         except FileNotFoundError:
             return  # nothing below to hide
+        hidden = parent if base == OPAQUE else f"{parent}/{base[len(WHITEOUT_PREFIX):]}".lstrip("/")
+        if hidden and self._never.match(hidden):
+            self.stats.left_alone += 1
+            return
         if base == OPAQUE:
             for name in os.listdir(pdir):
                 path = os.path.join(pdir, name)
+                if self._never.match(f"{parent}/{name}".lstrip("/")):
+                    continue  # the machine's own (/etc/hostname under an opaque /etc) stays
                 if path not in self._written:
                     self._note_parent(pdir)
                     self._remove_any(path)

@@ -7,7 +7,12 @@ by one extractor in a child process (applier.py), so that unpacking does not wai
 download threads for Python's lock. Each layer's diff_id is checked as it is applied. A journal
 in the state dir records how many layers of this run's list are applied (always a prefix), so a
 restore that was interrupted resumes where it stopped; a run with another image or another layer
-selection (--only-snapshot or not) starts over instead."""
+selection (--only-snapshot or not) starts over instead.
+
+A restore writes over what is there, so two things guard a live machine: a full image (base layers
+and all) is refused onto a root that already holds an operating system, unless this restore
+started there (its journal) or the caller forces it; and the profile's excludes (/etc/hostname,
+/etc/resolv.conf, /proc, /tmp, ...) are never written, whatever the image holds."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import stat
 import tarfile
 import threading
 import time
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -34,6 +40,7 @@ from .extract import TMP_PREFIX, ExtractOptions, Extractor, check_name, storage_
 from .image import (BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, SNAP_PROFILE, Image,
                     snap_label, snapshot_layer_count)
 from .plan import DEFAULT_MAX_LAYER_SIZE, parse_part_annotation, part_name
+from .profile import Profile, available_profiles, load_profile
 from .reference import Reference
 from .registry import Remote
 from .staging import SPLIT_SUFFIX, SplitLayer, download_split
@@ -55,6 +62,8 @@ class RestoreOptions:
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
     seed_stat_cache: bool = True  # record the snap layers, so that the next commit reads no unchanged one
+    force: bool = False  # apply a full image even onto a root that holds an operating system
+    profile: Optional[str] = None  # whose `exclude` is never written; None: the image's own, if snap ships it
 
 
 @dataclass
@@ -95,23 +104,35 @@ class _Journal:
         self.applied = 0
         self.joined: list[str] = []
 
-    def load(self, log: Callable[[str], None]) -> None:
+    def _read(self) -> tuple[bool, object, bool]:
+        """(whether there is a journal, what it holds (None if unreadable), whether it is this
+        restore's: same image, same layers)."""
         try:
             with open(self.path) as f:
                 doc = json.load(f)
         except FileNotFoundError:
-            return
+            return False, None, False
         except (OSError, ValueError):
-            doc = None
+            return True, None, False
         applied = doc.get("applied") if isinstance(doc, dict) else None
-        if not (isinstance(doc, dict) and doc.get("version") == JOURNAL_VERSION and doc.get("manifest") == self.manifest
-                and doc.get("layers") == self.layers and type(applied) is int and 0 <= applied <= len(self.layers)):
+        return True, doc, (isinstance(doc, dict) and doc.get("version") == JOURNAL_VERSION and doc.get("manifest") == self.manifest
+                     and doc.get("layers") == self.layers and type(applied) is int and 0 <= applied <= len(self.layers))
+
+    def started_here(self) -> bool:
+        """This restore (same image, same layers) ran into this root before and did not finish."""
+        return self._read()[2]
+
+    def load(self, log: Callable[[str], None]) -> None:
+        exists, doc, ours = self._read()
+        if not exists:
+            return
+        if not ours:
             why = ("was interrupted with another image or layer selection" if isinstance(doc, dict)
                    else f"left an unreadable journal ({self.path})")
             log(f"an earlier restore into {self.root} {why}: starting over, applying all {len(self.layers)} layer(s)")
             self.write()  # at once: the tree is about to change under what the old journal says
             return
-        self.applied = applied
+        self.applied = doc["applied"]
         self.joined = [j for j in doc.get("joined", []) if isinstance(j, str)]
 
     def write(self) -> None:
@@ -244,13 +265,17 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     parts = part_files(todo)  # a malformed image is refused before anything is downloaded or written
     links = part_links(todo)
     fsync = opts.extract.fsync
+    journal = _Journal(root, image.manifest_digest, [d["digest"] for _, d, _ in todo], fsync)
+    base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
+    if base_layers > 0 and not opts.force and not journal.started_here():
+        refuse_live_system(root, image, base_layers)
+    never_write = tuple(restore_profile(image, opts.profile).exclude.patterns)
     try:
-        extractor = Extractor(root, opts.extract)
+        extractor = Extractor(root, dataclasses.replace(opts.extract, never_write=never_write))
     except OSError as e:
         raise StorageError(f"cannot create the restore root {root}: {e.strerror or e}",
                            "restore into a directory on a writable filesystem") from e
 
-    journal = _Journal(root, image.manifest_digest, [d["digest"] for _, d, _ in todo], fsync)
     journal.load(opts.log)
     resumed = journal.applied
     pending = todo[resumed:]
@@ -343,6 +368,41 @@ def _note_sources(reference: Reference, image: Image) -> None:
         sources.save()
     except OSError:
         pass  # an optimisation only: the next commit uploads instead of mounting
+
+
+
+def holds_system(root: str) -> Optional[str]:
+    """What shows that `root` holds an operating system (an os-release, a populated usr/), or None."""
+    for rel in ("etc/os-release", "usr/lib/os-release"):
+        if os.path.lexists(os.path.join(root, rel)):
+            return rel
+    try:
+        if os.listdir(os.path.join(root, "usr")):
+            return "a populated usr/"
+    except OSError:
+        pass
+    return None
+
+
+def refuse_live_system(root: str, image: Image, base_layers: int) -> None:
+    """A full image applied onto a running system replaces its libc, /etc/passwd and /bin and applies
+    the base's whiteouts: refused, before anything is written."""
+    sign = holds_system(root)
+    if sign:
+        raise UsageError(
+            f"{root!r} already holds an operating system ({sign}): restoring all of {image.ref}, "
+            f"{base_layers} base layer(s) included, would overwrite its system files",
+            "pass --only-snapshot if it runs the snapshot's base image, or restore into an empty directory "
+            "(or start the image with `snap run` on a Docker host), or pass --force to overwrite it")
+
+
+def restore_profile(image: Image, name: Optional[str] = None) -> Profile:
+    """The profile whose excludes a restore never writes: `name`, else the one the snapshot was
+    committed with when snap ships it, else the default."""
+    if name is None:
+        committed = (image.manifest.get("annotations") or {}).get(SNAP_PROFILE)
+        name = committed if committed in available_profiles() else "default"
+    return load_profile(name)
 
 
 def _record_for_next_commit(root: str, image: Image, applied_headers: dict[str, str]) -> int:
