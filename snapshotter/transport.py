@@ -317,6 +317,19 @@ class _TimeoutAdapter(requests.adapters.HTTPAdapter):
         return super().send(request, **kw)
 
 
+def check(r: requests.Response, what: str) -> None:
+    """A RegistryError with the registry's own error codes, for an answer that is not a success."""
+    if r.status_code < 300:
+        return
+    detail = ""
+    try:
+        errors = r.json().get("errors", [])
+        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    except ValueError:
+        detail = r.text[:200].strip()
+    raise RegistryError(f"{what} failed: HTTP {r.status_code} {detail}".strip())
+
+
 def short_error(e: Optional[BaseException]) -> str:
     """The last, most specific line of a requests/urllib3 error chain."""
     if e is None:
