@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 
+from . import progress
 from .errors import SnapError, StorageError, UsageError
 from .transport import Credentials, TransportOptions
 
@@ -114,19 +115,15 @@ PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry 
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 
 
-def _fmt_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_fmt_size = progress.human_size
 
 
 @app.command()
 @_errors
 def commit(
     target: str = typer.Argument(..., help="Where to push the snapshot, e.g. registry.example.com/me/box:v2"),
-    base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (read from the registry; no Docker needed). Required unless --from-container."),
+    base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (read from the registry; no Docker needed). Required unless --from-container. `scratch` for a box with no base image (a VM): the snapshot holds the --include paths, or the whole root, and no base layer."),
+    include: Optional[List[str]] = typer.Option(None, "--include", help="With --base scratch: capture only this path of the box (with its parent directories), e.g. /home/ubuntu/ComfyUI. Repeatable; adds to the profile's `include` list."),
     root: str = typer.Option("/", "--root", help="Root of the box to capture."),
     from_container: Optional[str] = typer.Option(None, "--from-container", help="Capture a Docker container's changes (the engine's diff) instead of --root; --base defaults to its image."),
     profile: str = typer.Option("default", "--profile", help="Layer profile: a name from layers/ (default, comfyui, vllm) or a YAML file."),
@@ -138,10 +135,12 @@ def commit(
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image."""
     from .commit import CommitOptions, commit_box
-    from .profile import load_profile, parse_size
+    from .profile import include_path, load_profile, parse_size
 
+    prof = load_profile(profile)
+    prof.include += tuple(include_path(p) for p in include or ())
     opts = CommitOptions(
-        root=root, profile=load_profile(profile), compression=compression, rehash=rehash,
+        root=root, profile=prof, compression=compression, rehash=rehash,
         max_layer_size=parse_size(max_layer_size),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )

@@ -1,4 +1,8 @@
-"""`snap commit`: diff the box against its base image, build the snapshot layers, push the image."""
+"""`snap commit`: diff the box against its base image, build the snapshot layers, push the image.
+
+`--base scratch` (as Docker's `FROM scratch`) is a box with no base image, a VM: the snapshot holds
+the profile's `include` paths (with their parent directories), or the whole root, and no base
+layer; its config is the host's platform."""
 
 from __future__ import annotations
 
@@ -17,15 +21,15 @@ from . import progress
 from .blobsources import BlobSources
 from .compress import MEDIA_TYPE, IterReader, decompressing_reader
 from .errors import IntegrityError, UsageError
-from .fsindex import Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
+from .fsindex import FILE, Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
-                    now_rfc3339, Image, sha256_digest, snapshot_config, snapshot_manifest)
+                    now_rfc3339, Image, scratch_config, sha256_digest, snapshot_config, snapshot_manifest)
 from .layer import LayerBlob, build_layer, measure_layer, tar_headers, write_layer
 from .mediatypes import OCI_MANIFEST
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
 from .reference import Reference
-from .registry import Remote
+from .registry import Remote, host_platform
 from .state import exclusive, state_dir, sub
 from .statcache import StatCache, blob_entry, load_restore_record, note_last_commit
 from .tarrules import header_key, headers_digest
@@ -34,6 +38,7 @@ from .transport import TransportOptions
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
 RACY_WINDOW_NS = 2 * 10**9  # files changed this close to the scan are re-read next time
+SCRATCH = "scratch"  # --base scratch: no base image
 
 
 @dataclass
@@ -129,9 +134,9 @@ class CommitPlan:
     pushed yet. `known(plan)` is the blob a layer already has (stat cache or last restore)."""
 
     root: str
-    base_ref: Reference
-    base_remote: Remote
-    base_img: Image
+    base_ref: Optional[Reference]  # these three are None for --base scratch
+    base_remote: Optional[Remote]
+    base_img: Optional[Image]
     index: dict[str, Entry]
     scan: Scan
     diff: Diff
@@ -142,6 +147,14 @@ class CommitPlan:
     zstd_level: int
     rehash: bool
     sources: BlobSources = field(default_factory=BlobSources)  # where blobs of this registry were seen
+
+    @property
+    def base_name(self) -> str:
+        return str(self.base_ref) if self.base_ref else SCRATCH
+
+    @property
+    def base_layers(self) -> int:
+        return len(self.base_img.layers) if self.base_img else 0
 
     def known(self, plan: LayerPlan) -> Optional[dict]:
         if self.rehash:
@@ -160,27 +173,41 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     """Read the base, walk the box, diff and plan the layers: everything a commit does before it
     reads a file's bytes or pushes anything (`snap status` stops here)."""
     _check_options(opts)
-    base_ref = Reference.parse(base)
+    scratch = base == SCRATCH
+    if opts.profile.include and not scratch:
+        raise UsageError("--include (or the profile's include list) needs --base scratch",
+                         "with a base image the snapshot already holds only what changed against it")
+    base_ref = None if scratch else Reference.parse(base)
     if not os.path.isdir(opts.root):
         raise UsageError(f"root {opts.root} does not exist or is not a directory")
     root = os.path.realpath(opts.root)
-    base_remote = Remote(base_ref, transport or opts.transport)
-    base_img = base_remote.resolve()
-    index = base_index(base_remote, base_img, opts.log)
+    base_remote, base_img, index = None, None, {}
+    if base_ref is not None:
+        base_remote = Remote(base_ref, transport or opts.transport)
+        base_img = base_remote.resolve()
+        index = base_index(base_remote, base_img, opts.log)
     scan_started_ns = time.time_ns()
     if opts.changes is not None:
         scan, d = opts.changes(base_img, index)
     else:
         scan, d = box_changes(root, opts.profile, index, opts.rehash)
+    if scratch and not opts.profile.include:
+        files = [e for e in scan.entries.values() if e.kind == FILE]
+        opts.log(f"--base scratch without --include: capturing all of {root} but the profile's excludes: "
+                 f"{len(files)} files, {progress.human_size(sum(e.size for e in files))}")
     plans = plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size)
-    cache = StatCache(root, base_img.manifest_digest)
-    restored = load_restore_record(root, base_img.manifest_digest, opts.profile.name, opts.max_layer_size)
+    # A scratch image's restore records no base (None): its stat cache is keyed apart.
+    base_digest = base_img.manifest_digest if base_img else None
+    cache = StatCache(root, base_digest or SCRATCH)
+    restored = load_restore_record(root, base_digest, opts.profile.name, opts.max_layer_size)
     return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                       opts.profile.zstd_level, opts.rehash)
 
 
 def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions) -> Remote:
     """The repository the snapshot goes to, with the base's blobs made available in it."""
+    if cp.base_img is None:
+        return Remote(target_ref, transport)
     remote = cp.base_remote if target_ref.name == cp.base_ref.name else Remote(target_ref, transport)
     _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources)
     return remote
@@ -211,31 +238,33 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
 def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
     """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
     base_img, plans = cp.base_img, cp.plans
-    if len(base_img.layers) + len(plans) > MAX_ENGINE_LAYERS:
-        opts.log(f"warning: the image has {len(base_img.layers) + len(plans)} layers; Docker cannot run images "
+    if cp.base_layers + len(plans) > MAX_ENGINE_LAYERS:
+        opts.log(f"warning: the image has {cp.base_layers + len(plans)} layers; Docker cannot run images "
                  f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
     remote = target_remote(cp, target_ref, transport)
     layers = push_layers(cp, remote, plans)
 
     created = now_rfc3339()
-    config = snapshot_config(base_img.config, [(p.label, b.diff_id) for p, b, _ in layers], created)
+    base_config = base_img.config if base_img else scratch_config(*host_platform())
+    config = snapshot_config(base_config, [(p.label, b.diff_id) for p, b, _ in layers], created)
     layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
-    manifest = snapshot_manifest(base_img, str(cp.base_ref), config, layer_descs, opts.profile.name, created,
-                                 {SNAP_MAX_LAYER: str(opts.max_layer_size)})
+    manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
+                                 created, {SNAP_MAX_LAYER: str(opts.max_layer_size)})
     config_digest = sha256_digest(config)
     if not remote.blob_exists(config_digest):
         remote.upload_from(lambda out: out.write(config), config_digest, len(config))
     # The tag moves only now, after every blob is in.
     digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
     cp.cache.save()
-    note_last_commit(cp.root, str(cp.base_ref), str(target_ref))
+    note_last_commit(cp.root, cp.base_name, str(target_ref))
+    own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
     cp.sources.note(target_ref.api_host, target_ref.repository,
-                    [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest, base_img.manifest["config"]["digest"]])
+                    own + ([base_img.manifest["config"]["digest"]] if base_img else []))
     cp.sources.save()
 
     reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
                for p, b, status in layers]
-    return CommitResult(target_ref.with_digest(digest), digest, len(base_img.layers), reports,
+    return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(x for _, b, _ in layers for x in b.changed_while_read),
                         len(cp.diff.deleted), cp.scan.host_files)
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from . import progress
-from .commit import CommitOptions, CommitResult, commit_box
+from .commit import SCRATCH, CommitOptions, CommitResult, commit_box
 from .compress import IterReader
 from .errors import NotFound, SnapError, UsageError
 from .extract import ExtractOptions, Extractor
@@ -37,6 +37,8 @@ _GO_MODE_DIR = 1 << 31  # os.ModeDir in the archive API's stat header
 def commit_from_container(container: str, target: str, base: Optional[str], opts: CommitOptions) -> CommitResult:
     """Commit the changes of a (running or stopped) container. `base` defaults to the registry image the
     container was started from."""
+    if base == SCRATCH:
+        raise UsageError("--base scratch captures a root, not a container's changes", "pass --root instead of --from-container")
     client = connect()
     import docker  # importable: connect() checked
 

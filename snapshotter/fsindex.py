@@ -190,7 +190,9 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
     left out (and listed) unless the profile opts in. `metadata_only` (a watcher looking for
-    changes) reads no symlink targets, xattrs or permissions: a change of those changes the ctime."""
+    changes) reads no symlink targets, xattrs or permissions: a change of those changes the ctime.
+    With the profile's `include` (root-relative paths) only those are walked, and their parent
+    directories are entries of their own."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
     root = os.path.realpath(root)
@@ -202,7 +204,52 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     venvs = VenvRoots()
     secrets: list[str] = []
     unreadable: list[str] = []
-    stack = [""]
+    stack: list[str] = []
+
+    def visit(rel: str, path: str, walk: bool = True) -> None:
+        """Add the entry of `rel` (at `path`), unless the profile leaves it out; a directory is
+        walked if `walk`."""
+        if rel in extra or rel in skip_mounts or profile.exclude.match(rel):
+            return
+        if rel in mounted:
+            host_files.append(rel)
+            return
+        if not profile.include_secrets and profile.secrets.match(rel):
+            secrets.append(rel)
+            return
+        try:
+            st = os.lstat(path)
+            link = os.readlink(path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
+        except FileNotFoundError:
+            return
+        except PermissionError:
+            unreadable.append(rel)
+            return
+        e = entry_from_stat(rel, st, link)
+        if e is None:
+            return
+        if not metadata_only:
+            e.xattrs = read_xattrs(path)
+        if not metadata_only and e.kind == FILE and not os.access(path, os.R_OK):
+            unreadable.append(rel)
+            return
+        entries[rel] = e
+        if e.kind == DIR and walk:
+            stack.append(rel)
+        elif e.kind == FILE and rel.rpartition("/")[2] == "pyvenv.cfg":
+            venvs.add(rel.rpartition("/")[0])
+        if progress:
+            progress(1)
+
+    if profile.include:
+        for rel in profile.include:
+            _check_include(root, rel, profile)
+            for parent in reversed(list(_self_and_parents(rel))[1:]):
+                if parent not in entries:
+                    visit(parent, os.path.join(root, parent), walk=False)
+            visit(rel, os.path.join(root, rel))
+    else:
+        stack.append("")
     while stack:
         rel_dir = stack.pop()
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
@@ -215,38 +262,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         except FileNotFoundError:
             continue  # removed while we walked
         for de in children:
-            rel = f"{rel_dir}/{de.name}" if rel_dir else de.name
-            if rel in extra or rel in skip_mounts or profile.exclude.match(rel):
-                continue
-            if rel in mounted:
-                host_files.append(rel)
-                continue
-            if not profile.include_secrets and profile.secrets.match(rel):
-                secrets.append(rel)
-                continue
-            try:
-                st = os.lstat(de.path)
-                link = os.readlink(de.path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
-            except FileNotFoundError:
-                continue
-            except PermissionError:
-                unreadable.append(rel)
-                continue
-            e = entry_from_stat(rel, st, link)
-            if e is None:
-                continue
-            if not metadata_only:
-                e.xattrs = read_xattrs(de.path)
-            if not metadata_only and e.kind == FILE and not os.access(de.path, os.R_OK):
-                unreadable.append(rel)
-                continue
-            entries[rel] = e
-            if e.kind == DIR:
-                stack.append(rel)
-            elif de.name == "pyvenv.cfg" and e.kind == FILE:
-                venvs.add(rel_dir)
-            if progress:
-                progress(1)
+            visit(f"{rel_dir}/{de.name}" if rel_dir else de.name, de.path)
     host_files.extend(links_to(entries, mounted))
     for rel in host_files:
         entries.pop(rel, None)
@@ -256,6 +272,20 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         raise StorageError(f"cannot read {shown}{more} in the box",
                            "run snap as root, or add the paths to the profile's exclude list")
     return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files))
+
+
+def _check_include(root: str, rel: str, profile: Profile) -> None:
+    """An included path must exist, lie below no symlink (its parents are captured as directories),
+    and not be left out by the profile."""
+    path = os.path.join(root, rel)
+    if not os.path.lexists(path):
+        raise UsageError(f"--include {'/' + rel!r} does not exist in {root!r}")
+    for parent in list(_self_and_parents(rel))[1:]:
+        if os.path.islink(os.path.join(root, parent)):
+            raise UsageError(f"--include {'/' + rel!r} lies below the symlink {'/' + parent!r}",
+                             "include the path the symlink points to")
+    if any(profile.leaves_out(p) for p in _self_and_parents(rel)):
+        raise UsageError(f"--include {'/' + rel!r} is left out by the profile (its exclude or secrets list)")
 
 
 # ---- an image -----------------------------------------------------------------------------------

@@ -113,12 +113,19 @@ def oci_clean(doc):
     return out
 
 
-def snapshot_manifest(base: Image, base_name: str, config: bytes, layers: list[dict], profile: str,
+def scratch_config(os_: str, architecture: str) -> dict:
+    """The config of no base image (`--base scratch`): the platform it runs on and a default PATH."""
+    return {"architecture": architecture, "os": os_,
+            "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+            "rootfs": {"type": "layers", "diff_ids": []}, "history": []}
+
+
+def snapshot_manifest(base: Optional[Image], base_name: Optional[str], config: bytes, layers: list[dict], profile: str,
                       created: str, extra_annotations: Optional[dict] = None) -> bytes:
     """An OCI image manifest: the base's layers (media types in their OCI names; same bytes),
-    then the snapshot layer descriptors."""
+    then the snapshot layer descriptors. No base (scratch): the snapshot layers alone."""
     base_layers = []
-    for d in base.layers:
+    for d in (base.layers if base else []):
         nd = {"mediaType": oci_media_type(d["mediaType"]), "digest": d["digest"], "size": d["size"]}
         if d.get("annotations"):
             nd["annotations"] = d["annotations"]
@@ -129,8 +136,7 @@ def snapshot_manifest(base: Image, base_name: str, config: bytes, layers: list[d
         "config": descriptor(OCI_CONFIG, sha256_digest(config), len(config)),
         "layers": base_layers + layers,
         "annotations": {
-            BASE_NAME: base_name,
-            BASE_DIGEST: base.manifest_digest,
+            **({BASE_NAME: base_name, BASE_DIGEST: base.manifest_digest} if base else {}),
             SNAP_BASE_LAYERS: str(len(base_layers)),
             SNAP_PROFILE: profile,
             CREATED: created,

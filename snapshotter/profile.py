@@ -100,6 +100,9 @@ class Profile:
     secrets: PathSet
     include_secrets: bool = False
     zstd_level: int = 3
+    # `--base scratch` captures only these root-relative paths (with their parent directories);
+    # empty: the whole root. Ignored with a real base, whose diff already says what changed.
+    include: tuple[str, ...] = ()
 
     @property
     def layer_names(self) -> list[str]:
@@ -179,7 +182,8 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         raise UsageError(f"profile {source} is not valid YAML{where}")
     if not isinstance(doc, dict):
         raise UsageError(f"profile {source} must be a YAML mapping with a 'layers' list")
-    unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "include_secrets", "zstd_level"}
+    unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "include_secrets", "zstd_level",
+                          "include"}
     if unknown:
         raise UsageError(f"profile {source}: unknown key(s) {', '.join(sorted(unknown))}")
     base: dict = {}
@@ -210,7 +214,16 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         secrets=PathSet(secrets),
         include_secrets=bool(doc.get("include_secrets", False)),
         zstd_level=level,
+        include=tuple(include_path(p, f"profile {source}: include") for p in _str_list(doc.get("include", []), source, "include")),
     )
+
+
+def include_path(path: str, where: str = "--include") -> str:
+    """An included path (/home/ubuntu/ComfyUI, as on the box) as a root-relative path."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts or "\0" in path:
+        raise UsageError(f"{where} {path!r} is not a path inside the root", "write it as on the box, e.g. /home/ubuntu/ComfyUI")
+    return "/".join(parts)
 
 
 def _parse_rule(item, where: str) -> LayerRule:

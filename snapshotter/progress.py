@@ -52,3 +52,13 @@ def safe_update(b: tqdm):
             b.update(n)
 
     return update
+
+
+def human_size(n: float) -> str:
+    """512 B, 1.5 KiB, 3.2 GiB."""
+    units = ("B", "KiB", "MiB", "GiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"

@@ -338,7 +338,7 @@ class Watcher:
         img = remote.resolve(digest)
         ours = [d["digest"] for d in img.layers[len(img.layers) - snapshot_layer_count(img):]] if snapshot_layer_count(img) else []
         base_digest = img.manifest.get("annotations", {}).get("org.opencontainers.image.base.digest")
-        return base_digest == cp.base_img.manifest_digest and ours == [k["digest"] for k in known]
+        return base_digest == (cp.base_img.manifest_digest if cp.base_img else None) and ours == [k["digest"] for k in known]
 
     def snapshot_tags(self, tags: list[str]) -> list[str]:
         """This watch's immutable tags among `tags`, oldest first."""

@@ -12,9 +12,13 @@ import os
 import pytest
 
 from conftest import snap
-from support import push_base_image, write_tree
+from snapshotter.image import SNAP_BASE_LAYERS
+from snapshotter.registry import host_platform
+from support import push_base_image, snapshot_of_tree, write_tree
 from test_errors import assert_one_line_error
 from test_hostile import layer, member, push
+from test_layers import oci_validator
+from test_roundtrip import commit_json, layers_by_name
 
 UBUNTU = 1000  # the VM's user
 
@@ -51,6 +55,7 @@ def add_user_app(root: str) -> dict[str, bytes]:
     write_tree(root, {"home/ubuntu/.cache/huggingface/hub/models--org--tiny/snapshots/0123abcd/model.bin":
                       "->../../blobs/" + "a" * 64,
                       "home/ubuntu/.ssh/id_ed25519": "-----BEGIN OPENSSH PRIVATE KEY-----\n",
+                      "home/ubuntu/ComfyUI/.env": "HF_TOKEN=hf_secret\n",
                       "home/ubuntu/notes.txt": "not included\n"})
     for dirpath, dirs, names in os.walk(os.path.join(root, "home/ubuntu")):
         for n in [dirpath] + [os.path.join(dirpath, x) for x in dirs + names]:
@@ -77,9 +82,107 @@ def strict_tree(root: str) -> dict[str, tuple]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def only_loopback(monkeypatch):
+    """Were `scratch` ever read as Docker Hub's image again, its requests end at a closed local port."""
+    for var in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost,::1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost,::1")
+
+
 @pytest.fixture
 def vm_root(tmp_path):
     return make_vm_root(str(tmp_path / "vm"))
+
+
+INCLUDES = ("/home/ubuntu/ComfyUI", "/home/ubuntu/.cache/huggingface", "/opt/conda")
+# What the machine owns, and what a snapshot leaves out (secrets): never in the image.
+NOT_CAPTURED = ("tmp", "etc/hostname", "etc/hosts", "etc/resolv.conf", "home/ubuntu/.ssh", "home/ubuntu/ComfyUI/.env")
+
+
+def under(rel: str, tops) -> bool:
+    return any(rel == t or rel.startswith(t + "/") for t in tops)
+
+
+def parents(tops) -> set[str]:
+    return {"/".join(t.split("/")[:i]) for t in tops for i in range(1, t.count("/") + 1)}
+
+
+# ---- a VM with no base image ------------------------------------------------------------------------
+
+def test_scratch_commit_of_a_vm_restores_exactly_its_paths_on_another_vm(registry, vm_root, tmp_path):
+    add_user_app(vm_root)
+    ref = f"{registry.host}/vmbox:v1"
+    doc = commit_json(ref, "scratch", vm_root, *[a for p in INCLUDES for a in ("--include", p)])
+    assert doc["base_layers"] == 0
+    assert doc["skipped_secrets"] == ["home/ubuntu/ComfyUI/.env"]
+
+    # A valid OCI image of its own: no base layer, the host's platform, one diff_id and history entry per layer.
+    manifest = registry.manifest("vmbox", "v1")
+    config = json.loads(registry.blob("vmbox", manifest["config"]["digest"]))
+    oci_validator("image-manifest-schema.json").validate(manifest)
+    oci_validator("config-schema.json").validate(config)
+    assert manifest["annotations"][SNAP_BASE_LAYERS] == "0"
+    assert "org.opencontainers.image.base.name" not in manifest["annotations"]
+    assert (config["os"], config["architecture"]) == host_platform()
+    assert len(config["rootfs"]["diff_ids"]) == len(manifest["layers"]) == len(config["history"])
+    assert {"venv", "custom_nodes", "models", "rest"} <= {n.split(" ")[0] for n in layers_by_name(manifest)}
+
+    # Another VM: its OS stays, the included paths (and their parents) arrive byte for byte.
+    other = make_vm_root(str(tmp_path / "vm2"), hostname="gpu-vm-2")
+    before = strict_tree(other)
+    snap("restore", ref, "--root", other, check=True)  # no base layers: not refused on a live system
+    after = strict_tree(other)
+    tops = [p.strip("/") for p in INCLUDES]
+    written = {rel for rel in after if under(rel, tops)} | parents(tops) | {"."}  # the root gets new children
+    assert {rel: v for rel, v in after.items() if rel not in written} == {
+        rel: v for rel, v in before.items() if rel not in written}
+    assert after["."][5] == before["."][5]  # its mtime put back
+    want = {rel: v for rel, v in snapshot_of_tree(vm_root).items() if rel in written and rel not in NOT_CAPTURED}
+    assert {rel: v for rel, v in snapshot_of_tree(other).items() if rel in written} == want
+    assert not os.path.exists(os.path.join(other, "home/ubuntu/notes.txt"))  # not included
+
+
+def test_scratch_without_include_takes_the_whole_root_and_says_how_much(registry, vm_root, tmp_path):
+    add_user_app(vm_root)
+    ref = f"{registry.host}/vmwhole:v1"
+    r = snap("commit", ref, "--base", "scratch", "--root", vm_root, check=True)
+    line = next(x for x in r.stderr.splitlines() if "without --include" in x)
+    files = sum(1 for rel, v in snapshot_of_tree(vm_root, skip=NOT_CAPTURED).items() if v[0] == "file")
+    assert f"{files} files" in line, line
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    assert snapshot_of_tree(str(out)) == snapshot_of_tree(vm_root, skip=NOT_CAPTURED)
+
+
+def test_profile_include_key(registry, vm_root, tmp_path):
+    add_user_app(vm_root)
+    prof = tmp_path / "vm.yaml"
+    prof.write_text("name: vm\nextends: default\ninclude: [/home/ubuntu/ComfyUI]\n")
+    ref = f"{registry.host}/vmprof:v1"
+    commit_json(ref, "scratch", vm_root, "--profile", str(prof), "--include", "/opt/conda")
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    got = set(snapshot_of_tree(str(out)))
+    assert got == {rel for rel in snapshot_of_tree(vm_root, skip=NOT_CAPTURED)
+                   if under(rel, ("home/ubuntu/ComfyUI", "opt/conda"))} | parents(["home/ubuntu/ComfyUI", "opt/conda"])
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--include", "/home/ubuntu/ComfyUI"), ("needs --base scratch",)),
+    (("--base", "scratch", "--include", "/home/ubuntu/nothing"), ("does not exist",)),
+    (("--base", "scratch", "--include", "/bin/python3"), ("symlink", "'/bin'")),
+    (("--base", "scratch", "--include", "/tmp/.X0-lock"), ("left out by the profile",)),
+    (("--base", "scratch", "--include", "/home/../etc"), ("not a path inside the root",)),
+])
+def test_bad_include(registry, base_ref, vm_root, args, words):
+    add_user_app(vm_root)
+    if "--base" not in args:
+        args = ("--base", base_ref) + args
+    r = snap("commit", f"{registry.host}/vmbad:v1", "--root", vm_root, *args)
+    assert_one_line_error(r, 2, *words)
+    assert "vmbad" not in registry.session().get(f"{registry.url}/v2/_catalog").json()["repositories"]
 
 
 # ---- a full image onto a live system --------------------------------------------------------------
