@@ -14,8 +14,10 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 import uuid
@@ -547,3 +549,75 @@ def test_hardlinked_weights_are_one_inode_in_docker_and_umoci(registry, base_ref
     for group in LINKED:
         assert len({os.lstat(bundle / "rootfs" / n).st_ino for n in group}) == 1, group
     assert snapshot_of_tree(str(bundle / "rootfs"), skip=NOT_CAPTURED)[LINKED[0][2]][5].startswith(sha256_file(os.path.join(box, LINKED[0][0])))
+
+
+# ---- the container provider recipe of the README ------------------------------------------------------
+
+def readme_start_command() -> list[str]:
+    """The start command of README's container provider recipe, as words (the block after its
+    mention of this test)."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        lines = f.read().split("\n")
+    at = next(i for i, line in enumerate(lines) if "test_container_start_command_from_the_readme" in line)
+    start = next(i for i in range(at + 1, len(lines)) if lines[i].startswith("    "))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("    "))
+    return shlex.split("\n".join(line[4:] for line in lines[start:end]))
+
+
+def host_snap_mounts() -> tuple[list, str]:
+    """Bind mounts (read-only, at the same paths) that make this machine's snap run in a container
+    of the test base image: its Python, its virtualenv and source, the C library and loader. And
+    the PATH that finds its `snap`."""
+    venv_bin = os.path.dirname(os.path.abspath(sys.executable))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = {sys.base_prefix, repo, os.path.dirname(venv_bin)}
+    mounts = []
+    for target in sorted(paths):
+        if not any(target != p and target.startswith(p + "/") for p in paths):  # nested: already there
+            mounts.append(docker.types.Mount(target, os.path.realpath(target), type="bind", read_only=True))
+    libdir = os.path.realpath("/lib/x86_64-linux-gnu")
+    for target, source in (("/lib/x86_64-linux-gnu", libdir), ("/usr/lib/x86_64-linux-gnu", libdir),
+                           ("/lib64", os.path.realpath("/lib64"))):
+        mounts.append(docker.types.Mount(target, source, type="bind", read_only=True))
+    return mounts, f"{venv_bin}:/usr/local/bin:/usr/bin:/bin"
+
+
+def test_container_start_command_from_the_readme(registry, base_ref, box, engine, tmp_path):
+    """A container started from the base image with the README's start command comes up with the
+    snapshot applied, then runs the app; with no snapshot yet, the app starts all the same."""
+    if not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "README.md")):
+        pytest.skip("no README")
+    if not shutil.which("busybox") or not os.path.isdir("/lib/x86_64-linux-gnu"):
+        pytest.skip("needs busybox in the base image and an x86_64 Debian layout for the host's Python")
+    words = readme_start_command()
+    app_at = words.index("start") + 1
+    assert words[:2] == ["sh", "-c"] and "snap restore" in words[2]
+    ref = f"{registry.host}/recipe:latest"
+    commit_json(ref, base_ref, box)
+    mounts, path = host_snap_mounts()
+    app = ["/bin/sh", "-c", "cat /etc/app.conf; sha256sum /opt/app/models/checkpoints/sd15.safetensors; "
+                            "test -e /opt/app/old_cache.bin || echo old_cache.bin is gone; echo app up as $$"]
+    engine.images.pull(base_ref)
+
+    def start(image_ref: str) -> tuple[str, str]:
+        ct = engine.containers.run(base_ref, words[:app_at] + app, detach=True, network_mode="host", mounts=mounts,
+                                   environment={"SNAP_IMAGE": image_ref, "SNAP_BASE": base_ref, "PATH": path,
+                                                "SNAP_QUIET": "1"})
+        try:
+            code = ct.wait(timeout=300)["StatusCode"]
+            out, err = (ct.logs(stdout=s, stderr=not s).decode() for s in (True, False))
+        finally:
+            ct.remove(force=True)
+        assert code == 0, (out, err)
+        return out, err
+
+    out, err = start(ref)
+    model = "opt/app/models/checkpoints/sd15.safetensors"
+    assert out.splitlines()[0].startswith(f"restored {ref}@sha256:"), (out, err)
+    assert out.splitlines()[1:] == ["threads = 8", f"{sha256_file(os.path.join(box, model))}  /{model}",
+                                    "old_cache.bin is gone", "app up as 1"], err  # exec: the app is pid 1
+    assert "Traceback" not in err
+
+    out, err = start(f"{registry.host}/recipe-none:latest")  # the first start: nothing to restore yet
+    assert "start: no snapshot applied" in err and "not found" in err
+    assert out.splitlines() == ["app up as 1"], (out, err)  # the base as it is: no app.conf, old_cache.bin there
