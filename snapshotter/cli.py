@@ -155,7 +155,7 @@ def commit(
     if result.skipped_secrets:
         _say(f"left out {len(result.skipped_secrets)} secret-looking path(s) (set include_secrets in the profile to keep them):")
         for p in result.skipped_secrets:
-            _say(f"  /{p}")
+            _say(f"  {'/' + p!r}")
     if result.host_files:
         _say(f"left out {len(result.host_files)} file(s) bind-mounted from the host (GPU driver files and links to them; "
              "the next host's runtime mounts its own): " + ", ".join(repr("/" + p) for p in result.host_files))
@@ -264,7 +264,8 @@ def verify(
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
     """Compare a directory with the image, file by file: one line per path that differs (type, content,
-    mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not."""
+    mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
+    Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0."""
     from .errors import VerifyFailed
     from .profile import load_profile
     from .verify import VerifyOptions, verify as do_verify
@@ -277,14 +278,27 @@ def verify(
     result = do_verify(ref, root, opts)
     if as_json:
         typer.echo(json.dumps({"ref": str(result.ref), "manifest_digest": result.manifest_digest, "checked": result.checked,
-                               "ok": result.ok, "differences": [asdict(d) for d in result.differences]}, indent=2))
+                               "ok": result.ok, "differences": [asdict(d) for d in result.differences],
+                               "left_out_secrets": result.left_out_secrets, "left_out_total": result.left_out_total},
+                              indent=2))
     else:
         for d in result.differences:
             typer.echo(str(d))
+        for p in result.left_out_secrets:
+            typer.echo(f"left out (secret): {p!r}")
+        if result.left_out_total > len(result.left_out_secrets):
+            typer.echo(f"left out (secret): {result.left_out_total - len(result.left_out_secrets)} more, "
+                       "not listed in the image")
     if not result.ok:
         raise VerifyFailed(f"{len(result.differences)} path(s) in {root} differ from {result.ref}",
                            "restore again to put them back")
-    if not as_json:
+    if as_json:
+        return
+    if result.left_out_total:
+        # Not a difference (no restore can bring them back: the image never held them), not a plain match either.
+        typer.echo(f"verified {result.ref}: {root} matches ({result.checked} paths), except {result.left_out_total} "
+                   "path(s) the commit left out as secrets (not in the image)")
+    else:
         typer.echo(f"verified {result.ref}: {root} matches ({result.checked} paths)")
 
 

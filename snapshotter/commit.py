@@ -23,7 +23,8 @@ from .compress import MEDIA_TYPE, IterReader, decompressing_reader
 from .errors import IntegrityError, UsageError
 from .fsindex import FILE, Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
-                    now_rfc3339, Image, scratch_config, sha256_digest, snapshot_config, snapshot_manifest)
+                    now_rfc3339, Image, scratch_config, secrets_annotations, sha256_digest, snapshot_config,
+                    snapshot_manifest)
 from .layer import LayerBlob, build_layer, measure_layer, tar_headers, write_layer
 from .mediatypes import OCI_MANIFEST
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
@@ -249,7 +250,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     config = snapshot_config(base_config, [(p.label, b.diff_id) for p, b, _ in layers], created)
     layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
     manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
-                                 created, {SNAP_MAX_LAYER: str(opts.max_layer_size)})
+                                 created, {SNAP_MAX_LAYER: str(opts.max_layer_size),
+                                           **secrets_annotations(cp.scan.skipped_secrets)})
     config_digest = sha256_digest(config)
     if not remote.blob_exists(config_digest):
         remote.upload_from(lambda out: out.write(config), config_digest, len(config))

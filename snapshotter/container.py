@@ -11,6 +11,7 @@ commit's usual diff and layer planning give the same layers."""
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import os
 import shutil
@@ -24,7 +25,7 @@ from .commit import SCRATCH, CommitOptions, CommitResult, commit_box
 from .compress import IterReader
 from .errors import NotFound, SnapError, UsageError
 from .extract import ExtractOptions, Extractor
-from .fsindex import DIR, FILE, Diff, Entry, Scan, clean_path, diff, entry_from_stat, file_digest
+from .fsindex import DIR, FILE, Diff, Entry, Scan, clean_path, diff, entry_from_stat, file_digest, read_head
 from .profile import Profile, VenvRoots
 from .image import Image, sha256_digest
 from .run import connect
@@ -134,12 +135,15 @@ def container_changes(ct, base_img: Image, index: dict[str, Entry], mirror: str,
         e = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
         if e is None or skipped(rel):
             continue
+        if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, full)):
+            secrets.append(rel)  # a secret file, told by its kind and content: the base's copy stays
+            continue
         old = view.get(rel)
         if old is not None and old.kind == DIR and e.kind != DIR:
             _drop_tree(view, keys, rel, keep_self=True)  # a file replaced a whole directory
         view[rel] = entries[rel] = e
     venvs = VenvRoots(_parent(p) for p, e in view.items() if p.rpartition("/")[2] == "pyvenv.cfg" and e.kind == FILE)
-    scan = Scan(view, venvs, secrets)
+    scan = Scan(view, venvs, sorted(secrets))
     d = diff(index, scan, skipped)
     # The engine says these were written: one rewritten at its old size and mtime still counts.
     seen = {e.path for e in d.changed}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -73,6 +74,15 @@ def clean_path(name: str) -> str:
     return "/".join(parts)
 
 
+def read_head(path: str, n: int) -> bytes:
+    """The first n bytes of a file (fewer if it is shorter; none if it is gone)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except FileNotFoundError:
+        return b""
+
+
 def file_digest(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -95,10 +105,11 @@ class Scan:
     def not_walked(self, path: str) -> bool:
         """Under a pseudo mount, a left-out secret or a host file: base paths there are unknown, not deleted."""
         left_out = self.pseudo_mounts.union(self.skipped_secrets, self.host_files)
-        return any(p in left_out for p in _self_and_parents(path))
+        return any(p in left_out for p in self_and_parents(path))
 
 
-def _self_and_parents(path: str):
+def self_and_parents(path: str):
+    """'a/b/c', 'a/b', 'a'."""
     while path:
         yield path
         path = path.rpartition("/")[0]
@@ -189,9 +200,9 @@ def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optiona
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
-    left out (and listed) unless the profile opts in. `metadata_only` (a watcher looking for
-    changes) reads no symlink targets, xattrs or permissions: a change of those changes the ctime.
-    With the profile's `include` (root-relative paths) only those are walked, and their parent
+    left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
+    `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
+    a change of those changes the ctime. With the profile's `include` (root-relative paths) only those are walked, and their parent
     directories are entries of their own."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
@@ -214,9 +225,6 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         if rel in mounted:
             host_files.append(rel)
             return
-        if not profile.include_secrets and profile.secrets.match(rel):
-            secrets.append(rel)
-            return
         try:
             st = os.lstat(path)
             link = os.readlink(path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
@@ -227,6 +235,9 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             return
         e = entry_from_stat(rel, st, link)
         if e is None:
+            return
+        if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, path)):
+            secrets.append(rel)
             return
         if not metadata_only:
             e.xattrs = read_xattrs(path)
@@ -244,7 +255,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     if profile.include:
         for rel in profile.include:
             _check_include(root, rel, profile)
-            for parent in reversed(list(_self_and_parents(rel))[1:]):
+            for parent in reversed(list(self_and_parents(rel))[1:]):
                 if parent not in entries:
                     visit(parent, os.path.join(root, parent), walk=False)
             visit(rel, os.path.join(root, rel))
@@ -280,11 +291,11 @@ def _check_include(root: str, rel: str, profile: Profile) -> None:
     path = os.path.join(root, rel)
     if not os.path.lexists(path):
         raise UsageError(f"--include {'/' + rel!r} does not exist in {root!r}")
-    for parent in list(_self_and_parents(rel))[1:]:
+    for parent in list(self_and_parents(rel))[1:]:
         if os.path.islink(os.path.join(root, parent)):
             raise UsageError(f"--include {'/' + rel!r} lies below the symlink {'/' + parent!r}",
                              "include the path the symlink points to")
-    if any(profile.leaves_out(p) for p in _self_and_parents(rel)):
+    if any(profile.leaves_out(p) for p in self_and_parents(rel)):
         raise UsageError(f"--include {'/' + rel!r} is left out by the profile (its exclude or secrets list)")
 
 

@@ -26,6 +26,9 @@ SNAP_PART_LINKS = "dev.snap.part-links"  # last part's annotation: the file's ot
 SNAP_BASE_LAYERS = "dev.snap.base-layers"  # manifest annotation: how many leading layers are the base's
 SNAP_PROFILE = "dev.snap.profile"
 SNAP_MAX_LAYER = "dev.snap.max-layer-size"  # manifest annotation: the cap files were cut at
+SNAP_SECRETS = "dev.snap.left-out.secrets"  # manifest annotation: JSON list of the secret paths left out
+SNAP_SECRETS_COUNT = "dev.snap.left-out.secrets-count"  # how many there were (more than listed if cut)
+SECRETS_ANNOTATION_MAX = 32 * 1024  # bytes of JSON at most: registries cap a whole manifest at 4 MiB
 BASE_NAME = "org.opencontainers.image.base.name"
 BASE_DIGEST = "org.opencontainers.image.base.digest"
 CREATED = "org.opencontainers.image.created"
@@ -160,3 +163,28 @@ def snap_label(desc: dict) -> str:
     if SNAP_LAYER not in ann:
         return ""
     return f"{ann[SNAP_LAYER]} ({ann[SNAP_CONTENT]})" if SNAP_CONTENT in ann else ann[SNAP_LAYER]
+
+
+def secrets_annotations(paths: list[str]) -> dict:
+    """Manifest annotations recording the secret paths a commit left out (root-relative), cut to
+    SECRETS_ANNOTATION_MAX bytes of JSON; the count says how many there were in all."""
+    if not paths:
+        return {}
+    listed = list(paths)
+    while len(json.dumps(listed).encode()) > SECRETS_ANNOTATION_MAX:
+        listed = listed[:len(listed) * 3 // 4]
+    return {SNAP_SECRETS: json.dumps(listed), SNAP_SECRETS_COUNT: str(len(paths))}
+
+
+def left_out_secrets(manifest: dict) -> tuple[list[str], int]:
+    """(the secret paths listed in an image's manifest, how many were left out in all); a malformed
+    annotation (not snap's) lists nothing."""
+    ann = manifest.get("annotations") or {}
+    try:
+        listed = json.loads(ann.get(SNAP_SECRETS, "[]"))
+        total = int(ann.get(SNAP_SECRETS_COUNT, len(listed)))
+    except (ValueError, TypeError):
+        return [], 0
+    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        return [], 0
+    return listed, max(total, len(listed))

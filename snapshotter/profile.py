@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import yaml
 
@@ -38,8 +38,9 @@ def parse_size(value) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def glob_regex(pattern: str) -> str:
-    """Translate one glob to a regex over root-relative paths (no leading slash)."""
+def glob_regex(pattern: str, below: bool = True) -> str:
+    """Translate one glob to a regex over root-relative paths (no leading slash). With `below`, the
+    regex also matches every path under a match."""
     anchored = pattern.startswith("/") or "/" in pattern.rstrip("/")
     pat = pattern.strip("/")
     if pat.endswith("/**"):
@@ -64,18 +65,74 @@ def glob_regex(pattern: str) -> str:
             i += 1
     body = "".join(out)
     # Matching a parent directory counts: "a/b" matches "a/b/c".
-    return (f"{body}(?:/.*)?" if anchored else f"(?:.*/)?{body}(?:/.*)?")
+    suffix = "(?:/.*)?" if below else ""
+    return f"{body}{suffix}" if anchored else f"(?:.*/)?{body}{suffix}"
 
 
 class PathSet:
     """A compiled list of globs; `match(path)` takes a root-relative path."""
 
-    def __init__(self, patterns: Iterable[str]):
+    def __init__(self, patterns: Iterable[str], below: bool = True):
         self.patterns = [p for p in patterns if p]
-        self._re = re.compile("|".join(f"(?:{glob_regex(p)})" for p in self.patterns)) if self.patterns else None
+        self._re = re.compile("|".join(f"(?:{glob_regex(p, below)})" for p in self.patterns), re.S) if self.patterns else None
 
     def match(self, path: str) -> bool:
         return bool(self._re and self._re.fullmatch(path))
+
+
+# A private key in its first bytes: PEM ("-----BEGIN RSA PRIVATE KEY-----", "... OPENSSH PRIVATE KEY",
+# "... ENCRYPTED PRIVATE KEY", "... PGP PRIVATE KEY BLOCK"), PuTTY's .ppk, SSH.com's format, or DER
+# (a SEQUENCE opening with INTEGER 0 or 1, where a certificate opens with another SEQUENCE).
+PRIVATE_KEY_HEAD = 16 * 1024  # bytes read: a key sits at the top, or after a certificate or two
+_PRIVATE_KEY = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|PuTTY-User-Key-File-[0-9]+:"
+                          rb"|---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----")
+_DER_PRIVATE_KEY = re.compile(rb"\x30(?:[\x00-\x7f]|\x81.|\x82..|\x83...)\x02\x01[\x00\x01]", re.S)
+PACKAGE_DIRS = ("site-packages", "dist-packages")  # installed Python packages: public files, test keys
+
+
+def holds_private_key(head: bytes) -> bool:
+    """Whether the first bytes of a file hold a private key (certificates and CA bundles do not)."""
+    return bool(_PRIVATE_KEY.search(head) or _DER_PRIVATE_KEY.match(head))
+
+
+class SecretRules:
+    """Which paths of a box are credentials, left out of snapshots.
+
+    `names` are globs; one ending in "/" is meant for directories and leaves out a directory with
+    everything below it ("/root/.docker/", ".ssh/"); any other leaves out only a regular file
+    (".env", "*_history", "id_rsa"): a venv called .env or a chat_history/ directory is content.
+    `private_keys` are globs of regular files that are secrets only when their first bytes hold a
+    private key ("*.pem", "*.key": a CA bundle is kept); they never apply inside site-packages."""
+
+    def __init__(self, names: Iterable[str] = (), private_keys: Iterable[str] = ()):
+        names = [n for n in names if n]
+        self.names = names
+        self.private_keys = [k for k in private_keys if k]
+        self._dirs = PathSet([n.rstrip("/") for n in names if n.endswith("/")])
+        self._files = PathSet([n for n in names if not n.endswith("/")], below=False)
+        self._keys = PathSet(self.private_keys, below=False)
+
+    def under_secret_dir(self, path: str) -> bool:
+        """`path` lies in a directory the rules leave out (or is one, if it is a directory)."""
+        return self._dirs.match(path)
+
+    def is_secret(self, path: str, is_dir: bool, is_file: bool, read_head: Callable[[int], bytes]) -> bool:
+        """Whether the box path `path` (of the given kind) is a secret; `read_head(n)` reads the first
+        n bytes of a regular file, and is called only for a private-key candidate."""
+        if is_dir:
+            return self._dirs.match(path)
+        if self._dirs.match(path.rpartition("/")[0]):
+            return True
+        if not is_file:
+            return False  # a symlink or device holds no secret of its own
+        if self._files.match(path):
+            return True
+        if not self._keys.match(path) or any(d in path.split("/") for d in PACKAGE_DIRS):
+            return False
+        try:
+            return holds_private_key(read_head(PRIVATE_KEY_HEAD))
+        except PermissionError:
+            return True  # unreadable to us, as private keys are to all but their owner
 
 
 @dataclass
@@ -97,7 +154,7 @@ class Profile:
     name: str
     layers: list[LayerRule]
     exclude: PathSet
-    secrets: PathSet
+    secrets: SecretRules
     include_secrets: bool = False
     zstd_level: int = 3
     # `--base scratch` captures only these root-relative paths (with their parent directories);
@@ -109,8 +166,13 @@ class Profile:
         return [r.name for r in self.layers]
 
     def leaves_out(self, path: str) -> bool:
-        """A path never captured: excluded, or a secret (unless the profile keeps secrets)."""
-        return self.exclude.match(path) or (not self.include_secrets and self.secrets.match(path))
+        """A path never captured whatever it holds: excluded, or in (or being) a secret directory
+        (unless the profile keeps secrets). Secret files are told by their kind and content."""
+        return self.exclude.match(path) or (not self.include_secrets and self.secrets.under_secret_dir(path))
+
+    def is_secret(self, path: str, is_dir: bool, is_file: bool, read_head: Callable[[int], bytes]) -> bool:
+        """A secret this profile leaves out (see SecretRules)."""
+        return not self.include_secrets and self.secrets.is_secret(path, is_dir, is_file, read_head)
 
     def classify(self, path: str, size: int, is_file: bool, venv_roots: "VenvRoots") -> str:
         """The layer a path goes to: the first rule that claims it, else `rest`."""
@@ -182,8 +244,8 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         raise UsageError(f"profile {source} is not valid YAML{where}")
     if not isinstance(doc, dict):
         raise UsageError(f"profile {source} must be a YAML mapping with a 'layers' list")
-    unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "include_secrets", "zstd_level",
-                          "include"}
+    unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "private_keys", "include_secrets",
+                          "zstd_level", "include"}
     if unknown:
         raise UsageError(f"profile {source}: unknown key(s) {', '.join(sorted(unknown))}")
     base: dict = {}
@@ -204,6 +266,7 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         rules.append(LayerRule(REST))
     exclude = _str_list(base.get("exclude", []), source, "exclude") + _str_list(doc.get("exclude", []), source, "exclude")
     secrets = _str_list(base.get("secrets", []), source, "secrets") + _str_list(doc.get("secrets", []), source, "secrets")
+    keys = _str_list(base.get("private_keys", []), source, "private_keys") + _str_list(doc.get("private_keys", []), source, "private_keys")
     level = doc.get("zstd_level", base.get("zstd_level", 3))
     if not isinstance(level, int) or not 1 <= level <= 19:
         raise UsageError(f"profile {source}: zstd_level must be an integer from 1 to 19")
@@ -211,7 +274,7 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         name=str(doc.get("name", Path(source).stem)),
         layers=rules,
         exclude=PathSet(exclude),
-        secrets=PathSet(secrets),
+        secrets=SecretRules(secrets, keys),
         include_secrets=bool(doc.get("include_secrets", False)),
         zstd_level=level,
         include=tuple(include_path(p, f"profile {source}: include") for p in _str_list(doc.get("include", []), source, "include")),

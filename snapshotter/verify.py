@@ -6,7 +6,8 @@ whiteouts, replaced trees, files joined from part layers. Every path of it is th
 directory: type, content digest, mode, owner, symlink target, device number.
 
 What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
-profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), and, as restore does
+profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), the secrets commit left
+out (listed in the image's manifest, and reported as left out instead), and, as restore does
 not write them by default, device nodes and setuid/setgid bits (unless --allow-devices /
 --allow-setuid). Files in the directory that the image does not have are reported only with
 `strict` (a live root has much the image never held); paths the image deletes (whiteouts) are
@@ -15,6 +16,7 @@ reported when they are still there.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -24,9 +26,9 @@ from typing import Callable, Optional
 from . import progress
 from .compress import IterReader, check_layer
 from .errors import IntegrityError, UsageError
-from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, entry_from_member, \
-    entry_from_stat, file_digest, pseudo_mounts
-from .image import SNAP_PART_FILE, Image
+from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, clean_path, entry_from_member, \
+    entry_from_stat, file_digest, pseudo_mounts, read_head, self_and_parents
+from .image import SNAP_PART_FILE, left_out_secrets, Image
 from .plan import parse_part_name
 from .profile import Profile, load_profile
 from .reference import Reference
@@ -66,6 +68,8 @@ class VerifyResult:
     manifest_digest: str
     checked: int  # image paths compared
     differences: list[Difference]
+    left_out_secrets: list[str] = field(default_factory=list)  # what commit left out as secrets ("/root/.ssh")
+    left_out_total: int = 0  # how many it left out (more than listed when the image's list was cut)
 
     @property
     def ok(self) -> bool:
@@ -136,9 +140,14 @@ def _kind_name(kind: str) -> str:
     return {FILE: "a file", DIR: "a directory", SYMLINK: "a symlink"}.get(kind, f"a {kind} device" if kind in (CHAR, BLOCK) else f"a {kind}")
 
 
-def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions) -> tuple[int, list[Difference]]:
+def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions,
+            left_out: frozenset[str] = frozenset()) -> tuple[int, list[Difference]]:
+    """Compare the directory with the image's paths. `left_out` holds the paths commit left out as
+    secrets: neither they nor what lies under them are compared."""
     root = os.path.realpath(root)
-    excluded = opts.profile.exclude.match
+
+    def excluded(rel: str) -> bool:
+        return opts.profile.exclude.match(rel) or any(p in left_out for p in self_and_parents(rel))
     diffs: list[Difference] = []
     covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
     real_dirs: dict[str, bool] = {"": True}
@@ -202,7 +211,7 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
             covered.add(rel)
 
     if opts.strict:
-        diffs.extend(_extras(root, index, covered, opts))
+        diffs.extend(_extras(root, index, covered, opts, excluded))
     diffs.sort(key=lambda d: d.path)
     return checked, diffs
 
@@ -233,7 +242,8 @@ def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid
     return out
 
 
-def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyOptions) -> list[Difference]:
+def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyOptions,
+            excluded: Callable[[str], bool]) -> list[Difference]:
     """Paths in the directory that the image does not have (only the top-most of an extra tree)."""
     out: list[Difference] = []
     skip = pseudo_mounts(root)
@@ -248,9 +258,14 @@ def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyO
             continue
         for name in names:
             rel = f"{rel_dir}/{name}" if rel_dir else name
-            if rel in skip or rel in covered or profile.exclude.match(rel):
+            if rel in skip or rel in covered or excluded(rel):
                 continue
-            if not profile.include_secrets and profile.secrets.match(rel):
+            full = os.path.join(root, rel)
+            try:
+                mode = os.lstat(full).st_mode
+            except OSError:
+                continue
+            if profile.is_secret(rel, stat.S_ISDIR(mode), stat.S_ISREG(mode), functools.partial(read_head, full)):
                 continue  # commit never captures credentials: their absence from the image is expected
             e = index.get(rel)
             if e is None:
@@ -270,5 +285,7 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     remote = Remote(reference, opts.transport)
     image = remote.resolve()
     index, deleted = image_index(remote, image, opts.only_snapshot, opts.log)
-    checked, diffs = compare(root, index, deleted, opts)
-    return VerifyResult(image.ref, image.manifest_digest, checked, diffs)
+    listed, total = left_out_secrets(image.manifest)
+    secrets = sorted(clean_path(p) for p in listed)
+    checked, diffs = compare(root, index, deleted, opts, frozenset(secrets))
+    return VerifyResult(image.ref, image.manifest_digest, checked, diffs, ["/" + p for p in secrets], total)

@@ -1,13 +1,17 @@
 """What a commit captures from a live box, and what it deliberately leaves out: files bind-mounted
 by the container runtime (GPU driver files), secrets, files that change while they are read."""
 
+import glob
 import json
 import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 
 from conftest import snap
+from snapshotter.profile import holds_private_key
 from support import snap_layer_files, write_tree
 
 CUDA_DIR = "usr/lib/x86_64-linux-gnu"
@@ -60,3 +64,84 @@ def test_gpu_driver_files_bind_mounted_by_the_runtime_are_left_out(registry, bas
     assert line.startswith("left out 4 file(s) bind-mounted from the host")
     for path in gone:
         assert repr("/" + path) in line
+
+
+WHEELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".ci", "wheels")
+OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_CONFIG_FILE": os.devnull}
+PRIVATE_KEY = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC-KEY-MATERIAL\n-----END PRIVATE KEY-----\n"
+CERTIFICATE = "-----BEGIN CERTIFICATE-----\nMIIDdzCCAl+gAwIBAgIEAgAAuTANBgkq-PUBLIC-CERT\n-----END CERTIFICATE-----\n"
+
+
+def _has_wheels(*names):
+    return all(any(f.lower().startswith(n + "-") for f in os.listdir(WHEELS)) for n in names) if os.path.isdir(WHEELS) else False
+
+
+def _make_venv(path):
+    """A real venv with requests (and so certifi's CA bundle, cacert.pem), installed offline."""
+    subprocess.run([sys.executable, "-m", "venv", path], check=True)
+    subprocess.run([os.path.join(path, "bin/pip"), "install", "-q", "--no-index", "--find-links", WHEELS, "requests"],
+                   check=True, env={**os.environ, **OFFLINE})
+
+
+@pytest.mark.skipif(not _has_wheels("requests", "certifi"), reason="no requests/certifi wheels in .ci/wheels (run .ci/setup)")
+def test_secrets_rules_keep_venvs_ca_bundles_and_directories(registry, base_ref, box, tmp_path):
+    _make_venv(os.path.join(box, "workspace/proj/.env"))  # a venv called .env: a very common name
+    _make_venv(os.path.join(box, "opt/venv"))
+    site = next(glob.iglob(os.path.join(box, "opt/venv/lib/python3*/site-packages")))
+    write_tree(box, {
+        "workspace/chat_history/2026-12-01.json": '{"messages": []}\n',  # a directory matching *_history
+        "workspace/other/.env": "HF_TOKEN=DOTENV-SECRET\n",
+        "root/.bash_history": "export HF_TOKEN=HISTORY-SECRET\n",
+        "root/.ssh/id_ed25519": "-----BEGIN OPENSSH PRIVATE KEY-----\nSSH-SECRET\n",
+        "opt/app/certs/ca.pem": CERTIFICATE,
+        "opt/app/certs/chain.pem": CERTIFICATE * 3 + PRIVATE_KEY.replace("KEY-MATERIAL", "CHAIN-SECRET"),
+        "opt/app/certs/server.key": PRIVATE_KEY.replace("KEY-MATERIAL", "KEY-SECRET"),
+        "opt/app/certs/client.ppk": "PuTTY-User-Key-File-3: ssh-ed25519\nPUTTY-SECRET\n",
+        os.path.relpath(site, box) + "/fixtures/tests/test.key": PRIVATE_KEY,  # a package's public test key
+    })
+    secrets = ["opt/app/certs/chain.pem", "opt/app/certs/client.ppk", "opt/app/certs/server.key", "root/.bash_history",
+               "root/.ssh", "workspace/other/.env"]
+
+    r = snap("commit", f"{registry.host}/venvs:v1", "--base", base_ref, "--root", box, check=True)
+    listed = [line.strip() for line in r.stderr.splitlines() if line.startswith("  '/")]
+    assert listed == [repr("/" + p) for p in secrets]
+    files = snap_layer_files(registry, "venvs", "v1")
+    for kept in ("workspace/proj/.env/pyvenv.cfg", "workspace/chat_history/2026-12-01.json", "opt/app/certs/ca.pem",
+                 os.path.relpath(site, box) + "/fixtures/tests/test.key"):
+        assert kept in files
+    assert [p for p in files if p.endswith("certifi/cacert.pem")]  # in both venvs
+    assert not [p for p in secrets if p in files or any(f.startswith(p + "/") for f in files)]
+    ann = registry.manifest("venvs", "v1")["annotations"]
+    assert json.loads(ann["dev.snap.left-out.secrets"]) == secrets and ann["dev.snap.left-out.secrets-count"] == "6"
+
+    out = tmp_path / "restored"
+    snap("restore", f"{registry.host}/venvs:v1", "--root", str(out), check=True)
+    for venv in ("workspace/proj/.env", "opt/venv"):
+        # The restored venv makes TLS contexts from its CA bundle (its python links to this host's).
+        r = subprocess.run([str(out / venv / "bin/python"), "-c",
+                            "import certifi, ssl, requests; ssl.create_default_context(cafile=certifi.where()); "
+                            "print(certifi.where())"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().startswith(str(out / venv))
+
+    # verify lists what was left out, and does not call the tree a plain match (exit 0: no restore can do more).
+    for root in (box, str(out)):
+        r = snap("verify", f"{registry.host}/venvs:v1", "--root", root)
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert [x for x in lines if x.startswith("left out")] == [f"left out (secret): {'/' + p!r}" for p in secrets]
+        assert lines[-1].endswith("except 6 path(s) the commit left out as secrets (not in the image)")
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="openssl is not installed")
+def test_private_keys_told_from_certificates_by_content(tmp_path):
+    key_pem, key_der, cert_pem, cert_der = (tmp_path / n for n in ("k.pem", "k.der", "c.pem", "c.der"))
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-subj", "/CN=snap-test", "-keyout", str(key_pem), "-out", str(cert_pem)], check=True, capture_output=True)
+    subprocess.run(["openssl", "pkey", "-in", str(key_pem), "-outform", "DER", "-out", str(key_der)], check=True)
+    subprocess.run(["openssl", "x509", "-in", str(cert_pem), "-outform", "DER", "-out", str(cert_der)], check=True)
+    rsa = subprocess.run(["openssl", "genrsa", "2048"], check=True, capture_output=True).stdout  # PKCS#1 or #8
+    assert holds_private_key(key_pem.read_bytes()) and holds_private_key(key_der.read_bytes()) and holds_private_key(rsa)
+    assert holds_private_key(cert_pem.read_bytes() * 2 + key_pem.read_bytes())  # a chain, then its key
+    assert not holds_private_key(cert_pem.read_bytes()) and not holds_private_key(cert_der.read_bytes())
+    assert not holds_private_key(b"-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE\n")

@@ -145,7 +145,7 @@ def test_secrets_are_left_out_and_listed(registry, base_ref, box):
     r = snap("commit", f"{registry.host}/secrets:v1", "--base", base_ref, "--root", box, check=True)
     for p in ("/root/.docker", "/root/.ssh", "/root/.aws", "/root/.netrc", "/opt/app/certs/server.pem",
               "/home/ml/.cache/huggingface/token", "/etc/ssh/ssh_host_ed25519_key", "/root/.bash_history"):
-        assert f"  {p}" in r.stderr, r.stderr
+        assert f"  {p!r}" in r.stderr, r.stderr
     layers, config = _all_layer_bytes(registry, "secrets", "v1")
     everything = b"".join(layers) + config
     for needle in (b"c2VjcmV0LXRva2Vu", b"SSH-KEY-MATERIAL", b"AWS-SECRET-KEY", b"NETRC-PASSWORD", b"PEM-MATERIAL",
