@@ -160,8 +160,9 @@ def commit(
         _say(f"left out {len(result.host_files)} file(s) bind-mounted from the host (GPU driver files and links to them; "
              "the next host's runtime mounts its own): " + ", ".join(repr("/" + p) for p in result.host_files))
     if result.changed_while_read:
-        _say(f"warning: {len(result.changed_while_read)} file(s) changed while being captured: " +
-             ", ".join("/" + p for p in result.changed_while_read[:5]))
+        shown = ", ".join(repr("/" + p) for p in result.changed_while_read[:5])
+        more = f" and {len(result.changed_while_read) - 5} more" if len(result.changed_while_read) > 5 else ""
+        _say(f"warning: file changed as we read it, kept as last read (commit again for a settled copy): {shown}{more}")
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)

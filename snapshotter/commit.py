@@ -286,9 +286,10 @@ def _annotations(plan: LayerPlan) -> dict:
 
 def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
     """Whether a built layer may go into the stat cache. Not if a file changed while it was read
-    (the blob may hold a torn copy), nor if a file changed just before the scan: within a coarse
-    ctime tick a later write can leave the same stat (git's "racy clean" rule)."""
-    if blob.changed_while_read:
+    (the blob may hold a torn copy) or since the scan (the blob is not what its stat data says), nor
+    if a file changed just before the scan: within a coarse ctime tick a later write can leave the
+    same stat (git's "racy clean" rule)."""
+    if blob.changed_while_read or blob.changed_since_scan:
         return False
     return all(e.ctime_ns < scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
 

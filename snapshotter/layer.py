@@ -18,6 +18,11 @@ from .tarrules import XATTR_PAX, layer_order, whiteout_name
 from .plan import LayerPlan
 
 READ_SIZE = 1 << 20  # per read of a file's content
+SETTLE_TRIES = 3  # reads of a file that keeps changing while read; the last one is kept, with a warning
+BUFFERED_MAX = 8 << 20  # a file up to this size is read into memory, and read again alone if it changed
+# Called after each read of a file's content with (path, attempt), before the re-stat: lets a test
+# change the file at that exact point. None in normal runs.
+after_read: Optional[Callable[[str, int], None]] = None
 _TAR_TYPE = {FILE: tarfile.REGTYPE, DIR: tarfile.DIRTYPE, SYMLINK: tarfile.SYMTYPE, CHAR: tarfile.CHRTYPE,
              BLOCK: tarfile.BLKTYPE, FIFO: tarfile.FIFOTYPE}
 
@@ -33,7 +38,94 @@ class LayerBlob:
     diff_id: str  # sha256 of the uncompressed tar
     size: int
     media_type: str
-    changed_while_read: list[str] = field(default_factory=list)
+    changed_while_read: list[str] = field(default_factory=list)  # never read whole and still (warned about)
+    changed_since_scan: list[str] = field(default_factory=list)  # read whole and still, but not as the scan saw it
+
+
+class _Torn(Exception):
+    """A file streamed into the layer changed while it was read: the layer is built again."""
+
+
+@dataclass
+class _Reads:
+    """What write_tar saw of the box files while reading them."""
+
+    torn: list[str] = field(default_factory=list)  # changed during every read, or vanished: kept as last read
+    stale: list[str] = field(default_factory=list)  # settled, but not as the scan saw it (size, mtime, ctime)
+    retry_streamed: bool = False  # a torn streamed file raises _Torn (the caller can start the layer again)
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _read_exactly(fd: Optional[int], offset: int, size: int, put: Callable[[bytes], None],
+                  on_bytes: Optional[Callable[[int], None]]) -> bool:
+    """Pass `size` bytes of the file from `offset` to `put`, zeros where the file ends too soon (the
+    tar header promised that size) or for no file (None). False if it did end too soon."""
+    whole = fd is not None
+    while size:
+        data = os.pread(fd, min(size, READ_SIZE), offset) if whole else b""
+        if not data:  # the end of the file, or no file
+            whole = False
+            data = bytes(min(size, READ_SIZE))
+        put(data)
+        offset += len(data)
+        size -= len(data)
+        if on_bytes:
+            on_bytes(len(data))
+    return whole
+
+
+def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path: str, offset: int, fixed_size: bool,
+              reads: _Reads, on_bytes: Optional[Callable[[int], None]]) -> None:
+    """The header and content of one regular file, read so that it is not torn: the file is stat'ed
+    before and after each read (size, mtime, ctime) and read again if it changed, as GNU tar warns
+    "file changed as we read it". A whole file's header takes the size and mtime of the read kept
+    (a part layer's size is fixed by its plan); the content is always exactly the header's size."""
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:  # deleted while we committed: keep the archive well-formed, report it
+        reads.torn.append(e.path)
+        put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+        _read_exactly(None, 0, ti.size, put, on_bytes)
+        put(bytes(-ti.size % tarfile.BLOCKSIZE))
+        return
+    except PermissionError:
+        raise StorageError(f"cannot read /{e.path} in the box", "run snap as root, or exclude the path in the profile")
+    with f:
+        fd = f.fileno()
+        for attempt in range(SETTLE_TRIES):
+            before = os.fstat(fd)
+            if not fixed_size:
+                ti.size, ti.mtime = before.st_size, int(before.st_mtime)
+            if ti.size <= BUFFERED_MAX:
+                chunks: list[bytes] = []
+                whole = _read_exactly(fd, offset, ti.size, chunks.append, None)
+            else:  # too big to hold: streamed into the layer, which is built again if it tore
+                put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+                whole = _read_exactly(fd, offset, ti.size, put, on_bytes)
+            if after_read:
+                after_read(e.path, attempt)
+            settled = whole and _stat_key(os.fstat(fd)) == _stat_key(before)
+            if ti.size > BUFFERED_MAX:
+                if not settled and reads.retry_streamed:
+                    raise _Torn(e.path)
+                break
+            if settled:
+                break
+        if not settled:
+            reads.torn.append(e.path)
+        elif e.stamp and (f"{before.st_ino}:{before.st_mtime_ns}:{before.st_ctime_ns}" != e.stamp
+                          or not fixed_size and before.st_size != e.size):
+            reads.stale.append(e.path)
+        if ti.size <= BUFFERED_MAX:
+            put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            for chunk in chunks:
+                put(chunk)
+            if on_bytes:
+                on_bytes(ti.size)
+    put(bytes(-ti.size % tarfile.BLOCKSIZE))
 
 
 def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
@@ -79,14 +171,15 @@ def tar_headers(plan: LayerPlan) -> list[tuple[tarfile.TarInfo, Optional[Entry]]
     return out
 
 
-def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None) -> list[str]:
-    """Write the plan as a tar stream to `out`. Returns the paths that changed while being read.
+def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None,
+              reads: Optional[_Reads] = None) -> _Reads:
+    """Write the plan as a tar stream to `out`. Returns what changed while being read.
 
     The bytes are those of tarfile's PAX writer (each header is TarInfo.tobuf, then the content
     padded to 512, then two zero blocks and zeros up to a 10 KiB record), but contents go from the
     file to `out` in 1 MiB reads instead of tarfile's 16 KiB copies re-cut into 10 KiB records:
     at tens of GB that copying is most of the CPU."""
-    changed: list[str] = []
+    reads = reads or _Reads()
     written = 0
 
     def put(data: bytes) -> None:
@@ -99,53 +192,36 @@ def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Call
             put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
             continue
         source, offset = plan.slices.get(e.path, (e.path, 0))
-        try:
-            f = open(os.path.join(root, source), "rb", buffering=0)
-        except FileNotFoundError:
-            f = None  # deleted while we committed: keep the archive well-formed, report it
-            changed.append(e.path)
-        except PermissionError:
-            raise StorageError(f"cannot read /{e.path} in the box", "run snap as root, or exclude the path in the profile")
-        put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
-        left = e.size
-        try:
-            if f is not None:
-                f.seek(offset)
-            while left:
-                data = f.read(min(left, READ_SIZE)) if f is not None else b""
-                if not data:  # the file shrank while we read it: zeros keep the promised size
-                    if f is not None:
-                        changed.append(e.path)
-                        f.close()
-                        f = None
-                    data = bytes(min(left, READ_SIZE))
-                put(data)
-                left -= len(data)
-                if on_bytes:
-                    on_bytes(len(data))
-            if f is not None and not plan.slices and f.read(1):
-                changed.append(e.path)  # it grew: we took the size the scan saw
-        finally:
-            if f is not None:
-                f.close()
-        if e.size % tarfile.BLOCKSIZE:
-            put(bytes(tarfile.BLOCKSIZE - e.size % tarfile.BLOCKSIZE))
+        _put_file(put, ti, e, os.path.join(root, source), offset, bool(plan.slices), reads, on_bytes)
     put(bytes(2 * tarfile.BLOCKSIZE))
     if written % tarfile.RECORDSIZE:
         put(bytes(tarfile.RECORDSIZE - written % tarfile.RECORDSIZE))
-    return changed
+    return reads
 
 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
           on_bytes: Optional[Callable[[int], None]], hashing: bool = True) -> LayerBlob:
-    """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere)."""
-    comp = Compressor(out, plan.compression, zstd_level, hashing)
-    changed = write_tar(comp, root, plan, on_bytes)
+    """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere). A big file that
+    changes while it is streamed makes the layer start again, where `out` can be rewound (a file, or
+    nowhere), up to SETTLE_TRIES times; the last build is kept."""
+    rewindable = out is None or (hashing and out.seekable())
+    for attempt in range(SETTLE_TRIES if rewindable else 1):
+        if attempt and out is not None:
+            out.seek(0)
+            out.truncate()
+        comp = Compressor(out, plan.compression, zstd_level, hashing)
+        try:
+            reads = write_tar(comp, root, plan, on_bytes, _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1))
+            break
+        except _Torn:
+            comp.finish()  # closed now: nothing of it may reach `out` after the rewind
+            continue
     comp.finish()
+    report = {"changed_while_read": reads.torn, "changed_since_scan": reads.stale}
     if not hashing:
-        return LayerBlob(plan.name, None, "", "", comp.blob.size, MEDIA_TYPE[plan.compression], changed)
+        return LayerBlob(plan.name, None, "", "", comp.blob.size, MEDIA_TYPE[plan.compression], **report)
     return LayerBlob(plan.name, None, comp.blob.digest, comp.tar.digest, comp.blob.size,
-                     MEDIA_TYPE[plan.compression], changed)
+                     MEDIA_TYPE[plan.compression], **report)
 
 
 def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,

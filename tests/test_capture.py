@@ -2,15 +2,24 @@
 by the container runtime (GPU driver files), secrets, files that change while they are read."""
 
 import glob
+import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
+import zstandard
+from typer.testing import CliRunner
 
 from conftest import snap
+from snapshotter import cli, layer
+from snapshotter.fsindex import entry_from_stat
+from snapshotter.layer import build_layer, measure_layer, write_layer
+from snapshotter.plan import LayerPlan
 from snapshotter.profile import holds_private_key
 from support import snap_layer_files, write_tree
 
@@ -145,3 +154,98 @@ def test_private_keys_told_from_certificates_by_content(tmp_path):
     assert holds_private_key(cert_pem.read_bytes() * 2 + key_pem.read_bytes())  # a chain, then its key
     assert not holds_private_key(cert_pem.read_bytes()) and not holds_private_key(cert_der.read_bytes())
     assert not holds_private_key(b"-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE\n")
+
+
+# ---- files that change while they are read -------------------------------------------------------
+
+
+def _plan_of(root, *paths, compression="zstd", slices=None):
+    entries = [entry_from_stat(p, os.lstat(os.path.join(root, p))) for p in paths]
+    return LayerPlan("rest", compression, entries, slices=slices or {})
+
+
+def _members(blob_bytes, compression):
+    if compression == "zstd":
+        blob_bytes = zstandard.ZstdDecompressor().stream_reader(blob_bytes).read()
+    with tarfile.open(fileobj=io.BytesIO(blob_bytes)) as t:  # a well-formed tar, or this raises
+        return {m.name: (m, t.extractfile(m).read() if m.isreg() else None) for m in t.getmembers()}
+
+
+class Rewriter:
+    """The test's writer: rewrites a file in place right after snap read it (layer.after_read), for
+    the first `times` reads; counts the reads."""
+
+    def __init__(self, path, versions, times):
+        self.path, self.versions, self.times, self.reads = path, versions, times, 0
+
+    def __call__(self, rel, attempt):
+        self.reads += 1
+        if self.reads <= self.times:
+            with open(self.path, "r+b") as f:  # in place: same inode, as SQLite or a checkpoint save does
+                f.truncate(0)
+                f.write(self.versions[self.reads % len(self.versions)])
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
+def test_a_file_rewritten_while_read_is_read_again(tmp_path, monkeypatch, streamed):
+    old, new = b"A" * 100_000, b"B" * 120_000  # it grows as it is rewritten
+    (tmp_path / "db.sqlite").write_bytes(old)
+    (tmp_path / "other.txt").write_bytes(b"unchanged\n")
+    if streamed:
+        monkeypatch.setattr(layer, "BUFFERED_MAX", 1000)  # the path of files too big to hold: the layer restarts
+    hook = Rewriter(str(tmp_path / "db.sqlite"), [new], times=1)
+    monkeypatch.setattr(layer, "after_read", hook)
+    plan = _plan_of(str(tmp_path), "db.sqlite", "other.txt")
+    blob = build_layer(str(tmp_path), plan, str(tmp_path / "out"))
+    with open(blob.path, "rb") as f:
+        data = f.read()
+    assert blob.digest == "sha256:" + hashlib.sha256(data).hexdigest()
+    got = _members(data, "zstd")
+    assert got["db.sqlite"][1] == new and got["db.sqlite"][0].size == len(new)  # the settled version, whole
+    assert got["other.txt"][1] == b"unchanged\n"
+    assert blob.changed_while_read == [] and blob.changed_since_scan == ["db.sqlite"]
+    assert hook.reads == 3  # db.sqlite twice (streamed: the layer started again at the tear), other.txt once
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
+def test_a_file_that_never_settles_is_kept_as_last_read_and_reported(tmp_path, monkeypatch, streamed):
+    versions = [b"v0" * 5000, b"v1" * 7000, b"v2" * 3000, b"v3" * 6000]
+    (tmp_path / "ckpt.bin").write_bytes(versions[0])
+    if streamed:
+        monkeypatch.setattr(layer, "BUFFERED_MAX", 1000)
+    hook = Rewriter(str(tmp_path / "ckpt.bin"), versions, times=100)
+    monkeypatch.setattr(layer, "after_read", hook)
+    plan = _plan_of(str(tmp_path), "ckpt.bin", compression="none")
+    blob = measure_layer(str(tmp_path), plan)
+    assert blob.changed_while_read == ["ckpt.bin"] and hook.reads == layer.SETTLE_TRIES
+    # The bytes: the version read last (before the last rewrite), whole, in a well-formed tar.
+    buf = io.BytesIO()
+    monkeypatch.setattr(layer, "after_read", None)
+    (tmp_path / "ckpt.bin").write_bytes(versions[(layer.SETTLE_TRIES - 1) % len(versions)])
+    write_layer(buf, str(tmp_path), _plan_of(str(tmp_path), "ckpt.bin", compression="none"))
+    assert _members(buf.getvalue(), "none")["ckpt.bin"][1] == versions[(layer.SETTLE_TRIES - 1) % len(versions)]
+
+
+def test_a_part_cut_from_a_file_that_shrank_keeps_its_size(tmp_path):
+    (tmp_path / "w.bin").write_bytes(b"x" * 3000)
+    part = "w.bin.snap-part-0002-of-0002"
+    e = entry_from_stat("w.bin", os.lstat(tmp_path / "w.bin"))
+    e.path, e.size = part, 2000  # the plan's second part: bytes 2000-3999 of a file that was 4000 long
+    plan = LayerPlan("models", "none", [e], slices={part: ("w.bin", 2000)})
+    buf = io.BytesIO()
+    blob = layer._emit(buf, str(tmp_path), plan, 3, None)
+    m, content = _members(buf.getvalue(), "none")[part]
+    assert m.size == 2000 and content == b"x" * 1000 + bytes(1000)  # zeros where the file ended
+    assert blob.changed_while_read == [part]
+
+
+def test_commit_warns_in_one_line_naming_the_file(registry, base_ref, box, monkeypatch):
+    path = os.path.join(box, "var/lib/app/state\ndb")  # a name with a newline cannot forge a line
+    with open(path, "wb") as f:
+        f.write(b"s" * 4096)
+    monkeypatch.setattr(layer, "after_read", Rewriter(path, [b"t" * 4096, b"u" * 4096], times=100))
+    r = CliRunner().invoke(cli.app, ["commit", f"{registry.host}/torn:v1", "--base", base_ref, "--root", box])
+    assert r.exit_code == 0, r.output
+    warnings = [line for line in r.output.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: file changed as we read it, kept as last read (commit again for a settled copy): "
+                        "'/var/lib/app/state\\ndb'"]
