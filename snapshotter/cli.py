@@ -352,7 +352,7 @@ def watch(
     notices = f"{opts.notices.provider} notices at {opts.notices.base_url}" if opts.notices else "no provider notices"
 
     def on_ready() -> None:
-        log_line(f"watching {root} for {target} (pid {os.getpid()}, every {opts.every:g}s, grace {grace:g}s, {notices})")
+        log_line(f"watching {root!r} for {target} (pid {os.getpid()}, every {opts.every:g}s, grace {grace:g}s, {notices})")
         ready()
 
     try:

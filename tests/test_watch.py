@@ -145,7 +145,7 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     with open(path, "wb") as f:
         f.write(data[:MiB])  # half-written: the download is still going
     w.tick()  # --every 0: a snapshot now, without the file being written
-    assert any("held back: /opt/app/models/checkpoints/new.safetensors (still being written)" in line for line in lines)
+    assert any("held back: '/opt/app/models/checkpoints/new.safetensors' (still being written)" in line for line in lines)
     m = registry.manifest("w-ahead", "v2")
     assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(m)
     with open(path, "ab") as f:
@@ -158,7 +158,7 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     clock.advance(5)
     w.opts.every = 3600  # sent ahead only; no snapshot due
     w.tick()
-    ahead = [line for line in lines if line.startswith("sent ahead: models (opt/app/models/checkpoints/new.safetensors)")]
+    ahead = [line for line in lines if line.startswith("sent ahead: 'models (opt/app/models/checkpoints/new.safetensors)'")]
     assert ahead and "uploaded" in ahead[0]
     assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(registry.manifest("w-ahead", "v2"))
     w.opts.every = 0
@@ -168,6 +168,26 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     pushed = [line for line in lines if line.startswith("snapshot ")][-1]
     assert int(pushed.split(" sent, ")[1].split(" bytes")[0]) < MiB, pushed  # the weight was not sent again
     assert_restores_to(f"{registry.host}/w-ahead:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
+def test_the_final_snapshot_leaves_out_a_big_file_that_would_not_fit_in_the_grace(registry, base_ref, box, tmp_path):
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "w-grace", lines, clock, profile=parse_profile(SMALL_WEIGHTS),
+                every=3600, quiet=10**6, stable=5, grace=4)
+    w.tick()
+    write_tree(box, {"opt/app/models/checkpoints/late.safetensors": os.urandom(2 * MiB),
+                     "opt/app/notes.txt": "small, made it\n"})
+    clock.advance(10)  # complete and stable, but never sent ahead (no tick since)
+    w.throughput = 100_000  # bytes/s measured so far: 2 MiB would take 20 s
+    assert w.final("test notice") == 0
+    assert any("held back: '/opt/app/models/checkpoints/late.safetensors' (not sent yet, would not fit in the 4s grace)"
+               in line for line in lines), lines
+    m = registry.manifest("w-grace", "v2")
+    assert "opt/app/models/checkpoints/late.safetensors" not in snap_layers(m)
+    out = tmp_path / "r"
+    restore_image(f"{registry.host}/w-grace:v2", str(out))
+    assert (out / "opt/app/notes.txt").read_text() == "small, made it\n"
+    assert not (out / "opt/app/models/checkpoints/late.safetensors").exists()
 
 
 @pytest.mark.parametrize("deletes", [True, False], ids=["registry-deletes", "registry-refuses-deletes"])
