@@ -317,6 +317,7 @@ def watch(
     daemon: bool = typer.Option(False, "--daemon", help="Detach; pid file and log in the state dir. For containers without an init system."),
     stop: bool = typer.Option(False, "--stop", help="Stop the watcher of --root: SIGTERM, then wait for its final snapshot; exits with its code."),
     profile: str = typer.Option("default", "--profile", help="Layer profile (as for commit)."),
+    include: Optional[List[str]] = typer.Option(None, "--include", help="With --base scratch: watch and capture only this path (as for commit). Repeatable."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip (as for commit)."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (as for commit)."),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
@@ -329,7 +330,7 @@ def watch(
     from . import daemon as dmn
     from .commit import CommitOptions
     from .notices import notice_watcher
-    from .profile import load_profile, parse_size
+    from .profile import include_path, load_profile, parse_size
     from .watch import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
 
     if stop:
@@ -338,8 +339,10 @@ def watch(
         raise typer.Exit(code)
     if target is None or base is None:
         raise UsageError("watch needs TARGET and --base", "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
+    prof = load_profile(profile)
+    prof.include += tuple(include_path(p) for p in include or ())
     opts = WatchOptions(
-        commit=CommitOptions(root=root, profile=load_profile(profile), compression=compression,
+        commit=CommitOptions(root=root, profile=prof, compression=compression,
                              max_layer_size=parse_size(max_layer_size),
                              transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin)),
         every=parse_duration(every), keep=keep, grace=grace,

@@ -21,15 +21,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from .commit import (CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, scan_root,
+from .commit import (SCRATCH, CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, scan_root,
                      target_remote)
 from .errors import AuthError, SnapError, UsageError
 from .fsindex import FILE, Entry, Scan, scan_box
-from .image import Image, snapshot_layer_count
+from .image import BASE_DIGEST, Image, snapshot_layer_count
 from .mediatypes import OCI_MANIFEST
 from .notices import NoticeWatcher
 from .reference import Reference
 from .registry import Remote
+from .state import exclusive
 
 MiB = 1024 * 1024
 DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
@@ -97,7 +98,8 @@ class Watcher:
             raise UsageError("--every must be >= 0 and --grace > 0")
         if not os.path.isdir(opts.commit.root):
             raise UsageError(f"root {opts.commit.root!r} does not exist or is not a directory")
-        Reference.parse(base)
+        if base != SCRATCH:
+            Reference.parse(base)
         self.base = base
         self.root = os.path.realpath(opts.commit.root)
         self.transport = opts.commit.transport.credentials_only_for(self.moving.registry)
@@ -200,14 +202,18 @@ class Watcher:
         self._observe(self._scan(), now)
         if not self._pending():
             self.burst_bytes = 0
-        elif self.committed is None:
-            self._snapshot(first=True)
-        else:
-            self._send_ahead(now)
-            due = now - self.last_commit_at >= self.opts.every
-            burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
-            if due or burst_over:
-                self._snapshot()
+            return
+        first = self.committed is None
+        ready = set() if first else self._ready_to_send(now)
+        due = now - self.last_commit_at >= self.opts.every
+        burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
+        if not (first or ready or due or burst_over):
+            return
+        with exclusive(self.log):  # as a commit does: another snap process on the state dir waits
+            if ready:
+                self._send_ahead(now, ready)
+            if first or due or burst_over:
+                self._snapshot(first=first)
 
     def next_interval(self) -> float:
         """Seconds to the next scan: a scan's cost stays near the budget, ten times it while the
@@ -242,13 +248,14 @@ class Watcher:
 
         return dataclasses.replace(opts, changes=changes, log=self.log)
 
-    def _send_ahead(self, now: float) -> None:
-        """Upload the layers of big new files that are complete (stable), before the commit that
-        will name them: that commit then finds their blobs in the registry."""
-        ready = {e.path for e in self._new_big(self.entries)
-                 if self._stable(e, now) and self.sent_ahead.get(e.path) != _token(e)}
-        if not ready:
-            return
+    def _ready_to_send(self, now: float) -> set[str]:
+        """Big new files that are complete (stable) and not sent yet."""
+        return {e.path for e in self._new_big(self.entries)
+                if self._stable(e, now) and self.sent_ahead.get(e.path) != _token(e)}
+
+    def _send_ahead(self, now: float, ready: set[str]) -> None:
+        """Upload the layers of big files that are ready, before the commit that will name them:
+        that commit then finds their blobs in the registry."""
         held: dict[str, str] = {}
         cp = plan_commit(self.base, self._commit_options(now, False, held), self.transport)
         plans = [p for p in cp.plans if (p.part_of[0] if p.part_of else p.detail) in ready]
@@ -336,9 +343,10 @@ class Watcher:
         if digest is None:
             return False
         img = remote.resolve(digest)
-        ours = [d["digest"] for d in img.layers[len(img.layers) - snapshot_layer_count(img):]] if snapshot_layer_count(img) else []
-        base_digest = img.manifest.get("annotations", {}).get("org.opencontainers.image.base.digest")
-        return base_digest == (cp.base_img.manifest_digest if cp.base_img else None) and ours == [k["digest"] for k in known]
+        count = snapshot_layer_count(img)
+        ours = [d["digest"] for d in img.layers[len(img.layers) - count:]] if count else []
+        base_digest = cp.base_img.manifest_digest if cp.base_img else None
+        return img.manifest.get("annotations", {}).get(BASE_DIGEST) == base_digest and ours == [k["digest"] for k in known]
 
     def snapshot_tags(self, tags: list[str]) -> list[str]:
         """This watch's immutable tags among `tags`, oldest first."""
@@ -384,7 +392,8 @@ class Watcher:
                 if self.committed is not None and not self._pending():
                     box["tag"] = None
                 else:
-                    box["tag"] = self._snapshot(final=True)
+                    with exclusive(self.log):
+                        box["tag"] = self._snapshot(final=True)
             except BaseException as e:  # handed to the waiting thread
                 box["error"] = e
             finally:

@@ -118,6 +118,19 @@ def test_after_a_restore_the_watcher_adds_no_snapshot_until_something_changes(re
     assert_restores_to(f"{registry.host}/w-restored:v2", snapshot_of_tree(str(out), skip=NOT_CAPTURED), tmp_path, "again")
 
 
+def test_a_vm_without_base_image_is_watched_with_base_scratch(registry, box, tmp_path):
+    lines, clock = [], FakeClock()
+    w = watcher(registry, "scratch", box, "w-scratch", lines, clock, every=0)
+    w.tick()
+    write_tree(box, {"opt/app/vm-work.txt": "on a VM\n"})
+    clock.advance(1)
+    w.tick()
+    m = registry.manifest("w-scratch", "v2")
+    assert m["annotations"]["dev.snap.base-layers"] == "0"
+    assert len([t for t in tags(registry, "w-scratch") if t != "v2"]) == 2
+    assert_restores_to(f"{registry.host}/w-scratch:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
 def test_a_burst_of_writes_is_snapshotted_once_it_is_quiet(registry, base_ref, box):
     lines, clock = [], FakeClock()
     w = watcher(registry, base_ref, box, "w-burst", lines, clock, profile=parse_profile(SMALL_WEIGHTS),
