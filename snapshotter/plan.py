@@ -102,19 +102,21 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
     for rule in profile.layers:
         out.extend(split_plan(plans[rule.name], rule, max_layer_size))
     out = [p for p in out if not p.empty]
-    add_parent_dirs(out, scan.entries, changed)
+    add_parent_dirs(out, scan.entries, changed, base)
     return out
 
 
-def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry]) -> None:
+def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry],
+                    base: dict[str, Entry]) -> None:
     """Give every layer each parent directory of its paths, as `docker commit` and buildkit do:
     Docker and podman create a parent a layer lacks as 0755 root:root, over the one below it.
 
     The copies carry the box's mode, owner and xattrs. The mtime: the box's in the topmost layer
     that carries the directory (that one decides what an engine shows, and what restore leaves),
     and in every layer for a directory the box has as in the base. In the lower layers a changed
-    directory carries the newest mtime of that layer's own paths under it instead: adding a model
-    changes its directory's mtime, and that must not change the layer of every other model in it."""
+    directory carries its mtime in the base instead (for a new one, the newest mtime of that
+    layer's own paths under it): adding a model changes its directory's mtime, and that must not
+    change the layer of every other model in it, not even the first time the directory changes."""
     below: list[set[str]] = []
     topmost: dict[str, int] = {}
     for i, plan in enumerate(layers):
@@ -136,7 +138,9 @@ def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dic
                 continue  # not seen in the box (cannot happen for a walk): engines make it as they do
             mtime = e.mtime
             if d in changed and topmost[d] != i:
-                mtime = max((x.mtime for x in plan.entries if x.path.startswith(d + "/")), default=0)
+                was = base.get(d)
+                mtime = was.mtime if was is not None and was.kind == DIR else \
+                    max((x.mtime for x in plan.entries if x.path.startswith(d + "/")), default=0)
             # No stamp: a directory's ctime moves with every file added to it, and the stat cache
             # keys on what the layer's bytes depend on (its mode, owner, xattrs and this mtime).
             plan.entries.append(replace(e, mtime=mtime, stamp="", inode=None, digest=None))

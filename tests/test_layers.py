@@ -155,6 +155,7 @@ def home_box(base_rootfs: str, dest: str) -> str:
     subprocess.run(["cp", "-a", base_rootfs, dest], check=True)
     write_tree(dest, {"home/user/proj/new.txt": "new\n", "root/notes.txt": "root's\n"}, mtime=1_700_000_000)
     os.chown(os.path.join(dest, "home/user/proj/new.txt"), 1000, 1000)
+    os.setxattr(os.path.join(dest, "home"), "user.snap.parent", b"kept in every layer under it")
     os.utime(os.path.join(dest, "home/user/proj"), (1_700_000_005, 1_700_000_005))
     os.utime(os.path.join(dest, "root"), (1_700_000_006, 1_700_000_006))
     return dest
@@ -187,6 +188,10 @@ def assert_layers_carry_their_parents(registry, repo: str, tag: str, box: str) -
                 st = os.lstat(os.path.join(box, parent))
                 got = names[parent]
                 assert (got.mode, got.uid, got.gid) == (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid), (label, parent)
+                xattrs = {k: v for k, v in got.pax_headers.items() if k.startswith("SCHILY.xattr.")}
+                want = {"SCHILY.xattr." + n: os.getxattr(os.path.join(box, parent), n).decode("utf-8", "surrogateescape")
+                        for n in os.listxattr(os.path.join(box, parent)) if n.startswith("user.")}
+                assert xattrs == want, (label, parent)
                 parent = parent.rpartition("/")[0]
         topmost.update((name, m) for name, m in names.items() if m.isdir())
     for name, m in topmost.items():
@@ -206,6 +211,7 @@ def test_every_layer_carries_its_parent_directories(registry, base_ref, base_roo
     assert {"home", "home/user", "home/user/proj", "home/user/proj/new.txt", "root", "root/notes.txt"} <= set(rest)
     assert (rest["home/user"].mode, rest["home/user"].uid, rest["home/user"].gid) == (0o700, 1000, 1000)
     assert "home/user/.profile" not in rest  # parents only, not their other contents
+    assert rest["home"].pax_headers["SCHILY.xattr.user.snap.parent"] == "kept in every layer under it"
     # The usual box too: venv, custom nodes, weights and their directories' layer, each with its parents.
     box2 = make_box(base_rootfs, str(tmp_path / "box2"))
     commit_json(f"{registry.host}/homebox:v2", base_ref, box2)
@@ -339,3 +345,43 @@ def test_part_links_from_a_hostile_image_stay_in_the_root(registry, base_ref, ba
     snap("restore", f"{registry.host}/evil-links:symlink", "--root", str(out), check=True)
     assert not os.listdir(outside)
     assert same_inode(str(out), [BIG, str(outside).lstrip("/") + "/evil.bin"])  # the link landed inside the root
+
+
+ROOT_WEIGHTS_PROFILE = """
+extends: default
+layers:
+  - name: models
+    extensions: [.safetensors]
+    compression: none
+    file_layer_min: 1MiB
+    bundle_max: 64KiB
+"""
+
+
+def test_a_weight_layer_keeps_its_digest_when_its_base_directory_first_changes(registry, base_ref, base_rootfs, tmp_path):
+    """A weight in a directory of the base whose mtime the box kept (a model rewritten in place):
+    the directory is unchanged, the weight's layer carries it. Then a file is added beside it: the
+    directory changes, the topmost layer carrying it moves to the last one, and the weight's layer
+    keeps its digest (it is not uploaded again); the restored directory has the box's mtime."""
+    box = str(tmp_path / "box")
+    subprocess.run(["cp", "-a", base_rootfs, box], check=True)
+    write_tree(box, {"opt/app/big.safetensors": os.urandom(2 * MiB)}, mtime=1_650_000_000)
+    os.utime(os.path.join(box, "opt/app"), (1_600_000_000, 1_600_000_000))  # as in the base
+    profile = str(tmp_path / "profile.yaml")
+    with open(profile, "w") as f:
+        f.write(ROOT_WEIGHTS_PROFILE)
+    weight = "models (opt/app/big.safetensors)"
+
+    def layers(tag):
+        got = commit_json(f"{registry.host}/basedir:{tag}", base_ref, box, "--profile", profile)
+        return {x["name"]: x for x in got["layers"]}
+
+    v1 = layers("v1")
+    write_tree(box, {"opt/app/notes.txt": "beside the weight\n"})
+    os.utime(os.path.join(box, "opt/app"), (1_700_000_000, 1_700_000_000))
+    v2 = layers("v2")
+    assert v2[weight]["digest"] == v1[weight]["digest"] and v2[weight]["status"].startswith("exists")
+    assert_layers_carry_their_parents(registry, "basedir", "v2", box)
+    out = tmp_path / "restored"
+    snap("restore", f"{registry.host}/basedir:v2", "--root", str(out), check=True)
+    assert os.lstat(out / "opt/app").st_mtime == 1_700_000_000
