@@ -348,10 +348,13 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                 # Stored as is: hash it in one read, then stream it again to the registry only if
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
                 blob = measure_layer(root, plan, zstd_level, on_pack)
-                if there := _in_registry(remote, blob.digest, sources):
-                    return blob, there
-                remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
-                return blob, "uploaded"
+                if not blob.changed_while_read:
+                    if there := _in_registry(remote, blob.digest, sources):
+                        return blob, there
+                    remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size,
+                                       on_up)
+                    return blob, "uploaded"
+                # A file that kept changing would not read the same twice: build a copy once, send that.
             blob = build_layer(root, plan, out_dir, zstd_level, on_pack)
             try:
                 if there := _in_registry(remote, blob.digest, sources):

@@ -239,13 +239,21 @@ def test_a_part_cut_from_a_file_that_shrank_keeps_its_size(tmp_path):
     assert blob.changed_while_read == [part]
 
 
-def test_commit_warns_in_one_line_naming_the_file(registry, base_ref, box, monkeypatch):
-    path = os.path.join(box, "var/lib/app/state\ndb")  # a name with a newline cannot forge a line
-    with open(path, "wb") as f:
-        f.write(b"s" * 4096)
-    monkeypatch.setattr(layer, "after_read", Rewriter(path, [b"t" * 4096, b"u" * 4096], times=100))
+def test_commit_warns_in_one_line_naming_the_file(registry, base_ref, box, monkeypatch, tmp_path):
+    db = "var/lib/app/state\ndb"  # a name with a newline cannot forge a line
+    ckpt = "opt/app/models/ckpt.safetensors"  # in an uncompressed layer: measured, then sent
+    versions = {db: [b"s" * 4096, b"t" * 4096], ckpt: [bytes([i]) * 300_000 for i in range(7)]}
+    write_tree(box, {db: versions[db][0], ckpt: versions[ckpt][0]})
+    hooks = {p: Rewriter(os.path.join(box, p), v, times=100) for p, v in versions.items()}
+    monkeypatch.setattr(layer, "after_read", lambda rel, attempt: hooks[rel](rel, attempt) if rel in hooks else None)
     r = CliRunner().invoke(cli.app, ["commit", f"{registry.host}/torn:v1", "--base", base_ref, "--root", box])
     assert r.exit_code == 0, r.output
     warnings = [line for line in r.output.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: file changed as we read it, kept as last read (commit again for a settled copy): "
-                        "'/var/lib/app/state\\ndb'"]
+                        "'/opt/app/models/ckpt.safetensors', '/var/lib/app/state\\ndb'"]
+    # The image holds one whole version of each (the bytes sent are the bytes hashed).
+    monkeypatch.setattr(layer, "after_read", None)
+    out = tmp_path / "restored"
+    snap("restore", f"{registry.host}/torn:v1", "--root", str(out), check=True)
+    for p, vs in versions.items():
+        assert (out / p).read_bytes() in vs
