@@ -734,3 +734,22 @@ def fake_dmi(path: str, **files: str) -> str:
         with open(os.path.join(path, name), "w") as f:
             f.write(value + "\n")
     return path
+
+
+# Wheels .ci/setup fetched for tests that pip-install into venvs of their own, never from an index.
+WHEELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".ci", "wheels")
+PIP_OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_CONFIG_FILE": os.devnull}
+
+
+def have_wheels(*names: str) -> bool:
+    """Whether .ci/wheels holds a wheel of each distribution (names as in wheel file names)."""
+    files = os.listdir(WHEELS) if os.path.isdir(WHEELS) else []
+    return all(any(f.lower().startswith(n + "-") for f in files) for n in names)
+
+
+def pip_install_offline(venv: str, *args: str) -> subprocess.CompletedProcess:
+    """`VENV/bin/pip install ARGS` from .ci/wheels alone."""
+    env = {**os.environ, **PIP_OFFLINE}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([os.path.join(venv, "bin/pip"), "install", "-q", "--no-index", "--find-links", WHEELS, *args],
+                          capture_output=True, text=True, env=env)

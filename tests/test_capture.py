@@ -21,7 +21,7 @@ from snapshotter.fsindex import entry_from_stat
 from snapshotter.layer import build_layer, measure_layer, write_layer
 from snapshotter.plan import LayerPlan
 from snapshotter.profile import holds_private_key
-from support import snap_layer_files, write_tree
+from support import have_wheels, pip_install_offline, snap_layer_files, write_tree
 
 CUDA_DIR = "usr/lib/x86_64-linux-gnu"
 CUDA_LIB = f"{CUDA_DIR}/libcuda.so.555.42.06"
@@ -75,24 +75,18 @@ def test_gpu_driver_files_bind_mounted_by_the_runtime_are_left_out(registry, bas
         assert repr("/" + path) in line
 
 
-WHEELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".ci", "wheels")
-OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_CONFIG_FILE": os.devnull}
 PRIVATE_KEY = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC-KEY-MATERIAL\n-----END PRIVATE KEY-----\n"
 CERTIFICATE = "-----BEGIN CERTIFICATE-----\nMIIDdzCCAl+gAwIBAgIEAgAAuTANBgkq-PUBLIC-CERT\n-----END CERTIFICATE-----\n"
-
-
-def _has_wheels(*names):
-    return all(any(f.lower().startswith(n + "-") for f in os.listdir(WHEELS)) for n in names) if os.path.isdir(WHEELS) else False
 
 
 def _make_venv(path):
     """A real venv with requests (and so certifi's CA bundle, cacert.pem), installed offline."""
     subprocess.run([sys.executable, "-m", "venv", path], check=True)
-    subprocess.run([os.path.join(path, "bin/pip"), "install", "-q", "--no-index", "--find-links", WHEELS, "requests"],
-                   check=True, env={**os.environ, **OFFLINE})
+    r = pip_install_offline(path, "requests")
+    assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.skipif(not _has_wheels("requests", "certifi"), reason="no requests/certifi wheels in .ci/wheels (run .ci/setup)")
+@pytest.mark.skipif(not have_wheels("requests", "certifi"), reason="no requests/certifi wheels in .ci/wheels (run .ci/setup)")
 def test_secrets_rules_keep_venvs_ca_bundles_and_directories(registry, base_ref, box, tmp_path):
     _make_venv(os.path.join(box, "workspace/proj/.env"))  # a venv called .env: a very common name
     _make_venv(os.path.join(box, "opt/venv"))

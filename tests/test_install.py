@@ -3,7 +3,6 @@
 The wheels come from .ci/wheels (fetched by .ci/setup): pip runs with --no-index, so the test never
 reaches a package index, and a module snap imports without declaring it is simply not there."""
 
-import glob
 import os
 import shutil
 import subprocess
@@ -11,9 +10,9 @@ import sys
 
 import pytest
 
+from support import PIP_OFFLINE, have_wheels, pip_install_offline
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WHEELS = os.path.join(REPO, ".ci", "wheels")
-OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_CONFIG_FILE": os.devnull}
 
 # Every module of the package, imported the way the CLI's commands import them.
 IMPORT_ALL = ("import importlib, pkgutil, snapshotter\n"
@@ -22,11 +21,8 @@ IMPORT_ALL = ("import importlib, pkgutil, snapshotter\n"
               "        importlib.import_module('snapshotter.' + m.name)\n")
 
 
-def _wheels_for_snap() -> bool:
-    return bool(glob.glob(os.path.join(WHEELS, "setuptools-*.whl")) and glob.glob(os.path.join(WHEELS, "typer-*.whl")))
-
-
-@pytest.mark.skipif(not _wheels_for_snap(), reason="no wheels of snap's dependencies in .ci/wheels (run .ci/setup)")
+@pytest.mark.skipif(not have_wheels("setuptools", "typer", "docker", "oras", "zstandard"),
+                    reason="no wheels of snap's dependencies in .ci/wheels (run .ci/setup)")
 def test_pip_install_into_a_fresh_venv_then_snap_help(tmp_path):
     # A copy of the sources: the build writes build/ and *.egg-info next to them.
     src = tmp_path / "src"
@@ -37,11 +33,10 @@ def test_pip_install_into_a_fresh_venv_then_snap_help(tmp_path):
         shutil.copytree(os.path.join(REPO, name), src / name, ignore=shutil.ignore_patterns("__pycache__"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {**os.environ, **OFFLINE}
-    env.pop("PYTHONPATH", None)
-    r = subprocess.run([str(venv / "bin/pip"), "install", "-q", "--no-index", "--find-links", WHEELS, str(src)],
-                       capture_output=True, text=True, env=env)
+    r = pip_install_offline(str(venv), str(src))
     assert r.returncode == 0, r.stderr
+    env = {**os.environ, **PIP_OFFLINE}
+    env.pop("PYTHONPATH", None)
     r = subprocess.run([str(venv / "bin/snap"), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for command in ("commit", "restore", "verify", "run"):
