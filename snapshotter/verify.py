@@ -26,8 +26,8 @@ from typing import Callable, Optional
 from . import progress
 from .compress import IterReader, check_layer
 from .errors import IntegrityError, UsageError
-from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, clean_path, entry_from_member, \
-    entry_from_stat, file_digest, pseudo_mounts, read_head, self_and_parents
+from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, bind_mounted_files, clean_path, \
+    entry_from_member, entry_from_stat, file_digest, pseudo_mounts, read_head, self_and_parents
 from .image import SNAP_PART_FILE, left_out_secrets, Image
 from .plan import parse_part_name
 from .profile import Profile, load_profile
@@ -246,7 +246,7 @@ def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyO
             excluded: Callable[[str], bool]) -> list[Difference]:
     """Paths in the directory that the image does not have (only the top-most of an extra tree)."""
     out: list[Difference] = []
-    skip = pseudo_mounts(root)
+    skip = pseudo_mounts(root) | bind_mounted_files(root)  # the host's files (GPU drivers) were left out
     profile = opts.profile
     stack = [""]
     while stack:
