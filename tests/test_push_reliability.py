@@ -26,7 +26,13 @@ def write_big(path, size):
 
 
 def upload_bytes_in_progress(reg: RegistryServer) -> int:
-    return sum(os.path.getsize(p) for p in glob.glob(f"{reg.storage}/docker/registry/v2/repositories/*/_uploads/*/data"))
+    total = 0
+    for p in glob.glob(f"{reg.storage}/docker/registry/v2/repositories/*/_uploads/*/data"):
+        try:
+            total += os.path.getsize(p)
+        except FileNotFoundError:
+            pass  # an upload that completed between the listing and the stat
+    return total
 
 
 def start_commit(reg, box, tag, base_ref):
