@@ -8,6 +8,7 @@ import json
 import os
 from typing import Iterable
 
+from .registry import Remote
 from .state import replace_file, sub
 
 VERSION = 1
@@ -47,3 +48,14 @@ class BlobSources:
 
     def save(self) -> None:
         replace_file(self.path, lambda f: json.dump({"version": VERSION, "registries": self.known}, f))
+
+
+def in_registry(remote: Remote, digest: str, sources: BlobSources) -> str:
+    """"exists, skipped" if the target repository holds the blob; "mounted from REPO" if another
+    repository of the registry known to hold it (blobsources.py) lends it; "" if it must be sent."""
+    if remote.blob_exists(digest):
+        return "exists, skipped"
+    for repository in sources.repositories(remote.ref.api_host, digest):
+        if repository != remote.ref.repository and remote.mount_blob(digest, repository):
+            return f"mounted from {repository}"
+    return ""

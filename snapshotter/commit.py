@@ -17,10 +17,10 @@ from typing import Callable, Optional
 
 import zstandard
 
-from . import progress
-from .blobsources import BlobSources
+from . import baseindex, progress
+from .blobsources import BlobSources, in_registry
 from .compress import MEDIA_TYPE, IterReader, decompressing_reader
-from .errors import IntegrityError, UsageError
+from .errors import IntegrityError, SnapError, UsageError
 from .fsindex import FILE, Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
                     now_rfc3339, Image, scratch_config, secrets_annotations, sha256_digest, snapshot_config,
@@ -78,11 +78,15 @@ class CommitResult:
     host_files: list[str] = field(default_factory=list)  # bind-mounted from the host (GPU driver files), and links to them
 
 
-def base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> dict[str, Entry]:
-    """The file index of the base image, from its layer tars (cached by manifest digest)."""
-    cache = os.path.join(sub("base-index"), image.manifest_digest.split(":", 1)[1] + ".jsonl.gz")
+def base_index(remote: Remote, image: Image, log: Callable[[str], None],
+               travelled: Optional[Remote] = None) -> dict[str, Entry]:
+    """The file index of the base image: cached by manifest digest, else the one an earlier
+    snapshot pushed into the `travelled` repository (baseindex.py), else read from its layer tars."""
+    cache = baseindex.cache_path(image.manifest_digest)
     index = load_index(cache)
     if index is not None:
+        return index
+    if travelled is not None and (index := baseindex.fetch(travelled, image.manifest_digest, log)) is not None:
         return index
     index = {}
     total = sum(layer["size"] for layer in image.layers)
@@ -170,9 +174,11 @@ def _check_options(opts: CommitOptions) -> None:
         raise UsageError("--max-layer-size must be at least 1MiB")
 
 
-def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOptions] = None) -> CommitPlan:
+def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOptions] = None,
+                target: Optional[Reference] = None) -> CommitPlan:
     """Read the base, walk the box, diff and plan the layers: everything a commit does before it
-    reads a file's bytes or pushes anything (`snap status` stops here)."""
+    reads a file's bytes or pushes anything (`snap status` stops here). The base index comes
+    from the `target` repository when the state dir lacks it (an earlier snapshot pushed it)."""
     _check_options(opts)
     scratch = base == SCRATCH
     if opts.profile.include and not scratch:
@@ -186,7 +192,10 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     if base_ref is not None:
         base_remote = Remote(base_ref, transport or opts.transport)
         base_img = base_remote.resolve()
-        index = base_index(base_remote, base_img, opts.log)
+        travelled = None
+        if target is not None:
+            travelled = base_remote if target.name == base_ref.name else _optional_remote(target, transport or opts.transport)
+        index = base_index(base_remote, base_img, opts.log, travelled)
     scan_started_ns = time.time_ns()
     if opts.changes is not None:
         scan, d = opts.changes(base_img, index)
@@ -203,6 +212,13 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     restored = load_restore_record(root, base_digest, opts.profile.name, opts.max_layer_size)
     return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                       opts.profile.zstd_level, opts.rehash)
+
+
+def _optional_remote(ref: Reference, transport: TransportOptions) -> Optional[Remote]:
+    try:
+        return Remote(ref, transport)
+    except SnapError:
+        return None  # only a shortcut: the push to it says what is wrong
 
 
 def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions) -> Remote:
@@ -232,7 +248,7 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
     if target_ref.digest:
         raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
     transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
-    cp = plan_commit(base, opts, transport)
+    cp = plan_commit(base, opts, transport, target_ref)
     return push_commit(cp, target_ref, transport, opts)
 
 
@@ -249,9 +265,13 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     base_config = base_img.config if base_img else scratch_config(*host_platform())
     config = snapshot_config(base_config, [(p.label, b.diff_id) for p, b, _ in layers], created)
     layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
+    extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets)}
+    # The base's index, for a commit on a new machine and for restore (baseindex.py).
+    index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
+    if index_digest:
+        extra[baseindex.SNAP_BASE_INDEX] = index_digest
     manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
-                                 created, {SNAP_MAX_LAYER: str(opts.max_layer_size),
-                                           **secrets_annotations(cp.scan.skipped_secrets)})
+                                 created, extra)
     config_digest = sha256_digest(config)
     if not remote.blob_exists(config_digest):
         remote.upload_from(lambda out: out.write(config), config_digest, len(config))
@@ -261,7 +281,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     note_last_commit(cp.root, cp.base_name, str(target_ref))
     own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
     cp.sources.note(target_ref.api_host, target_ref.repository,
-                    own + ([base_img.manifest["config"]["digest"]] if base_img else []))
+                    own + ([base_img.manifest["config"]["digest"]] if base_img else [])
+                    + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []))
     cp.sources.save()
 
     reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
@@ -307,17 +328,6 @@ def _restored_layer(record: Optional[dict], plan: LayerPlan) -> Optional[dict]:
     return blob_entry(layer)
 
 
-def _in_registry(remote: Remote, digest: str, sources: BlobSources) -> str:
-    """"exists, skipped" if the target repository holds the blob; "mounted from REPO" if another
-    repository of the registry known to hold it (blobsources.py) lends it; "" if it must be sent."""
-    if remote.blob_exists(digest):
-        return "exists, skipped"
-    for repository in sources.repositories(remote.ref.api_host, digest):
-        if repository != remote.ref.repository and remote.mount_blob(digest, repository):
-            return f"mounted from {repository}"
-    return ""
-
-
 def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:
     """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
     stat cache (or that the last restore into this root wrote and nothing changed since), and
@@ -328,7 +338,7 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
     for i, plan in enumerate(plans):
         fp = plan.fingerprint(zstd_level)
         hit = cp.known(plan)
-        there = _in_registry(remote, hit["digest"], sources) if hit else ""
+        there = in_registry(remote, hit["digest"], sources) if hit else ""
         if there:
             blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
             results[i] = (plan, blob, f"{there} (unchanged, not read)")
@@ -349,7 +359,7 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
                 blob = measure_layer(root, plan, zstd_level, on_pack)
                 if not blob.changed_while_read:
-                    if there := _in_registry(remote, blob.digest, sources):
+                    if there := in_registry(remote, blob.digest, sources):
                         return blob, there
                     remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size,
                                        on_up)
@@ -357,7 +367,7 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                 # A file that kept changing would not read the same twice: build a copy once, send that.
             blob = build_layer(root, plan, out_dir, zstd_level, on_pack)
             try:
-                if there := _in_registry(remote, blob.digest, sources):
+                if there := in_registry(remote, blob.digest, sources):
                     return blob, there
                 remote.upload_blob(blob.path, blob.digest, blob.size, on_up)
                 return blob, "uploaded"
@@ -395,7 +405,7 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: Bl
     tmp_dir = sub("blobs")
     with progress.bar("copying base layers", sum(d["size"] for d in missing)) as b:
         for d in missing:
-            if _in_registry(target, d["digest"], sources):
+            if in_registry(target, d["digest"], sources):
                 b.update(d["size"])
                 continue
             path = os.path.join(tmp_dir, d["digest"].split(":", 1)[1])

@@ -19,3 +19,9 @@ NONDISTRIBUTABLE_TAR = "application/vnd.oci.image.layer.nondistributable.v1.tar"
 
 # The layer media type snap writes for each --compression.
 MEDIA_TYPE = {"none": LAYER_TAR, "gzip": LAYER_GZIP, "zstd": LAYER_ZSTD}
+
+# The base image's file index (fsindex.save_index's gzip'd JSON lines), pushed with a snapshot,
+# and the artifact manifest that keeps it referenced (baseindex.py).
+BASE_INDEX = "application/vnd.dev.snap.base-index.v1.jsonl+gzip"
+BASE_INDEX_ARTIFACT = "application/vnd.dev.snap.base-index.v1"
+OCI_EMPTY = "application/vnd.oci.empty.v1+json"

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from . import progress
+from . import baseindex, progress
 from .applier import ExtractWorker, LayerJob
 from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
@@ -350,6 +350,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
     _note_sources(reference, image)
+    _keep_base_index(remote, image, opts.log)
     seeded = _record_for_next_commit(root, image, headers) if headers and opts.seed_stat_cache else 0
     s = worker.stats
     s.files += extractor.stats.files  # the joins
@@ -358,12 +359,25 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
                          s.skipped_devices, s.stripped_setuid, seeded)
 
 
+def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:
+    """Cache the index of the snapshot's base that came with it (baseindex.py, a small blob), so
+    that the first commit on this machine neither downloads nor reads the base's layers again."""
+    ann = image.manifest.get("annotations") or {}
+    base, digest = ann.get(BASE_DIGEST), ann.get(baseindex.SNAP_BASE_INDEX)
+    if not (isinstance(base, str) and _DIGEST.fullmatch(base) and isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        return
+    if not os.path.exists(baseindex.cache_path(base)):
+        baseindex.fetch(remote, base, log, digest)
+
+
 def _note_sources(reference: Reference, image: Image) -> None:
     """Remember that this repository holds the image's blobs: a later commit to another repository
     of the registry mounts them from here instead of uploading them (blobsources.py)."""
+    index = (image.manifest.get("annotations") or {}).get(baseindex.SNAP_BASE_INDEX)
+    travelled = [index, baseindex.EMPTY_CONFIG_DIGEST] if isinstance(index, str) else []
     sources = BlobSources()
     sources.note(reference.api_host, reference.repository,
-                 [d["digest"] for d in image.layers] + [image.manifest["config"]["digest"]])
+                 [d["digest"] for d in image.layers] + [image.manifest["config"]["digest"]] + travelled)
     try:
         sources.save()
     except OSError:

@@ -40,7 +40,7 @@ def test_a_weight_already_in_the_registry_is_mounted_not_uploaded(registry, prox
     for d in manifest["layers"]:
         assert registry.has_blob("mount-b", d["digest"])
     mounts = [path for method, path, status in proxy.log if method == "POST" and "mount=" in path and status == 201]
-    assert len(mounts) == len(manifest["layers"]) + 1  # and the base's config
+    assert len(mounts) == len(manifest["layers"]) + 3  # and the base's config, the base index and its empty config
 
 
 def test_blobs_of_a_restore_are_mounted_by_the_next_commit_elsewhere(registry, proxy, base_ref, weight_box, tmp_path):
@@ -122,3 +122,42 @@ def test_a_stop_during_an_upload_does_not_wait_for_it(registry, proxy, base_ref,
     assert err.strip().splitlines()[-1].startswith("snap: " + ("interrupted" if code == 130 else "terminated")), err
     assert "Traceback" not in err
     assert not registry.session().get(f"{registry.url}/v2/stopped/manifests/v1").ok
+
+
+def base_layer_gets(proxy, base_manifest, since):
+    digests = {d["digest"] for d in base_manifest["layers"]}
+    return [p for m, p, s in proxy.log[since:] if m == "GET" and "/blobs/" in p and p.rsplit("/", 1)[-1] in digests]
+
+
+def test_the_base_index_travels_with_the_snapshot(registry, proxy, base_ref, box, tmp_path, monkeypatch):
+    base = f"{proxy.host}/base:1"  # read through the proxy: its GETs are counted
+    base_manifest = registry.manifest("base", "1")
+    first = commit_box(f"{proxy.host}/travel:v1", base, CommitOptions(root=box))
+    assert len(base_layer_gets(proxy, base_manifest, 0)) == len(base_manifest["layers"])  # indexed from the layers
+    index_digest = registry.manifest("travel", "v1")["annotations"]["dev.snap.base-index"]
+    assert registry.has_blob("travel", index_digest)
+    artifact = registry.manifest("travel", "snap-index-" + base_manifest_digest(registry).replace(":", "-"))
+    assert [d["digest"] for d in artifact["layers"]] == [index_digest]  # a descriptor keeps it from GC
+
+    # A new machine: an empty state dir. The commit fetches the index instead of the base's layers.
+    monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "new-machine"))
+    since = len(proxy.log)
+    second = commit_box(f"{proxy.host}/travel:v2", base, CommitOptions(root=box))
+    assert base_layer_gets(proxy, base_manifest, since) == []
+    assert [layer.digest for layer in second.layers] == [layer.digest for layer in first.layers]
+
+    # Another new machine restores the snapshot: the index comes with it, and its commit reads no base layer.
+    env = {"SNAP_STATE_DIR": str(tmp_path / "restored-machine")}
+    monkeypatch.setenv("SNAP_STATE_DIR", env["SNAP_STATE_DIR"])
+    out = tmp_path / "out"
+    snap("restore", f"{proxy.host}/travel:v1", "--root", str(out), env=env, check=True)
+    since = len(proxy.log)
+    commit_box(f"{proxy.host}/elsewhere:v1", base, CommitOptions(root=str(out)))
+    assert base_layer_gets(proxy, base_manifest, since) == []
+
+
+def base_manifest_digest(registry):
+    r = registry.session().get(f"{registry.url}/v2/base/manifests/1",
+                               headers={"Accept": "application/vnd.oci.image.manifest.v1+json, "
+                                                  "application/vnd.docker.distribution.manifest.v2+json"})
+    return "sha256:" + hashlib.sha256(r.content).hexdigest()

@@ -54,7 +54,9 @@ def watcher(registry, base_ref, box, repo, lines, clock=None, profile=None, **kw
 
 
 def tags(registry, repo):
-    return sorted(registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or [])
+    """The repository's tags but the base index's artifact tag (baseindex.py)."""
+    found = registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or []
+    return sorted(t for t in found if not t.startswith("snap-index-"))
 
 
 def digest_of(registry, repo, tag):
