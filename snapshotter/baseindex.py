@@ -80,7 +80,9 @@ def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],
                 return None
         path = cache_path(base_manifest_digest)
         remote.download_blob(digest, path, _capped(MAX_INDEX_SIZE, digest))
-    except (NotFound, RegistryError, IntegrityError, ValueError, KeyError, IndexError, TypeError, OSError) as e:
+    except NotFound:
+        return None  # no snapshot of this base pushed there yet
+    except (RegistryError, IntegrityError, ValueError, KeyError, IndexError, TypeError, OSError) as e:
         log(f"warning: the base index in {remote.ref.name} is not usable ({e}): reading the base's layers")
         return None
     index = load_index(path)
