@@ -285,7 +285,7 @@ class Watcher:
 
     def _snapshot(self, first: bool = False, final: bool = False) -> Optional[str]:
         """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
-        name, or None when the box matched the moving tag's snapshot already (first only)."""
+        name, or None when the box matched the moving tag's snapshot already (first, final)."""
         with self.lock:  # the worker's and the final snapshot's may overlap
             self.seq += 1
             seq = self.seq
@@ -300,6 +300,8 @@ class Watcher:
             self.log(f"{self.moving} already holds this box: nothing to send")
             self._committed(tokens, now)
             return None
+        if final and tokens == self.committed:
+            return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
         for path, why in sorted(held.items()):
             self.log(f"held back: {'/' + path!r} ({why}); the next snapshot takes it")
         ref = Reference(self.moving.registry, self.moving.repository, tag)
@@ -387,13 +389,8 @@ class Watcher:
 
         def work() -> None:
             try:
-                now = self.opts.clock()
-                self._observe(self._scan(), now)
-                if self.committed is not None and not self._pending():
-                    box["tag"] = None
-                else:
-                    with exclusive(self.log):
-                        box["tag"] = self._snapshot(final=True)
+                with exclusive(self.log):
+                    box["tag"] = self._snapshot(final=True)
             except BaseException as e:  # handed to the waiting thread
                 box["error"] = e
             finally:
