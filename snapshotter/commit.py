@@ -19,21 +19,21 @@ import zstandard
 
 from . import baseindex, progress
 from .blobsources import BlobSources, in_registry
-from .compress import MEDIA_TYPE, IterReader, decompressing_reader
+from .compress import IterReader, decompressing_reader
 from .errors import IntegrityError, SnapError, UsageError
 from .fsindex import FILE, Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
                     now_rfc3339, Image, scratch_config, secrets_annotations, sha256_digest, snapshot_config,
                     snapshot_manifest)
-from .layer import LayerBlob, build_layer, measure_layer, tar_headers, write_layer
+from .layer import LayerBlob, build_layer, measure_layer, write_layer
 from .mediatypes import OCI_MANIFEST
 from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote, host_platform
+from .restorerecord import RestoreRecord
 from .state import exclusive, state_dir, sub
-from .statcache import StatCache, blob_entry, load_restore_record, note_last_commit
-from .tarrules import header_key, headers_digest
+from .statcache import StatCache, note_last_commit
 from .transport import TransportOptions
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
@@ -147,7 +147,7 @@ class CommitPlan:
     diff: Diff
     plans: list[LayerPlan]
     cache: StatCache
-    restored: Optional[dict]
+    restored: Optional[RestoreRecord]
     scan_started_ns: int
     zstd_level: int
     rehash: bool
@@ -164,7 +164,8 @@ class CommitPlan:
     def known(self, plan: LayerPlan) -> Optional[dict]:
         if self.rehash:
             return None
-        return self.cache.lookup(plan.fingerprint(self.zstd_level)) or _restored_layer(self.restored, plan)
+        hit = self.cache.lookup(plan.fingerprint(self.zstd_level))
+        return hit or (self.restored.blob_for(plan) if self.restored else None)
 
 
 def _check_options(opts: CommitOptions) -> None:
@@ -209,7 +210,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     # A scratch image's restore records no base (None): its stat cache is keyed apart.
     base_digest = base_img.manifest_digest if base_img else None
     cache = StatCache(root, base_digest or SCRATCH)
-    restored = load_restore_record(root, base_digest, opts.profile.name, opts.max_layer_size)
+    restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                       opts.profile.zstd_level, opts.rehash)
 
@@ -315,17 +316,6 @@ def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
     return all(e.ctime_ns < scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
 
 
-def _restored_layer(record: Optional[dict], plan: LayerPlan) -> Optional[dict]:
-    """The blob of `plan` if the last restore into this root extracted exactly these tar headers
-    and none of the plan's files changed since (their ctime is older than the restore's end)."""
-    layer = record["layers"].get(plan.label) if record else None
-    if not isinstance(layer, dict) or layer.get("media_type") != MEDIA_TYPE[plan.compression]:
-        return None
-    if any(e.ctime_ns > record["restored_at_ns"] for e in plan.entries if e.stamp):  # parent copies: no stamp
-        return None
-    if layer.get("headers") != headers_digest([header_key(ti) for ti, _ in tar_headers(plan)]):
-        return None
-    return blob_entry(layer)
 
 
 def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:

@@ -69,3 +69,8 @@ def quoted_path(rel: str) -> str:
     """A root-relative path from an image or a tree, for a message: '/a/b', quoted and escaped like
     repr, so that a newline or a control character in a name cannot forge lines of output."""
     return repr("/" + rel.lstrip("/"))
+
+
+def printable(text: str) -> str:
+    """`text` (from the image: annotations, paths) fit for a one-line message: control characters escaped."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

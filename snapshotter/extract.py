@@ -108,6 +108,24 @@ class Extractor:
             _utime(path, at, mt)
         self._reset_dir_times()
 
+    # ---- the tree outside a layer (parts.py joins part layers) ---------------------------------
+
+    def parent_dir(self, rel: str) -> str:
+        """The real directory that holds /rel, resolved inside the root, made by nothing (a
+        missing one raises FileNotFoundError); stale temp files there are swept."""
+        return self._locate(rel, create=False)[0]
+
+    def will_change(self, pdir: str) -> None:
+        """`pdir`'s entries are about to change: its times are put back after (put_back_dir_times)."""
+        self._note_parent(pdir)
+
+    def add_hardlink(self, rel: str, target: str) -> None:
+        """Link /rel to /target as a layer's hardlink entry is made (inside the root, never over a
+        directory)."""
+        link = tarfile.TarInfo(rel)
+        link.type, link.linkname = tarfile.LNKTYPE, target
+        self._apply_member(None, link)  # a hardlink entry: no data to read
+
     # ---- path resolution, scoped to the root ------------------------------------------------
 
     def _resolve_dir(self, rel: str, create: bool = True) -> str:

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Optional
 
 from .compress import oci_media_type
+from .errors import printable
 from .mediatypes import OCI_CONFIG, OCI_MANIFEST
 
 if TYPE_CHECKING:  # imported for the annotation only
@@ -188,3 +189,9 @@ def left_out_secrets(manifest: dict) -> tuple[list[str], int]:
     if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
         return [], 0
     return listed, max(total, len(listed))
+
+
+def layer_label(desc: dict, i: int) -> str:
+    """'venv', 'models (bundle 2)', ... as commit named it, fit for a message; 'base layer N' for
+    the base's (`i`: its index in the image)."""
+    return printable(snap_label(desc)) or f"base layer {i + 1}"

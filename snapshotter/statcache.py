@@ -56,44 +56,6 @@ class StatCache:
         replace_file(self.path, lambda f: json.dump({"key": self.key, "layers": layers}, f))
 
 
-# ---- what a restore leaves for the next commit ------------------------------------------------
-
-RESTORED_VERSION = 1
-# Written files get a ctime from the kernel's coarse clock, which lags the fine one by up to a tick
-# (10 ms at HZ=100): a restore waits this long after noting its end, so that any later write gets
-# a ctime past it.
-CLOCK_TICK_S = 0.02
-
-
-def _restored_path(root: str) -> str:
-    name = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-    return os.path.join(sub("restored"), name + ".json")
-
-
-def write_restore_record(root: str, doc: dict) -> None:
-    """After `snap restore`: the image's snap layers as extracted into `root` ({"layers": {label:
-    {digest, diff_id, size, media_type, headers}}, base, profile, max_layer, restored_at_ns}). The
-    next commit of `root` takes a planned layer from here without reading it when its tar headers
-    are the extracted ones and none of its files changed since (ctime): a reclaim's commit right
-    after a restore reads no model bytes. The stat cache then learns those layers as usual."""
-    doc = {"version": RESTORED_VERSION, "root": os.path.realpath(root), **doc}
-    replace_file(_restored_path(root), lambda f: json.dump(doc, f))
-
-
-def load_restore_record(root: str, base_digest: str, profile: str, max_layer_size: int) -> Optional[dict]:
-    """The record of the last restore into `root`, if it fits this commit (same base image,
-    profile and part-layer cap); else None."""
-    try:
-        with open(_restored_path(root)) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return None
-    fits = (isinstance(doc, dict) and doc.get("version") == RESTORED_VERSION and doc.get("root") == os.path.realpath(root)
-            and doc.get("base") == base_digest and doc.get("profile") == profile and doc.get("max_layer") == max_layer_size
-            and type(doc.get("restored_at_ns")) is int and isinstance(doc.get("layers"), dict))
-    return doc if fits else None
-
-
 # ---- what a commit leaves for `snap status` ------------------------------------------------------
 
 

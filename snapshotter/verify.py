@@ -28,12 +28,13 @@ from .compress import IterReader, check_layer
 from .errors import IntegrityError, UsageError
 from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, bind_mounted_files, clean_path, \
     entry_from_member, entry_from_stat, file_digest, pseudo_mounts, read_head, self_and_parents
-from .image import SNAP_PART_FILE, left_out_secrets, Image
+from .image import SNAP_PART_FILE, Image, layer_label, left_out_secrets
+from .parts import part_links
 from .plan import parse_part_name
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote
-from .restore import layer_label, part_links, select_layers
+from .restore import select_layers
 from .tarreader import data_chunks, iter_members
 from .tarrules import check_name
 from .transport import TransportOptions

@@ -21,7 +21,7 @@ import pytest
 import zstandard
 
 from conftest import snap
-from snapshotter import applier, restore as restore_module
+from snapshotter import applier, journal as journal_module, restore as restore_module
 from snapshotter.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore import RestoreOptions, restore_image
@@ -398,11 +398,11 @@ def test_join_resumes_with_no_layer_left_and_a_stale_join_temp(registry, tmp_pat
     def killed(*args):
         raise Interrupted()
 
-    join_parts = restore_module._join_parts
-    monkeypatch.setattr(restore_module, "_join_parts", killed)
+    join_parts = restore_module.join_parts
+    monkeypatch.setattr(restore_module, "join_parts", killed)
     with pytest.raises(Interrupted):
         restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
-    monkeypatch.setattr(restore_module, "_join_parts", join_parts)
+    monkeypatch.setattr(restore_module, "join_parts", join_parts)
     (root / "m" / ".snap-tmp-join-4242").write_bytes(b"first\n")  # what the killed join had written
     r = snap("restore", ref, "--root", str(root), "--json")
     assert r.returncode == 0, r.stderr
@@ -515,7 +515,7 @@ def test_a_journal_of_another_version_is_not_resumed_from(registry, tmp_path, st
     journal = state_dir / "restore-journal" / (hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
     journal.parent.mkdir(parents=True)
     layers = [d["digest"] for d in registry.manifest("journalfmt", "v1")["layers"]]
-    journal.write_text(json.dumps({"version": restore_module.JOURNAL_VERSION + 1, "manifest": manifest_digest,
+    journal.write_text(json.dumps({"version": journal_module.VERSION + 1, "manifest": manifest_digest,
                                    "layers": layers, "applied": 2, "joined": []}))
     r = snap("restore", f"{registry.host}/journalfmt:v1", "--root", str(root), "--json")
     assert r.returncode == 0, r.stderr
