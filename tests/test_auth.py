@@ -265,3 +265,21 @@ def test_broken_credential_helper_is_one_line(secure_registry, box, tmp_path):
     r = snap("commit", f"{reg.host}/box:v9", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert,
              env={"DOCKER_CONFIG": cfg_dir})
     assert_one_line_error(r, 4, "credentials")
+
+
+def test_oras_is_used_through_its_public_api_only():
+    """No private attribute of oras-py (`_basic_auth`, `do_request.__wrapped__`, ...) is touched:
+    those change with any oras release."""
+    import ast
+    import pathlib
+
+    oras_private = {"_basic_auth", "_auth_config", "_load_auth", "_tls_verify", "_get_auth_from_creds_store",
+                    "__wrapped__"}
+    found = []
+    for path in sorted(pathlib.Path(__file__).resolve().parent.parent.joinpath("snapshotter").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not (
+                    node.attr.startswith("__") and node.attr != "__wrapped__"):
+                if node.attr in oras_private or "oras" in ast.unparse(node.value):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
