@@ -18,8 +18,9 @@ demo: $(SETUP_STAMP)
 test: $(SETUP_STAMP)
 	$(PYTHON) -m pytest -q tests
 
+# `make bench ARGS=--small` for a quick run, `make bench ARGS=--scale` for a real GPU box's sizes (not in CI).
 bench: $(SETUP_STAMP)
-	$(PYTHON) bench/bench.py
+	$(PYTHON) bench/bench.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .ci/wheels .demo bench/out .pytest_cache build *.egg-info

@@ -13,6 +13,7 @@ machine, to bench/out/results.md. Peak RSS is the largest process of the measure
 
     python3 bench/bench.py            # default sizes (20k files, 4 x 512 MiB weights)
     python3 bench/bench.py --small    # quick smoke run (2k files, 4 x 50 MiB weights)
+    python3 bench/bench.py --scale    # a real GPU box (200k files, 40 weights, 32 GiB; ~100 GB of disk, not in CI)
 Sizes: --files --weights-mib --weight-files --nodes --new-model-mib (or BENCH_FILES, ...).
 """
 
@@ -567,11 +568,11 @@ def machine() -> str:
 
 def memory_row(b: Bench, args, data: dict, label: str) -> tuple[list[str], dict]:
     """Is snap's peak RSS flat in the weights' size? Against the other standard run (small <->
-    default) if bench/out has it, else against the weights' total (25% of it at most)."""
+    default, scale -> default) if bench/out has it, else against the weights' total (25% of it at most)."""
     peak = max((r.rss for k, r in b.res.items() if k.startswith("snap_") and r.rss), default=0)
     weights = data["weights_bytes"]
     me = {"label": label, "weights_bytes": weights, "snap_peak_rss": peak}
-    other_path = os.path.join(OUT, f"run-{ {'small': 'default', 'default': 'small'}.get(label)}.json")
+    other_path = os.path.join(OUT, f"run-{ {'small': 'default', 'default': 'small', 'scale': 'default'}.get(label)}.json")
     other = json.load(open(other_path)) if os.path.exists(other_path) else None
     if other and other["weights_bytes"] != weights:
         lo, hi = sorted([me, other], key=lambda d: d["weights_bytes"])
@@ -651,6 +652,9 @@ def parse_args():
     env = lambda name, default: int(os.environ.get(f"BENCH_{name}", default))  # noqa: E731
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="quick run: 2k files, 4 x 50 MiB weights, 64 MiB model added")
+    ap.add_argument("--scale", action="store_true",
+                    help="a real GPU box: 200k venv files, 40 weights totalling 32 GiB, 1 GiB model added, one run "
+                         "of each (hours, ~100 GB of disk; `make bench ARGS=--scale`, not in CI)")
     ap.add_argument("--files", type=int, help="venv files (default 20000; BENCH_FILES)")
     ap.add_argument("--weights-mib", type=int, help="total weights in MiB (default 2048; BENCH_WEIGHTS_MIB)")
     ap.add_argument("--weight-files", type=int, help="weights files (default 4; BENCH_WEIGHT_FILES)")
@@ -664,7 +668,12 @@ def parse_args():
     a = ap.parse_args()
     small = {"files": 2000, "weights_mib": 200, "weight_files": 4, "nodes": 100, "new_model_mib": 64}
     full = {"files": 20000, "weights_mib": 2048, "weight_files": 4, "nodes": 500, "new_model_mib": 256}
-    for k, v in (small if a.small else full).items():
+    scale = {"files": 200_000, "weights_mib": 32 * 1024, "weight_files": 40, "nodes": 2000, "new_model_mib": 1024}
+    if a.scale and a.small:
+        ap.error("--small and --scale are two different sizes: pick one")
+    if a.scale and "BENCH_REPS" not in os.environ and "--reps" not in sys.argv:
+        a.reps = 1  # each run moves 32 GiB several times
+    for k, v in (scale if a.scale else small if a.small else full).items():
         if getattr(a, k) is None:
             setattr(a, k, env(k.upper(), v))
     return a
@@ -676,8 +685,9 @@ def _interrupt(*_):
 
 def main() -> int:
     args = parse_args()
-    label = "small" if args.small else "default"
-    if (args.files, args.weights_mib, args.nodes) != ((2000, 200, 100) if args.small else (20000, 2048, 500)):
+    label = "scale" if args.scale else "small" if args.small else "default"
+    preset = (200_000, 32 * 1024, 2000) if args.scale else (2000, 200, 100) if args.small else (20000, 2048, 500)
+    if (args.files, args.weights_mib, args.nodes) != preset:
         label += f"-{args.files}f-{args.weights_mib}m"
     b = Bench(tempfile.mkdtemp(prefix="snap-bench-", dir=args.workdir))
     signal.signal(signal.SIGTERM, _interrupt)
