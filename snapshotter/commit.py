@@ -93,7 +93,7 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
     log(f"indexing base image {image.ref} ({len(image.layers)} layers)")
     with progress.bar("reading base layers", total) as b:
         for layer in image.layers:
-            raw = IterReader(remote.iter_blob(layer["digest"], progress.safe_update(b)))
+            raw = IterReader(remote.iter_blob(layer["digest"], progress.safe_update(b), layer["size"]))
             stream = decompressing_reader(raw, layer["mediaType"],
                                           lambda msg, d=layer["digest"]: log(f"warning: base layer {d[:19]}: {msg}"))
             try:
@@ -400,6 +400,6 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: Bl
                 continue
             path = os.path.join(tmp_dir, d["digest"].split(":", 1)[1])
             if not (os.path.exists(path) and file_digest(path) == d["digest"]):  # a killed run's: checked first
-                source.download_blob(d["digest"], path)
+                source.download_blob(d["digest"], path, size=d["size"])
             target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
             os.unlink(path)  # only a stop on the way to the other registry

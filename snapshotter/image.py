@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Optional
 
 from .compress import oci_media_type
-from .errors import printable
+from .errors import IntegrityError, printable
 from .mediatypes import OCI_CONFIG, OCI_MANIFEST
 
 if TYPE_CHECKING:  # imported for the annotation only
@@ -155,7 +155,11 @@ def snapshot_layer_count(image: Image) -> int:
     ann = image.manifest.get("annotations", {})
     if SNAP_BASE_LAYERS not in ann:
         return 0
-    return len(image.layers) - int(ann[SNAP_BASE_LAYERS])
+    base = ann[SNAP_BASE_LAYERS]
+    if not (isinstance(base, str) and base.isascii() and base.isdigit() and int(base) <= len(image.layers)):
+        raise IntegrityError(f"image {image.ref} says {SNAP_BASE_LAYERS}={base!r} but has {len(image.layers)} layers: "
+                             "refusing a hostile image")
+    return len(image.layers) - int(base)
 
 
 def snap_label(desc: dict) -> str:

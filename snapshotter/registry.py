@@ -16,14 +16,16 @@ import hashlib
 import json
 import os
 import platform
+import re
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import requests
 
-from .errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, UsageError
+from .errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
 from .image import Image, sha256_digest
 from .mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from .reference import Reference
@@ -31,6 +33,19 @@ from .transport import Transport, TransportOptions, check, short_error
 from .upload import PIECE_SIZE, upload
 
 ProgressFn = Optional[Callable[[int], None]]
+
+MAX_DOCUMENT_SIZE = 4 << 20  # manifests, indexes, configs: distribution's own cap on a manifest
+MAX_INDEX_DEPTH = 8  # an index that names an index ...: deeper chains are refused
+# Every download has an overall deadline: READ_GRACE_S plus its declared size at the minimum
+# throughput ($SNAP_MIN_THROUGHPUT, bytes per second, K/M/G suffixes allowed). Per-read timeouts
+# alone let a registry that drips a byte every few seconds keep a restore waiting forever.
+MIN_THROUGHPUT_ENV = "SNAP_MIN_THROUGHPUT"
+DEFAULT_MIN_THROUGHPUT = 64 << 10
+READ_GRACE_S = 10
+BODY_PIECE = 1 << 20
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_RATE = re.compile(r"([0-9]+)\s*([kmg]?)(?:i?b)?(?:/s)?", re.I)
+
 
 def host_platform() -> tuple[str, str]:
     arch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(platform.machine(), platform.machine())
@@ -51,34 +66,52 @@ class Remote:
     def get_manifest(self, target: str) -> tuple[bytes, str, str]:
         """Return (bytes, media type, digest) of a manifest or index, verifying pinned digests."""
         accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
-        r = self.transport.request("GET", self.transport.url(f"manifests/{target}"), headers={"Accept": accept})
-        if r.status_code == 404:
-            raise NotFound(f"image {self.ref.name}:{target} not found in the registry" if ":" not in target
-                           else f"image {self.ref.name}@{target} not found in the registry")
-        check(r, f"fetch manifest {self.ref.name}:{target}")
-        body = r.content
+        with self.transport.request("GET", self.transport.url(f"manifests/{target}"), headers={"Accept": accept},
+                                    stream=True) as r:
+            if r.status_code == 404:
+                raise NotFound(f"image {self.ref.name}:{target} not found in the registry" if ":" not in target
+                               else f"image {self.ref.name}@{target} not found in the registry")
+            check(r, f"fetch manifest {self.ref.name}:{target}")
+            body = b"".join(self._body(r, f"manifest {target}", MAX_DOCUMENT_SIZE, RegistryError))
         digest = sha256_digest(body)
         algorithm, pinned, _ = target.partition(":")  # a digest (sha256, sha384, sha512), or a tag
         if pinned and f"{algorithm}:{hashlib.new(algorithm, body).hexdigest()}" != target:
             raise IntegrityError(f"manifest {target} from {self.ref.registry} does not match its digest")
-        media = r.headers.get("Content-Type", "").split(";")[0].strip() or json.loads(body).get("mediaType", "")
+        media = r.headers.get("Content-Type", "").split(";")[0].strip() or _json(body, "manifest").get("mediaType", "")
         return body, media, digest
 
-    def resolve(self, target: Optional[str] = None, want: Optional[tuple[str, str]] = None) -> Image:
-        """Fetch the image for this ref (following an index to the host platform) and its config."""
+    def resolve(self, target: Optional[str] = None, want: Optional[tuple[str, str]] = None, depth: int = 0) -> Image:
+        """Fetch the image for this ref (following an index to the host platform) and its config.
+        What the image's documents say is checked before it is used (IntegrityError)."""
         body, media, digest = self.get_manifest(target or self.ref.target)
         doc = _json(body, "manifest")
         if media in INDEX_TYPES or (not media and "manifests" in doc):
+            if depth >= MAX_INDEX_DEPTH:
+                raise IntegrityError(f"image {self.ref} is an index of indexes more than {MAX_INDEX_DEPTH} deep: "
+                                     "refusing a hostile image")
             os_, arch = want or host_platform()
-            for m in doc.get("manifests", []):
-                p = m.get("platform", {})
-                if p.get("os") == os_ and p.get("architecture") == arch:
-                    return self.resolve(m["digest"], want)
+            manifests = doc.get("manifests", [])
+            if not isinstance(manifests, list) or not all(isinstance(m, dict) for m in manifests):
+                raise IntegrityError(f"image {self.ref} has a malformed index")
+            for m in manifests:
+                p = m.get("platform") or {}
+                if isinstance(p, dict) and p.get("os") == os_ and p.get("architecture") == arch:
+                    if not _valid_descriptor(m):
+                        raise IntegrityError(f"image {self.ref} has a malformed descriptor in its index")
+                    return self.resolve(m["digest"], want, depth + 1)
             raise NotFound(f"image {self.ref} has no {os_}/{arch} manifest in its index")
         if media not in MANIFEST_TYPES and doc.get("mediaType") not in MANIFEST_TYPES:
             raise UsageError(f"{self.ref} is not a container image (media type {media or 'unknown'})")
-        cfg_desc = doc["config"]
-        config = self.fetch_bytes(cfg_desc["digest"])
+        cfg_desc = doc.get("config")
+        if not _valid_descriptor(cfg_desc) or not isinstance(doc.get("layers"), list) \
+                or not isinstance(doc.get("annotations", {}), dict):
+            raise IntegrityError(f"image {self.ref} has a malformed manifest (config, layers or annotations)")
+        config = self.fetch_bytes(cfg_desc["digest"], cfg_desc["size"])
+        cfg = _json(config, "config", IntegrityError)
+        rootfs = cfg.get("rootfs", {})
+        if not isinstance(rootfs, dict) or not isinstance(rootfs.get("diff_ids", []), list) \
+                or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in rootfs.get("diff_ids", [])):
+            raise IntegrityError(f"image {self.ref} has a malformed config (rootfs.diff_ids)")
         return Image(self.ref.with_digest(digest), body, digest, config)
 
     def put_manifest(self, body: bytes, media_type: str, target: str) -> str:
@@ -126,15 +159,16 @@ class Remote:
         r = self.transport.request("HEAD", self.transport.url(f"blobs/{digest}"))
         return r.status_code == 200
 
-    def fetch_bytes(self, digest: str) -> bytes:
-        """A small blob (a config) into memory, verified."""
-        r = self.transport.request("GET", self.transport.url(f"blobs/{digest}"))
-        if r.status_code == 404:
-            raise NotFound(f"blob {digest} missing from {self.ref.name}")
-        check(r, f"fetch blob {digest}")
-        if sha256_digest(r.content) != digest:
+    def fetch_bytes(self, digest: str, size: Optional[int] = None) -> bytes:
+        """A small blob (a config: at most MAX_DOCUMENT_SIZE, and `size` if given) into memory, verified."""
+        if size is not None and size > MAX_DOCUMENT_SIZE:
+            raise IntegrityError(f"blob {digest} of {self.ref.name} is {size} bytes, more than the {MAX_DOCUMENT_SIZE} "
+                                 "an image config may have: refusing a hostile image")
+        with self.open_blob(digest) as r:
+            data = b"".join(self._body(r, f"blob {digest}", MAX_DOCUMENT_SIZE if size is None else size))
+        if sha256_digest(data) != digest:
             raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest")
-        return r.content
+        return data
 
     def open_blob(self, digest: str, offset: int = 0) -> requests.Response:
         headers = {"Range": f"bytes={offset}-"} if offset else {}
@@ -144,31 +178,66 @@ class Remote:
         check(r, f"fetch blob {digest}")
         return r
 
-    def iter_blob(self, digest: str, progress: ProgressFn = None) -> Iterator[bytes]:
+    def iter_blob(self, digest: str, progress: ProgressFn = None, size: Optional[int] = None) -> Iterator[bytes]:
         """Stream a blob. Raises IntegrityError at the end if the bytes do not hash to `digest`:
-        callers that write must treat what they got as untrusted until the generator finishes."""
+        callers that write must treat what they got as untrusted until the generator finishes.
+        `size` (the descriptor's): a blob that grows past it is refused as soon as it does, and
+        the download has a deadline derived from it (see min_throughput)."""
         # Not oras's download_blob: it never checks the digest of what it wrote.
         h = hashlib.sha256()
         with self.open_blob(digest) as r:
-            try:
-                for chunk in r.iter_content(chunk_size=1 << 20):
-                    h.update(chunk)
-                    if progress:
-                        progress(len(chunk))
-                    yield chunk
-            except requests.exceptions.RequestException as e:
-                raise RegistryUnreachable(f"download of {digest} from {self.ref.registry} broke off: {short_error(e)}")
+            for chunk in self._body(r, f"blob {digest}", size):
+                h.update(chunk)
+                if progress:
+                    progress(len(chunk))
+                yield chunk
         if "sha256:" + h.hexdigest() != digest:
             raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest (tampered or corrupt)")
 
-    def download_blob(self, digest: str, dest: str, progress: ProgressFn = None, durable: bool = False) -> None:
+    def _body(self, r: requests.Response, what: str, limit: Optional[int],
+              too_long: type[SnapError] = IntegrityError) -> Iterator[bytes]:
+        """A response body in pieces of up to BODY_PIECE bytes. Refused (`too_long`) once it passes
+        `limit` bytes, and (RegistryUnreachable) once it takes longer than READ_GRACE_S plus `limit`
+        bytes at the minimum throughput. Each read takes what has arrived, so that a registry that
+        drips bytes meets the deadline instead of filling a piece first."""
+        registry = self.ref.registry
+        rate = min_throughput()
+        deadline = time.monotonic() + READ_GRACE_S + (limit or 0) / rate if limit is not None else None
+        got = 0
+        parts: list[bytes] = []
+        pending = 0
+        while True:
+            try:
+                data = r.raw.read1(BODY_PIECE, decode_content=True)
+            except Exception as e:  # noqa: BLE001 - urllib3's read errors are not requests' nor OSError
+                if isinstance(e, SnapError):
+                    raise
+                raise RegistryUnreachable(f"download of {what} from {registry} broke off: {short_error(e)}") from None
+            got += len(data)
+            if limit is not None and got > limit:
+                raise too_long(f"{what} from {registry} is longer than the {limit} bytes it may have: refusing it")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RegistryUnreachable(f"download of {what} from {registry} is slower than {rate} bytes/s "
+                                          f"({got} of {limit} bytes in {READ_GRACE_S + limit / rate:.0f} s): giving up",
+                                          f"on a slow link, set {MIN_THROUGHPUT_ENV} lower (bytes per second)")
+            if data:
+                parts.append(data)
+                pending += len(data)
+            if pending >= BODY_PIECE or (not data and pending):
+                yield b"".join(parts) if len(parts) > 1 else parts[0]
+                parts, pending = [], 0
+            if not data:
+                return
+
+    def download_blob(self, digest: str, dest: str, progress: ProgressFn = None, durable: bool = False,
+                      size: Optional[int] = None) -> None:
         """Download to `dest` atomically: written to dest.part, verified, then renamed. `durable`
         fsyncs it first (else a power loss can leave a renamed file with lost bytes: a cache
-        that keeps blobs across runs must check them again, as restore does)."""
+        that keeps blobs across runs must check them again, as restore does). `size`: see iter_blob."""
         part = dest + ".part"
         try:
             with open(part, "wb") as f:
-                for chunk in self.iter_blob(digest, progress):
+                for chunk in self.iter_blob(digest, progress, size):
                     f.write(chunk)
                 if durable:
                     f.flush()
@@ -206,8 +275,27 @@ class Remote:
         upload(self, produce, digest, size, progress)
 
 
-def _json(body: bytes, what: str) -> dict:
+def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dict:
     try:
-        return json.loads(body)
+        doc = json.loads(body)
     except ValueError:
-        raise RegistryError(f"the registry returned a {what} that is not JSON")
+        doc = None
+    if not isinstance(doc, dict):
+        raise error(f"the registry returned a {what} that is not a JSON object")
+    return doc
+
+
+def _valid_descriptor(d) -> bool:
+    return (isinstance(d, dict) and isinstance(d.get("digest"), str) and bool(_DIGEST.fullmatch(d["digest"]))
+            and type(d.get("size")) is int and d["size"] >= 0)
+
+
+def min_throughput() -> int:
+    """The slowest download accepted, in bytes per second: $SNAP_MIN_THROUGHPUT (e.g. 200k, 1M)."""
+    text = os.environ.get(MIN_THROUGHPUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_MIN_THROUGHPUT
+    m = _RATE.fullmatch(text)
+    if not m or int(m.group(1)) == 0:
+        raise UsageError(f"{MIN_THROUGHPUT_ENV}={text!r} is not a rate", "write bytes per second, e.g. 100k or 2M")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]

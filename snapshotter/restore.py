@@ -187,9 +187,9 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                 update(sizes[digest])
             elif digest in split:
                 _remove_blob(path)
-                download_split(remote.iter_blob(digest, update), path, durable=fsync)
+                download_split(remote.iter_blob(digest, update, sizes[digest]), path, durable=fsync)
             else:
-                remote.download_blob(digest, path, update, durable=fsync)
+                remote.download_blob(digest, path, update, durable=fsync, size=sizes[digest])
             return path
 
         # Submitted in layer order: the first layers arrive first, and each is applied as soon as it

@@ -102,7 +102,7 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
                 deleted.update(apply_layer_to_index(index, stream, f"layer {label}"))
 
         with progress.bar(f"reading {label}", desc["size"]) as bar:
-            blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar)))
+            blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar), desc["size"]))
             check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
         deleted -= index.keys()
     return index, deleted

@@ -7,6 +7,7 @@ import base64
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -490,11 +491,17 @@ class FaultProxy(_ThreadedServer):
     - `throttle`: bytes per second for blob download bodies; `midway` is set once `midway_at`
       bytes of one have passed.
     - `body_bytes[method]`: request body bytes forwarded (manifests under "PUT manifest");
-      `blob_bytes_sent`: blob download body bytes passed to the client; `log`: (method, path, status)."""
+      `blob_bytes_sent`: blob download body bytes passed to the client; `log`: (method, path, status).
+    - A lying registry: `lie(method, path)` may return (status, headers, body pieces) to answer
+      with a body of its own (a 300 MiB manifest, ...), streamed; `endless_blob`: the digest of a
+      blob whose body goes on past its end with zeros, without a length, until the client hangs up."""
+
 
     def __init__(self, upstream: str):
         self.upstream = upstream
         self.answer = lambda method, path: None
+        self.lie = lambda method, path: None
+        self.endless_blob: Optional[str] = None
         self.cut_upload_after: Optional[int] = None
         self.stall_uploads_after: Optional[int] = None
         self.stalled, self.release = threading.Event(), threading.Event()
@@ -580,6 +587,10 @@ class FaultProxy(_ThreadedServer):
                     self.end_headers()
                     proxy.log.append((method, path, status))
                     return
+                lie = proxy.lie(method, path)
+                if lie is not None:
+                    self._lie(method, path, *lie)
+                    return
                 upstream = http.client.HTTPConnection(proxy.upstream, timeout=300)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")}
                 chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
@@ -605,6 +616,11 @@ class FaultProxy(_ThreadedServer):
                     proxy.cut.set()
                     return
                 proxy.log.append((method, path, r.status))
+                if proxy.endless_blob and path.endswith(f"/blobs/{proxy.endless_blob}") and method == "GET":
+                    self._lie(method, path, r.status, {"Content-Type": "application/octet-stream"},
+                              itertools.chain([r.read()], itertools.repeat(bytes(1 << 16))), length=False)
+                    upstream.close()
+                    return
                 self.send_response_only(r.status)
                 length = r.getheader("Content-Length")
                 for k, v in r.getheaders():
@@ -636,6 +652,30 @@ class FaultProxy(_ThreadedServer):
                             proxy.midway.set()
                         time.sleep(len(data) / proxy.throttle)  # the slow link itself
                 upstream.close()
+
+            def _lie(self, method, path, status, headers, pieces, length=True):
+                """Answer with `pieces` as the body: with a Content-Length (their total), or without
+                one, the end of the body being the end of the connection."""
+                for _ in self._body():
+                    pass
+                proxy.log.append((method, path, status))
+                pieces = list(pieces) if length else pieces
+                self.send_response_only(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if length:
+                    self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
+                else:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+                if method == "HEAD":
+                    return
+                for piece in pieces:
+                    try:
+                        self.wfile.write(piece)
+                    except OSError:
+                        return  # the client hung up
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 
