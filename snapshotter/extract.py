@@ -41,6 +41,7 @@ from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, H
 TMP_PREFIX = ".snap-tmp-"
 READ_BUFFER = 1 << 20
 XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
+DISK_RESERVE = 64 << 20  # left free on the target: a restore never fills its disk to the last block
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
 _CAPABILITY = "security.capability"
 
@@ -89,6 +90,7 @@ class Extractor:
         self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
         self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
         self._never = PathSet(self.opts.never_write)
+        self._room = 0  # bytes still free on the target at the last look, less what was written since
         self._reset_dir_times()
 
     def _reset_dir_times(self) -> None:
@@ -242,14 +244,15 @@ class Extractor:
             return
         if not (m.isdir() or m.isreg() or m.issym() or m.islnk() or m.ischr() or m.isblk() or m.isfifo()):
             return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
-        if (m.ischr() or m.isblk()) and not (self.opts.allow_devices and os.geteuid() == 0):
+        if (m.ischr() or m.isblk() or m.isfifo()) and not self._devices_allowed(m):
             self.stats.skipped_devices.append("/" + rel)
             return  # skipped before anything is touched: the path keeps what lower layers put there
         pdir, path = self._locate(rel)
         self._note_parent(pdir)
         try:
-            # In a directory this layer created, only what this layer wrote can be there.
-            old = os.lstat(path) if pdir not in self._new_dirs or path in self._written else None
+            # In a directory this layer created, only what this layer wrote (or made on the way: a
+            # directory implied by a path below it) can be there.
+            old = os.lstat(path) if pdir not in self._new_dirs or path in self._written or path in self._new_dirs else None
         except FileNotFoundError:
             old = None
         if old is not None and (stat.S_ISLNK(old.st_mode) or (stat.S_ISDIR(old.st_mode) and not m.isdir())):
@@ -299,6 +302,25 @@ class Extractor:
                 _remove(tmp)
         self._written.add(path)
 
+    def _devices_allowed(self, m: tarfile.TarInfo) -> bool:
+        """Device nodes with --allow-devices as root; FIFOs (which a reader can block on) with
+        --allow-devices."""
+        return self.opts.allow_devices and (m.isfifo() or os.geteuid() == 0)
+
+    def _reserve(self, size: int, rel: str) -> None:
+        """Stop before a file the disk cannot hold (a decompression bomb, or an image bigger than
+        the disk): the free space is asked again only once what was free at the last look is used."""
+        self._room -= size
+        if self._room >= 0:
+            return
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize - DISK_RESERVE
+        if size > free:
+            raise StorageError(f"layer entry {quoted_path(rel)} is {size} bytes, more than the {max(free, 0)} bytes free "
+                               f"in {self.root} (keeping {DISK_RESERVE >> 20} MiB): stopping before the disk fills",
+                               "free space, or restore onto a bigger disk: the restore resumes")
+        self._room = free - size
+
     def _write_file(self, reader: TarReader, m: tarfile.TarInfo, tmp: str, rel: str) -> bool:
         """Write a regular file's data to `tmp`. True if its attributes were set too (on the open fd:
         no path lookups)."""
@@ -313,6 +335,7 @@ class Extractor:
                 if e.errno != errno.EXDEV:
                     raise
                 # The state dir is on another filesystem than this directory: copied below.
+        self._reserve(m.size, rel)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as out:
             if staged is not None:
@@ -426,9 +449,16 @@ class Extractor:
     def _set_xattr(self, path, name: str, value: str, nofollow: dict) -> None:
         if name.startswith(SKIP_XATTRS):
             return
+        data = value.encode("utf-8", "surrogateescape")
+        if len(name.encode("utf-8", "surrogateescape")) > XATTR_NAME_MAX or len(data) > XATTR_SIZE_MAX:
+            raise IntegrityError(f"extended attribute {name[:64]!r} ({len(data)} bytes) is larger than Linux allows: "
+                                 "refusing a hostile layer")
         try:
-            os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), **nofollow)
+            os.setxattr(path, name, data, **nofollow)
         except OSError as e:
+            if e.errno in (errno.E2BIG, errno.ERANGE, errno.EINVAL):
+                raise IntegrityError(f"extended attribute {name[:64]!r} cannot be set: {e.strerror}: "
+                                     "refusing a hostile layer") from None
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EACCES):
                 raise
 

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -169,7 +170,11 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     last_use = {d["digest"]: n for n, (_, d, _) in enumerate(pending)}
     # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
     # kept split, so that its big files are renamed into place instead of copied (staging.py).
-    split = {d["digest"] for _, d, diff_id in pending if diff_id == d["digest"]}
+    # Only a layer applied once: applying takes its big files away.
+    uses = Counter(d["digest"] for _, d, _ in pending)
+    split = {d["digest"] for _, d, diff_id in pending if diff_id == d["digest"] and uses[d["digest"]] == 1}
+    _check_room(blob_dir, sum(size for digest, size in sizes.items()
+                              if not os.path.exists(_blob_path(blob_dir, digest, digest in split))))
     # Started before the download threads (a fork copies only the thread that forks), and stopped
     # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
     worker = ExtractWorker(extractor)
@@ -180,7 +185,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
         update = progress.stoppable(progress.safe_update(dl), stopping)
 
         def fetch(digest: str) -> str:
-            path = os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if digest in split else ""))
+            path = _blob_path(blob_dir, digest, digest in split)
             # Left by an interrupted run: verified before its rename, but not fsynced (unless
             # --fsync), so after a power loss its bytes may be lost. Hashed again before use.
             if os.path.exists(path) and _stored_digest(path) == digest:
@@ -294,6 +299,22 @@ def _note_mislabelled(desc: dict, path: str, split: bool, label: str, log: Calla
             kind = sniff_compression(read_head(f))
     if kind is not None and (msg := label_mismatch(desc["mediaType"], kind)):
         log(f"warning: {label}: {msg}")
+
+
+def _blob_path(blob_dir: str, digest: str, split: bool) -> str:
+    return os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if split else ""))
+
+
+def _check_room(blob_dir: str, size: int) -> None:
+    """Refuse to start downloads the state dir's disk cannot hold (the layers' declared sizes)."""
+    try:
+        st = os.statvfs(blob_dir)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise StorageError(f"disk full in snap's state dir {blob_dir}: the image's layers need {size} bytes, {free} are free",
+                           "free space or point SNAP_STATE_DIR at a bigger disk")
 
 
 def _stored_digest(path: str) -> Optional[str]:

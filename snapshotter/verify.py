@@ -26,7 +26,7 @@ from typing import Callable, Optional
 from . import progress
 from .compress import IterReader, check_layer
 from .errors import IntegrityError, UsageError
-from .fsindex import BLOCK, CHAR, DIR, FILE, SYMLINK, Entry, apply_layer_to_index, bind_mounted_files, clean_path, \
+from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, apply_layer_to_index, bind_mounted_files, clean_path, \
     entry_from_member, entry_from_stat, file_digest, pseudo_mounts, read_head, self_and_parents
 from .image import SNAP_PART_FILE, Image, layer_label, left_out_secrets
 from .parts import part_links
@@ -60,7 +60,8 @@ class Difference:
     detail: str
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.detail}"
+        # A name with a newline or a control character in it is quoted: it cannot forge a line.
+        return f"{self.path if self.path.isprintable() else repr(self.path)}: {self.detail}"
 
 
 @dataclass
@@ -179,7 +180,7 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
         e = index[rel]
         if excluded(rel) or under_covered(rel):
             continue
-        if e.kind in (CHAR, BLOCK) and not opts.allow_devices:
+        if e.kind in (CHAR, BLOCK, FIFO) and not opts.allow_devices:
             continue  # restore skips device nodes unless asked
         if e.kind != DIR:
             covered.add(rel)  # nothing below a non-directory is reachable

@@ -1,0 +1,152 @@
+"""Valid-but-unusual layers restore correctly, and the policies hold on every path that writes:
+FIFOs are devices, a joined file is never setuid unless allowed, a file larger than the disk stops
+the restore before the disk fills, xattrs larger than Linux allows are a bad image. verify refuses
+what restore refuses. The journal grows by a line per layer."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+import tarfile
+
+import pytest
+
+from test_hostile import PART, MARK, _part_image, jail, layer, member, push, push_annotated, repo_for  # noqa: F401
+from test_hostile_tars import raw_header, run_snap
+
+IS_ROOT = os.geteuid() == 0
+
+
+def fifo(name: str) -> tuple[tarfile.TarInfo, bytes]:
+    ti, data = member(name)
+    ti.type = tarfile.FIFOTYPE
+    return ti, data
+
+
+# ---- valid tars that are unusual ---------------------------------------------------------------------
+
+def test_a_directory_entry_after_its_contents(registry, jail, request):
+    ref = push(registry, request, layer(member("a/b/c", data=b"c\n"), member("a/b/", "dir", mode=0o750),
+                                       member("a/", "dir", mode=0o711)))
+    jail.ok(jail.restore(ref))
+    assert (jail.root / "a/b/c").read_bytes() == b"c\n"
+    assert stat.S_IMODE(os.lstat(jail.root / "a/b").st_mode) == 0o750
+    assert stat.S_IMODE(os.lstat(jail.root / "a").st_mode) == 0o711
+
+
+def test_a_symlink_over_an_implied_directory(registry, jail, request):
+    """As containerd does: the later entry replaces the directory the earlier one implied."""
+    ref = push(registry, request, layer(member("x/a/b", data=b"b\n"), member("x/a", "symlink", linkname="elsewhere")))
+    jail.ok(jail.restore(ref))
+    assert os.readlink(jail.root / "x/a") == "elsewhere"
+
+
+def test_the_same_uncompressed_layer_listed_twice(registry, jail, request):
+    big = os.urandom(3 << 20)  # big enough to be kept split (staging.py) and renamed into place
+    weights = layer(member("w/", "dir"), member("w/model.bin", data=big))
+    gone = layer(member("w/.wh.model.bin"))
+    ref = push(registry, request, weights, gone, weights)
+    jail.ok(jail.restore(ref))
+    assert (jail.root / "w/model.bin").read_bytes() == big
+
+
+# ---- policies ------------------------------------------------------------------------------------------
+
+def test_fifos_are_devices(registry, jail, request, tmp_path):
+    ref = push(registry, request, layer(member("p/", "dir"), fifo("p/pipe"), member("p/f", data=b"f\n")))
+    jail.ok(jail.restore(ref))
+    assert not os.path.lexists(jail.root / "p/pipe") and (jail.root / "p/f").exists()
+    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    assert r.returncode == 0, r.stdout + r.stderr  # verify expects what restore wrote
+    other = tmp_path / "other"
+    r, _ = run_snap(tmp_path, "restore", ref, "--root", str(other), "--allow-devices")
+    assert r.returncode == 0, r.stderr
+    assert stat.S_ISFIFO(os.lstat(other / "p/pipe").st_mode)
+
+
+def test_a_part_hardlinked_to_a_setuid_file_does_not_make_a_setuid_file(registry, jail, request):
+    (jail.root / "bin").mkdir(parents=True)
+    (jail.root / "bin/su").write_bytes(b"first part\n")
+    os.chmod(jail.root / "bin/su", 0o4755)
+    ref = _part_image(registry, request, member(PART.format(1, 2), "hardlink", linkname="bin/su"))
+    jail.ok(jail.restore(ref))
+    assert (jail.root / "m/big").read_bytes() == b"first part\nsecond part\n"
+    assert stat.S_IMODE(os.lstat(jail.root / "m/big").st_mode) == 0o755
+    assert stat.S_IMODE(os.lstat(jail.root / "bin/su").st_mode) == 0o4755  # what was there stays
+
+
+def test_a_file_larger_than_the_disk_stops_before_writing(registry, jail, request):
+    jail.root.mkdir()
+    st = os.statvfs(jail.root)
+    declared = st.f_bavail * st.f_frsize + (1 << 30)  # more than is free: a bomb would fill the disk
+    size_field = b"\x80" + declared.to_bytes(11, "big")  # base-256, as GNU tar writes sizes over 8 GiB
+    tar = raw_header(b"bomb", size_field=size_field) + os.urandom(1 << 20)  # (the rest never comes)
+    ref = push(registry, request, tar)
+    r = jail.restore(ref)
+    assert r.returncode == 7, r.stderr
+    assert "stopping before the disk fills" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert os.listdir(jail.root) == []
+
+
+def test_an_xattr_larger_than_linux_allows_is_a_bad_image(registry, jail, request):
+    ref = push(registry, request, layer(member("f", data=b"f", pax={"SCHILY.xattr.user.big": "x" * 70_000})))
+    assert "extended attribute" in jail.refused(jail.restore(ref))
+
+
+# ---- verify is as strict as restore ------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["absolute", "dotdot", "hardlink-out", "whiteout-dotdot", "symlink-loop",
+                                  "hardlink-missing"])
+def test_verify_refuses_what_restore_refuses(registry, jail, request, tmp_path, case):
+    layers = {
+        "absolute": [layer(member(f"{jail.outside}/{MARK}", data=b"x"))],
+        "dotdot": [layer(member(f"a/../../{MARK}", data=b"x"))],
+        "hardlink-out": [layer(member("hl", "hardlink", linkname="../outside/secret"))],
+        "whiteout-dotdot": [layer(member("a/", "dir")), layer(member("a/.wh..."))],
+        "symlink-loop": [layer(member("a", "symlink", linkname="b"), member("b", "symlink", linkname="a"),
+                               member("a/x", data=b"x"))],
+        "hardlink-missing": [layer(member("hl", "hardlink", linkname="nowhere"))],
+    }[case]
+    ref = push(registry, request, *layers)
+    jail.refused(jail.restore(ref))
+    jail.root.mkdir(exist_ok=True)
+    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    jail.refused(r)
+
+
+def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
+    """A '..' path a later layer deletes again: refused, not probed (nor reported) outside the root."""
+    ref = push(registry, request, layer(member("a/", "dir"), member("a/../../outside/keep", data=b"sentinel\n")),
+               layer(member("a/.wh.keep")))
+    jail.root.mkdir()
+    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    assert "outside" not in r.stdout
+    jail.refused(r)
+
+
+def test_a_name_with_a_newline_cannot_forge_a_line_of_the_verify_report(registry, jail, request, tmp_path):
+    ref = push(registry, request, layer(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
+    jail.root.mkdir()
+    (jail.root / "d").mkdir()
+    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    assert r.returncode == 9, r.stderr
+    assert r.stdout.splitlines()[0].startswith("'/d/x\\n/etc/passwd"), r.stdout
+    assert not any(line.startswith("/etc/passwd") for line in r.stdout.splitlines())
+
+
+# ---- the journal ---------------------------------------------------------------------------------------
+
+def test_the_journal_grows_by_one_line_per_layer(registry, jail, request, tmp_path, state_dir):
+    layers = [layer(member(f"f{i}", data=b"%d" % i)) for i in range(3)]
+    repo = repo_for(request)
+    diff_ids = ["sha256:" + hashlib.sha256(b).hexdigest() for b in layers]
+    diff_ids[2] = "sha256:" + "0" * 64  # the third layer fails its check: the journal stays
+    registry.push_image(repo, "v1", layers, layer_media_type="application/vnd.oci.image.layer.v1.tar", diff_ids=diff_ids)
+    r = jail.restore(f"{registry.host}/{repo}:v1")
+    assert r.returncode == 6, r.stderr
+    (journal,) = list((state_dir / "restore-journal").iterdir())
+    lines = journal.read_text().splitlines()
+    assert json.loads(lines[0])["layers"] and [json.loads(line) for line in lines[1:]] == [{"applied": 1}, {"applied": 2}]
