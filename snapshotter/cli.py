@@ -183,7 +183,7 @@ def restore(
     ref: str = typer.Argument(..., help="The snapshot image, e.g. registry.example.com/me/box:v2"),
     root: str = typer.Option(..., "--root", help="Directory to restore into (use / on a fresh VM)."),
     only_snapshot: bool = typer.Option(False, "--only-snapshot", help="Apply only snap's layers (the base is already on disk)."),
-    allow_devices: bool = typer.Option(False, "--allow-devices", help="Create device nodes from the layers (root only)."),
+    allow_devices: bool = typer.Option(False, "--allow-devices", help="Create device nodes (as root) and FIFOs from the layers."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Keep setuid/setgid bits (root only); stripped otherwise."),
     fsync: bool = typer.Option(False, "--fsync", help="fsync every file before renaming it into place (survives power loss; slower)."),
     force: bool = typer.Option(False, "--force", help="Apply a full image (base layers too) even onto a root that "
@@ -208,7 +208,8 @@ def restore(
     with _sigterm_stops():
         result = restore_image(ref, root, opts)
     if result.skipped_devices:
-        _say(f"skipped {len(result.skipped_devices)} device node(s) (pass --allow-devices as root to create them)")
+        _say(f"skipped {len(result.skipped_devices)} device node(s) and FIFO(s) (pass --allow-devices, as root for "
+             "device nodes, to create them)")
     if result.stripped_setuid:
         _say(f"stripped setuid/setgid from {len(result.stripped_setuid)} file(s) (pass --allow-setuid as root to keep them)")
     if as_json:
@@ -258,7 +259,7 @@ def verify(
     root: str = typer.Option(..., "--root", help="Directory to compare with the image (use / on a restored VM)."),
     only_snapshot: bool = typer.Option(False, "--only-snapshot", help="Compare only the paths of snap's layers (the base came from elsewhere)."),
     strict: bool = typer.Option(False, "--strict", help="Also report files the image does not have (outside the profile's exclude list)."),
-    allow_devices: bool = typer.Option(False, "--allow-devices", help="Expect device nodes (restored with --allow-devices)."),
+    allow_devices: bool = typer.Option(False, "--allow-devices", help="Expect device nodes and FIFOs (restored with --allow-devices)."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Expect setuid/setgid bits (restored with --allow-setuid)."),
     profile: str = typer.Option("default", "--profile", help="Profile whose exclude list is not compared."),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
