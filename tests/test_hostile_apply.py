@@ -120,7 +120,7 @@ def test_verify_refuses_what_restore_refuses(registry, jail, request, tmp_path, 
 def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
     """A '..' path a later layer deletes again: refused, not probed (nor reported) outside the root."""
     ref = push(registry, request, layer(member("a/", "dir"), member("a/../../outside/keep", data=b"sentinel\n")),
-               layer(member("a/.wh.keep")))
+               layer(member("a/../../outside/.wh.keep")))
     jail.root.mkdir()
     r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
     assert "outside" not in r.stdout
