@@ -41,7 +41,6 @@ from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, H
 TMP_PREFIX = ".snap-tmp-"
 READ_BUFFER = 1 << 20
 XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
-DISK_RESERVE = 64 << 20  # left free on the target: a restore never fills its disk to the last block
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
 _CAPABILITY = "security.capability"
 
@@ -314,10 +313,10 @@ class Extractor:
         if self._room >= 0:
             return
         st = os.statvfs(self.root)
-        free = st.f_bavail * st.f_frsize - DISK_RESERVE
+        free = st.f_bavail * st.f_frsize
         if size > free:
-            raise StorageError(f"layer entry {quoted_path(rel)} is {size} bytes, more than the {max(free, 0)} bytes free "
-                               f"in {self.root} (keeping {DISK_RESERVE >> 20} MiB): stopping before the disk fills",
+            raise StorageError(f"disk full in {self.root}: layer entry {quoted_path(rel)} needs {size} bytes, {free} are free: "
+                               "stopping before writing it (an image bigger than the disk, or a decompression bomb)",
                                "free space, or restore onto a bigger disk: the restore resumes")
         self._room = free - size
 
