@@ -102,10 +102,13 @@ class Scan:
     pseudo_mounts: set[str] = field(default_factory=set)  # kernel views (proc, sysfs, ...) not walked
     host_files: list[str] = field(default_factory=list)  # files bind-mounted from the host, and links to them
 
+    @functools.cached_property
+    def _left_out(self) -> frozenset[str]:
+        return frozenset(self.pseudo_mounts.union(self.skipped_secrets, self.host_files))
+
     def not_walked(self, path: str) -> bool:
         """Under a pseudo mount, a left-out secret or a host file: base paths there are unknown, not deleted."""
-        left_out = self.pseudo_mounts.union(self.skipped_secrets, self.host_files)
-        return any(p in left_out for p in self_and_parents(path))
+        return any(p in self._left_out for p in self_and_parents(path))
 
 
 def self_and_parents(path: str):
