@@ -297,6 +297,7 @@ class Watcher:
         self._trace(f"planned {len(cp.plans)} layer(s)")
         tokens = {p: _token(e) for p, e in cp.scan.entries.items() if p not in held}
         if first and self._is_current(cp):
+            self.current = self.current or "its snapshot made before this watcher started"
             self.log(f"{self.moving} already holds this box: nothing to send")
             self._committed(tokens, now)
             return None
