@@ -364,8 +364,10 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
             finally:
                 os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
 
-        futures = {pool.submit(produce, plan): (i, plan, fp) for i, plan, fp in todo}
-        try:
+        futures = {}
+        try:  # a Ctrl-C while the layers are still being handed out must stop the ones already started
+            for i, plan, fp in todo:
+                futures[pool.submit(produce, plan)] = (i, plan, fp)
             for fut, (i, plan, fp) in futures.items():
                 blob, status = fut.result()
                 results[i] = (plan, blob, status)
