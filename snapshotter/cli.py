@@ -180,8 +180,19 @@ def commit(
 @app.command()
 @_errors
 def restore(
-    ref: str = typer.Argument(..., help="The snapshot image, e.g. registry.example.com/me/box:v2"),
-    root: str = typer.Option(..., "--root", help="Directory to restore into (use / on a fresh VM)."),
+    ref: Optional[str] = typer.Argument(None, help="The snapshot image, e.g. registry.example.com/me/box:v2 "
+                                        "(not with --wait)."),
+    root: Optional[str] = typer.Option(None, "--root", help="Directory to restore into (use / on a fresh VM). "
+                                       "With --wait: the root of the restore to wait for (default /)."),
+    then: Optional[str] = typer.Option(None, "--then", help="Start this command (by the shell, in the background, "
+                                       "with snap's stdout and stderr) as soon as every layer but the weights is "
+                                       "applied, while the weights still arrive. It keeps running when the restore "
+                                       "ends, whatever the restore's exit code; the restore exits with its own."),
+    wait: Optional[str] = typer.Option(None, "--wait", help="Instead of restoring: block until the restore into "
+                                       "--root has landed this file (a path on this machine). Exit 0 once it is "
+                                       "there; 2 if no restore is running, 5 if the image lacks it, 11 on --timeout."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds "
+                                            "(default: wait as long as the restore runs)."),
     only_snapshot: bool = typer.Option(False, "--only-snapshot", help="Apply only snap's layers (the base is already on disk)."),
     allow_devices: bool = typer.Option(False, "--allow-devices", help="Create device nodes (as root) and FIFOs from the layers."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Keep setuid/setgid bits (root only); stripped otherwise."),
@@ -196,12 +207,22 @@ def restore(
 ):
     """Extract mode: pull the image's layers, verify every digest, and write them at their original paths.
     Needs no Docker. An interrupted restore leaves no half-written file and resumes when run again.
-    The profile's excluded paths are never written; a full image onto a live system is refused."""
+    The profile's excluded paths are never written; a full image onto a live system is refused.
+    Weights are applied last: --then starts the app before they land, --wait PATH waits for one."""
     from .extract import ExtractOptions
+    from .landing import start_then, wait_landed
     from .restore import RestoreOptions, restore_image
 
+    if wait is not None:
+        if ref is not None or then is not None:
+            raise UsageError("--wait takes no image and no --then", "run `snap restore --wait PATH [--root ROOT]`")
+        wait_landed(wait, root or "/", timeout)
+        return
+    if ref is None or root is None:
+        raise UsageError("snap restore needs an image and --root", "run `snap restore REF --root DIR`")
     opts = RestoreOptions(
         only_snapshot=only_snapshot, force=force, profile=profile,
+        on_app_ready=(lambda: _started(start_then(then), then)) if then is not None else None,
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
@@ -223,6 +244,10 @@ def restore(
     if result.seeded_layers:
         _say(f"stat cache: the next commit of {root} will not re-read the {result.seeded_layers} snap layer(s) "
              "left unchanged")
+
+
+def _started(app_process, command: str) -> None:
+    _say(f"started {command!r} (pid {app_process.pid}) while the weights still arrive")
 
 
 @app.command("run")

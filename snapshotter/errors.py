@@ -65,6 +65,12 @@ class RegistryError(SnapError):
     exit_code = 10
 
 
+class WaitTimeout(SnapError):
+    """`snap restore --wait` gave up: the file had not landed in time."""
+
+    exit_code = 11
+
+
 def quoted_path(rel: str) -> str:
     """A root-relative path from an image or a tree, for a message: '/a/b', quoted and escaped like
     repr, so that a newline or a control character in a name cannot forge lines of output."""

@@ -74,7 +74,9 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
                 compression: Optional[str] = None,
                 max_layer_size: int = DEFAULT_MAX_LAYER_SIZE) -> list[LayerPlan]:
     """Assign every changed and deleted path to a profile layer, then split each as its rule says.
-    Returns the non-empty plans in profile order."""
+    Returns the non-empty plans in profile order, except that the weights layers come last: a
+    restore can start the app once the layers before them are applied (`snap restore --then`).
+    Each path is in one layer only, so no whiteout of an earlier layer concerns a later one."""
     plans = {r.name: LayerPlan(r.name, _compression(r.compression, compression)) for r in profile.layers}
     changed = {e.path: e for e in d.changed}
     # Hardlinked files travel together, in the layer of their first path, so the links survive.
@@ -99,7 +101,7 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         old = base[path]
         plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
     out: list[LayerPlan] = []
-    for rule in profile.layers:
+    for rule in sorted(profile.layers, key=lambda r: r.weights):  # stable: profile order otherwise
         out.extend(split_plan(plans[rule.name], rule, max_layer_size))
     out = [p for p in out if not p.empty]
     add_parent_dirs(out, scan.entries, changed, base)
@@ -184,7 +186,7 @@ def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[La
     """Cut one profile layer into image layers: single-file layers, part layers, bundles."""
     if max_layer_size <= 0:
         raise ValueError("max_layer_size must be positive")
-    weights = rule.file_layer_min is not None or rule.bundle_max is not None
+    weights = rule.weights
     singles: list[LayerPlan] = []
     rest: list[Entry] = []
     # For a weights layer, directories and deletions go into a small layer of their own, last:

@@ -148,6 +148,12 @@ class LayerRule:
     file_layer_min: Optional[int] = None
     bundle_max: Optional[int] = None
 
+    @property
+    def weights(self) -> bool:
+        """A weights layer (single-file layers and bundles): committed last, so that a restore can
+        start the app (`--then`) while these still arrive."""
+        return self.file_layer_min is not None or self.bundle_max is not None
+
 
 @dataclass
 class Profile:

@@ -35,6 +35,7 @@ from .errors import IntegrityError, StorageError, UsageError
 from .extract import ExtractOptions, Extractor, ExtractStats, storage_error
 from .image import BASE_DIGEST, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
 from .journal import Journal
+from .landing import Progress, app_ready_after
 from .parts import join_parts, part_files, part_links
 from .profile import Profile, available_profiles, load_profile
 from .reference import Reference
@@ -59,6 +60,8 @@ class RestoreOptions:
     seed_stat_cache: bool = True  # record the snap layers, so that the next commit reads no unchanged one
     force: bool = False  # apply a full image even onto a root that holds an operating system
     profile: Optional[str] = None  # whose `exclude` is never written; None: the image's own, if snap ships it
+    # Called once every layer but the weights is applied (landing.py): `snap restore --then` starts the app.
+    on_app_ready: Optional[Callable[[], None]] = None
 
 
 @dataclass
@@ -126,21 +129,41 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
     if base_layers > 0 and not opts.force and not journal.started_here():
         refuse_live_system(root, image, base_layers)
-    never_write = tuple(restore_profile(image, opts.profile).exclude.patterns)
+    profile = restore_profile(image, opts.profile)
+    never_write = tuple(profile.exclude.patterns)
     extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write))
     journal.load(opts.log)
     resumed = journal.applied
     if resumed:
         opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
-    applied, headers, stats = _apply_layers(remote, todo, journal, extractor, opts)
-    if parts:
-        join_parts(extractor, parts, links, opts.extract.fsync, journal)
+    weights = {r.name for r in profile.layers if r.weights}
+    progress = Progress(root, [d for _, d, _ in todo], weights)
+    ready_at = app_ready_after([d for _, d, _ in todo], weights)
+
+    def after_layer(count: int, desc: Optional[dict]) -> None:
+        if desc is not None:
+            progress.landed(desc, weights)
+        if count == ready_at and opts.on_app_ready is not None:
+            opts.on_app_ready()
+
+    try:
+        if resumed >= ready_at:
+            after_layer(ready_at, None)
+        applied, headers, stats = _apply_layers(remote, todo, journal, extractor, opts, after_layer)
+        if parts:
+            join_parts(extractor, parts, links, opts.extract.fsync, journal)
+        if ready_at > len(todo):
+            after_layer(ready_at, None)
+    except BaseException:
+        progress.finish(ok=False)
+        raise
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
     _note_sources(reference, image)
     _keep_base_index(remote, image, opts.log)
     seeded = note_restore(root, image, headers) if headers and opts.seed_stat_cache else 0
+    progress.finish(ok=True)
     stats.files += extractor.stats.files  # the joins
     stats.bytes += extractor.stats.bytes
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, stats.files, stats.bytes,
@@ -156,9 +179,10 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
 
 
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
-                  opts: RestoreOptions) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  opts: RestoreOptions, after_layer: Callable[[int, dict], None]) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Download the layers the journal does not list as applied, several at once, and apply each
-    in order as soon as it is verified, noting it in the journal. Returns (labels of the layers
+    in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
+    many are applied). Returns (labels of the layers
     applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats)."""
     resumed, fsync = journal.applied, opts.extract.fsync
     pending = todo[resumed:]
@@ -213,6 +237,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                     headers[desc["digest"]] = record
                 journal.record_applied(resumed + n + 1)
                 applied.append(label)
+                after_layer(resumed + n + 1, desc)
                 if last_use[desc["digest"]] == n:
                     _remove_blob(path)
         except BaseException as e:

@@ -494,7 +494,8 @@ class FaultProxy(_ThreadedServer):
       `blob_bytes_sent`: blob download body bytes passed to the client; `log`: (method, path, status).
     - A lying registry: `lie(method, path)` may return (status, headers, body pieces) to answer
       with a body of its own (a 300 MiB manifest, ...), streamed; `endless_blob`: the digest of a
-      blob whose body goes on past its end with zeros, without a length, until the client hangs up."""
+      blob whose body goes on past its end with zeros, without a length, until the client hangs up.
+    - `hold_blob`: the digest of a blob whose downloads wait (setting `holding`) until `unhold` is set."""
 
 
     def __init__(self, upstream: str):
@@ -502,6 +503,8 @@ class FaultProxy(_ThreadedServer):
         self.answer = lambda method, path: None
         self.lie = lambda method, path: None
         self.endless_blob: Optional[str] = None
+        self.hold_blob: Optional[str] = None
+        self.holding, self.unhold = threading.Event(), threading.Event()
         self.cut_upload_after: Optional[int] = None
         self.stall_uploads_after: Optional[int] = None
         self.stalled, self.release = threading.Event(), threading.Event()
@@ -587,6 +590,9 @@ class FaultProxy(_ThreadedServer):
                     self.end_headers()
                     proxy.log.append((method, path, status))
                     return
+                if proxy.hold_blob and method == "GET" and path.endswith(f"/blobs/{proxy.hold_blob}"):
+                    proxy.holding.set()
+                    proxy.unhold.wait(300)  # a weight still on its way, until the test lets it arrive
                 lie = proxy.lie(method, path)
                 if lie is not None:
                     self._lie(method, path, *lie)

@@ -23,7 +23,7 @@ def layers_by_name(manifest):
 
 
 MODELS_META = "models (directories and deletions)"
-SNAP_LAYERS = ["venv", "custom_nodes", "models", MODELS_META, "rest"]
+SNAP_LAYERS = ["venv", "custom_nodes", "rest", "models", MODELS_META]  # weights last: `restore --then`
 
 
 def commit_json(target, base, root, *extra):
@@ -55,7 +55,7 @@ def test_image_layout_split_and_media_types(registry, base_ref, box):
     m = registry.manifest("layout", "v1")
     base = registry.manifest("base", "1")
     assert m["mediaType"] == "application/vnd.oci.image.manifest.v1+json"
-    # Base layers first, unchanged, then one layer per non-empty profile layer, in profile order.
+    # Base layers first, unchanged, then one layer per non-empty profile layer, in profile order, weights last.
     assert [d["digest"] for d in m["layers"][:2]] == [d["digest"] for d in base["layers"]]
     named = layers_by_name(m)
     assert list(named) == SNAP_LAYERS

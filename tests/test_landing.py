@@ -1,0 +1,90 @@
+"""`snap restore --then CMD` starts the app once every layer but the weights is applied, while a
+weight is still on its way (held by a proxy until the test lets it go); `snap restore --wait PATH`
+returns once that weight has landed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+from conftest import NOT_CAPTURED, snap
+from support import snapshot_of_tree
+from test_restore_reliability import assert_one_line_error
+from test_watch import SMALL_WEIGHTS
+
+WEIGHT = "opt/app/models/checkpoints/sd15.safetensors"  # 2 MB: a layer of its own with SMALL_WEIGHTS
+TIMEOUT = 120  # generous overall bound for a process to get somewhere
+
+
+def _snap_proc(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "snapshotter", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _read_fifo(fifo: str, got: list, done: threading.Event) -> None:
+    with open(fifo) as f:  # blocks until the app opens it: no timing
+        got.append(f.read())
+    done.set()
+
+
+def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_has(registry, proxy, base_ref, box, tmp_path):
+    profile = tmp_path / "small-weights.yaml"
+    profile.write_text(SMALL_WEIGHTS)
+    snap("commit", f"{registry.host}/then:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)
+    layers = registry.manifest("then", "v1")["layers"]
+    names = [d.get("annotations", {}).get("dev.snap.layer") for d in layers]
+    first_weight = names.index("models")
+    assert set(names[first_weight:]) == {"models"}  # weights last
+    weight_desc = next(d for d in layers if d.get("annotations", {}).get("dev.snap.content") == WEIGHT)
+    proxy.hold_blob = weight_desc["digest"]
+
+    root = tmp_path / "restored"
+    fifo = tmp_path / "app-started"
+    os.mkfifo(fifo)
+    app = (f"if [ -e {root}/{WEIGHT} ]; then w=present; else w=absent; fi; "
+           f"if [ -e {root}/opt/app/venv/lib/python3.11/site-packages/torch/_C.so ]; then v=present; else v=absent; fi; "
+           f"echo weight=$w venv=$v > {fifo}")
+    got: list[str] = []
+    started = threading.Event()
+    threading.Thread(target=_read_fifo, args=(str(fifo), got, started), daemon=True).start()
+    restore = _snap_proc("restore", f"{proxy.host}/then:v1", "--root", str(root), "--then", app)
+    waiter = None
+    try:
+        assert started.wait(TIMEOUT), "the app never started"
+        assert got == ["weight=absent venv=present\n"]  # the app ran with its venv, before the weight
+        assert proxy.holding.is_set() and restore.poll() is None
+        r = snap("restore", "--wait", f"{root}/{WEIGHT}", "--root", str(root), "--timeout", "0")
+        assert_one_line_error(r, 11, "timed out", "sd15.safetensors")
+        waiter = _snap_proc("restore", "--wait", f"{root}/{WEIGHT}", "--root", str(root))
+    finally:
+        proxy.unhold.set()
+    out, err = restore.communicate(timeout=TIMEOUT)
+    assert restore.returncode == 0, err
+    assert f"started {app!r}" in err
+    assert waiter.wait(TIMEOUT) == 0, waiter.communicate()
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+    # Done: any file of the image has landed; one it lacks, or a root nothing restored into, is one line.
+    assert snap("restore", "--wait", f"{root}/opt/app/config.yaml", "--root", str(root)).returncode == 0
+    r = snap("restore", "--wait", f"{root}/opt/app/nope.bin", "--root", str(root))
+    assert_one_line_error(r, 5, "nope.bin", "not in the image")
+    r = snap("restore", "--wait", f"{tmp_path}/elsewhere/x", "--root", str(tmp_path / "elsewhere"))
+    assert_one_line_error(r, 2, "no restore")
+
+
+def test_weights_layers_come_last_whatever_the_profile_order(registry, base_ref, box, tmp_path):
+    # comfyui lists `outputs` after models: the weights still go last (and its ComfyUI-only custom_nodes is empty).
+    profile = tmp_path / "comfy.yaml"
+    profile.write_text(open(os.path.join(os.path.dirname(__file__), "..", "layers", "comfyui.yaml")).read()
+                       .replace("**/ComfyUI/models/**", "**/models/**").replace("**/ComfyUI/output/**", "opt/app/out/**"))
+    os.makedirs(os.path.join(box, "opt/app/out"))
+    with open(os.path.join(box, "opt/app/out/img.png"), "wb") as f:
+        f.write(b"png")
+    r = snap("commit", f"{registry.host}/order:v1", "--base", base_ref, "--root", box, "--profile", str(profile), "--json",
+             check=True)
+    assert json.loads(r.stdout)
+    names = [d["annotations"]["dev.snap.layer"] for d in registry.manifest("order", "v1")["layers"][2:]]
+    assert names == ["venv", "outputs", "rest", "models", "models"], names
