@@ -19,15 +19,17 @@ from typing import Callable, Optional
 
 from .errors import NotFound, UsageError, WaitTimeout
 from .image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART_FILE
-from .state import replace_file, sub
+from .state import replace_file, state_dir, sub
 
 VERSION = 1
+PROGRESS_DIR = "restore-progress"
 POLL_SECONDS = 0.1
 
 
-def progress_path(root: str) -> str:
+def progress_path(root: str, directory: Optional[str] = None) -> str:
+    """The progress file of a restore into `root`, in `directory` (default: made in the state dir)."""
     key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-    return os.path.join(sub("restore-progress"), key + ".json")
+    return os.path.join(directory or sub(PROGRESS_DIR), key + ".json")
 
 
 def weight_file(desc: dict, weights: set[str]) -> Optional[str]:
@@ -112,7 +114,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
     if rel == ".." or rel.startswith("../") or rel == ".":
         raise UsageError(f"{path!r} is not a file under the restore root {root!r}", "pass --root")
     deadline = None if timeout is None else clock() + timeout
-    progress = progress_path(real_root)
+    progress = progress_path(real_root, os.path.join(state_dir(), PROGRESS_DIR))  # read only: nothing made
     while True:
         try:
             with open(progress) as f:
