@@ -187,7 +187,8 @@ def restore(
     then: Optional[str] = typer.Option(None, "--then", help="Start this command (by the shell, in the background, "
                                        "with snap's stdout and stderr) as soon as every layer but the weights is "
                                        "applied, while the weights still arrive. It keeps running when the restore "
-                                       "ends, whatever the restore's exit code; the restore exits with its own."),
+                                       "ends, whatever the restore's exit code, which is its own (a Ctrl-C in the "
+                                       "terminal reaches both)."),
     wait: Optional[str] = typer.Option(None, "--wait", help="Instead of restoring: block until the restore into "
                                        "--root has landed this file (a path on this machine). Exit 0 once it is "
                                        "there; 2 if no restore is running, 5 if the image lacks it, 11 on --timeout."),
