@@ -32,6 +32,7 @@ from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote, host_platform
 from .restorerecord import RestoreRecord
+from .staging import staging_dirs
 from .state import exclusive, state_dir, sub
 from .statcache import StatCache, note_last_commit
 from .transport import TransportOptions
@@ -106,9 +107,10 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
 
 
 def own_excludes(root: str) -> tuple[str, ...]:
-    """Our own state dir must never end up in the snapshot."""
+    """Our own state dir, and the staging dirs of restores into this root (a stopped one keeps its
+    downloads there to resume), must never end up in the snapshot."""
     own = os.path.relpath(state_dir(), root)
-    return (own,) if not own.startswith("..") else ()
+    return (*((own,) if not own.startswith("..") else ()), *staging_dirs(root))
 
 
 def scan_root(root: str, profile: Profile) -> Scan:

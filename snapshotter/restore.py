@@ -1,6 +1,7 @@
 """`snap restore` (extract mode): pull an image's layers, verify them, and apply them onto a directory.
 
-Blobs download to the local state dir, several at once, and each layer is applied as soon as its
+Blobs download into staging directories inside the restore root (staging.py: on the filesystem
+each layer lands on, not the state dir's), several at once, and each layer is applied as soon as its
 digest is checked and the layers before it are applied: no unverified byte reaches the target, and
 the extraction of the first layers overlaps the download of the rest. Layers are applied in order,
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
@@ -33,7 +34,7 @@ from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import ExtractOptions, Extractor, ExtractStats, storage_error
-from .image import BASE_DIGEST, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
+from .image import BASE_DIGEST, SNAP_CONTENT, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
 from .journal import Journal
 from .landing import Progress, app_ready_after
 from .parts import join_parts, part_files, part_links
@@ -41,14 +42,14 @@ from .profile import Profile, available_profiles, load_profile
 from .reference import Reference
 from .registry import Remote
 from .restorerecord import note_restore
-from .staging import SPLIT_SUFFIX, SplitLayer, download_split
+from .staging import SPLIT_SUFFIX, STAGING_PREFIX, SplitLayer, StagingDirs, download_split
 from .state import exclusive, state_dir, sub
 from .transport import TransportOptions
 
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
 # process of their own beside them; more streams than cores only slowed the restore down.
 DOWNLOAD_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the state dir safe
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the staging dir safe
 
 
 @dataclass
@@ -130,7 +131,8 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     if base_layers > 0 and not opts.force and not journal.started_here():
         refuse_live_system(root, image, base_layers)
     profile = restore_profile(image, opts.profile)
-    never_write = tuple(profile.exclude.patterns)
+    # A layer never writes into a staging dir: it holds the verified blobs of the layers after it.
+    never_write = (*profile.exclude.patterns, f"{STAGING_PREFIX}*")
     extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write))
     journal.load(opts.log)
     resumed = journal.applied
@@ -146,16 +148,20 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         if count == ready_at and opts.on_app_ready is not None:
             opts.on_app_ready()
 
+    staging = StagingDirs(root, image.manifest_digest)
     try:
         if resumed >= ready_at:
             after_layer(ready_at, None)
-        applied, headers, stats = _apply_layers(remote, todo, journal, extractor, opts, after_layer)
+        applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer)
+        staging.remove()  # the layers are applied: the root holds nothing of ours
         if parts:
             join_parts(extractor, parts, links, opts.extract.fsync, journal)
         if ready_at > len(todo):
             after_layer(ready_at, None)
-    except BaseException:
+    except BaseException as e:
         progress.finish(ok=False)
+        # Kept for the next run, unless the image itself is refused: running it again will not help.
+        staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError)))
         raise
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
@@ -179,14 +185,15 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
 
 
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
-                  opts: RestoreOptions, after_layer: Callable[[int, dict], None]) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  staging: StagingDirs, opts: RestoreOptions,
+                  after_layer: Callable[[int, dict], None]) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Download the layers the journal does not list as applied, several at once, and apply each
     in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
     many are applied). Returns (labels of the layers
-    applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats)."""
+    applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats).
+    Each blob downloads into the staging dir of the filesystem its files land on."""
     resumed, fsync = journal.applied, opts.extract.fsync
     pending = todo[resumed:]
-    blob_dir = _state_sub("blobs")
     applied: list[str] = []
     headers: dict[str, str] = {}
     # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
@@ -197,8 +204,16 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     # Only a layer applied once: applying takes its big files away.
     uses = Counter(d["digest"] for _, d, _ in pending)
     split = {d["digest"] for _, d, diff_id in pending if diff_id == d["digest"] and uses[d["digest"]] == 1}
-    _check_room(blob_dir, sum(size for digest, size in sizes.items()
-                              if not os.path.exists(_blob_path(blob_dir, digest, digest in split))))
+    try:
+        paths = {d["digest"]: _blob_path(staging.for_path(_lands_at(d)), d["digest"], d["digest"] in split) for _, d, _ in pending}
+    except OSError as e:
+        raise storage_error(e, f"the restore root {staging.root!r}", " while making a staging dir for downloads") from e
+    need: Counter[str] = Counter()
+    for digest, size in sizes.items():
+        if not os.path.exists(paths[digest]):
+            need[os.path.dirname(paths[digest])] += size
+    for blob_dir, size in need.items():
+        _check_room(blob_dir, size)
     # Started before the download threads (a fork copies only the thread that forks), and stopped
     # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
     worker = ExtractWorker(extractor)
@@ -209,7 +224,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
         update = progress.stoppable(progress.safe_update(dl), stopping)
 
         def fetch(digest: str) -> str:
-            path = _blob_path(blob_dir, digest, digest in split)
+            path = paths[digest]
             # Left by an interrupted run: verified before its rename, but not fsynced (unless
             # --fsync), so after a power loss its bytes may be lost. Hashed again before use.
             if os.path.exists(path) and _stored_digest(path) == digest:
@@ -248,9 +263,8 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                 opts.log(f"stopped with {journal.applied} of {len(todo)} layer(s) applied: "
                          "the next restore into this root resumes after them")
             if isinstance(e, OSError) and e.errno is not None:
-                raise storage_error(e, f"snap's state dir {blob_dir}", " while downloading layers",
-                                    "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
-                                    "it resumes") from e
+                raise storage_error(e, f"a staging dir of the restore root {staging.root!r}", " while downloading layers",
+                                    "free space on the target's disk, and run the restore again: it resumes") from e
             raise
     return applied, headers, worker.stats
 
@@ -326,24 +340,31 @@ def _note_mislabelled(desc: dict, path: str, split: bool, label: str, log: Calla
         log(f"warning: {label}: {msg}")
 
 
+def _lands_at(desc: dict) -> Optional[str]:
+    """Where a layer's files land, as its annotations say (snap's single-file and part layers), if they say."""
+    ann = desc.get("annotations") or {}
+    hint = (ann.get(SNAP_PART_FILE) or ann.get(SNAP_CONTENT)) if isinstance(ann, dict) else None
+    return hint if isinstance(hint, str) else None
+
+
 def _blob_path(blob_dir: str, digest: str, split: bool) -> str:
     return os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if split else ""))
 
 
 def _check_room(blob_dir: str, size: int) -> None:
-    """Refuse to start downloads the state dir's disk cannot hold (the layers' declared sizes)."""
+    """Refuse to start downloads the target's disk cannot hold (the layers' declared sizes)."""
     try:
         st = os.statvfs(blob_dir)
     except OSError:
         return
     free = st.f_bavail * st.f_frsize
     if size > free:
-        raise StorageError(f"disk full in snap's state dir {blob_dir}: the image's layers need {size} bytes, {free} are free",
-                           "free space or point SNAP_STATE_DIR at a bigger disk")
+        raise StorageError(f"disk full on the restore target {blob_dir!r}: the image's layers need {size} bytes, {free} are free",
+                           "free space on the target's disk, or restore onto a bigger one")
 
 
 def _stored_digest(path: str) -> Optional[str]:
-    """The digest of a blob kept in the state dir (a file, or a split layer's directory)."""
+    """The digest of a blob kept in the staging dir (a file, or a split layer's directory)."""
     try:
         if path.endswith(SPLIT_SUFFIX):
             with SplitLayer(path) as layer:

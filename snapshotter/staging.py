@@ -11,6 +11,10 @@ the disk holds them once.
 The split is an optimisation only: the extractor takes a content file only when it is exactly the
 data of the member the tar reader parsed (same offset, same size), so a tar the splitter reads
 differently (a hostile one) is extracted by copying, from the same verified bytes.
+
+A restore downloads its layers into a staging directory inside the restore root (`StagingDirs`),
+at the top of the filesystem each lands on, not into snap's state dir: the weights are renamed into place on the same filesystem, and the
+restore needs room for what it restores once, on the target, whatever the state dir's disk holds.
 """
 
 from __future__ import annotations
@@ -19,17 +23,22 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
+import stat
 import tarfile
 from typing import BinaryIO, Callable, Iterable, Optional
 
 from .errors import IntegrityError
+from .mounts import inside, read_mounts
 from .tarreader import MAX_META, header_number, pax_records
 
 STAGE_MIN = 1 << 20  # smaller contents stay in the skeleton: a rename saves nothing on them
 BLOCK = tarfile.BLOCKSIZE
 SPLIT_SUFFIX = ".split"
 SEGMENTS_VERSION = 1  # of segments.json: a split layer of another version is downloaded again
+STAGING_PREFIX = ".snap-staging-"  # + 16 hex digits of the manifest digest, at the top of a filesystem in a restore root
+_STAGING = re.compile(r"\.snap-staging-[0-9a-f]{16}")
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _META = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 
@@ -288,3 +297,94 @@ class SplitLayer(io.RawIOBase):
         while n := self.readinto(buf):
             h.update(memoryview(buf)[:n])
         return "sha256:" + h.hexdigest()
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether a name is a restore's staging directory."""
+    return bool(_STAGING.fullmatch(name))
+
+
+def _mount_points(root: str) -> list[str]:
+    """The mount points inside `root` (a real path), itself included, as real paths."""
+    return sorted({root} | {os.path.join(root, rel) for m in read_mounts() or []
+                            if (rel := inside(root, m.point)) is not None and rel})
+
+
+def staging_dirs(root: str) -> list[str]:
+    """The staging directories in `root` (at its top and at the top of each filesystem mounted in
+    it), relative to it: a commit leaves them out."""
+    root = os.path.realpath(root)
+    found = []
+    for top in _mount_points(root):
+        try:
+            with os.scandir(top) as it:
+                found += [os.path.relpath(de.path, root) for de in it if is_staging_name(de.name) and de.is_dir(follow_symlinks=False)]
+        except OSError:
+            pass
+    return found
+
+
+class StagingDirs:
+    """Where a restore of `manifest_digest` downloads its layers: a hidden directory at the top of the
+    filesystem each layer lands on, inside the restore root (the root's own, or a volume mounted in
+    it), so that a weight is renamed into place, never copied, and the state dir's disk holds no
+    layer. Named after the image, so that a restore that was stopped finds the verified blobs it
+    left; the staging directories of other images there (a killed run's) are removed on first use.
+    Removed at the end, with the times of the directories they were made in put back."""
+
+    def __init__(self, root: str, manifest_digest: str):
+        self.root = os.path.realpath(root)
+        self.name = STAGING_PREFIX + manifest_digest.split(":", 1)[1][:16]
+        self._mounts = set(_mount_points(self.root))
+        self._made: dict[str, tuple[int, int]] = {}  # staging dir: the times of the directory it is in
+
+    def for_path(self, rel: Optional[str]) -> str:
+        """The staging dir for a layer whose files land at `rel` (a hint: None or a wrong one means
+        the root's filesystem), made if need be."""
+        top = self._filesystem_top(rel or "")
+        path = os.path.join(top, self.name)
+        if path not in self._made:
+            st = os.stat(top)
+            for name in os.listdir(top):
+                if is_staging_name(name) and name != self.name:
+                    shutil.rmtree(os.path.join(top, name), ignore_errors=True)
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            self._made[path] = (st.st_atime_ns, st.st_mtime_ns)
+        return path
+
+    def _filesystem_top(self, rel: str) -> str:
+        """The top of the filesystem holding the deepest existing directory of `rel` inside the root,
+        reached without following a symlink (the staging dir must stay inside the root)."""
+        cur = top = self.root
+        dev = os.lstat(cur).st_dev
+        for part in rel.split("/"):
+            if part in ("", "."):
+                continue
+            if part == "..":
+                break
+            nxt = os.path.join(cur, part)
+            try:
+                st = os.lstat(nxt)
+            except OSError:
+                break
+            if not stat.S_ISDIR(st.st_mode):
+                break
+            if st.st_dev != dev or nxt in self._mounts:
+                top, dev = nxt, st.st_dev
+            cur = nxt
+        return top
+
+    def remove(self, keep_downloads: bool = False) -> None:
+        """Remove them; with `keep_downloads` (a restore that stopped) only those holding nothing to resume from."""
+        for path, times in self._made.items():
+            if keep_downloads:
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    continue  # not empty: verified blobs the next run reuses
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+            try:  # the extractor keeps the times of directories it only wrote into: so does this
+                os.utime(os.path.dirname(path), ns=times, follow_symlinks=False)
+            except OSError:
+                pass

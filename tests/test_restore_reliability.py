@@ -25,7 +25,7 @@ from snapshotter import applier, journal as journal_module, restore as restore_m
 from snapshotter.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore import RestoreOptions, restore_image
-from snapshotter.staging import SPLIT_SUFFIX, download_split
+from snapshotter.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
 from support import FaultProxy
 from test_hostile import layer as hlayer, member, part_ann, push_annotated
 
@@ -60,6 +60,12 @@ def file_sha(path) -> str:
         while chunk := f.read(MiB):
             h.update(chunk)
     return h.hexdigest()
+
+
+def staged(root, manifest_digest: str):
+    """The staging dir at the top of `root` a restore of that image downloads into (made, as an earlier run left it)."""
+    root.mkdir(exist_ok=True)
+    return type(root)(StagingDirs(str(root), manifest_digest).for_path(None))
 
 
 def stale_temps(root) -> list[str]:
@@ -253,10 +259,12 @@ def small_disk(tmp_path, tmpfs):
 
 def test_disk_full_on_the_restore_root(registry, small_disk):
     old = b"previous version\n" * 100
-    registry.push_image("diskfull", "v1", [layer({"app/small.txt": b"fits\n", "app/model.bin": os.urandom(3 * MiB),
-                                                  "app/z-after.txt": b"never reached\n"}, dirs=("app",))],
-                        layer_media_type=TAR)
-    root = small_disk("root")
+    tar = layer({"app/small.txt": b"fits\n", "app/model.bin": os.urandom(3 * MiB), "app/z-after.txt": b"never reached\n"},
+                dirs=("app",))
+    # Compressed (so not split): its download fits beside the old file, the unpacked model.bin does not.
+    registry.push_image("diskfull", "v1", [zstandard.ZstdCompressor(level=1).compress(tar)], layer_media_type=ZSTD,
+                        diff_ids=["sha256:" + sha(tar)])
+    root = small_disk("root", "5m")
     (root / "app").mkdir()
     (root / "app/model.bin").write_bytes(old)
     r = snap("restore", f"{registry.host}/diskfull:v1", "--root", str(root))
@@ -267,24 +275,23 @@ def test_disk_full_on_the_restore_root(registry, small_disk):
     assert not (root / "app/z-after.txt").exists()
 
 
-def test_disk_full_in_the_state_dir(registry, small_disk, tmp_path):
-    registry.push_image("statefull", "v1", [layer({"big.bin": os.urandom(3 * MiB)})], layer_media_type=TAR)
-    state = small_disk("state", "1m")
-    root = tmp_path / "root"
-    r = snap("restore", f"{registry.host}/statefull:v1", "--root", str(root), env={"SNAP_STATE_DIR": str(state)})
-    assert_one_line_error(r, 7, "disk full", "state dir", "SNAP_STATE_DIR")
-    assert not root.exists() or list(root.iterdir()) == []
-    assert not [n for n in os.listdir(state / "blobs") if n.endswith(".part")]
+def test_layers_too_big_for_the_target_are_refused_before_downloading(registry, small_disk):
+    """The layers download onto the target's disk (a staging dir in the root): refused there, up front."""
+    registry.push_image("targetfull", "v1", [layer({"big.bin": os.urandom(3 * MiB)})], layer_media_type=TAR)
+    root = small_disk("root", "1m")
+    r = snap("restore", f"{registry.host}/targetfull:v1", "--root", str(root))
+    assert_one_line_error(r, 7, "disk full on the restore target", str(root))
+    assert list(root.iterdir()) == []  # not even the staging dir
 
 
 def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path):
     data = layer({"f.txt": b"x\n"})
-    registry.push_image("journalfull", "v1", [data], layer_media_type=TAR)
+    manifest_digest = registry.push_image("journalfull", "v1", [data], layer_media_type=TAR)
     state = small_disk("state", "1m")
-    (state / "blobs").mkdir()
     (state / "restore-journal").mkdir()
+    root = tmp_path / "root"
     # Downloaded and verified by an earlier run (an uncompressed layer is kept split: staging.py).
-    download_split([data], str(state / "blobs" / (sha(data) + SPLIT_SUFFIX)))
+    download_split([data], str(staged(root, manifest_digest) / (sha(data) + SPLIT_SUFFIX)))
     fd = os.open(state / "filler", os.O_WRONLY | os.O_CREAT)
     try:
         while True:
@@ -293,7 +300,6 @@ def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path
         pass
     finally:
         os.close(fd)
-    root = tmp_path / "root"
     r = snap("restore", f"{registry.host}/journalfull:v1", "--root", str(root), env={"SNAP_STATE_DIR": str(state)})
     assert_one_line_error(r, 7, "disk full", "restore journal", "SNAP_STATE_DIR")
     os.unlink(state / "filler")
@@ -366,7 +372,7 @@ def test_a_layer_listed_twice_is_downloaded_once_and_applied_twice(registry, tmp
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["applied"]) == 5
     assert (root / "f.txt").read_bytes() == b"one\n" and (root / "g.txt").read_bytes() == b"g\n"
-    assert os.listdir(state_dir / "blobs") == []  # each blob removed after its last use
+    assert staging_dirs(root) == []  # each blob removed after its last use, then the staging dir
 
 
 def test_reapplying_a_hardlink_to_a_lower_layer_file(registry, tmp_path):
@@ -454,18 +460,33 @@ def test_big_files_of_an_uncompressed_layer_are_written_once(registry, tmp_path,
     for name, data in files.items():
         assert (tmp_path / "root" / name).read_bytes() == data
         assert oct(os.lstat(tmp_path / "root" / name).st_mode & 0o7777) == "0o640"
-    assert os.listdir(state_dir / "blobs") == []  # the split layer is gone once applied
+    assert staging_dirs(tmp_path / "root") == []  # the split layer is gone once applied
 
 
-def test_state_dir_on_another_filesystem_copies_instead(registry, tmp_path, tmpfs):
+def test_a_weight_for_a_volume_mounted_in_the_root_is_staged_on_that_volume(registry, tmp_path, tmpfs):
+    """A small root (a container disk) with a big volume mounted in it: a weight bound for the
+    volume downloads onto the volume (its layer says where it lands) and is renamed there."""
     big = os.urandom(5 * MiB)
-    registry.push_image("exdev", "v1", [layer({"w.bin": big}, dirs=())], layer_media_type=TAR)
-    state = tmpfs(tmp_path / "state", "64m")  # a rename from here into the root fails with EXDEV
-    r = snap("restore", f"{registry.host}/exdev:v1", "--root", str(tmp_path / "root"), env={"SNAP_STATE_DIR": str(state)})
+    tar = layer({"vol/models/w.bin": big}, dirs=("vol", "vol/models"))
+    ref = push_annotated(registry, "volume", [(tar, {"dev.snap.layer": "models", "dev.snap.content": "vol/models/w.bin"})])
+    root = tmpfs(tmp_path / "root", "2m")  # cannot hold the weight
+    vol = tmpfs(root / "vol", "16m")
+    r = snap("restore", ref, "--root", str(root))
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "root/w.bin").read_bytes() == big
+    assert (vol / "models/w.bin").read_bytes() == big
+    assert stale_temps(root) == []
+    assert staging_dirs(root) == []
+
+
+def test_a_file_landing_on_another_filesystem_than_its_staging_dir_is_copied(registry, tmp_path, tmpfs):
+    big = os.urandom(5 * MiB)
+    registry.push_image("exdev", "v1", [layer({"vol/w.bin": big}, dirs=("vol",))], layer_media_type=TAR)
+    vol = tmpfs(tmp_path / "root/vol", "64m")  # no annotation says where it lands: staged at the root, EXDEV
+    r = snap("restore", f"{registry.host}/exdev:v1", "--root", str(tmp_path / "root"))
+    assert r.returncode == 0, r.stderr
+    assert (vol / "w.bin").read_bytes() == big
     assert stale_temps(tmp_path / "root") == []
-    assert os.listdir(state / "blobs") == []
+    assert staging_dirs(tmp_path / "root") == []
 
 
 def test_a_split_layer_left_incomplete_is_downloaded_again(registry, tmp_path, state_dir):
@@ -473,9 +494,8 @@ def test_a_split_layer_left_incomplete_is_downloaded_again(registry, tmp_path, s
     incomplete: the next run must not trust it."""
     big, other = os.urandom(3 * MiB), os.urandom(2 * MiB)
     data = layer({"w.bin": big, "x.bin": other})
-    registry.push_image("partial", "v1", [data], layer_media_type=TAR)
-    split = state_dir / "blobs" / (sha(data) + SPLIT_SUFFIX)
-    (state_dir / "blobs").mkdir(parents=True)
+    manifest_digest = registry.push_image("partial", "v1", [data], layer_media_type=TAR)
+    split = staged(tmp_path / "root", manifest_digest) / (sha(data) + SPLIT_SUFFIX)
     download_split([data], str(split))
     contents = sorted(n for n in os.listdir(split) if n.startswith("c"))
     assert len(contents) == 2  # both files kept apart from the tar
@@ -484,7 +504,7 @@ def test_a_split_layer_left_incomplete_is_downloaded_again(registry, tmp_path, s
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "root/w.bin").read_bytes() == big
     assert (tmp_path / "root/x.bin").read_bytes() == other
-    assert os.listdir(state_dir / "blobs") == []
+    assert staging_dirs(tmp_path / "root") == []
 
 
 def test_a_split_layer_of_another_format_is_downloaded_again(registry, tmp_path, state_dir):
@@ -492,9 +512,8 @@ def test_a_split_layer_of_another_format_is_downloaded_again(registry, tmp_path,
     layer is downloaded again."""
     big = os.urandom(2 * MiB)
     data = layer({"w.bin": big})
-    registry.push_image("splitfmt", "v1", [data], layer_media_type=TAR)
-    split = state_dir / "blobs" / (sha(data) + SPLIT_SUFFIX)
-    (state_dir / "blobs").mkdir(parents=True)
+    manifest_digest = registry.push_image("splitfmt", "v1", [data], layer_media_type=TAR)
+    split = staged(tmp_path / "root", manifest_digest) / (sha(data) + SPLIT_SUFFIX)
     download_split([data], str(split))
     doc = json.loads((split / "segments.json").read_text())
     # The next version, say, names each segment's fields.
@@ -503,7 +522,7 @@ def test_a_split_layer_of_another_format_is_downloaded_again(registry, tmp_path,
     r = snap("restore", f"{registry.host}/splitfmt:v1", "--root", str(tmp_path / "root"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "root/w.bin").read_bytes() == big
-    assert os.listdir(state_dir / "blobs") == []
+    assert staging_dirs(tmp_path / "root") == []
 
 
 def test_a_journal_of_another_version_is_not_resumed_from(registry, tmp_path, state_dir):
@@ -617,7 +636,7 @@ def test_ctrl_c_during_a_download(registry, tmp_path, state_dir, media_type):
     assert "Traceback" not in err, err
     assert proxy.blob_bytes_sent < sum(map(len, blobs)), "the restore waited for the whole download before stopping"
     assert not (root / "data/big.bin").exists() and stale_temps(root) == []
-    assert not [n for n in os.listdir(state_dir / "blobs") if n.startswith(sha(blobs[1]))]  # not even a .part
+    assert not [n for d in staging_dirs(root) for n in os.listdir(root / d) if n.startswith(sha(blobs[1]))]  # not even a .part
     r = snap("restore", f"{registry.host}/ctrlcdl:v1", "--root", str(root))
     assert r.returncode == 0, r.stderr
     assert (root / "data/big.bin").read_bytes() == big and (root / "data/a.txt").read_bytes() == b"first\n"

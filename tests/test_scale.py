@@ -11,12 +11,13 @@ import sys
 
 import pytest
 
-from conftest import snap
+from conftest import NOT_CAPTURED, snap
 from snapshotter import CommitOptions, commit_box
-from support import write_tree
+from support import snap_layer_files, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 commit_module = sys.modules["snapshotter.commit"]
+STAGING_PREFIX = ".snap-staging-"  # a restore's downloads, at the top of its root
 
 
 @pytest.fixture
@@ -161,3 +162,40 @@ def base_manifest_digest(registry):
                                headers={"Accept": "application/vnd.oci.image.manifest.v1+json, "
                                                   "application/vnd.docker.distribution.manifest.v2+json"})
     return "sha256:" + hashlib.sha256(r.content).hexdigest()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 64 MiB tmpfs (root only), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = tmp_path / "small-tmpfs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+def test_a_restore_stages_nothing_on_the_state_disk(registry, base_ref, box, tmp_path, small_tmpfs):
+    """A weight bigger than the state dir's whole disk: downloaded beside its destination, on the
+    target's disk, and renamed into place; the root keeps no staging dir, and a commit of a root
+    where one was left behind does not capture it."""
+    weight = os.urandom(100 * MiB)
+    write_tree(box, {"opt/app/models/checkpoints/huge.safetensors": weight})
+    commit_box(f"{registry.host}/huge:v1", base_ref, CommitOptions(root=box))
+    out = tmp_path / "out"  # on the test's disk, not the tmpfs
+    env = {"SNAP_STATE_DIR": str(small_tmpfs)}
+    r = snap("restore", f"{registry.host}/huge:v1", "--root", str(out), env=env)
+    assert r.returncode == 0, r.stderr
+    assert (out / "opt/app/models/checkpoints/huge.safetensors").read_bytes() == weight
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+    assert os.listdir(small_tmpfs) == [] or sum(  # journals and small blobs only
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(small_tmpfs) for f in fs) < 4 * MiB
+
+    left = out / (STAGING_PREFIX + "0123456789abcdef")  # as a stopped restore leaves it
+    write_tree(str(left), {"0123.part": b"half a blob"})
+    snap("commit", f"{registry.host}/huge:v2", "--base", base_ref, "--root", str(out), env=env, check=True)
+    assert not [n for n in snap_layer_files(registry, "huge", "v2") if STAGING_PREFIX in n]
