@@ -104,8 +104,37 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
     for rule in sorted(profile.layers, key=lambda r: r.weights):  # stable: profile order otherwise
         out.extend(split_plan(plans[rule.name], rule, max_layer_size))
     out = [p for p in out if not p.empty]
+    _last_carries_changed_dirs(out, {r.name for r in profile.layers if r.weights}, changed)
     add_parent_dirs(out, scan.entries, changed, base)
     return out
+
+
+META_DETAIL = "directories and deletions"
+
+
+def _last_carries_changed_dirs(layers: list[LayerPlan], weights: set[str], changed: dict[str, Entry]) -> None:
+    """With the weights last, the topmost layer carrying a directory would often be a weight's own
+    layer, which then takes the directory's new mtime (add_parent_dirs): a file added beside a model
+    would change the model's layer. The weights' small last layer (directories and deletions) carries
+    every changed parent directory of the weights layers instead, and so decides their mtime."""
+    parents: set[str] = set()
+    for plan in layers:
+        if plan.name in weights and plan.detail != META_DETAIL:
+            for path in [e.path for e in plan.entries] + plan.whiteouts:
+                parent = path.rpartition("/")[0]
+                while parent and parent not in parents:
+                    parents.add(parent)
+                    parent = parent.rpartition("/")[0]
+    dirs = [changed[d] for d in sorted(parents) if d in changed and changed[d].kind == DIR]
+    if not dirs:
+        return
+    last = layers[-1]
+    if last.detail != META_DETAIL or last.name not in weights:
+        last = LayerPlan(last.name, last.compression, detail=META_DETAIL)
+        layers.append(last)
+    own = {e.path for e in last.entries}
+    last.entries.extend(e for e in dirs if e.path not in own)
+    last.entries.sort(key=lambda x: x.path)
 
 
 def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry],
@@ -191,7 +220,7 @@ def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[La
     rest: list[Entry] = []
     # For a weights layer, directories and deletions go into a small layer of their own, last:
     # adding or removing a model changes a directory's mtime, and only that small layer follows.
-    meta = LayerPlan(plan.name, plan.compression, detail="directories and deletions")
+    meta = LayerPlan(plan.name, plan.compression, detail=META_DETAIL)
     # The names of one inode travel with its first name (in path order), into the same layer: its
     # content is written once and the others are hardlinks to it. Not into a later layer: Docker
     # and podman refuse a hardlink to a lower layer's file.
