@@ -160,8 +160,9 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
             after_layer(ready_at, None)
     except BaseException as e:
         progress.finish(ok=False)
-        # Kept for the next run, unless the image itself is refused: running it again will not help.
-        staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError)))
+        # Kept for the next run, unless the image is refused or the disk is full: running it again
+        # will not help, or needs the room back.
+        staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError, StorageError)))
         raise
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
