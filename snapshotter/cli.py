@@ -1,4 +1,5 @@
-"""The `snap` command: a thin typer shell over the library (commit, restore, verify, run)."""
+"""The `snap` command: a thin typer shell over the library (commit, restore, verify, run, watch,
+log, status)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
     "Exit codes: 0 ok, 1 unexpected, 2 bad input, 3 registry unreachable, 4 auth, 5 not found, "
     "6 integrity (digest mismatch or hostile layer), 7 local disk, 8 no Docker engine, 9 verify found "
-    "differences, 10 registry error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
+    "differences, 10 registry error, 11 `restore --wait` timed out, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -1,5 +1,5 @@
-"""Where snap keeps local state: built layers, downloaded blobs, cached base indexes; and the
-lock that gives one snap process at a time the state dir."""
+"""Where snap keeps local state: built layers, copied base blobs, cached base indexes, journals
+(a restore downloads into staging dirs in its own root, not here); and the lock that gives one snap process at a time the state dir."""
 
 from __future__ import annotations
 
