@@ -1,5 +1,6 @@
 """Where snap keeps local state: built layers, copied base blobs, cached base indexes, journals
-(a restore downloads into staging dirs in its own root, not here); and the lock that gives one snap process at a time the state dir."""
+(a restore downloads into staging dirs in its own root, not here); and the lock that gives one
+snap process at a time the state dir."""
 
 from __future__ import annotations
 
