@@ -230,11 +230,11 @@ def restore(
     )
     with _sigterm_stops():
         result = restore_image(ref, root, opts)
-    if result.skipped_devices:
-        _say(f"skipped {len(result.skipped_devices)} device node(s) and FIFO(s) (pass --allow-devices, as root for "
+    if result.skipped_devices_count:
+        _say(f"skipped {result.skipped_devices_count} device node(s) and FIFO(s) (pass --allow-devices, as root for "
              "device nodes, to create them)")
-    if result.stripped_setuid:
-        _say(f"stripped setuid/setgid from {len(result.stripped_setuid)} file(s) (pass --allow-setuid as root to keep them)")
+    if result.stripped_setuid_count:
+        _say(f"stripped setuid/setgid from {result.stripped_setuid_count} file(s) (pass --allow-setuid as root to keep them)")
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)

@@ -56,14 +56,34 @@ class ExtractOptions:
     never_write: tuple[str, ...] = ()
 
 
+NAMES_KEPT = 1000  # names kept per kind for the report; the counts go on, so memory stays flat for any layer
+
+
 @dataclass
 class ExtractStats:
     files: int = 0
     bytes: int = 0
-    skipped_devices: list[str] = field(default_factory=list)
-    stripped_setuid: list[str] = field(default_factory=list)  # setuid/setgid bits or file capabilities
+    skipped_devices: list[str] = field(default_factory=list)  # the first NAMES_KEPT of them
+    stripped_setuid: list[str] = field(default_factory=list)  # setuid/setgid bits or file capabilities (first NAMES_KEPT)
     stale_tmp_removed: int = 0
     left_alone: int = 0  # entries skipped because they are under ExtractOptions.never_write
+    skipped_devices_count: int = 0
+    stripped_setuid_count: int = 0
+
+    def skipped_device(self, path: str) -> None:
+        self.skipped_devices_count += 1
+        if len(self.skipped_devices) < NAMES_KEPT:
+            self.skipped_devices.append(path)
+
+    def stripped(self, path: str) -> None:
+        self.stripped_setuid_count += 1
+        if len(self.stripped_setuid) < NAMES_KEPT:
+            self.stripped_setuid.append(path)
+
+    def add_stripped(self, other: "ExtractStats") -> None:
+        """Fold in another extractor's setuid strips (restore's part joins run beside the applier)."""
+        self.stripped_setuid_count += other.stripped_setuid_count
+        self.stripped_setuid += other.stripped_setuid[:max(0, NAMES_KEPT - len(self.stripped_setuid))]
 
 
 def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> StorageError:
@@ -244,7 +264,7 @@ class Extractor:
         if not (m.isdir() or m.isreg() or m.issym() or m.islnk() or m.ischr() or m.isblk() or m.isfifo()):
             return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
         if (m.ischr() or m.isblk() or m.isfifo()) and not self._devices_allowed(m):
-            self.stats.skipped_devices.append("/" + rel)
+            self.stats.skipped_device("/" + rel)
             return  # skipped before anything is touched: the path keeps what lower layers put there
         pdir, path = self._locate(rel)
         self._note_parent(pdir)
@@ -435,7 +455,7 @@ class Extractor:
             del xattrs[_CAPABILITY]  # file capabilities are setuid by another name
             stripped = True
         if stripped:
-            self.stats.stripped_setuid.append("/" + rel)
+            self.stats.stripped("/" + rel)
         nofollow = {} if isinstance(path, int) else {"follow_symlinks": False}
         if self.opts.same_owner:
             os.chown(path, m.uid, m.gid, **nofollow)

@@ -139,7 +139,7 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
                 if mode & (stat.S_ISUID | stat.S_ISGID) and not (extractor.opts.allow_setuid and os.geteuid() == 0):
                     # The first part may be a hardlink to any setuid file already in the tree.
                     mode &= ~(stat.S_ISUID | stat.S_ISGID)
-                    extractor.stats.stripped_setuid.append("/" + rel)
+                    extractor.stats.stripped("/" + rel)
                 os.fchmod(out.fileno(), mode)  # after chown: chown clears setuid bits
                 os.utime(out.fileno(), ns=(first_st.st_atime_ns, first_st.st_mtime_ns))
             os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)

@@ -76,6 +76,8 @@ class RestoreResult:
     skipped_devices: list[str]
     stripped_setuid: list[str]
     seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them (restorerecord.py)
+    skipped_devices_count: int = 0  # all of them (the lists keep the first extract.NAMES_KEPT names)
+    stripped_setuid_count: int = 0
 
 
 def _state_sub(name: str) -> str:
@@ -173,8 +175,10 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     progress.finish(ok=True)
     stats.files += extractor.stats.files  # the joins
     stats.bytes += extractor.stats.bytes
+    stats.add_stripped(extractor.stats)
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, stats.files, stats.bytes,
-                         stats.skipped_devices, stats.stripped_setuid, seeded)
+                         stats.skipped_devices, stats.stripped_setuid, seeded,
+                         stats.skipped_devices_count, stats.stripped_setuid_count)
 
 
 def _open_root(root: str, opts: ExtractOptions) -> Extractor:

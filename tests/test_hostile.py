@@ -17,6 +17,7 @@ import tarfile
 import pytest
 
 from conftest import snap
+from snapshotter.extract import NAMES_KEPT
 from support import gzip_bytes
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
@@ -315,6 +316,20 @@ def test_device_nodes_are_skipped_unless_allowed(registry, jail, request, tmp_pa
     st = os.lstat(other / "dev2/myloop")
     assert stat.S_ISBLK(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (7, 0)
     assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+def test_many_skipped_devices_are_all_counted_but_only_the_first_names_kept(registry, jail, request):
+    """The report of skipped devices keeps a bounded sample of names (memory stays flat for a layer of
+    millions of device headers), and counts every one."""
+    n = NAMES_KEPT + 500
+    ref = push(registry, request, layer(member("d/", "dir"),
+                                        *(member(f"d/n{i:05d}", "char", dev=(1, 3)) for i in range(n))))
+    r = jail.restore(ref, "--json")
+    jail.ok(r)
+    assert f"skipped {n} device node(s)" in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["skipped_devices_count"] == n
+    assert doc["skipped_devices"] == [f"/d/n{i:05d}" for i in range(NAMES_KEPT)]
 
 
 # A file capability (cap_net_bind_service+ep), as `setcap` writes it: VFS_CAP_REVISION_2 | effective.
