@@ -20,7 +20,6 @@ import re
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import requests

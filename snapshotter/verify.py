@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from . import progress
 from .compress import IterReader, check_layer
-from .errors import IntegrityError, UsageError
+from .errors import UsageError
 from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, apply_layer_to_index, bind_mounted_files, clean_path, \
     entry_from_member, entry_from_stat, file_digest, pseudo_mounts, read_head, self_and_parents
 from .image import SNAP_PART_FILE, Image, layer_label, left_out_secrets
