@@ -15,9 +15,10 @@ import os
 from typing import Callable, Optional
 
 from .blobsources import BlobSources, in_registry
+from .digests import sha256_digest
 from .errors import IntegrityError, NotFound, RegistryError
 from .fsindex import Entry, load_index
-from .image import canonical, descriptor, sha256_digest
+from .image import canonical, descriptor
 from .mediatypes import BASE_INDEX, BASE_INDEX_ARTIFACT, OCI_EMPTY, OCI_MANIFEST
 from .registry import Remote
 from .state import sub

@@ -20,10 +20,11 @@ import zstandard
 from . import baseindex, progress
 from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
+from .digests import file_digest, sha256_digest
 from .errors import IntegrityError, SnapError, UsageError
-from .fsindex import FILE, Diff, Entry, Scan, apply_layer_to_index, diff, file_digest, load_index, save_index, scan_box
+from .fsindex import FILE, Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
-                    now_rfc3339, Image, scratch_config, secrets_annotations, sha256_digest, snapshot_config,
+                    now_rfc3339, Image, scratch_config, secrets_annotations, snapshot_config,
                     snapshot_manifest)
 from .layer import LayerBlob, build_layer, measure_layer, write_layer
 from .mediatypes import OCI_MANIFEST

@@ -12,6 +12,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Optional
 
 import zstandard
 
+from .digests import hasher_digest
 from .errors import IntegrityError, UsageError
 from .mediatypes import (DOCKER_LAYER_GZIP, DOCKER_LAYER_TAR, LAYER_GZIP, LAYER_TAR, LAYER_ZSTD, MEDIA_TYPE,
                          NONDISTRIBUTABLE_TAR)
@@ -54,7 +55,7 @@ class HashingWriter(io.RawIOBase):
 
     @property
     def digest(self) -> str:
-        return "sha256:" + self.sha.hexdigest()
+        return hasher_digest(self.sha)
 
 
 class Compressor(io.RawIOBase):
@@ -145,7 +146,7 @@ class HashingReader(io.RawIOBase):
 
     @property
     def digest(self) -> str:
-        return "sha256:" + self.sha.hexdigest()
+        return hasher_digest(self.sha)
 
 
 _GZIP_MAGIC = b"\x1f\x8b"

@@ -23,11 +23,12 @@ from typing import Callable, Optional
 from . import progress
 from .commit import SCRATCH, CommitOptions, CommitResult, commit_box
 from .compress import IterReader
+from .digests import file_digest, sha256_digest
 from .errors import NotFound, SnapError, UsageError
 from .extract import ExtractOptions, Extractor
-from .fsindex import DIR, FILE, Diff, Entry, Scan, clean_path, diff, entry_from_stat, file_digest, read_head
+from .fsindex import DIR, FILE, Diff, Entry, Scan, clean_path, diff, entry_from_stat, read_head
 from .profile import Profile, VenvRoots
-from .image import Image, sha256_digest
+from .image import Image
 from .run import connect
 from .state import sub
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import hashlib
 import json
 import os
 import stat
@@ -12,6 +11,7 @@ import tarfile
 from dataclasses import astuple, dataclass, field, fields
 from typing import BinaryIO, Callable, Optional
 
+from .digests import chunks_digest, file_digest
 from .errors import IntegrityError, StorageError, UsageError
 from .mounts import inside, read_mounts
 from .profile import Profile, VenvRoots
@@ -81,14 +81,6 @@ def read_head(path: str, n: int) -> bytes:
             return f.read(n)
     except FileNotFoundError:
         return b""
-
-
-def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 # ---- the box ----------------------------------------------------------------------------------
@@ -409,10 +401,7 @@ def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, label: s
             if e is None:
                 continue
             if e.kind == FILE:
-                h = hashlib.sha256()
-                for chunk in data_chunks(reader):
-                    h.update(chunk)
-                e.digest = "sha256:" + h.hexdigest()
+                e.digest = chunks_digest(data_chunks(reader))
         layer[rel] = e
     # What this layer replaces: a lower directory tree under a non-directory.
     replaced = {rel for rel, e in layer.items() if e.kind != DIR and rel in index and index[rel].kind == DIR}

@@ -6,13 +6,13 @@ registry stores: we push these exact bytes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Optional
 
 from .compress import oci_media_type
+from .digests import sha256_digest
 from .errors import IntegrityError, printable
 from .mediatypes import OCI_CONFIG, OCI_MANIFEST
 
@@ -33,10 +33,6 @@ SECRETS_ANNOTATION_MAX = 32 * 1024  # bytes of JSON at most: registries cap a wh
 BASE_NAME = "org.opencontainers.image.base.name"
 BASE_DIGEST = "org.opencontainers.image.base.digest"
 CREATED = "org.opencontainers.image.created"
-
-
-def sha256_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 @dataclass

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from .digests import sha256_digest
 from .errors import UsageError
 from .fsindex import DIR, FILE, Diff, Entry, Scan
 from .profile import LayerRule, Profile
@@ -67,7 +68,7 @@ class LayerPlan:
             "slices": sorted(self.slices.items()),
             "part_links": self.part_links,
         }
-        return "sha256:" + hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+        return sha256_digest(json.dumps(doc, separators=(",", ":")).encode())
 
 
 def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,

@@ -24,8 +24,9 @@ from typing import Callable, Iterator, Optional
 
 import requests
 
+from .digests import hasher_digest, sha256_digest
 from .errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
-from .image import Image, sha256_digest
+from .image import Image
 from .mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from .reference import Reference
 from .transport import Transport, TransportOptions, check, short_error
@@ -74,7 +75,7 @@ class Remote:
             body = b"".join(self._body(r, f"manifest {target}", MAX_DOCUMENT_SIZE, RegistryError))
         digest = sha256_digest(body)
         algorithm, pinned, _ = target.partition(":")  # a digest (sha256, sha384, sha512), or a tag
-        if pinned and f"{algorithm}:{hashlib.new(algorithm, body).hexdigest()}" != target:
+        if pinned and hasher_digest(hashlib.new(algorithm, body)) != target:
             raise IntegrityError(f"manifest {target} from {self.ref.registry} does not match its digest")
         media = r.headers.get("Content-Type", "").split(";")[0].strip() or _json(body, "manifest").get("mediaType", "")
         return body, media, digest
@@ -190,7 +191,7 @@ class Remote:
                 if progress:
                     progress(len(chunk))
                 yield chunk
-        if "sha256:" + h.hexdigest() != digest:
+        if hasher_digest(h) != digest:
             raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest (tampered or corrupt)")
 
     def _body(self, r: requests.Response, what: str, limit: Optional[int],

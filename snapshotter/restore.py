@@ -18,7 +18,6 @@ started there (its journal) or the caller forces it; and the profile's excludes 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ from . import baseindex, progress
 from .applier import ExtractWorker, LayerJob
 from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
+from .digests import file_digest
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import ExtractOptions, Extractor, ExtractStats, storage_error
 from .image import BASE_DIGEST, SNAP_CONTENT, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
@@ -374,8 +374,7 @@ def _stored_digest(path: str) -> Optional[str]:
         if path.endswith(SPLIT_SUFFIX):
             with SplitLayer(path) as layer:
                 return layer.digest()
-        with open(path, "rb") as f:
-            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+        return file_digest(path)
     except (OSError, ValueError, IntegrityError):
         return None  # incomplete (a kill while its files were moved into place): fetched again
 

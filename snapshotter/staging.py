@@ -19,7 +19,6 @@ restore needs room for what it restores once, on the target, whatever the state 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -29,6 +28,7 @@ import stat
 import tarfile
 from typing import BinaryIO, Callable, Iterable, Optional
 
+from .digests import file_digest
 from .errors import IntegrityError
 from .mounts import inside, read_mounts
 from .tarreader import MAX_META, header_number, pax_records
@@ -292,11 +292,7 @@ class SplitLayer(io.RawIOBase):
 
     def digest(self) -> str:
         """sha256 of the whole stream, contents included (to check a split left by an earlier run)."""
-        h = hashlib.sha256()
-        buf = bytearray(1 << 20)
-        while n := self.readinto(buf):
-            h.update(memoryview(buf)[:n])
-        return "sha256:" + h.hexdigest()
+        return file_digest(self)
 
 
 def is_staging_name(name: str) -> bool:

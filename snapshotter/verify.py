@@ -25,9 +25,10 @@ from typing import Callable, Optional
 
 from . import progress
 from .compress import IterReader, check_layer
+from .digests import file_digest, hasher_digest
 from .errors import UsageError
 from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, apply_layer_to_index, bind_mounted_files, clean_path, \
-    entry_from_member, entry_from_stat, file_digest, pseudo_mounts, read_head, self_and_parents
+    entry_from_member, entry_from_stat, pseudo_mounts, read_head, self_and_parents
 from .image import SNAP_PART_FILE, Image, layer_label, left_out_secrets
 from .parts import part_links
 from .plan import parse_part_name
@@ -129,7 +130,7 @@ def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[
             joins[path] = (h, size)
             continue
         e = entry_from_member(m, path)
-        e.size, e.digest = size, "sha256:" + h.hexdigest()
+        e.size, e.digest = size, hasher_digest(h)
         index[path] = e
         for name in links.get(path, ()):
             index[name] = replace(e, path=name)

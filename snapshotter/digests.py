@@ -1,0 +1,34 @@
+"""Content digests as OCI writes them (`sha256:<hex>`): the one place they are computed, for bytes in
+memory, a file, a stream of chunks, or a hasher fed along the way (by the code that streams the bytes
+anyway, so nothing is read twice)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import BinaryIO, Iterable, Union
+
+
+def hasher_digest(h) -> str:
+    """The digest a hasher has reached, named by its algorithm (`sha256:...`, or `sha512:...` for a
+    reference pinned with another algorithm)."""
+    return f"{h.name}:{h.hexdigest()}"
+
+
+def sha256_digest(data: bytes) -> str:
+    return hasher_digest(hashlib.sha256(data))
+
+
+def file_digest(file: Union[str, BinaryIO]) -> str:
+    """The sha256 of a file, by path or of a binary file object read to its end."""
+    if isinstance(file, str):
+        with open(file, "rb") as f:
+            return file_digest(f)
+    return hasher_digest(hashlib.file_digest(file, "sha256"))
+
+
+def chunks_digest(chunks: Iterable[bytes]) -> str:
+    """The sha256 of the bytes an iterable yields, consumed to its end."""
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return hasher_digest(h)
