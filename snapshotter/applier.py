@@ -45,7 +45,7 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
     else:
         with open(job.path, "rb") as raw:
             check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
-                        lambda stream: extractor.apply(stream, layer=what))
+                        lambda stream, check: extractor.apply(stream, layer=what, check_end=check))
     return extractor.record.hexdigest() if extractor.record is not None else None
 
 

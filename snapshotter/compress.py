@@ -233,15 +233,22 @@ def decompressing_reader(raw: BinaryIO, media_type: str, note: Optional[Callable
     return stream
 
 def check_layer(raw: BinaryIO, media_type: str, diff_id: str, label: str,
-                consume: Callable[[BinaryIO], None], note: Optional[Callable[[str], None]] = None) -> None:
-    """Decompress a layer blob, hand its tar stream to `consume`, read it to its end and check it
-    against the layer's diff_id (IntegrityError, as for data that does not decompress). The one
-    way restore's applier and verify read a layer. `note`: see decompressing_reader."""
+                consume: Callable[[BinaryIO, Callable[[], None]], None],
+                note: Optional[Callable[[str], None]] = None) -> None:
+    """Decompress a layer blob and hand its tar stream to `consume(stream, check)`. `check()` reads
+    the stream to its end and checks it against the layer's diff_id (IntegrityError, as for data
+    that does not decompress): `consume` may call it before it makes its last entry visible (the
+    extractor does), and it is called once more after `consume` returns. The one way restore's
+    applier and verify read a layer. `note`: see decompressing_reader."""
     stream = HashingReader(decompressing_reader(raw, media_type, note))
-    try:
-        consume(stream)
+
+    def check() -> None:
         stream.drain()
+        if stream.digest != diff_id:
+            raise IntegrityError(f"layer {label} does not match its diff_id in the image config")
+
+    try:
+        consume(stream, check)
+        check()
     except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
         raise IntegrityError(f"layer {label} does not decompress: {e}") from None
-    if stream.digest != diff_id:
-        raise IntegrityError(f"layer {label} does not match its diff_id in the image config")

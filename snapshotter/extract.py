@@ -4,7 +4,9 @@
 - Parents are resolved inside the root, following symlinks as if the root were '/', so a symlink
   in the tree can never lead a write outside it; the final component is never followed.
 - Regular files are written to a temp name in the same directory and renamed into place, so an
-  interrupted restore leaves no half-written file at an original path.
+  interrupted restore leaves no half-written file at an original path. Each is renamed when the
+  next entry is read, so a layer's last entry, if a regular file, is renamed only after the
+  caller's check of the whole stream (its diff_id: `check_end`); a failed check removes it.
 - OCI whiteouts ('.wh.NAME') and opaque markers ('.wh..wh..opq') delete from lower layers only.
 - Owners are applied when running as root; device nodes only when asked; setuid/setgid bits and
   file capabilities (the security.capability xattr) only when asked and running as root.
@@ -108,6 +110,7 @@ class Extractor:
         self._dir_cache: dict[str, str] = {}
         self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
         self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
+        self._held: Optional[tuple[str, str]] = None  # (temp, path) of the last regular file, not yet renamed
         self._never = PathSet(self.opts.never_write)
         self._room = 0  # bytes still free on the target at the last look, less what was written since
         self._reset_dir_times()
@@ -226,28 +229,46 @@ class Extractor:
     # ---- applying a layer ------------------------------------------------------------------------
 
     def apply(self, tar_stream: BinaryIO, take: Optional[Callable[[int, int], Optional[str]]] = None,
-              layer: str = "layer") -> None:
+              layer: str = "layer", check_end: Optional[Callable[[], None]] = None) -> None:
         """Apply one layer (an uncompressed tar stream). `take(offset, size)`, if given, may hand
         over a file holding a regular file's data (a split layer: staging.py), to be renamed into
-        place instead of copied; the stream then skips that data without reading it (its `skip`)."""
+        place instead of copied; the stream then skips that data without reading it (its `skip`).
+        `check_end`, if given, is called once the stream is read to its end, before the layer's
+        last entry, if a regular file, is renamed into place: what it raises leaves that file
+        unseen (its temp removed). A last entry of another kind is in place by then."""
         self._reset_dir_times()
         self._take = take
         name = ""
         try:
             reader = TarReader(tar_stream, layer)
             for m in reader:
+                self._finish_held()
                 name = m.name
                 if self.record is not None:
                     self.record.add(header_key(m))
                 self._apply_member(reader, m)
             reader.stream.drain()  # read to the end here, so a corrupt tail is caught below
+            if check_end is not None:
+                check_end()
+            self._finish_held()
         except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
             raise IntegrityError(f"{layer} does not decompress: {e}")  # checked before OSError: BadGzipFile is one
         except OSError as e:
             raise storage_error(e, self.root, f" while writing {quoted_path(clean_path(name))}" if name else "") from e
         finally:
+            if self._held is not None:  # a layer that failed: its held-back file never shows
+                _remove(self._held[0])
+                self._held = None
             self._take = None
             self.put_back_dir_times()
+
+    def _finish_held(self) -> None:
+        """Rename the regular file held back by the last entry into place (before the next entry,
+        which may link to it or reuse its temp name)."""
+        if self._held is not None:
+            tmp, path = self._held
+            os.rename(tmp, path)
+            self._held = None
 
     def _apply_member(self, reader: TarReader, m: tarfile.TarInfo) -> None:
         rel = check_name(m.name)
@@ -312,10 +333,13 @@ class Extractor:
                 os.mkfifo(tmp, 0o600)
             if not m.islnk() and not (m.isreg() and attrs_set):
                 self._set_attrs(tmp, m, rel)
-            os.rename(tmp, path)
-            # A rename onto another link of the same inode does nothing and leaves tmp in place:
-            # only a hardlink can be that (when `path` already links to its target).
-            renamed = not m.islnk()
+            if m.isreg():
+                self._held, renamed = (tmp, path), True  # renamed by _finish_held, or removed by apply
+            else:
+                os.rename(tmp, path)
+                # A rename onto another link of the same inode does nothing and leaves tmp in place:
+                # only a hardlink can be that (when `path` already links to its target).
+                renamed = not m.islnk()
         finally:
             if not renamed:
                 _remove(tmp)

@@ -5,9 +5,9 @@ each layer lands on, not the state dir's), several at once, and each layer is ap
 digest is checked and the layers before it are applied: no unverified byte reaches the target, and
 the extraction of the first layers overlaps the download of the rest. Layers are applied in order,
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
-download threads for Python's lock. Each layer's diff_id is checked as it is applied. A journal
-(journal.py) records how many layers of this run's list are applied, so a restore that was
-interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
+download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
+its last file is renamed into place (extract.py). A journal (journal.py) records how many layers
+of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
 the snap layers are noted for the next commit of the root (restorerecord.py).
 
 A restore writes over what is there, so two things guard a live machine: a full image (base layers

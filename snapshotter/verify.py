@@ -97,7 +97,7 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
         def note(msg: str, label: str = label) -> None:
             log(f"warning: {label}: {msg}")
 
-        def consume(stream) -> None:
+        def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
             if SNAP_PART_FILE in desc.get("annotations", {}):
                 _apply_part_layer(index, stream, joins, links, label)
             else:

@@ -1,7 +1,8 @@
 """Valid-but-unusual layers restore correctly, and the policies hold on every path that writes:
 FIFOs are devices, a joined file is never setuid unless allowed, a file larger than the disk stops
 the restore before the disk fills, xattrs larger than Linux allows are a bad image. verify refuses
-what restore refuses. The journal grows by a line per layer."""
+what restore refuses. The journal grows by a line per layer. A layer that fails its diff_id never
+shows its last file."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import tarfile
 
 import pytest
 
-from test_hostile import PART, MARK, _part_image, jail, layer, member, push, push_annotated, repo_for  # noqa: F401
+from support import gzip_bytes
+from test_hostile import GZIP, TAR, PART, MARK, _part_image, jail, layer, member, push, push_annotated, repo_for  # noqa: F401
 from test_hostile_tars import raw_header, run_snap
 
 IS_ROOT = os.geteuid() == 0
@@ -151,3 +153,20 @@ def test_the_journal_grows_by_one_line_per_layer(registry, jail, request, tmp_pa
     (journal,) = list((state_dir / "restore-journal").iterdir())
     lines = journal.read_text().splitlines()
     assert json.loads(lines[0])["layers"] and [json.loads(line) for line in lines[1:]] == [{"applied": 1}, {"applied": 2}]
+
+
+# ---- the diff_id check ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["tar", "gzip"])
+def test_a_layer_that_fails_its_diff_id_never_shows_its_last_file(registry, jail, request, compressed):
+    """The diff_id is known at the end of the stream only: the entries before the last one are on
+    disk by then (the layer is not recorded as applied), but a last regular file is renamed into
+    place only after the check, and here its temp is removed instead."""
+    tar = layer(member("app/", "dir"), member("app/first", data=b"first\n"), member("app/last", data=b"last\n"))
+    repo = repo_for(request)
+    registry.push_image(repo, "v1", [gzip_bytes(tar) if compressed else tar], layer_media_type=GZIP if compressed else TAR,
+                        diff_ids=["sha256:" + "0" * 64])
+    line = jail.refused(jail.restore(f"{registry.host}/{repo}:v1"))
+    assert "does not match its diff_id" in line, line
+    assert (jail.root / "app/first").read_bytes() == b"first\n"  # the layer was applied up to its end
+    assert os.listdir(jail.root / "app") == ["first"]  # no app/last, and no temp left for it
