@@ -10,7 +10,6 @@ which both read."""
 
 import gzip
 import hashlib
-import io
 import json
 import os
 import re
@@ -19,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tarfile
 import time
 import uuid
 from typing import Optional
@@ -27,7 +25,7 @@ from typing import Optional
 import pytest
 
 from conftest import NOT_CAPTURED, make_box, snap
-from support import RegistryServer, free_port, push_base_image, snapshot_of_tree, stop_process
+from support import RegistryServer, free_port, push_base_image, snapshot_of_tree, stop_process, tar_of_files
 from test_errors import assert_one_line_error
 from test_roundtrip import commit_json, label, layers_by_name
 
@@ -406,16 +404,6 @@ def test_manifest_and_config_follow_the_image_spec(registry, base_ref, box, engi
 # ---- snap commit --from-container ----------------------------------------------------------------
 
 
-def _tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as t:
-        for name, data in files.items():
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mtime, ti.mode = len(data), 1_650_000_000, 0o644
-            t.addfile(ti, io.BytesIO(data))
-    return buf.getvalue()
-
-
 CONTAINER_CHANGES = """
 set -e
 mkdir -p /opt/app/venv/bin /opt/app/custom_nodes/NodeA /root/.ssh /tmp/work
@@ -463,10 +451,10 @@ def test_commit_from_container_gives_the_layers_of_a_walk(registry, base_ref, en
     name = f"snap-box-{uuid.uuid4().hex[:8]}"
     ct = engine.containers.run(base_ref, ["/bin/sh", "-c", "sleep 600"], name=name, detach=True)
     try:
-        ct.put_archive("/", _tar({  # binary files, through the engine's archive API
+        ct.put_archive("/", tar_of_files({  # binary files, through the engine's archive API
             "opt/app/models/checkpoints/sd15.safetensors": os.urandom(1_500_000),
             "opt/app/venv/lib/python3.11/site-packages/torch/_C.so": os.urandom(200_000),
-        }))
+        }, mtime=1_650_000_000))
         res = ct.exec_run(["/bin/sh", "-c", CONTAINER_CHANGES])
         assert res.exit_code == 0, res.output
 

@@ -7,7 +7,6 @@ A layer that cannot be applied safely is refused with exit code 6."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import stat
@@ -18,7 +17,7 @@ import pytest
 
 from conftest import snap
 from snapshotter.extract import NAMES_KEPT
-from support import gzip_bytes
+from support import gzip_bytes, member, tar_bytes
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -27,29 +26,6 @@ IS_ROOT = os.geteuid() == 0
 
 
 # ---- building layers ---------------------------------------------------------------------------
-
-def member(name: str, kind: str = "file", data: bytes = b"", mode: int | None = None, linkname: str = "",
-           dev: tuple[int, int] = (0, 0), pax: dict | None = None) -> tuple[tarfile.TarInfo, bytes]:
-    ti = tarfile.TarInfo(name)
-    ti.type = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
-               "hardlink": tarfile.LNKTYPE, "char": tarfile.CHRTYPE, "block": tarfile.BLKTYPE}[kind]
-    ti.mode = mode if mode is not None else (0o755 if kind == "dir" else 0o644)
-    ti.mtime = 1_600_000_000
-    ti.linkname = linkname
-    ti.devmajor, ti.devminor = dev
-    ti.size = len(data) if kind == "file" else 0
-    if pax:
-        ti.pax_headers = pax
-    return ti, data
-
-
-def layer(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for ti, data in members:
-            tar.addfile(ti, io.BytesIO(data) if ti.isreg() else None)
-    return buf.getvalue()
-
 
 def push(registry, request, *layers: bytes, gzip: bool = False) -> str:
     """Push the layers as an image named after the test; returns its reference."""
@@ -171,14 +147,14 @@ def jail(tmp_path):
 
 @pytest.mark.parametrize("name", [f"../{MARK}", f"a/../../{MARK}", f"./../{MARK}", f"a/b/../../../{MARK}"])
 def test_dotdot_names_are_refused(registry, jail, request, name):
-    ref = push(registry, request, layer(member("a/", "dir"), member(name, data=b"escaped\n")))
+    ref = push(registry, request, tar_bytes(member("a/", "dir"), member(name, data=b"escaped\n")))
     line = jail.refused(jail.restore(ref))
     assert "'..'" in line
 
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_absolute_names_are_refused(registry, jail, request, gz):
-    ref = push(registry, request, layer(member(f"{jail.outside}/{MARK}", data=b"escaped\n")), gzip=gz)
+    ref = push(registry, request, tar_bytes(member(f"{jail.outside}/{MARK}", data=b"escaped\n")), gzip=gz)
     line = jail.refused(jail.restore(ref))
     assert "absolute path" in line
     assert not jail.root.exists() or not any(jail.root.iterdir())
@@ -200,7 +176,7 @@ def test_write_through_an_escaping_symlink_stays_inside(registry, jail, request,
     prefix = jail.through("evil", target, str(jail.outside))
     link = member("evil", "symlink", linkname=target)
     files = [member(f"{prefix}/{MARK}", data=b"inside\n"), member(f"{prefix}/sub/deep", data=b"overwritten\n")]
-    layers = [layer(link), layer(*files)] if split else [layer(link, *files)]
+    layers = [tar_bytes(link), tar_bytes(*files)] if split else [tar_bytes(link, *files)]
     ref = push(registry, request, *layers)
     jail.ok(jail.restore(ref))
     assert os.readlink(jail.root / "evil") == target  # the link itself is data, kept as written
@@ -212,13 +188,13 @@ def test_write_through_an_escaping_symlink_stays_inside(registry, jail, request,
 
 def test_chain_of_parent_symlinks_stays_inside(registry, jail, request):
     name = jail.base.name
-    ref = push(registry, request, layer(
+    ref = push(registry, request, tar_bytes(
         member("l1", "symlink", linkname=".."),  # followed by the OS: the test dir, where the sentinel is
         member("l2", "symlink", linkname="l1/.."),  # ... the dir above it
         member("l3", "symlink", linkname="l2"),
         member("d/", "dir"),
         member("d/up", "symlink", linkname="../../.."),
-    ), layer(
+    ), tar_bytes(
         member(f"l1/outside/{MARK}-1", data=b"one\n"),
         member(f"l2/{name}/outside/{MARK}-2", data=b"two\n"),
         member(f"l3/{name}/outside/{MARK}-3", data=b"three\n"),
@@ -231,17 +207,17 @@ def test_chain_of_parent_symlinks_stays_inside(registry, jail, request):
 
 
 def test_file_replacing_a_symlink_does_not_write_through_it(registry, jail, request):
-    ref = push(registry, request, layer(member("evil", "symlink", linkname=f"{jail.outside}/keep"),
+    ref = push(registry, request, tar_bytes(member("evil", "symlink", linkname=f"{jail.outside}/keep"),
                      member("rel", "symlink", linkname="../outside/keep")),
-               layer(member("evil", data=b"replaced\n"), member("rel", data=b"replaced too\n")))
+               tar_bytes(member("evil", data=b"replaced\n"), member("rel", data=b"replaced too\n")))
     jail.ok(jail.restore(ref))
     assert not (jail.root / "evil").is_symlink() and (jail.root / "evil").read_bytes() == b"replaced\n"
     assert (jail.root / "rel").read_bytes() == b"replaced too\n"
 
 
 def test_directory_replacing_a_symlink_does_not_follow_it(registry, jail, request):
-    ref = push(registry, request, layer(member("evil", "symlink", linkname=str(jail.outside))),
-               layer(member("evil/", "dir", mode=0o700), member("evil/keep", data=b"mine\n")))
+    ref = push(registry, request, tar_bytes(member("evil", "symlink", linkname=str(jail.outside))),
+               tar_bytes(member("evil/", "dir", mode=0o700), member("evil/keep", data=b"mine\n")))
     jail.ok(jail.restore(ref))
     assert (jail.root / "evil").is_dir() and not (jail.root / "evil").is_symlink()
     assert stat.S_IMODE(os.lstat(jail.root / "evil").st_mode) == 0o700
@@ -249,7 +225,7 @@ def test_directory_replacing_a_symlink_does_not_follow_it(registry, jail, reques
 
 
 def test_symlink_loop_is_refused(registry, jail, request):
-    ref = push(registry, request, layer(member("a", "symlink", linkname="b"), member("b", "symlink", linkname="a"),
+    ref = push(registry, request, tar_bytes(member("a", "symlink", linkname="b"), member("b", "symlink", linkname="a"),
                                        member("a/x", data=b"x")))
     assert "too many symlinks" in jail.refused(jail.restore(ref))
 
@@ -259,7 +235,7 @@ def test_symlink_loop_is_refused(registry, jail, request):
 @pytest.mark.parametrize("linkname", ["../../etc/passwd", "../outside/secret", "/etc/passwd", "{outside}/secret"])
 def test_hardlink_out_of_the_root_is_refused(registry, jail, request, linkname):
     linkname = linkname.format(outside=jail.outside)
-    ref = push(registry, request, layer(member("hl", "hardlink", linkname=linkname)))
+    ref = push(registry, request, tar_bytes(member("hl", "hardlink", linkname=linkname)))
     jail.refused(jail.restore(ref))
     assert os.stat(jail.outside / "secret").st_nlink == 1
     assert not os.path.lexists(jail.root / "hl")
@@ -269,14 +245,14 @@ def test_hardlink_out_of_the_root_is_refused(registry, jail, request, linkname):
 def test_hardlink_through_a_symlink_is_refused(registry, jail, request, via):
     via = via.format(outside=jail.outside)
     target = jail.through("d", via, str(jail.outside / "secret"))
-    ref = push(registry, request, layer(member("d", "symlink", linkname=via)), layer(member("hl", "hardlink", linkname=target)))
+    ref = push(registry, request, tar_bytes(member("d", "symlink", linkname=via)), tar_bytes(member("hl", "hardlink", linkname=target)))
     line = jail.refused(jail.restore(ref))
     assert "not in the image" in line
     assert os.stat(jail.outside / "secret").st_nlink == 1
 
 
 def test_hardlink_to_a_symlink_links_the_symlink_not_its_target(registry, jail, request):
-    ref = push(registry, request, layer(member("s", "symlink", linkname=f"{jail.outside}/secret"), member("hl", "hardlink", linkname="s")))
+    ref = push(registry, request, tar_bytes(member("s", "symlink", linkname=f"{jail.outside}/secret"), member("hl", "hardlink", linkname="s")))
     jail.ok(jail.restore(ref))
     assert os.readlink(jail.root / "hl") == f"{jail.outside}/secret"
     assert os.lstat(jail.root / "hl").st_ino == os.lstat(jail.root / "s").st_ino
@@ -285,8 +261,8 @@ def test_hardlink_to_a_symlink_links_the_symlink_not_its_target(registry, jail, 
 
 def test_refused_hardlink_target_changes_nothing_on_its_way(registry, jail, request):
     """Looking up a hardlink target must not create directories or replace files."""
-    ref = push(registry, request, layer(member("f", data=b"a file\n")),
-               layer(member("hl", "hardlink", linkname="f/x")))
+    ref = push(registry, request, tar_bytes(member("f", data=b"a file\n")),
+               tar_bytes(member("hl", "hardlink", linkname="f/x")))
     jail.refused(jail.restore(ref))
     assert (jail.root / "f").read_bytes() == b"a file\n"
 
@@ -294,14 +270,14 @@ def test_refused_hardlink_target_changes_nothing_on_its_way(registry, jail, requ
 # ---- device nodes and privileges -----------------------------------------------------------------
 
 def _devices_layer():
-    return layer(member("dev2/", "dir"), member("dev2/mynull", "char", mode=0o666, dev=(1, 3)),
+    return tar_bytes(member("dev2/", "dir"), member("dev2/mynull", "char", mode=0o666, dev=(1, 3)),
                  member("dev2/myloop", "block", mode=0o660, dev=(7, 0)))
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="device nodes need root")
 def test_device_nodes_are_skipped_unless_allowed(registry, jail, request, tmp_path):
-    ref = push(registry, request, layer(member("dev2/", "dir"), member("dev2/keep/", "dir"), member("dev2/keep/f", data=b"f")),
-               _devices_layer(), layer(member("dev2/keep", "char", dev=(1, 3))))
+    ref = push(registry, request, tar_bytes(member("dev2/", "dir"), member("dev2/keep/", "dir"), member("dev2/keep/f", data=b"f")),
+               _devices_layer(), tar_bytes(member("dev2/keep", "char", dev=(1, 3))))
     r = jail.restore(ref)
     jail.ok(r)
     assert "skipped 3 device node(s)" in r.stderr
@@ -322,7 +298,7 @@ def test_many_skipped_devices_are_all_counted_but_only_the_first_names_kept(regi
     """The report of skipped devices keeps a bounded sample of names (memory stays flat for a layer of
     millions of device headers), and counts every one."""
     n = NAMES_KEPT + 500
-    ref = push(registry, request, layer(member("d/", "dir"),
+    ref = push(registry, request, tar_bytes(member("d/", "dir"),
                                         *(member(f"d/n{i:05d}", "char", dev=(1, 3)) for i in range(n))))
     r = jail.restore(ref, "--json")
     jail.ok(r)
@@ -338,7 +314,7 @@ CAP = struct.pack("<IIIII", 0x02000001, 1 << 10, 0, 0, 0)
 
 def _privileged_layer():
     cap_pax = {"SCHILY.xattr.security.capability": CAP.decode("utf-8", "surrogateescape")}
-    return layer(member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
+    return tar_bytes(member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
                  member("bin/wall", data=b"#!/bin/sh\n", mode=0o2755),
                  member("bin/ping", data=b"#!/bin/sh\n", mode=0o755, pax=cap_pax),
                  member("shared/", "dir", mode=0o2775))
@@ -371,8 +347,8 @@ def test_setuid_setgid_and_capabilities_are_stripped_unless_allowed(registry, ja
 
 @pytest.mark.parametrize("name", [".wh...", "a/.wh...", ".wh..", ".wh."])
 def test_whiteouts_naming_no_valid_path_are_refused(registry, jail, request, name):
-    ref = push(registry, request, layer(member("a/", "dir"), member("a/x", data=b"x")),
-               layer(member(name)))
+    ref = push(registry, request, tar_bytes(member("a/", "dir"), member("a/x", data=b"x")),
+               tar_bytes(member(name)))
     line = jail.refused(jail.restore(ref))
     assert "whiteout" in line
     assert (jail.root / "a/x").exists()
@@ -382,28 +358,28 @@ def test_whiteouts_naming_no_valid_path_are_refused(registry, jail, request, nam
 def test_whiteouts_through_a_symlink_stay_inside(registry, jail, request, via):
     via = via.format(outside=jail.outside)
     prefix = jail.through("evil", via, str(jail.outside))
-    ref = push(registry, request, layer(member("evil", "symlink", linkname=via)),
-               layer(member(f"{prefix}/.wh.keep"), member(f"{prefix}/.wh.sub"),
+    ref = push(registry, request, tar_bytes(member("evil", "symlink", linkname=via)),
+               tar_bytes(member(f"{prefix}/.wh.keep"), member(f"{prefix}/.wh.sub"),
                      member(f"{prefix}/sub/.wh..wh..opq")))
     jail.ok(jail.restore(ref))
 
 
 def test_opaque_whiteout_through_a_symlink_stays_inside(registry, jail, request):
-    ref = push(registry, request, layer(member("evil", "symlink", linkname=str(jail.outside))),
-               layer(member("evil/.wh..wh..opq")))
+    ref = push(registry, request, tar_bytes(member("evil", "symlink", linkname=str(jail.outside))),
+               tar_bytes(member("evil/.wh..wh..opq")))
     jail.ok(jail.restore(ref))
 
 
 def test_whiteout_of_a_symlink_removes_the_link_only(registry, jail, request):
-    ref = push(registry, request, layer(member("evil", "symlink", linkname=str(jail.outside)),
+    ref = push(registry, request, tar_bytes(member("evil", "symlink", linkname=str(jail.outside)),
                                              member("evil2", "symlink", linkname="../outside")),
-               layer(member(".wh.evil"), member(".wh.evil2"), member(".wh..wh..opq")))
+               tar_bytes(member(".wh.evil"), member(".wh.evil2"), member(".wh..wh..opq")))
     jail.ok(jail.restore(ref))
     assert not os.path.lexists(jail.root / "evil") and not os.path.lexists(jail.root / "evil2")
 
 
 def test_whiteout_never_deletes_from_its_own_layer_even_through_a_symlink(registry, jail, request):
-    ref = push(registry, request, layer(member("low", data=b"lower\n")), layer(
+    ref = push(registry, request, tar_bytes(member("low", data=b"lower\n")), tar_bytes(
         member("real/", "dir"), member("alias", "symlink", linkname="real"),
         member("real/f", data=b"mine\n"), member("alias/.wh.f"), member("alias/.wh..wh..opq"),
         member(".wh.low"),
@@ -430,8 +406,8 @@ def _tamper(registry, digest: str) -> None:
 def test_tampered_blob_is_rejected_before_any_of_it_is_written(registry, jail, request, gz, which):
     # Blobs are shared across the registry's repositories: each case tampers with blobs of its own.
     passwd = b"root:x:0:0::/root:/bin/sh\n" * 100 + request.node.name.encode()
-    ref = push(registry, request, layer(member("etc/", "dir"), member("etc/passwd", data=passwd)),
-               layer(member("opt/", "dir"), member("opt/app.py", data=b"print('hi')\n" * 100),
+    ref = push(registry, request, tar_bytes(member("etc/", "dir"), member("etc/passwd", data=passwd)),
+               tar_bytes(member("opt/", "dir"), member("opt/app.py", data=b"print('hi')\n" * 100),
                      member("opt/model.bin", data=os.urandom(3 << 20))), gzip=gz)  # big: split at download
     m = registry.manifest(ref.split("/", 1)[1].rsplit(":", 1)[0], "v1")
     _tamper(registry, m["layers"][which]["digest"])
@@ -452,7 +428,7 @@ def test_tampered_blob_is_rejected_before_any_of_it_is_written(registry, jail, r
 @pytest.mark.parametrize("kind", ["truncated-gzip", "garbage-gzip", "bad-gzip-crc", "garbage-zstd", "not-a-tar"])
 def test_corrupt_layer_data_is_an_integrity_error(registry, jail, request, kind):
     """The blob matches its digest (it was pushed so), but its bytes do not unpack."""
-    data = layer(member("a/", "dir"), member("a/f", data=os.urandom(100_000)))
+    data = tar_bytes(member("a/", "dir"), member("a/f", data=os.urandom(100_000)))
     blob, media = {
         "truncated-gzip": (gzip_bytes(data)[:-5000], GZIP),
         "garbage-gzip": (gzip_bytes(data)[:100] + b"\0" * 5000, GZIP),
@@ -473,9 +449,9 @@ PART = "m/big.snap-part-{:04d}-of-{:04d}"
 def _part_image(registry, request, first: tuple[tarfile.TarInfo, bytes], anns=("1/2", "2/2"), extra=()) -> str:
     """m/big cut into two part layers: the first part is `first`, the second a regular file."""
     return push_annotated(registry, repo_for(request), [
-        (layer(member("m/", "dir")), {}),
-        (layer(first), part_ann("m/big", anns[0])),
-        (layer(member(PART.format(2, 2), data=b"second part\n")), part_ann("m/big", anns[1])),
+        (tar_bytes(member("m/", "dir")), {}),
+        (tar_bytes(first), part_ann("m/big", anns[0])),
+        (tar_bytes(member(PART.format(2, 2), data=b"second part\n")), part_ann("m/big", anns[1])),
         *extra,
     ])
 
@@ -519,7 +495,7 @@ def test_malformed_part_annotations_are_refused(registry, jail, request, ann):
 @pytest.mark.parametrize("path", ["/etc/passwd", "../outside/keep", "m/../../outside/keep", ""])
 def test_part_files_outside_the_root_are_refused(registry, jail, request, path):
     ref = push_annotated(registry, repo_for(request), [
-        (layer(member("m/", "dir"), member("m/x.snap-part-0001-of-0001", data=b"part\n")), part_ann(path, "1/1"))])
+        (tar_bytes(member("m/", "dir"), member("m/x.snap-part-0001-of-0001", data=b"part\n")), part_ann(path, "1/1"))])
     jail.refused(jail.restore(ref))
 
 
@@ -533,7 +509,7 @@ def test_inconsistent_part_layers_are_refused(registry, jail, request, anns):
 def test_parts_deleted_before_the_join_are_refused(registry, jail, request):
     """Some parts there and some not at join time: an incomplete file, never silently left as parts."""
     ref = _part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"),
-                      extra=[(layer(member("m/.wh." + PART.format(2, 2).split("/")[1])), {})])
+                      extra=[(tar_bytes(member("m/.wh." + PART.format(2, 2).split("/")[1])), {})])
     line = jail.refused(jail.restore(ref))
     assert "missing" in line and "/m/big" in line, line
     assert not (jail.root / "m/big").exists()

@@ -15,8 +15,8 @@ import tarfile
 
 import pytest
 
-from support import gzip_bytes
-from test_hostile import GZIP, TAR, PART, MARK, _part_image, jail, layer, member, push, push_annotated, repo_for  # noqa: F401
+from support import gzip_bytes, member, tar_bytes
+from test_hostile import GZIP, TAR, PART, MARK, _part_image, jail, push, push_annotated, repo_for  # noqa: F401
 from test_hostile_tars import raw_header, run_snap
 
 IS_ROOT = os.geteuid() == 0
@@ -31,7 +31,7 @@ def fifo(name: str) -> tuple[tarfile.TarInfo, bytes]:
 # ---- valid tars that are unusual ---------------------------------------------------------------------
 
 def test_a_directory_entry_after_its_contents(registry, jail, request):
-    ref = push(registry, request, layer(member("a/b/c", data=b"c\n"), member("a/b/", "dir", mode=0o750),
+    ref = push(registry, request, tar_bytes(member("a/b/c", data=b"c\n"), member("a/b/", "dir", mode=0o750),
                                        member("a/", "dir", mode=0o711)))
     jail.ok(jail.restore(ref))
     assert (jail.root / "a/b/c").read_bytes() == b"c\n"
@@ -41,15 +41,15 @@ def test_a_directory_entry_after_its_contents(registry, jail, request):
 
 def test_a_symlink_over_an_implied_directory(registry, jail, request):
     """As containerd does: the later entry replaces the directory the earlier one implied."""
-    ref = push(registry, request, layer(member("x/a/b", data=b"b\n"), member("x/a", "symlink", linkname="elsewhere")))
+    ref = push(registry, request, tar_bytes(member("x/a/b", data=b"b\n"), member("x/a", "symlink", linkname="elsewhere")))
     jail.ok(jail.restore(ref))
     assert os.readlink(jail.root / "x/a") == "elsewhere"
 
 
 def test_the_same_uncompressed_layer_listed_twice(registry, jail, request):
     big = os.urandom(3 << 20)  # big enough to be kept split (staging.py) and renamed into place
-    weights = layer(member("w/", "dir"), member("w/model.bin", data=big))
-    gone = layer(member("w/.wh.model.bin"))
+    weights = tar_bytes(member("w/", "dir"), member("w/model.bin", data=big))
+    gone = tar_bytes(member("w/.wh.model.bin"))
     ref = push(registry, request, weights, gone, weights)
     jail.ok(jail.restore(ref))
     assert (jail.root / "w/model.bin").read_bytes() == big
@@ -58,7 +58,7 @@ def test_the_same_uncompressed_layer_listed_twice(registry, jail, request):
 # ---- policies ------------------------------------------------------------------------------------------
 
 def test_fifos_are_devices(registry, jail, request, tmp_path):
-    ref = push(registry, request, layer(member("p/", "dir"), fifo("p/pipe"), member("p/f", data=b"f\n")))
+    ref = push(registry, request, tar_bytes(member("p/", "dir"), fifo("p/pipe"), member("p/f", data=b"f\n")))
     jail.ok(jail.restore(ref))
     assert not os.path.lexists(jail.root / "p/pipe") and (jail.root / "p/f").exists()
     r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
@@ -95,7 +95,7 @@ def test_a_file_larger_than_the_disk_stops_before_writing(registry, jail, reques
 
 
 def test_an_xattr_larger_than_linux_allows_is_a_bad_image(registry, jail, request):
-    ref = push(registry, request, layer(member("f", data=b"f", pax={"SCHILY.xattr.user.big": "x" * 70_000})))
+    ref = push(registry, request, tar_bytes(member("f", data=b"f", pax={"SCHILY.xattr.user.big": "x" * 70_000})))
     assert "extended attribute" in jail.refused(jail.restore(ref))
 
 
@@ -105,13 +105,13 @@ def test_an_xattr_larger_than_linux_allows_is_a_bad_image(registry, jail, reques
                                   "hardlink-missing"])
 def test_verify_refuses_what_restore_refuses(registry, jail, request, tmp_path, case):
     layers = {
-        "absolute": [layer(member(f"{jail.outside}/{MARK}", data=b"x"))],
-        "dotdot": [layer(member(f"a/../../{MARK}", data=b"x"))],
-        "hardlink-out": [layer(member("hl", "hardlink", linkname="../outside/secret"))],
-        "whiteout-dotdot": [layer(member("a/", "dir")), layer(member("a/.wh..."))],
-        "symlink-loop": [layer(member("a", "symlink", linkname="b"), member("b", "symlink", linkname="a"),
+        "absolute": [tar_bytes(member(f"{jail.outside}/{MARK}", data=b"x"))],
+        "dotdot": [tar_bytes(member(f"a/../../{MARK}", data=b"x"))],
+        "hardlink-out": [tar_bytes(member("hl", "hardlink", linkname="../outside/secret"))],
+        "whiteout-dotdot": [tar_bytes(member("a/", "dir")), tar_bytes(member("a/.wh..."))],
+        "symlink-loop": [tar_bytes(member("a", "symlink", linkname="b"), member("b", "symlink", linkname="a"),
                                member("a/x", data=b"x"))],
-        "hardlink-missing": [layer(member("hl", "hardlink", linkname="nowhere"))],
+        "hardlink-missing": [tar_bytes(member("hl", "hardlink", linkname="nowhere"))],
     }[case]
     ref = push(registry, request, *layers)
     jail.refused(jail.restore(ref))
@@ -122,8 +122,8 @@ def test_verify_refuses_what_restore_refuses(registry, jail, request, tmp_path, 
 
 def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
     """A '..' path a later layer deletes again: refused, not probed (nor reported) outside the root."""
-    ref = push(registry, request, layer(member("a/", "dir"), member("a/../../outside/keep", data=b"sentinel\n")),
-               layer(member("a/../../outside/.wh.keep")))
+    ref = push(registry, request, tar_bytes(member("a/", "dir"), member("a/../../outside/keep", data=b"sentinel\n")),
+               tar_bytes(member("a/../../outside/.wh.keep")))
     jail.root.mkdir()
     r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
     assert "outside" not in r.stdout
@@ -131,7 +131,7 @@ def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
 
 
 def test_a_name_with_a_newline_cannot_forge_a_line_of_the_verify_report(registry, jail, request, tmp_path):
-    ref = push(registry, request, layer(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
+    ref = push(registry, request, tar_bytes(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
     jail.root.mkdir()
     (jail.root / "d").mkdir()
     r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
@@ -143,7 +143,7 @@ def test_a_name_with_a_newline_cannot_forge_a_line_of_the_verify_report(registry
 # ---- the journal ---------------------------------------------------------------------------------------
 
 def test_the_journal_grows_by_one_line_per_layer(registry, jail, request, tmp_path, state_dir):
-    layers = [layer(member(f"f{i}", data=b"%d" % i)) for i in range(3)]
+    layers = [tar_bytes(member(f"f{i}", data=b"%d" % i)) for i in range(3)]
     repo = repo_for(request)
     diff_ids = ["sha256:" + hashlib.sha256(b).hexdigest() for b in layers]
     diff_ids[2] = "sha256:" + "0" * 64  # the third layer fails its check: the journal stays
@@ -162,7 +162,7 @@ def test_a_layer_that_fails_its_diff_id_never_shows_its_last_file(registry, jail
     """The diff_id is known at the end of the stream only: the entries before the last one are on
     disk by then (the layer is not recorded as applied), but a last regular file is renamed into
     place only after the check, and here its temp is removed instead."""
-    tar = layer(member("app/", "dir"), member("app/first", data=b"first\n"), member("app/last", data=b"last\n"))
+    tar = tar_bytes(member("app/", "dir"), member("app/first", data=b"first\n"), member("app/last", data=b"last\n"))
     repo = repo_for(request)
     registry.push_image(repo, "v1", [gzip_bytes(tar) if compressed else tar], layer_media_type=GZIP if compressed else TAR,
                         diff_ids=["sha256:" + "0" * 64])

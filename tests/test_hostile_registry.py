@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from support import FaultProxy
-from test_hostile import TAR, jail, layer, member, push, push_annotated, repo_for  # noqa: F401 - jail is a fixture
+from support import FaultProxy, member, tar_bytes
+from test_hostile import TAR, jail, push, push_annotated, repo_for  # noqa: F401 - jail is a fixture
 from test_hostile_tars import PEAK_LIMIT_KIB, run_snap
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -49,7 +49,7 @@ def _put_manifest(registry, repo: str, tag: str, doc: dict, media_type: str) -> 
 # ---- documents too big to read -----------------------------------------------------------------------
 
 def test_a_huge_manifest_is_refused_before_it_is_read(registry, proxy, jail, request, tmp_path):
-    ref = push(registry, request, layer(member("f", data=b"x")))
+    ref = push(registry, request, tar_bytes(member("f", data=b"x")))
     repo = ref.split("/", 1)[1].split(":")[0]
     spaces = bytes(b" " * (1 << 20))
     proxy.lie = lambda method, path: ((200, {"Content-Type": OCI_MANIFEST}, [spaces] * 300)
@@ -61,7 +61,7 @@ def test_a_huge_manifest_is_refused_before_it_is_read(registry, proxy, jail, req
 
 def test_a_huge_config_is_refused_before_it_is_read(registry, jail, request, tmp_path):
     repo = repo_for(request)
-    blob = layer(member("f", data=b"x"))
+    blob = tar_bytes(member("f", data=b"x"))
     registry.push_image(repo, "v1", [blob], config={"padding": "a" * (200 << 20)}, layer_media_type=TAR)
     for code, line, peak in both(jail, tmp_path, f"{registry.host}/{repo}:v1"):
         assert code == 6 and "config" in line, line
@@ -72,7 +72,7 @@ def test_a_huge_config_is_refused_before_it_is_read(registry, jail, request, tmp
 
 def test_an_index_chain_too_deep_is_refused(registry, jail, request, tmp_path):
     repo = repo_for(request)
-    blob = layer(member("f", data=b"x"))
+    blob = tar_bytes(member("f", data=b"x"))
     digest = registry.push_image(repo, "base", [blob], layer_media_type=TAR)
     size = len(registry.session().get(f"{registry.url}/v2/{repo}/manifests/base",
                                       headers={"Accept": OCI_MANIFEST}).content)
@@ -90,7 +90,7 @@ def test_an_index_chain_too_deep_is_refused(registry, jail, request, tmp_path):
 @pytest.mark.parametrize("change", ["layers-not-a-list", "no-config", "config-size-missing", "index-not-a-list",
                                     "manifest-not-an-object"])
 def test_malformed_manifests_are_bad_images(registry, proxy, jail, request, tmp_path, change):
-    ref = push(registry, request, layer(member("f", data=b"x")))
+    ref = push(registry, request, tar_bytes(member("f", data=b"x")))
     repo = ref.split("/", 1)[1].split(":")[0]
     doc = json.loads(registry.session().get(f"{registry.url}/v2/{repo}/manifests/v1",
                                             headers={"Accept": OCI_MANIFEST}).content)
@@ -116,7 +116,7 @@ def test_malformed_manifests_are_bad_images(registry, proxy, jail, request, tmp_
 def test_malformed_configs_are_bad_images(registry, jail, request, tmp_path, config):
     repo = repo_for(request)
     cfg = json.dumps(config).encode()
-    blob = layer(member("f", data=b"x"))
+    blob = tar_bytes(member("f", data=b"x"))
     doc = {"schemaVersion": 2, "mediaType": OCI_MANIFEST,
            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
                       "digest": registry.push_blob(repo, cfg), "size": len(cfg)},
@@ -128,8 +128,8 @@ def test_malformed_configs_are_bad_images(registry, jail, request, tmp_path, con
 
 @pytest.mark.parametrize("base_layers", ["-1", "5", "one", "2.0"])
 def test_base_layers_annotation_out_of_range_is_refused(registry, jail, request, tmp_path, base_layers):
-    ref = push_annotated(registry, repo_for(request), [(layer(member("base", data=b"b")), {}),
-                                                       (layer(member("snap", data=b"s")), {"dev.snap.layer": "rest"})],
+    ref = push_annotated(registry, repo_for(request), [(tar_bytes(member("base", data=b"b")), {}),
+                                                       (tar_bytes(member("snap", data=b"s")), {"dev.snap.layer": "rest"})],
                          {"dev.snap.base-layers": base_layers})
     r, _ = run_snap(tmp_path, "restore", ref, "--root", str(jail.root), "--only-snapshot")
     assert "base-layers" in jail.refused(r)
@@ -139,7 +139,7 @@ def test_base_layers_annotation_out_of_range_is_refused(registry, jail, request,
 # ---- blobs that do not end, or arrive too slowly ---------------------------------------------------------
 
 def test_a_blob_longer_than_its_descriptor_is_refused_as_it_passes_its_size(registry, proxy, jail, request, tmp_path):
-    blob = layer(member("f", data=os.urandom(100_000)))
+    blob = tar_bytes(member("f", data=os.urandom(100_000)))
     ref = push(registry, request, blob)
     proxy.endless_blob = "sha256:" + hashlib.sha256(blob).hexdigest()
     for code, line, _ in both(jail, tmp_path, ref.replace(registry.host, proxy.host)):
@@ -147,7 +147,7 @@ def test_a_blob_longer_than_its_descriptor_is_refused_as_it_passes_its_size(regi
 
 
 def test_a_dripping_registry_meets_the_deadline(registry, proxy, jail, request, tmp_path):
-    ref = push(registry, request, layer(member("f", data=os.urandom(150_000))))
+    ref = push(registry, request, tar_bytes(member("f", data=os.urandom(150_000))))
     proxy.throttle = 2000  # bytes per second: 75 s for the layer
     env = {"SNAP_MIN_THROUGHPUT": "100k"}  # its deadline: 10 s + 150 KB at 100 KiB/s
     for code, line, _ in both(jail, tmp_path, ref.replace(registry.host, proxy.host), env):

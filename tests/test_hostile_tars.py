@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 
-from test_hostile import GZIP, MARK, TAR, jail, layer, member, push  # noqa: F401 - jail is a fixture
+from test_hostile import GZIP, MARK, TAR, jail, push  # noqa: F401 - jail is a fixture
 
 RUN_TIMEOUT = 300  # far more than any of these takes once fixed: reaching it means a hang
 PEAK_LIMIT_KIB = 256 * 1024

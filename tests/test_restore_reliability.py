@@ -5,7 +5,6 @@ the killed run left behind."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -13,7 +12,6 @@ import select
 import signal
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 
@@ -26,8 +24,8 @@ from snapshotter.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore import RestoreOptions, restore_image
 from snapshotter.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
-from support import FaultProxy
-from test_hostile import layer as hlayer, member, part_ann, push_annotated
+from support import FaultProxy, member, tar_bytes, tar_of_files
+from test_hostile import part_ann, push_annotated
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 ZSTD = TAR + "+zstd"
@@ -37,17 +35,7 @@ IS_ROOT = os.geteuid() == 0
 
 
 def layer(files: dict[str, bytes], dirs: tuple[str, ...] = ()) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for d in dirs:
-            ti = tarfile.TarInfo(d + "/")
-            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, MTIME
-            tar.addfile(ti)
-        for name, data in files.items():
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = len(data), 0o640, MTIME
-            tar.addfile(ti, io.BytesIO(data))
-    return buf.getvalue()
+    return tar_of_files(files, dirs, mode=0o640, mtime=MTIME)
 
 
 def sha(data: bytes) -> str:
@@ -379,8 +367,8 @@ def test_reapplying_a_hardlink_to_a_lower_layer_file(registry, tmp_path):
     """Restoring the snapshot layers again over a restored tree: the hardlink's path already links
     to its target, so the rename of the temp link is a no-op that must not leave the temp behind."""
     ref = push_annotated(registry, "relink", [
-        (hlayer(member("a/", "dir"), member("a/x", data=b"lower\n")), {}),
-        (hlayer(member("a/y", "hardlink", linkname="a/x"), member("a/z", data=b"after the link\n")), SNAP_BUNDLE),
+        (tar_bytes(member("a/", "dir"), member("a/x", data=b"lower\n")), {}),
+        (tar_bytes(member("a/y", "hardlink", linkname="a/x"), member("a/z", data=b"after the link\n")), SNAP_BUNDLE),
     ], {"dev.snap.base-layers": "1"})
     root = tmp_path / "root"
     snap("restore", ref, "--root", str(root), check=True)
@@ -434,7 +422,7 @@ def test_a_layer_never_empties_a_mounted_volume(registry, tmp_path, tmpfs, reque
         "parent-whited-out": [member(".wh.data")],
     }[how]
     repo = "mounted-" + how
-    registry.push_image(repo, "v1", [hlayer(*members)], layer_media_type=TAR)
+    registry.push_image(repo, "v1", [tar_bytes(*members)], layer_media_type=TAR)
     r = snap("restore", f"{registry.host}/{repo}:v1", "--root", str(root))
     assert (vol / "work.txt").read_text() == "precious\n", "the mounted volume was emptied"
     assert_one_line_error(r, 7, "mount point", str(vol))

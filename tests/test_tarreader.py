@@ -12,6 +12,7 @@ import tarfile
 import pytest
 
 from snapshotter.tarreader import TarReader, data_chunks, iter_members
+from support import tar_bytes
 
 FIELDS = ("name", "type", "mode", "uid", "gid", "size", "mtime", "linkname", "uname", "gname", "devmajor",
           "devminor", "pax_headers", "offset_data")
@@ -52,12 +53,8 @@ def _members(fmt: int) -> list[tuple[tarfile.TarInfo, bytes]]:
     return out
 
 
-def _tar(fmt: int) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=fmt, encoding="utf-8", errors="surrogateescape") as tar:
-        for ti, data in _members(fmt):
-            tar.addfile(ti, io.BytesIO(data) if ti.isreg() else None)
-    return buf.getvalue()
+def _tar(fmt: int, **options) -> bytes:
+    return tar_bytes(*_members(fmt), format=fmt, encoding="utf-8", errors="surrogateescape", **options)
 
 
 def _expected(blob: bytes) -> list[tuple]:
@@ -85,11 +82,8 @@ def test_same_members_as_tarfile(fmt):
 
 
 def test_global_pax_headers_apply_to_later_members():
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "all"}) as tar:
-        for ti, data in _members(tarfile.PAX_FORMAT):
-            tar.addfile(ti, io.BytesIO(data) if ti.isreg() else None)
-    assert _read(buf.getvalue()) == _expected(buf.getvalue())
+    blob = _tar(tarfile.PAX_FORMAT, pax_headers={"comment": "all"})
+    assert _read(blob) == _expected(blob)
 
 
 @pytest.mark.skipif(not shutil.which("tar"), reason="GNU tar not installed")

@@ -133,14 +133,8 @@ def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp
 
 def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
     import hashlib
-    import io
-    import tarfile
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        ti = tarfile.TarInfo("a.txt")
-        ti.size = 1000
-        tar.addfile(ti, io.BytesIO(b"a" * 1000))
-    blob = buf.getvalue()
+    from support import member, tar_bytes
+    blob = tar_bytes(member("a.txt", data=b"a" * 1000))
     registry.push_image("verify-tampered", "v1", [blob], layer_media_type="application/vnd.oci.image.layer.v1.tar")
     hexd = hashlib.sha256(blob).hexdigest()
     with open(os.path.join(registry.storage, "docker/registry/v2/blobs/sha256", hexd[:2], hexd, "data"), "r+b") as f:
@@ -154,8 +148,8 @@ def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="owners, setuid bits and device nodes need root")
 def test_setuid_and_devices_follow_what_restore_writes_by_default(registry, tmp_path):
-    from test_hostile import layer, member
-    registry.push_image("verify-priv", "v1", [layer(
+    from support import member, tar_bytes
+    registry.push_image("verify-priv", "v1", [tar_bytes(
         member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
         member("bin/plain", data=b"#!/bin/sh\n", mode=0o755), member("devs/", "dir"),
         member("devs/null", "char", mode=0o666, dev=(1, 3)))], layer_media_type="application/vnd.oci.image.layer.v1.tar")

@@ -14,9 +14,9 @@ import pytest
 from conftest import snap
 from snapshotter.image import SNAP_BASE_LAYERS
 from snapshotter.registry import host_platform
-from support import push_base_image, snapshot_of_tree, write_tree
+from support import member, push_base_image, snapshot_of_tree, tar_bytes, write_tree
 from test_errors import assert_one_line_error
-from test_hostile import layer, member, push
+from test_hostile import push
 from test_layers import oci_validator
 from test_roundtrip import commit_json, layers_by_name
 
@@ -242,13 +242,13 @@ def test_excluded_paths_are_never_written_whatever_the_image_holds(registry, req
     """An image carrying /etc/hostname, /etc/hosts, /etc/resolv.conf, /tmp and /proc contents, and
     whiteouts of /etc/hosts and of all of /etc's lower entries: none of it touches those paths."""
     image = push(registry, request,
-                 layer(member("etc", "dir"), member("etc/hostname", data=b"image-host\n"),
+                 tar_bytes(member("etc", "dir"), member("etc/hostname", data=b"image-host\n"),
                        member("etc/hosts", data=b"10.0.0.1 image\n"), member("etc/resolv.conf", data=b"nameserver 10.0.0.1\n"),
                        member("etc/app.conf", data=b"threads = 8\n"), member("tmp", "dir", mode=0o1777),
                        member("tmp/junk", data=b"junk\n"), member("proc", "dir", mode=0o555),
                        member("proc/cpuinfo", data=b"fake\n")),
-                 layer(member("etc", "dir"), member("etc/.wh.hosts"), member("etc/.wh.resolv.conf")),
-                 layer(member("etc", "dir"), member("etc/.wh..wh..opq"), member("etc/app2.conf", data=b"x\n")))
+                 tar_bytes(member("etc", "dir"), member("etc/.wh.hosts"), member("etc/.wh.resolv.conf")),
+                 tar_bytes(member("etc", "dir"), member("etc/.wh..wh..opq"), member("etc/app2.conf", data=b"x\n")))
     own = ("etc/hostname", "etc/hosts", "etc/resolv.conf", "tmp", "tmp/.X0-lock")
     before = strict_tree(vm_root)
     snap("restore", image, "--root", vm_root, "--force", check=True)
