@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import parse_qs, urlparse
 
 import requests
@@ -530,7 +530,12 @@ class FaultProxy(_ThreadedServer):
     - A lying registry: `lie(method, path)` may return (status, headers, body pieces) to answer
       with a body of its own (a 300 MiB manifest, ...), streamed; `endless_blob`: the digest of a
       blob whose body goes on past its end with zeros, without a length, until the client hangs up.
-    - `hold_blob`: the digest of a blob whose downloads wait (setting `holding`) until `unhold` is set."""
+    - `hold_blob`: the digest of a blob whose downloads wait (setting `holding`) until `unhold` is set.
+    - `wait_for(request)`: block until a logged (method, path, status) matches, instead of polling;
+      a request the upstream refused (a registry that is down) is logged with status REFUSED and
+      its connection closed unanswered."""
+
+    REFUSED = -2
 
 
     def __init__(self, upstream: str):
@@ -551,6 +556,7 @@ class FaultProxy(_ThreadedServer):
         self.blob_bytes_sent = 0
         self.log: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
+        self._logged = threading.Condition()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
 
@@ -560,6 +566,16 @@ class FaultProxy(_ThreadedServer):
 
     def upload_bytes(self) -> int:
         return self.body_bytes.get("PATCH", 0) + self.body_bytes.get("PUT", 0)
+
+    def wait_for(self, request: Callable[[str, str, int], bool], timeout: float = 120) -> bool:
+        """Wait until a request matching `request(method, path, status)` has been logged; False on timeout."""
+        with self._logged:
+            return self._logged.wait_for(lambda: any(request(*entry) for entry in self.log), timeout)
+
+    def _log(self, method: str, path: str, status: int) -> None:
+        with self._logged:
+            self.log.append((method, path, status))
+            self._logged.notify_all()
 
     def _count(self, method: str, n: int) -> None:
         with self._lock:
@@ -623,7 +639,7 @@ class FaultProxy(_ThreadedServer):
                         self.send_header(k, v)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
-                    proxy.log.append((method, path, status))
+                    proxy._log(method, path, status)
                     return
                 if proxy.hold_blob and method == "GET" and path.endswith(f"/blobs/{proxy.hold_blob}"):
                     proxy.holding.set()
@@ -633,6 +649,12 @@ class FaultProxy(_ThreadedServer):
                     self._lie(method, path, *lie)
                     return
                 upstream = http.client.HTTPConnection(proxy.upstream, timeout=300)
+                try:
+                    upstream.connect()
+                except ConnectionRefusedError:  # the registry is down: the client's request goes unanswered
+                    proxy._log(method, path, proxy.REFUSED)
+                    self.close_connection = True
+                    return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")}
                 chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
                 try:
@@ -653,10 +675,10 @@ class FaultProxy(_ThreadedServer):
                     upstream.close()
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
-                    proxy.log.append((method, path, -1))
+                    proxy._log(method, path, -1)
                     proxy.cut.set()
                     return
-                proxy.log.append((method, path, r.status))
+                proxy._log(method, path, r.status)
                 if proxy.endless_blob and path.endswith(f"/blobs/{proxy.endless_blob}") and method == "GET":
                     self._lie(method, path, r.status, {"Content-Type": "application/octet-stream"},
                               itertools.chain([r.read()], itertools.repeat(bytes(1 << 16))), length=False)
@@ -699,7 +721,7 @@ class FaultProxy(_ThreadedServer):
                 one, the end of the body being the end of the connection."""
                 for _ in self._body():
                     pass
-                proxy.log.append((method, path, status))
+                proxy._log(method, path, status)
                 pieces = list(pieces) if length else pieces
                 self.send_response_only(status)
                 for k, v in headers.items():

@@ -1,21 +1,20 @@
 """Commit-side safety: interrupted pushes, a registry that restarts, unreadable files, secrets."""
 
-import glob
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import zstandard
 
 from conftest import NOT_CAPTURED, snap
-from support import RegistryServer, push_base_image, snapshot_of_tree, write_tree
+from support import FaultProxy, RegistryServer, push_base_image, snapshot_of_tree, write_tree
 from test_errors import assert_one_line_error
 
 MiB = 1024 * 1024
+STALL_AT = 20 * MiB  # bytes of the big blob's upload after which the tests act
 
 
 def write_big(path, size):
@@ -25,27 +24,21 @@ def write_big(path, size):
             f.write(os.urandom(4 * MiB))
 
 
-def upload_bytes_in_progress(reg: RegistryServer) -> int:
-    total = 0
-    for p in glob.glob(f"{reg.storage}/docker/registry/v2/repositories/*/_uploads/*/data"):
-        try:
-            total += os.path.getsize(p)
-        except FileNotFoundError:
-            pass  # an upload that completed between the listing and the stat
-    return total
-
-
-def start_commit(reg, box, tag, base_ref):
-    return subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{reg.host}/{tag}", "--base", base_ref,
+def start_commit(host, box, tag, base_ref):
+    return subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{host}/{tag}", "--base", base_ref,
                              "--root", box, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_upload(reg, proc, at_least=20 * MiB, timeout=120):
-    deadline = time.time() + timeout
-    while upload_bytes_in_progress(reg) < at_least:
-        assert proc.poll() is None, f"commit ended before the upload was interrupted: {proc.communicate()}"
-        assert time.time() < deadline, "the upload never started"
-        time.sleep(0.02)
+def stalled_mid_upload(proxy, proc):
+    """Wait (on the proxy's event) until the big blob's upload has sent STALL_AT bytes and the link
+    stopped there: the test acts mid-upload, at the same point every run."""
+    if not proxy.stalled.wait(120):
+        proc.kill()
+        pytest.fail(f"the upload never reached {STALL_AT} bytes: {proc.communicate()}")
+
+
+def blob_upload_finished(method, path, status):
+    return method == "PUT" and "/blobs/uploads/" in path and "digest=" in path and status == 201
 
 
 @pytest.fixture
@@ -58,23 +51,38 @@ def own_registry(tmp_path, base_rootfs):
 
 
 @pytest.fixture
+def stalling_proxy(own_registry):
+    """A FaultProxy in front of own_registry whose link stops STALL_AT bytes into an upload's PATCH
+    (`stalled` set) until the test sets `release`."""
+    proxy = FaultProxy(own_registry.host).start()
+    proxy.stall_uploads_after = STALL_AT
+    yield proxy
+    proxy.release.set()
+    proxy.stop()
+
+
+@pytest.fixture
 def big_box(box):
     write_big(os.path.join(box, "opt/app/models/checkpoints/big.safetensors"), 256 * MiB)  # a layer of its own
     return box
 
 
-def test_killed_push_leaves_no_tag_and_the_next_commit_finishes(own_registry, big_box, tmp_path):
-    reg = own_registry
-    base_ref = f"{reg.host}/base:1"
-    proc = start_commit(reg, big_box, "box:v1", base_ref)
-    wait_for_upload(reg, proc)
+def test_killed_push_leaves_no_tag_and_the_next_commit_finishes(own_registry, stalling_proxy, big_box, tmp_path):
+    reg, proxy = own_registry, stalling_proxy
+    base_ref = f"{proxy.host}/base:1"
+    proc = start_commit(proxy.host, big_box, "box:v1", base_ref)
+    stalled_mid_upload(proxy, proc)
+    # The small layers go up beside the stalled big one: kill once one of them is in.
+    assert proxy.wait_for(blob_upload_finished), "no small layer was uploaded beside the big one"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    proxy.stall_uploads_after = None  # the next commit goes through
+    proxy.release.set()
     # The tag moves last: after a kill there is no half-made image under it.
     r = reg.session().get(f"{reg.url}/v2/box/manifests/v1")
     assert r.status_code == 404
 
-    r = snap("commit", f"{reg.host}/box:v1", "--base", base_ref, "--root", big_box, "--json", check=True)
+    r = snap("commit", f"{proxy.host}/box:v1", "--base", base_ref, "--root", big_box, "--json", check=True)
     statuses = {layer["name"]: layer["status"] for layer in json.loads(r.stdout)["layers"]}
     big = "models (opt/app/models/checkpoints/big.safetensors)"
     assert statuses[big] == "uploaded"  # the interrupted blob is sent again
@@ -85,13 +93,14 @@ def test_killed_push_leaves_no_tag_and_the_next_commit_finishes(own_registry, bi
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(big_box, skip=NOT_CAPTURED)
 
 
-def test_registry_restarted_mid_upload(own_registry, big_box, tmp_path):
-    reg = own_registry
-    base_ref = f"{reg.host}/base:1"
-    proc = start_commit(reg, big_box, "box:v2", base_ref)
-    wait_for_upload(reg, proc)
+def test_registry_restarted_mid_upload(own_registry, stalling_proxy, big_box, tmp_path):
+    reg, proxy = own_registry, stalling_proxy
+    proc = start_commit(proxy.host, big_box, "box:v2", f"{proxy.host}/base:1")
+    stalled_mid_upload(proxy, proc)
     reg.stop()
-    time.sleep(1)
+    proxy.release.set()  # the upload breaks on the stopped registry
+    # Back only once the commit has found it down (a request refused), so it must wait for it.
+    assert proxy.wait_for(lambda method, path, status: status == proxy.REFUSED), "the commit never retried"
     reg.start()  # same port, same storage
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
@@ -100,11 +109,12 @@ def test_registry_restarted_mid_upload(own_registry, big_box, tmp_path):
     assert snapshot_of_tree(str(tmp_path / "out"), skip=NOT_CAPTURED) == snapshot_of_tree(big_box, skip=NOT_CAPTURED)
 
 
-def test_registry_down_during_commit_is_a_clear_error(own_registry, big_box):
-    reg = own_registry
-    proc = start_commit(reg, big_box, "box:v3", f"{reg.host}/base:1")
-    wait_for_upload(reg, proc)
+def test_registry_down_during_commit_is_a_clear_error(own_registry, stalling_proxy, big_box):
+    reg, proxy = own_registry, stalling_proxy
+    proc = start_commit(proxy.host, big_box, "box:v3", f"{proxy.host}/base:1")
+    stalled_mid_upload(proxy, proc)
     reg.stop()
+    proxy.release.set()
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 3, err
     assert "Traceback" not in err
