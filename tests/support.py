@@ -77,7 +77,7 @@ class RegistryServer:
     def _write_config(self) -> None:
         lines = [
             "version: 0.1",
-            "log: {level: error, accesslog: {disabled: true}}",
+            "log: {level: info, accesslog: {disabled: true}}",  # info: its "listening on" line, see start()
             "storage:",
             f"  filesystem: {{rootdirectory: {self.storage}}}",
             f"  delete: {{enabled: {'true' if self.delete else 'false'}}}",
@@ -100,18 +100,25 @@ class RegistryServer:
             f.write("\n".join(lines) + "\n")
 
     def start(self) -> "RegistryServer":
+        """Start it; return once it logs that it listens (an event, not a poll of its port)."""
         self.proc = subprocess.Popen([REGISTRY_BIN, "serve", self.config], stdout=subprocess.DEVNULL,
-                                     stderr=open(os.path.join(self.workdir, "registry.log"), "ab"))
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"docker-registry exited: see {self.workdir}/registry.log")
-            try:
-                requests.get(f"{self.url}/v2/", timeout=1, verify=self.cert if self.tls else True)
-                return self
-            except requests.RequestException:
-                time.sleep(0.1)
-        raise RuntimeError("docker-registry did not start in 20s")
+                                     stderr=subprocess.PIPE)
+        said, listening = threading.Event(), []
+        threading.Thread(target=self._copy_log, args=(self.proc.stderr, said, listening), daemon=True).start()
+        if not said.wait(60) or not listening:
+            self.stop()
+            raise RuntimeError(f"docker-registry did not start: see {self.workdir}/registry.log")
+        return self
+
+    def _copy_log(self, stderr, said: threading.Event, listening: list) -> None:
+        """Copy the registry's log to registry.log, and say (`said`) whether it listens or exited."""
+        with stderr, open(os.path.join(self.workdir, "registry.log"), "ab", buffering=0) as log:
+            for line in stderr:
+                log.write(line)
+                if not said.is_set() and b'msg="listening on ' in line:
+                    listening.append(True)
+                    said.set()
+        said.set()
 
     def stop(self) -> None:
         if self.proc:

@@ -15,10 +15,10 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import uuid
 from typing import Optional
 
@@ -56,18 +56,21 @@ class Dockerd:
         self.proc = None
 
     def start(self) -> "Dockerd":
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=self.env)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dockerd exited ({self.proc.returncode}): {self._tail()}")
+        """Start it; return once it says READY=1 on $NOTIFY_SOCKET (systemd's readiness protocol,
+        which dockerd speaks once it serves its API): an event, not a poll of its socket."""
+        notify_path = os.path.join(self.workdir, "notify.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.bind(notify_path)
+            notify.settimeout(120)
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"),
+                                         env={**(self.env or os.environ), "NOTIFY_SOCKET": notify_path})
             try:
-                self.client().ping()
-                return self
-            except Exception:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"dockerd did not answer in 60s: {self._tail()}")
+                while b"READY=1" not in notify.recv(4096).splitlines():
+                    pass
+            except TimeoutError:
+                self.stop()
+                raise RuntimeError(f"dockerd did not say it was ready in 120s: {self._tail()}")
+        return self
 
     def client(self):
         return docker.DockerClient(base_url=self.host, timeout=120)
