@@ -179,7 +179,7 @@ class TarReader:
                 if pax is not None or long_name is not None or long_link is not None:
                     raise self._bad("an extended header is followed by the end of the archive")
                 return None  # end of archive; what follows (record padding) is the caller's to drain
-            kind, size = self._check_header(buf)
+            kind, size, chksum = self._check_header(buf)
             if kind in _META_TYPES:
                 meta_size += size
                 if meta_size > MAX_META:
@@ -203,9 +203,9 @@ class TarReader:
                 continue
             if kind == tarfile.GNUTYPE_SPARSE:
                 raise self._bad(f"member {_nts(buf[0:100])!r} is a GNU sparse file (OCI layers have none)")
-            return self._member(buf, kind, size, offset, pax, long_name, long_link)
+            return self._member(buf, kind, size, chksum, offset, pax, long_name, long_link)
 
-    def _check_header(self, buf: bytes) -> tuple[bytes, int]:
+    def _check_header(self, buf: bytes) -> tuple[bytes, int, int]:
         chksum = self._number(buf[148:156], "checksum")
         if chksum != 256 + sum(struct.unpack_from("148B8x356B", buf)) and \
                 chksum != 256 + sum(struct.unpack_from("148b8x356b", buf)):
@@ -213,7 +213,7 @@ class TarReader:
         size = self._number(buf[124:136], "size")
         if size > MAX_SIZE:
             raise self._bad(f"a member's size is absurd ({size})")
-        return buf[156:157], size
+        return buf[156:157], size, chksum
 
     def _number(self, field: bytes, what: str, signed: bool = False) -> int:
         try:
@@ -227,7 +227,7 @@ class TarReader:
         except ValueError as e:
             raise self._bad(str(e)) from None
 
-    def _member(self, buf: bytes, kind: bytes, size: int, offset: int, pax: Optional[dict[str, str]],
+    def _member(self, buf: bytes, kind: bytes, size: int, chksum: int, offset: int, pax: Optional[dict[str, str]],
                 long_name: Optional[str], long_link: Optional[str]) -> tarfile.TarInfo:
         m = tarfile.TarInfo()
         m.name = _nts(buf[0:100])
@@ -236,7 +236,7 @@ class TarReader:
         m.gid = self._number(buf[116:124], "gid")
         m.size = size
         m.mtime = self._number(buf[136:148], "mtime", signed=True)
-        m.chksum = self._number(buf[148:156], "checksum")
+        m.chksum = chksum
         m.type = kind
         m.linkname = _nts(buf[157:257])
         m.uname = _nts(buf[265:297])
@@ -299,9 +299,16 @@ class TarReader:
                 raise self._bad(f"member {m.name!r} has an xattr with an empty name")
 
 
+_OCTAL_SEEN: dict[bytes, int] = {}  # octal fields already parsed: modes, owners, devices repeat in every header
+_OCTAL_SEEN_MAX = 4096
+
+
 def header_number(field: bytes, signed: bool = False) -> int:
     """A numeric header field: octal, or base-256 as GNU tar writes big values. ValueError for
     anything else, and for a negative value unless `signed` (only an mtime may be negative)."""
+    n = _OCTAL_SEEN.get(field)
+    if n is not None:
+        return n
     if field[0] == 0o200:
         return int.from_bytes(field[1:], "big")
     if field[0] == 0o377:
@@ -312,7 +319,11 @@ def header_number(field: bytes, signed: bool = False) -> int:
     text = field.split(b"\0", 1)[0]
     if not _OCTAL.fullmatch(text):
         raise ValueError(f"is not a number ({text[:20]!r})")
-    return int(text.strip() or b"0", 8)
+    n = int(text.strip() or b"0", 8)
+    if len(_OCTAL_SEEN) >= _OCTAL_SEEN_MAX:
+        _OCTAL_SEEN.clear()  # sizes and mtimes rarely repeat: kept small, whatever the layer
+    _OCTAL_SEEN[field] = n
+    return n
 
 
 def pax_records(data: bytes) -> dict[str, str]:
