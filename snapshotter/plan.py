@@ -42,6 +42,8 @@ class LayerPlan:
     slices: dict[str, tuple[str, int]] = field(default_factory=dict)  # part entry -> (source file, offset)
     part_of: Optional[tuple[str, int, int]] = None  # (file, index, count) for a part layer
     part_links: list[str] = field(default_factory=list)  # last part: the file's other names (hardlinks)
+    # fingerprint() by zstd level: asked twice per layer by a commit, and costly for a 20k-file venv
+    _fingerprints: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def empty(self) -> bool:
@@ -58,7 +60,9 @@ class LayerPlan:
     def fingerprint(self, zstd_level: int) -> str:
         """A digest of everything the layer's bytes depend on, from stat data only: the stat cache's
         key. ctime and inode are in it, so a file rewritten with its old mtime put back still counts
-        as changed."""
+        as changed. Computed once per level: the plan is not changed after it is made."""
+        if zstd_level in self._fingerprints:
+            return self._fingerprints[zstd_level]
         doc = {
             "compression": self.compression,
             "zstd_level": zstd_level if self.compression == "zstd" else None,
@@ -68,7 +72,8 @@ class LayerPlan:
             "slices": sorted(self.slices.items()),
             "part_links": self.part_links,
         }
-        return sha256_digest(json.dumps(doc, separators=(",", ":")).encode())
+        fp = self._fingerprints[zstd_level] = sha256_digest(json.dumps(doc, separators=(",", ":")).encode())
+        return fp
 
 
 def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,

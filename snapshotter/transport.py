@@ -123,19 +123,21 @@ class Transport:
         if self.options.plain_http:
             schemes = ["http"]
         elif self.options.plain_http is None and _is_loopback(host):
-            schemes = ["https", "http"]
+            # Plain http first: what a loopback registry usually speaks, and a TLS attempt costs
+            # ~50 ms of CPU (the CA bundle); a TLS registry answers it 400, and https is tried next.
+            schemes = ["http", "https"]
         first_error: Optional[Exception] = None
         for scheme in schemes:
             try:
                 r = requests.get(f"{scheme}://{host}/v2/", timeout=PING_TIMEOUT, verify=verify)
             except requests.exceptions.SSLError as e:
-                first_error = first_error or e
+                first_error = e  # the TLS error is the real cause, whatever plain http said
                 continue
             except requests.exceptions.RequestException as e:
                 first_error = first_error or e
                 continue
-            if r.status_code == 400 and scheme == "http" and first_error is not None:
-                break  # an https server answering plain http: the TLS error is the real cause
+            if r.status_code == 400 and scheme == "http" and len(schemes) > 1:
+                continue  # an https server answering plain http
             challenge = r.headers.get("Www-Authenticate", "")
             self._auth_kind = "basic" if challenge.lower().startswith("basic") else "token"
             return scheme
