@@ -530,8 +530,8 @@ class FaultProxy(_ThreadedServer):
       `stalled`) until `release` is set.
     - `cut_upload_after`: bytes of the next upload body (PATCH or PUT) after which both
       connections are cut; the registry keeps what it got. One cut, then it resets to None.
-    - `throttle`: bytes per second for blob download bodies; `midway` is set once `midway_at`
-      bytes of one have passed.
+    - `throttle`: bytes per second for blob download bodies, shared by all of them as on one
+      link; `midway` is set once `midway_at` bytes of one have passed.
     - `body_bytes[method]`: request body bytes forwarded (manifests under "PUT manifest");
       `blob_bytes_sent`: blob download body bytes passed to the client; `log`: (method, path, status).
     - A lying registry: `lie(method, path)` may return (status, headers, body pieces) to answer
@@ -563,6 +563,7 @@ class FaultProxy(_ThreadedServer):
         self.blob_bytes_sent = 0
         self.log: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
+        self._link_free_at = 0.0  # monotonic time the throttled link has sent what it was given
         self._logged = threading.Condition()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
@@ -708,7 +709,10 @@ class FaultProxy(_ThreadedServer):
                     return
                 passed = 0
                 slow = proxy.throttle and "/blobs/" in path and method == "GET"
-                while data := r.read(16384 if slow else 1 << 20):
+                # The slow link: one for all downloads (two streams share its rate), paced against
+                # the clock, in pieces of ~10 ms of it (cheap on a fast link).
+                piece = max(16384, min(1 << 20, proxy.throttle // 100)) if slow else 1 << 20
+                while data := r.read(piece):
                     try:
                         self.wfile.write(data)
                     except OSError:
@@ -720,7 +724,12 @@ class FaultProxy(_ThreadedServer):
                     if slow:
                         if passed >= proxy.midway_at:
                             proxy.midway.set()
-                        time.sleep(len(data) / proxy.throttle)  # the slow link itself
+                        with proxy._lock:
+                            now = time.monotonic()
+                            proxy._link_free_at = max(now, proxy._link_free_at) + len(data) / proxy.throttle
+                            ahead = proxy._link_free_at - now
+                        if ahead > 0:
+                            time.sleep(ahead)
                 upstream.close()
 
             def _lie(self, method, path, status, headers, pieces, length=True):
