@@ -364,27 +364,48 @@ def resolve_parent(index: dict[str, Entry], layer: dict[str, Entry], rel: str, n
 
 
 def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, label: str = "layer") -> set[str]:
-    """Apply one layer's tar (uncompressed stream) to an image index, as an extractor would, with
-    the same checks (names, whiteouts, hardlinks, symlink loops): whiteouts and opaque markers hide
-    lower paths, a non-directory replaces a lower directory tree, a path below a symlink lands
-    where the symlink leads. Linear in the index and the layer. Returns the paths it removed."""
-    layer: dict[str, Entry] = {}
-    whiteouts: set[str] = set()
-    opaques: set[str] = set()
+    """Apply one layer's tar (uncompressed stream) to an image index (ImageIndexer's rules).
+    Returns the paths it removed."""
+    indexer = ImageIndexer(index)
     for reader, m in iter_members(tar_stream, label):
+        indexer.add(m, lambda: chunks_digest(data_chunks(reader)))
+    return indexer.end_layer()
+
+
+class ImageIndexer:
+    """An image's index built one layer at a time, its members fed one by one as they are read: by
+    apply_layer_to_index from a layer stream (a commit reading its base), and by the extractor as it
+    applies a layer (a full restore: extract.py). Applies them as an extractor would, with the same
+    checks (names, whiteouts, hardlinks, symlink loops): whiteouts and opaque markers hide lower
+    paths, a non-directory replaces a lower directory tree, a path below a symlink lands where the
+    symlink leads. Linear in the index and the layer."""
+
+    def __init__(self, index: Optional[dict[str, Entry]] = None):
+        self.index: dict[str, Entry] = {} if index is None else index
+        self._start_layer()
+
+    def _start_layer(self) -> None:
+        self._layer: dict[str, Entry] = {}
+        self._whiteouts: set[str] = set()
+        self._opaques: set[str] = set()
+
+    def add(self, m: tarfile.TarInfo, content_digest: Callable[[], str]) -> None:
+        """One member of the current layer. `content_digest()` gives the digest of its data; it is
+        called (once) only for a regular file's own content (not a hardlink's, a whiteout's)."""
+        index, layer = self.index, self._layer
         rel = check_name(m.name)
         if not rel:
-            continue
+            return
         if "/" in rel:
             rel = resolve_parent(index, layer, rel, m.name)
         parent, _, base = rel.rpartition("/")
         if base.startswith(WHITEOUT_PREFIX):
             if base == OPAQUE:
-                opaques.add(parent)
+                self._opaques.add(parent)
             else:
                 name = whiteout_target(base)
-                whiteouts.add(f"{parent}/{name}" if parent else name)
-            continue
+                self._whiteouts.add(f"{parent}/{name}" if parent else name)
+            return
         if m.islnk():
             target = check_name(m.linkname)
             if "/" in target:
@@ -394,25 +415,32 @@ def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, label: s
                 raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, which is not a file in the image: "
                                      "refusing a hostile layer")
             if src.kind != FILE:
-                continue
+                return
             e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest, xattrs=src.xattrs)
         else:
             e = entry_from_member(m, rel)
             if e is None:
-                continue
+                return
             if e.kind == FILE:
-                e.digest = chunks_digest(data_chunks(reader))
+                e.digest = content_digest()
         layer[rel] = e
-    # What this layer replaces: a lower directory tree under a non-directory.
-    replaced = {rel for rel, e in layer.items() if e.kind != DIR and rel in index and index[rel].kind == DIR}
-    removed: set[str] = set()
-    if whiteouts or opaques or replaced:
-        for rel in [r for r in index if _gone(r, whiteouts, opaques, replaced)]:
-            del index[rel]
-            removed.add(rel)
-    for rel, e in layer.items():
-        index[rel] = e
-    return removed - index.keys()
+
+    def end_layer(self) -> set[str]:
+        """Apply the current layer (its whiteouts, opaque markers and replaced trees hide lower
+        paths) and start the next. Returns the paths it removed."""
+        index, layer = self.index, self._layer
+        whiteouts, opaques = self._whiteouts, self._opaques
+        # What this layer replaces: a lower directory tree under a non-directory.
+        replaced = {rel for rel, e in layer.items() if e.kind != DIR and rel in index and index[rel].kind == DIR}
+        removed: set[str] = set()
+        if whiteouts or opaques or replaced:
+            for rel in [r for r in index if _gone(r, whiteouts, opaques, replaced)]:
+                del index[rel]
+                removed.add(rel)
+        for rel, e in layer.items():
+            index[rel] = e
+        self._start_layer()
+        return removed - index.keys()
 
 
 def _gone(rel: str, whiteouts: set[str], opaques: set[str], replaced: set[str]) -> bool:
