@@ -21,6 +21,7 @@ from typing import Callable, Optional
 from .compress import check_layer
 from .errors import SnapError
 from .extract import ExtractOptions, Extractor, ExtractStats
+from .fsindex import ImageIndexer, save_index
 from .staging import SplitLayer
 from .tarrules import HeadersDigest
 
@@ -33,11 +34,17 @@ class LayerJob:
     split: bool  # kept split at download (staging.py); its digest is its diff_id
     label: str
     record: bool  # send back the digest of its tar headers
+    # Its position among the base's layers, when the applier indexes the base as it goes (0 starts
+    # the index: restore.py); None: not indexed.
+    base_layer: Optional[int] = None
+    save_index: Optional[str] = None  # where to save the base's index once this layer is applied (its last)
 
 
 def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
     """Apply one verified layer; the digest of its tar headers if job.record. on_bytes: stored bytes consumed."""
     extractor.record = HeadersDigest() if job.record else None
+    if job.base_layer is None or job.base_layer == 0:
+        extractor.indexer = ImageIndexer() if job.base_layer == 0 else None
     what = f"layer {job.label}"
     if job.split:  # its digest, checked at download, is its diff_id
         with SplitLayer(job.path, on_bytes) as layer:
@@ -46,6 +53,12 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
         with open(job.path, "rb") as raw:
             check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
                         lambda stream, check: extractor.apply(stream, layer=what, check_end=check))
+    if job.save_index and extractor.indexer is not None:
+        try:
+            save_index(extractor.indexer.index, job.save_index)
+        except OSError:
+            pass  # an optimisation only: the next commit reads the base's layers
+        extractor.indexer = None
     return extractor.record.hexdigest() if extractor.record is not None else None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import hashlib
 import os
 import re
 import shutil
@@ -32,8 +33,9 @@ from typing import BinaryIO, Callable, Optional
 
 import zstandard
 
+from .digests import file_digest, hasher_digest
 from .errors import IntegrityError, StorageError, quoted_path
-from .fsindex import clean_path
+from .fsindex import ImageIndexer, clean_path
 from .mounts import inside, read_mounts
 from .profile import PathSet
 from .tarreader import TarReader
@@ -109,6 +111,7 @@ class Extractor:
         # answer: those clear the cache.
         self._dir_cache: dict[str, str] = {}
         self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
+        self.indexer: Optional[ImageIndexer] = None  # set to index the layers applied (a restore's base: _Indexing)
         self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
         self._held: Optional[tuple[str, str]] = None  # (temp, path) of the last regular file, not yet renamed
         self._never = PathSet(self.opts.never_write)
@@ -241,16 +244,23 @@ class Extractor:
         name = ""
         try:
             reader = TarReader(tar_stream, layer)
+            indexing = _Indexing(self.indexer, reader, take) if self.indexer is not None else None
+            if indexing is not None:
+                reader, self._take = indexing, indexing.take  # the data hashed as it is written
             for m in reader:
                 self._finish_held()
                 name = m.name
                 if self.record is not None:
                     self.record.add(header_key(m))
                 self._apply_member(reader, m)
+                if indexing is not None:
+                    indexing.add(m)
             reader.stream.drain()  # read to the end here, so a corrupt tail is caught below
             if check_end is not None:
                 check_end()
             self._finish_held()
+            if indexing is not None:
+                self.indexer = indexing.end_layer()
         except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
             raise IntegrityError(f"{layer} does not decompress: {e}")  # checked before OSError: BadGzipFile is one
         except OSError as e:
@@ -508,6 +518,60 @@ class Extractor:
                                      "refusing a hostile layer") from None
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EACCES):
                 raise
+
+
+class _Indexing:
+    """The extractor's hook for an ImageIndexer (fsindex.py): stands for the TarReader, hashing each
+    regular file's data as the extractor reads it to write it, and the rest of it (all of it for an
+    entry left alone) when the member is indexed; a content file a split layer hands over (`take`)
+    is hashed before it is renamed into place (a read; copying it instead would write the weight
+    again and need its room twice)."""
+
+    def __init__(self, indexer: ImageIndexer, reader: TarReader,
+                 take: Optional[Callable[[int, int], Optional[str]]]):
+        self.indexer, self.reader, self._take = indexer, reader, take
+        self.stream = reader.stream
+        self._hash = hashlib.sha256()
+        self._taken: Optional[str] = None  # the digest of the content file taken for this member
+        self.failed = False  # the index refused the layer (a hardlink to a path not in the image)
+
+    def __iter__(self):
+        for m in self.reader:
+            self._hash, self._taken = hashlib.sha256(), None
+            yield m
+
+    def read_data(self, n: int) -> bytes:
+        data = self.reader.read_data(n)
+        self._hash.update(data)
+        return data
+
+    def take(self, offset: int, size: int) -> Optional[str]:
+        staged = self._take(offset, size) if self._take else None
+        if staged is not None:
+            self._taken = file_digest(staged)
+        return staged
+
+    def add(self, m: tarfile.TarInfo) -> None:
+        if self.failed:
+            return
+        try:
+            self.indexer.add(m, self._content_digest)
+        except IntegrityError:
+            self.failed = True  # what the extractor accepted stays applied; there is just no index
+
+    def end_layer(self) -> Optional[ImageIndexer]:
+        """The indexer, the layer applied to it; None if it refused the layer."""
+        if self.failed:
+            return None
+        self.indexer.end_layer()
+        return self.indexer
+
+    def _content_digest(self) -> str:
+        if self._taken is not None:
+            return self._taken
+        while self.read_data(READ_BUFFER):
+            pass
+        return hasher_digest(self._hash)
 
 
 def _write_all(fd: int, data: bytes) -> None:

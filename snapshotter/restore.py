@@ -8,7 +8,9 @@ by one extractor in a child process (applier.py), so that unpacking does not wai
 download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
 its last file is renamed into place (extract.py). A journal (journal.py) records how many layers
 of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
-the snap layers are noted for the next commit of the root (restorerecord.py).
+the snap layers are noted for the next commit of the root (restorerecord.py). A full restore of an
+image that carries no index of its base indexes the base's layers as it applies them (the base
+index: README), so that the next commit here does not download them again.
 
 A restore writes over what is there, so two things guard a live machine: a full image (base layers
 and all) is refused onto a root that already holds an operating system, unless this restore
@@ -34,7 +36,7 @@ from .compress import label_mismatch, read_head, sniff_compression
 from .digests import file_digest
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import ExtractOptions, Extractor, ExtractStats, storage_error
-from .image import BASE_DIGEST, SNAP_CONTENT, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
+from .image import BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
 from .journal import Journal
 from .landing import Progress, app_ready_after
 from .parts import join_parts, part_files, part_links
@@ -154,7 +156,10 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     try:
         if resumed >= ready_at:
             after_layer(ready_at, None)
-        applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer)
+        # A resumed restore applied some base layers in an earlier run: it cannot index the base.
+        index_to = _base_index_to_build(image, base_layers) if not resumed else None
+        applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer,
+                                                (base_layers, index_to) if index_to else None)
         staging.remove()  # the layers are applied: the root holds nothing of ours
         if parts:
             join_parts(extractor, parts, links, opts.extract.fsync, journal)
@@ -191,10 +196,12 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
 
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
                   staging: StagingDirs, opts: RestoreOptions,
-                  after_layer: Callable[[int, dict], None]) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
+                  ) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Download the layers the journal does not list as applied, several at once, and apply each
     in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
-    many are applied). Returns (labels of the layers
+    many are applied). `index_base` (n, path), for a restore from the first layer: the applier
+    indexes the first n layers, the base's, and saves the index at path. Returns (labels of the layers
     applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats).
     Each blob downloads into the staging dir of the filesystem its files land on."""
     resumed, fsync = journal.applied, opts.extract.fsync
@@ -251,6 +258,9 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                 _note_mislabelled(desc, path, desc["digest"] in split, label, opts.log)
                 job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
                                record=bool(snap_label(desc)))  # snap's own: its headers teach the next commit
+                if index_base is not None and n < index_base[0]:
+                    job.base_layer = n
+                    job.save_index = index_base[1] if n == index_base[0] - 1 else None
                 with progress.bar(f"extracting {label}", desc["size"]) as xb:
                     record = worker.apply(job, progress.safe_update(xb))
                 if record is not None:
@@ -283,6 +293,21 @@ def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -
         return
     if not os.path.exists(baseindex.cache_path(base)):
         baseindex.fetch(remote, base, log, digest)
+
+
+def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
+    """Where a full restore saves the index of the image's base (baseindex.cache_path), built as it
+    applies the base's layers, so that the first commit on this machine reads none of them again;
+    None when the state dir has it, or the image carries one (_keep_base_index fetches that blob)."""
+    ann = image.manifest.get("annotations") or {}
+    if base_layers <= 0 or ann.get(baseindex.SNAP_BASE_INDEX) is not None:
+        return None
+    # A snapshot names its base; any other image is its own base (all its layers are).
+    base = ann.get(BASE_DIGEST) if SNAP_BASE_LAYERS in ann else image.manifest_digest
+    if not (isinstance(base, str) and _DIGEST.fullmatch(base)):
+        return None
+    path = baseindex.cache_path(base)
+    return None if os.path.exists(path) else path
 
 
 def _note_sources(reference: Reference, image: Image) -> None:

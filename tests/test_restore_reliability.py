@@ -179,6 +179,8 @@ def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, stat
     assert doc["resumed"] == 1 and doc["applied"] == ["base layer 2"], doc
     assert stale_temps(root) == []
     assert not os.listdir(state_dir / "restore-journal")  # the journal is gone once the restore is complete
+    # The base (this whole plain image) was not all applied by this run: no index of it is built.
+    assert not list((state_dir / "base-index").glob("*"))
 
     # Byte for byte: contents, modes, mtimes.
     want = {**small, "data/big.bin": big, "data/after.txt": b"after big\n"}

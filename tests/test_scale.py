@@ -2,7 +2,9 @@
 again, one snap process per state dir, leftovers of killed runs swept, cached blobs checked."""
 
 import fcntl
+import gzip
 import hashlib
+import io
 import json
 import os
 import signal
@@ -13,7 +15,8 @@ import pytest
 
 from conftest import NOT_CAPTURED, snap
 from snapshotter import CommitOptions, commit_box
-from support import snap_layer_files, snapshot_of_tree, write_tree
+from snapshotter.fsindex import apply_layer_to_index, load_index
+from support import member, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
 
 MiB = 1024 * 1024
 commit_module = sys.modules["snapshotter.commit"]
@@ -157,8 +160,92 @@ def test_the_base_index_travels_with_the_snapshot(registry, proxy, base_ref, box
     assert base_layer_gets(proxy, base_manifest, since) == []
 
 
-def base_manifest_digest(registry):
-    r = registry.session().get(f"{registry.url}/v2/base/manifests/1",
+def base_index_of(registry, repo, manifest):
+    """The index of an image as a commit builds it (fsindex.apply_layer_to_index over its layers,
+    read from the registry)."""
+    index = {}
+    for d in manifest["layers"]:
+        blob = registry.blob(repo, d["digest"])
+        apply_layer_to_index(index, io.BytesIO(gzip.decompress(blob) if d["mediaType"].endswith("gzip") else blob))
+    return index
+
+
+def assert_same_index(built, old):
+    assert built is not None and sorted(built) == sorted(old)
+    for rel, e in old.items():
+        assert built[rel] == e, rel
+
+
+def test_a_full_restore_indexes_the_base_it_applies(registry, proxy, base_ref, box, tmp_path, monkeypatch, state_dir):
+    """A snapshot that carries no base index (an older snap's, or one whose index push failed): the
+    full restore indexes the base layers as it applies them, and the first commit on that machine
+    reads none of them again."""
+    base = f"{proxy.host}/base:1"
+    base_manifest = registry.manifest("base", "1")
+    base_digest = base_manifest_digest(registry)
+    first = commit_box(f"{registry.host}/bare:v1", base_ref, CommitOptions(root=box))
+    manifest = registry.manifest("bare", "v1")
+    del manifest["annotations"]["dev.snap.base-index"]
+    registry.session().put(f"{registry.url}/v2/bare/manifests/v2", data=json.dumps(manifest).encode(),
+                           headers={"Content-Type": manifest["mediaType"]}).raise_for_status()
+
+    env = {"SNAP_STATE_DIR": str(tmp_path / "restored-machine")}
+    out = tmp_path / "out"
+    snap("restore", f"{registry.host}/bare:v2", "--root", str(out), env=env, check=True)
+    cache = tmp_path / "restored-machine/base-index" / (base_digest.split(":")[1] + ".jsonl.gz")
+    built = load_index(str(cache))
+    # Entry by entry what the commit built from the registry (the cache of the first commit).
+    old = load_index(str(state_dir / "base-index" / cache.name))
+    assert old == base_index_of(registry, "base", base_manifest)
+    assert_same_index(built, old)
+
+    monkeypatch.setenv("SNAP_STATE_DIR", env["SNAP_STATE_DIR"])
+    since = len(proxy.log)
+    second = commit_box(f"{proxy.host}/after:v1", base, CommitOptions(root=str(out)))
+    assert base_layer_gets(proxy, base_manifest, since) == []
+    assert [layer.digest for layer in second.layers] == [layer.digest for layer in first.layers]
+
+
+def test_a_full_restore_of_a_plain_image_indexes_it(registry, proxy, tmp_path, monkeypatch):
+    """A plain (not snap's) image restored whole is its own base: its index, built as its layers are
+    applied (uncompressed layers here, whose big files are renamed into place, not copied), is what
+    a commit builds from the registry: whiteouts, opaque directories, a file over a lower tree, a
+    path below a symlink, hardlinks across layers, paths the restore never writes (/tmp, /etc/hostname)."""
+    big = os.urandom(3 * MiB)  # over staging.STAGE_MIN: a content file of its own, taken
+    layers = [
+        tar_bytes(member("etc/", "dir"), member("etc/hostname", data=b"base-host\n"), member("tmp/", "dir", mode=0o1777),
+                  member("tmp/scratch", data=b"x" * 100), member("real/", "dir"), member("real/a", data=b"a"),
+                  member("link", "symlink", linkname="real"), member("gone/", "dir"), member("gone/f", data=b"f"),
+                  member("opaque/", "dir"), member("opaque/old", data=b"old"), member("tree/", "dir"),
+                  member("tree/deep/", "dir"), member("tree/deep/x", data=b"x"), member("data/", "dir"),
+                  member("data/big.bin", data=big), member("data/small", data=b"s" * 5000, mode=0o600)),
+        tar_bytes(member(".wh.gone"), member("opaque/.wh..wh..opq"), member("opaque/new", data=b"new"),
+                  member("tree", data=b"now a file"), member("link/b", data=b"through the link"),
+                  member("data/big.link", "hardlink", linkname="data/big.bin"),
+                  member("data/big2.bin", data=big[::-1]), member("tmp/later", data=b"later")),
+    ]
+    registry.push_image("plain", "1", layers, layer_media_type="application/vnd.oci.image.layer.v1.tar")
+    image_digest = base_manifest_digest(registry, "plain")
+    env = {"SNAP_STATE_DIR": str(tmp_path / "restored-machine")}
+    out = tmp_path / "out"
+    snap("restore", f"{registry.host}/plain:1", "--root", str(out), env=env, check=True)
+    assert (out / "real/b").read_bytes() == b"through the link" and not (out / "tmp/scratch").exists()
+    built = load_index(str(tmp_path / "restored-machine/base-index" / (image_digest.split(":")[1] + ".jsonl.gz")))
+    old = base_index_of(registry, "plain", registry.manifest("plain", "1"))
+    assert_same_index(built, old)
+    assert built["data/big.link"].digest == built["data/big.bin"].digest == "sha256:" + hashlib.sha256(big).hexdigest()
+    assert built["tmp/scratch"].digest == "sha256:" + hashlib.sha256(b"x" * 100).hexdigest()  # indexed, not written
+    assert "gone/f" not in built and "opaque/old" not in built and "tree/deep/x" not in built
+
+    monkeypatch.setenv("SNAP_STATE_DIR", env["SNAP_STATE_DIR"])
+    manifest = registry.manifest("plain", "1")
+    since = len(proxy.log)
+    commit_box(f"{proxy.host}/plain-box:v1", f"{proxy.host}/plain:1", CommitOptions(root=str(out)))
+    assert base_layer_gets(proxy, manifest, since) == []
+
+
+def base_manifest_digest(registry, repo="base", tag="1"):
+    r = registry.session().get(f"{registry.url}/v2/{repo}/manifests/{tag}",
                                headers={"Accept": "application/vnd.oci.image.manifest.v1+json, "
                                                   "application/vnd.docker.distribution.manifest.v2+json"})
     return "sha256:" + hashlib.sha256(r.content).hexdigest()
