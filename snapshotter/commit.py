@@ -155,6 +155,11 @@ class CommitPlan:
     zstd_level: int
     rehash: bool
     sources: BlobSources = field(default_factory=BlobSources)  # where blobs of this registry were seen
+    # Files that must not be read (snap watch: a big file being rewritten, carried at its last
+    # snapshot's version). A layer holding one is only reused whole (stat cache and registry), never
+    # built; push_commit leaves out such a file whose layer cannot be, and lists it in `left_unread`.
+    unreadable: set[str] = field(default_factory=set)
+    left_unread: list[str] = field(default_factory=list)
 
     @property
     def base_name(self) -> str:
@@ -258,11 +263,13 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
 
 def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
     """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
+    remote = target_remote(cp, target_ref, transport)
+    if cp.unreadable:
+        _leave_out_unreadable(cp, remote, opts)
     base_img, plans = cp.base_img, cp.plans
     if cp.base_layers + len(plans) > MAX_ENGINE_LAYERS:
         opts.log(f"warning: the image has {cp.base_layers + len(plans)} layers; Docker cannot run images "
                  f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
-    remote = target_remote(cp, target_ref, transport)
     layers = push_layers(cp, remote, plans)
 
     created = now_rfc3339()
@@ -321,6 +328,33 @@ def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
 
 
 
+def _files_read(plan: LayerPlan) -> set[str]:
+    """The box files whose bytes building the layer reads (a part layer reads its slice's file)."""
+    return {plan.slices.get(e.path, (e.path, 0))[0] for e in plan.entries if e.kind == FILE}
+
+
+def _reused(cp: CommitPlan, remote: Remote, plan: LayerPlan) -> tuple[Optional[dict], str]:
+    """The blob a layer already has (stat cache or last restore) and where the registry has it:
+    "" when the layer must be built, its files read."""
+    hit = cp.known(plan)
+    return hit, (in_registry(remote, hit["digest"], cp.sources) if hit else "")
+
+
+def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> None:
+    """Leave out each file that must not be read whose layer would have to be built (it shares a
+    changed bundle, or the stat cache lost it), and plan the layers again without it: leaving one
+    out can change the layer of another (a bundle of two), hence the loop."""
+    while True:
+        stuck = {path for plan in cp.plans if (paths := _files_read(plan) & cp.unreadable)
+                 and not _reused(cp, remote, plan)[1] for path in paths}
+        if not stuck:
+            return
+        cp.unreadable -= stuck
+        cp.left_unread.extend(sorted(stuck))
+        cp.diff.changed = [e for e in cp.diff.changed if e.path not in stuck]
+        cp.plans = plan_layers(cp.diff, cp.scan, cp.index, opts.profile, opts.compression, opts.max_layer_size)
+
+
 def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:
     """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
     stat cache (or that the last restore into this root wrote and nothing changed since), and
@@ -330,12 +364,14 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
     todo: list[tuple[int, LayerPlan, str]] = []
     for i, plan in enumerate(plans):
         fp = plan.fingerprint(zstd_level)
-        hit = cp.known(plan)
-        there = in_registry(remote, hit["digest"], sources) if hit else ""
+        hit, there = _reused(cp, remote, plan)
         if there:
             blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
             results[i] = (plan, blob, f"{there} (unchanged, not read)")
             cp.cache.record(fp, hit)
+        elif unread := sorted(_files_read(plan) & cp.unreadable):  # the registry lost the blob since push_commit looked
+            raise SnapError(f"layer {plan.label!r} would have to read {'/' + unread[0]!r}, which is being rewritten",
+                            "nothing was pushed; the next try leaves the file out")
         else:
             todo.append((i, plan, fp))
     out_dir = sub("layers")

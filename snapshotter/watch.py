@@ -115,6 +115,7 @@ class Watcher:
         self.entries: dict[str, Entry] = {}
         self.since: dict[str, float] = {}  # when a path got its current token
         self.committed: Optional[dict[str, tuple]] = None  # tokens of the box as of the last snapshot
+        self.committed_changed: dict[str, Entry] = {}  # the last snapshot's changed paths, as its layers hold them
         self.sent_ahead: dict[str, tuple] = {}  # big files sent before a commit: path -> token sent
         self.last_commit_at = float("-inf")
         self.last_change_at = float("-inf")
@@ -234,16 +235,22 @@ class Watcher:
 
     # ---- sending -------------------------------------------------------------------------------
 
-    def _commit_options(self, now: float, final: bool, held_out: dict[str, str]) -> CommitOptions:
-        """commit's options, with a fresh scan whose big files still being written are left out."""
+    def _commit_options(self, now: float, final: bool, held_out: dict[str, str],
+                        carried_out: dict[str, Entry]) -> CommitOptions:
+        """commit's options, with a fresh scan whose big files still being written are held back:
+        left out, or, where the last snapshot has one in its layers, carried at that version (its
+        old entry: the layer's fingerprint is the one the stat cache knows, so it is not read)."""
         opts = self.opts.commit
+        last = self.committed_changed
 
         def changes(base_img: Image, index: dict[str, Entry]):
             scan = scan_root(self.root, opts.profile)
             held = self._held(scan.entries, now, final)
             held_out.update(held)
+            carried = {p: last[p] for p in held if p in last}
+            carried_out.update(carried)
             d = changes_in(scan, self.root, opts.profile, index, opts.rehash)
-            d.changed = [e for e in d.changed if e.path not in held]
+            d.changed = [e for e in d.changed if e.path not in held] + list(carried.values())
             return scan, d
 
         return dataclasses.replace(opts, changes=changes, log=self.log)
@@ -257,7 +264,9 @@ class Watcher:
         """Upload the layers of big files that are ready, before the commit that will name them:
         that commit then finds their blobs in the registry."""
         held: dict[str, str] = {}
-        cp = plan_commit(self.base, self._commit_options(now, False, held), self.transport)
+        carried: dict[str, Entry] = {}
+        cp = plan_commit(self.base, self._commit_options(now, False, held, carried), self.transport)
+        cp.unreadable = set(carried)
         plans = [p for p in cp.plans if (p.part_of[0] if p.part_of else p.detail) in ready]
         if not plans:
             return
@@ -292,21 +301,33 @@ class Watcher:
             tag = self._tag_name()
         now = self.opts.clock()
         held: dict[str, str] = {}
-        opts = self._commit_options(now, final, held)
+        carried: dict[str, Entry] = {}
+        last = self.committed or {}
+        opts = self._commit_options(now, final, held, carried)
         cp = plan_commit(self.base, opts, self.transport)
+        cp.unreadable = set(carried)  # being rewritten: reading it would tear
         self._trace(f"planned {len(cp.plans)} layer(s)")
         tokens = {p: _token(e) for p, e in cp.scan.entries.items() if p not in held}
+        # A held file the last snapshot has stays as it was there: carried, or the base's version.
+        tokens.update({p: last[p] for p in held if p in last})
         if first and self._is_current(cp):
             self.current = self.current or "its snapshot made before this watcher started"
             self.log(f"{self.moving} already holds this box: nothing to send")
-            self._committed(tokens, now)
+            self._committed(tokens, now, cp)
             return None
         if final and tokens == self.committed:
             return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
-        for path, why in sorted(held.items()):
-            self.log(f"held back: {'/' + path!r} ({why}); the next snapshot takes it")
         ref = Reference(self.moving.registry, self.moving.repository, tag)
         result = push_commit(cp, ref, self.transport, opts)
+        for path in cp.left_unread:
+            tokens.pop(path, None)
+        for path, why in sorted(held.items()):
+            if path in cp.left_unread:
+                kept = ("left out: the last snapshot's version shares a layer that changed, or is not in the "
+                        "stat cache, and the file is not read while it is written")
+            else:
+                kept = "kept the last snapshot's version" if path in last else "left out"
+            self.log(f"held back: {'/' + path!r} ({why}); {kept}; the next snapshot takes it")
         self._trace(f"pushed {tag}")
         with self.lock:
             moved = seq > self.moved_seq
@@ -316,7 +337,7 @@ class Watcher:
                 remote.put_manifest(body, OCI_MANIFEST, self.moving.tag)
                 self.moved_seq, self.current = seq, tag
                 self._trace(f"moved {self.moving.tag} to {tag}")
-        self._committed(tokens, now)
+        self._committed(tokens, now, cp)
         self.snapshots += 1
         sent = [layer for layer in result.layers if layer.status == "uploaded"]
         self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent, "
@@ -330,8 +351,9 @@ class Watcher:
         if os.environ.get("SNAP_WATCH_TRACE"):
             self.log(f"trace: {msg}")
 
-    def _committed(self, tokens: dict[str, tuple], now: float) -> None:
+    def _committed(self, tokens: dict[str, tuple], now: float, cp: CommitPlan) -> None:
         self.committed = tokens
+        self.committed_changed = {e.path: e for e in cp.diff.changed}
         self.last_commit_at = now
         self.burst_bytes = 0
 

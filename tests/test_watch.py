@@ -18,6 +18,7 @@ import pytest
 from conftest import NOT_CAPTURED, snap
 from support import MetadataServer, RegistryServer, fake_dmi, push_base_image, snapshot_of_tree, write_tree
 from snapshotter import CommitOptions, restore_image
+from snapshotter import commit as commit_module, layer as layer_module
 from snapshotter.notices import detect_provider, notice_watcher
 from snapshotter.profile import load_profile, parse_profile
 from snapshotter.watch import Watcher, WatchOptions
@@ -183,6 +184,100 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     pushed = [line for line in lines if line.startswith("snapshot ")][-1]
     assert int(pushed.split(" sent, ")[1].split(" bytes")[0]) < MiB, pushed  # the weight was not sent again
     assert_restores_to(f"{registry.host}/w-ahead:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
+# The default profile with big files (1 MiB and up) in layers of their own only under models/: a big
+# file elsewhere is not a weight (min_size stays 64 MiB) and shares the `rest` layer with small files.
+BIG_ELSEWHERE = open(os.path.join(os.path.dirname(__file__), "..", "layers", "default.yaml")).read() \
+    .replace("file_layer_min: 64MiB", "file_layer_min: 1MiB")
+
+
+def record_reads(monkeypatch) -> list[str]:
+    """The box files commit reads (layer.after_read), from now on; the stat cache trusts new files."""
+    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)  # a layer built now goes into the stat cache
+    reads: list[str] = []
+    monkeypatch.setattr(layer_module, "after_read", lambda path, attempt: reads.append(path))
+    return reads
+
+
+def train(registry, base_ref, box, repo, profile, path: str, data: bytes, monkeypatch):
+    """A watcher (a snapshot at every tick) sees a training run write a file and a log: a snapshot
+    while the file is new (it is held back), then one once it is stable (5 s by the test's clock).
+    The watcher, its clock, its lines, and the box files read from now on."""
+    reads = record_reads(monkeypatch)
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, repo, lines, clock, profile=parse_profile(profile), every=0, quiet=10**6, stable=5)
+    w.tick()
+    write_tree(box, {path: data, "opt/app/train.log": "step 1\n"})
+    w.tick()
+    clock.advance(5)
+    w.tick()
+    reads.clear()
+    return w, clock, lines, reads
+
+
+def overwrite_while_due(w: Watcher, box: str, path: str) -> None:
+    """The run overwrites a third of the file in place, and the log, when the next snapshot is due."""
+    with open(os.path.join(box, path), "r+b") as f:
+        f.write(os.urandom(MiB))
+    write_tree(box, {"opt/app/train.log": "step 100\n"})
+    w.tick()
+
+
+def test_a_big_file_rewritten_at_snapshot_time_keeps_its_last_snapshotted_version(registry, base_ref, box, tmp_path,
+                                                                                  monkeypatch):
+    """A checkpoint overwritten by a training run when a snapshot is due: the snapshot keeps the
+    version the last one holds (its layer reused, the file not read: it would tear) instead of losing
+    it; once stable, the next snapshot takes the new version. One no snapshot had is left out."""
+    ckpt = "opt/app/models/checkpoints/run.safetensors"
+    v1, v2 = os.urandom(3 * MiB), os.urandom(3 * MiB)
+    w, clock, lines, reads = train(registry, base_ref, box, "w-carry", SMALL_WEIGHTS, ckpt, v1, monkeypatch)
+    # While new, in no snapshot yet: left out; once stable, sent ahead and in the snapshot.
+    assert any(f"held back: '/{ckpt}' (still being written); left out;" in line for line in lines), lines
+    held_snapshot = w.snapshot_tags(tags(registry, "w-carry"))[1]
+    assert ckpt not in snap_layers(registry.manifest("w-carry", held_snapshot))
+    first = snap_layers(registry.manifest("w-carry", "v2"))[ckpt]
+
+    overwrite_while_due(w, box, ckpt)
+    assert any(f"held back: '/{ckpt}' (still being written); kept the last snapshot's version" in line
+               for line in lines), lines
+    assert "opt/app/train.log" in reads and ckpt not in reads
+    assert snap_layers(registry.manifest("w-carry", "v2"))[ckpt]["digest"] == first["digest"]
+    out = tmp_path / "r2"
+    restore_image(f"{registry.host}/w-carry:v2", str(out))
+    assert (out / ckpt).read_bytes() == v1
+    assert (out / "opt/app/train.log").read_text() == "step 100\n"
+
+    # Written whole, then seen unchanged for 5 s: the next snapshot takes it.
+    with open(os.path.join(box, ckpt), "wb") as f:
+        f.write(v2)
+    w.tick()
+    clock.advance(5)
+    w.tick()
+    assert snap_layers(registry.manifest("w-carry", "v2"))[ckpt]["digest"] != first["digest"]
+    assert_restores_to(f"{registry.host}/w-carry:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r3")
+    assert (tmp_path / "r3" / ckpt).read_bytes() == v2
+
+
+def test_a_held_file_whose_layer_would_be_built_again_is_left_out_unread(registry, base_ref, box, tmp_path,
+                                                                         monkeypatch):
+    """A big file being rewritten whose last snapshot's layer cannot be reused whole (it shares the
+    `rest` bundle with a file that changed too) is never read: it is left out, and the line says why."""
+    big = "opt/app/data/cache.dat"
+    v1 = os.urandom(2 * MiB)
+    w, _, lines, reads = train(registry, base_ref, box, "w-carry-bundle", BIG_ELSEWHERE, big, v1, monkeypatch)
+    out = tmp_path / "r1"
+    restore_image(f"{registry.host}/w-carry-bundle:v2", str(out))
+    assert (out / big).read_bytes() == v1
+
+    reads.clear()
+    overwrite_while_due(w, box, big)
+    assert "opt/app/train.log" in reads and big not in reads
+    assert any(f"held back: '/{big}' (still being written); left out: the last snapshot's version shares a layer"
+               in line for line in lines), lines
+    out = tmp_path / "r2"
+    restore_image(f"{registry.host}/w-carry-bundle:v2", str(out))
+    assert not (out / big).exists() and (out / "opt/app/train.log").read_text() == "step 100\n"
 
 
 def test_the_final_snapshot_leaves_out_a_big_file_that_would_not_fit_in_the_grace(registry, base_ref, box, tmp_path):
