@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 
@@ -6,6 +7,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from support import FaultProxy, RegistryServer, make_base_rootfs, push_base_image, write_tree  # noqa: E402
+
+# A suite started in the background by a non-interactive shell (`make test &`, CI runners) inherits
+# SIGINT ignored, and so would every snap it starts: the Ctrl-C tests need it delivered, as from a
+# terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Paths the default profile never captures; a restored tree is compared without them.
 NOT_CAPTURED = ("proc", "sys", "dev", "tmp", "run")
