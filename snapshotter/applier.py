@@ -38,6 +38,7 @@ class LayerJob:
     # the index: restore.py); None: not indexed.
     base_layer: Optional[int] = None
     save_index: Optional[str] = None  # where to save the base's index once this layer is applied (its last)
+    index_diff_ids: tuple[str, ...] = ()  # with save_index: the diff_ids of the base's layers, saved with it
 
 
 def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
@@ -55,7 +56,7 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
                         lambda stream, check: extractor.apply(stream, layer=what, check_end=check))
     if job.save_index and extractor.indexer is not None:
         try:
-            save_index(extractor.indexer.index, job.save_index)
+            save_index(extractor.indexer.index, job.save_index, job.index_diff_ids)
         except OSError:
             pass  # an optimisation only: the next commit reads the base's layers
         extractor.indexer = None

@@ -65,10 +65,11 @@ def push(remote: Remote, base_manifest_digest: str, sources: BlobSources) -> Opt
 
 
 def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],
-          digest: Optional[str] = None) -> Optional[dict[str, Entry]]:
+          digest: Optional[str] = None, diff_ids: Optional[list[str]] = None) -> Optional[dict[str, Entry]]:
     """The base's index from `remote`'s repository into the state dir's cache: the blob `digest`
     (a snapshot's annotation), else the one the artifact tag names. Digest-checked and size-capped;
-    None if the repository has none (or one of another format version): the caller reads the base."""
+    None if the repository has none, or one of another format version or, given the base's
+    `diff_ids`, of other layers: the caller reads the base."""
     try:
         if digest is None:
             body, _, _ = remote.get_manifest(artifact_tag(base_manifest_digest))
@@ -86,9 +87,9 @@ def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],
     except (RegistryError, IntegrityError, ValueError, KeyError, IndexError, TypeError, OSError) as e:
         log(f"warning: the base index in {remote.ref.name} is not usable ({e}): reading the base's layers")
         return None
-    index = load_index(path)
+    index = load_index(path, diff_ids)
     if index is None:
-        os.unlink(path)  # another version's: rebuilt from the layers
+        os.unlink(path)  # another version's, or of other layers than the base's: rebuilt from the layers
     return index
 
 

@@ -85,10 +85,11 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
     """The file index of the base image: cached by manifest digest, else the one an earlier
     snapshot pushed into the `travelled` repository (baseindex.py), else read from its layer tars."""
     cache = baseindex.cache_path(image.manifest_digest)
-    index = load_index(cache)
+    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])  # an index of other layers is not this base's
+    index = load_index(cache, diff_ids)
     if index is not None:
         return index
-    if travelled is not None and (index := baseindex.fetch(travelled, image.manifest_digest, log)) is not None:
+    if travelled is not None and (index := baseindex.fetch(travelled, image.manifest_digest, log, diff_ids=diff_ids)) is not None:
         return index
     index = {}
     total = sum(layer["size"] for layer in image.layers)
@@ -103,7 +104,7 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
             except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError) as e:
                 raise IntegrityError(f"base image layer {layer['digest'][:19]} is not a readable tar: {e}")
             raw.drain()  # runs the digest check at the end of the blob
-    save_index(index, cache)
+    save_index(index, cache, diff_ids)
     return index
 
 

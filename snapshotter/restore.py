@@ -6,7 +6,8 @@ digest is checked and the layers before it are applied: no unverified byte reach
 the extraction of the first layers overlaps the download of the rest. Layers are applied in order,
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
 download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
-its last file is renamed into place (extract.py). A journal (journal.py) records how many layers
+its last entry, if a regular file, is renamed into place (extract.py; a split layer's digest,
+checked at download, is its diff_id). A journal (journal.py) records how many layers
 of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
 the snap layers are noted for the next commit of the root (restorerecord.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base
@@ -260,7 +261,8 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                                record=bool(snap_label(desc)))  # snap's own: its headers teach the next commit
                 if index_base is not None and n < index_base[0]:
                     job.base_layer = n
-                    job.save_index = index_base[1] if n == index_base[0] - 1 else None
+                    if n == index_base[0] - 1:
+                        job.save_index, job.index_diff_ids = index_base[1], tuple(d for _, _, d in pending[:n + 1])
                 with progress.bar(f"extracting {label}", desc["size"]) as xb:
                     record = worker.apply(job, progress.safe_update(xb))
                 if record is not None:

@@ -244,6 +244,32 @@ def test_a_full_restore_of_a_plain_image_indexes_it(registry, proxy, tmp_path, m
     assert base_layer_gets(proxy, manifest, since) == []
 
 
+def test_an_image_that_names_a_base_it_does_not_hold_leaves_no_index_for_that_base(registry, proxy, base_ref, box,
+                                                                                  tmp_path, monkeypatch):
+    """A hostile (or broken) snapshot names base:1 but ships other base layers: its full restore
+    indexes what it applied, and the next commit on base:1 must not diff against that index (it
+    would leave out every file the wrong index claims unchanged): it reads base:1's own layers."""
+    registry.push_image("otherbase", "1", [tar_bytes(member("etc/", "dir"), member("etc/os-release", data=b"ID=other\n"))],
+                        layer_media_type="application/vnd.oci.image.layer.v1.tar")
+    commit_box(f"{registry.host}/liar:v1", f"{registry.host}/otherbase:1", CommitOptions(root=box))
+    manifest = registry.manifest("liar", "v1")
+    del manifest["annotations"]["dev.snap.base-index"]
+    manifest["annotations"]["org.opencontainers.image.base.digest"] = base_manifest_digest(registry)  # base:1's
+    registry.session().put(f"{registry.url}/v2/liar/manifests/v2", data=json.dumps(manifest).encode(),
+                           headers={"Content-Type": manifest["mediaType"]}).raise_for_status()
+    env = {"SNAP_STATE_DIR": str(tmp_path / "restored-machine")}
+    snap("restore", f"{registry.host}/liar:v2", "--root", str(tmp_path / "out"), env=env, check=True)
+
+    monkeypatch.setenv("SNAP_STATE_DIR", env["SNAP_STATE_DIR"])
+    base_manifest = registry.manifest("base", "1")
+    since = len(proxy.log)
+    result = commit_box(f"{proxy.host}/honest:v1", f"{proxy.host}/base:1", CommitOptions(root=box))
+    assert base_layer_gets(proxy, base_manifest, since) != []  # the claimed index was not trusted
+    monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "clean-machine"))
+    expected = commit_box(f"{registry.host}/fresh:v1", base_ref, CommitOptions(root=box))
+    assert [layer.digest for layer in result.layers] == [layer.digest for layer in expected.layers]
+
+
 def base_manifest_digest(registry, repo="base", tag="1"):
     r = registry.session().get(f"{registry.url}/v2/{repo}/manifests/{tag}",
                                headers={"Accept": "application/vnd.oci.image.manifest.v1+json, "
