@@ -108,7 +108,7 @@ def _transport(plain_http: bool, ca_cert: Optional[str], insecure: bool, usernam
 
 
 # Options shared by the commands that talk to a registry.
-PlainHttp = typer.Option(False, "--plain-http", help="Talk to the registry over http (no TLS). Loopback registries try https first, then http.")
+PlainHttp = typer.Option(False, "--plain-http", help="Talk to the registry over http (no TLS). Loopback registries try http first, then https.")
 CaCert = typer.Option(None, "--ca-cert", help="CA bundle (PEM) to verify the registry's TLS certificate.")
 Insecure = typer.Option(False, "--insecure-tls", help="Do not verify the registry's TLS certificate.")
 Username = typer.Option(None, "--username", "-u", help="Registry user (default: ~/.docker/config.json auths and credential helpers).")

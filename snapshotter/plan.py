@@ -43,7 +43,7 @@ class LayerPlan:
     part_of: Optional[tuple[str, int, int]] = None  # (file, index, count) for a part layer
     part_links: list[str] = field(default_factory=list)  # last part: the file's other names (hardlinks)
     # fingerprint() by zstd level: asked twice per layer by a commit, and costly for a 20k-file venv
-    _fingerprints: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
+    _fingerprints: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def empty(self) -> bool:

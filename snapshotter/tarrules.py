@@ -20,15 +20,15 @@ def check_name(name: str) -> str:
     """Root-relative path of a member name; refuses names that try to leave the root."""
     if name.startswith("/"):
         raise IntegrityError(f"layer entry {name!r} has an absolute path: refusing a hostile layer")
-    parts = name.split("/")
+    rel, parts = name, name.split("/")
     if "" in parts or "." in parts or ".." in parts:
         parts = [p for p in parts if p not in ("", ".")]
         if ".." in parts:
             raise IntegrityError(f"layer entry {name!r} escapes the root with '..': refusing a hostile layer")
-        name = "/".join(parts)
-    if "\0" in name:
+        rel = "/".join(parts)
+    if "\0" in rel:
         raise IntegrityError(f"layer entry {name!r} has a NUL byte: refusing a hostile layer")
-    return name
+    return rel
 
 
 def layer_order(item: tuple[str, bool]) -> tuple[str, int, str]:
