@@ -215,13 +215,19 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
         files = [e for e in scan.entries.values() if e.kind == FILE]
         opts.log(f"--base scratch without --include: capturing all of {root} but the profile's excludes: "
                  f"{len(files)} files, {progress.human_size(sum(e.size for e in files))}")
-    plans = plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size)
+    plans = _plan_layers(d, scan, index, opts)
     # A scratch image's restore records no base (None): its stat cache is keyed apart.
     base_digest = base_img.manifest_digest if base_img else None
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                       opts.profile.zstd_level, opts.rehash)
+
+
+def _plan_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions) -> list[LayerPlan]:
+    """The layers of a diff with the commit's options (planned once, and again by push_commit
+    when it leaves files out)."""
+    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size)
 
 
 def _optional_remote(ref: Reference, transport: TransportOptions) -> Optional[Remote]:
@@ -353,7 +359,7 @@ def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -
         cp.unreadable -= stuck
         cp.left_unread.extend(sorted(stuck))
         cp.diff.changed = [e for e in cp.diff.changed if e.path not in stuck]
-        cp.plans = plan_layers(cp.diff, cp.scan, cp.index, opts.profile, opts.compression, opts.max_layer_size)
+        cp.plans = _plan_layers(cp.diff, cp.scan, cp.index, opts)
 
 
 def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:
