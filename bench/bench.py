@@ -13,7 +13,7 @@ machine, to bench/out/results.md. Peak RSS is the largest process of the measure
 
     python3 bench/bench.py            # default sizes (20k files, 4 x 512 MiB weights)
     python3 bench/bench.py --small    # quick smoke run (2k files, 4 x 50 MiB weights)
-    python3 bench/bench.py --scale    # a real GPU box (200k files, 40 weights, 32 GiB; ~100 GB of disk, not in CI)
+    python3 bench/bench.py --scale    # a real GPU box (200k files, 40 weights, 32 GiB; ~100 GiB of disk, not in CI)
 Sizes: --files --weights-mib --weight-files --nodes --new-model-mib (or BENCH_FILES, ...).
 """
 
@@ -69,6 +69,22 @@ class Bench:
         self.child: Optional[subprocess.Popen] = None
         self.res: dict[str, Run] = {}
         self.skipped: dict[str, str] = {}  # peer -> why
+        self.lean = False  # delete each copy once its rows are measured (--lean, --scale)
+        self.probe_secs: Optional[float] = None  # creating PROBE_FILES files on a settled disk
+
+    def discard(self, *paths: str) -> None:
+        """With --lean, free a copy's disk once its rows are measured, then wait for the disk to
+        settle: on a disk mounted with `discard`, creating files right after a big delete is slow
+        for minutes, and the next measured step would pay for it."""
+        if not self.lean:
+            return
+        for path in paths:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.unlink(path)
+        os.sync()
+        settle_disk(self)
 
     def run(self, cmd, env=None, shell=False, cold=False) -> Run:
         """Run one measured command: wall clock and peak RSS (wait4), output appended to bench.log.
@@ -125,6 +141,44 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+PROBE_FILES = 2000
+
+
+def probe_file_creation(work: str) -> float:
+    """Seconds to create, write, fsync and delete PROBE_FILES small files: the disk's state."""
+    d = tempfile.mkdtemp(prefix="probe-", dir=work)
+    t0 = time.perf_counter()
+    for i in range(PROBE_FILES):
+        with open(os.path.join(d, str(i)), "wb") as f:
+            f.write(b"x" * 512)
+    os.sync()
+    secs = time.perf_counter() - t0
+    shutil.rmtree(d)
+    return secs
+
+
+def settle_disk(b: Bench, limit: float = 180.0) -> None:
+    """Wait (untimed) until creating files is as fast as it was at the start (within 50%), at most `limit` s."""
+    if b.probe_secs is None:
+        b.probe_secs = probe_file_creation(b.work)
+        return
+    t0 = time.time()
+    while time.time() - t0 < limit and probe_file_creation(b.work) > 1.5 * b.probe_secs:
+        time.sleep(5)
+    print(f"[settled {time.time() - t0:.0f}s]", end=" ", flush=True)
+
+
+def disk_needed(args, lean: bool) -> int:
+    """Bytes of free disk a run needs, roughly: the weights (and the model added) are incompressible,
+    so every copy of the box costs their size; the text costs its size several times over."""
+    w = (args.weights_mib + args.new_model_mib) * MiB
+    text = args.files * 2200 + args.nodes * 2200
+    # lean: the box, the registry, one peer's copy at a time; else every copy side by side (box,
+    # registry, archive, floor parts, restic, the restores; docker: its container, image and push)
+    copies = 3 if lean else 7 + 2 * args.reps + (0 if args.no_docker else 3)
+    return copies * w + 12 * text + (2 << 30)
 
 
 def proc_cpu(pid: int) -> float:
@@ -416,38 +470,79 @@ def docker_commit_push(b: Bench, docker: list[str], cid: str, ref: str) -> Run:
 def registry_floor(b: Bench, archive: str, repo: str, streams: int = 4) -> Run:
     """The registry's own ingest time for the box's bytes: the tar.zst cut in `streams` parts
     (cut and hashed untimed), each sent by curl in one PUT, all at once, to a fresh repository.
-    Nothing is packed or hashed on our side: no pusher can be faster than this."""
+    Nothing is packed or hashed on our side: no pusher can be faster than this. With --lean the
+    parts are not written out but piped from the archive (`dd`), and the registry's copy
+    is deleted afterwards."""
+    size = os.path.getsize(archive)
+    cuts = [size * k // streams for k in range(streams + 1)]
+    parts = [f"dd if={archive} iflag=skip_bytes,count_bytes skip={lo} count={hi - lo} bs=1M status=none"
+             for lo, hi in zip(cuts, cuts[1:])]
     d = os.path.join(b.work, "floor")
-    os.makedirs(d)
-    subprocess.run(["split", "-n", str(streams), "-d", archive, os.path.join(d, "part")], check=True)
-    parts = sorted(os.path.join(d, n) for n in os.listdir(d))
-    sums = subprocess.run(["sha256sum", *parts], check=True, capture_output=True, text=True).stdout.split()[::2]
+    if not b.lean:
+        os.makedirs(d)
+        subprocess.run(["split", "-n", str(streams), "-d", archive, os.path.join(d, "part")], check=True)
+        parts = [f"cat {os.path.join(d, n)}" for n in sorted(os.listdir(d))]
+    sums = [subprocess.run(f"{part} | openssl dgst -sha256 -r", shell=True, check=True, capture_output=True, text=True).stdout.split()[0]
+            for part in parts]
+    sources = ["-T -" if b.lean else f"-T {part.split()[1]}" for part in parts]
     uploads = [f"loc=$(curl -sf -D - -o /dev/null -X POST {b.reg.url}/v2/{repo}/blobs/uploads/ "
                f"| awk -F': ' 'tolower($1)==\"location\" {{print $2}}' | tr -d '\\r') && "
-               f"curl -sf -o /dev/null -T {part} -H 'Content-Type: application/octet-stream' \"$loc&digest=sha256:{digest}\""
-               for part, digest in zip(parts, sums)]
+               + (f"{part} | " if b.lean else "")
+               + f"curl -sf -o /dev/null {src} -H 'Content-Type: application/octet-stream' \"$loc&digest=sha256:{digest}\""
+               for part, src, digest in zip(parts, sources, sums)]
     script = " ".join(f"( {u} ) & p{i}=$!;" for i, u in enumerate(uploads)) + " " + \
         " && ".join(f"wait $p{i}" for i in range(len(uploads)))
     r = b.run(script, shell=True)
-    shutil.rmtree(d)
-    r.note = f"{len(parts)} curl PUTs at once of the tar.zst's parts ({os.path.getsize(archive) / MiB:.0f} MiB)"
+    shutil.rmtree(d, ignore_errors=True)
+    blobs = os.path.join(b.reg.storage, "docker/registry/v2/blobs/sha256")
+    b.discard(*(os.path.join(blobs, digest[:2], digest) for digest in sums))
+    r.note = f"{len(parts)} curl PUTs at once of the tar.zst's parts ({size / MiB:.0f} MiB)"
+    return r
+
+
+def sha256_floor(b: Bench, box: str) -> Run:
+    """Hashing the box's bytes once (its tar through openssl's sha256, warm cache): every pusher
+    must hash each byte. (coreutils' sha256sum is several times slower than openssl here.)"""
+    r = b.run(f"tar -C {box} -cf - . | openssl dgst -sha256 -r", shell=True)
+    r.note = "tar -c | openssl dgst -sha256"
+    return r
+
+
+def write_floor(b: Bench, nbytes: int) -> Run:
+    """Writing the box's bytes to this disk (one file, fsync'd): no restore can land them faster."""
+    path = os.path.join(b.work, "write-floor")
+    r = b.run(["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={-(-nbytes // (8 * MiB))}", "conv=fsync", "status=none"])
+    os.unlink(path)
+    r.note = f"dd of {nbytes / MiB:.0f} MiB + fsync"
     return r
 
 
 # ---------------------------------------------------------------- the run
 
+THROUGHPUT = ("snap_first", "tar_zstd", "reg_floor", "sha_floor", "snap_restore", "untar", "write_floor")
 ROWS = [  # case, snap key, peer label, peer key, target ratio, strict
     ("1 first commit", "snap_first", "tar -c \\| zstd -T0", "tar_zstd", 1.3, False),
     ("1 first commit", "snap_first", "restic backup (1st)", "restic_1", None, False),
     ("1 first commit", "snap_first", "docker commit + push (1st)", "docker_1", None, False),
     ("1 first commit", "snap_first", "registry ingest floor: 4 curl PUTs of the tar.zst", "reg_floor", None, False),
+    ("1 first commit", "snap_first", "sha256 floor: tar -c \\| openssl dgst -sha256", "sha_floor", None, False),
     ("2 nothing changed", "snap_same", "restic backup (2nd, nothing changed)", "restic_2", 1.0, True),
     ("3 one custom node changed", "snap_node", "restic backup (after the change)", "restic_3", None, False),
     ("3 one custom node changed", "snap_node", "docker commit + push (after the change)", "docker_2", None, False),
     ("4 one model added", "snap_model", "restic backup (after the model)", "restic_4", None, False),
     ("5 restore to empty dir", "snap_restore", "zstd -d \\| tar -x", "untar", 1.3, False),
     ("5 restore to empty dir", "snap_restore", "restic restore", "restic_restore", None, False),
+    ("5 restore to empty dir", "snap_restore", "disk write floor: dd + fsync of the box's bytes", "write_floor", None, False),
 ]
+
+
+def untar(b: Bench, archive: str, out: str, i: int, repeated, listings: dict) -> None:
+    """Run i of `zstd -d | tar -x` into an empty dir (the first one's tree kept for the comparison)."""
+    os.makedirs(out)
+    repeated("untar", "zstd -d | tar -x", i, lambda: b.run(f"zstd -q -d -c {archive} | tar -C {out} -xf -", shell=True, cold=True))
+    if i == 0 and b.res["untar"].ok:
+        listings["tar"] = tree_listing(out)
+    b.discard(out)
 
 
 def measure_all(b: Bench, args) -> dict:
@@ -488,11 +583,20 @@ def measure_all(b: Bench, args) -> dict:
 
     # State 0: the generated box. The first-commit family is measured args.reps times: snap's
     # extra runs go to other repositories with their own state dirs, so each is a first commit.
+    # With --lean the archive is restored (and dropped) right away: later there is no room for it.
     archive = os.path.join(w, "box.tar.zst")
+    listings: dict[str, dict] = {}  # the first tar and snap restores' trees, compared at the end
+    if b.lean:
+        settle_disk(b)  # the disk's pace before anything is deleted
     for i in range(args.reps):
         last = i == args.reps - 1
         repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
+        data["archive_bytes"] = os.path.getsize(archive)
+        if b.lean:
+            untar(b, archive, os.path.join(w, f"restore-tar-{i}"), i, repeated, listings)
+        repeated("sha_floor", "sha256 floor (tar | openssl sha256)", i, lambda: sha256_floor(b, box))
         repeated("reg_floor", "registry ingest floor (curl)", i, lambda: registry_floor(b, archive, f"bench/floor{i}"))
+        b.discard(archive)
         repeated("snap_first", "snap commit (first)", i, lambda: snap(
             b, "commit", f"{box_ref}:v1" if last else f"{box_ref}-r{i}:v1", "--base", base_ref, "--root", box,
             state=state if last else f"{state}-r{i}"))
@@ -501,9 +605,9 @@ def measure_all(b: Bench, args) -> dict:
     if restic:
         step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
         step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
-    sock = None if args.no_docker else start_dockerd(b)
-    if args.no_docker:
-        b.skipped["docker"] = "--no-docker"
+    if args.no_docker or b.lean:
+        b.skipped["docker"] = "--no-docker" if args.no_docker else "--lean: no room for docker's copies of the box"
+    sock = None if "docker" in b.skipped else start_dockerd(b)
     dk = docker_setup(b, sock, base_ref, box) if sock else None
     if dk:
         docker, cid = dk
@@ -534,25 +638,29 @@ def measure_all(b: Bench, args) -> dict:
     step("watch_final", "snap watch, SIGTERM -> final snapshot", lambda: watch_final(b, f"{box_ref}:watch", base_ref, box, state))
 
     # Restores of state 0 (v1, the archive, restic's 1st snapshot), each into an empty dir.
-    # Nothing is deleted between these runs: ext4 then allocates new inodes slowly for minutes.
+    # Without --lean nothing is deleted between these runs: ext4 then allocates new inodes slowly for minutes.
+    b.discard(box)  # --lean: nothing reads it from here on
+    step("write_floor", "disk write floor (dd + fsync)", lambda: write_floor(b, data["text_bytes"] + data["weights_bytes"]))
     outs = []
     for i in range(args.reps):
-        out_snap, out_tar = os.path.join(w, f"restore-snap-{i}"), os.path.join(w, f"restore-tar-{i}")
-        fresh = os.path.join(w, f"snap-state-restore-{i}")  # a new machine: no blob cache, no journal
-        outs += [out_snap, out_tar, fresh]
+        out_snap, fresh = os.path.join(w, f"restore-snap-{i}"), os.path.join(w, f"snap-state-restore-{i}")
+        outs += [out_snap, fresh]  # fresh: a new machine, no blob cache, no journal
         repeated("snap_restore", "snap restore (v1, empty dir)", i,
                  lambda: snap(b, "restore", f"{box_ref}:v1", "--root", out_snap, state=fresh, cold=True))
-        os.makedirs(out_tar)
-        repeated("untar", "zstd -d | tar -x", i, lambda: b.run(f"zstd -q -d -c {archive} | tar -C {out_tar} -xf -", shell=True, cold=True))
+        if i == 0 and res["snap_restore"].ok:
+            listings["snap"] = tree_listing(out_snap)
+        b.discard(out_snap, fresh)
+        if not b.lean:
+            outs.append(os.path.join(w, f"restore-tar-{i}"))
+            untar(b, archive, outs[-1], i, repeated, listings)
     out_then, fresh = os.path.join(w, "restore-then"), os.path.join(w, "snap-state-restore-then")
     outs += [out_then, fresh]
     step("snap_then", "snap restore --then (v1, empty dir)", lambda: restore_then(b, "bench/box:v1", out_then, fresh))
-    if res["snap_restore"].ok and res["untar"].ok:
-        want, got = tree_listing(out_tar), tree_listing(out_snap)
+    if "snap" in listings and "tar" in listings:
+        want, got = listings["tar"], listings["snap"]
         bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
         res["snap_restore"].note += f"; {len(got)} paths, same as the tar restore" if not bad else \
             f"; DIFFERS from the tar restore at {len(bad)} path(s), e.g. {bad[:3]}"
-    data["archive_bytes"] = os.path.getsize(archive) if os.path.exists(archive) else 0
     for d in outs:  # disk space for the next restore
         shutil.rmtree(d, ignore_errors=True)
     if os.path.exists(archive):
@@ -661,6 +769,10 @@ def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
     rows.extend(watch_rows(res))
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     notes = [f"- {k}: {r.note}" for k, r in res.items() if r.note]
+    box_bytes = data["text_bytes"] + data["weights_bytes"]
+    speeds = [f"{k} {box_bytes / MiB / res[k].secs:.0f}" for k in THROUGHPUT if k in res and res[k].ok and res[k].secs]
+    if speeds:
+        notes.append(f"- throughput over the box's {box_bytes / MiB:.0f} MiB, MiB/s: {', '.join(speeds)}")
     lines = [
         f"# snap benchmark ({label})", "",
         f"Box: {args.files} venv files + {args.nodes} custom-node files ({data['text_bytes'] / MiB:.0f} MiB of text), "
@@ -689,7 +801,7 @@ def parse_args():
     ap.add_argument("--small", action="store_true", help="quick run: 2k files, 4 x 50 MiB weights, 64 MiB model added")
     ap.add_argument("--scale", action="store_true",
                     help="a real GPU box: 200k venv files, 40 weights totalling 32 GiB, 1 GiB model added, one run "
-                         "of each (hours, ~100 GB of disk; `make bench ARGS=--scale`, not in CI)")
+                         "of each, --lean (hours, ~100 GiB of disk; `make bench ARGS=--scale`, not in CI)")
     ap.add_argument("--files", type=int, help="venv files (default 20000; BENCH_FILES)")
     ap.add_argument("--weights-mib", type=int, help="total weights in MiB (default 2048; BENCH_WEIGHTS_MIB)")
     ap.add_argument("--weight-files", type=int, help="weights files (default 4; BENCH_WEIGHT_FILES)")
@@ -699,6 +811,9 @@ def parse_args():
                     help="runs of the first commit and the restore (and their floors); the median counts (default 3)")
     ap.add_argument("--no-docker", action="store_true", help="skip the docker peer")
     ap.add_argument("--no-restic", action="store_true", help="skip the restic peer")
+    ap.add_argument("--lean", action="store_true",
+                    help="delete each copy of the box once its rows are measured (about 3x the weights of disk "
+                         "instead of 9x; the archive is restored right after it is made; no docker peer); on with --scale")
     ap.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"), help="where the temp dir goes (default $TMPDIR)")
     a = ap.parse_args()
     small = {"files": 2000, "weights_mib": 200, "weight_files": 4, "nodes": 100, "new_model_mib": 64}
@@ -708,6 +823,7 @@ def parse_args():
         ap.error("--small and --scale are two different sizes: pick one")
     if a.scale and "BENCH_REPS" not in os.environ and "--reps" not in sys.argv:
         a.reps = 1  # each run moves 32 GiB several times
+    a.lean = a.lean or a.scale
     for k, v in (scale if a.scale else small if a.small else full).items():
         if getattr(a, k) is None:
             setattr(a, k, env(k.upper(), v))
@@ -724,7 +840,14 @@ def main() -> int:
     preset = (200_000, 32 * 1024, 2000) if args.scale else (2000, 200, 100) if args.small else (20000, 2048, 500)
     if (args.files, args.weights_mib, args.nodes) != preset:
         label += f"-{args.files}f-{args.weights_mib}m"
+    need, free = disk_needed(args, args.lean), shutil.disk_usage(args.workdir or tempfile.gettempdir()).free
+    if need > free:
+        print(f"bench: error: this run needs about {need / 2**30:.0f} GiB of free disk and "
+              f"{args.workdir or tempfile.gettempdir()!r} has {free / 2**30:.0f} GiB: "
+              f"{'' if args.lean else 'add --lean, or '}lower --weights-mib", file=sys.stderr)
+        return 2
     b = Bench(tempfile.mkdtemp(prefix="snap-bench-", dir=args.workdir))
+    b.lean = args.lean
     signal.signal(signal.SIGTERM, _interrupt)
     os.makedirs(OUT, exist_ok=True)
     print(f"snap benchmark ({label}) in {b.work}", flush=True)
