@@ -7,8 +7,15 @@ that `snapshotter.commit` and `snapshotter.restore` stay the modules):
     restore_image("registry.example.com/me/box:v2", "/")
 """
 
-from .commit import CommitOptions, commit_box
-from .errors import SnapError
-from .restore import RestoreOptions, restore_image
+import importlib
 
-__all__ = ["commit_box", "CommitOptions", "restore_image", "RestoreOptions", "SnapError"]
+# Loaded when first asked for (PEP 562): `snap restore` then imports no commit code, `snap --help` neither.
+_EXPORTS = {"commit_box": "commit", "CommitOptions": "commit", "restore_image": "restore",
+            "RestoreOptions": "restore", "SnapError": "errors"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -25,8 +25,6 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import docker.auth
-import docker.errors
 import oras.auth
 import oras.auth.utils
 import oras.provider
@@ -296,6 +294,9 @@ def docker_credentials(registry: str) -> Optional[tuple[str, str]]:
     path = os.path.join(env_dir, "config.json") if env_dir else None
     if path and not os.path.exists(path):
         return None
+    import docker.auth  # only here: the SDK costs a restore's start ~0.1 s, and most machines have no config
+    import docker.errors
+
     names = ["docker.io"] if registry in DOCKER_HUB_NAMES else list(oras.utils.iter_localhosts(registry))
     try:
         config = docker.auth.load_config(path)

@@ -88,3 +88,13 @@ def test_weights_layers_come_last_whatever_the_profile_order(registry, base_ref,
     assert json.loads(r.stdout)
     names = [d["annotations"]["dev.snap.layer"] for d in registry.manifest("order", "v1")["layers"][2:]]
     assert names == ["venv", "outputs", "rest", "models", "models"], names
+
+
+def test_restore_loads_no_commit_code_and_no_docker_sdk():
+    """What `snap restore` imports is on the way to CMD's start (--then): no commit or watch code,
+    no docker SDK (only read for a Docker config's credentials)."""
+    code = ("import sys, snapshotter.cli, snapshotter.restore, snapshotter.landing, snapshotter.applier\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'docker'\n"
+            "                      or m in ('snapshotter.commit', 'snapshotter.watch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == []
