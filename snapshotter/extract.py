@@ -39,14 +39,18 @@ from .fsindex import ImageIndexer, clean_path
 from .mounts import inside, read_mounts
 from .profile import PathSet
 from .tarreader import TarReader
-from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key,
-                       whiteout_target)
+from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest, check_name,
+                       header_key, whiteout_target)
 
 TMP_PREFIX = ".snap-tmp-"
 READ_BUFFER = 1 << 20
 XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
 _CAPABILITY = "security.capability"
+_PLAIN_TYPES = frozenset((*tarfile.REGULAR_TYPES, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE))
+_DEVICE_TYPES = frozenset((tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.FIFOTYPE))
+_ON_FD: dict = {}
+_NOFOLLOW = {"follow_symlinks": False}
 
 
 @dataclass
@@ -116,6 +120,7 @@ class Extractor:
         self._held: Optional[tuple[str, str]] = None  # (temp, path) of the last regular file, not yet renamed
         self._never = PathSet(self.opts.never_write)
         self._room = 0  # bytes still free on the target at the last look, less what was written since
+        self._keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
         self._reset_dir_times()
 
     def _reset_dir_times(self) -> None:
@@ -207,7 +212,7 @@ class Extractor:
         if pdir not in self._cleaned:
             self._cleaned.add(pdir)
             self._sweep_stale_tmp(pdir)
-        return pdir, os.path.join(pdir, base)
+        return pdir, f"{pdir.rstrip('/')}/{base}"  # os.path.join's result, for a fraction of its cost
 
     def _sweep_stale_tmp(self, pdir: str) -> None:
         """Remove temp files an interrupted run left in `pdir` (this run has none open there yet)."""
@@ -292,11 +297,12 @@ class Extractor:
         if self._never.match(rel) and self._leave_alone(rel, m):
             self.stats.left_alone += 1
             return
-        if not (m.isdir() or m.isreg() or m.issym() or m.islnk() or m.ischr() or m.isblk() or m.isfifo()):
-            return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
-        if (m.ischr() or m.isblk() or m.isfifo()) and not self._devices_allowed(m):
-            self.stats.skipped_device("/" + rel)
-            return  # skipped before anything is touched: the path keeps what lower layers put there
+        if m.type not in _PLAIN_TYPES:
+            if m.type not in _DEVICE_TYPES:
+                return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
+            if not self._devices_allowed(m):
+                self.stats.skipped_device("/" + rel)
+                return  # skipped before anything is touched: the path keeps what lower layers put there
         pdir, path = self._locate(rel)
         self._note_parent(pdir)
         try:
@@ -326,7 +332,7 @@ class Extractor:
 
         # A short name: the member's own name may already be NAME_MAX bytes long.
         # No leftover can be there: _locate swept the directory of stale temp files on first use.
-        tmp = os.path.join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
+        tmp = f"{pdir.rstrip('/')}/{TMP_PREFIX}{os.getpid()}-0"
         renamed = False
         try:
             attrs_set = False
@@ -400,6 +406,8 @@ class Extractor:
             else:
                 while chunk := reader.read_data(READ_BUFFER):
                     _write_all(fd, chunk)
+                    if len(chunk) == m.size:
+                        break  # all of it (a venv's files are small): no read for the end
             if self.opts.fsync:
                 os.fsync(fd)
             self._set_attrs(fd, m, rel)
@@ -483,25 +491,26 @@ class Extractor:
     def _set_attrs(self, path, m: tarfile.TarInfo, rel: str) -> None:
         """Owner, mode, xattrs, mtime on a path (never followed) or an open fd."""
         mode = m.mode & 0o7777
-        keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
-        xattrs = {k[len("SCHILY.xattr."):]: v for k, v in (m.pax_headers or {}).items() if k.startswith("SCHILY.xattr.")}
+        keep_privileges = self._keep_privileges
+        xattrs = {k[len(XATTR_PAX):]: v for k, v in m.pax_headers.items() if k.startswith(XATTR_PAX)} if m.pax_headers else {}
         stripped = False
         if mode & (stat.S_ISUID | stat.S_ISGID) and not m.isdir() and not keep_privileges:
             mode &= ~(stat.S_ISUID | stat.S_ISGID)
             stripped = True
-        if _CAPABILITY in xattrs and not keep_privileges:
+        if xattrs and _CAPABILITY in xattrs and not keep_privileges:
             del xattrs[_CAPABILITY]  # file capabilities are setuid by another name
             stripped = True
         if stripped:
             self.stats.stripped("/" + rel)
-        nofollow = {} if isinstance(path, int) else {"follow_symlinks": False}
+        nofollow = _ON_FD if isinstance(path, int) else _NOFOLLOW
         if self.opts.same_owner:
             os.chown(path, m.uid, m.gid, **nofollow)
-        if not m.issym():
+        if m.type != tarfile.SYMTYPE:
             os.chmod(path, mode)  # after chown: chown clears setuid bits
         for name, value in xattrs.items():
             self._set_xattr(path, name, value, nofollow)
-        os.utime(path, ns=(int(m.mtime) * 10**9, int(m.mtime) * 10**9), **nofollow)
+        ns = int(m.mtime) * 1_000_000_000
+        os.utime(path, ns=(ns, ns), **nofollow)
 
     def _set_xattr(self, path, name: str, value: str, nofollow: dict) -> None:
         if name.startswith(SKIP_XATTRS):

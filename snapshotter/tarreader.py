@@ -206,9 +206,10 @@ class TarReader:
             return self._member(buf, kind, size, chksum, offset, pax, long_name, long_link)
 
     def _check_header(self, buf: bytes) -> tuple[bytes, int, int]:
-        chksum = self._number(buf[148:156], "checksum")
-        if chksum != 256 + sum(struct.unpack_from("148B8x356B", buf)) and \
-                chksum != 256 + sum(struct.unpack_from("148b8x356b", buf)):
+        field = buf[148:156]
+        chksum = self._number(field, "checksum")
+        if chksum != 256 + sum(buf) - sum(field) and \
+                chksum != 256 + sum(struct.unpack_from("148b8x356b", buf)):  # signed: some old tars
             raise self._bad("a header has a bad checksum")
         size = self._number(buf[124:136], "size")
         if size > MAX_SIZE:
@@ -231,19 +232,14 @@ class TarReader:
                 long_name: Optional[str], long_link: Optional[str]) -> tarfile.TarInfo:
         m = tarfile.TarInfo()
         m.name = _nts(buf[0:100])
-        m.mode = self._number(buf[100:108], "mode")
-        m.uid = self._number(buf[108:116], "uid")
-        m.gid = self._number(buf[116:124], "gid")
+        m.mode, m.uid, m.gid = self._fields(buf[100:124], _MODE_OWNER)
         m.size = size
         m.mtime = self._number(buf[136:148], "mtime", signed=True)
         m.chksum = chksum
         m.type = kind
-        m.linkname = _nts(buf[157:257])
-        m.uname = _nts(buf[265:297])
-        m.gname = _nts(buf[297:329])
-        m.devmajor = self._number(buf[329:337], "device major")
-        m.devminor = self._number(buf[337:345], "device minor")
-        prefix = _nts(buf[345:500])
+        m.linkname = _nts(buf[157:257]) if buf[157] else ""
+        m.uname, m.gname, m.devmajor, m.devminor = self._fields(buf[265:345], _NAMES_DEVICES)
+        prefix = _nts(buf[345:500]) if buf[345] else ""
         if kind == tarfile.AREGTYPE and m.name.endswith("/"):
             m.type = tarfile.DIRTYPE  # old V7 tars mark a directory by the slash
         if m.isdir():
@@ -266,6 +262,18 @@ class TarReader:
         if m.isreg() or m.type not in tarfile.SUPPORTED_TYPES:  # what tarfile reads as content
             self._data_left, self._pad = m.size, -m.size % BLOCK
         return m
+
+    def _fields(self, block: bytes, layout: tuple[tuple[int, int, Optional[str]], ...]) -> tuple:
+        """Header fields that repeat from one header to the next (a mode and owner, the owner's
+        names and the device numbers), parsed once per distinct run of bytes: `layout` is
+        (start, end, what: a number's name, None for a name) of each field in `block`."""
+        got = _FIELDS_SEEN.get(block)
+        if got is None:
+            got = tuple(_nts(block[a:b]) if what is None else self._number(block[a:b], what) for a, b, what in layout)
+            if len(_FIELDS_SEEN) >= _FIELDS_SEEN_MAX:
+                _FIELDS_SEEN.clear()  # kept small, whatever the layer
+            _FIELDS_SEEN[block] = got
+        return got
 
     def _apply_pax(self, m: tarfile.TarInfo, records: dict[str, str]) -> None:
         for key, value in records.items():
@@ -299,16 +307,17 @@ class TarReader:
                 raise self._bad(f"member {m.name!r} has an xattr with an empty name")
 
 
-_OCTAL_SEEN: dict[bytes, int] = {}  # octal fields already parsed: modes, owners, devices repeat in every header
-_OCTAL_SEEN_MAX = 4096
+# Runs of header fields already parsed (TarReader._fields): the mode and owner, the owner's names and
+# the device numbers repeat in nearly every header. Sizes, mtimes and checksums rarely do: not kept.
+_FIELDS_SEEN: dict[bytes, tuple] = {}
+_FIELDS_SEEN_MAX = 4096
+_MODE_OWNER = ((0, 8, "mode"), (8, 16, "uid"), (16, 24, "gid"))  # header bytes 100:124
+_NAMES_DEVICES = ((0, 32, None), (32, 64, None), (64, 72, "device major"), (72, 80, "device minor"))  # 265:345
 
 
 def header_number(field: bytes, signed: bool = False) -> int:
     """A numeric header field: octal, or base-256 as GNU tar writes big values. ValueError for
     anything else, and for a negative value unless `signed` (only an mtime may be negative)."""
-    n = _OCTAL_SEEN.get(field)
-    if n is not None:
-        return n
     if field[0] == 0o200:
         return int.from_bytes(field[1:], "big")
     if field[0] == 0o377:
@@ -319,11 +328,7 @@ def header_number(field: bytes, signed: bool = False) -> int:
     text = field.split(b"\0", 1)[0]
     if not _OCTAL.fullmatch(text):
         raise ValueError(f"is not a number ({text[:20]!r})")
-    n = int(text.strip() or b"0", 8)
-    if len(_OCTAL_SEEN) >= _OCTAL_SEEN_MAX:
-        _OCTAL_SEEN.clear()  # sizes and mtimes rarely repeat: kept small, whatever the layer
-    _OCTAL_SEEN[field] = n
-    return n
+    return int(text.strip() or b"0", 8)
 
 
 def pax_records(data: bytes) -> dict[str, str]:
