@@ -22,7 +22,7 @@ from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
 from .digests import file_digest, sha256_digest
 from .errors import IntegrityError, SnapError, UsageError
-from .fsindex import FILE, Diff, Entry, Scan, apply_layer_to_index, diff, load_index, save_index, scan_box
+from .fsindex import FILE, RACY_WINDOW_NS, Diff, Entry, Scan, ScanMemo, apply_layer_to_index, diff, load_index, save_index, scan_box
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
                     now_rfc3339, Image, scratch_config, secrets_annotations, snapshot_config,
                     snapshot_manifest)
@@ -40,7 +40,6 @@ from .transport import TransportOptions
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
-RACY_WINDOW_NS = 2 * 10**9  # files changed this close to the scan are re-read next time
 SCRATCH = "scratch"  # --base scratch: no base image
 
 
@@ -115,10 +114,11 @@ def own_excludes(root: str) -> tuple[str, ...]:
     return (*((own,) if not own.startswith("..") else ()), *staging_dirs(root))
 
 
-def scan_root(root: str, profile: Profile) -> Scan:
-    """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out)."""
+def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None) -> Scan:
+    """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
+    `memo` carries what the last such walk learnt (fsindex.ScanMemo)."""
     with progress.bar("scanning box", unit="files") as b:
-        return scan_box(root, profile, own_excludes(root), progress.safe_update(b))
+        return scan_box(root, profile, own_excludes(root), progress.safe_update(b), memo=memo)
 
 
 def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> Diff:

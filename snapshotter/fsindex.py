@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import tarfile
+import time
 from dataclasses import astuple, dataclass, field, fields
 from typing import BinaryIO, Callable, Optional, Sequence
 
@@ -192,13 +193,49 @@ def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optiona
     )
 
 
+RACY_WINDOW_NS = 2 * 10**9  # a path changed this close to a scan is not trusted to its stat data next time
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    """What ScanMemo compares: a path with the same inode, type, mode, owner, size, link count,
+    mtime and ctime (in ns) is the one the last scan saw."""
+    return (st.st_ino, st.st_dev, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_nlink, st.st_rdev,
+            st.st_mtime_ns, st.st_ctime_ns)
+
+
+class ScanMemo:
+    """What one scan learnt of each path, kept for the next scan of the same root with the same
+    profile and options (`snap watch` keeps one): a path whose lstat is the same as then (_stat_key)
+    keeps its entry, its symlink target, xattrs, readability and secret verdict, none of which is
+    read again. The rule is the stat cache's: chmod, chown, a write, an xattr or ACL change, a new
+    link all move the ctime, which cannot be set back, and a symlink's target changes only with a
+    new inode. A path whose ctime is within RACY_WINDOW_NS of the scan is not kept (a later change
+    in the same clock tick could leave the same stat data). Every directory is still listed and
+    every path still lstat'ed: a name created, deleted or renamed is seen whatever the directory's
+    times say, and no rule about directory mtimes is relied on."""
+
+    def __init__(self, clock: Callable[[], int] = time.time_ns):
+        self.clock = clock  # ns; injectable for tests
+        self.context: Optional[tuple] = None
+        self.seen: dict[str, tuple[tuple, Optional[Entry]]] = {}  # path -> (stat key, entry; None: a secret)
+
+    def start(self, context: tuple) -> tuple[dict, dict, int]:
+        """(last scan's paths, this scan's, the ctime before which a path is kept) for a scan with
+        `context`; a memo made under another context is not used."""
+        old = self.seen if self.context == context else {}
+        self.context = context
+        return old, {}, self.clock() - RACY_WINDOW_NS
+
+
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
-             progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False) -> Scan:
+             progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
+             memo: Optional[ScanMemo] = None) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
     left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
     `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
     a change of those changes the ctime. With the profile's `include` (root-relative paths) only those are walked, and their parent
-    directories are entries of their own."""
+    directories are entries of their own. With a `memo` (ScanMemo) what an unchanged path held at
+    the last scan is taken from it."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
     root = os.path.realpath(root)
@@ -206,6 +243,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     mounted = bind_mounted_files(root)
     host_files: list[str] = []
     extra = {clean_path(e) for e in extra_excludes}
+    old, new, settled_ns = (memo or ScanMemo()).start((root, id(profile), frozenset(extra), metadata_only))
     entries: dict[str, Entry] = {}
     venvs = VenvRoots()
     secrets: list[str] = []
@@ -215,29 +253,39 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     def visit(rel: str, path: str, walk: bool = True) -> None:
         """Add the entry of `rel` (at `path`), unless the profile leaves it out; a directory is
         walked if `walk`."""
-        if rel in extra or rel in skip_mounts or profile.exclude.match(rel):
+        last = old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
+        if rel in extra or rel in skip_mounts or (last is None and profile.exclude.match(rel)):
             return
         if rel in mounted:
             host_files.append(rel)
             return
         try:
             st = os.lstat(path)
-            link = os.readlink(path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
         except FileNotFoundError:
             return
         except PermissionError:
             unreadable.append(rel)
             return
-        e = entry_from_stat(rel, st, link)
+        key = _stat_key(st)
+        if last is not None and last[0] == key:
+            e = last[1]
+        else:
+            try:
+                e = _new_entry(rel, path, st, profile, metadata_only)
+            except FileNotFoundError:
+                return
+            except PermissionError:
+                unreadable.append(rel)
+                return
+            if e is _UNREADABLE:
+                unreadable.append(rel)
+                return
+            if e is _NOT_CONTENT:
+                return
+        if st.st_ctime_ns < settled_ns:
+            new[rel] = (key, e)
         if e is None:
-            return
-        if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, path)):
             secrets.append(rel)
-            return
-        if not metadata_only:
-            e.xattrs = read_xattrs(path)
-        if not metadata_only and e.kind == FILE and not os.access(path, os.R_OK):
-            unreadable.append(rel)
             return
         entries[rel] = e
         if e.kind == DIR and walk:
@@ -269,6 +317,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             continue  # removed while we walked
         for de in children:
             visit(f"{rel_dir}/{de.name}" if rel_dir else de.name, de.path)
+    if memo is not None:
+        memo.seen = new  # swapped whole: a watcher's final snapshot may scan while its loop does
     host_files.extend(links_to(entries, mounted))
     for rel in host_files:
         entries.pop(rel, None)
@@ -278,6 +328,25 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         raise StorageError(f"cannot read {shown}{more} in the box",
                            "run snap as root, or add the paths to the profile's exclude list")
     return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files))
+
+
+_UNREADABLE, _NOT_CONTENT = object(), object()
+
+
+def _new_entry(rel: str, path: str, st: os.stat_result, profile: Profile, metadata_only: bool):
+    """The entry of a path not known from the last scan: None for a secret the profile leaves out,
+    _NOT_CONTENT for a socket, _UNREADABLE for a file snap cannot read."""
+    link = os.readlink(path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
+    e = entry_from_stat(rel, st, link)
+    if e is None:
+        return _NOT_CONTENT
+    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, path)):
+        return None
+    if not metadata_only:
+        e.xattrs = read_xattrs(path)
+        if e.kind == FILE and not os.access(path, os.R_OK):
+            return _UNREADABLE
+    return e
 
 
 def _check_include(root: str, rel: str, profile: Profile) -> None:

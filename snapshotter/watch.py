@@ -24,7 +24,7 @@ from typing import Callable, Optional
 from .commit import (SCRATCH, CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, scan_root,
                      target_remote)
 from .errors import AuthError, SnapError, UsageError
-from .fsindex import FILE, Entry, Scan, scan_box
+from .fsindex import FILE, Entry, Scan, ScanMemo, scan_box
 from .image import BASE_DIGEST, Image, snapshot_layer_count
 from .mediatypes import OCI_MANIFEST
 from .notices import NoticeWatcher
@@ -126,12 +126,18 @@ class Watcher:
         self.throughput = float(ASSUMED_THROUGHPUT)
         self.prune_refused = False
         self.snapshots = 0
+        # What the last scans learnt of each unchanged path (fsindex.ScanMemo): the loop's metadata
+        # scans and the commits' full ones each keep their own. On the watcher's clock (file times
+        # are compared with it).
+        memo_clock = lambda: int(opts.clock() * 1e9)  # noqa: E731
+        self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
 
     # ---- scanning ------------------------------------------------------------------------------
 
     def _scan(self) -> Scan:
         t = time.thread_time()  # CPU, not wall: on a busy machine a scan waits, and waiting costs nothing
-        scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True)
+        scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True,
+                        memo=self.tick_memo)
         self.scan_cost = time.thread_time() - t
         return scan
 
@@ -244,7 +250,7 @@ class Watcher:
         last = self.committed_changed
 
         def changes(base_img: Image, index: dict[str, Entry]):
-            scan = scan_root(self.root, opts.profile)
+            scan = scan_root(self.root, opts.profile, self.commit_memo)
             held = self._held(scan.entries, now, final)
             held_out.update(held)
             carried = {p: last[p] for p in held if p in last}

@@ -1,0 +1,128 @@
+"""The scan memo (fsindex.ScanMemo): a watcher's scans take what an unchanged path held at the last
+scan instead of reading it again, and still see every change: a name added to or removed from a
+directory whose times were put back, a chmod, an xattr, a private key written over a file with its
+size and mtime put back, a secret appearing, a symlink retargeted. The oracle is a scan without
+memo: a scan with one must give the same entries and secrets."""
+
+import os
+
+import pytest
+
+from conftest import NOT_CAPTURED
+from support import snapshot_of_tree, write_tree
+from snapshotter import fsindex, restore_image
+from snapshotter.fsindex import ScanMemo, scan_box
+from snapshotter.profile import load_profile
+from test_watch import FakeClock, watcher
+
+PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow" + b"A" * 58 + b"\n-----END RSA PRIVATE KEY-----\n"
+
+LATER = lambda: 2**62  # noqa: E731  a clock long after every file's ctime: every path may be kept
+
+
+def scan(box, profile, memo=None):
+    return scan_box(box, profile, metadata_only=False, memo=memo)
+
+
+def same_as_fresh(box, profile, memo):
+    """Scan with the memo and without: the same entries (every field) and the same secrets."""
+    with_memo, fresh = scan(box, profile, memo), scan(box, profile)
+    assert with_memo.entries == fresh.entries
+    assert with_memo.skipped_secrets == fresh.skipped_secrets
+    return with_memo
+
+
+def put_back_times(path, st):
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def test_an_unchanged_path_keeps_its_entry_and_is_not_read_again(box, monkeypatch):
+    profile, memo = load_profile(), ScanMemo(LATER)
+    first = scan(box, profile, memo)
+    reads = []
+    monkeypatch.setattr(fsindex, "read_xattrs", lambda path: reads.append(path))
+    second = scan(box, profile, memo)
+    assert second.entries == first.entries and reads == []
+    assert all(second.entries[p] is first.entries[p] for p in first.entries)
+
+
+def test_a_path_changed_within_the_racy_window_is_read_again(box, monkeypatch):
+    """Changed less than 2 s before the scan (by the memo's clock): not kept, a later change in the
+    same clock tick could leave the same stat data."""
+    profile = load_profile()
+    st = os.lstat(os.path.join(box, "opt/app/main.py"))
+    memo = ScanMemo(lambda: st.st_ctime_ns + 10**9)
+    first = scan(box, profile, memo)
+    second = scan(box, profile, memo)
+    assert second.entries["opt/app/main.py"] is not first.entries["opt/app/main.py"]
+
+
+def test_every_change_is_seen_through_the_memo(box):
+    profile, memo = load_profile(), ScanMemo(LATER)
+    scan(box, profile, memo)
+    app = os.path.join(box, "opt/app")
+    dir_st = os.lstat(app)
+    # A new file, a new secret and a deleted file in a directory whose times are put back.
+    write_tree(box, {"opt/app/new.py": "x = 1\n", "opt/app/.env": "TOKEN=abc\n"})
+    os.unlink(os.path.join(app, "config.yaml"))
+    put_back_times(app, dir_st)
+    # A chmod; a file rewritten as a private key with its size and mtime put back.
+    os.chmod(os.path.join(app, "main.py"), 0o600)
+    key = os.path.join(app, "server.pem")
+    with open(key, "wb") as f:
+        f.write(b"-" * len(PEM))
+    memo_scan = same_as_fresh(box, profile, memo)
+    assert "opt/app/server.pem" in memo_scan.entries
+    key_st = os.lstat(key)
+    with open(key, "r+b") as f:
+        f.write(PEM)
+    put_back_times(key, key_st)
+    # A symlink retargeted in place (a new link renamed over it), its times put back.
+    link = os.path.join(box, "opt/app/venv/bin/python")
+    link_st = os.lstat(link)
+    os.symlink("/usr/bin/python3.11", link + ".new")
+    os.rename(link + ".new", link)
+    put_back_times(link, link_st)
+    memo_scan = same_as_fresh(box, profile, memo)
+    assert "opt/app/new.py" in memo_scan.entries and "opt/app/config.yaml" not in memo_scan.entries
+    assert "opt/app/.env" in memo_scan.skipped_secrets and "opt/app/server.pem" in memo_scan.skipped_secrets
+    assert memo_scan.entries["opt/app/main.py"].mode == 0o600
+    assert memo_scan.entries["opt/app/venv/bin/python"].linkname == "/usr/bin/python3.11"
+
+
+def test_an_xattr_set_is_seen_through_the_memo(box):
+    profile, memo = load_profile(), ScanMemo(LATER)
+    path = os.path.join(box, "opt/app/main.py")
+    scan(box, profile, memo)
+    st = os.lstat(path)
+    try:
+        os.setxattr(path, "user.snap-test", b"v1", follow_symlinks=False)
+    except OSError:
+        pytest.skip("no user xattrs on this filesystem")
+    put_back_times(path, st)
+    assert same_as_fresh(box, profile, memo).entries["opt/app/main.py"].xattrs == {"user.snap-test": "v1"}
+
+
+def test_the_watchers_final_snapshot_sees_a_file_added_where_nothing_looked_changed(registry, base_ref, box, tmp_path):
+    """The watcher keeps its commit scans' memo between snapshots; a file added afterwards in a
+    directory whose times are put back is in the final snapshot."""
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "w-memo", lines, clock, every=600, quiet=10**6)
+    w.tick()
+    assert w.commit_memo.seen == {}  # every file is younger than the racy window by the watcher's clock
+    clock.advance(60)
+    w.tick()  # nothing changed, no commit; then one that is due keeps a memo
+    w.last_commit_at = float("-inf")
+    write_tree(box, {"opt/app/notes.txt": "edited\n"})
+    clock.advance(60)
+    w.tick()
+    assert "opt/app/main.py" in w.commit_memo.seen
+    custom = os.path.join(box, "opt/app")
+    st = os.lstat(custom)
+    write_tree(box, {"opt/app/late.txt": "written just before the notice\n"})
+    put_back_times(custom, st)
+    assert w.final("test") == 0
+    assert_tree = snapshot_of_tree(box, skip=NOT_CAPTURED)
+    out = tmp_path / "restored"
+    restore_image(f"{registry.host}/w-memo:v2", str(out))
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == assert_tree
