@@ -250,22 +250,22 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     unreadable: list[str] = []
     stack: list[str] = []
 
-    def visit(rel: str, path: str, walk: bool = True) -> None:
+    def visit(rel: str, path: str, walk: bool = True) -> int:
         """Add the entry of `rel` (at `path`), unless the profile leaves it out; a directory is
-        walked if `walk`."""
+        walked if `walk`. The number of entries added (0 or 1)."""
         last = old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
         if rel in extra or rel in skip_mounts or (last is None and profile.exclude.match(rel)):
-            return
+            return 0
         if rel in mounted:
             host_files.append(rel)
-            return
+            return 0
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            return
+            return 0
         except PermissionError:
             unreadable.append(rel)
-            return
+            return 0
         key = _stat_key(st)
         if last is not None and last[0] == key:
             e = last[1]
@@ -273,27 +273,26 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             try:
                 e = _new_entry(rel, path, st, profile, metadata_only)
             except FileNotFoundError:
-                return
+                return 0
             except PermissionError:
                 unreadable.append(rel)
-                return
+                return 0
             if e is _UNREADABLE:
                 unreadable.append(rel)
-                return
+                return 0
             if e is _NOT_CONTENT:
-                return
+                return 0
         if st.st_ctime_ns < settled_ns:
             new[rel] = (key, e)
         if e is None:
             secrets.append(rel)
-            return
+            return 0
         entries[rel] = e
         if e.kind == DIR and walk:
             stack.append(rel)
         elif e.kind == FILE and rel.rpartition("/")[2] == "pyvenv.cfg":
             venvs.add(rel.rpartition("/")[0])
-        if progress:
-            progress(1)
+        return 1
 
     if profile.include:
         for rel in profile.include:
@@ -302,6 +301,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
                 if parent not in entries:
                     visit(parent, os.path.join(root, parent), walk=False)
             visit(rel, os.path.join(root, rel))
+        if progress:
+            progress(len(entries))
     else:
         stack.append("")
     while stack:
@@ -315,8 +316,10 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             continue
         except FileNotFoundError:
             continue  # removed while we walked
-        for de in children:
-            visit(f"{rel_dir}/{de.name}" if rel_dir else de.name, de.path)
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        added = sum(visit(prefix + de.name, de.path) for de in children)
+        if progress and added:
+            progress(added)  # once per directory: a call per file costs as much as its lstat
     if memo is not None:
         memo.seen = new  # swapped whole: a watcher's final snapshot may scan while its loop does
     host_files.extend(links_to(entries, mounted))

@@ -67,7 +67,7 @@ class LayerPlan:
             "compression": self.compression,
             "zstd_level": zstd_level if self.compression == "zstd" else None,
             "entries": [[e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
-                         sorted((e.xattrs or {}).items())] for e in self.entries],
+                         sorted(e.xattrs.items()) if e.xattrs else []] for e in self.entries],
             "whiteouts": self.whiteouts,
             "slices": sorted(self.slices.items()),
             "part_links": self.part_links,

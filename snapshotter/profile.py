@@ -221,17 +221,20 @@ class VenvRoots:
 
     def __init__(self, roots: Iterable[str] = ()):
         self.roots = set(roots)
+        self._dirs: dict[str, bool] = {}  # directory -> in a venv: a plan asks for every file of a dir
 
     def add(self, root: str) -> None:
         self.roots.add(root)
+        self._dirs.clear()
 
     def contains(self, path: str) -> bool:
-        p = path
-        while p:
-            if p in self.roots:
-                return True
-            p = p.rpartition("/")[0]
-        return False
+        if path in self.roots:
+            return True
+        parent = path.rpartition("/")[0]
+        found = self._dirs.get(parent)
+        if found is None:
+            found = self._dirs[parent] = bool(parent) and self.contains(parent)
+        return found
 
 
 def available_profiles() -> list[str]:
