@@ -22,7 +22,8 @@ from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
 from .digests import file_digest, sha256_digest
 from .errors import IntegrityError, SnapError, UsageError
-from .fsindex import FILE, RACY_WINDOW_NS, Diff, Entry, Scan, ScanMemo, apply_layer_to_index, diff, load_index, save_index, scan_box
+from .fsindex import (FILE, RACY_WINDOW_NS, Diff, Entry, Scan, ScanMemo, apply_layer_to_index, diff, gc_paused,
+                      load_index, save_index, scan_box)
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
                     now_rfc3339, Image, scratch_config, secrets_annotations, snapshot_config,
                     snapshot_manifest)
@@ -207,21 +208,31 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
             travelled = base_remote if target.name == base_ref.name else _optional_remote(target, transport or opts.transport)
         index = base_index(base_remote, base_img, opts.log, travelled)
     scan_started_ns = time.time_ns()
-    if opts.changes is not None:
-        scan, d = opts.changes(base_img, index)
-    else:
-        scan, d = box_changes(root, opts.profile, index, opts.rehash)
+    with gc_paused():
+        scan, d, plans = _scan_and_plan(root, base_img, index, opts)
     if scratch and not opts.profile.include:
         files = [e for e in scan.entries.values() if e.kind == FILE]
         opts.log(f"--base scratch without --include: capturing all of {root} but the profile's excludes: "
                  f"{len(files)} files, {progress.human_size(sum(e.size for e in files))}")
-    plans = _plan_layers(d, scan, index, opts)
     # A scratch image's restore records no base (None): its stat cache is keyed apart.
     base_digest = base_img.manifest_digest if base_img else None
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                       opts.profile.zstd_level, opts.rehash)
+
+
+def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry],
+                   opts: CommitOptions) -> tuple[Scan, Diff, list[LayerPlan]]:
+    """Walk (or ask opts.changes), diff, plan, and compute the layers' stat-cache keys."""
+    if opts.changes is not None:
+        scan, d = opts.changes(base_img, index)
+    else:
+        scan, d = box_changes(root, opts.profile, index, opts.rehash)
+    plans = _plan_layers(d, scan, index, opts)
+    for plan in plans:
+        plan.fingerprint(opts.profile.zstd_level)
+    return scan, d, plans
 
 
 def _plan_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions) -> list[LayerPlan]:

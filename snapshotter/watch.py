@@ -24,7 +24,7 @@ from typing import Callable, Optional
 from .commit import (SCRATCH, CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, scan_root,
                      target_remote)
 from .errors import AuthError, SnapError, UsageError
-from .fsindex import FILE, Entry, Scan, ScanMemo, scan_box
+from .fsindex import FILE, Entry, Scan, ScanMemo, gc_paused, scan_box
 from .image import BASE_DIGEST, Image, snapshot_layer_count
 from .mediatypes import OCI_MANIFEST
 from .notices import NoticeWatcher
@@ -136,8 +136,9 @@ class Watcher:
 
     def _scan(self) -> Scan:
         t = time.thread_time()  # CPU, not wall: on a busy machine a scan waits, and waiting costs nothing
-        scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True,
-                        memo=self.tick_memo)
+        with gc_paused():
+            scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True,
+                            memo=self.tick_memo)
         self.scan_cost = time.thread_time() - t
         return scan
 
