@@ -29,7 +29,7 @@ from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PA
                     snapshot_manifest)
 from .layer import LayerBlob, build_layer, measure_layer, write_layer
 from .mediatypes import OCI_MANIFEST
-from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, plan_layers
+from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote, host_platform
@@ -56,6 +56,7 @@ class CommitOptions:
     # Where the changes come from instead of a walk of `root`, e.g. a container's diff (container.py):
     # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
     changes: Optional[Callable] = None
+    plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
 
 
 @dataclass
@@ -231,14 +232,14 @@ def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry]
         scan, d = box_changes(root, opts.profile, index, opts.rehash)
     plans = _plan_layers(d, scan, index, opts)
     for plan in plans:
-        plan.fingerprint(opts.profile.zstd_level)
+        plan.fingerprint(opts.profile.zstd_level, opts.plan_memo)
     return scan, d, plans
 
 
 def _plan_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions) -> list[LayerPlan]:
     """The layers of a diff with the commit's options (planned once, and again by push_commit
     when it leaves files out)."""
-    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size)
+    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo)
 
 
 def _optional_remote(ref: Reference, transport: TransportOptions) -> Optional[Remote]:

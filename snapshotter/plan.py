@@ -11,6 +11,7 @@ one model re-uploads nothing else:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -57,32 +58,84 @@ class LayerPlan:
     def label(self) -> str:
         return f"{self.name} ({self.detail})" if self.detail else self.name
 
-    def fingerprint(self, zstd_level: int) -> str:
+    def fingerprint(self, zstd_level: int, memo: Optional["PlanMemo"] = None) -> str:
         """A digest of everything the layer's bytes depend on, from stat data only: the stat cache's
         key. ctime and inode are in it, so a file rewritten with its old mtime put back still counts
-        as changed. Computed once per level: the plan is not changed after it is made."""
+        as changed. Computed once per level: the plan is not changed after it is made.
+
+        The digest is of the JSON text of {"compression", "zstd_level", "entries": [a row per
+        entry], "whiteouts", "slices", "part_links"} (compact separators), written here a row at a
+        time so that a `memo` can give the row of an entry it has seen (the same object)."""
         if zstd_level in self._fingerprints:
             return self._fingerprints[zstd_level]
-        doc = {
-            "compression": self.compression,
-            "zstd_level": zstd_level if self.compression == "zstd" else None,
-            "entries": [[e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
-                         sorted(e.xattrs.items()) if e.xattrs else []] for e in self.entries],
-            "whiteouts": self.whiteouts,
-            "slices": sorted(self.slices.items()),
-            "part_links": self.part_links,
-        }
-        fp = self._fingerprints[zstd_level] = sha256_digest(json.dumps(doc, separators=(",", ":")).encode())
+        dump = functools.partial(json.dumps, separators=(",", ":"))
+        rows = memo.rows_of(self.entries) if memo is not None else map(_fingerprint_row, self.entries)
+        text = (f'{{"compression":{dump(self.compression)},'
+                f'"zstd_level":{dump(zstd_level if self.compression == "zstd" else None)},'
+                f'"entries":[{",".join(rows)}],"whiteouts":{dump(self.whiteouts)},'
+                f'"slices":{dump(sorted(self.slices.items()))},"part_links":{dump(self.part_links)}}}')
+        fp = self._fingerprints[zstd_level] = sha256_digest(text.encode())
         return fp
+
+
+def _fingerprint_row(e: Entry) -> str:
+    return json.dumps([e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
+                       sorted(e.xattrs.items()) if e.xattrs else []], separators=(",", ":"))
+
+
+class PlanMemo:
+    """What the last plan of the same box made, for the next one (`snap watch` keeps one, with one
+    profile): each profile layer's split into image layers, reused when that layer holds the very
+    same entries (objects: the scan memo keeps an unchanged path's entry) and deletions as then; and
+    each entry's row of the stat cache's key. Entries are mutable but nothing changes the fields
+    a plan or a row reads once the scan made them. The memo holds the entries it names, so no new
+    object can take one of their ids. Each plan starts afresh and keeps only what it used."""
+
+    def __init__(self):
+        self.splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
+        self._old_splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
+        self.rows: dict[int, tuple[Entry, str]] = {}
+        self._old_rows: dict[int, tuple[Entry, str]] = {}
+
+    def start(self) -> None:
+        self._old_splits, self.splits = self.splits, {}
+        self._old_rows, self.rows = self.rows, {}
+
+    def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[LayerPlan]:
+        """split_plan(plan, ...), or copies of what it gave last time for the same input."""
+        key = (id(rule), max_layer_size, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts))
+        last = self._old_splits.get(rule.name)
+        made = last[1] if last is not None and last[0] == key else split_plan(plan, rule, max_layer_size)
+        # The key's ids stay unique while the entries live: the memo holds them (the third item).
+        self.splits[rule.name] = (key, [_copy(p) for p in made], plan.entries)
+        return [_copy(p) for p in made]
+
+    def rows_of(self, entries: list[Entry]):
+        for e in entries:
+            hit = self.rows.get(id(e)) or self._old_rows.get(id(e))
+            if hit is None or hit[0] is not e:
+                hit = (e, _fingerprint_row(e))
+            self.rows[id(e)] = hit
+            yield hit[1]
+
+
+def _copy(plan: LayerPlan) -> LayerPlan:
+    """A plan whose lists a caller may change (add_parent_dirs does) without changing this one."""
+    return replace(plan, entries=list(plan.entries), whiteouts=list(plan.whiteouts), slices=dict(plan.slices),
+                   part_links=list(plan.part_links))
 
 
 def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
                 compression: Optional[str] = None,
-                max_layer_size: int = DEFAULT_MAX_LAYER_SIZE) -> list[LayerPlan]:
+                max_layer_size: int = DEFAULT_MAX_LAYER_SIZE, memo: Optional[PlanMemo] = None) -> list[LayerPlan]:
     """Assign every changed and deleted path to a profile layer, then split each as its rule says.
     Returns the non-empty plans in profile order, except that the weights layers come last: a
     restore can start the app once the layers before them are applied (`snap restore --then`).
-    Each path is in one layer only, so no whiteout of an earlier layer concerns a later one."""
+    Each path is in one layer only, so no whiteout of an earlier layer concerns a later one.
+    A `memo` (PlanMemo) reuses the last plan's split of a profile layer whose paths did not change."""
+    if memo is not None:
+        memo.start()
+    split = memo.split if memo is not None else split_plan
     plans = {r.name: LayerPlan(r.name, _compression(r.compression, compression)) for r in profile.layers}
     changed = {e.path: e for e in d.changed}
     # Hardlinked files travel together, in the layer of their first path, so the links survive.
@@ -108,7 +161,7 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
     out: list[LayerPlan] = []
     for rule in sorted(profile.layers, key=lambda r: r.weights):  # stable: profile order otherwise
-        out.extend(split_plan(plans[rule.name], rule, max_layer_size))
+        out.extend(split(plans[rule.name], rule, max_layer_size))
     out = [p for p in out if not p.empty]
     _last_carries_changed_dirs(out, {r.name for r in profile.layers if r.weights}, changed)
     add_parent_dirs(out, scan.entries, changed, base)

@@ -28,6 +28,7 @@ from .fsindex import FILE, Entry, Scan, ScanMemo, gc_paused, scan_box
 from .image import BASE_DIGEST, Image, snapshot_layer_count
 from .mediatypes import OCI_MANIFEST
 from .notices import NoticeWatcher
+from .plan import PlanMemo
 from .reference import Reference
 from .registry import Remote
 from .state import exclusive
@@ -131,6 +132,7 @@ class Watcher:
         # are compared with it).
         memo_clock = lambda: int(opts.clock() * 1e9)  # noqa: E731
         self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
+        self.plan_memo = PlanMemo()  # and what the last plan made of the layers that did not change
 
     # ---- scanning ------------------------------------------------------------------------------
 
@@ -260,7 +262,7 @@ class Watcher:
             d.changed = [e for e in d.changed if e.path not in held] + list(carried.values())
             return scan, d
 
-        return dataclasses.replace(opts, changes=changes, log=self.log)
+        return dataclasses.replace(opts, changes=changes, log=self.log, plan_memo=self.plan_memo)
 
     def _ready_to_send(self, now: float) -> set[str]:
         """Big new files that are complete (stable) and not sent yet."""

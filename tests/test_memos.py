@@ -1,17 +1,26 @@
-"""The scan memo (fsindex.ScanMemo): a watcher's scans take what an unchanged path held at the last
+"""What `snap watch` keeps between its commits so that the final snapshot scales with what changed.
+
+The scan memo (fsindex.ScanMemo): a watcher's scans take what an unchanged path held at the last
 scan instead of reading it again, and still see every change: a name added to or removed from a
 directory whose times were put back, a chmod, an xattr, a private key written over a file with its
 size and mtime put back, a secret appearing, a symlink retargeted. The oracle is a scan without
-memo: a scan with one must give the same entries and secrets."""
+memo: a scan with one must give the same entries and secrets.
 
+The plan memo (plan.PlanMemo): a profile layer whose paths did not change is not split again, and
+the plans (and their stat-cache keys) are those a plan without memo makes."""
+
+import hashlib
+import json
 import os
 
 import pytest
 
 from conftest import NOT_CAPTURED
 from support import snapshot_of_tree, write_tree
-from snapshotter import fsindex, restore_image
-from snapshotter.fsindex import ScanMemo, scan_box
+from snapshotter import fsindex, plan as plan_module, restore_image
+from snapshotter.commit import changes_in
+from snapshotter.fsindex import Entry, ScanMemo, scan_box
+from snapshotter.plan import LayerPlan, PlanMemo, plan_layers
 from snapshotter.profile import load_profile
 from test_watch import FakeClock, watcher
 
@@ -126,3 +135,48 @@ def test_the_watchers_final_snapshot_sees_a_file_added_where_nothing_looked_chan
     out = tmp_path / "restored"
     restore_image(f"{registry.host}/w-memo:v2", str(out))
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == assert_tree
+
+
+def test_the_stat_cache_key_is_the_digest_of_the_documented_json():
+    """Written a row at a time now (for the memo): the same bytes as before, so the stat caches of
+    earlier versions still hit and no model is read again after an upgrade."""
+    entries = [Entry("opt/é/a.py", "file", 0o644, 1, 2, 30, 1_700_000_000, inode="5:6", stamp="7:8:9",
+                     xattrs={"user.b": "2", "user.a": "\udcff"}),
+               Entry("opt/l", "symlink", 0o777, linkname="a.py", stamp="1:2:3")]
+    plan = LayerPlan("venv", "zstd", entries, ["opt/gone"], slices={"x.snap-part-0001-of-0002": ("x", 0)},
+                     part_links=["y"])
+    for level, memo in ((3, None), (7, PlanMemo())):
+        doc = {"compression": "zstd", "zstd_level": level,
+               "entries": [[e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode,
+                            e.stamp, sorted((e.xattrs or {}).items())] for e in entries],
+               "whiteouts": ["opt/gone"], "slices": [["x.snap-part-0001-of-0002", ["x", 0]]], "part_links": ["y"]}
+        want = "sha256:" + hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+        assert plan.fingerprint(level, memo) == want
+    assert LayerPlan("models", "none", entries).fingerprint(3) == "sha256:" + hashlib.sha256(json.dumps(
+        {"compression": "none", "zstd_level": None, "entries": doc["entries"], "whiteouts": [], "slices": [],
+         "part_links": []}, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_an_unchanged_layer_is_not_split_again_and_the_plans_are_the_same(box, monkeypatch):
+    profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
+    splits = []
+    real = plan_module.split_plan
+    monkeypatch.setattr(plan_module, "split_plan", lambda p, rule, size: splits.append(rule.name) or real(p, rule, size))
+
+    def plans(memo=None, scan_memo=None):
+        scan = scan_box(box, profile, memo=scan_memo)
+        d = changes_in(scan, box, profile, {})
+        return [(p.label, p.fingerprint(3, memo), [e.path for e in p.entries], p.whiteouts)
+                for p in plan_layers(d, scan, {}, profile, memo=memo)]
+
+    first = plans(memo, scan_memo)
+    assert first == plans()
+    splits.clear()
+    again = plans(memo, scan_memo)
+    assert "venv" not in splits and "custom_nodes" not in splits
+    assert again == first == plans()
+    write_tree(box, {"opt/app/custom_nodes/NodeB/new.py": "y = 2\n"})
+    splits.clear()
+    changed = plans(memo, scan_memo)
+    assert "custom_nodes" in splits and "venv" not in splits
+    assert changed == plans() != first
