@@ -179,7 +179,7 @@ class Extractor:
                     raise
                 self._note_parent(current)
                 os.mkdir(nxt, 0o755)
-                self._new_dirs.add(nxt)
+                self._made_dir(nxt)
                 current = nxt
                 continue
             if stat.S_ISLNK(st.st_mode):
@@ -198,9 +198,15 @@ class Extractor:
                 self._note_parent(current)
                 os.unlink(nxt)
                 os.mkdir(nxt, 0o755)
-                self._new_dirs.add(nxt)
+                self._made_dir(nxt)
             current = nxt
         return current
+
+    def _made_dir(self, path: str) -> None:
+        """Note a directory this layer made: it holds only what the layer writes, and no temp file
+        of a killed run: no sweep, which saves a directory read per new directory."""
+        self._new_dirs.add(path)
+        self._cleaned.add(path)
 
     def _locate(self, rel: str, create: bool = True) -> tuple[str, str]:
         """(real parent dir, final path) for a member; the final component is not followed.
@@ -320,7 +326,7 @@ class Extractor:
                 old = None
             if old is None:
                 os.mkdir(path, 0o700)
-                self._new_dirs.add(path)
+                self._made_dir(path)
             self._set_attrs(path, m, rel)
             self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
             self._dir_times.pop(path, None)
