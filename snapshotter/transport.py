@@ -2,8 +2,8 @@
 tokens and their scopes, Docker's credentials), and how a request survives a registry that restarts
 (timeouts, retries with backoff). registry.py speaks the distribution protocol over this.
 
-What oras-py does here, through its public API only: the HTTP session (`Registry.session`,
-`Registry.headers`), the answer to a registry's 401 (`auth.authenticate_request`: Basic, or a
+What oras-py does here, through its public API only (`oras.auth`: not `oras.provider`, whose
+import of jsonschema cost every restore's start ~0.1 s): the answer to a registry's 401 (`auth.authenticate_request`: Basic, or a
 bearer token asked for with our credentials or anonymously) and bearer token requests
 (`auth.request_token`). What it does not do here: find credentials (the docker SDK reads
 $DOCKER_CONFIG or ~/.docker/config.json, Docker Hub's legacy key and credential helpers:
@@ -25,9 +25,10 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from http.cookiejar import DefaultCookiePolicy
+
 import oras.auth
 import oras.auth.utils
-import oras.provider
 import oras.utils
 import requests
 
@@ -92,10 +93,13 @@ class Transport:
         self.scheme = self._probe()
         verify = self.options.ca_bundle or self.options.tls_verify
         backend = self._auth_kind
-        self.oras = oras.provider.Registry(
-            self.host, insecure=self.scheme == "http", tls_verify=verify, auth_backend=backend
-        )
-        self.session = self.oras.session
+        self.session = requests.Session()
+        # No cookies, as oras's Registry: some registries set one and then take us for a browser (CSRF).
+        self.session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+        self.auth = oras.auth.get_auth_backend(backend, self.session, self.scheme == "http", tls_verify=verify)
+        self.headers: dict[str, str] = {}  # sent with every request
+        if not verify:
+            requests.packages.urllib3.disable_warnings()  # --insecure-tls was asked for: no warning per request
         self.verify = verify
         self.session.mount("http://", _TimeoutAdapter())
         self.session.mount("https://", _TimeoutAdapter())
@@ -108,10 +112,10 @@ class Transport:
         self._token_lock = threading.Lock()  # layers upload in threads that share one token
         self._scopes: dict[str, set[str]] = {}  # "repository:box" -> actions, of every token asked for
         if found is not None:
-            self.oras.auth.set_basic_auth(*found)  # what the token backend sends to the token realm
+            self.auth.set_basic_auth(*found)  # what the token backend sends to the token realm
             if backend == "basic":
                 # Send Basic credentials up front: saves a 401 round trip per request.
-                self.oras.set_header("Authorization", f"Basic {oras.auth.utils.get_basic_auth(*found)}")
+                self.headers["Authorization"] = f"Basic {oras.auth.utils.get_basic_auth(*found)}"
 
     def _probe(self) -> str:
         """Ping /v2/ to pick http or https and learn the auth scheme; fail fast when down."""
@@ -156,7 +160,7 @@ class Transport:
         (oras's do_request retries with waits of minutes, so it is not used.)
         `resend=False` for a streamed body, which cannot be sent twice: a broken connection or an
         expired token is then a RegistryError, for the caller to start its upload over."""
-        headers = dict(self.oras.headers)
+        headers = dict(self.headers)
         headers.update(kw.pop("headers", {}) or {})
         registry = self.registry
         refreshed = False
@@ -204,7 +208,7 @@ class Transport:
     def _send(self, method: str, url: str, headers: dict, **kw) -> requests.Response:
         """One request; a 401 answered once by oras's auth backend (a bearer token for the
         challenge's scope), as oras's do_request does but without its retry decorator."""
-        auth = self.oras.auth
+        auth = self.auth
         if isinstance(auth, oras.auth.TokenAuth):
             headers.update(auth.get_auth_header())  # the token we hold, if any
         r = self.session.request(method, url, headers=headers, verify=self.verify, **kw)
@@ -231,7 +235,7 @@ class Transport:
         repository:box:pull,push) joined with the scopes of the tokens before it, so that it
         replaces the old one for every later request, pulls included. True if there is a new
         token to try (ours, or one another thread got meanwhile)."""
-        auth = self.oras.auth
+        auth = self.auth
         challenge = r.headers.get("Www-Authenticate", "")
         if not isinstance(auth, oras.auth.TokenAuth) or not challenge.lower().startswith("bearer"):
             return False

@@ -90,11 +90,11 @@ def test_weights_layers_come_last_whatever_the_profile_order(registry, base_ref,
     assert names == ["venv", "outputs", "rest", "models", "models"], names
 
 
-def test_restore_loads_no_commit_code_and_no_docker_sdk():
+def test_restore_loads_no_commit_code_no_docker_sdk_and_no_jsonschema():
     """What `snap restore` imports is on the way to CMD's start (--then): no commit or watch code,
-    no docker SDK (only read for a Docker config's credentials)."""
+    no docker SDK (only read for a Docker config's credentials), no jsonschema (oras's provider)."""
     code = ("import sys, snapshotter.cli, snapshotter.restore, snapshotter.landing, snapshotter.applier\n"
-            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'docker'\n"
-            "                      or m in ('snapshotter.commit', 'snapshotter.watch'))))")
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('docker', 'jsonschema')\n"
+            "                      or m in ('snapshotter.commit', 'snapshotter.watch', 'oras.provider'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == []
