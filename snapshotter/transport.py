@@ -288,6 +288,9 @@ def _retry_scale() -> float:
         return 1.0
 
 
+_SDK_CONFIGS = ("~/.docker/config.json", "~/.dockercfg")  # where the docker SDK looks without $DOCKER_CONFIG
+
+
 def docker_credentials(registry: str) -> Optional[tuple[str, str]]:
     """(username, password) for `registry` from Docker's config, read by the docker SDK: inline
     auths, credsStore and credHelpers (the helper programs run), Docker Hub under any of its keys.
@@ -298,6 +301,8 @@ def docker_credentials(registry: str) -> Optional[tuple[str, str]]:
     path = os.path.join(env_dir, "config.json") if env_dir else None
     if path and not os.path.exists(path):
         return None
+    if not path and not any(os.path.exists(os.path.expanduser(p)) for p in _SDK_CONFIGS):
+        return None  # no config where the SDK looks: no credentials, and no SDK to load
     import docker.auth  # only here: the SDK costs a restore's start ~0.1 s, and most machines have no config
     import docker.errors
 

@@ -4,6 +4,7 @@ with token auth (as Docker Hub, GHCR, GitLab, Harbor), and which registry gets w
 import base64
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -257,6 +258,20 @@ def test_empty_docker_config_dir_is_not_the_users(tmp_path, monkeypatch):
     assert _found("ghcr.io") is None
     monkeypatch.delenv("DOCKER_CONFIG")
     assert _found("ghcr.io") == basic("me", "home")["auth"]
+
+
+def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_path):
+    """Without $DOCKER_CONFIG and with no ~/.docker/config.json nor ~/.dockercfg, no credentials,
+    and the docker SDK is not even imported (it slowed every restore's start)."""
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_CONFIG"}
+    env["HOME"] = str(tmp_path)
+    code = ("import sys; from snapshotter.transport import docker_credentials\n"
+            "print(docker_credentials('ghcr.io'), 'docker' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["None", "False"]
+    (tmp_path / ".dockercfg").write_text(json.dumps({"ghcr.io": basic("me", "legacy")}))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["('me',", "'legacy')", "True"]
 
 
 def test_broken_credential_helper_is_one_line(secure_registry, box, tmp_path):
