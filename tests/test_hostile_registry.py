@@ -152,3 +152,22 @@ def test_a_dripping_registry_meets_the_deadline(registry, proxy, jail, request, 
     env = {"SNAP_MIN_THROUGHPUT": "100k"}  # its deadline: 10 s + 150 KB at 100 KiB/s
     for code, line, _ in both(jail, tmp_path, ref.replace(registry.host, proxy.host), env):
         assert code == 3 and "slower than" in line, line
+
+
+# ---- error answers that lie ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [b'["not", "an", "object"]', b'{"errors": 5}', b'{"errors": [1, "two", null]}',
+                                  b'{"errors": [{"code": "DENIED", "message": "no\\nsnap: error: forged line"}]}',
+                                  b"\xff\xfe not json \x00", b" " * (1 << 20)],
+                         ids=["list", "errors-not-a-list", "errors-not-objects", "newline-in-message", "binary", "huge"])
+def test_an_error_answer_of_any_shape_is_one_line(registry, proxy, jail, request, tmp_path, body):
+    """A registry's error body is read capped and shown on one line, whatever its shape or size."""
+    ref = push(registry, request, tar_bytes(member("f", data=b"x")))
+    repo = ref.split("/", 1)[1].split(":")[0]
+    pieces = [body] * (300 if len(body) == 1 << 20 else 1)
+    proxy.lie = lambda method, path: ((400, {"Content-Type": "application/json"}, pieces)
+                                      if path == f"/v2/{repo}/manifests/v1" else None)
+    for code, line, peak in both(jail, tmp_path, ref.replace(registry.host, proxy.host)):
+        assert code == 10 and "HTTP 400" in line, line
+        assert "forged" not in line or "\\n" in line, line
+        assert peak < PEAK_LIMIT_KIB, f"peaked at {peak // 1024} MiB"
