@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .digests import sha256_digest
+from .digests import chunks_digest
 from .errors import UsageError
 from .fsindex import DIR, FILE, Diff, Entry, Scan
 from .profile import LayerRule, Profile
@@ -68,14 +68,20 @@ class LayerPlan:
         time so that a `memo` can give the row of an entry it has seen (the same object)."""
         if zstd_level in self._fingerprints:
             return self._fingerprints[zstd_level]
-        dump = functools.partial(json.dumps, separators=(",", ":"))
-        rows = memo.rows_of(self.entries) if memo is not None else map(_fingerprint_row, self.entries)
-        text = (f'{{"compression":{dump(self.compression)},'
-                f'"zstd_level":{dump(zstd_level if self.compression == "zstd" else None)},'
-                f'"entries":[{",".join(rows)}],"whiteouts":{dump(self.whiteouts)},'
-                f'"slices":{dump(sorted(self.slices.items()))},"part_links":{dump(self.part_links)}}}')
-        fp = self._fingerprints[zstd_level] = sha256_digest(text.encode())
+        fp = self._fingerprints[zstd_level] = chunks_digest(s.encode() for s in self._key_text(zstd_level, memo))
         return fp
+
+    def _key_text(self, zstd_level: int, memo: Optional["PlanMemo"]):
+        """fingerprint()'s JSON in pieces (ASCII: json escapes the rest), hashed as they come: the
+        whole text of a 200k-file layer would be tens of MB at the commit's peak of memory."""
+        dump = functools.partial(json.dumps, separators=(",", ":"))
+        yield (f'{{"compression":{dump(self.compression)},'
+               f'"zstd_level":{dump(zstd_level if self.compression == "zstd" else None)},"entries":[')
+        rows = memo.rows_of(self.entries) if memo is not None else map(_fingerprint_row, self.entries)
+        for i, row in enumerate(rows):
+            yield "," + row if i else row
+        yield (f'],"whiteouts":{dump(self.whiteouts)},"slices":{dump(sorted(self.slices.items()))},'
+               f'"part_links":{dump(self.part_links)}}}')
 
 
 def _fingerprint_row(e: Entry) -> str:
