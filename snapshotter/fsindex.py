@@ -201,13 +201,14 @@ _KIND_OF_TAR = {**{t: FILE for t in tarfile.REGULAR_TYPES}, tarfile.DIRTYPE: DIR
 
 
 def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optional[Entry]:
-    kind = _KIND_OF_MODE.get(stat.S_IFMT(st.st_mode))
+    mode = st.st_mode  # S_IFMT and S_IMODE by hand: a scan calls this once per path
+    kind = _KIND_OF_MODE.get(mode & 0o170000)
     if kind is None:
         return None
     return Entry(
         path=rel,
         kind=kind,
-        mode=stat.S_IMODE(st.st_mode),
+        mode=mode & 0o7777,
         uid=st.st_uid,
         gid=st.st_gid,
         size=st.st_size if kind == FILE else 0,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ PART_SUFFIX = ".snap-part-"  # "<path>.snap-part-0001-of-0003"
 MAX_PARTS = 100_000  # a file cut into more parts than this is refused (by commit and restore)
 _PART_NAME = re.compile(re.escape(PART_SUFFIX) + r"([0-9]{4,6})-of-([0-9]{4,6})")
 _PART_ANNOTATION = re.compile(r"([0-9]{1,6})/([0-9]{1,6})")
+_ROWS_PER_PIECE = 4096  # rows of a stat-cache key hashed at once (a piece of about 0.5 MB)
 _BUNDLE_FILL = 4  # content-defined bundle cuts every bundle_max / 4 bytes on average
 
 
@@ -78,8 +80,10 @@ class LayerPlan:
         yield (f'{{"compression":{dump(self.compression)},'
                f'"zstd_level":{dump(zstd_level if self.compression == "zstd" else None)},"entries":[')
         rows = memo.rows_of(self.entries) if memo is not None else map(_fingerprint_row, self.entries)
-        for i, row in enumerate(rows):
-            yield "," + row if i else row
+        sep = ""
+        while batch := list(itertools.islice(rows, _ROWS_PER_PIECE)):
+            yield sep + ",".join(batch)
+            sep = ","
         yield (f'],"whiteouts":{dump(self.whiteouts)},"slices":{dump(sorted(self.slices.items()))},'
                f'"part_links":{dump(self.part_links)}}}')
 

@@ -78,22 +78,39 @@ def _name_only(pattern: str) -> bool:
     return "/" not in pattern.strip("/") and not pattern.startswith("/") and "**" not in pattern
 
 
+def _literal_last_name(pattern: str) -> Optional[str]:
+    """The last name of a glob when it has no wildcard ("**/.docker/config.json" -> "config.json")."""
+    last = pattern.strip("/").rpartition("/")[2]
+    return last if last and "*" not in last and "?" not in last else None
+
+
 class PathSet:
     """A compiled list of globs; `match(path)` takes a root-relative path.
 
-    Without `below`, the globs that match a single name anywhere are matched against the last
-    name of the path only (the same verdict: such a glob cannot span a "/"), which is several times
-    cheaper on a deep path than a regex that must try every "/" of it: a scan asks once per file."""
+    Without `below` (a glob then matches the path itself, never a parent of it), each glob is
+    matched only where it can match, which is several times cheaper than one regex that must try
+    every "/" of a deep path (a scan asks once per file): a glob of a single name anywhere ("*.pem")
+    against the path's last name (such a glob cannot span a "/"), and a glob ending in a literal
+    name ("**/.docker/config.json") only on paths with that last name."""
 
     def __init__(self, patterns: Iterable[str], below: bool = True):
         self.patterns = [p for p in patterns if p]
         names = [p for p in self.patterns if not below and _name_only(p)]
-        self._re = _compile([p for p in self.patterns if p not in names], below)
+        by_last: dict[str, list[str]] = {}
+        for p in self.patterns:
+            if not below and p not in names and (last := _literal_last_name(p)) is not None:
+                by_last.setdefault(last, []).append(p)
+        self._by_last = {last: _compile(ps, below) for last, ps in by_last.items()}
+        grouped = set(names).union(*by_last.values())
+        self._re = _compile([p for p in self.patterns if p not in grouped], below)
         self._names = re.compile("|".join(f"(?:{glob_regex(p.strip('/'), below=False)})" for p in names), re.S) \
             if names else None
 
     def match(self, path: str) -> bool:
-        if self._names is not None and self._names.fullmatch(path.rpartition("/")[2]):
+        name = path.rpartition("/")[2]
+        if self._names is not None and self._names.fullmatch(name):
+            return True
+        if (by_name := self._by_last.get(name)) is not None and by_name.fullmatch(path):
             return True
         return bool(self._re and self._re.fullmatch(path))
 
