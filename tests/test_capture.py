@@ -251,3 +251,20 @@ def test_commit_warns_in_one_line_naming_the_file(registry, base_ref, box, monke
     snap("restore", f"{registry.host}/torn:v1", "--root", str(out), check=True)
     for p, vs in versions.items():
         assert (out / p).read_bytes() in vs
+
+
+def test_secret_globs_matched_by_last_name_give_the_verdicts_of_one_regex():
+    """PathSet without `below` tries a glob only where it can match (by the path's last name): the
+    same verdict as the one regex of all its globs over the whole path."""
+    import re
+    from snapshotter.profile import PathSet, glob_regex
+    patterns = ["*.pem", ".env", "id_rsa", "/etc/ssh/ssh_host_*_key", "**/.docker/config.json", "a/**/c", "/x/*",
+                "**/y/z?", "q/", "/r/**", "t", "**/.cache/huggingface/token"]
+    paths = ["a.pem", "d/a.pem", "d/a.pem/x", ".env", "v/.env", "v/.envrc", "etc/ssh/ssh_host_rsa_key",
+             "etc/ssh/x/ssh_host_rsa_key", "w/.docker/config.json", ".docker/config.json", "a.docker/config.json",
+             "a/c", "a/b/c", "b/a/c", "x/y", "x/y/z", "k/y/z1", "y/z", "q", "w/q", "r", "r/s", "t", "u/t",
+             "h/.cache/huggingface/token", ".cache/huggingface/token", "cache/huggingface/token", "config.json"]
+    one = re.compile("|".join(f"(?:{glob_regex(p, below=False)})" for p in patterns), re.S)
+    grouped = PathSet(patterns, below=False)
+    assert [grouped.match(p) for p in paths] == [bool(one.fullmatch(p)) for p in paths]
+    assert sum(grouped.match(p) for p in paths) > 10
