@@ -272,7 +272,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     mounted = bind_mounted_files(root)
     host_files: list[str] = []
     extra = {clean_path(e) for e in extra_excludes}
-    old, new, settled_ns = (memo or ScanMemo()).start((root, id(profile), frozenset(extra), metadata_only))
+    old, new, settled_ns = (memo or ScanMemo()).start((root, profile, frozenset(extra), metadata_only))
     if memo is None:
         settled_ns = -1  # nothing to keep
     entries: dict[str, Entry] = {}

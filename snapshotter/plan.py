@@ -113,7 +113,7 @@ class PlanMemo:
 
     def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[LayerPlan]:
         """split_plan(plan, ...), or copies of what it gave last time for the same input."""
-        key = (id(rule), max_layer_size, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts))
+        key = (rule, max_layer_size, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts))
         last = self._old_splits.get(rule.name)
         made = last[1] if last is not None and last[0] == key else split_plan(plan, rule, max_layer_size)
         # The key's ids stay unique while the entries live: the memo holds them (the third item).

@@ -180,3 +180,14 @@ def test_an_unchanged_layer_is_not_split_again_and_the_plans_are_the_same(box, m
     changed = plans(memo, scan_memo)
     assert "custom_nodes" in splits and "venv" not in splits
     assert changed == plans() != first
+
+
+def test_a_memo_is_used_only_by_a_scan_with_the_same_options(box):
+    """A metadata scan reads no xattrs or symlink targets: a full scan sharing its memo must not
+    take its entries."""
+    profile, memo = load_profile(), ScanMemo(LATER)
+    metadata = scan_box(box, profile, metadata_only=True, memo=memo)
+    assert metadata.entries["opt/app/venv/bin/python"].linkname == ""
+    full = scan(box, profile, memo)
+    assert full.entries == scan(box, profile).entries
+    assert full.entries["opt/app/venv/bin/python"].linkname == "/usr/bin/python3"
