@@ -16,6 +16,12 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    if not name.startswith("_"):  # `snapshotter.restore` after a bare `import snapshotter`, as before
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise  # the module exists but lacks one of its own imports
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import gc
 import gzip
@@ -74,6 +75,7 @@ class Entry:
 
 _gc_lock = threading.Lock()
 _gc_pausers = 0
+_gc_was_enabled = True
 
 
 @contextmanager
@@ -82,8 +84,10 @@ def gc_paused():
     leaves it): a scan, diff and plan of a big box make a million small objects (entries, paths,
     tuples) that hold no cycles and that reference counting frees, but each of the collector's full
     passes walks all of them again as they grow: a fifth of the CPU of a 200k-file commit."""
-    global _gc_pausers
+    global _gc_pausers, _gc_was_enabled
     with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()  # a library user may have turned it off: left so
         _gc_pausers += 1
         gc.disable()
     try:
@@ -91,7 +95,7 @@ def gc_paused():
     finally:
         with _gc_lock:
             _gc_pausers -= 1
-            if _gc_pausers == 0:
+            if _gc_pausers == 0 and _gc_was_enabled:
                 gc.enable()
 
 
@@ -223,13 +227,21 @@ def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optiona
 RACY_WINDOW_NS = 2 * 10**9  # a path changed this close to a scan is not trusted to its stat data next time
 
 
+def _memo_stamp(st: os.stat_result) -> str:
+    """A secret's mark in the ScanMemo: what _unchanged compares for an entry, as one string."""
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_size}:{st.st_mode}:{st.st_uid}:{st.st_gid}"
+
+
 def _unchanged(last, stamp: str, st: os.stat_result) -> bool:
     """Is the path the one the last scan saw (ScanMemo)? Same inode, mtime and ctime in ns (the
-    entry's stamp, the stat cache's rule), and a file of the same size. `last` is its entry, or
-    for a secret the "stamp:size" it had."""
+    entry's stamp, the stat cache's rule), type, permissions and owner, and a file of the same size.
+    (Type, permissions and owner are compared too: sshfs and some other FUSE mounts report a ctime
+    that a chmod or chown does not move.) `last` is its entry, or for a secret its _memo_stamp."""
     if isinstance(last, str):
-        return last == f"{stamp}:{st.st_size}"
-    return last.stamp == stamp and (last.kind != FILE or last.size == st.st_size)
+        return last == _memo_stamp(st)
+    mode = st.st_mode
+    return (last.stamp == stamp and last.mode == mode & 0o7777 and last.uid == st.st_uid and last.gid == st.st_gid
+            and last.kind == _KIND_OF_MODE.get(mode & 0o170000) and (last.kind != FILE or last.size == st.st_size))
 
 
 class ScanMemo:
@@ -245,15 +257,23 @@ class ScanMemo:
 
     def __init__(self, clock: Callable[[], int] = time.time_ns):
         self.clock = clock  # ns; injectable for tests
-        self.context: Optional[tuple] = None
-        self.seen: dict[str, Entry | str] = {}  # path -> its entry; for a secret, "stamp:size"
+        # The last finished scan's context and paths, swapped as one: a watcher's final snapshot
+        # may scan while its loop does, and a scan that fails leaves the memo as it was.
+        self._last: tuple[Optional[tuple], dict[str, Entry | str]] = (None, {})
+
+    @property
+    def seen(self) -> dict[str, Entry | str]:
+        """path -> its entry (for a secret, its _memo_stamp), as the last finished scan left them."""
+        return self._last[1]
 
     def start(self, context: tuple) -> tuple[dict, dict, int]:
         """(last scan's paths, this scan's, the ctime before which a path is kept) for a scan with
         `context`; a memo made under another context is not used."""
-        old = self.seen if self.context == context else {}
-        self.context = context
-        return old, {}, self.clock() - RACY_WINDOW_NS
+        last_context, seen = self._last
+        return seen if last_context == context else {}, {}, self.clock() - RACY_WINDOW_NS
+
+    def finish(self, context: tuple, seen: dict) -> None:
+        self._last = (context, seen)
 
 
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
@@ -272,7 +292,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     mounted = bind_mounted_files(root)
     host_files: list[str] = []
     extra = {clean_path(e) for e in extra_excludes}
-    old, new, settled_ns = (memo or ScanMemo()).start((root, profile, frozenset(extra), metadata_only))
+    context = (root, profile, frozenset(extra), metadata_only)
+    old, new, settled_ns = (memo or ScanMemo()).start(context)
     if memo is None:
         settled_ns = -1  # nothing to keep
     entries: dict[str, Entry] = {}
@@ -314,7 +335,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             if e is _NOT_CONTENT:
                 return 0
         if st.st_ctime_ns < settled_ns:
-            new[rel] = e if e is not None else f"{stamp}:{st.st_size}"
+            new[rel] = e if e is not None else _memo_stamp(st)
         if e is None:
             secrets.append(rel)
             return 0
@@ -340,19 +361,31 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         rel_dir = stack.pop()
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
         try:
-            with os.scandir(abs_dir) as it:
-                children = list(it)
+            # Opened without following: a directory swapped for a symlink (or a file) since its
+            # lstat is not walked (a symlink's target is not the box's content there).
+            # (The root itself may be a symlink: --root names it.)
+            fd = os.open(abs_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if rel_dir else 0))
+            try:
+                with os.scandir(fd) as it:
+                    names = [de.name for de in it]
+            finally:
+                os.close(fd)
         except PermissionError:
             unreadable.append(rel_dir or "/")
             continue
-        except FileNotFoundError:
-            continue  # removed while we walked
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed or replaced while we walked
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            continue  # replaced by a symlink while we walked
         prefix = f"{rel_dir}/" if rel_dir else ""
-        added = sum(visit(prefix + de.name, de.path) for de in children)
+        base = f"{abs_dir}/" if rel_dir else os.path.join(root, "")
+        added = sum(visit(prefix + name, base + name) for name in names)
         if progress and added:
             progress(added)  # once per directory: a call per file costs as much as its lstat
     if memo is not None:
-        memo.seen = new  # swapped whole: a watcher's final snapshot may scan while its loop does
+        memo.finish(context, new)
     host_files.extend(links_to(entries, mounted))
     for rel in host_files:
         entries.pop(rel, None)

@@ -79,9 +79,14 @@ def _name_only(pattern: str) -> bool:
 
 
 def _literal_last_name(pattern: str) -> Optional[str]:
-    """The last name of a glob when it has no wildcard ("**/.docker/config.json" -> "config.json")."""
-    last = pattern.strip("/").rpartition("/")[2]
-    return last if last and "*" not in last and "?" not in last else None
+    """The last name of a glob when it has no wildcard ("**/.docker/config.json" -> "config.json"),
+    and nothing before it can reach into it: a "**" glued to other characters ("run-**/key.json")
+    also matches "run-key.json", so such a glob has no literal last name."""
+    segments = pattern.strip("/").split("/")
+    last = segments[-1]
+    if not last or "*" in last or "?" in last:
+        return None
+    return last if all(seg == "**" or "**" not in seg for seg in segments[:-1]) else None
 
 
 class PathSet:
@@ -247,10 +252,16 @@ class VenvRoots:
     def contains(self, path: str) -> bool:
         if path in self.roots:
             return True
-        parent = path.rpartition("/")[0]
-        found = self._dirs.get(parent)
-        if found is None:
-            found = self._dirs[parent] = bool(parent) and self.contains(parent)
+        # Up to the nearest directory already answered (a loop: a box may be thousands deep), then
+        # the directories on the way get that answer.
+        todo = []
+        d = path.rpartition("/")[0]
+        while d and d not in self._dirs and d not in self.roots:
+            todo.append(d)
+            d = d.rpartition("/")[0]
+        found = bool(d) and (d in self.roots or self._dirs[d])
+        for t in todo:
+            self._dirs[t] = found
         return found
 
 

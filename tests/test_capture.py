@@ -259,11 +259,12 @@ def test_secret_globs_matched_by_last_name_give_the_verdicts_of_one_regex():
     import re
     from snapshotter.profile import PathSet, glob_regex
     patterns = ["*.pem", ".env", "id_rsa", "/etc/ssh/ssh_host_*_key", "**/.docker/config.json", "a/**/c", "/x/*",
-                "**/y/z?", "q/", "/r/**", "t", "**/.cache/huggingface/token"]
+                "**/y/z?", "q/", "/r/**", "t", "**/.cache/huggingface/token", "a**/b", "run-**/key.json", "****/m"]
     paths = ["a.pem", "d/a.pem", "d/a.pem/x", ".env", "v/.env", "v/.envrc", "etc/ssh/ssh_host_rsa_key",
              "etc/ssh/x/ssh_host_rsa_key", "w/.docker/config.json", ".docker/config.json", "a.docker/config.json",
              "a/c", "a/b/c", "b/a/c", "x/y", "x/y/z", "k/y/z1", "y/z", "q", "w/q", "r", "r/s", "t", "u/t",
-             "h/.cache/huggingface/token", ".cache/huggingface/token", "cache/huggingface/token", "config.json"]
+             "h/.cache/huggingface/token", ".cache/huggingface/token", "cache/huggingface/token", "config.json",
+             "ab", "a/x/b", "run-key.json", "data/run-key.json", "run-x/key.json", "km", "m", "z/m"]
     one = re.compile("|".join(f"(?:{glob_regex(p, below=False)})" for p in patterns), re.S)
     grouped = PathSet(patterns, below=False)
     assert [grouped.match(p) for p in paths] == [bool(one.fullmatch(p)) for p in paths]

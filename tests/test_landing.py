@@ -98,3 +98,13 @@ def test_restore_loads_no_commit_code_no_docker_sdk_and_no_jsonschema():
             "                      or m in ('snapshotter.commit', 'snapshotter.watch', 'oras.provider'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == []
+
+
+def test_the_package_still_gives_its_modules_and_verbs_by_attribute():
+    """Loaded on first use, yet `import snapshotter` then `snapshotter.restore` (the module) and
+    `snapshotter.commit_box` (the verb) work as before; a name that is neither is an AttributeError."""
+    code = ("import snapshotter\n"
+            "assert snapshotter.restore.__name__ == 'snapshotter.restore' and callable(snapshotter.restore.restore_image)\n"
+            "assert snapshotter.commit.__name__ == 'snapshotter.commit' and callable(snapshotter.commit_box)\n"
+            "assert not hasattr(snapshotter, 'no_such_thing') and not hasattr(snapshotter, '_private')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -191,3 +191,92 @@ def test_a_memo_is_used_only_by_a_scan_with_the_same_options(box):
     full = scan(box, profile, memo)
     assert full.entries == scan(box, profile).entries
     assert full.entries["opt/app/venv/bin/python"].linkname == "/usr/bin/python3"
+
+
+def test_a_chmod_or_chown_is_seen_where_the_ctime_does_not_move(box, monkeypatch):
+    """sshfs and some other FUSE mounts report a ctime a chmod or chown leaves alone: the memo
+    compares the permissions and the owner too. Such a filesystem is played by giving lstat's
+    answer for the file its times from before the change."""
+    profile, memo = load_profile(), ScanMemo(LATER)
+    path = os.path.join(box, "opt/app/main.py")
+    before = os.lstat(path)
+    scan(box, profile, memo)
+    os.chmod(path, 0o600)
+    os.chown(path, 1234, 5678)
+    real_lstat = os.lstat
+
+    def lstat_times_unmoved(p, *a, **k):
+        st = real_lstat(p, *a, **k)
+        if os.fspath(p) != path:
+            return st
+        names = ("st_atime", "st_mtime", "st_ctime")
+        return os.stat_result([*st[:7], *(int(getattr(before, n)) for n in names)],
+                              {**{n: getattr(before, n) for n in names}, **{n + "_ns": getattr(before, n + "_ns") for n in names}})
+
+    monkeypatch.setattr(fsindex.os, "lstat", lstat_times_unmoved)
+    entry = scan(box, profile, memo).entries["opt/app/main.py"]
+    assert (entry.mode, entry.uid, entry.gid) == (0o600, 1234, 5678)
+
+
+def test_a_scan_that_fails_leaves_the_memo_as_it_was(box):
+    """A full scan interrupted after a metadata scan: the next full scan must not take the metadata
+    scan's entries (they lack symlink targets) as its own."""
+    profile, memo = load_profile(), ScanMemo(LATER)
+    scan_box(box, profile, metadata_only=True, memo=memo)
+
+    def interrupt(_):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scan_box(box, profile, metadata_only=False, memo=memo, progress=interrupt)
+    full = scan(box, profile, memo)
+    assert full.entries["opt/app/venv/bin/python"].linkname == "/usr/bin/python3"
+    assert full.entries == scan(box, profile).entries
+
+
+def test_the_cycle_collector_is_left_as_it_was_found():
+    import gc
+    gc.disable()
+    try:
+        with fsindex.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with fsindex.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_venv_is_found_at_any_depth():
+    from snapshotter.profile import VenvRoots
+    deep = "/".join(["d"] * 2000)
+    roots = VenvRoots([deep[:999]])
+    assert roots.contains(deep + "/f") and roots.contains(deep[:999] + "/x")
+    assert not roots.contains("e/" + deep) and not roots.contains("d/x")
+
+
+@pytest.mark.parametrize("swap", ["symlink", "file"])
+def test_a_directory_swapped_during_the_scan_is_not_walked(box, tmp_path, swap):
+    """A directory replaced (after its lstat, before its listing) by a symlink to elsewhere or by a
+    file: the scan neither walks the symlink's target nor fails. The swap is made from the scan's
+    own progress callback, called after the root's listing, before /opt's."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "not-the-box.txt").write_text("x")
+    link = tmp_path / "box-root"
+    link.symlink_to(box)  # the root itself may be a symlink
+    swapped = []
+
+    def swap_opt(_):
+        if not swapped:
+            os.rename(os.path.join(box, "opt"), os.path.join(box, "opt-moved"))
+            if swap == "symlink":
+                os.symlink(outside, os.path.join(box, "opt"))
+            else:
+                open(os.path.join(box, "opt"), "w").close()
+            swapped.append(True)
+
+    got = scan_box(str(link), load_profile(), metadata_only=False, progress=swap_opt)
+    assert swapped and "opt" in got.entries
+    assert not any(p.startswith("opt/") for p in got.entries), sorted(got.entries)[:5]
