@@ -84,6 +84,12 @@ class Dockerd:
         except Exception:
             pass  # stopping the daemon stops them too, only slower
         stop_process(self.proc, 60)
+        # dockerd leaves its network namespace (exec/netns/default) mounted: pytest could then
+        # never delete this temp dir, and each run would leave one more mount behind.
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f]
+        for m in sorted((m for m in mounts if m.startswith(self.workdir + "/")), reverse=True):
+            subprocess.run(["umount", "-l", m], check=False)
 
     def _tail(self) -> str:
         with open(self.log, errors="replace") as f:
