@@ -218,7 +218,7 @@ class Extractor:
         if pdir not in self._cleaned:
             self._cleaned.add(pdir)
             self._sweep_stale_tmp(pdir)
-        return pdir, f"{pdir.rstrip('/')}/{base}"  # os.path.join's result, for a fraction of its cost
+        return pdir, _join(pdir, base)
 
     def _sweep_stale_tmp(self, pdir: str) -> None:
         """Remove temp files an interrupted run left in `pdir` (this run has none open there yet)."""
@@ -338,7 +338,7 @@ class Extractor:
 
         # A short name: the member's own name may already be NAME_MAX bytes long.
         # No leftover can be there: _locate swept the directory of stale temp files on first use.
-        tmp = f"{pdir.rstrip('/')}/{TMP_PREFIX}{os.getpid()}-0"
+        tmp = _join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
         renamed = False
         try:
             attrs_set = False
@@ -587,6 +587,11 @@ class _Indexing:
         while self.read_data(READ_BUFFER):
             pass
         return hasher_digest(self._hash)
+
+
+def _join(directory: str, name: str) -> str:
+    """os.path.join(directory, name) for a name without "/", for a fraction of its cost (twice per member)."""
+    return f"{directory.rstrip('/')}/{name}"
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -220,8 +220,13 @@ def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optiona
         linkname=linkname,
         rdev=st.st_rdev if kind in (CHAR, BLOCK) else 0,
         inode=f"{st.st_dev}:{st.st_ino}" if kind == FILE and st.st_nlink > 1 else None,
-        stamp=f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}",
+        stamp=stat_stamp(st),
     )
+
+
+def stat_stamp(st: os.stat_result) -> str:
+    """An entry's stamp: inode, mtime and ctime in ns (the stat cache's and the scan memo's rule)."""
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 RACY_WINDOW_NS = 2 * 10**9  # a path changed this close to a scan is not trusted to its stat data next time
@@ -229,10 +234,10 @@ RACY_WINDOW_NS = 2 * 10**9  # a path changed this close to a scan is not trusted
 
 def _memo_stamp(st: os.stat_result) -> str:
     """A secret's mark in the ScanMemo: what _unchanged compares for an entry, as one string."""
-    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_size}:{st.st_mode}:{st.st_uid}:{st.st_gid}"
+    return f"{stat_stamp(st)}:{st.st_size}:{st.st_mode}:{st.st_uid}:{st.st_gid}"
 
 
-def _unchanged(last, stamp: str, st: os.stat_result) -> bool:
+def _unchanged(last, st: os.stat_result) -> bool:
     """Is the path the one the last scan saw (ScanMemo)? Same inode, mtime and ctime in ns (the
     entry's stamp, the stat cache's rule), type, permissions and owner, and a file of the same size.
     (Type, permissions and owner are compared too: sshfs and some other FUSE mounts report a ctime
@@ -240,7 +245,7 @@ def _unchanged(last, stamp: str, st: os.stat_result) -> bool:
     if isinstance(last, str):
         return last == _memo_stamp(st)
     mode = st.st_mode
-    return (last.stamp == stamp and last.mode == mode & 0o7777 and last.uid == st.st_uid and last.gid == st.st_gid
+    return (last.stamp == stat_stamp(st) and last.mode == mode & 0o7777 and last.uid == st.st_uid and last.gid == st.st_gid
             and last.kind == _KIND_OF_MODE.get(mode & 0o170000) and (last.kind != FILE or last.size == st.st_size))
 
 
@@ -318,8 +323,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         except PermissionError:
             unreadable.append(rel)
             return 0
-        stamp = f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-        if last is not None and _unchanged(last, stamp, st):
+        if last is not None and _unchanged(last, st):
             e = None if isinstance(last, str) else last
         else:
             try:

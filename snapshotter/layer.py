@@ -13,7 +13,7 @@ from typing import BinaryIO, Callable, Iterator, Optional
 
 from .compress import MEDIA_TYPE, Compressor
 from .errors import StorageError
-from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry
+from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
 from .tarrules import XATTR_PAX, layer_order, whiteout_name
 from .plan import LayerPlan
 
@@ -116,7 +116,7 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path:
                 break
         if not settled:
             reads.torn.append(e.path)
-        elif e.stamp and (f"{before.st_ino}:{before.st_mtime_ns}:{before.st_ctime_ns}" != e.stamp
+        elif e.stamp and (stat_stamp(before) != e.stamp
                           or not fixed_size and before.st_size != e.size):
             reads.stale.append(e.path)
         if ti.size <= BUFFERED_MAX:

@@ -108,8 +108,7 @@ class PathSet:
         self._by_last = {last: _compile(ps, below) for last, ps in by_last.items()}
         grouped = set(names).union(*by_last.values())
         self._re = _compile([p for p in self.patterns if p not in grouped], below)
-        self._names = re.compile("|".join(f"(?:{glob_regex(p.strip('/'), below=False)})" for p in names), re.S) \
-            if names else None
+        self._names = _compile([p.strip("/") for p in names], below=False)
 
     def match(self, path: str) -> bool:
         name = path.rpartition("/")[2]

@@ -244,6 +244,16 @@ class Watcher:
 
     # ---- sending -------------------------------------------------------------------------------
 
+    def _plan(self, now: float, final: bool) -> tuple[CommitOptions, CommitPlan, dict[str, str]]:
+        """A commit planned on a fresh scan: (its options, the plan, the big files held back and why).
+        A held file carried at the last snapshot's version is one the plan must not read."""
+        held: dict[str, str] = {}
+        carried: dict[str, Entry] = {}
+        opts = self._commit_options(now, final, held, carried)
+        cp = plan_commit(self.base, opts, self.transport)
+        cp.unreadable = set(carried)  # being rewritten: reading it would tear
+        return opts, cp, held
+
     def _commit_options(self, now: float, final: bool, held_out: dict[str, str],
                         carried_out: dict[str, Entry]) -> CommitOptions:
         """commit's options, with a fresh scan whose big files still being written are held back:
@@ -272,10 +282,7 @@ class Watcher:
     def _send_ahead(self, now: float, ready: set[str]) -> None:
         """Upload the layers of big files that are ready, before the commit that will name them:
         that commit then finds their blobs in the registry."""
-        held: dict[str, str] = {}
-        carried: dict[str, Entry] = {}
-        cp = plan_commit(self.base, self._commit_options(now, False, held, carried), self.transport)
-        cp.unreadable = set(carried)
+        _, cp, _ = self._plan(now, False)
         plans = [p for p in cp.plans if (p.part_of[0] if p.part_of else p.detail) in ready]
         if not plans:
             return
@@ -309,12 +316,8 @@ class Watcher:
             seq = self.seq
             tag = self._tag_name()
         now = self.opts.clock()
-        held: dict[str, str] = {}
-        carried: dict[str, Entry] = {}
         last = self.committed or {}
-        opts = self._commit_options(now, final, held, carried)
-        cp = plan_commit(self.base, opts, self.transport)
-        cp.unreadable = set(carried)  # being rewritten: reading it would tear
+        opts, cp, held = self._plan(now, final)
         self._trace(f"planned {len(cp.plans)} layer(s)")
         tokens = {p: _token(e) for p, e in cp.scan.entries.items() if p not in held}
         # A held file the last snapshot has stays as it was there: carried, or the base's version.
