@@ -3,7 +3,8 @@
 Blobs download into staging directories inside the restore root (staging.py: on the filesystem
 each layer lands on, not the state dir's), several at once, and each layer is applied as soon as its
 digest is checked and the layers before it are applied: no unverified byte reaches the target, and
-the extraction of the first layers overlaps the download of the rest. Layers are applied in order,
+the extraction of the first layers overlaps the download of the rest. The app's layers download
+first, the weights after them at a lower CPU priority (AppFirst). Layers are applied in order,
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
 download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
 its last entry, if a regular file, is renamed into place (extract.py; a split layer's digest,
@@ -160,7 +161,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         # A resumed restore applied some base layers in an earlier run: it cannot index the base.
         index_to = _base_index_to_build(image, base_layers) if not resumed else None
         applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer,
-                                                (base_layers, index_to) if index_to else None)
+                                                (base_layers, index_to) if index_to else None, ready_at)
         staging.remove()  # the layers are applied: the root holds nothing of ours
         if parts:
             join_parts(extractor, parts, links, opts.extract.fsync, journal)
@@ -198,13 +199,15 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
                   staging: StagingDirs, opts: RestoreOptions,
                   after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
-                  ) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  ready_at: int = 0) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Download the layers the journal does not list as applied, several at once, and apply each
     in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
     many are applied). `index_base` (n, path), for a restore from the first layer: the applier
     indexes the first n layers, the base's, and saves the index at path. Returns (labels of the layers
     applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats).
-    Each blob downloads into the staging dir of the filesystem its files land on."""
+    Each blob downloads into the staging dir of the filesystem its files land on. The blobs of the
+    first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
+    any other (AppFirst)."""
     resumed, fsync = journal.applied, opts.extract.fsync
     pending = todo[resumed:]
     applied: list[str] = []
@@ -233,10 +236,12 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     # Set on an error or Ctrl-C: downloads in flight give up at their next chunk instead of
     # holding the exit until they end (a weight on a slow link takes minutes).
     stopping = threading.Event()
+    app_first = AppFirst({d["digest"] for _, d, _ in pending[:max(0, ready_at - resumed)]}, stopping)
     with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
         update = progress.stoppable(progress.safe_update(dl), stopping)
 
         def fetch(digest: str) -> str:
+            app_first.wait_turn(digest)
             path = paths[digest]
             # Left by an interrupted run: verified before its rename, but not fsynced (unless
             # --fsync), so after a power loss its bytes may be lost. Hashed again before use.
@@ -247,6 +252,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                 download_split(remote.iter_blob(digest, update, sizes[digest]), path, durable=fsync)
             else:
                 remote.download_blob(digest, path, update, durable=fsync, size=sizes[digest])
+            app_first.fetched(digest)
             return path
 
         # Submitted in layer order: the first layers arrive first, and each is applied as soon as it
@@ -274,6 +280,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                     _remove_blob(path)
         except BaseException as e:
             stopping.set()
+            app_first.stop()
             for f in futures.values():
                 f.cancel()
             if journal.applied > resumed:
@@ -284,6 +291,53 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                                     "free space on the target's disk, and run the restore again: it resumes") from e
             raise
     return applied, headers, worker.stats
+
+
+class AppFirst:
+    """The order of downloads: the blobs of the app's layers first, the weights' only once all of
+    those are in. On a link the streams share, a weight started early takes its part of the link
+    from the app's blobs, and so delays the app's start by as much. Weights start as soon as the
+    app's blobs are downloaded, not applied: the link never idles while the app unpacks."""
+
+    def __init__(self, app_digests: set[str], stopping: threading.Event):
+        self._app, self._left, self._stopping = frozenset(app_digests), set(app_digests), stopping
+        self._lock, self._open = threading.Lock(), threading.Event()
+        if not self._left:
+            self._open.set()
+
+    def wait_turn(self, digest: str) -> None:
+        """Return when the download of `digest` may start; raise Stopped if the restore stops first."""
+        if digest not in self._app:
+            self._open.wait()
+            _yield_cpu()
+        if self._stopping.is_set():
+            raise progress.Stopped()
+
+    def fetched(self, digest: str) -> None:
+        with self._lock:
+            self._left.discard(digest)
+            if not self._left:
+                self._open.set()
+
+    def stop(self) -> None:
+        """Wake the waiting downloads (they find `stopping` set and give up)."""
+        self._open.set()
+
+
+WEIGHTS_NICE = 10  # the nice value of a thread downloading weights
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's CPU priority (it downloads weights from now on: all the app's blobs
+    were taken first): on a box with few cores, hashing and writing weights at link speed takes
+    most of a core, which the app's unpacking, then the app, need more. Linux sets a thread's
+    nice value by its id; where that is refused, the thread goes on as it is."""
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < WEIGHTS_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, WEIGHTS_NICE)
+    except OSError:
+        pass
 
 
 def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:

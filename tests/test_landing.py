@@ -75,6 +75,120 @@ def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_ha
     assert_one_line_error(r, 2, "no restore")
 
 
+def _nice(tid: str) -> int:
+    """The nice value of a thread of this process (0 if it is gone)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _note_blocked_streams(monkeypatch, blocked: threading.Event) -> None:
+    """Set `blocked` when a download stream of an in-process restore blocks, waiting for the app's
+    blobs before it takes a weight (restore.AppFirst)."""
+    from snapshotter import restore
+
+    class NotedGate(threading.Event):
+        def wait(self, timeout=None):
+            if not self.is_set():
+                blocked.set()
+            return super().wait(timeout)
+
+    real_init = restore.AppFirst.__init__
+
+    def init(self, *args):
+        real_init(self, *args)
+        gate = NotedGate()
+        if self._open.is_set():
+            gate.set()
+        self._open = gate
+
+    monkeypatch.setattr(restore.AppFirst, "__init__", init)
+
+
+def test_no_weight_is_requested_before_the_apps_blobs_are_in(registry, proxy, base_ref, box, tmp_path, monkeypatch):
+    """On a link the downloads share, the app's blobs go first: while the venv's blob is on its way
+    (held by the proxy), a free download stream waits its turn instead of taking part of the link
+    for a weight. The venv is let go once a weight waits (or, out of order, is requested)."""
+    from snapshotter import restore
+    profile = tmp_path / "small-weights.yaml"
+    profile.write_text(SMALL_WEIGHTS)
+    snap("commit", f"{registry.host}/order-dl:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)
+    layers = registry.manifest("order-dl", "v1")["layers"]
+    named = {d["digest"]: d.get("annotations", {}).get("dev.snap.layer") for d in layers}
+    weights = {digest for digest, name in named.items() if name == "models"}
+    assert len(weights) >= 2 and named[layers[-1]["digest"]] == "models"
+    proxy.hold_blob = next(digest for digest, name in named.items() if name == "venv")
+
+    went_on = threading.Event()  # a weight waits its turn, or is requested
+    requested_while_held: list[bool] = []
+
+    niced: list[int] = []  # the highest nice value among the restore's threads as a weight is requested
+
+    def lie(method, path):
+        if method == "GET" and path.rsplit("/", 1)[-1] in weights:
+            requested_while_held.append(not proxy.unhold.is_set())
+            niced.append(max(_nice(tid) for tid in os.listdir("/proc/self/task")))
+            went_on.set()
+        return None  # forwarded
+
+    proxy.lie = lie
+    _note_blocked_streams(monkeypatch, went_on)
+    done: list = []
+    root = tmp_path / "restored"
+    worker = threading.Thread(target=lambda: done.append(restore.restore_image(f"{proxy.host}/order-dl:v1", str(root))))
+    worker.start()
+    try:
+        assert proxy.holding.wait(TIMEOUT) and went_on.wait(TIMEOUT), "the restore got nowhere"
+    finally:
+        proxy.unhold.set()
+        worker.join(TIMEOUT)
+    assert done, "the restore failed"
+    assert requested_while_held == [False] * len(weights)  # each weight once, after the venv
+    assert min(niced) >= restore.WEIGHTS_NICE  # a weight downloads below the app's unpacking
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_bad_app_blob_stops_the_restore_with_weights_waiting_their_turn(registry, proxy, base_ref, box, tmp_path,
+                                                                          monkeypatch):
+    """The venv's blob is forged, and sent only once a download stream waits for it before taking a
+    weight: its digest check fails, and the waiting stream is let go (else the restore waits for it
+    for ever). No weight was requested."""
+    from snapshotter import restore
+    from snapshotter.errors import IntegrityError
+    profile = tmp_path / "small-weights.yaml"
+    profile.write_text(SMALL_WEIGHTS)
+    snap("commit", f"{registry.host}/forged:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)
+    layers = registry.manifest("forged", "v1")["layers"]
+    venv = next(d for d in layers if d.get("annotations", {}).get("dev.snap.layer") == "venv")
+    weights = {d["digest"] for d in layers if d.get("annotations", {}).get("dev.snap.layer") == "models"}
+    blocked = threading.Event()
+    _note_blocked_streams(monkeypatch, blocked)
+
+    def lie(method, path):
+        if method == "GET" and path.endswith(venv["digest"]):
+            assert blocked.wait(TIMEOUT)
+            return 200, {"Content-Type": "application/octet-stream"}, [b"x" * venv["size"]]
+        return None
+
+    proxy.lie = lie
+    failed: list = []
+
+    def run():
+        try:
+            restore.restore_image(f"{proxy.host}/forged:v1", str(tmp_path / "restored"))
+        except IntegrityError as e:
+            failed.append(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(TIMEOUT)
+    assert not worker.is_alive(), "the restore waits for a stream that waits for the forged blob"
+    assert failed and venv["digest"] in str(failed[0])
+    assert not any(path.rsplit("/", 1)[-1] in weights for _, path, _ in proxy.log)
+
+
 def test_weights_layers_come_last_whatever_the_profile_order(registry, base_ref, box, tmp_path):
     # comfyui lists `outputs` after models: the weights still go last (and its ComfyUI-only custom_nodes is empty).
     profile = tmp_path / "comfy.yaml"
