@@ -39,6 +39,7 @@ class LayerJob:
     base_layer: Optional[int] = None
     save_index: Optional[str] = None  # where to save the base's index once this layer is applied (its last)
     index_diff_ids: tuple[str, ...] = ()  # with save_index: the diff_ids of the base's layers, saved with it
+    in_place: bool = False  # nothing reads the root yet: new files written at their paths (Extractor.apply)
 
 
 def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
@@ -49,11 +50,11 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
     what = f"layer {job.label}"
     if job.split:  # its digest, checked at download, is its diff_id
         with SplitLayer(job.path, on_bytes) as layer:
-            extractor.apply(layer, take=layer.take, layer=what)
+            extractor.apply(layer, take=layer.take, layer=what, in_place=job.in_place)
     else:
         with open(job.path, "rb") as raw:
             check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
-                        lambda stream, check: extractor.apply(stream, layer=what, check_end=check))
+                        lambda stream, check: extractor.apply(stream, layer=what, check_end=check, in_place=job.in_place))
     if job.save_index and extractor.indexer is not None:
         try:
             save_index(extractor.indexer.index, job.save_index, job.index_diff_ids)

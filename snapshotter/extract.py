@@ -117,7 +117,9 @@ class Extractor:
         self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
         self.indexer: Optional[ImageIndexer] = None  # set to index the layers applied (a restore's base: _Indexing)
         self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
-        self._held: Optional[tuple[str, str]] = None  # (temp, path) of the last regular file, not yet renamed
+        # (temp, path) of the last regular file, not yet renamed; (None, path) if written in place
+        self._held: Optional[tuple[Optional[str], str]] = None
+        self._in_place = False  # see apply()
         self._never = PathSet(self.opts.never_write)
         self._room = 0  # bytes still free on the target at the last look, less what was written since
         self._keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
@@ -243,15 +245,22 @@ class Extractor:
     # ---- applying a layer ------------------------------------------------------------------------
 
     def apply(self, tar_stream: BinaryIO, take: Optional[Callable[[int, int], Optional[str]]] = None,
-              layer: str = "layer", check_end: Optional[Callable[[], None]] = None) -> None:
+              layer: str = "layer", check_end: Optional[Callable[[], None]] = None, in_place: bool = False) -> None:
         """Apply one layer (an uncompressed tar stream). `take(offset, size)`, if given, may hand
         over a file holding a regular file's data (a split layer: staging.py), to be renamed into
         place instead of copied; the stream then skips that data without reading it (its `skip`).
         `check_end`, if given, is called once the stream is read to its end, before the layer's
         last entry, if a regular file, is renamed into place: what it raises leaves that file
-        unseen (its temp removed). A last entry of another kind is in place by then."""
+        unseen (its temp removed). A last entry of another kind is in place by then.
+
+        `in_place`: nothing reads the root yet (the app has not started: restore.py), so a regular
+        file new in a directory this layer made is written at its path, not in a temp file renamed
+        there: a venv is tens of thousands of files, and the rename was a tenth of applying it.
+        Killed midway, such a file is half-written at its path, and the layer (not recorded as
+        applied) is applied again over it. The layer's last file is still removed if check_end fails."""
         self._reset_dir_times()
         self._take = take
+        self._in_place = in_place
         name = ""
         try:
             reader = TarReader(tar_stream, layer)
@@ -277,8 +286,9 @@ class Extractor:
         except OSError as e:
             raise storage_error(e, self.root, f" while writing {quoted_path(clean_path(name))}" if name else "") from e
         finally:
-            if self._held is not None:  # a layer that failed: its held-back file never shows
-                _remove(self._held[0])
+            if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
+                tmp, path = self._held
+                _remove(tmp if tmp is not None else path)
                 self._held = None
             self._take = None
             self.put_back_dir_times()
@@ -288,7 +298,8 @@ class Extractor:
         which may link to it or reuse its temp name)."""
         if self._held is not None:
             tmp, path = self._held
-            os.rename(tmp, path)
+            if tmp is not None:
+                os.rename(tmp, path)
             self._held = None
 
     def _apply_member(self, reader: TarReader, m: tarfile.TarInfo) -> None:
@@ -339,11 +350,13 @@ class Extractor:
         # A short name: the member's own name may already be NAME_MAX bytes long.
         # No leftover can be there: _locate swept the directory of stale temp files on first use.
         tmp = _join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
+        in_place = self._in_place and old is None and m.isreg() and pdir in self._new_dirs  # see apply()
+        dest = path if in_place else tmp
         renamed = False
         try:
             attrs_set = False
             if m.isreg():
-                attrs_set = self._write_file(reader, m, tmp, rel)
+                attrs_set = self._write_file(reader, m, dest, rel)
             elif m.issym():
                 os.symlink(m.linkname, tmp)
             elif m.islnk():
@@ -354,9 +367,10 @@ class Extractor:
             else:
                 os.mkfifo(tmp, 0o600)
             if not m.islnk() and not (m.isreg() and attrs_set):
-                self._set_attrs(tmp, m, rel)
+                self._set_attrs(dest, m, rel)
             if m.isreg():
-                self._held, renamed = (tmp, path), True  # renamed by _finish_held, or removed by apply
+                # renamed by _finish_held, or removed by apply
+                self._held, renamed = (None if in_place else tmp, path), True
             else:
                 os.rename(tmp, path)
                 # A rename onto another link of the same inode does nothing and leaves tmp in place:
@@ -364,7 +378,7 @@ class Extractor:
                 renamed = not m.islnk()
         finally:
             if not renamed:
-                _remove(tmp)
+                _remove(dest)  # in place: a regular file this layer began there
         self._written.add(path)
 
     def _devices_allowed(self, m: tarfile.TarInfo) -> bool:
@@ -387,7 +401,7 @@ class Extractor:
         self._room = free - size
 
     def _write_file(self, reader: TarReader, m: tarfile.TarInfo, tmp: str, rel: str) -> bool:
-        """Write a regular file's data to `tmp`. True if its attributes were set too (on the open fd:
+        """Write a regular file's data to `tmp` (a temp name, or its path if written in place: apply). True if its attributes were set too (on the open fd:
         no path lookups)."""
         staged = self._take(m.offset_data, m.size) if self._take else None
         if staged is not None:

@@ -6,7 +6,8 @@ per restore root in the state dir: its pid, the weight files named by their laye
 layer's file, a file cut into parts) and whether each has landed, and whether the restore is done.
 `--wait PATH`, in another process, polls that file (it takes no lock: the restore holds it).
 A file inside a bundle or a non-weight layer is not named in advance: it counts as landed when the
-restore is done. Every file appears at its path by a rename, never half-written (extract.py)."""
+restore is done. A weight appears at its path by a rename, never half-written (extract.py); the
+layers before the app's start, which nothing reads yet, write their new files in place."""
 
 from __future__ import annotations
 

@@ -265,6 +265,9 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                 _note_mislabelled(desc, path, desc["digest"] in split, label, opts.log)
                 job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
                                record=bool(snap_label(desc)))  # snap's own: its headers teach the next commit
+                # Until the app's layers are applied nothing runs from the root (--then starts it
+                # after them): their new files are written in place. Weights always land whole.
+                job.in_place = resumed + n < ready_at
                 if index_base is not None and n < index_base[0]:
                     job.base_layer = n
                     if n == index_base[0] - 1:

@@ -573,12 +573,45 @@ def _restore_while_writing(registry, repo: str, root, act) -> tuple[subprocess.P
     registry.push_image(repo, "v1", [zstandard.ZstdCompressor(level=1).compress(t) for t in tars],
                         layer_media_type=ZSTD, diff_ids=["sha256:" + sha(t) for t in tars])
     proc, children = start_paused_restore(f"{registry.host}/{repo}:v1", root, start_new_session=True)
-    assert children and stale_temps(root), "held inside the big file, by the extraction process"
+    # Inside the big file: a layer before the app's start writes a new file at its path (in place).
+    partial = root / "data/big.bin"
+    assert children and partial.exists() and partial.stat().st_size < len(big), "held inside the big file"
     act(proc, children)
     _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err, err
     assert not (root / "data/after.txt").exists()
     return proc, children, err, big
+
+
+def test_a_weight_is_never_half_written_at_its_path_but_the_apps_files_are_written_in_place(registry, tmp_path,
+                                                                                                state_dir):
+    """Until the app's layers are applied nothing reads the root (`--then` starts the app after
+    them): their new files are written at their paths. A weight's layer comes after, with the app
+    running: paused inside its file (compressed, so written by the extractor), the path does not
+    exist yet, only a temp; killed there, the next run lands it whole."""
+    big = os.urandom(MiB) * 100
+    tars = [layer({"app/venv/mod.py": b"x = 1\n"}, dirs=("app", "app/venv")), layer({"app/models/w.bin": big}, dirs=("app/models",))]
+    blobs = [zstandard.ZstdCompressor(level=1).compress(t) for t in tars]
+    cfg = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": ["sha256:" + sha(t) for t in tars]},
+                      "history": [{"created_by": "app"}, {"created_by": "weight"}]}).encode()
+    descs = [{"mediaType": ZSTD, "digest": registry.push_blob("halfweight", b), "size": len(b)} for b in blobs]
+    descs[1]["annotations"] = {"dev.snap.layer": "models", "dev.snap.content": "app/models/w.bin"}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json", "layers": descs,
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": registry.push_blob("halfweight", cfg),
+                           "size": len(cfg)}}
+    registry.session().put(f"{registry.url}/v2/halfweight/manifests/v1", data=json.dumps(manifest).encode(),
+                           headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"}).raise_for_status()
+    root = tmp_path / "root"
+    proc, children = start_paused_restore(f"{registry.host}/halfweight:v1", root, start_new_session=True)
+    try:
+        assert (root / "app/venv/mod.py").read_bytes() == b"x = 1\n"
+        assert not (root / "app/models/w.bin").exists() and len(stale_temps(root / "app/models")) == 1
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    r = snap("restore", f"{registry.host}/halfweight:v1", "--root", str(root))
+    assert r.returncode == 0, r.stderr
+    assert file_sha(root / "app/models/w.bin") == sha(big) and stale_temps(root) == []
 
 
 def test_an_extraction_process_that_dies_is_a_one_line_error(registry, tmp_path, state_dir):
