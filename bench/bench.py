@@ -13,7 +13,7 @@ machine, to bench/out/results.md. Peak RSS is the largest process of the measure
 
     python3 bench/bench.py            # default sizes (20k files, 4 x 512 MiB weights)
     python3 bench/bench.py --small    # quick smoke run (2k files, 4 x 50 MiB weights)
-    python3 bench/bench.py --scale    # a real GPU box (200k files, 40 weights, 32 GiB; ~100 GiB of disk, not in CI)
+    python3 bench/bench.py --scale    # a real GPU box (200k files, 40 weights, 32 GiB; ~75 GiB of disk, not in CI)
 Sizes: --files --weights-mib --weight-files --nodes --new-model-mib (or BENCH_FILES, ...).
 """
 
@@ -179,9 +179,9 @@ def disk_needed(args, lean: bool) -> int:
     so every copy of the box costs their size; the text costs its size several times over."""
     w = (args.weights_mib + args.new_model_mib) * MiB
     text = args.files * 2200 + args.nodes * 2200
-    # lean: the box, the registry, one peer's copy at a time; else every copy side by side (box,
-    # registry, archive, floor parts, restic, the restores; docker: its container, image and push)
-    copies = 3 if lean else 7 + 2 * args.reps + (0 if args.no_docker else 3)
+    # lean: two copies at a time (measure_all); else every copy side by side (box, registry,
+    # archive, floor parts, restic, the restores; docker: its container, image and push)
+    copies = 2 if lean else 7 + 2 * args.reps + (0 if args.no_docker else 3)
     return copies * w + 12 * text + (2 << 30)
 
 
@@ -540,13 +540,15 @@ ROWS = [  # case, snap key, peer label, peer key, target ratio, strict
 ]
 
 
-def untar(b: Bench, archive: str, out: str, i: int, repeated, listings: dict) -> None:
-    """Run i of `zstd -d | tar -x` into an empty dir (the first one's tree kept for the comparison)."""
+def untar(b: Bench, archive: str, out: str, i: int, repeated, listings: dict, keep: bool = False) -> None:
+    """Run i of `zstd -d | tar -x` into an empty dir (the first one's tree kept for the comparison);
+    the tree is deleted after, unless `keep`."""
     os.makedirs(out)
     repeated("untar", "zstd -d | tar -x", i, lambda: b.run(f"zstd -q -d -c {archive} | tar -C {out} -xf -", shell=True, cold=True))
     if i == 0 and b.res["untar"].ok:
         listings["tar"] = tree_listing(out)
-    b.discard(out)
+    if not keep:
+        b.discard(out)
 
 
 def measure_all(b: Bench, args) -> dict:
@@ -587,28 +589,50 @@ def measure_all(b: Bench, args) -> dict:
 
     # State 0: the generated box. The first-commit family is measured args.reps times: snap's
     # extra runs go to other repositories with their own state dirs, so each is a first commit.
-    # With --lean the archive is restored (and dropped) right away: later there is no room for it.
     archive = os.path.join(w, "box.tar.zst")
     listings: dict[str, dict] = {}  # the first tar and snap restores' trees, compared at the end
-    if b.lean:
-        settle_disk(b)  # the disk's pace before anything is deleted
-    for i in range(args.reps):
+
+    def first_commit(i: int) -> None:
         last = i == args.reps - 1
-        repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
-        data["archive_bytes"] = os.path.getsize(archive)
-        if b.lean:
-            untar(b, archive, os.path.join(w, f"restore-tar-{i}"), i, repeated, listings)
-        repeated("sha_floor", "sha256 floor (tar | openssl sha256)", i, lambda: sha256_floor(b, box))
-        repeated("reg_floor", "registry ingest floor (curl)", i, lambda: registry_floor(b, archive, f"bench/floor{i}"))
-        b.discard(archive)
         repeated("snap_first", "snap commit (first)", i, lambda: snap(
             b, "commit", f"{box_ref}:v1" if last else f"{box_ref}-r{i}:v1", "--base", base_ref, "--root", box,
             state=state if last else f"{state}-r{i}"))
-    step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+
     restic = not args.no_restic and restic_init(b)
-    if restic:
-        step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
-        step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
+    if b.lean:
+        # At most two copies of the box at any time (the disk of a scale run): every peer that
+        # makes a copy runs before snap fills the registry. The box itself is deleted once archived;
+        # the archive's restore (the untar row) is the box from then on, its tree the same.
+        settle_disk(b)  # the disk's pace before anything is deleted
+        for i in range(args.reps):
+            repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
+            data["archive_bytes"] = os.path.getsize(archive)
+            repeated("sha_floor", "sha256 floor (tar | openssl sha256)", i, lambda: sha256_floor(b, box))
+            b.discard(box)
+            repeated("reg_floor", "registry ingest floor (curl)", i, lambda: registry_floor(b, archive, f"bench/floor{i}"))
+            untar(b, archive, box, i, repeated, listings, keep=True)
+            b.discard(archive)
+        if restic:
+            step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
+            step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
+            b.discard(os.path.join(w, "restic"))
+            restic = False
+            for key in ("restic_3", "restic_4", "restic_restore"):
+                b.skipped[key] = "--lean: no room for its repository beside the registry's copy"
+        for i in range(args.reps):
+            first_commit(i)
+        step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+    else:
+        for i in range(args.reps):
+            repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
+            data["archive_bytes"] = os.path.getsize(archive)
+            repeated("sha_floor", "sha256 floor (tar | openssl sha256)", i, lambda: sha256_floor(b, box))
+            repeated("reg_floor", "registry ingest floor (curl)", i, lambda: registry_floor(b, archive, f"bench/floor{i}"))
+            first_commit(i)
+        step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+        if restic:
+            step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
+            step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
     if args.no_docker or b.lean:
         b.skipped["docker"] = "--no-docker" if args.no_docker else "--lean: no room for docker's copies of the box"
     sock = None if "docker" in b.skipped else start_dockerd(b)
@@ -816,7 +840,7 @@ def parse_args():
     ap.add_argument("--small", action="store_true", help="quick run: 2k files, 4 x 50 MiB weights, 64 MiB model added")
     ap.add_argument("--scale", action="store_true",
                     help="a real GPU box: 200k venv files, 40 weights totalling 32 GiB, 1 GiB model added, one run "
-                         "of each, --lean (hours, ~100 GiB of disk; `make bench ARGS=--scale`, not in CI)")
+                         "of each, --lean (hours, ~75 GiB of disk; `make bench ARGS=--scale`, not in CI)")
     ap.add_argument("--files", type=int, help="venv files (default 20000; BENCH_FILES)")
     ap.add_argument("--weights-mib", type=int, help="total weights in MiB (default 2048; BENCH_WEIGHTS_MIB)")
     ap.add_argument("--weight-files", type=int, help="weights files (default 4; BENCH_WEIGHT_FILES)")
@@ -827,8 +851,9 @@ def parse_args():
     ap.add_argument("--no-docker", action="store_true", help="skip the docker peer")
     ap.add_argument("--no-restic", action="store_true", help="skip the restic peer")
     ap.add_argument("--lean", action="store_true",
-                    help="delete each copy of the box once its rows are measured (about 3x the weights of disk "
-                         "instead of 9x; the archive is restored right after it is made; no docker peer); on with --scale")
+                    help="at most two copies of the box at a time (about 2x the weights of disk instead of 9x): "
+                         "each copy is deleted once measured, the peers that copy the box run before snap's commits, "
+                         "no docker peer, restic only before the change; on with --scale")
     ap.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"), help="where the temp dir goes (default $TMPDIR)")
     a = ap.parse_args()
     small = {"files": 2000, "weights_mib": 200, "weight_files": 4, "nodes": 100, "new_model_mib": 64}
@@ -865,6 +890,10 @@ def main() -> int:
     b.lean = args.lean
     signal.signal(signal.SIGTERM, _interrupt)
     os.makedirs(OUT, exist_ok=True)
+    # snap runs from byte code, as an installed package does (pip compiles it), even where
+    # PYTHONDONTWRITEBYTECODE keeps Python from caching it: else each run compiles snap's modules
+    # again, a tenth of a second before a restore's app can start.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.join(REPO, "snapshotter")], check=True, capture_output=True)
     print(f"snap benchmark ({label}) in {b.work}", flush=True)
     t0 = time.time()
     try:
