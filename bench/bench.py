@@ -611,6 +611,8 @@ def measure_all(b: Bench, args) -> dict:
             b.discard(box)
             repeated("reg_floor", "registry ingest floor (curl)", i, lambda: registry_floor(b, archive, f"bench/floor{i}"))
             untar(b, archive, box, i, repeated, listings, keep=True)
+            if not b.res["untar"].ok:  # the box is gone: nothing after this would measure it
+                raise BenchError(f"the untar that makes the box again failed ({b.res['untar'].note})")
             b.discard(archive)
         if restic:
             step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
@@ -705,7 +707,7 @@ def measure_all(b: Bench, args) -> dict:
     if os.path.exists(archive):
         os.unlink(archive)
     snap_id = res["restic_1"].out if "restic_1" in res else ""
-    if snap_id:
+    if snap_id and restic:
         step("restic_restore", "restic restore (1st snapshot)",
              lambda: b.run(["restic", "restore", snap_id, "--target", os.path.join(w, "restore-restic")], env=restic_env(b),
                            cold=True))
@@ -870,6 +872,10 @@ def parse_args():
     return a
 
 
+class BenchError(Exception):
+    """A run that cannot go on: one line, exit 1."""
+
+
 def _interrupt(*_):
     raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C
 
@@ -907,6 +913,9 @@ def main() -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: cleaning up", file=sys.stderr)
         return 130
+    except BenchError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 1
     finally:
         if os.path.exists(b.log):  # every command's output, for a look after the temp dir is gone
             shutil.copy(b.log, os.path.join(OUT, f"bench-{label}.log"))

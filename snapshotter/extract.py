@@ -4,7 +4,9 @@
 - Parents are resolved inside the root, following symlinks as if the root were '/', so a symlink
   in the tree can never lead a write outside it; the final component is never followed.
 - Regular files are written to a temp name in the same directory and renamed into place, so an
-  interrupted restore leaves no half-written file at an original path. Each is renamed when the
+  interrupted restore leaves no half-written file at an original path (unless the caller says
+  nothing reads the root yet: then a file new in a directory the layer made is written at its
+  path, and a killed run leaves it half-written there for the next run to apply again). Each is renamed when the
   next entry is read, so a layer's last entry, if a regular file, is renamed only after the
   caller's check of the whole stream (its diff_id: `check_end`); a failed check removes it.
 - OCI whiteouts ('.wh.NAME') and opaque markers ('.wh..wh..opq') delete from lower layers only.
@@ -356,7 +358,15 @@ class Extractor:
         try:
             attrs_set = False
             if m.isreg():
-                attrs_set = self._write_file(reader, m, dest, rel)
+                try:
+                    attrs_set = self._write_file(reader, m, dest, rel)
+                except FileExistsError:
+                    if not in_place:
+                        raise
+                    # The name is there after all: the directory folds case (ext4 +F, vfat) and
+                    # holds it under another case. Replaced by a rename, as any existing file is.
+                    dest, in_place = tmp, False
+                    attrs_set = self._write_file(reader, m, dest, rel)
             elif m.issym():
                 os.symlink(m.linkname, tmp)
             elif m.islnk():

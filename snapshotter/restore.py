@@ -40,7 +40,7 @@ from .errors import IntegrityError, StorageError, UsageError
 from .extract import ExtractOptions, Extractor, ExtractStats, storage_error
 from .image import BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
 from .journal import Journal
-from .landing import Progress, app_ready_after
+from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
 from .profile import Profile, available_profiles, load_profile
 from .reference import Reference
@@ -161,7 +161,8 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         # A resumed restore applied some base layers in an earlier run: it cannot index the base.
         index_to = _base_index_to_build(image, base_layers) if not resumed else None
         applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer,
-                                                (base_layers, index_to) if index_to else None, ready_at)
+                                                (base_layers, index_to) if index_to else None, ready_at,
+                                                frozenset(weights))
         staging.remove()  # the layers are applied: the root holds nothing of ours
         if parts:
             join_parts(extractor, parts, links, opts.extract.fsync, journal)
@@ -199,7 +200,7 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
                   staging: StagingDirs, opts: RestoreOptions,
                   after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
-                  ready_at: int = 0) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  ready_at: int = 0, weights: frozenset[str] = frozenset()) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Download the layers the journal does not list as applied, several at once, and apply each
     in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
     many are applied). `index_base` (n, path), for a restore from the first layer: the applier
@@ -207,7 +208,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats).
     Each blob downloads into the staging dir of the filesystem its files land on. The blobs of the
     first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
-    any other (AppFirst)."""
+    any other (AppFirst), and those that are not `weights` layers write their new files in place."""
     resumed, fsync = journal.applied, opts.extract.fsync
     pending = todo[resumed:]
     applied: list[str] = []
@@ -266,8 +267,9 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                 job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
                                record=bool(snap_label(desc)))  # snap's own: its headers teach the next commit
                 # Until the app's layers are applied nothing runs from the root (--then starts it
-                # after them): their new files are written in place. Weights always land whole.
-                job.in_place = resumed + n < ready_at
+                # after them): their new files are written in place. Weights always land whole
+                # (one may come before the app's last layer, or all before the joins of part files).
+                job.in_place = resumed + n < ready_at and weight_file(desc, weights) is None
                 if index_base is not None and n < index_base[0]:
                     job.base_layer = n
                     if n == index_base[0] - 1:

@@ -5,6 +5,7 @@ the killed run left behind."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -583,19 +584,23 @@ def _restore_while_writing(registry, repo: str, root, act) -> tuple[subprocess.P
     return proc, children, err, big
 
 
+@pytest.mark.parametrize("weight_first", [False, True], ids=["weights-last", "weight-before-the-app"])
 def test_a_weight_is_never_half_written_at_its_path_but_the_apps_files_are_written_in_place(registry, tmp_path,
-                                                                                                state_dir):
+                                                                                                state_dir, weight_first):
     """Until the app's layers are applied nothing reads the root (`--then` starts the app after
     them): their new files are written at their paths. A weight's layer comes after, with the app
     running: paused inside its file (compressed, so written by the extractor), the path does not
-    exist yet, only a temp; killed there, the next run lands it whole."""
+    exist yet, only a temp; killed there, the next run lands it whole. So too for a weight that an
+    image (not snap's) puts before one of the app's layers."""
     big = os.urandom(MiB) * 100
     tars = [layer({"app/venv/mod.py": b"x = 1\n"}, dirs=("app", "app/venv")), layer({"app/models/w.bin": big}, dirs=("app/models",))]
     blobs = [zstandard.ZstdCompressor(level=1).compress(t) for t in tars]
-    cfg = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": ["sha256:" + sha(t) for t in tars]},
-                      "history": [{"created_by": "app"}, {"created_by": "weight"}]}).encode()
     descs = [{"mediaType": ZSTD, "digest": registry.push_blob("halfweight", b), "size": len(b)} for b in blobs]
     descs[1]["annotations"] = {"dev.snap.layer": "models", "dev.snap.content": "app/models/w.bin"}
+    if weight_first:
+        tars, descs = tars[::-1], descs[::-1]
+    cfg = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": ["sha256:" + sha(t) for t in tars]},
+                      "history": [{"created_by": "one"}, {"created_by": "two"}]}).encode()
     manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json", "layers": descs,
                 "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": registry.push_blob("halfweight", cfg),
                            "size": len(cfg)}}
@@ -604,7 +609,7 @@ def test_a_weight_is_never_half_written_at_its_path_but_the_apps_files_are_writt
     root = tmp_path / "root"
     proc, children = start_paused_restore(f"{registry.host}/halfweight:v1", root, start_new_session=True)
     try:
-        assert (root / "app/venv/mod.py").read_bytes() == b"x = 1\n"
+        assert weight_first or (root / "app/venv/mod.py").read_bytes() == b"x = 1\n"
         assert not (root / "app/models/w.bin").exists() and len(stale_temps(root / "app/models")) == 1
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -612,6 +617,26 @@ def test_a_weight_is_never_half_written_at_its_path_but_the_apps_files_are_writt
     r = snap("restore", f"{registry.host}/halfweight:v1", "--root", str(root))
     assert r.returncode == 0, r.stderr
     assert file_sha(root / "app/models/w.bin") == sha(big) and stale_temps(root) == []
+
+
+def test_a_name_that_turns_out_to_be_there_is_replaced_not_lost_when_writing_in_place(tmp_path):
+    """Written in place, a file new in a directory the layer made is expected absent. Where it is
+    there after all (a directory that folds case holds it under another case, as ext4 +F or vfat
+    do; here a file made just before the write), it is replaced by a rename like any existing
+    file: the restore neither fails nor removes what it did not write."""
+    from snapshotter.extract import Extractor
+    root = tmp_path / "root"
+    made = []
+
+    def twin_appears(offset, size):
+        if not made:
+            (root / "d/f").write_bytes(b"the twin\n")
+            made.append(True)
+        return None  # not staged: the data comes from the stream
+
+    Extractor(str(root)).apply(io.BytesIO(layer({"d/f": b"layer\n", "d/g": b"g\n"}, dirs=("d",))), take=twin_appears, in_place=True)
+    assert made and (root / "d/f").read_bytes() == b"layer\n" and (root / "d/g").read_bytes() == b"g\n"
+    assert stale_temps(root) == []
 
 
 def test_an_extraction_process_that_dies_is_a_one_line_error(registry, tmp_path, state_dir):
