@@ -576,7 +576,12 @@ def _restore_while_writing(registry, repo: str, root, act) -> tuple[subprocess.P
     proc, children = start_paused_restore(f"{registry.host}/{repo}:v1", root, start_new_session=True)
     # Inside the big file: a layer before the app's start writes a new file at its path (in place).
     partial = root / "data/big.bin"
-    assert children and partial.exists() and partial.stat().st_size < len(big), "held inside the big file"
+    try:
+        assert children and partial.exists() and partial.stat().st_size < len(big), "held inside the big file"
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)  # not left paused
+        proc.communicate()
+        raise
     act(proc, children)
     _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err, err
