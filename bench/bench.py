@@ -164,12 +164,19 @@ def probe_file_creation(work: str) -> float:
 
 
 def settle_disk(b: Bench, limit: float = 180.0) -> None:
-    """Wait (untimed) until creating files is as fast as it was at the start (within 50%), at most `limit` s."""
+    """Wait (untimed) until creating files is as fast as it was at the start (within 50%), or has
+    stopped getting faster (three probes in a row no better than the best by 10%: on some disks a
+    big delete leaves creation slow for far longer than a run can wait), at most `limit` s."""
     if b.probe_secs is None:
         b.probe_secs = probe_file_creation(b.work)
         return
     t0 = time.time()
-    while time.time() - t0 < limit and probe_file_creation(b.work) > 1.5 * b.probe_secs:
+    best, stale = float("inf"), 0
+    while time.time() - t0 < limit and stale < 3:
+        secs = probe_file_creation(b.work)
+        if secs <= 1.5 * b.probe_secs:
+            break
+        best, stale = (secs, 0) if secs < 0.9 * best else (best, stale + 1)
         time.sleep(5)
     print(f"[settled {time.time() - t0:.0f}s]", end=" ", flush=True)
 
