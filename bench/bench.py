@@ -605,6 +605,18 @@ def measure_all(b: Bench, args) -> dict:
             b, "commit", f"{box_ref}:v1" if last else f"{box_ref}-r{i}:v1", "--base", base_ref, "--root", box,
             state=state if last else f"{state}-r{i}"))
 
+    def archive_and_hash(i: int) -> None:
+        repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
+        data["archive_bytes"] = os.path.getsize(archive)
+        repeated("sha_floor", "sha256 floor (tar | openssl sha256)", i, lambda: sha256_floor(b, box))
+
+    def backups_before_the_change() -> None:
+        step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
+        step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
+
+    def nothing_changed() -> None:
+        step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+
     restic = not args.no_restic and restic_init(b)
     if b.lean:
         # At most two copies of the box at any time (the disk of a scale run): every peer that
@@ -612,9 +624,7 @@ def measure_all(b: Bench, args) -> dict:
         # the archive's restore (the untar row) is the box from then on, its tree the same.
         settle_disk(b)  # the disk's pace before anything is deleted
         for i in range(args.reps):
-            repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
-            data["archive_bytes"] = os.path.getsize(archive)
-            repeated("sha_floor", "sha256 floor (tar | openssl sha256)", i, lambda: sha256_floor(b, box))
+            archive_and_hash(i)
             b.discard(box)
             repeated("reg_floor", "registry ingest floor (curl)", i, lambda: registry_floor(b, archive, f"bench/floor{i}"))
             untar(b, archive, box, i, repeated, listings, keep=True)
@@ -622,26 +632,22 @@ def measure_all(b: Bench, args) -> dict:
                 raise BenchError(f"the untar that makes the box again failed ({b.res['untar'].note})")
             b.discard(archive)
         if restic:
-            step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
-            step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
+            backups_before_the_change()
             b.discard(os.path.join(w, "restic"))
             restic = False
             for key in ("restic_3", "restic_4", "restic_restore"):
                 b.skipped[key] = "--lean: no room for its repository beside the registry's copy"
         for i in range(args.reps):
             first_commit(i)
-        step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+        nothing_changed()
     else:
         for i in range(args.reps):
-            repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
-            data["archive_bytes"] = os.path.getsize(archive)
-            repeated("sha_floor", "sha256 floor (tar | openssl sha256)", i, lambda: sha256_floor(b, box))
+            archive_and_hash(i)
             repeated("reg_floor", "registry ingest floor (curl)", i, lambda: registry_floor(b, archive, f"bench/floor{i}"))
             first_commit(i)
-        step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+        nothing_changed()
         if restic:
-            step("restic_1", "restic backup (1st)", lambda: restic_backup(b, box))
-            step("restic_2", "restic backup (2nd)", lambda: restic_backup(b, box))
+            backups_before_the_change()
     if args.no_docker or b.lean:
         b.skipped["docker"] = "--no-docker" if args.no_docker else "--lean: no room for docker's copies of the box"
     sock = None if "docker" in b.skipped else start_dockerd(b)
