@@ -101,6 +101,23 @@ def test_changes_are_snapshotted_at_most_once_per_interval_and_the_tag_moves(reg
     assert_restores_to(f"{registry.host}/w-every:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r2")
 
 
+def test_the_scan_pace_budgets_the_whole_check_not_only_the_scan(registry, base_ref, box, monkeypatch):
+    """An idle watcher's CPU is its checks': the scan and the comparison of its paths with the last
+    ones. The pace keeps all of it near the budget (compared alone, it was a fifth over)."""
+    cpu = FakeClock()
+    w = watcher(registry, base_ref, box, "w-pace", [], every=600, quiet=10**6, cpu_clock=cpu, scan_budget=0.01, min_scan=2)
+    w.tick()  # the first snapshot
+    observe = w._observe
+
+    def costly_observe(scan, now):
+        cpu.advance(3.0)  # comparing this scan with the last one took 3 CPU s
+        return observe(scan, now)
+
+    monkeypatch.setattr(w, "_observe", costly_observe)
+    w.tick()  # nothing changed: a check only
+    assert w.next_interval() == pytest.approx(3.0 / 0.01)
+
+
 def test_after_a_restore_the_watcher_adds_no_snapshot_until_something_changes(registry, base_ref, box, tmp_path):
     """The container recipe: restore the last snapshot, then watch. The restored box is the moving
     tag's snapshot already (the restore's record says which layers it wrote): nothing is pushed."""
