@@ -346,26 +346,41 @@ def stop_watch(b: Bench, p: subprocess.Popen) -> tuple[float, str, int]:
     return secs, rest, code
 
 
+def run_ns(pid: int) -> int:
+    """Nanoseconds the process's threads have run (the scheduler's count, /proc/PID/task/*/schedstat):
+    fine enough to tell a watcher's check (milliseconds) from its waking up to sleep again (microseconds),
+    which the clock ticks of /proc/PID/stat cannot."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total
+
+
 def watch_idle(b: Bench, target: str, base_ref: str, box: str, state: str, checks: int, limit: float) -> Run:
     """CPU of a watcher of the unchanged box at --every 60s, in its steady state: over `checks`
-    checks (a check shows as a burst of CPU; between checks the watcher sleeps), from the end of
-    its second burst after the first snapshot on. The first is the snapshot's tail or the first
-    check, which follows a longer pause (the pace is set by the check before it, the one that
-    filled the memo); a fixed window from the start (180 s, as this row once was) held no check at
-    all on a 200k-file box and read 0.02% of a core. At most `limit` seconds."""
+    checks, from the end of its second burst of CPU after the first snapshot on (a check runs for
+    milliseconds or more; between checks the watcher sleeps). The first burst is the snapshot's
+    tail or the first check, which follows a longer pause (the pace is set by the check before it,
+    the one that filled the memo); a fixed window from the start (180 s, as this row once was)
+    held no check at all on a 200k-file box and read 0.02% of a core. At most `limit` seconds."""
     p = start_watch(b, target, base_ref, box, state, "60s")
     t_end = time.perf_counter() + limit
-    ends: list[tuple[float, float]] = []  # (time, CPU) at the end of each burst
-    last_cpu, busy = proc_cpu(p.pid), False
+    ends: list[tuple[float, float]] = []  # (time, CPU seconds) at the end of each check (no thread ends while idle)
+    last, burst = run_ns(p.pid), 0
     while len(ends) < checks + 2 and time.perf_counter() < t_end:
         time.sleep(0.25)
-        cpu = proc_cpu(p.pid)
-        if cpu > last_cpu:  # a clock tick of CPU or more: a check is running
-            busy = True
-        elif busy:
-            busy = False
-            ends.append((time.perf_counter(), cpu))
-        last_cpu = cpu
+        now = run_ns(p.pid)
+        ran, last = max(now - last, 0), now
+        if ran >= 1_000_000:  # a millisecond or more in a quarter second: a check is running
+            burst += ran
+        elif burst:
+            if burst >= 5_000_000:
+                ends.append((time.perf_counter(), now / 1e9))
+            burst = 0
     _, out, code = stop_watch(b, p)
     if len(ends) < 3:
         return Run(0.0, None, False, out, f"fewer than 2 checks after the first in {limit:.0f} s: no steady state to measure")
