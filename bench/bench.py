@@ -351,7 +351,11 @@ def run_ns(pid: int) -> int:
     fine enough to tell a watcher's check (milliseconds) from its waking up to sleep again (microseconds),
     which the clock ticks of /proc/PID/stat cannot."""
     total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0  # the process is gone
+    for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
@@ -371,7 +375,7 @@ def watch_idle(b: Bench, target: str, base_ref: str, box: str, state: str, check
     t_end = time.perf_counter() + limit
     ends: list[tuple[float, float]] = []  # (time, CPU seconds) at the end of each check (no thread ends while idle)
     last, burst = run_ns(p.pid), 0
-    while len(ends) < checks + 2 and time.perf_counter() < t_end:
+    while len(ends) < checks + 2 and time.perf_counter() < t_end and p.poll() is None:
         time.sleep(0.25)
         now = run_ns(p.pid)
         ran, last = max(now - last, 0), now
