@@ -893,7 +893,7 @@ def parse_args():
     ap.add_argument("--small", action="store_true", help="quick run: 2k files, 4 x 50 MiB weights, 64 MiB model added")
     ap.add_argument("--scale", action="store_true",
                     help="a real GPU box: 200k venv files, 40 weights totalling 32 GiB, 1 GiB model added, one run "
-                         "of each, --lean (hours, ~75 GiB of disk; `make bench ARGS=--scale`, not in CI)")
+                         "of each, --lean (about an hour, ~75 GiB of disk; `make bench ARGS=--scale`, not in CI)")
     ap.add_argument("--files", type=int, help="venv files (default 20000; BENCH_FILES)")
     ap.add_argument("--weights-mib", type=int, help="total weights in MiB (default 2048; BENCH_WEIGHTS_MIB)")
     ap.add_argument("--weight-files", type=int, help="weights files (default 4; BENCH_WEIGHT_FILES)")

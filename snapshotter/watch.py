@@ -208,7 +208,7 @@ class Watcher:
 
     def _step(self, now: float) -> None:
         # The pace budgets the whole check, not the scan alone: comparing a scan's paths with the
-        # last ones added a fifth or more, and an idle watcher went over its 0.5% of a core.
+        # last ones added about a fifth, and an idle watcher went over its 0.5% of a core.
         t = self.opts.cpu_clock()
         self._observe(self._scan(), now)
         pending = self._pending()
