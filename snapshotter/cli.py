@@ -114,6 +114,8 @@ Insecure = typer.Option(False, "--insecure-tls", help="Do not verify the registr
 Username = typer.Option(None, "--username", "-u", help="Registry user (default: ~/.docker/config.json auths and credential helpers).")
 PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry password from standard input.")
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+ForceHelp = ("Push even what snap refuses: moving a tag that names a snapshot this box neither came from (a "
+             "finished `snap restore` into this root) nor made.")
 
 
 _fmt_size = progress.human_size
@@ -132,9 +134,11 @@ def commit(
     rehash: bool = typer.Option(False, "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat cache."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); snap restore joins them."),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
+    force: bool = typer.Option(False, "--force", help=ForceHelp),
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
-    """Capture the box: diff it against its base image, split the diff into layers, push the image."""
+    """Capture the box: diff it against its base image, split the diff into layers, push the image.
+    The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made."""
     from .commit import CommitOptions, commit_box
     from .profile import include_path, load_profile, parse_size
 
@@ -142,7 +146,7 @@ def commit(
     prof.include += tuple(include_path(p) for p in include or ())
     opts = CommitOptions(
         root=root, profile=prof, compression=compression, rehash=rehash,
-        max_layer_size=parse_size(max_layer_size),
+        max_layer_size=parse_size(max_layer_size), force=force,
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
     if from_container:
@@ -160,10 +164,11 @@ def commit(
     if result.host_files:
         _say(f"left out {len(result.host_files)} file(s) bind-mounted from the host (GPU driver files and links to them; "
              "the next host's runtime mounts its own): " + ", ".join(repr("/" + p) for p in result.host_files))
-    if result.changed_while_read:
-        shown = ", ".join(repr("/" + p) for p in result.changed_while_read[:5])
-        more = f" and {len(result.changed_while_read) - 5} more" if len(result.changed_while_read) > 5 else ""
-        _say(f"warning: file changed as we read it, kept as last read (commit again for a settled copy): {shown}{more}")
+    for path, why in sorted(result.held.items())[:20]:
+        kept = "kept the last snapshot's version" if path in result.carried else "left out (the base's version, if any, stays)"
+        _say(f"held back: {'/' + path!r} ({why}): never read half-written; {kept}; commit again once it is written")
+    if len(result.held) > 20:
+        _say(f"held back {len(result.held) - 20} more file(s) being written")
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)
@@ -348,6 +353,7 @@ def watch(
     include: Optional[List[str]] = typer.Option(None, "--include", help="With --base scratch: watch and capture only this path (as for commit). Repeatable."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip (as for commit)."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (as for commit)."),
+    force: bool = typer.Option(False, "--force", help=ForceHelp),
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin,
 ):
@@ -371,7 +377,7 @@ def watch(
     prof.include += tuple(include_path(p) for p in include or ())
     opts = WatchOptions(
         commit=CommitOptions(root=root, profile=prof, compression=compression,
-                             max_layer_size=parse_size(max_layer_size),
+                             max_layer_size=parse_size(max_layer_size), force=force,
                              transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin)),
         every=parse_duration(every), keep=keep, grace=grace,
         notices=notice_watcher(provider, metadata_url), log=log_line,

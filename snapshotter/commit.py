@@ -6,9 +6,13 @@ layer; its config is the host's platform."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
+import re
 import tarfile
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +29,12 @@ from .errors import IntegrityError, SnapError, UsageError
 from .fsindex import (FILE, RACY_WINDOW_NS, Diff, Entry, Scan, ScanMemo, apply_layer_to_index, diff, gc_paused,
                       load_index, save_index, scan_box)
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
-                    now_rfc3339, Image, scratch_config, secrets_annotations, snapshot_config,
-                    snapshot_manifest)
+                    now_rfc3339, Image, scratch_config, secrets_annotations, snap_label, snapshot_config,
+                    snapshot_layer_count, snapshot_manifest)
 from .layer import LayerBlob, build_layer, measure_layer, write_layer
+from .lineage import check_forward
 from .mediatypes import OCI_MANIFEST
-from .plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
+from .plan import DEFAULT_MAX_LAYER_SIZE, META_DETAIL, LayerPlan, PlanMemo, plan_layers
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote, host_platform
@@ -38,10 +43,12 @@ from .staging import staging_dirs
 from .state import exclusive, state_dir, sub
 from .statcache import StatCache, note_last_commit
 from .transport import TransportOptions
+from .writers import Writers, open_for_writing
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
 SCRATCH = "scratch"  # --base scratch: no base image
+_BUNDLE = re.compile(r"bundle [0-9]+")  # plan.py's detail of a bundle layer
 
 
 @dataclass
@@ -57,6 +64,18 @@ class CommitOptions:
     # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
     changes: Optional[Callable] = None
     plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
+    force: bool = False  # push even what snap refuses (a tag this box neither came from nor made, ...)
+    origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides lineage.py's (a container's image)
+    # Files not to read now, with why (being written): given the scan, the paths to hold back. None: the
+    # files some process is writing (writers.py) that changed in the last WRITING_QUIET_S seconds.
+    hold: Optional[Callable[[Scan], dict[str, str]]] = None
+    # Where a held file's last snapshot version is: the last snapshot's own layers of each file
+    # (file_layers), asked only when a file is held. None: the target tag's snapshot (snap commit).
+    previous: Optional[Callable[[], dict[str, list[tuple[dict, str]]]]] = None
+    # The last snapshot's entries of changed paths (snap watch): a held file in a bundle is carried at
+    # that version when the stat cache still has its layer.
+    old_entries: dict[str, Entry] = field(default_factory=dict)
+    stopping: Optional[threading.Event] = None  # set by another thread: the push gives up at its next chunk
 
 
 @dataclass
@@ -79,6 +98,9 @@ class CommitResult:
     changed_while_read: list[str]
     deleted: int
     host_files: list[str] = field(default_factory=list)  # bind-mounted from the host (GPU driver files), and links to them
+    held: dict[str, str] = field(default_factory=dict)  # files not read because they were being written, with why
+    carried: list[str] = field(default_factory=list)  # of those, kept at the last snapshot's version
+    snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
 
 
 def base_index(remote: Remote, image: Image, log: Callable[[str], None],
@@ -163,6 +185,8 @@ class CommitPlan:
     # built; push_commit leaves out such a file whose layer cannot be, and lists it in `left_unread`.
     unreadable: set[str] = field(default_factory=set)
     left_unread: list[str] = field(default_factory=list)
+    held: dict[str, str] = field(default_factory=dict)  # files not read (being written), with why
+    carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
 
     @property
     def base_name(self) -> str:
@@ -211,6 +235,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     scan_started_ns = time.time_ns()
     with gc_paused():
         scan, d, plans = _scan_and_plan(root, base_img, index, opts)
+    held = (opts.hold or (lambda sc: being_written(sc, root, WRITING_QUIET_S)))(scan)
     if scratch and not opts.profile.include:
         files = [e for e in scan.entries.values() if e.kind == FILE]
         opts.log(f"--base scratch without --include: capturing all of {root} but the profile's excludes: "
@@ -219,8 +244,97 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     base_digest = base_img.manifest_digest if base_img else None
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
-    return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
-                      opts.profile.zstd_level, opts.rehash)
+    cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
+                    opts.profile.zstd_level, opts.rehash)
+    hold_back(cp, held, opts)
+    return cp
+
+
+WRITING_QUIET_S = 5.0  # a file held open for writing counts as being written until left alone this long
+
+
+def being_written(scan: Scan, root: str, quiet_s: float, now: Optional[float] = None,
+                  writers: Optional[Writers] = None) -> dict[str, str]:
+    """Regular files of the scan that some process holds open for writing (or maps writable,
+    writers.py) and that changed within `quiet_s`: reading one now could capture it half written
+    (a checkpoint saved in chunks, a weight rewritten in place). One left alone longer (a database
+    kept open) is read as usual: the read itself checks that it holds still."""
+    now = time.time() if now is None else now
+    held = {}
+    for path in (writers or open_for_writing()).under(root):
+        e = scan.entries.get(path)
+        if e is not None and e.kind == FILE and e.stamp:
+            _, mtime_ns, ctime_ns = e.stamp.split(":")
+            if now - max(int(mtime_ns), int(ctime_ns)) / 1e9 < quiet_s:
+                held[path] = "being written"
+    return held
+
+
+def hold_back(cp: CommitPlan, held: dict[str, str], opts: CommitOptions) -> None:
+    """Keep files that are being written (`held`: path -> why) out of the layers to read, and plan
+    again: each keeps the last snapshot's version where that is its own layer (carried as is, never
+    read), or where its old entry's layer is in the stat cache (snap watch); else it is left out, and
+    the snapshot has the base's version, if any. Never read: it would tear. Other names of a held
+    file's inode are held with it (they travel in one layer)."""
+    held = {p: why for p, why in held.items() if p not in cp.held}
+    inodes = {cp.scan.entries[p].inode for p in held if p in cp.scan.entries and cp.scan.entries[p].inode}
+    if inodes:
+        why = next(iter(held.values()))
+        held.update({e.path: why for e in cp.scan.entries.values() if e.inode in inodes and e.path not in held})
+    changed = {e.path for e in cp.diff.changed}
+    held = {p: why for p, why in held.items() if p in changed}
+    if not held:
+        return
+    previous = opts.previous() if opts.previous else {}
+    keep: list[Entry] = []
+    for e in cp.diff.changed:
+        if e.path not in held:
+            keep.append(e)
+        elif e.path in previous:
+            cp.carried[e.path] = previous[e.path]
+        elif e.path in opts.old_entries:
+            keep.append(opts.old_entries[e.path])
+            cp.unreadable.add(e.path)
+    cp.held.update(held)
+    cp.diff.changed = keep
+    cp.plans = _plan_layers(cp.diff, cp.scan, cp.index, opts)
+    for plan in cp.plans:
+        plan.fingerprint(opts.profile.zstd_level, opts.plan_memo)
+
+
+def file_layers(layers: list[tuple[dict, str]]) -> dict[str, list[tuple[dict, str]]]:
+    """A snapshot's layers of one file each, by that file's path: its single-file layer, or all its
+    part layers in order (image.py's annotations). Bundles hold other files too: not listed."""
+    single: dict[str, list[tuple[dict, str]]] = {}
+    parts: dict[str, dict[int, tuple[dict, str]]] = {}
+    counts: dict[str, int] = {}
+    for desc, diff_id in layers:
+        ann = desc.get("annotations") or {}
+        content, part_file = ann.get(SNAP_CONTENT), ann.get(SNAP_PART_FILE)
+        if isinstance(part_file, str) and isinstance(ann.get(SNAP_PART), str):
+            i, _, n = ann[SNAP_PART].partition("/")
+            if i.isdigit() and n.isdigit():
+                parts.setdefault(part_file, {})[int(i)] = (desc, diff_id)
+                counts[part_file] = int(n)
+        elif isinstance(content, str) and content != META_DETAIL and not _BUNDLE.fullmatch(content):
+            single[content] = [(desc, diff_id)]
+    for path, got in parts.items():
+        if sorted(got) == list(range(1, counts[path] + 1)):
+            single[path] = [got[i] for i in sorted(got)]
+    return single
+
+
+def image_file_layers(image: Image) -> dict[str, list[tuple[dict, str]]]:
+    """file_layers of an image's own layers (none for an image snap did not make)."""
+    try:
+        count = snapshot_layer_count(image)
+    except SnapError:
+        return {}
+    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
+    if not count or len(diff_ids) != len(image.layers):
+        return {}
+    start = len(image.layers) - count
+    return file_layers(list(zip(image.layers[start:], diff_ids[start:])))
 
 
 def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry],
@@ -276,6 +390,12 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
     if target_ref.digest:
         raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
     transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
+    if not os.path.isdir(opts.root):
+        raise UsageError(f"root {opts.root} does not exist or is not a directory")
+    remote = Remote(target_ref, transport)
+    current = check_forward(remote, target_ref, os.path.realpath(opts.root), opts.force, opts.origins)
+    if opts.previous is None and current is not None:
+        opts = dataclasses.replace(opts, previous=functools.cache(lambda: image_file_layers(remote.resolve(current))))
     cp = plan_commit(base, opts, transport, target_ref)
     return push_commit(cp, target_ref, transport, opts)
 
@@ -283,18 +403,21 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
 def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
     """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
     remote = target_remote(cp, target_ref, transport)
-    if cp.unreadable:
-        _leave_out_unreadable(cp, remote, opts)
-    base_img, plans = cp.base_img, cp.plans
-    if cp.base_layers + len(plans) > MAX_ENGINE_LAYERS:
-        opts.log(f"warning: the image has {cp.base_layers + len(plans)} layers; Docker cannot run images "
+    if opts.stopping is not None:
+        remote.stopping = opts.stopping
+    base_img = cp.base_img
+    layers = _push_settled_layers(cp, remote, opts)
+    if cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()) > MAX_ENGINE_LAYERS:
+        opts.log(f"warning: the image has {cp.base_layers + len(layers)} layers; Docker cannot run images "
                  f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
-    layers = push_layers(cp, remote, plans)
 
     created = now_rfc3339()
     base_config = base_img.config if base_img else scratch_config(*host_platform())
-    config = snapshot_config(base_config, [(p.label, b.diff_id) for p, b, _ in layers], created)
-    layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
+    rows = [(p.label, b.diff_id, descriptor(b.media_type, b.digest, b.size, _annotations(p)), status)
+            for p, b, status in layers]
+    _insert_carried(rows, cp)
+    config = snapshot_config(base_config, [(label, diff_id) for label, diff_id, _, _ in rows], created)
+    layer_descs = [desc for _, _, desc, _ in rows]
     extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets)}
     # The base's index, for a commit on a new machine and for restore (baseindex.py).
     index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
@@ -308,18 +431,60 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     # The tag moves only now, after every blob is in.
     digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
     cp.cache.save()
-    note_last_commit(cp.root, cp.base_name, str(target_ref))
+    note_last_commit(cp.root, cp.base_name, str(target_ref), digest)
     own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
     cp.sources.note(target_ref.api_host, target_ref.repository,
                     own + ([base_img.manifest["config"]["digest"]] if base_img else [])
                     + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []))
     cp.sources.save()
 
-    reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
-               for p, b, status in layers]
+    reports = [LayerReport(label, desc["digest"], desc["size"], desc["mediaType"], _entries(desc, layers), status)
+               for label, _, desc, status in rows]
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
-                        cp.scan.skipped_secrets, sorted(x for _, b, _ in layers for x in b.changed_while_read),
-                        len(cp.diff.deleted), cp.scan.host_files)
+                        cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
+                        len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
+                        snap_layers=[(desc, diff_id) for _, diff_id, desc, _ in rows])
+
+
+TORN = "changed while read"
+NOT_SENT_TORN = "not sent: a file changed while read"
+SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one before
+
+
+def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
+    """Build and upload the planned layers; a file that kept changing while it was read (layer.py
+    reads it up to 3 times) is held back as one being written (hold_back) and its layer built again
+    without it: no snapshot holds a torn file. Refused after SETTLE_PASSES builds that each tore."""
+    for _ in range(SETTLE_PASSES):
+        if cp.unreadable:
+            _leave_out_unreadable(cp, remote, opts)
+        layers = push_layers(cp, remote, cp.plans)
+        torn = sorted({path for _, blob, _ in layers for path in blob.changed_while_read})
+        if not torn:
+            return layers
+        hold_back(cp, {p: TORN for p in torn}, opts)
+    raise SnapError(f"files kept changing while they were read, {SETTLE_PASSES} times: nothing was pushed",
+                    "commit again once the box is quieter")
+
+
+def _insert_carried(rows: list, cp: CommitPlan) -> None:
+    """Put the layers carried from the last snapshot among the weights' single-file layers: before
+    the weights' last small layer (directories and deletions), which must stay on top of them."""
+    carried = [(snap_label(desc) or desc["digest"][:19], diff_id, desc, "kept from the last snapshot (being written, not read)")
+               for path in sorted(cp.carried) for desc, diff_id in cp.carried[path]]
+    if not carried:
+        return
+    at = len(rows)
+    if cp.plans and cp.plans[-1].detail == META_DETAIL:
+        at -= 1
+    rows[at:at] = carried
+
+
+def _entries(desc: dict, layers: list[tuple[LayerPlan, LayerBlob, str]]) -> int:
+    for p, b, _ in layers:
+        if b.digest == desc["digest"]:
+            return len(p.entries) + len(p.whiteouts)
+    return 1
 
 
 def _annotations(plan: LayerPlan) -> dict:
@@ -406,15 +571,16 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                 # Stored as is: hash it in one read, then stream it again to the registry only if
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
                 blob = measure_layer(root, plan, zstd_level, on_pack)
-                if not blob.changed_while_read:
-                    if there := in_registry(remote, blob.digest, sources):
-                        return blob, there
-                    remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size,
-                                       on_up)
-                    return blob, "uploaded"
-                # A file that kept changing would not read the same twice: build a copy once, send that.
+                if blob.changed_while_read:
+                    return blob, NOT_SENT_TORN
+                if there := in_registry(remote, blob.digest, sources):
+                    return blob, there
+                remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
+                return blob, "uploaded"
             blob = build_layer(root, plan, out_dir, zstd_level, on_pack)
             try:
+                if blob.changed_while_read:
+                    return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there
                 remote.upload_blob(blob.path, blob.digest, blob.size, on_up)

@@ -45,7 +45,7 @@ from .parts import join_parts, part_files, part_links
 from .profile import Profile, available_profiles, load_profile
 from .reference import Reference
 from .registry import Remote
-from .restorerecord import note_restore
+from .restorerecord import forget_restore, note_restore
 from .staging import SPLIT_SUFFIX, STAGING_PREFIX, SplitLayer, StagingDirs, download_split
 from .state import exclusive, state_dir, sub
 from .transport import TransportOptions
@@ -154,6 +154,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         if count == ready_at and opts.on_app_ready is not None:
             opts.on_app_ready()
 
+    forget_restore(root)  # until this one finishes, the root did not come from any image (lineage.py)
     staging = StagingDirs(root, image.manifest_digest)
     try:
         if resumed >= ready_at:
@@ -179,7 +180,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     journal.remove()
     _note_sources(reference, image)
     _keep_base_index(remote, image, opts.log)
-    seeded = note_restore(root, image, headers) if headers and opts.seed_stat_cache else 0
+    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {})
     progress.finish(ok=True)
     stats.files += extractor.stats.files  # the joins
     stats.bytes += extractor.stats.bytes

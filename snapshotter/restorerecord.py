@@ -38,9 +38,10 @@ def _path(root: str) -> str:
 
 
 def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> int:
-    """Note the snap layers of `image` just extracted into `root` (`applied_headers`: layer digest
-    -> digest of its tar headers). Returns how many; 0 if the record could not be written (an
-    optimisation only: the next commit reads the layers instead)."""
+    """Note that `image` was restored into `root`, whole (lineage.py: the box came from it), and its
+    snap layers just extracted (`applied_headers`: layer digest -> digest of its tar headers).
+    Returns how many layers; 0 if the record could not be written (the next commit then reads the
+    layers instead, and cannot move the image's tag without --force)."""
     ann = image.manifest.get("annotations") or {}
     try:
         max_layer = int(ann.get(SNAP_MAX_LAYER, DEFAULT_MAX_LAYER_SIZE))
@@ -53,7 +54,8 @@ def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> in
         if label and headers is not None:
             layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
                              "media_type": desc["mediaType"], "headers": headers}
-    doc = {"version": VERSION, "root": os.path.realpath(root), "base": ann.get(BASE_DIGEST),
+    doc = {"version": VERSION, "root": os.path.realpath(root), "manifest": image.manifest_digest,
+           "base": ann.get(BASE_DIGEST),
            "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer, "restored_at_ns": time.time_ns(), "layers": layers}
     try:
         replace_file(_path(root), lambda f: json.dump(doc, f))
@@ -61,6 +63,40 @@ def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> in
         return 0
     time.sleep(CLOCK_TICK_S)  # later writes get ctimes past restored_at_ns
     return len(layers)
+
+
+def forget_restore(root: str) -> None:
+    """A restore that starts writing into `root` makes the last record untrue until it finishes:
+    a restore that fails or stops half-way must not look like a finished one (lineage.py)."""
+    try:
+        os.unlink(_path(root))
+    except FileNotFoundError:
+        pass
+
+
+def _load(root: str) -> Optional[dict]:
+    try:
+        with open(_path(root)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(doc, dict) and doc.get("version") == VERSION and doc.get("root") == os.path.realpath(root)
+    return doc if ok else None
+
+
+def restored_from(root: str) -> Optional[str]:
+    """The manifest digest of the image the last finished restore into `root` wrote, if any."""
+    doc = _load(root)
+    digest = doc.get("manifest") if doc else None
+    return digest if isinstance(digest, str) else None
+
+
+def restored_at_ns(root: str) -> Optional[int]:
+    """When the last finished restore into `root` ended: a file whose ctime is older was last
+    changed by that restore (or before it), never since."""
+    doc = _load(root)
+    at = doc.get("restored_at_ns") if doc else None
+    return at if type(at) is int else None
 
 
 class RestoreRecord:
@@ -74,13 +110,8 @@ class RestoreRecord:
     def load(cls, root: str, base_digest: Optional[str], profile: str, max_layer_size: int) -> Optional["RestoreRecord"]:
         """The record of the last restore into `root`, if it fits this commit (same base image,
         profile and part-layer cap); else None."""
-        try:
-            with open(_path(root)) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            return None
-        fits = (isinstance(doc, dict) and doc.get("version") == VERSION and doc.get("root") == os.path.realpath(root)
-                and doc.get("base") == base_digest and doc.get("profile") == profile
+        doc = _load(root)
+        fits = (doc is not None and doc.get("base") == base_digest and doc.get("profile") == profile
                 and doc.get("max_layer") == max_layer_size and type(doc.get("restored_at_ns")) is int
                 and isinstance(doc.get("layers"), dict))
         return cls(doc) if fits else None

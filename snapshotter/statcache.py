@@ -56,27 +56,41 @@ class StatCache:
         replace_file(self.path, lambda f: json.dump({"key": self.key, "layers": layers}, f))
 
 
-# ---- what a commit leaves for `snap status` ------------------------------------------------------
+# ---- what a commit leaves for `snap status` and for the next commit of the root ----------------
 
 
-LAST_COMMIT_VERSION = 1
+LAST_COMMIT_VERSION = 2
+MADE_KEPT = 32  # digests of the snapshots made from a root that are remembered (lineage.py)
 
 
 def _last_commit_path(root: str) -> str:
     return os.path.join(sub("last-commit"), hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
 
 
-def note_last_commit(root: str, base: str, target: str) -> None:
-    """Remembered per root, so that `snap status` needs no --base after a commit or a watch."""
-    doc = {"version": LAST_COMMIT_VERSION, "base": base, "target": target}
+def _last_commit(root: str) -> dict:
+    try:
+        with open(_last_commit_path(root)) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) and doc.get("version") == LAST_COMMIT_VERSION else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def note_last_commit(root: str, base: str, target: str, digest: str) -> None:
+    """Remembered per root: the base, so that `snap status` needs no --base after a commit or a
+    watch; the manifest digests of the last snapshots made from it, so that a later commit may move
+    a tag that names one of them (lineage.py)."""
+    made = [d for d in made_from(root) if d != digest][-(MADE_KEPT - 1):] + [digest]
+    doc = {"version": LAST_COMMIT_VERSION, "base": base, "target": target, "made": made}
     replace_file(_last_commit_path(root), lambda f: json.dump(doc, f))
 
 
 def last_base(root: str) -> Optional[str]:
-    try:
-        with open(_last_commit_path(root)) as f:
-            doc = json.load(f)
-        base = doc.get("base") if doc.get("version") == LAST_COMMIT_VERSION else None
-        return base if isinstance(base, str) else None
-    except (OSError, ValueError, AttributeError):
-        return None
+    base = _last_commit(root).get("base")
+    return base if isinstance(base, str) else None
+
+
+def made_from(root: str) -> list[str]:
+    """The manifest digests of the last snapshots this state dir pushed of `root`, oldest first."""
+    made = _last_commit(root).get("made")
+    return [d for d in made if isinstance(d, str)] if isinstance(made, list) else []

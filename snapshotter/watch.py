@@ -21,17 +21,20 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from .commit import (SCRATCH, CommitOptions, CommitPlan, changes_in, own_excludes, plan_commit, push_commit, push_layers, scan_root,
-                     target_remote)
+from .commit import (SCRATCH, CommitOptions, CommitPlan, being_written, changes_in, image_file_layers, own_excludes,
+                     plan_commit, push_commit, push_layers, scan_root, target_remote, file_layers)
 from .errors import AuthError, SnapError, UsageError
 from .fsindex import FILE, Entry, Scan, ScanMemo, gc_paused, scan_box
 from .image import BASE_DIGEST, Image, snapshot_layer_count
+from .lineage import check_forward
 from .mediatypes import OCI_MANIFEST
 from .notices import NoticeWatcher
 from .plan import PlanMemo
 from .reference import Reference
 from .registry import Remote
+from .restorerecord import restored_at_ns
 from .state import exclusive
+from .writers import open_for_writing
 
 MiB = 1024 * 1024
 DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
@@ -76,9 +79,13 @@ def _token(e: Entry) -> tuple:
     return (e.kind, e.mode, e.uid, e.gid, e.size, e.stamp)
 
 
-def _times(e: Entry) -> float:
-    """The later of mtime and ctime, in seconds (a rename into place changes only the ctime)."""
+def _times(e: Entry, restored_at: Optional[int] = None) -> float:
+    """When the file last changed, in seconds: the later of mtime and ctime (a rename into place
+    changes only the ctime), except that a ctime from before a restore's end (`restored_at`, ns) is
+    the restore writing the file, not the box: then the mtime alone."""
     _, mtime_ns, ctime_ns = e.stamp.split(":")
+    if restored_at is not None and int(ctime_ns) <= restored_at:
+        return int(mtime_ns) / 1e9
     return max(int(mtime_ns), int(ctime_ns)) / 1e9
 
 
@@ -134,6 +141,17 @@ class Watcher:
         memo_clock = lambda: int(opts.clock() * 1e9)  # noqa: E731
         self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
         self.plan_memo = PlanMemo()  # and what the last plan made of the layers that did not change
+        # The snapshot the moving tag names, once checked (lineage.py): its digest, and its layers of
+        # one file each, which keep a file being written at that version (commit.hold_back).
+        self.lineage_checked = False
+        self.tag_digest: Optional[str] = None
+        self.previous_files: dict[str, list[tuple[dict, str]]] = {}
+        self.restored_at = restored_at_ns(self.root)  # files a restore wrote are not being written
+        # One commit at a time: the final snapshot waits for the loop's (and stops it first), so the two
+        # never build the same layer file in the state dir at once.
+        self.commit_lock = threading.Lock()
+        self.final_started = threading.Event()
+        self.inflight: Optional[threading.Event] = None  # the loop's commit in flight gives up once set (by final())
 
     # ---- scanning ------------------------------------------------------------------------------
 
@@ -158,8 +176,10 @@ class Watcher:
         return changed
 
     def _stable(self, e: Entry, now: float) -> bool:
-        """Unchanged for `stable` seconds: seen so by the watcher, or its times say so."""
-        return now - self.since.get(e.path, now) >= self.opts.stable or now - _times(e) >= self.opts.stable
+        """Unchanged for `stable` seconds: seen so by the watcher, or its times say so (a restore's
+        writing is not a change: after a restore every file has a fresh ctime)."""
+        return (now - self.since.get(e.path, now) >= self.opts.stable
+                or now - _times(e, self.restored_at) >= self.opts.stable)
 
     def _new_big(self, entries: dict[str, Entry]) -> list[Entry]:
         """Big files that are not in the last snapshot as they are now."""
@@ -167,13 +187,16 @@ class Watcher:
         return [e for e in entries.values() if e.kind == FILE and e.size >= self.big and e.inode is None
                 and committed.get(e.path) != _token(e)]
 
-    def _held(self, entries: dict[str, Entry], now: float, final: bool = False) -> dict[str, str]:
-        """Big files left out of a snapshot, with why: still being written, or (final) too big to
-        send within the grace and not sent ahead."""
+    def _held(self, entries: dict[str, Entry], now: float, final: bool = False, writers_seen: bool = False) -> dict[str, str]:
+        """Big files left out of a snapshot's reads, with why: still being written by their times
+        (a download that closes between chunks), or (final) too big to send within the grace and not
+        sent ahead. The final snapshot trusts the times only where /proc cannot show every writer
+        (`writers_seen`: commit.being_written sees them all): a file written and closed a moment
+        before the signal is complete, and taken."""
         held = {}
         budget = self.throughput * self.opts.grace / 2
         for e in self._new_big(entries):
-            if not self._stable(e, now):
+            if not self._stable(e, now) and not (final and writers_seen):
                 held[e.path] = "still being written"
             elif final and self.sent_ahead.get(e.path) != _token(e) and e.size > budget:
                 held[e.path] = f"not sent yet, would not fit in the {self.opts.grace:g}s grace"
@@ -209,6 +232,8 @@ class Watcher:
     def _step(self, now: float) -> None:
         # The pace budgets the whole check, not the scan alone: comparing a scan's paths with the
         # last ones added about a fifth, and an idle watcher went over its 0.5% of a core.
+        if not self.lineage_checked:
+            self._check_lineage()
         t = self.opts.cpu_clock()
         self._observe(self._scan(), now)
         pending = self._pending()
@@ -222,11 +247,15 @@ class Watcher:
         burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
         if not (first or ready or due or burst_over):
             return
-        with exclusive(self.log):  # as a commit does: another snap process on the state dir waits
+        with self.commit_lock, exclusive(self.log):  # as a commit does: another snap process on the state dir waits
+            with self.lock:
+                if self.final_started.is_set():
+                    return  # the final snapshot is on its way
+                self.inflight = stopping = threading.Event()
             if ready:
-                self._send_ahead(now, ready)
+                self._send_ahead(now, ready, stopping)
             if first or due or burst_over:
-                self._snapshot(first=first)
+                self._snapshot(first=first, stopping=stopping)
 
     def next_interval(self) -> float:
         """Seconds to the next scan: a check's cost stays near the budget, ten times it while the
@@ -247,49 +276,41 @@ class Watcher:
 
     # ---- sending -------------------------------------------------------------------------------
 
-    def _plan(self, now: float, final: bool) -> tuple[CommitOptions, CommitPlan, dict[str, str]]:
-        """A commit planned on a fresh scan: (its options, the plan, the big files held back and why).
-        A held file carried at the last snapshot's version is one the plan must not read."""
-        held: dict[str, str] = {}
-        carried: dict[str, Entry] = {}
-        opts = self._commit_options(now, final, held, carried)
-        cp = plan_commit(self.base, opts, self.transport)
-        cp.unreadable = set(carried)  # being rewritten: reading it would tear
-        return opts, cp, held
-
-    def _commit_options(self, now: float, final: bool, held_out: dict[str, str],
-                        carried_out: dict[str, Entry]) -> CommitOptions:
-        """commit's options, with a fresh scan whose big files still being written are held back:
-        left out, or, where the last snapshot has one in its layers, carried at that version (its
-        old entry: the layer's fingerprint is the one the stat cache knows, so it is not read)."""
+    def _plan(self, now: float, final: bool) -> tuple[CommitOptions, CommitPlan]:
+        """A commit planned on a fresh scan, with the files being written held back (commit.hold_back):
+        open for writing and changed within `stable` seconds, big ones still changing, and (final)
+        big ones that would not fit in the grace. cp.held says which and why."""
         opts = self.opts.commit
-        last = self.committed_changed
 
         def changes(base_img: Image, index: dict[str, Entry]):
             scan = scan_root(self.root, opts.profile, self.commit_memo)
-            held = self._held(scan.entries, now, final)
-            held_out.update(held)
-            carried = {p: last[p] for p in held if p in last}
-            carried_out.update(carried)
-            d = changes_in(scan, self.root, opts.profile, index, opts.rehash)
-            d.changed = [e for e in d.changed if e.path not in held] + list(carried.values())
-            return scan, d
+            return scan, changes_in(scan, self.root, opts.profile, index, opts.rehash)
 
-        return dataclasses.replace(opts, changes=changes, log=self.log, plan_memo=self.plan_memo)
+        def hold(scan: Scan) -> dict[str, str]:
+            writers = open_for_writing()
+            held = self._held(scan.entries, now, final, writers.complete)
+            held.update(being_written(scan, self.root, self.opts.stable, now, writers))
+            return held
+
+        opts = dataclasses.replace(opts, changes=changes, log=self.log, plan_memo=self.plan_memo, hold=hold,
+                                   previous=lambda: self.previous_files, old_entries=self.committed_changed)
+        return opts, plan_commit(self.base, opts, self.transport)
 
     def _ready_to_send(self, now: float) -> set[str]:
         """Big new files that are complete (stable) and not sent yet."""
         return {e.path for e in self._new_big(self.entries)
                 if self._stable(e, now) and self.sent_ahead.get(e.path) != _token(e)}
 
-    def _send_ahead(self, now: float, ready: set[str]) -> None:
+    def _send_ahead(self, now: float, ready: set[str], stopping: Optional[threading.Event] = None) -> None:
         """Upload the layers of big files that are ready, before the commit that will name them:
         that commit then finds their blobs in the registry."""
-        _, cp, _ = self._plan(now, False)
+        _, cp = self._plan(now, False)
         plans = [p for p in cp.plans if (p.part_of[0] if p.part_of else p.detail) in ready]
         if not plans:
             return
         remote = target_remote(cp, self.moving, self.transport)
+        if stopping is not None:
+            remote.stopping = stopping
         t = time.monotonic()
         results = push_layers(cp, remote, plans)
         cp.cache.save(keep_old=True)
@@ -311,16 +332,19 @@ class Watcher:
         self.last_tag = name
         return name
 
-    def _snapshot(self, first: bool = False, final: bool = False) -> Optional[str]:
+    def _snapshot(self, first: bool = False, final: bool = False,
+                  stopping: Optional[threading.Event] = None) -> Optional[str]:
         """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
-        name, or None when the box matched the moving tag's snapshot already (first, final)."""
+        name, or None when the box matched the moving tag's snapshot already (first, final).
+        `stopping` set: the commit gives up at its next chunk (the final snapshot wants the lock)."""
         with self.lock:  # the worker's and the final snapshot's may overlap
             self.seq += 1
             seq = self.seq
             tag = self._tag_name()
         now = self.opts.clock()
         last = self.committed or {}
-        opts, cp, held = self._plan(now, final)
+        opts, cp = self._plan(now, final)
+        held = cp.held
         self._trace(f"planned {len(cp.plans)} layer(s)")
         tokens = {p: _token(e) for p, e in cp.scan.entries.items() if p not in held}
         # A held file the last snapshot has stays as it was there: carried, or the base's version.
@@ -333,26 +357,28 @@ class Watcher:
         if final and tokens == self.committed:
             return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
         ref = Reference(self.moving.registry, self.moving.repository, tag)
-        result = push_commit(cp, ref, self.transport, opts)
-        for path in cp.left_unread:
-            tokens.pop(path, None)
+        result = push_commit(cp, ref, self.transport, dataclasses.replace(opts, stopping=stopping))
+        kept = set(cp.carried) | (cp.unreadable - set(cp.left_unread))
+        for path in set(held) - kept:
+            tokens.pop(path, None)  # not in this snapshot as the last one had it: pending until it is taken
         for path, why in sorted(held.items()):
-            if path in cp.left_unread:
-                kept = ("left out: the last snapshot's version shares a layer that changed, or is not in the "
+            if path in kept:
+                what = "kept the last snapshot's version"
+            elif path in cp.left_unread:
+                what = ("left out: the last snapshot's version shares a layer that changed, or is not in the "
                         "stat cache, and the file is not read while it is written")
             else:
-                kept = "kept the last snapshot's version" if path in last else "left out"
-            self.log(f"held back: {'/' + path!r} ({why}); {kept}; the next snapshot takes it")
+                what = "left out"
+            self.log(f"held back: {'/' + path!r} ({why}); {what}; the next snapshot takes it")
         self._trace(f"pushed {tag}")
         with self.lock:
             moved = seq > self.moved_seq
             if moved:
-                remote = Remote(self.moving, self.transport)
-                body, _, _ = remote.get_manifest(result.manifest_digest)
-                remote.put_manifest(body, OCI_MANIFEST, self.moving.tag)
+                self._move_tag(result.manifest_digest)
                 self.moved_seq, self.current = seq, tag
                 self._trace(f"moved {self.moving.tag} to {tag}")
         self._committed(tokens, now, cp)
+        self.previous_files = file_layers(result.snap_layers)
         self.snapshots += 1
         sent = [layer for layer in result.layers if layer.status == "uploaded"]
         self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent, "
@@ -360,6 +386,28 @@ class Watcher:
         if self.opts.keep:
             self._prune()
         return tag
+
+    def _check_lineage(self) -> None:
+        """Before the first snapshot: the moving tag must name a snapshot this box came from or made
+        (lineage.py), or nothing yet; its layers of one file each are what a file being written is
+        kept at."""
+        remote = Remote(self.moving, self.transport)
+        digest = check_forward(remote, self.moving, self.root, self.opts.commit.force, self.opts.commit.origins)
+        self.previous_files = image_file_layers(remote.resolve(digest)) if digest else {}
+        self.tag_digest, self.lineage_checked = digest, True
+
+    def _move_tag(self, digest: str) -> None:
+        """Put the moving tag on the snapshot `digest`, unless someone else moved it since this watcher
+        last did (another box racing for the tag): then stop, as lineage.py refuses a commit."""
+        remote = Remote(self.moving, self.transport)
+        now = remote.manifest_digest(self.moving.tag)
+        if now not in (self.tag_digest, digest) and not self.opts.commit.force:
+            raise UsageError(f"{self.moving} was moved to {str(now)[:19]} by someone else while this watcher kept it "
+                             f"(it named {str(self.tag_digest)[:19]}); the new snapshot stays under its own tag",
+                             "two boxes must not watch one tag: give each its own, or pass --force")
+        body, _, _ = remote.get_manifest(digest)
+        remote.put_manifest(body, OCI_MANIFEST, self.moving.tag)
+        self.tag_digest = digest
 
     def _trace(self, msg: str) -> None:
         """Progress markers for tests that kill the watcher at chosen moments (SNAP_WATCH_TRACE=1)."""
@@ -386,7 +434,9 @@ class Watcher:
         count = snapshot_layer_count(img)
         ours = [d["digest"] for d in img.layers[len(img.layers) - count:]] if count else []
         base_digest = cp.base_img.manifest_digest if cp.base_img else None
-        return img.manifest.get("annotations", {}).get(BASE_DIGEST) == base_digest and ours == [k["digest"] for k in known]
+        carried = [desc["digest"] for layers in cp.carried.values() for desc, _ in layers]
+        return (img.manifest.get("annotations", {}).get(BASE_DIGEST) == base_digest
+                and sorted(ours) == sorted([k["digest"] for k in known] + carried))
 
     def snapshot_tags(self, tags: list[str]) -> list[str]:
         """This watch's immutable tags among `tags`, oldest first."""
@@ -427,7 +477,13 @@ class Watcher:
 
         def work() -> None:
             try:
-                with exclusive(self.log):
+                with self.lock:  # a snapshot of the loop in flight gives up: this one replaces it
+                    self.final_started.set()
+                    if self.inflight is not None:
+                        self.inflight.set()
+                with self.commit_lock, exclusive(self.log):
+                    if not self.lineage_checked:
+                        self._check_lineage()
                     box["tag"] = self._snapshot(final=True)
             except BaseException as e:  # handed to the waiting thread
                 box["error"] = e

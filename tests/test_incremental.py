@@ -246,7 +246,8 @@ def _swap(row: list, i: int, j: int) -> list:
 def test_a_base_index_cache_of_another_format_is_rebuilt(registry, base_ref, box, state_dir, header):
     """A base-index cache whose rows are laid out otherwise (here size and mtime swapped) is never
     read into the wrong fields: the commit rebuilds the index and gives the same image."""
-    first = commit_box(f"{registry.host}/idxfmt:v1", base_ref, CommitOptions(root=box))
+    repo = "idxfmt-" + "".join(c for c in header if c.isalnum())  # each box pushes to tags of its own
+    first = commit_box(f"{registry.host}/{repo}:v1", base_ref, CommitOptions(root=box))
     [cache] = (state_dir / "base-index").iterdir()
     with gzip.open(cache, "rt") as f:
         current, *rows = [json.loads(line) for line in f]
@@ -259,7 +260,7 @@ def test_a_base_index_cache_of_another_format_is_rebuilt(registry, base_ref, box
     with gzip.open(cache, "wt") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
 
-    second = commit_box(f"{registry.host}/idxfmt:v2", base_ref, CommitOptions(root=box))
+    second = commit_box(f"{registry.host}/{repo}:v2", base_ref, CommitOptions(root=box))
     assert [(layer.name, layer.digest) for layer in second.layers] == [(layer.name, layer.digest) for layer in first.layers]
     assert second.deleted == first.deleted
     with gzip.open(cache, "rt") as f:

@@ -373,7 +373,7 @@ class WatchProcess:
     """`snap watch` as a process; lines() yields what it prints on stderr, as it prints it."""
 
     def __init__(self, *args, env=None):
-        e = dict(os.environ, **FAST, **(env or {}))
+        e = {**os.environ, **FAST, **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", *args], stderr=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, text=True, env=e)
         self.seen: list[str] = []

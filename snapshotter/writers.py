@@ -1,0 +1,81 @@
+"""Files that a process on the box is writing right now, as /proc shows them: held open for writing
+(or mapped shared and writable). A snapshot never reads such a file while it is still changing: a
+checkpoint saved in chunks or a weight rewritten in place would be captured half written.
+
+/proc shows the processes of this PID namespace (all of a container's); another user's open files are
+hidden from a non-root snap, and `Writers.complete` then says the answer may be partial (a root snap
+is refused only a process of an outer namespace, which is not the box's)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+_ACCESS_MODE = 0o3  # O_ACCMODE: O_RDONLY 0, O_WRONLY 1, O_RDWR 2
+_DELETED = " (deleted)"
+
+
+@dataclass
+class Writers:
+    paths: set[str] = field(default_factory=set)  # absolute paths, as the writing processes see them
+    complete: bool = True  # False when some process's files could not be read (another user's)
+
+    def under(self, root: str) -> set[str]:
+        """The paths being written inside `root`, relative to it (as scans name them)."""
+        root = os.path.realpath(root)
+        prefix = root.rstrip("/") + "/"
+        return {p[len(prefix):] for p in self.paths if p.startswith(prefix)}
+
+
+def open_for_writing(proc: str = "/proc") -> Writers:
+    """Every file some process (other than this one) holds open for writing or maps shared-writable."""
+    found = Writers()
+    me = str(os.getpid())
+    try:
+        pids = [p for p in os.listdir(proc) if p.isdigit() and p != me]
+    except OSError:
+        return Writers(complete=False)
+    for pid in pids:
+        try:
+            _fds_for_writing(os.path.join(proc, pid), found.paths)
+        except PermissionError:
+            # Hidden from root only by a process of an outer namespace (a sandbox's init), not one
+            # of the box's; a non-root snap cannot see other users' processes, which may be writing.
+            found.complete = found.complete and os.geteuid() == 0
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            continue  # the process ended while we looked
+        try:
+            _shared_writable_maps(os.path.join(proc, pid), found.paths)
+        except (PermissionError, FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            pass  # a container's init may hide its maps even from root; writes through a mapping are rare
+    return found
+
+
+def _fds_for_writing(pid_dir: str, out: set[str]) -> None:
+    fd_dir = os.path.join(pid_dir, "fd")
+    for fd in os.listdir(fd_dir):
+        try:
+            with open(os.path.join(pid_dir, "fdinfo", fd), "rb") as f:
+                info = f.read(4096)
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # closed meanwhile
+        if not target.startswith("/") or target.endswith(_DELETED):
+            continue  # a pipe, a socket, an anonymous inode, or a file no longer at any path
+        for line in info.splitlines():
+            if line.startswith(b"flags:"):
+                if int(line.split()[1], 8) & _ACCESS_MODE:
+                    out.add(target)
+                break
+
+
+def _shared_writable_maps(pid_dir: str, out: set[str]) -> None:
+    """An mmap'ed file written through memory changes without a write(2), and stays mapped after
+    its descriptor is closed."""
+    with open(os.path.join(pid_dir, "maps"), "rb") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[1][1:2] == b"w" and fields[1][3:4] == b"s":
+                path = fields[5].rstrip(b"\n").decode(errors="surrogateescape")
+                if path.startswith("/") and not path.endswith(_DELETED):
+                    out.add(path)

@@ -1,0 +1,399 @@
+"""The cycle around the round trip, as a reclaimed box lives it: restore, watch, work, a signal, and the
+moving tag must still hold what the box had. Against the real test registry.
+
+- The tag moves only forward: from a snapshot this box came from (a finished restore) or made.
+- A file a restore wrote is not being written; one being written keeps the last snapshot's version
+  (or is left out), never a partial; the final snapshot never runs beside the loop's commit.
+- A seeded reclaim cycle: `snap watch` on a restored box, files saved in chunks and rewritten in place,
+  SIGTERM at seeded moments; the tag restores to every settled file and no torn one."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import NOT_CAPTURED, snap
+from support import snapshot_of_tree, write_tree
+from snapshotter import CommitOptions, commit_box, restore_image
+from snapshotter import commit as commit_module, layer as layer_module, progress
+from snapshotter.errors import SnapError, UsageError
+from snapshotter.profile import parse_profile
+from snapshotter.restore import RestoreOptions
+from snapshotter.writers import open_for_writing
+from test_watch import SMALL_WEIGHTS, TIMEOUT, FakeClock, WatchProcess, digest_of, snap_layers, watcher
+
+MiB = 1024 * 1024
+WEIGHT = "opt/app/models/checkpoints/model.safetensors"
+
+
+def blobs_in(registry) -> set[str]:
+    """The blob digests the registry's storage holds (what a refused commit must not add to)."""
+    top = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256")
+    return {name for _, _, files in os.walk(top) for name in files} | {
+        d for _, dirs, _ in os.walk(top) for d in dirs if len(d) == 64}
+
+
+def profile_file(tmp_path) -> str:
+    path = tmp_path / "small-weights.yaml"
+    path.write_text(SMALL_WEIGHTS)
+    return str(path)
+
+
+# ---- the tag moves only forward ------------------------------------------------------------------------
+
+
+def test_a_commit_moves_a_tag_only_from_a_snapshot_the_box_came_from_or_made(registry, base_ref, box, base_rootfs,
+                                                                             tmp_path):
+    target = f"{registry.host}/forward:v2"
+    snap("commit", target, "--base", base_ref, "--root", box, check=True)  # a new tag
+    write_tree(box, {"opt/app/more.txt": "second\n"})
+    snap("commit", target, "--base", base_ref, "--root", box, check=True)  # one this box made
+    made = digest_of(registry, "forward", "v2")
+
+    # A fresh box from the base (nothing restored): the tag is not its to move.
+    bare = tmp_path / "bare"
+    subprocess.run(["cp", "-a", base_rootfs, str(bare)], check=True)
+    before = blobs_in(registry)
+    r = snap("commit", target, "--base", base_ref, "--root", str(bare))
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
+    assert len(lines) == 1 and "neither came from" in lines[0] and "--force" in lines[0] and "snap restore" in lines[0]
+    assert repr(str(bare)) in lines[0]
+    assert digest_of(registry, "forward", "v2") == made and blobs_in(registry) == before  # nothing written
+
+    # Once it has restored the tag, it may; and --force always may.
+    restored = tmp_path / "restored"
+    snap("restore", target, "--root", str(restored), check=True)
+    write_tree(str(restored), {"opt/app/after.txt": "restored, then changed\n"})
+    snap("commit", target, "--base", base_ref, "--root", str(restored), check=True)
+    assert digest_of(registry, "forward", "v2") != made
+    snap("commit", target, "--base", base_ref, "--root", str(bare), "--force", check=True)
+    assert snapshot_of_tree(str(bare), skip=NOT_CAPTURED) == _restored_tree(target, tmp_path / "check")
+
+
+def _restored_tree(ref: str, out) -> dict:
+    restore_image(ref, str(out))
+    return snapshot_of_tree(str(out), skip=NOT_CAPTURED)
+
+
+def test_a_failed_restore_does_not_count_as_coming_from_the_image(registry, proxy, base_ref, box, tmp_path):
+    """The trial: the registry fails at start, the restore exits non-zero, the watcher starts on the
+    bare base. Neither it nor a commit may move the tag, even where an earlier restore had succeeded."""
+    snap("commit", f"{registry.host}/failed:v2", "--base", base_ref, "--root", box, check=True)
+    good = digest_of(registry, "failed", "v2")
+    root = tmp_path / "root"
+    restore_image(f"{registry.host}/failed:v2", str(root), RestoreOptions())  # once fine...
+    write_tree(box, {"opt/app/newer.txt": "made elsewhere\n"})
+    snap("commit", f"{registry.host}/failed:v3", "--base", base_ref, "--root", box, check=True)
+    layers = {d["digest"] for d in registry.manifest("failed", "v3")["layers"]}
+    proxy.answer = lambda method, path: (503, {}) if method == "GET" and path.rsplit("/", 1)[-1] in layers else None
+    with pytest.raises(SnapError):  # ... then a restore of another snapshot fails half-way
+        restore_image(f"{proxy.host}/failed:v3", str(root), RestoreOptions(only_snapshot=True))
+    r = snap("commit", f"{registry.host}/failed:v2", "--base", base_ref, "--root", str(root))
+    assert r.returncode == 2 and "neither came from" in r.stderr, r.stderr
+    w = watcher(registry, base_ref, str(root), "failed", [], every=0)
+    with pytest.raises(UsageError, match="neither came from"):
+        w.tick()
+    assert digest_of(registry, "failed", "v2") == good
+
+
+def test_a_watcher_stops_when_another_box_moves_its_tag(registry, base_ref, box, base_rootfs, tmp_path):
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "race", lines, clock, every=0)
+    w.tick()
+    other = tmp_path / "other"
+    subprocess.run(["cp", "-a", base_rootfs, str(other)], check=True)
+    write_tree(str(other), {"opt/other.txt": "another box\n"})
+    snap("commit", f"{registry.host}/race:v2", "--base", base_ref, "--root", str(other), "--force", check=True)
+    theirs = digest_of(registry, "race", "v2")
+    write_tree(box, {"opt/app/mine.txt": "this box\n"})
+    clock.advance(1)
+    with pytest.raises(UsageError, match="by someone else"):
+        w.tick()
+    assert digest_of(registry, "race", "v2") == theirs
+
+
+# ---- files being written ---------------------------------------------------------------------------
+
+
+def _restored_box_with_weight(registry, base_ref, box, tmp_path, repo):
+    """A box with a weight (its own layer), committed and restored into a new root, as a new pod does."""
+    weight = os.urandom(2 * MiB)
+    write_tree(box, {WEIGHT: weight})
+    prof = parse_profile(SMALL_WEIGHTS)
+    commit_box(f"{registry.host}/{repo}:v2", base_ref, CommitOptions(root=box, profile=prof))
+    root = tmp_path / "pod"
+    restore_image(f"{registry.host}/{repo}:v2", str(root))
+    return str(root), weight, prof
+
+
+def test_files_a_restore_wrote_are_not_being_written(registry, base_ref, box, tmp_path):
+    """The trial: right after a restore every file has a fresh ctime; the watcher took the weight for
+    one being written, moved the tag onto a snapshot without it, then said nothing changed."""
+    root, weight, prof = _restored_box_with_weight(registry, base_ref, box, tmp_path, "fresh-ctime")
+    lines, clock = [], FakeClock()  # now: the restore has just ended
+    w = watcher(registry, base_ref, root, "fresh-ctime", lines, clock, profile=prof, every=0, stable=5)
+    write_tree(root, {"opt/app/work.txt": "after the restore\n"})
+    w.tick()
+    assert not [line for line in lines if "held back" in line], lines
+    assert WEIGHT in snap_layers(registry.manifest("fresh-ctime", "v2"))
+    assert w.final("stopped") == 0
+    out = tmp_path / "after"
+    restore_image(f"{registry.host}/fresh-ctime:v2", str(out))
+    assert (out / WEIGHT).read_bytes() == weight
+    assert (out / "opt/app/work.txt").read_text() == "after the restore\n"
+
+
+class Writer:
+    """Another process that holds a file open for writing, as a training run saving a checkpoint: it
+    writes `head` at `offset` (r+b: in place; else a new file), then waits for a line on stdin, writes
+    `tail`, and exits. Its first line on stdout says the head is written."""
+
+    CODE = ("import sys\n"
+            "path, mode, offset, head, tail = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])\n"
+            "f = open(path, mode)\n"
+            "f.seek(offset); f.write(b'\\x01' * head); f.flush()\n"
+            "print('head', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "f.write(b'\\x02' * tail); f.close()\n")
+
+    def __init__(self, path: str, mode: str, offset: int, head: int, tail: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, path, mode, str(offset), str(head), str(tail)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline() == "head\n"
+
+    def finish(self) -> None:
+        self.proc.communicate("go\n", timeout=TIMEOUT)
+
+
+MAPPER = ("import mmap, os, sys\n"
+          "fd = os.open(sys.argv[1], os.O_RDWR); m = mmap.mmap(fd, 4096); os.close(fd)\n"
+          "m[:5] = b'hello'; print('mapped', flush=True); sys.stdin.readline()\n")
+
+
+def test_the_files_other_processes_write_are_seen_open_or_mapped(tmp_path):
+    """writers.py: a file held open for writing, and one mapped shared-writable after its descriptor
+    was closed; not one only read, nor one outside the root."""
+    paths = {name: tmp_path / name for name in ("written", "mapped", "read")}
+    for p in paths.values():
+        p.write_bytes(bytes(4096))
+    writing = Writer(str(paths["written"]), "r+b", 0, 10, 0)
+    mapping = subprocess.Popen([sys.executable, "-c", MAPPER, str(paths["mapped"])], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    reading = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); sys.stdin.readline()",
+                                str(paths["read"])], stdin=subprocess.PIPE)
+    try:
+        assert mapping.stdout.readline() == "mapped\n"
+        found = open_for_writing()
+        assert found.under(str(tmp_path)) == {"written", "mapped"}
+        assert found.under(str(tmp_path / "elsewhere")) == set()
+    finally:
+        writing.finish()
+        mapping.communicate("\n", timeout=TIMEOUT)
+        reading.communicate(b"\n", timeout=TIMEOUT)
+    assert "written" not in open_for_writing().under(str(tmp_path))
+
+
+def test_a_file_being_written_keeps_its_last_snapshot_version_or_is_left_out(registry, base_ref, box, tmp_path):
+    """After a restore, a weight rewritten in place and a new image saved in chunks, both still open for
+    writing at the final snapshot: the tag keeps the restored weight (its layer, never read) and has
+    no partial image; a small file written and closed is taken."""
+    root, weight, prof = _restored_box_with_weight(registry, base_ref, box, tmp_path, "writing")
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, root, "writing", lines, clock, profile=prof, every=3600, stable=5)
+    w.tick()  # the restored box: current already
+    rewrite = Writer(os.path.join(root, WEIGHT), "r+b", 4096, 300_000, 10)
+    image = os.path.join(root, "opt/app/output/img-0001.png")
+    os.makedirs(os.path.dirname(image))
+    saving = Writer(image, "wb", 0, 80_000, 20_000)
+    write_tree(root, {"opt/app/notes.txt": "closed before the signal\n"})
+    try:
+        assert w.final("signal SIGTERM") == 0, lines
+    finally:
+        rewrite.finish()
+        saving.finish()
+    assert any(f"held back: '/{WEIGHT}' (being written); kept the last snapshot's version" in line for line in lines), lines
+    assert any("held back: '/opt/app/output/img-0001.png' (being written); left out" in line for line in lines), lines
+    out = tmp_path / "after"
+    restore_image(f"{registry.host}/writing:v2", str(out))
+    assert (out / WEIGHT).read_bytes() == weight
+    assert not (out / "opt/app/output/img-0001.png").exists()
+    assert (out / "opt/app/notes.txt").read_text() == "closed before the signal\n"
+
+
+def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref, box, tmp_path, monkeypatch):
+    """A file that changes during every read (layer.py reads it up to 3 times): never kept as last read.
+    A weight with a version in the tag's snapshot keeps it (that layer, reused); a new file is left out."""
+    prof = parse_profile(SMALL_WEIGHTS)
+    v1 = os.urandom(2 * MiB)
+    write_tree(box, {WEIGHT: v1})
+    target = f"{registry.host}/torn:v2"
+    commit_box(target, base_ref, CommitOptions(root=box, profile=prof))
+    with open(os.path.join(box, WEIGHT), "r+b") as f:
+        f.write(os.urandom(MiB))
+    write_tree(box, {"opt/app/state.db": os.urandom(50_000), "opt/app/ok.txt": "settled\n"})
+    keep_changing = {WEIGHT, "opt/app/state.db"}
+
+    def rewrite(path, attempt):
+        if path in keep_changing:
+            with open(os.path.join(box, path), "r+b") as f:
+                f.write(os.urandom(64))
+
+    monkeypatch.setattr(layer_module, "after_read", rewrite)
+    result = commit_box(target, base_ref, CommitOptions(root=box, profile=prof))
+    assert result.held == {WEIGHT: "changed while read", "opt/app/state.db": "changed while read"}
+    assert result.carried == [WEIGHT]
+    out = tmp_path / "out"
+    restore_image(target, str(out))
+    assert (out / WEIGHT).read_bytes() == v1
+    assert not (out / "opt/app/state.db").exists()
+    assert (out / "opt/app/ok.txt").read_text() == "settled\n"
+
+
+def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(registry, base_ref, box, tmp_path,
+                                                                            monkeypatch):
+    """The trial: the final snapshot failed (a layer file of the state dir gone) while the loop's own
+    commit ran. The final stops that commit, waits for it to give up, then makes its own."""
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "one-at-a-time", lines, clock, every=0)
+    w.tick()
+    inside, entered, stopped = [0], threading.Event(), threading.Event()
+    overlap = []
+    real_push_layers = commit_module.push_layers
+
+    def push_layers(cp, remote, plans):
+        inside[0] += 1
+        overlap.append(inside[0])
+        try:
+            if not entered.is_set():  # the loop's commit: held here until it is told to stop
+                entered.set()
+                assert remote.stopping.wait(TIMEOUT)
+                stopped.set()
+                raise progress.Stopped()
+            return real_push_layers(cp, remote, plans)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(commit_module, "push_layers", push_layers)
+    write_tree(box, {"opt/app/late.txt": "written just before the reclaim\n"})
+    clock.advance(1)
+    loop = threading.Thread(target=lambda: pytest.raises(progress.Stopped, w.tick))
+    loop.start()
+    assert entered.wait(TIMEOUT)
+    assert w.final("signal SIGTERM") == 0, lines
+    loop.join(TIMEOUT)
+    assert stopped.is_set() and max(overlap) == 1
+    out = tmp_path / "after"
+    restore_image(f"{registry.host}/one-at-a-time:v2", str(out))
+    assert (out / "opt/app/late.txt").read_text() == "written just before the reclaim\n"
+
+
+# ---- a seeded reclaim cycle ------------------------------------------------------------------------
+
+
+WORKER = r"""
+import hashlib, json, os, random, sys
+root, seed, weight = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rng = random.Random(seed)
+def say(*words):
+    print(json.dumps(words), flush=True)
+step = 0
+while True:
+    kind = rng.choice(["image", "rewrite", "note", "node"])
+    if kind == "image":  # saved in chunks, open all along
+        path, data = f"opt/app/output/img-{seed}-{step}.png", os.urandom(rng.randint(20_000, 400_000))
+    elif kind == "rewrite":  # the weight rewritten in place
+        path = weight
+        data = os.urandom(os.path.getsize(os.path.join(root, path)))
+    elif kind == "note":
+        path, data = f"opt/app/notes/n{step % 7}.txt", f"note {seed} {step}\n".encode() * rng.randint(1, 50)
+    else:
+        path, data = f"opt/app/custom_nodes/N{step % 3}/__init__.py", f"V = {step}\n".encode()
+    full = os.path.join(root, path)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    with open(full, "r+b" if kind == "rewrite" else "wb") as f:
+        chunks = max(1, min(6, len(data) // 65536))
+        for i in range(chunks):
+            f.write(data[i * len(data) // chunks:(i + 1) * len(data) // chunks])
+            f.flush()
+            say("chunk", path, i)
+            sys.stdin.readline()  # the test decides when the next chunk comes (and when the signal does)
+    say("done", path, hashlib.sha256(data).hexdigest())
+    sys.stdin.readline()
+    step += 1
+"""
+
+
+def file_digests(root) -> dict[str, str]:
+    """path -> sha256 of every regular file under `root`."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            if os.path.isfile(full) and not os.path.islink(full):
+                with open(full, "rb") as f:
+                    out[os.path.relpath(full, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("seed", [3, 17, 29])
+def test_a_seeded_reclaim_cycle_keeps_every_settled_file_and_no_torn_one(seed, registry, base_ref, box, tmp_path):
+    """Twice: a new box restores the tag and runs `snap watch`; random work in steps the test paces
+    (images saved in chunks, the weight rewritten in place, notes, a node) while snapshots are taken;
+    SIGTERM after a seeded number of steps, with a file possibly half written. The tag then restores
+    to every file as it last settled (the restored ones included), and no file in a state it never
+    reached (a partial)."""
+    rng = random.Random(seed)
+    ref = f"{registry.host}/cycle-{seed}:v2"
+    write_tree(box, {WEIGHT: os.urandom(2 * MiB)})
+    profile = profile_file(tmp_path)
+    snap("commit", ref, "--base", base_ref, "--root", box, "--profile", profile, check=True)
+    for round_ in range(2):
+        root = tmp_path / f"pod-{round_}"
+        snap("restore", ref, "--root", str(root), check=True)
+        settled = file_digests(root)  # path -> the digest it last settled at
+        reached = {path: {digest} for path, digest in settled.items()}  # every state each file was complete in
+        in_progress: set[str] = set()
+        p = WatchProcess(ref, "--base", base_ref, "--root", str(root), "--every", "0", "--profile", profile,
+                         "--grace", "60", env={"SNAP_WATCH_STABLE": "30"})
+        p.wait_for("watching ")
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, str(root), str(seed * 10 + round_), WEIGHT],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        steps = rng.randint(3, 25)
+        try:
+            for step in range(steps + 1):
+                what, path, detail = json.loads(worker.stdout.readline())
+                if what == "done":
+                    in_progress.discard(path)
+                    settled[path] = detail
+                    reached.setdefault(path, set()).add(detail)
+                else:
+                    in_progress.add(path)
+                if step < steps:
+                    worker.stdin.write("\n")  # on to the next chunk; else the worker waits: the signal now
+                    worker.stdin.flush()
+                else:
+                    break
+            p.proc.send_signal(signal.SIGTERM)
+            code = p.finish()
+        finally:
+            worker.kill()
+            worker.wait()
+        assert code == 0, "".join(p.seen)
+        got = file_digests(_restore(ref, tmp_path / f"after-{round_}"))
+        for path, digest in settled.items():
+            if path not in in_progress:
+                assert got.get(path) == digest, (round_, path, "".join(p.seen))
+        for path in in_progress:  # being written at the signal: a state it had reached, or absent
+            assert path not in got or got[path] in reached.get(path, set()), (round_, path, "".join(p.seen))
+
+
+def _restore(ref: str, out) -> str:
+    restore_image(ref, str(out))
+    return str(out)
