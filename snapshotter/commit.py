@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import zstandard
 
-from . import baseindex, progress
+from . import baseindex, progress, skeleton
 from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
 from .digests import file_digest, sha256_digest
@@ -300,6 +300,10 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
     if index_digest:
         extra[baseindex.SNAP_BASE_INDEX] = index_digest
+    # The layers' headers, for a restore onto a root that already holds some of them (skip.py).
+    skeleton_digest = skeleton.push(remote, target_ref.target, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
+    if skeleton_digest:
+        extra[skeleton.SNAP_SKELETON] = skeleton_digest
     manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
                                  created, extra)
     config_digest = sha256_digest(config)
@@ -312,7 +316,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
     cp.sources.note(target_ref.api_host, target_ref.repository,
                     own + ([base_img.manifest["config"]["digest"]] if base_img else [])
-                    + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []))
+                    + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else [])
+                    + ([skeleton_digest, baseindex.EMPTY_CONFIG_DIGEST] if skeleton_digest else []))
     cp.sources.save()
 
     reports = [LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status)
