@@ -426,12 +426,17 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     for n, (_, members) in parsed.items():
         for m in members:
             if m.isdir():
-                last_carrier[check_name(m.name)] = n
+                # As check_name gives a plain name; another form never matches, and the mtime is checked.
+                last_carrier[m.name.strip("/")] = n
     checks: dict[int, LayerCheck] = {}
     with progress.bar("checking what the root holds", len(parsed), unit="layers") as bar:
         for n, (_, members) in parsed.items():
             later = {d for d, k in last_carrier.items() if k > n}
-            checks[n] = check_layer(members, pending[n - start][1], rules, root, later)
+            try:
+                checks[n] = check_layer(members, pending[n - start][1], rules, root, later)
+            except IntegrityError as e:  # a hostile name: what the layer writes is not known
+                reasons[n] = f"its skeleton is not usable ({e})"
+                continue
             if not checks[n].ok:
                 reasons[n] = checks[n].why
             bar.update(1)
