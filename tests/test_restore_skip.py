@@ -2,6 +2,7 @@
 (skip.py): a pod restart, whose /workspace volume kept the weights while the container disk and
 snap's state dir are gone, downloads no weight byte."""
 
+import gzip
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import NOT_CAPTURED, make_box, snap
 from support import snapshot_of_tree, write_tree
+from snapshotter import skeleton
 
 MiB = 1 << 20
 # The default profile's models layer with small thresholds: weights of a few MiB get layers of
@@ -174,4 +176,40 @@ def test_a_layer_after_an_applied_one_that_writes_its_paths_is_applied(committed
     assert "models (directories and deletions)" in doc["applied"]
     assert doc["skipped_layers"] == len(_weight_layers(registry)) - 1  # all but the changed weight's
     assert os.stat(root / "workspace/models/checkpoints").st_mtime == 1_700_000_000
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def _repoint_skeleton(registry, tag, blob):
+    """The snapshot pushed again as `tag`, naming `blob` as its skeletons."""
+    manifest = registry.manifest("skip", "v1")
+    manifest["annotations"]["dev.snap.skeleton"] = registry.push_blob("skip", blob)
+    r = registry.session().put(f"{registry.url}/v2/skip/manifests/{tag}", data=json.dumps(manifest),
+                               headers={"Content-Type": manifest["mediaType"]})
+    r.raise_for_status()
+
+
+def test_a_malformed_or_lying_skeleton_is_never_trusted(committed, registry, proxy, base_rootfs, tmp_path):
+    box, root = committed
+    weights = _weight_layers(registry)
+    _pod_restart(base_rootfs, str(root))
+    _repoint_skeleton(registry, "garbage", b"not a skeleton")
+    r = snap("restore", f"{registry.host}/skip:garbage", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(tmp_path / "s1")}, check=True)
+    assert json.loads(r.stdout)["skipped_layers"] == 0 and "are not usable" in r.stderr
+    # The skeletons of two weights swapped: each layer's own headers say what is on disk, but not its bytes.
+    real = registry.blob("skip", registry.manifest("skip", "v1")["annotations"]["dev.snap.skeleton"])
+    pieces = {}
+    skeleton.parse(real, lambda diff_id, piece: pieces.__setitem__(diff_id, gzip.decompress(piece)))
+    diff_ids = dict(zip((d["digest"] for d in registry.manifest("skip", "v1")["layers"]),
+                        json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"]))
+    a, b = [diff_ids[d] for d, names in weights.items() if A in names or SMALL[0] in names]
+    pieces[a], pieces[b] = pieces[b].replace(b.encode(), a.encode()), pieces[a].replace(a.encode(), b.encode())
+    _repoint_skeleton(registry, "lying", b"".join(gzip.compress(p) for p in pieces.values()))
+    _pod_restart(base_rootfs, str(root))
+    start = len(proxy.log)
+    r = snap("restore", f"{proxy.host}/skip:lying", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(tmp_path / "s2")}, check=True)
+    got = {path.rsplit("/", 1)[1] for method, path, _ in proxy.log[start:] if method == "GET" and "/blobs/" in path}
+    assert got & set(weights) == {d for d, names in weights.items() if A in names or SMALL[0] in names}
+    assert json.loads(r.stdout)["skipped_layers"] >= len(weights) - 2  # the other weights
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
