@@ -301,7 +301,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     if index_digest:
         extra[baseindex.SNAP_BASE_INDEX] = index_digest
     # The layers' headers, for a restore onto a root that already holds some of them (skip.py).
-    skeleton_digest = skeleton.push(remote, target_ref.target, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
+    skeleton_digest = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
     if skeleton_digest:
         extra[skeleton.SNAP_SKELETON] = skeleton_digest
     manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
@@ -407,10 +407,16 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
         on_up = progress.stoppable(progress.safe_update(up), remote.stopping)
 
         def produce(plan: LayerPlan) -> tuple[LayerBlob, str]:
+            headers = skeleton.PieceWriter()  # the layer's skeleton, as its tar is written
+            blob, status = _produce(plan, headers)
+            skeleton.keep(blob.diff_id, headers.finish(blob.diff_id))
+            return blob, status
+
+        def _produce(plan: LayerPlan, headers: skeleton.PieceWriter) -> tuple[LayerBlob, str]:
             if plan.compression == "none":
                 # Stored as is: hash it in one read, then stream it again to the registry only if
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
-                blob = measure_layer(root, plan, zstd_level, on_pack)
+                blob = measure_layer(root, plan, zstd_level, on_pack, headers)
                 if not blob.changed_while_read:
                     if there := in_registry(remote, blob.digest, sources):
                         return blob, there
@@ -418,7 +424,7 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                                        on_up)
                     return blob, "uploaded"
                 # A file that kept changing would not read the same twice: build a copy once, send that.
-            blob = build_layer(root, plan, out_dir, zstd_level, on_pack)
+            blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
             try:
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there

@@ -8,17 +8,19 @@ the contents left out: each member's header bytes and its content size, made fro
 The snapshot's skeleton blob holds the skeletons of its snap layers, each keyed by the layer's
 diff_id (the sha256 of the whole tar, which a restore recomputes from the headers and the bytes on
 disk). It is pushed into the snapshot's repository, named by the manifest annotation
-dev.snap.skeleton and kept referenced by an artifact manifest (baseindex.push_artifact).
+dev.snap.skeleton and kept referenced by an artifact manifest tagged snap-skeletons (the last
+commit's: baseindex.push_artifact).
 
-Format: gzip members, one per layer, each holding MAGIC, then the diff_id (71 ASCII bytes), the
-member count (u32), then per member its header length (u32), header bytes and content size (u64).
+Format: gzip members, one per layer, each holding MAGIC, then per member its header length (u32),
+header bytes and content size (u64), then a zero length and the diff_id (71 ASCII bytes, last: a
+commit knows it once the layer is written). A commit takes each built layer's headers as
+layer.write_tar writes them (the very bytes, even of a file that changed since the scan).
 A restore reads it digest-checked and size-capped; anything malformed is ignored (the restore then
-downloads). The state dir keeps each layer's gzip member by diff_id, so a commit builds only the
-skeletons of new layers."""
+downloads). The state dir keeps each layer's gzip member by diff_id (built, or restored), so a
+commit makes one from the plan only for a layer it reuses and has none of."""
 
 from __future__ import annotations
 
-import gzip
 import os
 import re
 import struct
@@ -37,6 +39,7 @@ from .registry import Remote
 from .state import replace_file, sub
 
 SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation: the digest of the snapshot's skeleton blob
+ARTIFACT_TAG = "snap-skeletons"  # the tag of the artifact manifest that keeps the last commit's skeletons referenced
 MAGIC = b"snap-skeleton-v1\n"
 MAX_BLOB = 256 << 20  # compressed: a 200k-file box's headers compress to a few MB
 MAX_TOTAL = 2 << 30  # uncompressed: a gzip bomb stops here
@@ -47,18 +50,30 @@ _U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
 Skeleton = list[tuple[bytes, int]]  # (header bytes, content size) per member, in layer order
 
 
+class PieceWriter:
+    """One layer's gzip member, compressed as the headers come (layer.HeaderSink): a 200k-file
+    layer's headers are 100 MB, its piece a few."""
+
+    def start(self) -> None:
+        self._z = zlib.compressobj(6, zlib.DEFLATED, 31)  # gzip, with no name and mtime 0
+        self._out = [self._z.compress(MAGIC)]
+
+    def add(self, header: bytes, size: int) -> None:
+        self._out.append(self._z.compress(_U32.pack(len(header)) + header + _U64.pack(size)))
+
+    def finish(self, diff_id: str) -> bytes:
+        self._out += [self._z.compress(_U32.pack(0) + diff_id.encode()), self._z.flush()]
+        return b"".join(self._out)
+
+
 def layer_piece(plan: LayerPlan, diff_id: str) -> bytes:
-    """The gzip member of one layer: its headers as layer.write_tar writes them."""
-    out = [MAGIC, diff_id.encode(), b"\n"]
-    members = 0
-    body: list[bytes] = []
+    """The gzip member of one layer from its plan: its headers as layer.write_tar writes them."""
+    piece = PieceWriter()
+    piece.start()
     for ti, e in tar_headers(plan):
-        header = ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
         size = ti.size if e is not None and ti.type == tarfile.REGTYPE else 0
-        body += [_U32.pack(len(header)), header, _U64.pack(size)]
-        members += 1
-    out.append(_U32.pack(members))
-    return gzip.compress(b"".join(out + body), compresslevel=6, mtime=0)
+        piece.add(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"), size)
+    return piece.finish(diff_id)
 
 
 def _piece_path(diff_id: str) -> str:
@@ -74,31 +89,23 @@ def _cached_piece(plan: LayerPlan, diff_id: str) -> bytes:
     except OSError:
         pass
     piece = layer_piece(plan, diff_id)
-    try:
-        replace_file(path, lambda f: f.write(piece), mode="wb")
-    except OSError:
-        pass  # an optimisation only: the next commit builds it again
+    keep(diff_id, piece)
     return piece
 
 
-def push(remote: Remote, tag: str, layers: list[tuple[LayerPlan, str]], sources: BlobSources) -> Optional[str]:
+def push(remote: Remote, layers: list[tuple[LayerPlan, str]], sources: BlobSources) -> Optional[str]:
     """Push the skeleton blob of a snapshot's layers ([(plan, diff_id)] in order) into `remote`'s
-    repository, with an artifact manifest that keeps it referenced, tagged after the snapshot's
-    `tag` (one tag per snapshot tag, not per commit: `snap watch` commits every few minutes; an
-    older snapshot's skeleton that a garbage collection then deletes only makes its restores
-    download everything). Returns its digest (for the manifest's annotation); None if too big."""
+    repository, with an artifact manifest that keeps it referenced. Returns its digest (for the
+    manifest's annotation); None if it would be too big."""
     data = b"".join(_cached_piece(plan, diff_id) for plan, diff_id in layers)
     if not data or len(data) > MAX_BLOB:
         return None
     digest = sha256_digest(data)
-    push_artifact(remote, data, digest, SKELETON, SKELETON_ARTIFACT, artifact_tag(tag), {}, sources)
+    # One tag per repository, moved by each commit: `snap watch` commits under a new tag every few
+    # minutes, and a tag per snapshot would pile up. An older snapshot's skeletons that a garbage
+    # collection then deletes only make its restores download every layer.
+    push_artifact(remote, data, digest, SKELETON, SKELETON_ARTIFACT, ARTIFACT_TAG, {}, sources)
     return digest
-
-
-def artifact_tag(tag: str) -> str:
-    """The tag of the artifact manifest that keeps the skeletons of snapshot `tag` referenced (at most 128 characters)."""
-    name = "snap-skeleton-" + tag
-    return name if len(name) <= 128 else "snap-skeleton-" + sha256_digest(tag.encode()).split(":", 1)[1][:32]
 
 
 def fetch(remote: Remote, digest: str, log: Callable[[str], None]) -> dict[str, Skeleton]:
@@ -111,7 +118,7 @@ def fetch(remote: Remote, digest: str, log: Callable[[str], None]) -> dict[str, 
             if size > MAX_BLOB:
                 raise IntegrityError(f"the skeleton blob {digest[:19]} is bigger than {MAX_BLOB} bytes")
             got.append(chunk)
-        return parse(b"".join(got), _keep_piece)
+        return parse(b"".join(got), keep)
     except NotFound:
         return {}
     except (SnapError, ValueError, struct.error, OSError, zlib.error, EOFError) as e:
@@ -139,8 +146,8 @@ def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None) -> d
     return out
 
 
-def _keep_piece(diff_id: str, piece: bytes) -> None:
-    """Keep a restored layer's skeleton for the next commit here, which then does not build it again."""
+def keep(diff_id: str, piece: bytes) -> None:
+    """Keep a layer's piece (built or restored) in the state dir, for the next commit here."""
     try:
         replace_file(_piece_path(diff_id), lambda f: f.write(piece), mode="wb")
     except OSError:
@@ -148,21 +155,20 @@ def _keep_piece(diff_id: str, piece: bytes) -> None:
 
 
 def _parse_piece(raw: bytes) -> tuple[str, Skeleton]:
-    if not raw.startswith(MAGIC) or raw[len(MAGIC) + 71:len(MAGIC) + 72] != b"\n":
+    if not raw.startswith(MAGIC):
         raise ValueError("not a layer skeleton of this version")
-    diff_id = raw[len(MAGIC):len(MAGIC) + 71]
-    if not _DIFF_ID.fullmatch(diff_id):
-        raise ValueError("a layer skeleton names no diff_id")
-    pos = len(MAGIC) + 72
-    (count,), pos = _U32.unpack_from(raw, pos), pos + 4
+    pos = len(MAGIC)
     members: Skeleton = []
-    for _ in range(count):
+    while True:
         (n,), pos = _U32.unpack_from(raw, pos), pos + 4
-        if n == 0 or n % tarfile.BLOCKSIZE or n > MAX_HEADER or pos + n + 8 > len(raw):
+        if n == 0:
+            break
+        if n % tarfile.BLOCKSIZE or n > MAX_HEADER or pos + n + 8 > len(raw):
             raise ValueError("a malformed member in a layer skeleton")
         header, pos = raw[pos:pos + n], pos + n
         (size,), pos = _U64.unpack_from(raw, pos), pos + 8
         members.append((header, size))
-    if pos != len(raw):
-        raise ValueError("trailing bytes in a layer skeleton")
+    diff_id = raw[pos:]
+    if not _DIFF_ID.fullmatch(diff_id):
+        raise ValueError("a layer skeleton names no diff_id")
     return diff_id.decode(), members
