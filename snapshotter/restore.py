@@ -208,7 +208,7 @@ def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resu
     into a root without a system, refuse_live_system, where little is in place anyway)."""
     ann = image.manifest.get("annotations") or {}
     digest = ann.get(skeleton.SNAP_SKELETON)
-    if resumed < base_layers or not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+    if resumed < base_layers or not (isinstance(digest, str) and _DIGEST.fullmatch(digest)) or _empty(extractor.root):
         return SkipPlan({})
     skeletons = skeleton.fetch(remote, digest, opts.log)
     if not skeletons:
@@ -222,6 +222,15 @@ def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resu
                       max_layer, links)
     root = extractor.root
     return plan_skips(todo, resumed, skeletons, rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
+
+
+def _empty(root: str) -> bool:
+    """A first restore into an empty root: nothing there to check."""
+    try:
+        with os.scandir(root) as it:
+            return next(it, None) is None
+    except OSError:
+        return False
 
 
 def _open_root(root: str, opts: ExtractOptions) -> Extractor:
