@@ -8,7 +8,9 @@ first, the weights after them at a lower CPU priority (AppFirst). Layers are app
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
 download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
 its last entry, if a regular file, is renamed into place (extract.py; a split layer's digest,
-checked at download, is its diff_id). A journal (journal.py) records how many layers
+checked at download, is its diff_id). Before any download, the snap layers the root already holds,
+file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
+kept the weights). A journal (journal.py) records how many layers
 of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
 the snap layers are noted for the next commit of the root (restorerecord.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base

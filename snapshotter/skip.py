@@ -432,6 +432,7 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     with progress.bar("checking what the root holds", len(parsed), unit="layers") as bar:
         for n, (_, members) in parsed.items():
             later = {d for d, k in last_carrier.items() if k > n}
+            bar.update(1)
             try:
                 checks[n] = check_layer(members, pending[n - start][1], rules, root, later)
             except IntegrityError as e:  # a hostile name: what the layer writes is not known
@@ -439,7 +440,6 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
                 continue
             if not checks[n].ok:
                 reasons[n] = checks[n].why
-            bar.update(1)
     passed = {n for n, c in checks.items() if c.ok}
     passed = _in_order(todo, start, checks, passed)
     # The hash, where the restore record does not vouch for the layer.
