@@ -50,18 +50,26 @@ def push(remote: Remote, base_manifest_digest: str, sources: BlobSources) -> Opt
     if len(data) > MAX_INDEX_SIZE:
         return None
     digest = sha256_digest(data)
+    push_artifact(remote, data, digest, BASE_INDEX, BASE_INDEX_ARTIFACT, artifact_tag(base_manifest_digest),
+                  {"org.opencontainers.image.base.digest": base_manifest_digest}, sources)
+    return digest
+
+
+def push_artifact(remote: Remote, data: bytes, digest: str, media_type: str, artifact_type: str, tag: str,
+                  annotations: dict, sources: BlobSources) -> None:
+    """Push a small blob that a snapshot names by annotation, with a layer-less artifact manifest
+    tagged `tag` that lists it: a registry's garbage collection deletes a blob no manifest lists."""
     empty = EMPTY_CONFIG_DIGEST
     for blob, d in ((data, digest), (_EMPTY_CONFIG, empty)):
         if not in_registry(remote, d, sources):
             remote.upload_from(lambda out, b=blob: out.write(b), d, len(blob))
     manifest = canonical({
-        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": BASE_INDEX_ARTIFACT,
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
         "config": descriptor(OCI_EMPTY, empty, len(_EMPTY_CONFIG)),
-        "layers": [descriptor(BASE_INDEX, digest, len(data))],
-        "annotations": {"org.opencontainers.image.base.digest": base_manifest_digest},
+        "layers": [descriptor(media_type, digest, len(data))],
+        **({"annotations": annotations} if annotations else {}),
     })
-    remote.put_manifest(manifest, OCI_MANIFEST, artifact_tag(base_manifest_digest))
-    return digest
+    remote.put_manifest(manifest, OCI_MANIFEST, tag)
 
 
 def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],

@@ -246,7 +246,8 @@ def restore(
         typer.echo(json.dumps(doc, indent=2))
         return
     typer.echo(f"restored {result.ref} into {root}: {len(result.applied)} layer(s) applied"
-               f"{f', {result.resumed} already applied' if result.resumed else ''}, "
+               f"{f', {result.resumed} already applied' if result.resumed else ''}"
+               f"{f', {result.skipped_layers} already there (not downloaded)' if result.skipped_layers else ''}, "
                f"{result.files} files, {_fmt_size(result.bytes)}")
     if result.seeded_layers:
         _say(f"stat cache: the next commit of {root} will not re-read the {result.seeded_layers} snap layer(s) "

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import zstandard
 
-from . import baseindex, progress
+from . import baseindex, progress, skeleton
 from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
 from .digests import file_digest, sha256_digest
@@ -423,6 +423,10 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
     if index_digest:
         extra[baseindex.SNAP_BASE_INDEX] = index_digest
+    # The layers' headers, for a restore onto a root that already holds some of them (skip.py).
+    skeleton_digest = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
+    if skeleton_digest:
+        extra[skeleton.SNAP_SKELETON] = skeleton_digest
     manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
                                  created, extra)
     config_digest = sha256_digest(config)
@@ -435,7 +439,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
     cp.sources.note(target_ref.api_host, target_ref.repository,
                     own + ([base_img.manifest["config"]["digest"]] if base_img else [])
-                    + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []))
+                    + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else [])
+                    + ([skeleton_digest, baseindex.EMPTY_CONFIG_DIGEST] if skeleton_digest else []))
     cp.sources.save()
 
     reports = [LayerReport(label, desc["digest"], desc["size"], desc["mediaType"], _entries(desc, layers), status)
@@ -567,17 +572,23 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
         on_up = progress.stoppable(progress.safe_update(up), remote.stopping)
 
         def produce(plan: LayerPlan) -> tuple[LayerBlob, str]:
+            headers = skeleton.PieceWriter()  # the layer's skeleton, as its tar is written
+            blob, status = _produce(plan, headers)
+            skeleton.keep(blob.diff_id, headers.finish(blob.diff_id))
+            return blob, status
+
+        def _produce(plan: LayerPlan, headers: skeleton.PieceWriter) -> tuple[LayerBlob, str]:
             if plan.compression == "none":
                 # Stored as is: hash it in one read, then stream it again to the registry only if
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
-                blob = measure_layer(root, plan, zstd_level, on_pack)
+                blob = measure_layer(root, plan, zstd_level, on_pack, headers)
                 if blob.changed_while_read:
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there
                 remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
                 return blob, "uploaded"
-            blob = build_layer(root, plan, out_dir, zstd_level, on_pack)
+            blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
             try:
                 if blob.changed_while_read:
                     return blob, NOT_SENT_TORN

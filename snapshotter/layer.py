@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tarfile
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional, Protocol
 
 from .compress import MEDIA_TYPE, Compressor
 from .errors import StorageError
@@ -53,6 +53,23 @@ class _Reads:
     torn: list[str] = field(default_factory=list)  # changed during every read, or vanished: kept as last read
     stale: list[str] = field(default_factory=list)  # settled, but not as the scan saw it (size, mtime, ctime)
     retry_streamed: bool = False  # a torn streamed file raises _Torn (the caller can start the layer again)
+    on_header: Optional[Callable[[bytes, int], None]] = None  # each header as written, with its content size
+
+
+class HeaderSink(Protocol):
+    """Where _emit sends the headers of the layer it writes (skeleton.PieceWriter): `start` at
+    each try of the layer, then `add(header bytes, content size)` per member."""
+
+    def start(self) -> None: ...
+
+    def add(self, header: bytes, size: int) -> None: ...
+
+
+def _put_header(put: Callable[[bytes], None], ti: tarfile.TarInfo, reads: _Reads, size: int) -> None:
+    header = ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    put(header)
+    if reads.on_header is not None:
+        reads.on_header(header, size)
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
@@ -87,7 +104,7 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path:
         f = open(path, "rb", buffering=0)
     except FileNotFoundError:  # deleted while we committed: keep the archive well-formed, report it
         reads.torn.append(e.path)
-        put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+        _put_header(put, ti, reads, ti.size)
         _read_exactly(None, 0, ti.size, put, on_bytes)
         put(bytes(-ti.size % tarfile.BLOCKSIZE))
         return
@@ -103,7 +120,7 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path:
                 chunks: list[bytes] = []
                 whole = _read_exactly(fd, offset, ti.size, chunks.append, None)
             else:  # too big to hold: streamed into the layer, which is built again if it tore
-                put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+                _put_header(put, ti, reads, ti.size)
                 whole = _read_exactly(fd, offset, ti.size, put, on_bytes)
             if after_read:
                 after_read(e.path, attempt)
@@ -120,7 +137,7 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path:
                           or not fixed_size and before.st_size != e.size):
             reads.stale.append(e.path)
         if ti.size <= BUFFERED_MAX:
-            put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            _put_header(put, ti, reads, ti.size)
             for chunk in chunks:
                 put(chunk)
             if on_bytes:
@@ -189,7 +206,7 @@ def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Call
 
     for ti, e in tar_headers(plan):
         if e is None or ti.type != tarfile.REGTYPE:
-            put(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            _put_header(put, ti, reads, 0)
             continue
         source, offset = plan.slices.get(e.path, (e.path, 0))
         _put_file(put, ti, e, os.path.join(root, source), offset, bool(plan.slices), reads, on_bytes)
@@ -200,18 +217,22 @@ def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Call
 
 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
-          on_bytes: Optional[Callable[[int], None]], hashing: bool = True) -> LayerBlob:
-    """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere). A big file that
-    changes while it is streamed makes the layer start again, where `out` can be rewound (a file, or
-    nowhere), up to SETTLE_TRIES times; the last build is kept."""
+          on_bytes: Optional[Callable[[int], None]], hashing: bool = True,
+          headers: Optional[HeaderSink] = None) -> LayerBlob:
+    """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere), and its headers
+    to `headers`. A big file that changes while it is streamed makes the layer start again, where
+    `out` can be rewound (a file, or nowhere), up to SETTLE_TRIES times; the last build is kept."""
     rewindable = out is None or (hashing and out.seekable())
     for attempt in range(SETTLE_TRIES if rewindable else 1):
         if attempt and out is not None:
             out.seek(0)
             out.truncate()
+        if headers is not None:
+            headers.start()
         comp = Compressor(out, plan.compression, zstd_level, hashing)
         try:
-            reads = write_tar(comp, root, plan, on_bytes, _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1))
+            reads = write_tar(comp, root, plan, on_bytes, _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
+                                                                 on_header=headers.add if headers else None))
             break
         except _Torn:
             comp.finish()  # closed now: nothing of it may reach `out` after the rewind
@@ -225,9 +246,9 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
 
 
 def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
-                  on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
+                  on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None) -> LayerBlob:
     """Digests and size of a layer without keeping its bytes (stream it again with write_layer)."""
-    return _emit(None, root, plan, zstd_level, on_bytes)
+    return _emit(None, root, plan, zstd_level, on_bytes, headers=headers)
 
 
 def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
@@ -238,13 +259,13 @@ def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
 
 
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
-                on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
+                on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None) -> LayerBlob:
     """Build one layer blob into `out_dir` (temp name, renamed to its digest when complete)."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".building-{plan.name}-{os.getpid()}-{id(plan)}")
     try:
         with open(tmp, "wb") as f:
-            blob = _emit(f, root, plan, zstd_level, on_bytes)
+            blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers)
         blob.path = os.path.join(out_dir, blob.digest.split(":", 1)[1])
         os.replace(tmp, blob.path)
     except OSError as e:

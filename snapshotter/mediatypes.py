@@ -25,3 +25,7 @@ MEDIA_TYPE = {"none": LAYER_TAR, "gzip": LAYER_GZIP, "zstd": LAYER_ZSTD}
 BASE_INDEX = "application/vnd.dev.snap.base-index.v1.jsonl+gzip"
 BASE_INDEX_ARTIFACT = "application/vnd.dev.snap.base-index.v1"
 OCI_EMPTY = "application/vnd.oci.empty.v1+json"
+# The headers of a snapshot's layers without their contents (skeleton.py), and the artifact
+# manifest that keeps that blob referenced.
+SKELETON = "application/vnd.dev.snap.skeleton.v1+gzip"
+SKELETON_ARTIFACT = "application/vnd.dev.snap.skeleton.v1"

@@ -8,7 +8,9 @@ first, the weights after them at a lower CPU priority (AppFirst). Layers are app
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
 download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
 its last entry, if a regular file, is renamed into place (extract.py; a split layer's digest,
-checked at download, is its diff_id). A journal (journal.py) records how many layers
+checked at download, is its diff_id). Before any download, the snap layers the root already holds,
+file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
+kept the weights). A journal (journal.py) records how many layers
 of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
 the snap layers are noted for the next commit of the root (restorerecord.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base
@@ -31,21 +33,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from . import baseindex, progress
+from . import baseindex, progress, skeleton
 from .applier import ExtractWorker, LayerJob
 from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
 from .digests import file_digest
 from .errors import IntegrityError, StorageError, UsageError
 from .extract import ExtractOptions, Extractor, ExtractStats, storage_error
-from .image import BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
+from .image import BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_MAX_LAYER, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
-from .profile import Profile, available_profiles, load_profile
+from .profile import PathSet, Profile, available_profiles, load_profile
+from .progress import human_size
 from .reference import Reference
 from .registry import Remote
-from .restorerecord import forget_restore, note_restore
+from .restorerecord import applied_at, forget_restore, note_restore
+from .skip import RootRules, SkipPlan, plan_skips, skipped_part_files
 from .staging import SPLIT_SUFFIX, STAGING_PREFIX, SplitLayer, StagingDirs, download_split
 from .state import exclusive, state_dir, sub
 from .transport import TransportOptions
@@ -82,6 +86,9 @@ class RestoreResult:
     seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them (restorerecord.py)
     skipped_devices_count: int = 0  # all of them (the lists keep the first extract.NAMES_KEPT names)
     stripped_setuid_count: int = 0
+    skipped_layers: int = 0  # layers the root already held: neither downloaded nor applied (skip.py)
+    skipped_bytes: int = 0  # their blobs' bytes
+    hashed_bytes: int = 0  # bytes of the root read to tell
 
 
 def _state_sub(name: str) -> str:
@@ -144,6 +151,12 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     resumed = journal.applied
     if resumed:
         opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
+    skips = _skips(remote, image, todo, resumed, base_layers, links, extractor, opts)
+    if skips.skipped:
+        opts.log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
+                 f"{root}: not downloaded")
+        done = skipped_part_files(todo, skips.skipped)  # nothing to join: the file is there
+        parts = {rel: n for rel, n in parts.items() if rel not in done}
     weights = {r.name for r in profile.layers if r.weights}
     progress = Progress(root, [d for _, d, _ in todo], weights)
     ready_at = app_ready_after([d for _, d, _ in todo], weights)
@@ -163,7 +176,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         index_to = _base_index_to_build(image, base_layers) if not resumed else None
         applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer,
                                                 (base_layers, index_to) if index_to else None, ready_at,
-                                                frozenset(weights))
+                                                frozenset(weights), skips.skipped)
         staging.remove()  # the layers are applied: the root holds nothing of ours
         if parts:
             join_parts(extractor, parts, links, opts.extract.fsync, journal)
@@ -187,7 +200,40 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     stats.add_stripped(extractor.stats)
     return RestoreResult(image.ref, image.manifest_digest, applied, resumed, stats.files, stats.bytes,
                          stats.skipped_devices, stats.stripped_setuid, seeded,
-                         stats.skipped_devices_count, stats.stripped_setuid_count)
+                         stats.skipped_devices_count, stats.stripped_setuid_count,
+                         len(skips.skipped), skips.skipped_bytes, skips.hashed_bytes)
+
+
+def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resumed: int, base_layers: int,
+           links: dict[str, list[str]], extractor: Extractor, opts: RestoreOptions) -> SkipPlan:
+    """The pending layers the root already holds (skip.py), by the skeletons the snapshot carries.
+    None while base layers are still to apply: what they write is not known (a full restore goes
+    into a root without a system, refuse_live_system, where little is in place anyway)."""
+    ann = image.manifest.get("annotations") or {}
+    digest = ann.get(skeleton.SNAP_SKELETON)
+    if resumed < base_layers or not (isinstance(digest, str) and _DIGEST.fullmatch(digest)) or _empty(extractor.root):
+        return SkipPlan({})
+    skeletons = skeleton.fetch(remote, digest, opts.log)
+    if not skeletons:
+        return SkipPlan({})
+    try:
+        max_layer: Optional[int] = int(ann.get(SNAP_MAX_LAYER, ""))
+    except ValueError:
+        max_layer = None
+    ex = extractor.opts
+    rules = RootRules(extractor.root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
+                      max_layer, links)
+    root = extractor.root
+    return plan_skips(todo, resumed, skeletons, rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
+
+
+def _empty(root: str) -> bool:
+    """A first restore into an empty root: nothing there to check."""
+    try:
+        with os.scandir(root) as it:
+            return next(it, None) is None
+    except OSError:
+        return False
 
 
 def _open_root(root: str, opts: ExtractOptions) -> Extractor:
@@ -201,7 +247,8 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
                   staging: StagingDirs, opts: RestoreOptions,
                   after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
-                  ready_at: int = 0, weights: frozenset[str] = frozenset()) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  ready_at: int = 0, weights: frozenset[str] = frozenset(),
+                  skipped: Optional[dict[int, str]] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Download the layers the journal does not list as applied, several at once, and apply each
     in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
     many are applied). `index_base` (n, path), for a restore from the first layer: the applier
@@ -209,21 +256,26 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats).
     Each blob downloads into the staging dir of the filesystem its files land on. The blobs of the
     first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
-    any other (AppFirst), and those that are not `weights` layers write their new files in place."""
+    any other (AppFirst), and those that are not `weights` layers write their new files in place.
+    The layers `skipped` ({index in todo: digest of its tar headers}: the root holds them, skip.py)
+    are neither downloaded nor applied, and count as applied."""
     resumed, fsync = journal.applied, opts.extract.fsync
+    skipped = skipped or {}
     pending = todo[resumed:]
+    fetched = [(n, layer) for n, layer in enumerate(pending) if resumed + n not in skipped]
     applied: list[str] = []
     headers: dict[str, str] = {}
     # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
-    sizes = {d["digest"]: d["size"] for _, d, _ in pending}
-    last_use = {d["digest"]: n for n, (_, d, _) in enumerate(pending)}
+    sizes = {d["digest"]: d["size"] for _, (_, d, _) in fetched}
+    last_use = {d["digest"]: n for n, (_, d, _) in fetched}
     # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
     # kept split, so that its big files are renamed into place instead of copied (staging.py).
     # Only a layer applied once: applying takes its big files away.
-    uses = Counter(d["digest"] for _, d, _ in pending)
-    split = {d["digest"] for _, d, diff_id in pending if diff_id == d["digest"] and uses[d["digest"]] == 1}
+    uses = Counter(d["digest"] for _, (_, d, _) in fetched)
+    split = {d["digest"] for _, (_, d, diff_id) in fetched if diff_id == d["digest"] and uses[d["digest"]] == 1}
     try:
-        paths = {d["digest"]: _blob_path(staging.for_path(_lands_at(d)), d["digest"], d["digest"] in split) for _, d, _ in pending}
+        paths = {d["digest"]: _blob_path(staging.for_path(_lands_at(d)), d["digest"], d["digest"] in split)
+                 for _, (_, d, _) in fetched}
     except OSError as e:
         raise storage_error(e, f"the restore root {staging.root!r}", " while making a staging dir for downloads") from e
     need: Counter[str] = Counter()
@@ -238,7 +290,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     # Set on an error or Ctrl-C: downloads in flight give up at their next chunk instead of
     # holding the exit until they end (a weight on a slow link takes minutes).
     stopping = threading.Event()
-    app_first = AppFirst({d["digest"] for _, d, _ in pending[:max(0, ready_at - resumed)]}, stopping)
+    app_first = AppFirst({d["digest"] for n, (_, d, _) in fetched if n < ready_at - resumed}, stopping)
     with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
         update = progress.stoppable(progress.safe_update(dl), stopping)
 
@@ -263,6 +315,11 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
         try:
             for n, (i, desc, diff_id) in enumerate(pending):
                 label = layer_label(desc, i)
+                if resumed + n in skipped:  # the root holds it: as if applied now
+                    headers[desc["digest"]] = skipped[resumed + n]
+                    journal.record_applied(resumed + n + 1)
+                    after_layer(resumed + n + 1, desc)
+                    continue
                 path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
                 _note_mislabelled(desc, path, desc["digest"] in split, label, opts.log)
                 job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,

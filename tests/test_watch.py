@@ -55,9 +55,9 @@ def watcher(registry, base_ref, box, repo, lines, clock=None, profile=None, **kw
 
 
 def tags(registry, repo):
-    """The repository's tags but the base index's artifact tag (baseindex.py)."""
+    """The repository's tags but the artifact tags of the base index and the skeletons (baseindex.py, skeleton.py)."""
     found = registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or []
-    return sorted(t for t in found if not t.startswith("snap-index-"))
+    return sorted(t for t in found if not t.startswith("snap-index-") and t != "snap-skeletons")
 
 
 def digest_of(registry, repo, tag):

@@ -1,0 +1,216 @@
+"""A restore onto a root that already holds some of the image downloads only the layers that differ
+(skip.py): a pod restart, whose /workspace volume kept the weights while the container disk and
+snap's state dir are gone, downloads no weight byte."""
+
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+
+from conftest import NOT_CAPTURED, make_box, snap
+from support import snapshot_of_tree, write_tree
+
+MiB = 1 << 20
+# The default profile's models layer with small thresholds: weights of a few MiB get layers of
+# their own, a file over --max-layer-size is cut into part layers, the rest is bundled.
+PROFILE = """
+name: skiptest
+layers:
+  - name: venv
+    venv: true
+    compression: zstd
+  - name: custom_nodes
+    paths: ["**/custom_nodes/**"]
+    compression: zstd
+  - name: models
+    paths: ["**/models/**"]
+    compression: none
+    file_layer_min: 512KiB
+    bundle_max: 256KiB
+  - name: rest
+    compression: zstd
+exclude: [/proc, /sys, /dev, /tmp, /run]
+"""
+VOLUME = "workspace"
+A = "workspace/models/checkpoints/a.safetensors"  # a single-file layer
+B = "workspace/models/checkpoints/b.safetensors"  # cut into part layers (with a hardlink)
+SMALL = [f"workspace/models/loras/l{i}.pt" for i in range(12)]  # bundles
+
+
+def _box(base_rootfs, dest):
+    box = make_box(base_rootfs, dest)
+    shutil.rmtree(os.path.join(box, "opt/app/models"))  # all weights on the volume
+    write_tree(box, {A: os.urandom(900_000), B: os.urandom(5 * MiB // 2),
+                     "workspace/models/configs/x.yaml": "steps: 20\n",
+                     "workspace/notes.txt": "a file of the rest layer on the volume\n",
+                     **{p: os.urandom(40_000) for p in SMALL}})
+    write_tree(box, {"workspace/models/current": "->checkpoints/a.safetensors"})
+    os.link(os.path.join(box, B), os.path.join(box, "workspace/models/b_link.safetensors"))
+    os.link(os.path.join(box, SMALL[0]), os.path.join(box, "workspace/models/loras/l0_link.pt"))
+    os.utime(os.path.join(box, "workspace/notes.txt"), (1_650_000_000, 1_650_000_000))
+    for d in ("workspace/models/loras", "workspace/models/checkpoints", "workspace/models", VOLUME):
+        os.utime(os.path.join(box, d), (1_700_000_000, 1_700_000_000))  # newer than any file under it
+    return box
+
+
+@pytest.fixture
+def committed(registry, base_ref, base_rootfs, tmp_path):
+    """A box committed (weights in single-file, part and bundle layers), restored into an empty root."""
+    profile = tmp_path / "skiptest.yaml"
+    profile.write_text(PROFILE)
+    box = _box(base_rootfs, str(tmp_path / "box"))
+    ref = f"{registry.host}/skip:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, "--profile", str(profile), "--max-layer-size", "1MiB",
+         check=True)
+    root = tmp_path / "pod"
+    snap("restore", ref, "--root", str(root), check=True)
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    return box, root
+
+
+def _pod_restart(base_rootfs, root):
+    """The container disk is gone (all but the volume), the provider lays the base again."""
+    for name in os.listdir(root):
+        if name != VOLUME:
+            path = os.path.join(root, name)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+    subprocess.run(["cp", "-a", f"{base_rootfs}/.", str(root)], check=True)
+
+
+def _restore(proxy, root, state_dir, *extra):
+    """`snap restore --only-snapshot` through the proxy with this state dir; (its JSON, blob digests GET)."""
+    start = len(proxy.log)
+    r = snap("restore", f"{proxy.host}/skip:v1", "--root", str(root), "--only-snapshot", "--json", *extra,
+             env={"SNAP_STATE_DIR": str(state_dir)}, check=True)
+    got = {path.rsplit("/", 1)[1] for method, path, status in proxy.log[start:]
+           if method == "GET" and "/blobs/sha256:" in path}
+    return json.loads(r.stdout), got, r.stderr
+
+
+def _weight_layers(registry):
+    """{digest: tar member names} of the models layers (weights, bundles, parts)."""
+    out = {}
+    for d in registry.manifest("skip", "v1")["layers"]:
+        ann = d.get("annotations", {})
+        if ann.get("dev.snap.layer") == "models" and ann.get("dev.snap.content") != "directories and deletions":
+            with tarfile.open(fileobj=io.BytesIO(registry.blob("skip", d["digest"]))) as t:
+                out[d["digest"]] = {m.name for m in t.getmembers()}
+    return out
+
+
+def _verify(proxy, root, state_dir):
+    r = snap("verify", f"{proxy.host}/skip:v1", "--root", str(root), "--only-snapshot",
+             env={"SNAP_STATE_DIR": str(state_dir)})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_pod_restart_downloads_no_weight(committed, registry, proxy, base_rootfs, tmp_path):
+    box, root = committed
+    weights = _weight_layers(registry)
+    assert any(".snap-part-" in n for names in weights.values() for n in names)  # the part layers are there
+    assert len(weights) >= 5
+    _pod_restart(base_rootfs, str(root))
+    doc, got, stderr = _restore(proxy, root, tmp_path / "fresh-state")
+    assert not got & set(weights), "a weight layer was downloaded"
+    # The container disk's layers are applied; the weights' last layer (directories) is in place too.
+    assert doc["applied"] == ["venv", "custom_nodes", "rest"]
+    assert doc["skipped_layers"] == len(weights) + 1 and doc["hashed_bytes"] >= 3 * MiB
+    assert doc["skipped_bytes"] >= sum(d["size"] for d in registry.manifest("skip", "v1")["layers"] if d["digest"] in weights)
+    assert f"skipped {len(weights) + 1} layer(s)" in stderr and "not downloaded" in stderr
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    _verify(proxy, root, tmp_path / "fresh-state")
+
+
+def test_a_changed_or_missing_file_downloads_exactly_its_layer(committed, registry, proxy, base_rootfs, tmp_path):
+    box, root = committed
+    weights = _weight_layers(registry)
+    _pod_restart(base_rootfs, str(root))
+    st = os.stat(root / A)
+    with open(root / A, "r+b") as f:  # other bytes, same size and mtime
+        f.write(os.urandom(4096))
+    os.utime(root / A, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.unlink(root / SMALL[5])
+    doc, got, _ = _restore(proxy, root, tmp_path / "fresh-state")
+    changed = {d for d, names in weights.items() if A in names or SMALL[5] in names}
+    assert len(changed) == 2
+    assert got & set(weights) == changed
+    assert doc["skipped_layers"] == len(weights) - 2
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    _verify(proxy, root, tmp_path / "fresh-state")
+
+
+def test_with_the_restore_record_nothing_is_hashed(committed, registry, proxy, base_rootfs, tmp_path, state_dir):
+    box, root = committed
+    doc, got, _ = _restore(proxy, root, state_dir)  # the state dir of the first restore: its record
+    assert doc["applied"] == [] and doc["skipped_layers"] == len(registry.manifest("skip", "v1")["layers"]) - 2
+    assert doc["hashed_bytes"] == 0
+    assert not got - {registry.manifest("skip", "v1")["annotations"]["dev.snap.skeleton"],
+                      registry.manifest("skip", "v1")["config"]["digest"]}
+    # A file changed since that restore (its ctime is newer) is hashed again, and its layer downloaded.
+    with open(root / SMALL[3], "r+b") as f:
+        f.write(b"x")
+    os.utime(root / SMALL[3], (1_600_000_000, 1_600_000_000))
+    doc, got, _ = _restore(proxy, root, state_dir)
+    assert 0 < doc["hashed_bytes"] < 1 * MiB  # that file's layer only
+    assert len(doc["applied"]) == 2 and doc["applied"][0].startswith("models (bundle ")
+    assert doc["applied"][1] == "models (directories and deletions)"  # its directory's mtime: see the next test
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_layer_after_an_applied_one_that_writes_its_paths_is_applied(committed, registry, proxy, base_rootfs,
+                                                                       tmp_path):
+    """A changed weight's layer (applied) carries its directory with an older mtime than the box's;
+    the weights' last layer, which decides that mtime, finds it right on disk but must be applied
+    after it all the same, or the directory keeps the weight layer's mtime."""
+    box, root = committed
+    _pod_restart(base_rootfs, str(root))
+    with open(root / A, "r+b") as f:
+        f.write(os.urandom(4096))
+    doc, _, _ = _restore(proxy, root, tmp_path / "fresh-state")
+    assert "models (directories and deletions)" in doc["applied"]
+    assert doc["skipped_layers"] == len(_weight_layers(registry)) - 1  # all but the changed weight's
+    assert os.stat(root / "workspace/models/checkpoints").st_mtime == 1_700_000_000
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def _repoint_skeleton(registry, tag, blob):
+    """The snapshot pushed again as `tag`, naming `blob` as its skeletons."""
+    manifest = registry.manifest("skip", "v1")
+    manifest["annotations"]["dev.snap.skeleton"] = registry.push_blob("skip", blob)
+    r = registry.session().put(f"{registry.url}/v2/skip/manifests/{tag}", data=json.dumps(manifest),
+                               headers={"Content-Type": manifest["mediaType"]})
+    r.raise_for_status()
+
+
+def test_a_malformed_or_lying_skeleton_is_never_trusted(committed, registry, proxy, base_rootfs, tmp_path):
+    from snapshotter import skeleton  # here: the other tests run (and fail) on a snap without skeletons
+
+    box, root = committed
+    weights = _weight_layers(registry)
+    _pod_restart(base_rootfs, str(root))
+    _repoint_skeleton(registry, "garbage", b"not a skeleton")
+    r = snap("restore", f"{registry.host}/skip:garbage", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(tmp_path / "s1")}, check=True)
+    assert json.loads(r.stdout)["skipped_layers"] == 0 and "are not usable" in r.stderr
+    # The skeletons of two weights swapped: each layer's own headers say what is on disk, but not its bytes.
+    real = registry.blob("skip", registry.manifest("skip", "v1")["annotations"]["dev.snap.skeleton"])
+    pieces = {}
+    skeleton.parse(real, lambda diff_id, piece: pieces.__setitem__(diff_id, gzip.decompress(piece)))
+    diff_ids = dict(zip((d["digest"] for d in registry.manifest("skip", "v1")["layers"]),
+                        json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"]))
+    a, b = [diff_ids[d] for d, names in weights.items() if A in names or SMALL[0] in names]
+    pieces[a], pieces[b] = pieces[b].replace(b.encode(), a.encode()), pieces[a].replace(a.encode(), b.encode())
+    _repoint_skeleton(registry, "lying", b"".join(gzip.compress(p) for p in pieces.values()))
+    _pod_restart(base_rootfs, str(root))
+    start = len(proxy.log)
+    r = snap("restore", f"{proxy.host}/skip:lying", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(tmp_path / "s2")}, check=True)
+    got = {path.rsplit("/", 1)[1] for method, path, _ in proxy.log[start:] if method == "GET" and "/blobs/" in path}
+    assert got & set(weights) == {d for d, names in weights.items() if A in names or SMALL[0] in names}
+    assert json.loads(r.stdout)["skipped_layers"] >= len(weights) - 2  # the other weights
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
