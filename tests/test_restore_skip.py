@@ -65,8 +65,9 @@ def committed(registry, base_ref, base_rootfs, tmp_path):
     profile.write_text(PROFILE)
     box = _box(base_rootfs, str(tmp_path / "box"))
     ref = f"{registry.host}/skip:v1"
+    # --force: each test's new box replaces the tag the one before pushed (the tag moves only forward)
     snap("commit", ref, "--base", base_ref, "--root", box, "--profile", str(profile), "--max-layer-size", "1MiB",
-         check=True)
+         "--force", check=True)
     root = tmp_path / "pod"
     snap("restore", ref, "--root", str(root), check=True)
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
