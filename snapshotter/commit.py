@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import zstandard
 
-from . import baseindex, progress
+from . import baseindex, deletions, progress
 from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
 from .digests import file_digest, sha256_digest
@@ -57,6 +57,7 @@ class CommitOptions:
     # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
     changes: Optional[Callable] = None
     plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
+    force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (deletions.py)
 
 
 @dataclass
@@ -163,6 +164,7 @@ class CommitPlan:
     # built; push_commit leaves out such a file whose layer cannot be, and lists it in `left_unread`.
     unreadable: set[str] = field(default_factory=set)
     left_unread: list[str] = field(default_factory=list)
+    deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
 
     @property
     def base_name(self) -> str:
@@ -211,6 +213,9 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     scan_started_ns = time.time_ns()
     with gc_paused():
         scan, d, plans = _scan_and_plan(root, base_img, index, opts)
+        deleted = deletions.count(index, d.deleted) if base_img else None
+    if deleted is not None and not opts.force:
+        deletions.refuse_commit(root, deleted)  # before anything is read or pushed
     if scratch and not opts.profile.include:
         files = [e for e in scan.entries.values() if e.kind == FILE]
         opts.log(f"--base scratch without --include: capturing all of {root} but the profile's excludes: "
@@ -220,7 +225,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     return CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
-                      opts.profile.zstd_level, opts.rehash)
+                      opts.profile.zstd_level, opts.rehash, deletes=deleted)
 
 
 def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry],
@@ -295,7 +300,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     base_config = base_img.config if base_img else scratch_config(*host_platform())
     config = snapshot_config(base_config, [(p.label, b.diff_id) for p, b, _ in layers], created)
     layer_descs = [descriptor(b.media_type, b.digest, b.size, _annotations(p)) for p, b, _ in layers]
-    extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets)}
+    extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
+             **(cp.deletes.annotation() if cp.deletes else {})}  # read by a restore onto a live system
     # The base's index, for a commit on a new machine and for restore (baseindex.py).
     index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
     if index_digest:
