@@ -46,7 +46,7 @@ from .mounts import inside, read_mounts
 from .profile import PathSet
 from .tarreader import TarReader
 from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest, check_name,
-                       header_key, whiteout_target)
+                       header_key, member_mtime_ns, whiteout_target)
 
 TMP_PREFIX = ".snap-tmp-"
 READ_BUFFER = 1 << 20
@@ -575,7 +575,9 @@ class Extractor:
             os.chmod(path, mode)  # after chown: chown clears setuid bits
         for name, value in xattrs.items():
             self._set_xattr(path, name, value, nofollow)
-        ns = int(m.mtime) * 1_000_000_000
+        # A PAX mtime to the ns, as Docker sets it: the next commit's diff tells an untouched base file by it.
+        ns = member_mtime_ns(m) if m.pax_headers else None
+        ns = int(m.mtime) * 1_000_000_000 if ns is None else ns
         os.utime(path, ns=(ns, ns), **nofollow)
 
     def _set_xattr(self, path, name: str, value: str, nofollow: dict) -> None:
