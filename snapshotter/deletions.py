@@ -9,12 +9,13 @@ directory of a live root whatever the manifest says (extract.py)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from typing import Optional
 
 from .errors import UsageError
-from .fsindex import DIR, Entry, self_and_parents
+from .fsindex import DIR, Entry
 
 SNAP_DELETES = "dev.snap.deletes"  # manifest annotation: {"paths": n, "of": base paths, "top": [top-level dirs]}
 TOP_SHOWN = 5  # top-level directories named in a message
@@ -41,12 +42,18 @@ class Deletions:
 
 def count(index: dict[str, Entry], deleted: list[str]) -> Deletions:
     """What deleting `deleted` (the top-most paths of each deleted tree: fsindex.Diff) does to the
-    base `index`."""
-    gone = set(deleted)
-    paths = sum(1 for rel in index if any(p in gone for p in self_and_parents(rel))) if gone else 0
-    holding = {rel.partition("/")[0] for rel in index if "/" in rel}
-    top = sorted(rel for rel in gone if "/" not in rel and rel in holding and index[rel].kind == DIR)
-    return Deletions(paths, len(index), top)
+    base `index`. The paths below a path are one run of the sorted paths (those between 'p/' and
+    'p0', '0' following '/'): no pass over a 200k-path base per deleted path."""
+    if not deleted:
+        return Deletions(0, len(index), [])
+    paths = sorted(index)
+
+    def below(rel: str) -> int:
+        return bisect.bisect_left(paths, rel + "0") - bisect.bisect_left(paths, rel + "/")
+
+    gone = [rel for rel in deleted if rel in index]
+    top = [rel for rel in gone if "/" not in rel and index[rel].kind == DIR and below(rel)]
+    return Deletions(sum(1 + below(rel) for rel in gone), len(index), sorted(top))
 
 
 def refuse_commit(root: str, d: Deletions) -> None:
