@@ -202,7 +202,8 @@ def restore(
     allow_devices: bool = typer.Option(False, "--allow-devices", help="Create device nodes (as root) and FIFOs from the layers."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Keep setuid/setgid bits (root only); stripped otherwise."),
     fsync: bool = typer.Option(False, "--fsync", help="fsync every file before renaming it into place (survives power loss; slower)."),
-    force: bool = typer.Option(False, "--force", help="Apply a full image (base layers too) even onto a root that "
+    force: bool = typer.Option(False, "--force", help="Apply a full image (base layers too), or a snapshot that deletes "
+                               "the system (its top-level directories, most of the base's paths), even onto a root that "
                                "already holds an operating system (an etc/os-release, a populated usr/): refused otherwise."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Profile (name or YAML file) whose `exclude` paths "
                                           "(/etc/hostname, /etc/resolv.conf, /proc, ...) are never written. "
