@@ -152,3 +152,26 @@ def test_an_image_without_the_record_hits_the_extractor_net(registry, forced, ba
     assert "snap: error: a layer's whiteout" in r.stderr and "live system" in r.stderr and "Traceback" not in r.stderr
     after = snapshot_of_tree(live)
     assert {p: v for p, v in after.items() if p in system} == system
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+def test_a_whiteout_never_deletes_a_file_mounted_over(registry, base_ref, box, base_rootfs, tmp_path):
+    """A deleted base file that the next machine's runtime mounts over (as Docker does /etc/hosts):
+    the restore stops with one line (exit 7) and the mount and its file stay."""
+    ref = f"{registry.host}/guard-mounted:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, check=True)  # deletes opt/app/old_cache.bin
+    live = live_root(base_rootfs, tmp_path)
+    host = tmp_path / "host-file"
+    host.write_bytes(b"the host's\n")
+    target = os.path.join(live, "opt/app/old_cache.bin")
+    subprocess.run(["mount", "--bind", str(host), target], check=True)
+    try:
+        r = snap("restore", ref, "--root", live, "--only-snapshot")
+        assert r.returncode == 7, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+        assert line.startswith("snap: error: ") and "/opt/app/old_cache.bin" in line
+        assert "mounted over" in line and "Traceback" not in r.stderr
+        with open(target, "rb") as f:
+            assert f.read() == b"the host's\n"
+    finally:
+        subprocess.run(["umount", target], check=False)
