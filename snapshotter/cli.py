@@ -114,8 +114,10 @@ Insecure = typer.Option(False, "--insecure-tls", help="Do not verify the registr
 Username = typer.Option(None, "--username", "-u", help="Registry user (default: ~/.docker/config.json auths and credential helpers).")
 PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry password from standard input.")
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
-ForceHelp = ("Push even what snap refuses: moving a tag that names a snapshot this box neither came from (a "
-             "finished `snap restore` into this root) nor made.")
+PushForce = typer.Option(False, "--force", help="Push even what snap refuses: a snapshot that deletes the base's "
+                         "system directories (bin, etc, usr, ...) or most of its paths (a wrong --root does), or "
+                         "moves a tag that names a snapshot this box neither came from (a finished `snap restore` "
+                         "into this root) nor made.")
 
 
 _fmt_size = progress.human_size
@@ -133,8 +135,8 @@ def commit(
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip for engines that cannot pull zstd (Docker < 23). Weights stay uncompressed."),
     rehash: bool = typer.Option(False, "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat cache."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); snap restore joins them."),
+    force: bool = PushForce,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
-    force: bool = typer.Option(False, "--force", help=ForceHelp),
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
@@ -204,7 +206,8 @@ def restore(
     allow_devices: bool = typer.Option(False, "--allow-devices", help="Create device nodes (as root) and FIFOs from the layers."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Keep setuid/setgid bits (root only); stripped otherwise."),
     fsync: bool = typer.Option(False, "--fsync", help="fsync every file before renaming it into place (survives power loss; slower)."),
-    force: bool = typer.Option(False, "--force", help="Apply a full image (base layers too) even onto a root that "
+    force: bool = typer.Option(False, "--force", help="Apply a full image (base layers too), or a snapshot that deletes "
+                               "the system (its top-level directories, most of the base's paths), even onto a root that "
                                "already holds an operating system (an etc/os-release, a populated usr/): refused otherwise."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Profile (name or YAML file) whose `exclude` paths "
                                           "(/etc/hostname, /etc/resolv.conf, /proc, ...) are never written. "
@@ -354,7 +357,7 @@ def watch(
     include: Optional[List[str]] = typer.Option(None, "--include", help="With --base scratch: watch and capture only this path (as for commit). Repeatable."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip (as for commit)."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (as for commit)."),
-    force: bool = typer.Option(False, "--force", help=ForceHelp),
+    force: bool = PushForce,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin,
 ):

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import zstandard
 
-from . import baseindex, progress, skeleton
+from . import baseindex, deletions, progress, skeleton
 from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
 from .digests import file_digest, sha256_digest
@@ -64,7 +64,7 @@ class CommitOptions:
     # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
     changes: Optional[Callable] = None
     plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
-    force: bool = False  # push even what snap refuses (a tag this box neither came from nor made, ...)
+    force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (deletions.py), a tag this box neither came from nor made (lineage.py)
     origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides lineage.py's (a container's image)
     # Files not to read now, with why (being written): given the scan, the paths to hold back. None: the
     # files some process is writing (writers.py) that changed in the last WRITING_QUIET_S seconds.
@@ -187,6 +187,7 @@ class CommitPlan:
     left_unread: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read (being written), with why
     carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
+    deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
 
     @property
     def base_name(self) -> str:
@@ -235,6 +236,9 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     scan_started_ns = time.time_ns()
     with gc_paused():
         scan, d, plans = _scan_and_plan(root, base_img, index, opts)
+        deleted = deletions.count(index, d.deleted) if base_img else None
+    if deleted is not None and not opts.force:
+        deletions.refuse_commit(root, deleted)  # before anything is read or pushed
     held = (opts.hold or (lambda sc: being_written(sc, root, WRITING_QUIET_S)))(scan)
     if scratch and not opts.profile.include:
         files = [e for e in scan.entries.values() if e.kind == FILE]
@@ -245,7 +249,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
-                    opts.profile.zstd_level, opts.rehash)
+                    opts.profile.zstd_level, opts.rehash, deletes=deleted)
     hold_back(cp, held, opts)
     return cp
 
@@ -418,7 +422,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     _insert_carried(rows, cp)
     config = snapshot_config(base_config, [(label, diff_id) for label, diff_id, _, _ in rows], created)
     layer_descs = [desc for _, _, desc, _ in rows]
-    extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets)}
+    extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
+             **(cp.deletes.annotation() if cp.deletes else {})}  # read by a restore onto a live system
     # The base's index, for a commit on a new machine and for restore (baseindex.py).
     index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
     if index_digest:

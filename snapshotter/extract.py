@@ -16,7 +16,11 @@
 - Temp files a killed run left behind ('.snap-tmp-*') are removed when a run next writes into
   their directory.
 - A directory tree is never removed (a whiteout, or a non-directory replacing it) when a filesystem
-  is mounted at or below it: a layer must not empty a mounted volume.
+  is mounted at or below it, nor a file mounted over: a layer must not empty a mounted volume.
+- Onto a root that holds a live system (ExtractOptions.live_system), a whiteout or opaque marker
+  that would delete one of its top-level directories (or a top-level link to one) that holds
+  anything is refused before it deletes: the net under deletions.py's check of the manifest, for
+  images that carry no record of what they delete.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ from typing import BinaryIO, Callable, Optional
 import zstandard
 
 from .digests import file_digest, hasher_digest
-from .errors import IntegrityError, StorageError, quoted_path
+from .errors import IntegrityError, StorageError, UsageError, quoted_path
 from .fsindex import ImageIndexer, clean_path
 from .mounts import inside, read_mounts
 from .profile import PathSet
 from .tarreader import TarReader
 from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest, check_name,
-                       header_key, whiteout_target)
+                       header_key, member_mtime_ns, whiteout_target)
 
 TMP_PREFIX = ".snap-tmp-"
 READ_BUFFER = 1 << 20
@@ -64,6 +68,7 @@ class ExtractOptions:
     # Globs (the profile's `exclude`: /etc/hostname, /etc/resolv.conf, /proc, /tmp, ...) of paths the
     # machine owns: never written, replaced or deleted, whatever the layers hold.
     never_write: tuple[str, ...] = ()
+    live_system: Optional[str] = None  # what shows the root holds a running system: its top-level dirs are not deleted
 
 
 NAMES_KEPT = 1000  # names kept per kind for the report; the counts go on, so memory stays flat for any layer
@@ -479,6 +484,14 @@ class Extractor:
         if hidden and self._never.match(hidden):
             self.stats.left_alone += 1
             return
+        if self.opts.live_system:
+            if base != OPAQUE:
+                top = [os.path.join(pdir, whiteout_target(base))] if pdir == self.root else []
+            elif pdir == self.root:
+                top = [os.path.join(pdir, name) for name in os.listdir(pdir)]
+            else:  # an opaque /etc, or /bin (a link to usr/bin) empties it
+                top = [pdir] if "/" not in parent or os.path.dirname(pdir) == self.root else []
+            self._spare_system(top, base)
         if base == OPAQUE:
             for name in os.listdir(pdir):
                 path = os.path.join(pdir, name)
@@ -495,6 +508,22 @@ class Extractor:
         self._note_parent(pdir)
         self._remove_any(path)  # the final component is removed, never followed
 
+    def _spare_system(self, paths: list[str], marker: str) -> None:
+        """Refuse a whiteout (`marker`) that would delete or empty one of `paths`, top-level paths
+        of a live root, where it is (or links to) a directory holding anything: /bin, /etc, /usr."""
+        for path in paths:
+            if path in self._written:
+                continue  # this layer's own
+            rel = os.path.relpath(path, self.root)
+            try:
+                holds = bool(os.listdir(self._resolve_dir(rel, create=False)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # not a directory (or gone): nothing of the system
+            if holds:
+                raise UsageError(f"a layer's whiteout {marker!r} would delete {'/' + rel!r} of {self.root!r}, which "
+                                 f"holds a live system ({self.opts.live_system}): refusing to apply it",
+                                 "was the image committed from a wrong --root? pass --force to apply it anyway")
+
     def _remove_any(self, path: str) -> None:
         """Remove a path of any type; the final component is never followed."""
         try:
@@ -503,8 +532,15 @@ class Extractor:
             return
         if stat.S_ISDIR(st.st_mode):
             self._remove_tree(path)
-        else:
+            return
+        try:
             os.unlink(path)
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            shown = "/" + os.path.relpath(path, self.root)
+            raise StorageError(f"the image deletes or replaces {shown}, but a file is mounted over it: refusing",
+                               "unmount it, or restore into another directory") from e
 
     def _remove_tree(self, path: str) -> None:
         """shutil.rmtree, refused when a filesystem is mounted at or below `path`: rmtree would
@@ -539,7 +575,9 @@ class Extractor:
             os.chmod(path, mode)  # after chown: chown clears setuid bits
         for name, value in xattrs.items():
             self._set_xattr(path, name, value, nofollow)
-        ns = int(m.mtime) * 1_000_000_000
+        # A PAX mtime to the ns, as Docker sets it: the next commit's diff tells an untouched base file by it.
+        ns = member_mtime_ns(m) if m.pax_headers else None
+        ns = int(m.mtime) * 1_000_000_000 if ns is None else ns
         os.utime(path, ns=(ns, ns), **nofollow)
 
     def _set_xattr(self, path, name: str, value: str, nofollow: dict) -> None:

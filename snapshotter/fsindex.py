@@ -22,7 +22,8 @@ from .mounts import inside, read_mounts
 from .profile import Profile, VenvRoots
 from .state import replace_file
 from .tarreader import iter_members, data_chunks
-from .tarrules import MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, check_name, member_xattrs, whiteout_target
+from .tarrules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, check_name, member_mtime_ns, member_xattrs,
+                       whiteout_target)
 
 FILE, DIR, SYMLINK, CHAR, BLOCK, FIFO = "file", "dir", "symlink", "char", "block", "fifo"
 
@@ -50,6 +51,13 @@ class Entry:
     inode: Optional[str] = None  # "dev:ino" of a box file with more than one link
     stamp: str = ""  # box only: "ino:mtime_ns:ctime_ns", what the stat cache keys on (ctime cannot be faked)
     xattrs: Optional[dict[str, str]] = None  # extended attributes (values as surrogate-escaped text, as in PAX)
+    # The exact mtime where whole seconds cannot tell: an image's file whose tar header has one (PAX),
+    # a box file edited within its base file's second (its layer carries it: a restore puts it back).
+    mtime_ns: Optional[int] = None
+
+    def image_mtime_ns(self) -> int:
+        """An image entry's mtime in ns: as its tar header has it."""
+        return self.mtime * 1_000_000_000 if self.mtime_ns is None else self.mtime_ns
 
     @property
     def ctime_ns(self) -> int:
@@ -462,7 +470,7 @@ def entry_from_member(m: tarfile.TarInfo, rel: str) -> Optional[Entry]:
         path=rel, kind=kind, mode=m.mode & 0o7777, uid=m.uid, gid=m.gid,
         size=m.size if kind == FILE else 0, mtime=int(m.mtime), linkname=m.linkname if kind == SYMLINK else "",
         rdev=os.makedev(m.devmajor, m.devminor) if kind in (CHAR, BLOCK) else 0,
-        xattrs=member_xattrs(m),
+        xattrs=member_xattrs(m), mtime_ns=member_mtime_ns(m) if kind == FILE else None,
     )
 
 
@@ -556,7 +564,8 @@ class ImageIndexer:
                                      "refusing a hostile layer")
             if src.kind != FILE:
                 return
-            e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest, xattrs=src.xattrs)
+            e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest, xattrs=src.xattrs,
+                      mtime_ns=src.mtime_ns)
         else:
             e = entry_from_member(m, rel)
             if e is None:
@@ -600,7 +609,7 @@ def _under_opaque(rel: str, opaques: set[str]) -> bool:
 # The base-index cache holds each Entry positionally (astuple: compact, quick to load). Its first
 # line names the format version and Entry's fields: a cache of another version or field layout is
 # rebuilt, never read into the wrong fields. Version 1 had no such line.
-INDEX_VERSION = 3  # 3: the header names the diff_ids of the layers indexed
+INDEX_VERSION = 4  # 3: the header names the diff_ids of the layers indexed; 4: files' exact PAX mtimes (mtime_ns)
 
 
 def _index_header(diff_ids: Sequence[str]) -> dict:
@@ -650,10 +659,20 @@ class Diff:
     deleted: list[str]  # base paths gone from the box (only the top-most of a deleted tree)
 
 
+def within_its_second(e: Entry, old: Entry) -> bool:
+    """Is box file `e`, whose metadata matches its base entry `old` (same_as: size, whole-second
+    mtime, ...), not at the base's mtime to the nanosecond? Then an edit of the same size within
+    that second looks unchanged, and only its content tells (git's racy entries). A file the base's
+    tar made is at the header's exact time: never read."""
+    return bool(e.stamp) and old.digest is not None and e.kind == FILE and \
+        int(e.stamp.split(":")[1]) != old.image_mtime_ns()
+
+
 def diff(base: dict[str, Entry], scan: Scan, skipped: Callable[[str], bool], rehash: bool = False,
          root: str = "/") -> Diff:
     """Compare the box with its base image. `skipped(path)` says a path was not scanned (excluded or
-    a secret): such base paths are unknown, not deleted."""
+    a secret): such base paths are unknown, not deleted. A file that matches its base entry but
+    for the fraction of its mtime's second is compared by content (within_its_second)."""
     box = scan.entries
     changed: list[Entry] = []
     for rel in sorted(box):
@@ -663,6 +682,14 @@ def diff(base: dict[str, Entry], scan: Scan, skipped: Callable[[str], bool], reh
             e.digest = file_digest(os.path.join(root, rel))
         if old is None or not e.same_as(old, compare_content=rehash):
             changed.append(e)
+        elif not rehash and within_its_second(e, old):
+            try:
+                e.digest = file_digest(os.path.join(root, rel))
+            except FileNotFoundError:
+                e.digest = None  # deleted since the scan: the layer says so (layer.py)
+            if e.digest != old.digest:
+                e.mtime_ns = int(e.stamp.split(":")[1])  # else a restore of it would look unchanged next time
+                changed.append(e)
     deleted: list[str] = []
     for rel in sorted(base):
         if rel in box or skipped(rel):

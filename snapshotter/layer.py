@@ -14,7 +14,7 @@ from typing import BinaryIO, Callable, Iterator, Optional, Protocol
 from .compress import MEDIA_TYPE, Compressor
 from .errors import StorageError
 from .fsindex import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
-from .tarrules import XATTR_PAX, layer_order, whiteout_name
+from .tarrules import XATTR_PAX, layer_order, pax_mtime, whiteout_name
 from .plan import LayerPlan
 
 READ_SIZE = 1 << 20  # per read of a file's content
@@ -116,6 +116,8 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path:
             before = os.fstat(fd)
             if not fixed_size:
                 ti.size, ti.mtime = before.st_size, int(before.st_mtime)
+                if e.mtime_ns is not None:
+                    ti.pax_headers = {**ti.pax_headers, "mtime": pax_mtime(before.st_mtime_ns)}
             if ti.size <= BUFFERED_MAX:
                 chunks: list[bytes] = []
                 whole = _read_exactly(fd, offset, ti.size, chunks.append, None)
@@ -153,6 +155,8 @@ def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
     ti.mtime = int(e.mtime)
     if e.xattrs:
         ti.pax_headers = {XATTR_PAX + k: v for k, v in sorted(e.xattrs.items())}
+    if e.mtime_ns is not None:  # an edit within its base file's second (fsindex.diff): a restore puts its ns back
+        ti.pax_headers = {**ti.pax_headers, "mtime": pax_mtime(e.mtime_ns)}
     if linkname_for_hardlink is not None:
         ti.type = tarfile.LNKTYPE
         ti.linkname = linkname_for_hardlink

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from . import baseindex, progress, skeleton
+from . import baseindex, deletions, progress, skeleton
 from .applier import ExtractWorker, LayerJob
 from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
@@ -67,7 +67,7 @@ class RestoreOptions:
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
     seed_stat_cache: bool = True  # record the snap layers, so that the next commit reads no unchanged one
-    force: bool = False  # apply a full image even onto a root that holds an operating system
+    force: bool = False  # apply a full image, or a snapshot's deletion of the system, onto a root that holds one
     profile: Optional[str] = None  # whose `exclude` is never written; None: the image's own, if snap ships it
     # Called once every layer but the weights is applied (landing.py): `snap restore --then` starts the app.
     on_app_ready: Optional[Callable[[], None]] = None
@@ -143,10 +143,15 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
     if base_layers > 0 and not opts.force and not journal.started_here():
         refuse_live_system(root, image, base_layers)
+    # Snapshot layers onto a live system: never its deletion (a snapshot of a wrong --root holds
+    # whiteouts of /bin, /etc, /usr). A full restore onto one is refused above, or forced.
+    live = holds_system(root) if base_layers == 0 and not opts.force else None
+    if live:
+        deletions.refuse_restore(root, str(image.ref), live, deletions.recorded(image.manifest.get("annotations")))
     profile = restore_profile(image, opts.profile)
     # A layer never writes into a staging dir: it holds the verified blobs of the layers after it.
     never_write = (*profile.exclude.patterns, f"{STAGING_PREFIX}*")
-    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write))
+    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write, live_system=live))
     journal.load(opts.log)
     resumed = journal.applied
     if resumed:

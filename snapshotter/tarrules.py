@@ -60,6 +60,24 @@ def member_xattrs(m) -> Optional[dict[str, str]]:
     return out or None
 
 
+def member_mtime_ns(m) -> Optional[int]:
+    """A member's exact mtime in ns where its header holds one finer than whole seconds (a PAX
+    mtime with a fraction, parsed from its text as Go's archive/tar does: a float would be off by
+    a few hundred ns), else None. tarreader.py has checked the text."""
+    text = (m.pax_headers or {}).get("mtime", "")
+    whole, _, frac = text.partition(".")
+    if not frac.strip("0"):
+        return None
+    ns = int(whole.lstrip("-") or 0) * 1_000_000_000 + int(frac[:9].ljust(9, "0"))
+    return -ns if whole.startswith("-") else ns
+
+
+def pax_mtime(ns: int) -> str:
+    """A PAX mtime record's text for an mtime in ns (member_mtime_ns reads it back exactly)."""
+    sign, ns = ("-", -ns) if ns < 0 else ("", ns)
+    return f"{sign}{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
+
+
 def header_key(ti) -> tuple:
     """What of a tar header decides the layer's bytes (with the content): compared when the stat
     cache is seeded from a restore. `ti`: a tarfile.TarInfo written, or one read (tarreader.py)."""
