@@ -51,13 +51,15 @@ def test_a_commit_of_a_root_without_the_system_is_refused_and_pushes_nothing(whi
     root = empty_roots(tmp_path)[which]
     ref, before = tagged(f"guard-commit-{which}")
     blobs = blobs_in(registry)
-    r = snap("commit", ref, "--base", base_ref, "--root", root)
+    # A new tag: one that names a snapshot of another box is refused before that (lineage.py).
+    r = snap("commit", ref.replace(":v1", ":v2"), "--base", base_ref, "--root", root)
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("snap: error: ") and repr(root) in line and "Traceback" not in r.stderr
     assert "of the base's top-level directories (" in line and all(f"/{d}," in line for d in ("etc", "opt", "usr"))
     assert "--force" in line
     assert digest_of(registry, ref.split("/", 1)[1].split(":")[0], "v1") == before
+    assert digest_of(registry, ref.split("/", 1)[1].split(":")[0], "v2") is None
     assert blobs_in(registry) == blobs
 
 
@@ -82,12 +84,14 @@ def test_a_watch_of_a_root_without_the_system_exits_2_and_leaves_the_tag(which, 
     root = empty_roots(tmp_path)[which]
     ref, before = tagged(f"guard-watch-{which}")
     blobs = blobs_in(registry)
-    code, stderr = watch_until_it_ends_or_pushes(ref, "--base", base_ref, "--root", root, "--every", "1h")
+    code, stderr = watch_until_it_ends_or_pushes(ref.replace(":v1", ":v2"), "--base", base_ref, "--root", root,
+                                                 "--every", "1h")
     assert code == 2, stderr
     assert any(line.startswith("snap: error: the box at --root") and "--force" in line
                for line in stderr.splitlines()), stderr
     assert "Traceback" not in stderr
     assert digest_of(registry, ref.split("/", 1)[1].split(":")[0], "v1") == before
+    assert digest_of(registry, ref.split("/", 1)[1].split(":")[0], "v2") is None
     assert blobs_in(registry) == blobs
 
 
