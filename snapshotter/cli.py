@@ -374,9 +374,7 @@ def watch(
     from .watch import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
 
     if stop:
-        code = dmn.stop(root, log=_say)
-        _say(f"snap watch of {root} stopped (exit code {code})")
-        raise typer.Exit(code)
+        raise typer.Exit(dmn.stop(root, log=_say))
     if target is None or base is None:
         raise UsageError("watch needs TARGET and --base", "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
     prof = load_profile(profile)
@@ -401,7 +399,7 @@ def watch(
     try:
         code = do_watch(target, base, opts, on_ready)
     except SnapError as e:
-        dmn.note_exit(files, e.exit_code)
+        dmn.note_exit(files, e.exit_code, f"snap: error: {e}")
         raise
     dmn.note_exit(files, code)
     exit_now(code)
