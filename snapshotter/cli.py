@@ -97,6 +97,8 @@ def _transport(plain_http: bool, ca_cert: Optional[str], insecure: bool, usernam
         password = os.environ.get("SNAP_PASSWORD")
         if password is None:
             raise UsageError("--username needs a password", "pipe it to --password-stdin, or set SNAP_PASSWORD")
+    else:
+        username, password = _env_credentials()
     if ca_cert and not os.path.isfile(ca_cert):
         raise UsageError(f"CA certificate {ca_cert} does not exist")
     return TransportOptions(
@@ -107,11 +109,21 @@ def _transport(plain_http: bool, ca_cert: Optional[str], insecure: bool, usernam
     )
 
 
+def _env_credentials() -> tuple:
+    """SNAP_USERNAME and SNAP_PASSWORD, both or neither: where a provider puts its secrets (a box it
+    starts has no `docker login`). An empty variable counts as unset (a template's blank secret)."""
+    username, password = os.environ.get("SNAP_USERNAME") or None, os.environ.get("SNAP_PASSWORD") or None
+    if (username is None) != (password is None):
+        given, missing = ("SNAP_USERNAME", "SNAP_PASSWORD") if username is not None else ("SNAP_PASSWORD", "SNAP_USERNAME")
+        raise UsageError(f"{given} is set but {missing} is not", "set both, or neither to use Docker's config")
+    return username, password
+
+
 # Options shared by the commands that talk to a registry.
 PlainHttp = typer.Option(False, "--plain-http", help="Talk to the registry over http (no TLS). Loopback registries try http first, then https.")
 CaCert = typer.Option(None, "--ca-cert", help="CA bundle (PEM) to verify the registry's TLS certificate.")
 Insecure = typer.Option(False, "--insecure-tls", help="Do not verify the registry's TLS certificate.")
-Username = typer.Option(None, "--username", "-u", help="Registry user (default: ~/.docker/config.json auths and credential helpers).")
+Username = typer.Option(None, "--username", "-u", help="Registry user (default: $SNAP_USERNAME with $SNAP_PASSWORD, else ~/.docker/config.json auths and credential helpers).")
 PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry password from standard input.")
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 PushForce = typer.Option(False, "--force", help="Push even what snap refuses: a snapshot that deletes the base's "
@@ -372,9 +384,7 @@ def watch(
     from .watch import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
 
     if stop:
-        code = dmn.stop(root, log=_say)
-        _say(f"snap watch of {root} stopped (exit code {code})")
-        raise typer.Exit(code)
+        raise typer.Exit(dmn.stop(root, log=_say))
     if target is None or base is None:
         raise UsageError("watch needs TARGET and --base", "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
     prof = load_profile(profile)
@@ -399,7 +409,7 @@ def watch(
     try:
         code = do_watch(target, base, opts, on_ready)
     except SnapError as e:
-        dmn.note_exit(files, e.exit_code)
+        dmn.note_exit(files, e.exit_code, f"snap: error: {e}")
         raise
     dmn.note_exit(files, code)
     exit_now(code)

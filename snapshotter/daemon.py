@@ -79,14 +79,18 @@ def note_pid(files: WatchFiles, target: str, grace: float) -> None:
     replace_file(files.pid, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "target": target, "grace": grace}, f))
 
 
-def note_exit(files: WatchFiles, code: int) -> None:
-    replace_file(files.exit, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "code": code}, f))
+def note_exit(files: WatchFiles, code: int, error: str = "") -> None:
+    """The watcher's exit code and its error line, if any: what `--stop` tells after the watcher ended."""
+    replace_file(files.exit, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "code": code, "error": error}, f))
 
 
 def detach(files: WatchFiles) -> Callable[[], None]:
     """Double fork. The starting process waits for the watcher's readiness (printing what the
     watcher says until then) and exits; this returns only in the detached watcher, with the
-    function that signals readiness. The watcher's output goes to the log file."""
+    function that signals readiness. The watcher's output goes to the log file, and its lines
+    also to the stderr the starter had: in a container that is the container's output, where
+    the provider shows it (a log file inside the box is lost with the box)."""
+    starters_stderr = os.dup(2)
     r, w = os.pipe()
     if os.fork() > 0:  # the starter
         os.close(w)
@@ -102,31 +106,35 @@ def detach(files: WatchFiles) -> Callable[[], None]:
     sys.stderr.flush()
     os.dup2(log, 1)
     # Until ready, stderr goes to the starter too (a usage error is shown where it was typed).
-    tee = _Tee(w, log)
+    tee = _Tee(w, log, starters_stderr)
     sys.stderr = tee
 
     def ready() -> None:
         tee.ready()
-        os.dup2(log, 2)
-        sys.stderr = os.fdopen(2, "w", buffering=1)
+        os.dup2(log, 2)  # what is written to fd 2 directly (a helper program's stderr): the log alone
 
     return ready
 
 
 class _Tee:
-    """stderr of the watcher before it is ready: to its log and to the starter."""
+    """stderr of the detached watcher: its log, and a copy to the starter (through the readiness
+    pipe until ready, which the starter prints), then to the stderr the starter had. A copy whose
+    reader is gone (a closed terminal: EIO; a closed pipe: EPIPE) is dropped: the log goes on."""
 
-    def __init__(self, pipe: int, log: int):
-        self.pipe, self.log = pipe, log
+    encoding = "utf-8"
+
+    def __init__(self, pipe: int, log: int, starters_stderr: int):
+        self.log, self.copy, self.later = log, pipe, starters_stderr
 
     def write(self, text: str) -> int:
         data = text.encode(errors="replace")
         os.write(self.log, data)
-        if self.pipe >= 0:
+        if self.copy >= 0:
             try:
-                os.write(self.pipe, data)
+                os.write(self.copy, data)
             except OSError:
-                pass
+                os.close(self.copy)
+                self.copy = -1
         return len(text)
 
     def flush(self) -> None:
@@ -136,13 +144,13 @@ class _Tee:
         return False
 
     def ready(self) -> None:
-        if self.pipe >= 0:
+        pipe, self.copy = self.copy, self.later
+        if pipe >= 0:
             try:
-                os.write(self.pipe, READY.encode())
+                os.write(pipe, READY.encode())
             except OSError:
                 pass
-            os.close(self.pipe)
-            self.pipe = -1
+            os.close(pipe)
 
 
 def _relay_until_ready(r: int, files: WatchFiles) -> None:
@@ -164,13 +172,15 @@ def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] 
     """Send the watcher of `root` the notice (SIGTERM) and wait for its final snapshot. Its exit code."""
     files = watch_files(root)
     info = _read_json(files.pid)
-    if not lock_held(files) or not isinstance(info.get("pid"), int):
-        raise NotFound(f"no snap watch is running for {root!r}")
+    if not isinstance(info.get("pid"), int):
+        raise NotFound(f"no snap watch has run for {root!r}")
     pid = info["pid"]
+    if not lock_held(files):
+        return _ended_before(files, pid, root, log)
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        raise NotFound(f"no snap watch is running for {root!r} (pid {pid} is gone)")
+        return _ended_before(files, pid, root, log)
     log(f"sent SIGTERM to snap watch (pid {pid}); waiting for its final snapshot")
     grace = info.get("grace") if isinstance(info.get("grace"), (int, float)) else 4
     deadline = time.monotonic() + (timeout if timeout is not None else grace + 30)
@@ -181,7 +191,21 @@ def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] 
     done = _read_json(files.exit)
     code = done.get("code", 1) if done.get("pid") == pid else 1
     if code:
-        log(f"snap watch (pid {pid}) ended with code {code}: {_last_line(files.log)}")
+        log(f"snap watch (pid {pid}) of {root!r} stopped with code {code}: {done.get('error') or _last_line(files.log)}")
+    else:
+        log(f"snap watch (pid {pid}) of {root!r} stopped after its final snapshot (exit code 0)")
+    return code
+
+
+def _ended_before(files: WatchFiles, pid: int, root: str, log: Callable[[str], None]) -> int:
+    """The last watcher of `root` ended on its own (an auth error, a crash): its code, not "none
+    running", so that a start script's stop reports why the box had no protection."""
+    done = _read_json(files.exit)
+    if done.get("pid") == pid and isinstance(done.get("code"), int):
+        code, why = done["code"], done.get("error") or _last_line(files.log)
+    else:
+        code, why = 1, f"it left no exit code (killed?); its log: {_last_line(files.log)}"
+    log(f"snap watch (pid {pid}) of {root!r} had already ended with code {code}: {why}")
     return code
 
 

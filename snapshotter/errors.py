@@ -25,8 +25,16 @@ class RegistryUnreachable(SnapError):
     exit_code = 3
 
 
+# Every auth error names them: a box started by a provider has no `docker login`, but secret env vars.
+CREDENTIAL_WAYS = ("credentials come from SNAP_USERNAME and SNAP_PASSWORD, --username with --password-stdin, "
+                   "or Docker's config (`docker login`)")
+
+
 class AuthError(SnapError):
     exit_code = 4
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; {CREDENTIAL_WAYS}"
 
 
 class NotFound(SnapError):

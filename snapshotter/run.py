@@ -168,8 +168,7 @@ def _pull_error(client, image: str, msg: str) -> SnapError:
             f"the Docker engine ({version}) cannot unpack {image}: its layers are zstd, which Docker reads from 23.0 on ({msg})",
             "commit with --compression gzip for this engine, or " + RESTORE_HINT)
     if any(k in low for k in ("unauthorized", "authentication required", "no basic auth credentials", "denied")):
-        return AuthError(f"the registry refused the engine's pull of {image}: {msg}",
-                         "pass --username and --password-stdin, or docker login on this host")
+        return AuthError(f"the registry refused the engine's pull of {image}: {msg}")
     if "not found" in low or "manifest unknown" in low:
         return NotFound(f"image {image} not found: {msg}")
     if "http response to https client" in low:

@@ -194,8 +194,7 @@ class Transport:
             break
         if r.status_code in (401, 403):
             if not self.has_credentials:
-                raise AuthError(f"registry {registry} asks for credentials we do not have",
-                                "log in with `docker login`, or pass --username and --password-stdin")
+                raise AuthError(f"registry {registry} asks for credentials we do not have")
             raise AuthError(
                 f"registry {registry} refused the credentials for {method} on {self.repository} (HTTP {r.status_code})",
                 "check the username/password or the token's permissions",
@@ -226,8 +225,7 @@ class Transport:
         if self.has_credentials:
             return AuthError(f"registry {self.registry} refused the credentials for {self.repository}",
                              "check the username/password or the token's permissions")
-        return AuthError(f"registry {self.registry} asks for credentials we do not have",
-                         "log in with `docker login`, or pass --username and --password-stdin")
+        return AuthError(f"registry {self.registry} asks for credentials we do not have")
 
     def _needs_new_token(self, r: requests.Response) -> bool:
         """A 401 with a Bearer challenge after oras sent its token: the token lacks the scope this

@@ -298,3 +298,58 @@ def test_oras_is_used_through_its_public_api_only():
                 if node.attr in oras_private or "oras" in ast.unparse(node.value):
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+# ---- credentials from the environment (a provider's secret env vars: a pod has no `docker login`) ----
+
+WAYS = ("SNAP_USERNAME", "SNAP_PASSWORD", "--username", "--password-stdin", "docker login")
+
+
+def test_env_credentials_for_every_command(secure_registry, box, tmp_path):
+    """SNAP_USERNAME + SNAP_PASSWORD are used by commit, log and restore without --username; the
+    password is in no output."""
+    reg = secure_registry
+    tls = ["--ca-cert", reg.cert]
+    env = {"SNAP_USERNAME": USER, "SNAP_PASSWORD": PASSWORD}
+    ref = f"{reg.host}/box:env"
+    outs = [snap("commit", ref, "--base", f"{reg.host}/base:1", "--root", box, *tls, env=env, check=True)]
+    outs.append(snap("log", ref, *tls, env=env, check=True))
+    out = tmp_path / "out"
+    outs.append(snap("restore", ref, "--root", str(out), *tls, env=env, check=True))
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    assert all(PASSWORD not in r.stdout + r.stderr for r in outs)
+
+
+def test_every_auth_error_names_the_ways_to_give_credentials(secure_registry, box):
+    reg = secure_registry
+    cmd = ["commit", f"{reg.host}/box:env2", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert]
+    wrong = snap(*cmd, env={"SNAP_USERNAME": USER, "SNAP_PASSWORD": "wr0ng-env-Pa55"})
+    assert_one_line_error(wrong, 4, reg.host, "refused", *WAYS)
+    assert "wr0ng-env-Pa55" not in wrong.stdout + wrong.stderr
+    assert_one_line_error(snap(*cmd), 4, reg.host, "credentials we do not have", *WAYS)
+    r = snap("restore", f"{reg.host}/box:env2", "--root", box, "--ca-cert", reg.cert)
+    assert_one_line_error(r, 4, *WAYS)
+
+
+@pytest.mark.parametrize("given,missing", [("SNAP_USERNAME", "SNAP_PASSWORD"), ("SNAP_PASSWORD", "SNAP_USERNAME")])
+def test_one_env_credential_without_the_other_is_a_usage_error(given, missing, tmp_path):
+    r = snap("restore", "127.0.0.1:1/box:v1", "--root", str(tmp_path / "out"), env={given: "x-Pa55", missing: ""})
+    assert_one_line_error(r, 2, f"{given} is set but {missing} is not")
+    assert "x-Pa55" not in r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_env_credentials_not_sent_to_another_registry(tmp_path_factory, base_rootfs, box, tmp_path):
+    """As --username: SNAP_USERNAME/SNAP_PASSWORD are for the target's registry; the base's registry
+    gets its own credentials from the docker config (it would refuse the target's)."""
+    target = RegistryServer(str(tmp_path_factory.mktemp("target-registry")), auth=(USER, PASSWORD)).start()
+    other = RegistryServer(str(tmp_path_factory.mktemp("other-registry")), auth=("otheruser", "other-Pa55")).start()
+    try:
+        push_base_image(other, "base", "1", base_rootfs)
+        cfg_dir = docker_config(tmp_path, {other.host: basic("otheruser", "other-Pa55")})
+        snap("commit", f"{target.host}/box:v1", "--base", f"{other.host}/base:1", "--root", box,
+             env={"DOCKER_CONFIG": cfg_dir, "SNAP_USERNAME": USER, "SNAP_PASSWORD": PASSWORD}, check=True)
+        assert target.manifest("box", "v1")["layers"]
+    finally:
+        target.stop()
+        other.stop()

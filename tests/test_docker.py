@@ -10,6 +10,7 @@ which both read."""
 
 import gzip
 import hashlib
+import io
 import json
 import os
 import re
@@ -18,14 +19,16 @@ import shutil
 import socket
 import subprocess
 import sys
-import sysconfig
+import tarfile
+import time
 import uuid
 from typing import Optional
 
 import pytest
 
 from conftest import NOT_CAPTURED, make_box, snap
-from support import RegistryServer, free_port, push_base_image, snapshot_of_tree, stop_process, tar_of_files
+from support import (PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, free_port, have_wheels, push_base_image,
+                     snapshot_of_tree, stop_process, tar_of_files)
 from test_errors import assert_one_line_error
 from test_roundtrip import commit_json, label, layers_by_name
 
@@ -551,14 +554,23 @@ def test_hardlinked_weights_are_one_inode_in_docker_and_umoci(registry, base_ref
 
 # ---- the container provider recipe of the README ------------------------------------------------------
 
-def readme_start_script() -> str:
-    """The start script of README's container provider recipe (the block after its mention of this test)."""
+def readme_recipe() -> tuple[str, str]:
+    """(Dockerfile, start.sh) of README's container provider recipe: the first indented blocks,
+    after its mention of this test, that start with FROM and with #!/bin/sh."""
     with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
         lines = f.read().split("\n")
-    at = next(i for i, line in enumerate(lines) if "test_container_start_command_from_the_readme" in line)
-    start = next(i for i in range(at + 1, len(lines)) if lines[i].startswith("    "))
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("    "))
-    return "\n".join(line[4:] for line in lines[start:end]) + "\n"
+    at = next(i for i, line in enumerate(lines) if "test_container_recipe_from_the_readme" in line)
+    at = next(i for i in range(at, 0, -1) if lines[i].startswith("**A container provider**"))
+    blocks, i = [], at
+    while i < len(lines) and not lines[i].startswith("**A VM**"):
+        if lines[i].startswith("    "):
+            end = next(j for j in range(i, len(lines)) if lines[j] and not lines[j].startswith("    "))
+            blocks.append("\n".join(line[4:] for line in lines[i:end]).strip("\n") + "\n")
+            i = end
+        i += 1
+    dockerfile = next(b for b in blocks if any(x.startswith("FROM ") for x in b.split("\n")))
+    script = next(b for b in blocks if b.startswith("#!/bin/sh"))
+    return dockerfile, script
 
 
 def with_own(script: str, box: str, base: str, app: str) -> str:
@@ -572,62 +584,211 @@ def with_own(script: str, box: str, base: str, app: str) -> str:
     return "\n".join(lines)
 
 
-def host_snap(tmp_path) -> tuple[list, str]:
-    """This machine's snap, runnable in a container of the test base image (busybox, no libc): its
-    Python, libraries and packages bind-mounted read-only under /run/host (a path the profile
-    excludes, so a watcher in the container does not capture them), run through the host's own
-    loader by a `snap` script. Returns (mounts, PATH)."""
-    sources = {"py": sys.base_prefix, "lib": os.path.realpath("/lib/x86_64-linux-gnu"),
-               "site": sysconfig.get_paths()["purelib"], "bin": str(tmp_path / "host-bin"),
-               "pkg": str(tmp_path / "host-pkg")}
+def with_own_base(dockerfile: str, base: str) -> str:
+    lines = dockerfile.split("\n")
+    froms = [i for i, line in enumerate(lines) if line.startswith("FROM ")]
+    assert len(froms) == 1, dockerfile
+    lines[froms[0]] = f"FROM {base}"
+    return "\n".join(lines)
+
+
+def python_layer() -> bytes:
+    """A layer with this machine's Debian Python 3.11 (interpreter, stdlib, the libraries they load,
+    the wheels its ensurepip installs pip from) and a wheelhouse of snap's dependencies at /wheels:
+    a provider's base image with a Python, offline (the image's env points pip at /wheels)."""
+    files = {"usr/bin/python3.11": "/usr/bin/python3.11", "lib64/ld-linux-x86-64.so.2": "/lib64/ld-linux-x86-64.so.2"}
+    lib = "/usr/lib/python3.11"
+    for dirpath, dirnames, filenames in os.walk(lib):
+        dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "test", "idlelib", "tkinter")
+                       and not d.startswith("config-")]
+        files.update({os.path.relpath(os.path.join(dirpath, n), "/"): os.path.join(dirpath, n) for n in filenames})
+    for w in os.listdir("/usr/share/python-wheels"):
+        files[f"usr/share/python-wheels/{w}"] = f"/usr/share/python-wheels/{w}"
+    for w in os.listdir(WHEELS):
+        files[f"wheels/{w}"] = os.path.join(WHEELS, w)
+    # What the manylinux extensions in the wheels load (Rust's, C++'s), beyond what Python's own do.
+    needed = {f"/lib/x86_64-linux-gnu/{n}" for n in ("libgcc_s.so.1", "librt.so.1", "libpthread.so.0", "libdl.so.2")}
+    for so in ["/usr/bin/python3.11"] + [os.path.join(lib, "lib-dynload", n) for n in os.listdir(lib + "/lib-dynload")]:
+        needed.update(re.findall(r"=> (/\S+)", subprocess.run(["ldd", so], capture_output=True, text=True).stdout))
+    files.update({f"lib/x86_64-linux-gnu/{os.path.basename(p)}": p for p in needed})
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ("usr/local/bin", "opt", "workspace"):
+            tar.addfile(_dir_info(d))
+        for dest, src in sorted(files.items()):
+            info = tar.gettarinfo(os.path.realpath(src), arcname=dest)
+            info.uname = info.gname = ""
+            with open(src, "rb") as f:
+                tar.addfile(info, f)
+        link = tarfile.TarInfo("usr/bin/python3")
+        link.type, link.linkname = tarfile.SYMTYPE, "python3.11"
+        tar.addfile(link)
+    return buf.getvalue()
+
+
+def _dir_info(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 1_600_000_000
+    return info
+
+
+def snap_wheel(dest: str) -> str:
+    """snap's wheel, built offline from this tree's sources (a copy: the build writes next to them)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shutil.copytree(os.path.join(repo, "snapshotter"), os.path.join(sources["pkg"], "snapshotter"))
-    shutil.copytree(os.path.join(repo, "layers"), os.path.join(sources["pkg"], "snapshotter", "layers"))
-    python = os.path.relpath(os.path.realpath(sys.executable), sys.base_prefix)
-    os.makedirs(sources["bin"])
-    with open(os.path.join(sources["bin"], "snap"), "w") as f:
-        f.write("#!/bin/sh\n"
-                "PYTHONHOME=/run/host/py PYTHONPATH=/run/host/pkg:/run/host/site exec /run/host/lib/ld-linux-x86-64.so.2 "
-                f"--library-path /run/host/py/lib:/run/host/lib /run/host/py/{python} -m snapshotter \"$@\"\n")
-    os.chmod(os.path.join(sources["bin"], "snap"), 0o755)
-    mounts = [docker.types.Mount(f"/run/host/{k}", v, type="bind", read_only=True) for k, v in sources.items()]
-    return mounts, "/run/host/bin:/usr/bin:/bin"
+    src = os.path.join(dest, "src")
+    os.makedirs(src)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(repo, name), src)
+    for name in ("snapshotter", "layers"):
+        shutil.copytree(os.path.join(repo, name), os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, **PIP_OFFLINE}
+    env.pop("PYTHONPATH", None)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--find-links", WHEELS, "-w", dest, src],
+                   check=True, capture_output=True, env=env)
+    shutil.rmtree(src)
+    return next(f for f in os.listdir(dest) if f.endswith(".whl"))
 
 
-def test_container_start_command_from_the_readme(registry, base_ref, box, engine, tmp_path):
-    """A container started from the base image with the README's start script comes up with the
-    snapshot applied, then runs the app; with no snapshot yet, the app starts all the same."""
-    if not shutil.which("busybox") or not os.path.exists("/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"):
-        pytest.skip("needs busybox in the base image and an x86_64 Debian layout for the host's Python")
-    script = readme_start_script()
-    assert "snap restore" in script and "--only-snapshot" in script and "snap watch" in script
-    ref = f"{registry.host}/recipe:latest"
-    commit_json(ref, base_ref, box)
-    mounts, path = host_snap(tmp_path)
-    app = ("/bin/sh -c 'cat /etc/app.conf; sha256sum /opt/app/models/checkpoints/sd15.safetensors; "
-           "test -e /opt/app/old_cache.bin || echo old_cache.bin is gone; echo app up'")
-    engine.images.pull(base_ref)
+def wait_for_line(ct, text: str, count: int = 1, timeout: float = 120) -> str:
+    """The container's output once `text` is in it `count` times (polled, with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = ct.logs(stdout=True, stderr=True).decode(errors="replace")
+        if out.count(text) >= count:
+            return out
+        ct.reload()
+        assert ct.status == "running" and time.monotonic() < deadline, f"no {text!r} x{count} in:\n{out}"
+        time.sleep(0.2)
 
-    def start(image_ref: str) -> tuple[str, str]:
-        ct = engine.containers.run(base_ref, ["/bin/sh", "-c", with_own(script, image_ref, base_ref, app)],
-                                   detach=True, network_mode="host", mounts=mounts,
-                                   environment={"PATH": path, "SNAP_QUIET": "1"})
-        try:
-            code = ct.wait(timeout=300)["StatusCode"]
-            out, err = (ct.logs(stdout=s, stderr=not s).decode() for s in (True, False))
-        finally:
-            ct.remove(force=True)
-        assert code == 0, (out, err)  # the app's
-        assert "Traceback" not in err
-        return out, err
 
-    out, err = start(ref)
-    model = "opt/app/models/checkpoints/sd15.safetensors"
-    lines = out.splitlines()
-    assert any(x.startswith(f"restored {ref}@sha256:") for x in lines), (out, err)
-    assert lines[-4:] == ["threads = 8", f"{sha256_file(os.path.join(box, model))}  /{model}",
-                          "old_cache.bin is gone", "app up"], (out, err)
+def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
+    """README's container recipe on a new box every time, as in the field: the Dockerfile puts snap
+    and start.sh into the image (nothing on the volume), credentials come from SNAP_USERNAME and
+    SNAP_PASSWORD (a password-protected snapshot registry, htpasswd over plain http on loopback),
+    and the cycle is: first start (no snapshot yet), changes (a pip install, a custom node, a
+    weight), `docker stop -t 5`, a new container with a new empty volume (the tree byte for byte,
+    the app up), a restart with the volume kept (the weight not downloaded again), and a registry
+    outage at start (no watcher, the tag stays on the good snapshot)."""
+    if not shutil.which("busybox") or not os.path.exists("/usr/bin/python3.11") or not os.path.isdir("/usr/share/python-wheels"):
+        pytest.skip("needs busybox and Debian 12's python3.11 (with python3-venv's wheels) for the test base image")
+    if not have_wheels("setuptools", "typer", "docker", "oras", "zstandard"):
+        pytest.skip("no wheels of snap's dependencies in .ci/wheels (run .ci/setup)")
+    dockerfile, script = readme_recipe()
+    assert "pip install" in dockerfile and "COPY start.sh" in dockerfile and "CMD" in dockerfile
+    assert "snap restore" in script and "snap watch" in script and "SNAP_" not in script  # credentials: env only
 
-    out, err = start(f"{registry.host}/recipe-none:latest")  # the very first start: nothing to restore yet
-    assert "not found" in err and "no snapshot of" in out, (out, err)
-    assert out.splitlines()[-1] == "app up" and "threads = 8" not in out, (out, err)
+    # The provider's base: the suite's base image plus a Python; the recipe's image is built on it.
+    base = registry.manifest("base", "1")
+    layers = [registry.blob("base", d["digest"]) for d in base["layers"]] + [gzip.compress(python_layer(), 1, mtime=0)]
+    registry.push_image("pybase", "1", layers, config={"config": {"Cmd": ["/bin/sh"], "Env": [
+        "PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE=1", "PIP_NO_INDEX=1", "PIP_FIND_LINKS=/wheels",
+        "PIP_DISABLE_PIP_VERSION_CHECK=1"]}})
+    user, password = "snapuser", "s3cret-Recipe-Pa55"
+    snaps_registry = RegistryServer(str(tmp_path / "snapshots"), auth=(user, password)).start()
+    proxy = FaultProxy(snaps_registry.host).start()  # counts what the boxes download
+    box_repo, image = f"{proxy.host}/box", f"{registry.host}/recipe-box-base"
+    box_ref = f"{box_repo}:v2"
+    app = ("/bin/sh -c 'echo app up; cat /workspace/ComfyUI/custom_nodes/NodeX/nodes.py 2>/dev/null; "
+           "exec sleep 1000'")
+    ctx = tmp_path / "context"
+    ctx.mkdir()
+    snap_wheel(str(ctx))
+    (ctx / "Dockerfile").write_text(with_own_base(dockerfile, f"{registry.host}/pybase:1"))
+    (ctx / "start.sh").write_text(with_own(script, box_ref, f"{image}:1", app))
+    engine.images.build(path=str(ctx), tag=f"{image}:1", network_mode="none", rm=True)
+    for event in engine.api.push(image, tag="1", stream=True, decode=True):
+        assert "error" not in event, event
+    env = {"SNAP_USERNAME": user, "SNAP_PASSWORD": password}  # the pod's secret env vars, and nothing else
+    outputs = []
+
+    def new_box(volume) -> "docker.models.containers.Container":
+        volume.mkdir()
+        host = engine.api.create_host_config(network_mode="host", mounts=[docker.types.Mount("/workspace", str(volume), type="bind")])
+        created = engine.api.create_container(f"{image}:1", environment=env, host_config=host, stop_timeout=5)  # --stop-timeout 5
+        engine.api.start(created["Id"])
+        return engine.containers.get(created["Id"])
+
+    def tree(ct, volume, name) -> dict:
+        export = tmp_path / name
+        _export(ct, export)
+        skip = NOT_CAPTURED + ENGINE_FILES + ("workspace", "root/.cache")  # the volume apart; snap's state dir
+        return {"rootfs": snapshot_of_tree(str(export), skip=skip), "volume": snapshot_of_tree(str(volume))}
+
+    def tagged() -> str:
+        r = snaps_registry.session().head(f"{snaps_registry.url}/v2/box/manifests/v2",
+                                          headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+        return r.headers.get("Docker-Content-Digest") if r.status_code == 200 else None
+
+    def snap_layers() -> list:
+        return [d["digest"] for d in snaps_registry.manifest("box", "v2")["layers"]]
+
+    try:
+        # 1. The first start: no snapshot yet (restore's 5), the watcher makes the first.
+        a = new_box(tmp_path / "volume-a")
+        out = wait_for_line(a, " moved to it")
+        assert "no snapshot of" in out and "app up" in out and "watching '/'" in out, out
+        first = tagged()
+        # 2. Changes: a pip install (package and .dist-info), /etc, a weight, a custom node; then the
+        # reclaim: the final snapshot (--every 5m: none before it) carries them.
+        site = "/usr/local/lib/python3.11/dist-packages"
+        res = a.exec_run(["/bin/sh", "-c", f"mkdir -p {site}/tinypkg {site}/tinypkg-1.0.dist-info "
+                          f"&& echo 'VERSION = 1' > {site}/tinypkg/__init__.py "
+                          f"&& printf 'Name: tinypkg\nVersion: 1.0\n' > {site}/tinypkg-1.0.dist-info/METADATA "
+                          f"&& echo pip > {site}/tinypkg-1.0.dist-info/INSTALLER && echo 'gpu = 1' > /etc/box.conf"])
+        assert res.exit_code == 0, res.output
+        weight = os.urandom(4 << 20)
+        a.put_archive("/workspace", tar_of_files({"ComfyUI/models/checkpoints/w.safetensors": weight},
+                                                 dirs=("ComfyUI", "ComfyUI/models", "ComfyUI/models/checkpoints")))
+        res = a.exec_run(["/bin/sh", "-c", "mkdir -p /workspace/ComfyUI/custom_nodes/NodeX "
+                          "&& echo 'class X: pass' > /workspace/ComfyUI/custom_nodes/NodeX/nodes.py"])
+        assert res.exit_code == 0, res.output
+        a.stop(timeout=5)  # docker stop -t 5
+        out = a.logs().decode(errors="replace")
+        outputs.append(out)
+        assert "signal SIGTERM: final snapshot" in out and "snap watch ended with exit code 0" in out, out
+        good, good_layers = tagged(), snap_layers()
+        assert good != first and "final snapshot v2-" in out, out
+        before = tree(a, tmp_path / "volume-a", "export-a")
+        assert "usr/local/lib/python3.11/dist-packages/tinypkg-1.0.dist-info/METADATA" in before["rootfs"]
+        assert "ComfyUI/custom_nodes/NodeX/nodes.py" in before["volume"]
+        a.remove()
+
+        # 3. A new box: a new container with a new, empty volume.
+        b = new_box(tmp_path / "volume-b")
+        out = wait_for_line(b, "app up")
+        assert f"restored {box_ref}@sha256:" in out and "class X: pass" in out, out
+        assert tree(b, tmp_path / "volume-b", "export-b") == before
+        weight_digest = next(d["digest"] for d in snaps_registry.manifest("box", "v2")["layers"]
+                             if d.get("annotations", {}).get("dev.snap.layer", "").startswith("models"))
+        downloads = lambda: sum(1 for m, path, code in proxy.log if m == "GET" and path.endswith(weight_digest) and code == 200)
+        assert downloads() == 1
+
+        # 4. The same container restarted, its volume kept: the weight is not downloaded again.
+        b.stop(timeout=5)
+        assert snap_layers() == good_layers, b.logs().decode()  # nothing changed since the restore
+        b.start()
+        out = wait_for_line(b, "app up", 2)
+        outputs.append(out)
+        assert out.count(f"restored {box_ref}@sha256:") == 2, out
+        assert downloads() == 1, f"the weight was downloaded again: {downloads()} downloads"  # needs restore-skip
+        b.stop(timeout=5)
+        b.remove()
+
+        # 5. The registry down at start: restore's 3, asked again, then no watcher; the app is up.
+        good = tagged()
+        snaps_registry.stop()
+        c = new_box(tmp_path / "volume-c")
+        out = wait_for_line(c, "app up")
+        outputs.append(out)
+        assert out.count("registry unreachable: restoring again") == 3, out
+        assert "snap watch NOT started" in out and "exit code 3" in out, out
+        assert not any("snap watch" in " ".join(p) for p in c.top()["Processes"]), c.top()
+        snaps_registry.start()
+        c.stop(timeout=5)
+        outputs.append(c.logs().decode(errors="replace"))
+        c.remove()
+        assert tagged() == good and snap_layers() == good_layers
+        assert all(password not in o for o in outputs)
+    finally:
+        proxy.stop()
+        snaps_registry.stop()

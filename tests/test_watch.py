@@ -482,13 +482,22 @@ def test_no_metadata_request_off_cloud(registry, base_ref, box, tmp_path):
         server.stop()
 
 
+def start_daemon(registry_host, base_ref, box, repo, stderr, env=None) -> subprocess.CompletedProcess:
+    """`snap watch --daemon` with its stderr on `stderr` (a file or a pipe: the detached watcher keeps
+    writing its lines there, as into a container's output, so no capture that waits for EOF)."""
+    return subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry_host}/{repo}:v2", "--base",
+                           base_ref, "--root", box, "--every", "1h", "--daemon"], stdout=subprocess.DEVNULL,
+                          stderr=stderr, env=dict(os.environ, **FAST, **(env or {})), timeout=TIMEOUT)
+
+
 def test_daemon_one_per_root_and_stop(registry, base_ref, box, tmp_path, state_dir):
-    env = dict(os.environ, **FAST)
-    start = subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry.host}/daemon:v2", "--base",
-                            base_ref, "--root", box, "--every", "1h", "--daemon"], capture_output=True, text=True,
-                           env=env, timeout=TIMEOUT)
-    assert start.returncode == 0, start.stderr
-    assert "watching " in start.stderr and "detached: pid file" in start.stderr
+    """The detached watcher's lines go to its log and to the stderr its starter had (a container's
+    output); --stop waits for the final snapshot; a second --stop tells the code it ended with."""
+    out = tmp_path / "starter-stderr"
+    with open(out, "w") as err:
+        start = start_daemon(registry.host, base_ref, box, "daemon", err)
+    assert start.returncode == 0, out.read_text()
+    assert "watching " in out.read_text() and "detached: pid file" in out.read_text()
     try:
         again = snap("watch", f"{registry.host}/daemon:v2", "--base", base_ref, "--root", box)
         assert again.returncode == 2
@@ -497,11 +506,51 @@ def test_daemon_one_per_root_and_stop(registry, base_ref, box, tmp_path, state_d
         write_tree(box, {"opt/app/daemon.txt": "flushed by --stop\n"})
         stop = snap("watch", "--stop", "--root", box)
     assert stop.returncode == 0, stop.stderr
+    assert stop.stderr.splitlines()[-1].endswith("stopped after its final snapshot (exit code 0)")
     logs = [f for f in os.listdir(state_dir / "watch") if f.endswith(".log")]
     log = (state_dir / "watch" / logs[0]).read_text()
     assert "signal SIGTERM: final snapshot" in log and "final snapshot v2-" in log
+    after = out.read_text().split("detached: pid file", 1)[1]  # written by the watcher after its starter left
+    assert "signal SIGTERM: final snapshot" in after and "final snapshot v2-" in after
     assert_restores_to(f"{registry.host}/daemon:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
-    assert snap("watch", "--stop", "--root", box).returncode == 5  # nothing left to stop
+    ended = snap("watch", "--stop", "--root", box)  # nothing left to stop: says how the last one ended
+    assert ended.returncode == 0 and ended.stderr.count("\n") == 1 and "had already ended with code 0" in ended.stderr
+
+
+def test_daemon_outlives_the_stderr_it_was_started_with(registry, base_ref, box, tmp_path, state_dir):
+    """A starter's stderr whose reader is gone (a closed terminal, a pipe closed: EPIPE): the
+    watcher goes on, its log file alone, and its final snapshot is made."""
+    r, w = os.pipe()
+    start = start_daemon(registry.host, base_ref, box, "daemon-epipe", w)
+    os.close(w)
+    os.close(r)  # the reader is gone: the watcher's next write to it fails with EPIPE
+    assert start.returncode == 0
+    write_tree(box, {"opt/app/daemon.txt": "after the reader left\n"})
+    stop = snap("watch", "--stop", "--root", box)
+    assert stop.returncode == 0, stop.stderr
+    log = next((state_dir / "watch").glob("*.log")).read_text()
+    assert "signal SIGTERM: final snapshot" in log and "Traceback" not in log
+    assert_restores_to(f"{registry.host}/daemon-epipe:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
+def test_stop_tells_the_code_of_a_watcher_that_already_ended(base_rootfs, box, tmp_path, state_dir):
+    """A watcher that died of an auth error (no credentials for the registry): `--stop` says it had
+    already ended, with the error, and exits 4, its code; 5 only for a root no watcher ever watched."""
+    never = snap("watch", "--stop", "--root", box)
+    assert never.returncode == 5 and "no snap watch has run" in never.stderr
+    reg = RegistryServer(str(tmp_path / "auth-registry"), auth=("snapuser", "s3cret-Pa55")).start()
+    try:
+        push_base_image(reg, "base", "1", base_rootfs)
+        out = tmp_path / "starter-stderr"
+        with open(out, "w") as err:
+            start_daemon(reg.host, f"{reg.host}/base:1", box, "box", err, env={"DOCKER_CONFIG": str(tmp_path)})
+        stop = snap("watch", "--stop", "--root", box)
+    finally:
+        reg.stop()
+    assert stop.returncode == 4, (stop.stderr, out.read_text())
+    assert stop.stderr.count("\n") == 1, stop.stderr
+    assert "had already ended with code 4: snap: error: registry" in stop.stderr and "SNAP_USERNAME" in stop.stderr
+    assert "snap: error: registry" in out.read_text()  # the watcher's error reached its starter's stderr too
 
 
 def test_kill_9_at_random_moments_leaves_the_tag_on_a_complete_snapshot(registry, base_ref, box, tmp_path):
