@@ -770,7 +770,7 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
         out = wait_for_line(b, "app up", 2)
         outputs.append(out)
         assert out.count(f"restored {box_ref}@sha256:") == 2, out
-        assert downloads() == 1, f"the weight was downloaded again: {downloads()} downloads"  # needs restore-skip
+        assert downloads() == 1, f"the weight was downloaded again: {downloads()} downloads"
         b.stop(timeout=5)
         b.remove()
 
