@@ -153,24 +153,28 @@ def test_token_auth_anonymous(token_registry, box):
 
 # ---- explicit credentials go to the target's registry only ---------------------------------------
 
-def test_explicit_credentials_not_sent_to_another_registry(tmp_path_factory, base_rootfs, box, tmp_path):
+@pytest.mark.parametrize("given", ["flags", "env"])
+def test_explicit_credentials_not_sent_to_another_registry(given, tmp_path_factory, base_rootfs, box, tmp_path):
     """The base is on another registry whose user and password (from the docker config) differ:
-    were --username/--password-stdin sent there too, it would refuse them."""
+    were --username/--password-stdin (or SNAP_USERNAME/SNAP_PASSWORD) sent there too, it would
+    refuse them."""
     target = RegistryServer(str(tmp_path_factory.mktemp("target-registry")), auth=(USER, PASSWORD)).start()
     other = RegistryServer(str(tmp_path_factory.mktemp("other-registry")), auth=("otheruser", "other-Pa55")).start()
     try:
         push_base_image(other, "base", "1", base_rootfs)
-        cfg_dir = docker_config(tmp_path, {other.host: basic("otheruser", "other-Pa55")})
-        snap("commit", f"{target.host}/box:v1", "--base", f"{other.host}/base:1", "--root", box,
-             "--username", USER, "--password-stdin", input=PASSWORD + "\n", env={"DOCKER_CONFIG": cfg_dir},
-             check=True)
+        env = {"DOCKER_CONFIG": docker_config(tmp_path, {other.host: basic("otheruser", "other-Pa55")})}
+        if given == "flags":
+            how, stdin = ["--username", USER, "--password-stdin"], PASSWORD + "\n"
+        else:
+            how, stdin = [], None
+            env.update(SNAP_USERNAME=USER, SNAP_PASSWORD=PASSWORD)
+        snap("commit", f"{target.host}/box:v1", "--base", f"{other.host}/base:1", "--root", box, *how, input=stdin,
+             env=env, check=True)
         assert target.manifest("box", "v1")["layers"]
     finally:
         target.stop()
         other.stop()
 
-
-# ---- Docker Hub: `docker login` credentials (no network; API hosts: test_reference.py) ----------------
 
 def docker_config(tmp_path, auths: dict, **more) -> str:
     """A Docker config dir holding `auths` (host -> {"auth": base64 user:password}) and `more` keys
@@ -337,19 +341,3 @@ def test_one_env_credential_without_the_other_is_a_usage_error(given, missing, t
     assert_one_line_error(r, 2, f"{given} is set but {missing} is not")
     assert "x-Pa55" not in r.stdout + r.stderr
     assert not (tmp_path / "out").exists()
-
-
-def test_env_credentials_not_sent_to_another_registry(tmp_path_factory, base_rootfs, box, tmp_path):
-    """As --username: SNAP_USERNAME/SNAP_PASSWORD are for the target's registry; the base's registry
-    gets its own credentials from the docker config (it would refuse the target's)."""
-    target = RegistryServer(str(tmp_path_factory.mktemp("target-registry")), auth=(USER, PASSWORD)).start()
-    other = RegistryServer(str(tmp_path_factory.mktemp("other-registry")), auth=("otheruser", "other-Pa55")).start()
-    try:
-        push_base_image(other, "base", "1", base_rootfs)
-        cfg_dir = docker_config(tmp_path, {other.host: basic("otheruser", "other-Pa55")})
-        snap("commit", f"{target.host}/box:v1", "--base", f"{other.host}/base:1", "--root", box,
-             env={"DOCKER_CONFIG": cfg_dir, "SNAP_USERNAME": USER, "SNAP_PASSWORD": PASSWORD}, check=True)
-        assert target.manifest("box", "v1")["layers"]
-    finally:
-        target.stop()
-        other.stop()
