@@ -457,22 +457,25 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
 
 
 TORN = "changed while read"
-NOT_SENT_TORN = "not sent: a file changed while read"
+CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
+NOT_SENT_TORN = "not sent: a file changed while read or since the scan"
 SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one before
 
 
 def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
     """Build and upload the planned layers; a file that kept changing while it was read (layer.py
-    reads it up to 3 times) is held back as one being written (hold_back) and its layer built again
-    without it: no snapshot holds a torn file. Refused after SETTLE_PASSES builds that each tore."""
+    reads it up to 3 times), or that was read whole but changed since the scan (a save in chunks
+    that paused), is held back as one being written (hold_back) and its layer built again without
+    it: no snapshot holds a torn file. Refused after SETTLE_PASSES builds that each tore."""
     for _ in range(SETTLE_PASSES):
         if cp.unreadable:
             _leave_out_unreadable(cp, remote, opts)
         layers = push_layers(cp, remote, cp.plans)
-        torn = sorted({path for _, blob, _ in layers for path in blob.changed_while_read})
+        torn = {path: CHANGED_SINCE_SCAN for _, blob, _ in layers for path in blob.changed_since_scan}
+        torn.update({path: TORN for _, blob, _ in layers for path in blob.changed_while_read})
         if not torn:
             return layers
-        hold_back(cp, {p: TORN for p in torn}, opts)
+        hold_back(cp, torn, opts)
     raise SnapError(f"files kept changing while they were read, {SETTLE_PASSES} times: nothing was pushed",
                     "commit again once the box is quieter")
 
@@ -587,7 +590,7 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                 # Stored as is: hash it in one read, then stream it again to the registry only if
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
                 blob = measure_layer(root, plan, zstd_level, on_pack, headers)
-                if blob.changed_while_read:
+                if blob.changed_while_read or blob.changed_since_scan:
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there
@@ -595,7 +598,7 @@ def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list
                 return blob, "uploaded"
             blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
             try:
-                if blob.changed_while_read:
+                if blob.changed_while_read or blob.changed_since_scan:
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there

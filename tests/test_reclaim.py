@@ -256,6 +256,24 @@ def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref
     assert (out / "opt/app/ok.txt").read_text() == "settled\n"
 
 
+def test_a_file_written_between_the_scan_and_its_read_is_held_back(registry, base_ref, box, tmp_path):
+    """An image saved in chunks with a pause: the scan saw one chunk, the read (still, whole) sees two,
+    and there may be more to come. Not pushed as read: held back, and left out (no snapshot had it)."""
+    image = "opt/app/output/chunked.png"
+    write_tree(box, {image: b"\x89PNG" + os.urandom(50_000)})
+
+    def after_the_scan(scan):  # commit's hook, called between the scan and the reads
+        with open(os.path.join(box, image), "ab") as f:
+            f.write(os.urandom(50_000))
+        return {}
+
+    result = commit_box(f"{registry.host}/midsave:v1", base_ref, CommitOptions(root=box, hold=after_the_scan))
+    assert result.held == {image: "changed since the scan"}
+    out = tmp_path / "out"
+    restore_image(f"{registry.host}/midsave:v1", str(out))
+    assert not (out / image).exists() and (out / "etc/app.conf").read_text() == "threads = 8\n"
+
+
 def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(registry, base_ref, box, tmp_path,
                                                                             monkeypatch):
     """The trial: the final snapshot failed (a layer file of the state dir gone) while the loop's own
