@@ -437,8 +437,9 @@ def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
 def _note_sources(reference: Reference, image: Image) -> None:
     """Remember that this repository holds the image's blobs: a later commit to another repository
     of the registry mounts them from here instead of uploading them (blobsources.py)."""
-    index = (image.manifest.get("annotations") or {}).get(baseindex.SNAP_BASE_INDEX)
-    travelled = [index, baseindex.EMPTY_CONFIG_DIGEST] if isinstance(index, str) else []
+    ann = image.manifest.get("annotations") or {}
+    travelled = [d for d in (ann.get(baseindex.SNAP_BASE_INDEX), ann.get(skeleton.SNAP_SKELETON)) if isinstance(d, str)]
+    travelled += [baseindex.EMPTY_CONFIG_DIGEST] if travelled else []
     sources = BlobSources()
     sources.note(reference.api_host, reference.repository,
                  [d["digest"] for d in image.layers] + [image.manifest["config"]["digest"]] + travelled)
