@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import tarfile
 import threading
 import time
@@ -34,11 +33,12 @@ from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PA
 from .layer import LayerBlob, build_layer, measure_layer, write_layer
 from .lineage import check_forward
 from .mediatypes import OCI_MANIFEST
-from .plan import DEFAULT_MAX_LAYER_SIZE, META_DETAIL, LayerPlan, PlanMemo, plan_layers
+from .plan import (DEFAULT_MAX_LAYER_SIZE, META_DETAIL, LayerPlan, PlanMemo, holds_one_file, parse_part_annotation,
+                   plan_layers)
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote, host_platform
-from .restorerecord import RestoreRecord
+from .restorerecord import RestoreRecord, restored_at_ns
 from .staging import staging_dirs
 from .state import exclusive, state_dir, sub
 from .statcache import StatCache, note_last_commit
@@ -48,7 +48,6 @@ from .writers import Writers, open_for_writing
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
 SCRATCH = "scratch"  # --base scratch: no base image
-_BUNDLE = re.compile(r"bundle [0-9]+")  # plan.py's detail of a bundle layer
 
 
 @dataclass
@@ -255,6 +254,17 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
 
 
 WRITING_QUIET_S = 5.0  # a file held open for writing counts as being written until left alone this long
+BEING_WRITTEN = "being written"
+
+
+def last_change(e: Entry, restored_at: Optional[int] = None) -> float:
+    """When a box file last changed, in seconds: the later of mtime and ctime (a rename into place
+    changes only the ctime), except that a ctime from before a restore's end (`restored_at`, ns, the
+    restore record's) is the restore writing the file, not the box: then the mtime alone."""
+    _, mtime_ns, ctime_ns = e.stamp.split(":")
+    if restored_at is not None and int(ctime_ns) <= restored_at:
+        return int(mtime_ns) / 1e9
+    return max(int(mtime_ns), int(ctime_ns)) / 1e9
 
 
 def being_written(scan: Scan, root: str, quiet_s: float, now: Optional[float] = None,
@@ -262,15 +272,15 @@ def being_written(scan: Scan, root: str, quiet_s: float, now: Optional[float] = 
     """Regular files of the scan that some process holds open for writing (or maps writable,
     writers.py) and that changed within `quiet_s`: reading one now could capture it half written
     (a checkpoint saved in chunks, a weight rewritten in place). One left alone longer (a database
-    kept open) is read as usual: the read itself checks that it holds still."""
+    kept open), or last written by a restore, is read as usual: the read itself checks that it
+    holds still."""
     now = time.time() if now is None else now
+    restored_at = restored_at_ns(root)
     held = {}
     for path in (writers or open_for_writing()).under(root):
         e = scan.entries.get(path)
-        if e is not None and e.kind == FILE and e.stamp:
-            _, mtime_ns, ctime_ns = e.stamp.split(":")
-            if now - max(int(mtime_ns), int(ctime_ns)) / 1e9 < quiet_s:
-                held[path] = "being written"
+        if e is not None and e.kind == FILE and e.stamp and now - last_change(e, restored_at) < quiet_s:
+            held[path] = BEING_WRITTEN
     return held
 
 
@@ -294,7 +304,7 @@ def hold_back(cp: CommitPlan, held: dict[str, str], opts: CommitOptions) -> None
     for e in cp.diff.changed:
         if e.path not in held:
             keep.append(e)
-        elif e.path in previous:
+        elif e.path in previous and not e.inode:  # a file with other names: its old layer may name others
             cp.carried[e.path] = previous[e.path]
         elif e.path in opts.old_entries:
             keep.append(opts.old_entries[e.path])
@@ -315,12 +325,10 @@ def file_layers(layers: list[tuple[dict, str]]) -> dict[str, list[tuple[dict, st
     for desc, diff_id in layers:
         ann = desc.get("annotations") or {}
         content, part_file = ann.get(SNAP_CONTENT), ann.get(SNAP_PART_FILE)
-        if isinstance(part_file, str) and isinstance(ann.get(SNAP_PART), str):
-            i, _, n = ann[SNAP_PART].partition("/")
-            if i.isdigit() and n.isdigit():
-                parts.setdefault(part_file, {})[int(i)] = (desc, diff_id)
-                counts[part_file] = int(n)
-        elif isinstance(content, str) and content != META_DETAIL and not _BUNDLE.fullmatch(content):
+        if isinstance(part_file, str) and (part := parse_part_annotation(ann.get(SNAP_PART))):
+            parts.setdefault(part_file, {})[part[0]] = (desc, diff_id)
+            counts[part_file] = part[1]
+        elif isinstance(content, str) and holds_one_file(content):
             single[content] = [(desc, diff_id)]
     for path, got in parts.items():
         if sorted(got) == list(range(1, counts[path] + 1)):
@@ -411,8 +419,9 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
         remote.stopping = opts.stopping
     base_img = cp.base_img
     layers = _push_settled_layers(cp, remote, opts)
-    if cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()) > MAX_ENGINE_LAYERS:
-        opts.log(f"warning: the image has {cp.base_layers + len(layers)} layers; Docker cannot run images "
+    count = cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values())
+    if count > MAX_ENGINE_LAYERS:
+        opts.log(f"warning: the image has {count} layers; Docker cannot run images "
                  f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
 
     created = now_rfc3339()
@@ -538,17 +547,24 @@ def _reused(cp: CommitPlan, remote: Remote, plan: LayerPlan) -> tuple[Optional[d
 
 
 def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> None:
-    """Leave out each file that must not be read whose layer would have to be built (it shares a
-    changed bundle, or the stat cache lost it), and plan the layers again without it: leaving one
-    out can change the layer of another (a bundle of two), hence the loop."""
+    """For each held file carried at its old entry whose layer would have to be built after all (it
+    shares a changed bundle, or the stat cache lost it): one held only because a process has it open
+    (BEING_WRITTEN) is read as it is now, the read checking that it holds still (else it tears and
+    is left out then): leaving it out would drop the last snapshot's version of a database kept open
+    and written now and then from every snapshot. One that tore is left out. Then plan again:
+    leaving one out can change the layer of another (a bundle of two), hence the loop."""
     while True:
         stuck = {path for plan in cp.plans if (paths := _files_read(plan) & cp.unreadable)
                  and not _reused(cp, remote, plan)[1] for path in paths}
         if not stuck:
             return
         cp.unreadable -= stuck
-        cp.left_unread.extend(sorted(stuck))
-        cp.diff.changed = [e for e in cp.diff.changed if e.path not in stuck]
+        read_now = {p for p in stuck if cp.held.get(p) == BEING_WRITTEN and p in cp.scan.entries}
+        for p in read_now:
+            del cp.held[p]
+        cp.left_unread.extend(sorted(stuck - read_now))
+        cp.diff.changed = sorted([e for e in cp.diff.changed if e.path not in stuck]
+                                 + [cp.scan.entries[p] for p in read_now], key=lambda e: e.path)
         cp.plans = _plan_layers(cp.diff, cp.scan, cp.index, opts)
 
 

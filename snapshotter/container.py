@@ -49,13 +49,15 @@ def commit_from_container(container: str, target: str, base: Optional[str], opts
     except docker.errors.NotFound:
         raise NotFound(f"no container {container!r} on the Docker engine", "list them with docker ps -a")
     base = base or base_of(ct)
+    # The container came from its image: a tag that names it may move (lineage.py).
+    origins = tuple(d.split("@", 1)[1] for d in _repo_digests(ct) if "@" in d)
     # One mirror per container: a stable root keeps commit's stat cache file from piling up.
     mirror = os.path.join(sub("containers"), ct.id[:12])
     shutil.rmtree(mirror, ignore_errors=True)
     os.makedirs(mirror)
     try:
         return commit_box(target, base, replace(
-            opts, root=mirror,
+            opts, root=mirror, origins=opts.origins + origins,
             changes=lambda img, index: container_changes(ct, img, index, mirror, opts.profile, opts.log)))
     finally:
         shutil.rmtree(mirror, ignore_errors=True)
@@ -63,18 +65,23 @@ def commit_from_container(container: str, target: str, base: Optional[str], opts
 
 def base_of(ct) -> str:
     """The registry reference (pinned by digest) of the image a container was started from."""
-    import docker
-
-    try:
-        digests = ct.image.attrs.get("RepoDigests") or []
-    except docker.errors.ImageNotFound:
-        digests = []
+    digests = _repo_digests(ct)
     if not digests:
         raise UsageError(f"the image of container {ct.name} did not come from a registry, so snap cannot read its layers",
                          "push it to a registry and pass it as --base")
     wanted = _repo(ct.attrs["Config"]["Image"])
     chosen = next((d for d in digests if _repo(d) == wanted), digests[0])
     return _with_registry(chosen)
+
+
+def _repo_digests(ct) -> list[str]:
+    """The registry names (NAME@sha256:...) of the image a container was started from."""
+    import docker
+
+    try:
+        return ct.image.attrs.get("RepoDigests") or []
+    except docker.errors.ImageNotFound:
+        return []
 
 
 def _repo(name: str) -> str:

@@ -195,6 +195,13 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
 
 
 META_DETAIL = "directories and deletions"
+BUNDLE_PREFIX = "bundle "  # the detail of the n-th bundle of a layer: "bundle n"
+
+
+def holds_one_file(detail: str) -> bool:
+    """Whether a layer's detail (its dev.snap.content annotation) names the one file it holds:
+    not a bundle's number, not the weights' directories-and-deletions layer."""
+    return detail != META_DETAIL and not (detail.startswith(BUNDLE_PREFIX) and detail[len(BUNDLE_PREFIX):].isdigit())
 
 
 def _last_carries_changed_dirs(layers: list[LayerPlan], weights: set[str], changed: dict[str, Entry]) -> None:
@@ -389,5 +396,5 @@ def _bundles(plan: LayerPlan, entries: list[Entry], whiteouts: list[str], bundle
         b.entries.sort(key=lambda x: x.path)
     if len(bundles) > 1:
         for i, b in enumerate(bundles):
-            b.detail = f"bundle {i + 1}"
+            b.detail = f"{BUNDLE_PREFIX}{i + 1}"
     return bundles

@@ -38,7 +38,7 @@ from .applier import ExtractWorker, LayerJob
 from .blobsources import BlobSources
 from .compress import label_mismatch, read_head, sniff_compression
 from .digests import file_digest
-from .errors import IntegrityError, StorageError, UsageError
+from .errors import IntegrityError, SnapError, StorageError, UsageError
 from .extract import ExtractOptions, Extractor, ExtractStats, storage_error
 from .image import BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_MAX_LAYER, SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count
 from .journal import Journal
@@ -196,9 +196,9 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
+    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {})  # first: the root came from it
     _note_sources(reference, image)
     _keep_base_index(remote, image, opts.log)
-    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {})
     progress.finish(ok=True)
     stats.files += extractor.stats.files  # the joins
     stats.bytes += extractor.stats.bytes
@@ -416,7 +416,10 @@ def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -
     if not (isinstance(base, str) and _DIGEST.fullmatch(base) and isinstance(digest, str) and _DIGEST.fullmatch(digest)):
         return
     if not os.path.exists(baseindex.cache_path(base)):
-        baseindex.fetch(remote, base, log, digest)
+        try:
+            baseindex.fetch(remote, base, log, digest)
+        except SnapError as e:  # an optimisation only, after every layer is in: the next commit reads the base
+            log(f"warning: the snapshot's base index was not kept ({e})")
 
 
 def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from .commit import (SCRATCH, CommitOptions, CommitPlan, being_written, changes_in, image_file_layers, own_excludes,
-                     plan_commit, push_commit, push_layers, scan_root, target_remote, file_layers)
+from .commit import (SCRATCH, CommitOptions, CommitPlan, being_written, changes_in, file_layers, image_file_layers,
+                     last_change, own_excludes, plan_commit, push_commit, push_layers, scan_root, target_remote)
 from .errors import AuthError, SnapError, UsageError
 from .fsindex import FILE, Entry, Scan, ScanMemo, gc_paused, scan_box
 from .image import BASE_DIGEST, Image, snapshot_layer_count
-from .lineage import check_forward
+from .lineage import check_forward, known_origins
 from .mediatypes import OCI_MANIFEST
 from .notices import NoticeWatcher
 from .plan import PlanMemo
@@ -77,16 +77,6 @@ def _token(e: Entry) -> tuple:
     """What a change of a path looks like in a metadata scan (stamp: inode, mtime and ctime in ns;
     a new symlink target or xattr changes the ctime, so neither is read)."""
     return (e.kind, e.mode, e.uid, e.gid, e.size, e.stamp)
-
-
-def _times(e: Entry, restored_at: Optional[int] = None) -> float:
-    """When the file last changed, in seconds: the later of mtime and ctime (a rename into place
-    changes only the ctime), except that a ctime from before a restore's end (`restored_at`, ns) is
-    the restore writing the file, not the box: then the mtime alone."""
-    _, mtime_ns, ctime_ns = e.stamp.split(":")
-    if restored_at is not None and int(ctime_ns) <= restored_at:
-        return int(mtime_ns) / 1e9
-    return max(int(mtime_ns), int(ctime_ns)) / 1e9
 
 
 class Watcher:
@@ -179,7 +169,7 @@ class Watcher:
         """Unchanged for `stable` seconds: seen so by the watcher, or its times say so (a restore's
         writing is not a change: after a restore every file has a fresh ctime)."""
         return (now - self.since.get(e.path, now) >= self.opts.stable
-                or now - _times(e, self.restored_at) >= self.opts.stable)
+                or now - last_change(e, self.restored_at) >= self.opts.stable)
 
     def _new_big(self, entries: dict[str, Entry]) -> list[Entry]:
         """Big files that are not in the last snapshot as they are now."""
@@ -401,7 +391,8 @@ class Watcher:
         last did (another box racing for the tag): then stop, as lineage.py refuses a commit."""
         remote = Remote(self.moving, self.transport)
         now = remote.manifest_digest(self.moving.tag)
-        if now not in (self.tag_digest, digest) and not self.opts.commit.force:
+        if (now not in (self.tag_digest, digest) and not self.opts.commit.force
+                and now not in known_origins(self.root, self.opts.commit.origins)):  # e.g. a `snap commit` of this box
             raise UsageError(f"{self.moving} was moved to {str(now)[:19]} by someone else while this watcher kept it "
                              f"(it named {str(self.tag_digest)[:19]}); the new snapshot stays under its own tag",
                              "two boxes must not watch one tag: give each its own, or pass --force")
@@ -544,6 +535,12 @@ def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], Non
                 reason.append(f"reclaim notice: {found}")
                 stop.set()
 
+    try:  # refused before it says it is ready: `--daemon` exits 2 with the line, not 0
+        watcher._check_lineage()
+    except (UsageError, AuthError):
+        raise
+    except SnapError:
+        pass  # the registry is not reachable yet: the loop checks before its first snapshot, retrying
     threading.Thread(target=loop, name="watch loop", daemon=True).start()
     threading.Thread(target=notices, name="notices", daemon=True).start()
     while not stop.wait(1.0):

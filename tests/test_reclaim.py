@@ -119,6 +119,29 @@ def test_a_watcher_stops_when_another_box_moves_its_tag(registry, base_ref, box,
     assert digest_of(registry, "race", "v2") == theirs
 
 
+def test_the_watcher_goes_on_when_this_box_commits_to_its_tag(registry, base_ref, box, tmp_path):
+    """A `snap commit` of the same box to the watched tag is this box's own snapshot, not a race."""
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "own-commit", lines, clock, every=0)
+    w.tick()
+    write_tree(box, {"opt/app/by-hand.txt": "committed by hand\n"})
+    snap("commit", f"{registry.host}/own-commit:v2", "--base", base_ref, "--root", box, check=True)
+    write_tree(box, {"opt/app/later.txt": "then the watcher\n"})
+    clock.advance(1)
+    w.tick()
+    got = _restored_tree(f"{registry.host}/own-commit:v2", tmp_path / "out")
+    assert got == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_refused_watch_daemon_exits_2_with_the_line(registry, base_ref, box, base_rootfs, tmp_path):
+    """--daemon returns once the watcher runs: a refusal must come before, with its exit code."""
+    snap("commit", f"{registry.host}/daemon-refused:v2", "--base", base_ref, "--root", box, check=True)
+    bare = tmp_path / "bare"
+    subprocess.run(["cp", "-a", base_rootfs, str(bare)], check=True)
+    r = snap("watch", f"{registry.host}/daemon-refused:v2", "--base", base_ref, "--root", str(bare), "--daemon")
+    assert r.returncode == 2 and "neither came from" in r.stderr, r.stderr
+
+
 # ---- files being written ---------------------------------------------------------------------------
 
 
@@ -225,6 +248,27 @@ def test_a_file_being_written_keeps_its_last_snapshot_version_or_is_left_out(reg
     assert (out / WEIGHT).read_bytes() == weight
     assert not (out / "opt/app/output/img-0001.png").exists()
     assert (out / "opt/app/notes.txt").read_text() == "closed before the signal\n"
+
+
+def test_a_restored_file_an_app_opens_for_writing_is_not_being_written(registry, base_ref, box, tmp_path):
+    """An app that opens a restored database read-write (and writes nothing yet): the restore's ctime
+    is not a write, and the snapshot keeps the file."""
+    db = "opt/app/state.db"
+    write_tree(box, {db: os.urandom(30_000)})
+    commit_box(f"{registry.host}/open-db:v2", base_ref, CommitOptions(root=box))
+    root = tmp_path / "pod"
+    restore_image(f"{registry.host}/open-db:v2", str(root))
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, str(root), "open-db", lines, clock, every=0)
+    app = Writer(os.path.join(root, db), "r+b", 0, 0, 0)
+    try:
+        write_tree(str(root), {"opt/app/work.txt": "after the restore\n"})
+        w.tick()
+    finally:
+        app.finish()
+    assert not [line for line in lines if "held back" in line], lines
+    got = _restored_tree(f"{registry.host}/open-db:v2", tmp_path / "out")
+    assert got == snapshot_of_tree(str(root), skip=NOT_CAPTURED)
 
 
 def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref, box, tmp_path, monkeypatch):
