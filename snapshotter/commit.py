@@ -24,7 +24,7 @@ from . import baseindex, deletions, progress, skeleton
 from .blobsources import BlobSources, in_registry
 from .compress import IterReader, decompressing_reader
 from .digests import file_digest, sha256_digest
-from .errors import IntegrityError, SnapError, UsageError
+from .errors import IntegrityError, NotFound, SnapError, UsageError
 from .fsindex import (FILE, RACY_WINDOW_NS, Diff, Entry, Scan, ScanMemo, apply_layer_to_index, diff, gc_paused,
                       load_index, save_index, scan_box)
 from .image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, descriptor,
@@ -38,7 +38,7 @@ from .plan import (DEFAULT_MAX_LAYER_SIZE, META_DETAIL, LayerPlan, PlanMemo, hol
 from .profile import Profile, load_profile
 from .reference import Reference
 from .registry import Remote, host_platform
-from .restorerecord import RestoreRecord, restored_at_ns
+from .restorerecord import RestoreRecord, restored_at_ns, restored_from
 from .staging import staging_dirs
 from .state import exclusive, state_dir, sub
 from .statcache import StatCache, note_last_commit
@@ -336,6 +336,19 @@ def file_layers(layers: list[tuple[dict, str]]) -> dict[str, list[tuple[dict, st
     return single
 
 
+def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> dict[str, list[tuple[dict, str]]]:
+    """file_layers of the box's last snapshot in `remote`'s repository: the one its tag names
+    (`current`), else, for a new tag, the image the root was restored from, if this repository has
+    it (its blobs are then there to reuse)."""
+    digest = current or restored_from(root)
+    if digest is None:
+        return {}
+    try:
+        return image_file_layers(remote.resolve(digest))
+    except NotFound:
+        return {}
+
+
 def image_file_layers(image: Image) -> dict[str, list[tuple[dict, str]]]:
     """file_layers of an image's own layers (none for an image snap did not make)."""
     try:
@@ -405,9 +418,10 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
     if not os.path.isdir(opts.root):
         raise UsageError(f"root {opts.root} does not exist or is not a directory")
     remote = Remote(target_ref, transport)
-    current = check_forward(remote, target_ref, os.path.realpath(opts.root), opts.force, opts.origins)
-    if opts.previous is None and current is not None:
-        opts = dataclasses.replace(opts, previous=functools.cache(lambda: image_file_layers(remote.resolve(current))))
+    root = os.path.realpath(opts.root)
+    current = check_forward(remote, target_ref, root, opts.force, opts.origins)
+    if opts.previous is None:
+        opts = dataclasses.replace(opts, previous=functools.cache(lambda: last_snapshot_files(remote, root, current)))
     cp = plan_commit(base, opts, transport, target_ref)
     return push_commit(cp, target_ref, transport, opts)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from .commit import (SCRATCH, CommitOptions, CommitPlan, being_written, changes_in, file_layers, image_file_layers,
-                     last_change, own_excludes, plan_commit, push_commit, push_layers, scan_root, target_remote)
+from .commit import (SCRATCH, CommitOptions, CommitPlan, being_written, changes_in, file_layers, last_change,
+                     last_snapshot_files, own_excludes, plan_commit, push_commit, push_layers, scan_root, target_remote)
 from .errors import AuthError, SnapError, UsageError
 from .fsindex import FILE, Entry, Scan, ScanMemo, gc_paused, scan_box
 from .image import BASE_DIGEST, Image, snapshot_layer_count
@@ -383,7 +383,7 @@ class Watcher:
         kept at."""
         remote = Remote(self.moving, self.transport)
         digest = check_forward(remote, self.moving, self.root, self.opts.commit.force, self.opts.commit.origins)
-        self.previous_files = image_file_layers(remote.resolve(digest)) if digest else {}
+        self.previous_files = last_snapshot_files(remote, self.root, digest)
         self.tag_digest, self.lineage_checked = digest, True
 
     def _move_tag(self, digest: str) -> None:

@@ -271,6 +271,21 @@ def test_a_restored_file_an_app_opens_for_writing_is_not_being_written(registry,
     assert got == snapshot_of_tree(str(root), skip=NOT_CAPTURED)
 
 
+def test_a_commit_to_a_new_tag_after_a_restore_keeps_the_restored_version_of_a_file_being_written(
+        registry, base_ref, box, tmp_path):
+    """The tag is new, but the box came from v2 of the same repository: that is its last snapshot."""
+    root, weight, prof = _restored_box_with_weight(registry, base_ref, box, tmp_path, "newtag")
+    rewrite = Writer(os.path.join(root, WEIGHT), "r+b", 0, 100_000, 0)
+    try:
+        result = commit_box(f"{registry.host}/newtag:v3", base_ref, CommitOptions(root=root, profile=prof))
+    finally:
+        rewrite.finish()
+    assert result.carried == [WEIGHT]
+    out = tmp_path / "out"
+    restore_image(f"{registry.host}/newtag:v3", str(out))
+    assert (out / WEIGHT).read_bytes() == weight
+
+
 def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref, box, tmp_path, monkeypatch):
     """A file that changes during every read (layer.py reads it up to 3 times): never kept as last read.
     A weight with a version in the tag's snapshot keeps it (that layer, reused); a new file is left out."""
