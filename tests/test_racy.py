@@ -59,12 +59,12 @@ def test_a_same_size_edit_within_the_base_files_second_is_captured_and_only_such
     read = []
     real = fsindex.file_digest
     monkeypatch.setattr(fsindex, "file_digest", lambda path: read.append(os.path.relpath(path, box)) or real(path))
-    commit_box(f"{registry.host}/racy:v1", racy_base, CommitOptions(root=box))
+    commit_box(f"{registry.host}/racy-edit:v1", racy_base, CommitOptions(root=box))
     assert set(read) == READ  # the untouched files, at their base time to the ns, are never read
-    in_layers = {p for p in snap_layer_files(registry, "racy", "v1") if p in BOX}
+    in_layers = {p for p in snap_layer_files(registry, "racy-edit", "v1") if p in BOX}
     assert in_layers == CAPTURED  # the touched file with its old content is no change
     out = tmp_path / "out"
-    snap("restore", f"{registry.host}/racy:v1", "--root", str(out), check=True)
+    snap("restore", f"{registry.host}/racy-edit:v1", "--root", str(out), check=True)
     for rel, (data, _) in BOX.items():
         assert (out / rel).read_bytes() == data
 
