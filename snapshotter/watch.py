@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from .commit import (SCRATCH, CommitOptions, CommitPlan, being_written, changes_in, file_layers, last_change,
+from .commit import (NOT_SENT_TORN, SCRATCH, CommitOptions, CommitPlan, being_written, changes_in, file_layers, last_change,
                      last_snapshot_files, own_excludes, plan_commit, push_commit, push_layers, scan_root, target_remote)
 from .errors import AuthError, SnapError, UsageError
 from .fsindex import FILE, Entry, Scan, ScanMemo, gc_paused, scan_box
@@ -309,6 +309,9 @@ class Watcher:
             self.throughput = sent / max(time.monotonic() - t, 1e-3)
         for plan, blob, status in results:
             path = plan.part_of[0] if plan.part_of else plan.detail
+            if status == NOT_SENT_TORN:
+                self.log(f"not sent ahead: {plan.label!r} (a file changed while read; tried again later)")
+                continue
             self.sent_ahead[path] = _token(cp.scan.entries[path])
             self.log(f"sent ahead: {plan.label!r} ({blob.size} bytes, {status})")
 
@@ -348,9 +351,11 @@ class Watcher:
             return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
         ref = Reference(self.moving.registry, self.moving.repository, tag)
         result = push_commit(cp, ref, self.transport, dataclasses.replace(opts, stopping=stopping))
+        # The push may hold back more (files that tore while read) or read one after all: as pushed,
+        # a held file is in this snapshot at the last one's version (kept), or pending until taken.
         kept = set(cp.carried) | (cp.unreadable - set(cp.left_unread))
-        for path in set(held) - kept:
-            tokens.pop(path, None)  # not in this snapshot as the last one had it: pending until it is taken
+        tokens = {p: _token(e) for p, e in cp.scan.entries.items() if p not in held}
+        tokens.update({p: last[p] for p in held if p in last and p in kept})
         for path, why in sorted(held.items()):
             if path in kept:
                 what = "kept the last snapshot's version"

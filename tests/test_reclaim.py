@@ -333,6 +333,36 @@ def test_a_file_written_between_the_scan_and_its_read_is_held_back(registry, bas
     assert not (out / image).exists() and (out / "etc/app.conf").read_text() == "threads = 8\n"
 
 
+def test_a_file_that_tore_in_a_snapshot_is_taken_by_the_next_once_still(registry, base_ref, box, tmp_path,
+                                                                         monkeypatch):
+    """A weight that changed during every read of one snapshot was kept there at its last version;
+    the watcher must not count it as taken: the next snapshot, with the file still, has the new one."""
+    prof = parse_profile(SMALL_WEIGHTS)
+    write_tree(box, {WEIGHT: os.urandom(2 * MiB)})
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "tore-once", lines, clock, profile=prof, every=0, stable=5)
+    clock.advance(10)
+    w.tick()  # the weight, still, in the first snapshot
+    clock.advance(10)
+    with open(os.path.join(box, WEIGHT), "r+b") as f:
+        f.write(os.urandom(MiB))
+    clock.advance(10)  # stable by its times: read, and it tears during every read
+    monkeypatch.setattr(layer_module, "after_read", lambda path, attempt: path == WEIGHT and _poke(box, WEIGHT))
+    w.tick()
+    assert any(f"held back: '/{WEIGHT}' (changed while read); kept the last snapshot's version" in line for line in lines), lines
+    monkeypatch.setattr(layer_module, "after_read", None)
+    clock.advance(10)
+    w.tick()  # nothing changed since: but the snapshot has the old version, so this one takes the new
+    out = tmp_path / "out"
+    restore_image(f"{registry.host}/tore-once:v2", str(out))
+    assert (out / WEIGHT).read_bytes() == open(os.path.join(box, WEIGHT), "rb").read()
+
+
+def _poke(box: str, path: str) -> None:
+    with open(os.path.join(box, path), "r+b") as f:
+        f.write(os.urandom(16))
+
+
 def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(registry, base_ref, box, tmp_path,
                                                                             monkeypatch):
     """The trial: the final snapshot failed (a layer file of the state dir gone) while the loop's own
