@@ -208,6 +208,8 @@ def _check_options(opts: CommitOptions) -> None:
         raise UsageError(f"--compression {opts.compression} is not known: use zstd or gzip")
     if opts.max_layer_size < 1024 * 1024:
         raise UsageError("--max-layer-size must be at least 1MiB")
+    if not os.path.isdir(opts.root):
+        raise UsageError(f"root {opts.root} does not exist or is not a directory")
 
 
 def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOptions] = None,
@@ -221,8 +223,6 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
         raise UsageError("--include (or the profile's include list) needs --base scratch",
                          "with a base image the snapshot already holds only what changed against it")
     base_ref = None if scratch else Reference.parse(base)
-    if not os.path.isdir(opts.root):
-        raise UsageError(f"root {opts.root} does not exist or is not a directory")
     root = os.path.realpath(opts.root)
     base_remote, base_img, index = None, None, {}
     if base_ref is not None:
@@ -415,8 +415,6 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
     if target_ref.digest:
         raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
     transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
-    if not os.path.isdir(opts.root):
-        raise UsageError(f"root {opts.root} does not exist or is not a directory")
     remote = Remote(target_ref, transport)
     root = os.path.realpath(opts.root)
     current = check_forward(remote, target_ref, root, opts.force, opts.origins)
@@ -440,11 +438,11 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
 
     created = now_rfc3339()
     base_config = base_img.config if base_img else scratch_config(*host_platform())
-    rows = [(p.label, b.diff_id, descriptor(b.media_type, b.digest, b.size, _annotations(p)), status)
-            for p, b, status in layers]
+    rows = [(p.label, b.diff_id, descriptor(b.media_type, b.digest, b.size, _annotations(p)), status,
+             len(p.entries) + len(p.whiteouts)) for p, b, status in layers]
     _insert_carried(rows, cp)
-    config = snapshot_config(base_config, [(label, diff_id) for label, diff_id, _, _ in rows], created)
-    layer_descs = [desc for _, _, desc, _ in rows]
+    config = snapshot_config(base_config, [(label, diff_id) for label, diff_id, *_ in rows], created)
+    layer_descs = [desc for _, _, desc, *_ in rows]
     extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
              **(cp.deletes.annotation() if cp.deletes else {})}  # read by a restore onto a live system
     # The base's index, for a commit on a new machine and for restore (baseindex.py).
@@ -471,12 +469,12 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
                     + ([skeleton_digest, baseindex.EMPTY_CONFIG_DIGEST] if skeleton_digest else []))
     cp.sources.save()
 
-    reports = [LayerReport(label, desc["digest"], desc["size"], desc["mediaType"], _entries(desc, layers), status)
-               for label, _, desc, status in rows]
+    reports = [LayerReport(label, desc["digest"], desc["size"], desc["mediaType"], entries, status)
+               for label, _, desc, status, entries in rows]
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
-                        snap_layers=[(desc, diff_id) for _, diff_id, desc, _ in rows])
+                        snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows])
 
 
 TORN = "changed while read"
@@ -506,21 +504,14 @@ def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) ->
 def _insert_carried(rows: list, cp: CommitPlan) -> None:
     """Put the layers carried from the last snapshot among the weights' single-file layers: before
     the weights' last small layer (directories and deletions), which must stay on top of them."""
-    carried = [(snap_label(desc) or desc["digest"][:19], diff_id, desc, "kept from the last snapshot (being written, not read)")
-               for path in sorted(cp.carried) for desc, diff_id in cp.carried[path]]
+    carried = [(snap_label(desc) or desc["digest"][:19], diff_id, desc, "kept from the last snapshot (being written, not read)",
+                1) for path in sorted(cp.carried) for desc, diff_id in cp.carried[path]]
     if not carried:
         return
     at = len(rows)
     if cp.plans and cp.plans[-1].detail == META_DETAIL:
         at -= 1
     rows[at:at] = carried
-
-
-def _entries(desc: dict, layers: list[tuple[LayerPlan, LayerBlob, str]]) -> int:
-    for p, b, _ in layers:
-        if b.digest == desc["digest"]:
-            return len(p.entries) + len(p.whiteouts)
-    return 1
 
 
 def _annotations(plan: LayerPlan) -> dict:

@@ -133,13 +133,8 @@ def applied_at(root: str, digest: str, headers: str) -> Optional[int]:
     """When the last restore into `root` ended (ns), if it applied (or found in place) the layer
     blob `digest` with exactly these tar headers; else None. A restore uses it to trust, without
     hashing them, the files of such a layer that did not change since (skip.py)."""
-    try:
-        with open(_path(root)) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(doc, dict) and doc.get("version") == VERSION and doc.get("root") == os.path.realpath(root)
-            and type(doc.get("restored_at_ns")) is int and isinstance(doc.get("layers"), dict)):
+    doc = _load(root)
+    if not (doc is not None and type(doc.get("restored_at_ns")) is int and isinstance(doc.get("layers"), dict)):
         return None
     for layer in doc["layers"].values():
         if isinstance(layer, dict) and layer.get("digest") == digest and layer.get("headers") == headers:
