@@ -44,7 +44,8 @@ MiB = 1 << 20
 # Reads snap's code (every module, with what each imports) back into the page cache: the package
 # loads most modules on first use, so `snap --help` alone would leave the restore's code cold.
 WARM_CODE = ("import importlib, pkgutil, snapshotter; "
-             "[importlib.import_module('snapshotter.' + m.name) for m in pkgutil.iter_modules(snapshotter.__path__) if m.name != '__main__']")
+             "[importlib.import_module(m.name) for m in pkgutil.walk_packages(snapshotter.__path__, 'snapshotter.') "
+             "if m.name != 'snapshotter.__main__']")
 LINK_BYTES_PER_SEC = 250 * 1000 * 1000  # the link of the --then row: a registry across a fast network
 NOT_CAPTURED = ("proc", "sys", "dev", "tmp", "run")  # the default profile's never-captured dirs
 SMALL_FILE = "opt/app/custom_nodes/Node000/nodes.py"  # the one custom node file changed in case 3

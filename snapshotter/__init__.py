@@ -1,7 +1,7 @@
 """snap: capture a running box as an OCI image in any registry and restore it anywhere.
 
-The library behind the `snap` command; each verb is a function (named apart from its module, so
-that `snapshotter.commit` and `snapshotter.restore` stay the modules):
+The library behind the `snap` command; each verb is a function, named apart from its package
+(`snapshotter.commit`, `snapshotter.restore`), which exports it too:
     from snapshotter import commit_box, restore_image
     commit_box("registry.example.com/me/box:v2", base="registry.example.com/me/base:1")
     restore_image("registry.example.com/me/box:v2", "/")
@@ -18,7 +18,7 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    if not name.startswith("_"):  # `snapshotter.restore` after a bare `import snapshotter`, as before
+    if not name.startswith("_"):  # a subpackage, e.g. `snapshotter.restore` after a bare `import snapshotter`
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:

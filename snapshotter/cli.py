@@ -16,7 +16,7 @@ import typer
 
 from . import progress
 from .errors import SnapError, StorageError, UsageError
-from .transport import Credentials, TransportOptions
+from snapshotter.registry.transport import Credentials, TransportOptions
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
@@ -153,8 +153,8 @@ def commit(
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
     The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made."""
-    from .commit import CommitOptions, commit_box
-    from .profile import include_path, load_profile, parse_size
+    from snapshotter.commit.commit import CommitOptions, commit_box
+    from snapshotter.box.profile import include_path, load_profile, parse_size
 
     prof = load_profile(profile)
     prof.include += tuple(include_path(p) for p in include or ())
@@ -164,7 +164,7 @@ def commit(
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
     if from_container:
-        from .container import commit_from_container
+        from snapshotter.commit.container import commit_from_container
         result = commit_from_container(from_container, target, base, opts)
     elif base is None:
         raise UsageError("--base is required", "name the image the box was started from, e.g. --base registry.example.com/me/base:1")
@@ -231,9 +231,9 @@ def restore(
     Needs no Docker. An interrupted restore leaves no half-written file and resumes when run again.
     The profile's excluded paths are never written; a full image onto a live system is refused.
     Weights are applied last: --then starts the app before they land, --wait PATH waits for one."""
-    from .extract import ExtractOptions
-    from .landing import start_then, wait_landed
-    from .restore import RestoreOptions, restore_image
+    from snapshotter.layer.extract import ExtractOptions
+    from snapshotter.restore.landing import start_then, wait_landed
+    from snapshotter.restore.restore import RestoreOptions, restore_image
 
     if wait is not None:
         if ref is not None or then is not None:
@@ -289,7 +289,7 @@ def run_image(
     """Run mode: pull the snapshot into the Docker engine (DOCKER_HOST) and start it with the image's own
     entrypoint, command, env and workdir. Exits with the container's exit code.
     `snap run REF -- CMD ARGS...` replaces the command. No engine? Use `snap restore` (extract mode)."""
-    from .run import run as do_run
+    from snapshotter.engine.run import run as do_run
 
     transport = _transport(False, None, False, username, password_stdin)
     result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
@@ -317,8 +317,8 @@ def verify(
     mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
     Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0."""
     from .errors import VerifyFailed
-    from .profile import load_profile
-    from .verify import VerifyOptions, verify as do_verify
+    from snapshotter.box.profile import load_profile
+    from snapshotter.restore.verify import VerifyOptions, verify as do_verify
 
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
@@ -377,11 +377,11 @@ def watch(
     up as soon as they are complete), and one final snapshot on SIGTERM, SIGINT, SIGHUP or a provider's
     reclaim notice (AWS, GCP, Azure). The moving tag only ever names a complete snapshot.
     Exits 0 after the final snapshot; non-zero with one line if it could not finish within --grace."""
-    from . import daemon as dmn
-    from .commit import CommitOptions
-    from .notices import notice_watcher
-    from .profile import include_path, load_profile, parse_size
-    from .watch import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
+    from snapshotter.watch import daemon as dmn
+    from snapshotter.commit.commit import CommitOptions
+    from snapshotter.watch.notices import notice_watcher
+    from snapshotter.box.profile import include_path, load_profile, parse_size
+    from snapshotter.watch.watcher import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
 
     if stop:
         raise typer.Exit(dmn.stop(root, log=_say))
@@ -424,7 +424,7 @@ def log_(
 ):
     """List the snapshots of the repository, newest first: tags, UTC time, total size, base, and the
     layers new in each versus the one before (label and size)."""
-    from .history import snapshot_log
+    from snapshotter.commit.history import snapshot_log
 
     snaps = snapshot_log(target, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin))
     if as_json:
@@ -452,9 +452,9 @@ def status(
 ):
     """What a commit would send now: the layers that changed since the last commit (with the size of
     their files) and those it would skip. Reads only file metadata; pushes nothing."""
-    from .commit import CommitOptions
-    from .history import box_status
-    from .profile import load_profile, parse_size
+    from snapshotter.commit.commit import CommitOptions
+    from snapshotter.commit.history import box_status
+    from snapshotter.box.profile import load_profile, parse_size
 
     opts = CommitOptions(root=root, profile=load_profile(profile), compression=compression,
                          max_layer_size=parse_size(max_layer_size),
@@ -475,7 +475,7 @@ def status(
 @_errors
 def list_profiles():
     """List the layer profiles shipped in layers/."""
-    from .profile import available_profiles, load_profile
+    from snapshotter.box.profile import available_profiles, load_profile
 
     for name in available_profiles():
         p = load_profile(name)

@@ -16,7 +16,7 @@ import tarfile
 import pytest
 
 from conftest import snap
-from snapshotter.extract import NAMES_KEPT
+from snapshotter.layer.extract import NAMES_KEPT
 from support import gzip_bytes, member, tar_bytes
 
 TAR = "application/vnd.oci.image.layer.v1.tar"

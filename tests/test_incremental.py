@@ -10,8 +10,9 @@ import pytest
 
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
-from snapshotter import CommitOptions, commit as commit_module, commit_box
-from snapshotter.profile import parse_profile
+from snapshotter.commit import commit as commit_module
+from snapshotter import CommitOptions, commit_box
+from snapshotter.box.profile import parse_profile
 
 MiB = 1024 * 1024
 

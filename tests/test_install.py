@@ -16,9 +16,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every module of the package, imported the way the CLI's commands import them.
 IMPORT_ALL = ("import importlib, pkgutil, snapshotter\n"
-              "for m in pkgutil.iter_modules(snapshotter.__path__):\n"
-              "    if m.name != '__main__':  # that one runs the CLI\n"
-              "        importlib.import_module('snapshotter.' + m.name)\n")
+              "for m in pkgutil.walk_packages(snapshotter.__path__, 'snapshotter.'):\n"
+              "    if m.name != 'snapshotter.__main__':  # that one runs the CLI\n"
+              "        importlib.import_module(m.name)\n")
 
 
 @pytest.mark.skipif(not have_wheels("setuptools", "typer", "docker", "oras", "zstandard"),

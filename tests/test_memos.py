@@ -1,6 +1,6 @@
 """What `snap watch` keeps between its commits so that the final snapshot scales with what changed.
 
-The scan memo (fsindex.ScanMemo): a watcher's scans take what an unchanged path held at the last
+The scan memo (box/scan.py's ScanMemo): a watcher's scans take what an unchanged path held at the last
 scan instead of reading it again, and still see every change: a name added to or removed from a
 directory whose times were put back, a chmod, an xattr, a private key written over a file with its
 size and mtime put back, a secret appearing, a symlink retargeted. The oracle is a scan without
@@ -18,11 +18,14 @@ import pytest
 
 from conftest import NOT_CAPTURED
 from support import snapshot_of_tree, write_tree
-from snapshotter import fsindex, plan as plan_module, restore_image
-from snapshotter.commit import changes_in
-from snapshotter.fsindex import Entry, ScanMemo, scan_box
-from snapshotter.plan import LayerPlan, PlanMemo, plan_layers
-from snapshotter.profile import load_profile
+from snapshotter.box import scan as box_scan
+from snapshotter.layer import plan as plan_module
+from snapshotter import restore_image
+from snapshotter.commit.commit import changes_in
+from snapshotter.index.entry import Entry, gc_paused
+from snapshotter.box.scan import ScanMemo, scan_box
+from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
+from snapshotter.box.profile import load_profile
 from test_watch import FakeClock, watcher
 
 PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow" + b"A" * 58 + b"\n-----END RSA PRIVATE KEY-----\n"
@@ -50,7 +53,7 @@ def test_an_unchanged_path_keeps_its_entry_and_is_not_read_again(box, monkeypatc
     profile, memo = load_profile(), ScanMemo(LATER)
     first = scan(box, profile, memo)
     reads = []
-    monkeypatch.setattr(fsindex, "read_xattrs", lambda path: reads.append(path))
+    monkeypatch.setattr(box_scan, "read_xattrs", lambda path: reads.append(path))
     second = scan(box, profile, memo)
     assert second.entries == first.entries and reads == []
     assert all(second.entries[p] is first.entries[p] for p in first.entries)
@@ -240,7 +243,7 @@ def test_a_chmod_or_chown_is_seen_where_the_ctime_does_not_move(box, monkeypatch
         return os.stat_result([*st[:7], *(int(getattr(before, n)) for n in names)],
                               {**{n: getattr(before, n) for n in names}, **{n + "_ns": getattr(before, n + "_ns") for n in names}})
 
-    monkeypatch.setattr(fsindex.os, "lstat", lstat_times_unmoved)
+    monkeypatch.setattr(box_scan.os, "lstat", lstat_times_unmoved)
     entry = scan(box, profile, memo).entries["opt/app/main.py"]
     assert (entry.mode, entry.uid, entry.gid) == (0o600, 1234, 5678)
 
@@ -265,18 +268,18 @@ def test_the_cycle_collector_is_left_as_it_was_found():
     import gc
     gc.disable()
     try:
-        with fsindex.gc_paused():
+        with gc_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()
     finally:
         gc.enable()
-    with fsindex.gc_paused():
+    with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
 
 
 def test_a_venv_is_found_at_any_depth():
-    from snapshotter.profile import VenvRoots
+    from snapshotter.box.profile import VenvRoots
     deep = "/".join(["d"] * 2000)
     roots = VenvRoots([deep[:999]])
     assert roots.contains(deep + "/f") and roots.contains(deep[:999] + "/x")

@@ -1,7 +1,7 @@
 """The one mountinfo parser (snapshotter/mounts.py), used by the box scan and by restore."""
 
-from snapshotter.fsindex import pseudo_mounts
-from snapshotter.mounts import Mount, inside, parse_mountinfo
+from snapshotter.box.mounts import pseudo_mounts
+from snapshotter.box.mounts import Mount, inside, parse_mountinfo
 
 MOUNTINFO = (
     "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"

@@ -21,11 +21,13 @@ import pytest
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
 from snapshotter import CommitOptions, commit_box, restore_image
-from snapshotter import commit as commit_module, layer as layer_module, progress
+from snapshotter.commit import commit as commit_module
+from snapshotter.layer import generate as layer_module
+from snapshotter import progress
 from snapshotter.errors import SnapError, UsageError
-from snapshotter.profile import parse_profile
-from snapshotter.restore import RestoreOptions
-from snapshotter.writers import open_for_writing
+from snapshotter.box.profile import parse_profile
+from snapshotter.restore.restore import RestoreOptions
+from snapshotter.box.writers import open_for_writing
 from test_watch import SMALL_WEIGHTS, TIMEOUT, FakeClock, WatchProcess, digest_of, snap_layers, watcher
 
 MiB = 1024 * 1024

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import snap
 from snapshotter.errors import UsageError
-from snapshotter.reference import Reference
+from snapshotter.oci.reference import Reference
 from test_errors import assert_one_line_error
 
 D64 = "sha256:" + "f" * 64

@@ -20,11 +20,13 @@ import pytest
 import zstandard
 
 from conftest import snap
-from snapshotter import applier, journal as journal_module, restore as restore_module
-from snapshotter.applier import ExtractWorker
+from snapshotter.restore import applier
+from snapshotter.restore import journal as journal_module
+from snapshotter.restore import restore as restore_module
+from snapshotter.restore.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
-from snapshotter.restore import RestoreOptions, restore_image
-from snapshotter.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
+from snapshotter.restore.restore import RestoreOptions, restore_image
+from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
 from support import FaultProxy, member, tar_bytes, tar_of_files
 from test_hostile import part_ann, push_annotated
 
@@ -78,7 +80,7 @@ def assert_one_line_error(r, code: int, *words: str) -> None:
 PAUSE_AT = 16 * MiB
 _PAUSED_RESTORE = """
 import os, runpy, sys, threading
-from snapshotter import applier
+from snapshotter.restore import applier
 
 apply_layer = applier.apply_layer
 
@@ -629,7 +631,7 @@ def test_a_name_that_turns_out_to_be_there_is_replaced_not_lost_when_writing_in_
     there after all (a directory that folds case holds it under another case, as ext4 +F or vfat
     do; here a file made just before the write), it is replaced by a rename like any existing
     file: the restore neither fails nor removes what it did not write."""
-    from snapshotter.extract import Extractor
+    from snapshotter.layer.extract import Extractor
     root = tmp_path / "root"
     made = []
 

@@ -189,7 +189,7 @@ def _repoint_skeleton(registry, tag, blob):
 
 
 def test_a_malformed_or_lying_skeleton_is_never_trusted(committed, registry, proxy, base_rootfs, tmp_path):
-    from snapshotter import skeleton  # here: the other tests run (and fail) on a snap without skeletons
+    from snapshotter.snapshot import skeleton
 
     box, root = committed
     weights = _weight_layers(registry)

@@ -9,7 +9,8 @@ import zstandard
 
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
-from snapshotter import CommitOptions, commit as commit_module, commit_box
+from snapshotter.commit import commit as commit_module
+from snapshotter import CommitOptions, commit_box
 
 
 def label(desc):

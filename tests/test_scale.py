@@ -15,11 +15,12 @@ import pytest
 
 from conftest import NOT_CAPTURED, snap
 from snapshotter import CommitOptions, commit_box
-from snapshotter.fsindex import apply_layer_to_index, load_index
+from snapshotter.commit import commit as commit_module
+from snapshotter.index.indexer import apply_layer_to_index
+from snapshotter.index.store import load_index
 from support import member, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
 
 MiB = 1024 * 1024
-commit_module = sys.modules["snapshotter.commit"]
 STAGING_PREFIX = ".snap-staging-"  # a restore's downloads, at the top of its root
 
 
@@ -161,7 +162,7 @@ def test_the_base_index_travels_with_the_snapshot(registry, proxy, base_ref, box
 
 
 def base_index_of(registry, repo, manifest):
-    """The index of an image as a commit builds it (fsindex.apply_layer_to_index over its layers,
+    """The index of an image as a commit builds it (index/indexer.py's apply_layer_to_index over its layers,
     read from the registry)."""
     index = {}
     for d in manifest["layers"]:

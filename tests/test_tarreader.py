@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from snapshotter.tarreader import TarReader, data_chunks, iter_members
+from snapshotter.tar.reader import TarReader, data_chunks, iter_members
 from support import tar_bytes
 
 FIELDS = ("name", "type", "mode", "uid", "gid", "size", "mtime", "linkname", "uname", "gname", "devmajor",

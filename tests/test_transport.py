@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from snapshotter import upload as upload_mod
-from snapshotter.registry import Reference, Remote
+from snapshotter.registry import upload as upload_mod
+from snapshotter.registry.remote import Reference, Remote
 
 MiB = 1024 * 1024
 

@@ -168,7 +168,7 @@ def test_setuid_and_devices_follow_what_restore_writes_by_default(registry, tmp_
 def test_part_names_are_built_and_parsed_in_one_place():
     """plan (which names the parts), restore (which joins them) and verify (which hashes them
     together) share one builder and one parser: names past 9999 parts parse too, others do not."""
-    from snapshotter.plan import MAX_PARTS, parse_part_annotation, parse_part_name, part_name
+    from snapshotter.layer.plan import MAX_PARTS, parse_part_annotation, parse_part_name, part_name
     for path, i, n in [("opt/m.bin", 1, 3), ("a b/c", 7, 7), ("m/x", 10000, 12345), ("x", MAX_PARTS, MAX_PARTS)]:
         assert parse_part_name(part_name(path, i, n)) == (path, i, n)
     assert part_name("m/x", 2, 3) == "m/x.snap-part-0002-of-0003"

@@ -18,10 +18,11 @@ import pytest
 from conftest import NOT_CAPTURED, snap
 from support import MetadataServer, RegistryServer, fake_dmi, push_base_image, snapshot_of_tree, write_tree
 from snapshotter import CommitOptions, restore_image
-from snapshotter import commit as commit_module, layer as layer_module
-from snapshotter.notices import detect_provider, notice_watcher
-from snapshotter.profile import load_profile, parse_profile
-from snapshotter.watch import Watcher, WatchOptions
+from snapshotter.commit import commit as commit_module
+from snapshotter.layer import generate as layer_module
+from snapshotter.watch.notices import detect_provider, notice_watcher
+from snapshotter.box.profile import load_profile, parse_profile
+from snapshotter.watch.watcher import Watcher, WatchOptions
 
 MiB = 1024 * 1024
 TIMEOUT = 120  # generous overall bound for a watcher process to say something

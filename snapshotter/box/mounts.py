@@ -1,0 +1,93 @@
+"""The mounts this process sees (/proc/self/mountinfo): the one parser of that file.
+
+Field 5 of a mountinfo line is the mount point, with space, tab, newline and backslash written as
+octal escapes (`\\040`). The escapes stand for bytes, and a mount point is bytes in the filesystem's
+encoding: decode the escapes on the bytes, then the whole name with os.fsdecode, so `mod\\040èle`
+comes back as `mod èle` (decoding the escapes as text would turn the UTF-8 bytes of `è` into `Ã¨`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import Optional
+
+from snapshotter.index.entry import clean_path
+
+MOUNTINFO = "/proc/self/mountinfo"
+_OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+@dataclass(frozen=True)
+class Mount:
+    point: str  # absolute path of the mount point
+    fstype: str
+
+
+def unescape(field: bytes) -> str:
+    return os.fsdecode(_OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), field))
+
+
+def parse_mountinfo(data: bytes) -> list[Mount]:
+    """The mounts of a mountinfo text; malformed lines are skipped."""
+    out = []
+    for line in data.splitlines():
+        fields = line.split(b" ")
+        try:
+            sep = fields.index(b"-", 6)  # optional fields (shared:N, master:N) end at a lone "-"
+        except ValueError:
+            continue
+        if sep + 1 < len(fields):
+            out.append(Mount(unescape(fields[4]), unescape(fields[sep + 1])))
+    return out
+
+
+def read_mounts(path: str = MOUNTINFO) -> Optional[list[Mount]]:
+    """The mounts this process sees, or None if mountinfo cannot be read (no /proc)."""
+    try:
+        with open(path, "rb") as f:
+            return parse_mountinfo(f.read())
+    except OSError:
+        return None
+
+
+def inside(root: str, point: str) -> Optional[str]:
+    """`point` relative to `root` ('' for the root itself) if it lies inside it, else None. Both are
+    real absolute paths."""
+    if point == root:
+        return ""
+    prefix = root.rstrip("/") + "/"
+    return point[len(prefix):] if point.startswith(prefix) else None
+
+
+# Filesystems that are views of the kernel, never content of the box.
+PSEUDO_FS = {
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "mqueue", "debugfs", "tracefs", "securityfs",
+    "pstore", "bpf", "fusectl", "configfs", "hugetlbfs", "autofs", "binfmt_misc", "nsfs", "rpc_pipefs", "efivarfs",
+}
+
+
+def pseudo_mounts(root: str) -> set[str]:
+    """Root-relative mount points under `root` whose filesystem is a kernel view (proc, sysfs, ...)."""
+    root = os.path.realpath(root)
+    found = (inside(root, m.point) for m in read_mounts() or () if m.fstype in PSEUDO_FS)
+    return {clean_path(rel) for rel in found if rel is not None}
+
+
+def bind_mounted_files(root: str) -> set[str]:
+    """Root-relative paths of single files mounted over a path inside `root`: what a container runtime
+    injects from the host (the NVIDIA toolkit's libcuda.so.<driver version>, nvidia-smi, Docker's
+    /etc/hosts). They belong to the host, not the box."""
+    root = os.path.realpath(root)
+    found = set()
+    for m in read_mounts() or ():
+        rel = inside(root, m.point)
+        if rel:
+            try:
+                if stat.S_ISREG(os.lstat(m.point).st_mode):
+                    found.add(clean_path(rel))
+            except OSError:
+                continue
+    return found

@@ -1,0 +1,300 @@
+"""The walk of a live box: its entries as the profile selects them, and what a watcher's next walk
+keeps of this one (ScanMemo)."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from snapshotter.errors import StorageError, UsageError
+from snapshotter.tar.rules import SKIP_XATTRS
+from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
+from snapshotter.box.profile import Profile, VenvRoots
+from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, _KIND_OF_MODE, clean_path, entry_from_stat,
+                                     self_and_parents, stat_stamp)
+
+
+def read_head(path: str, n: int) -> bytes:
+    """The first n bytes of a file (fewer if it is shorter; none if it is gone)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except FileNotFoundError:
+        return b""
+
+
+@dataclass
+class Scan:
+    entries: dict[str, Entry]
+    venv_roots: VenvRoots
+    skipped_secrets: list[str] = field(default_factory=list)
+    pseudo_mounts: set[str] = field(default_factory=set)  # kernel views (proc, sysfs, ...) not walked
+    host_files: list[str] = field(default_factory=list)  # files bind-mounted from the host, and links to them
+
+    @functools.cached_property
+    def _left_out(self) -> frozenset[str]:
+        return frozenset(self.pseudo_mounts.union(self.skipped_secrets, self.host_files))
+
+    def not_walked(self, path: str) -> bool:
+        """Under a pseudo mount, a left-out secret or a host file: base paths there are unknown, not deleted."""
+        return any(p in self._left_out for p in self_and_parents(path))
+
+
+def resolve_in_box(entries: dict[str, Entry], path: str, hops: int = 40) -> Optional[str]:
+    """`path` with the symlinks of the box (its scan entries) resolved, as seen from inside the box:
+    absolute targets start at the box root, `..` stops there. None for a symlink loop."""
+    done: list[str] = []
+    todo = list(reversed(path.split("/")))
+    while todo:
+        part = todo.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        e = entries.get("/".join(done + [part]))
+        if e is None or e.kind != SYMLINK:
+            done.append(part)
+            continue
+        hops -= 1
+        if hops < 0:
+            return None
+        if e.linkname.startswith("/"):
+            done = []
+        todo.extend(reversed(e.linkname.split("/")))
+    return "/".join(done)
+
+
+def links_to(entries: dict[str, Entry], targets: set[str]) -> list[str]:
+    """The symlinks of the box that lead (directly or through other links) to one of `targets`."""
+    if not targets:
+        return []
+    return [rel for rel, e in entries.items() if e.kind == SYMLINK and resolve_in_box(entries, rel) in targets]
+
+
+RACY_WINDOW_NS = 2 * 10**9  # a path changed this close to a scan is not trusted to its stat data next time
+
+
+def _memo_stamp(st: os.stat_result) -> str:
+    """A secret's mark in the ScanMemo: what _unchanged compares for an entry, as one string."""
+    return f"{stat_stamp(st)}:{st.st_size}:{st.st_mode}:{st.st_uid}:{st.st_gid}"
+
+
+def _unchanged(last, st: os.stat_result) -> bool:
+    """Is the path the one the last scan saw (ScanMemo)? Same inode, mtime and ctime in ns (the
+    entry's stamp, the stat cache's rule), type, permissions and owner, and a file of the same size.
+    (Type, permissions and owner are compared too: sshfs and some other FUSE mounts report a ctime
+    that a chmod or chown does not move.) `last` is its entry, or for a secret its _memo_stamp."""
+    if isinstance(last, str):
+        return last == _memo_stamp(st)
+    mode = st.st_mode
+    return (last.stamp == stat_stamp(st) and last.mode == mode & 0o7777 and last.uid == st.st_uid and last.gid == st.st_gid
+            and last.kind == _KIND_OF_MODE.get(mode & 0o170000) and (last.kind != FILE or last.size == st.st_size))
+
+
+class ScanMemo:
+    """What one scan learnt of each path, kept for the next scan of the same root with the same
+    profile and options (`snap watch` keeps one): a path whose lstat is the same as then (_unchanged)
+    keeps its entry, its symlink target, xattrs, readability and secret verdict, none of which is
+    read again. The rule is the stat cache's: chmod, chown, a write, an xattr or ACL change, a new
+    link all move the ctime, which cannot be set back, and a symlink's target changes only with a
+    new inode. A path whose ctime is within RACY_WINDOW_NS of the scan is not kept (a later change
+    in the same clock tick could leave the same stat data). Every directory is still listed and
+    every path still lstat'ed: a name created, deleted or renamed is seen whatever the directory's
+    times say, and no rule about directory mtimes is relied on."""
+
+    def __init__(self, clock: Callable[[], int] = time.time_ns):
+        self.clock = clock  # ns; injectable for tests
+        # The last finished scan's context and paths, swapped as one: a watcher's final snapshot
+        # may scan while its loop does, and a scan that fails leaves the memo as it was.
+        self._last: tuple[Optional[tuple], dict[str, Entry | str]] = (None, {})
+
+    @property
+    def seen(self) -> dict[str, Entry | str]:
+        """path -> its entry (for a secret, its _memo_stamp), as the last finished scan left them."""
+        return self._last[1]
+
+    def start(self, context: tuple) -> tuple[dict, dict, int]:
+        """(last scan's paths, this scan's, the ctime before which a path is kept) for a scan with
+        `context`; a memo made under another context is not used."""
+        last_context, seen = self._last
+        return seen if last_context == context else {}, {}, self.clock() - RACY_WINDOW_NS
+
+    def finish(self, context: tuple, seen: dict) -> None:
+        self._last = (context, seen)
+
+
+def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
+             progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
+             memo: Optional[ScanMemo] = None) -> Scan:
+    """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
+    left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
+    `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
+    a change of those changes the ctime. With the profile's `include` (root-relative paths) only those are walked, and their parent
+    directories are entries of their own. With a `memo` (ScanMemo) what an unchanged path held at
+    the last scan is taken from it."""
+    if not os.path.isdir(root):
+        raise UsageError(f"root {root} does not exist or is not a directory")
+    root = os.path.realpath(root)
+    skip_mounts = pseudo_mounts(root)
+    mounted = bind_mounted_files(root)
+    host_files: list[str] = []
+    extra = {clean_path(e) for e in extra_excludes}
+    context = (root, profile, frozenset(extra), metadata_only)
+    old, new, settled_ns = (memo or ScanMemo()).start(context)
+    if memo is None:
+        settled_ns = -1  # nothing to keep
+    entries: dict[str, Entry] = {}
+    venvs = VenvRoots()
+    secrets: list[str] = []
+    unreadable: list[str] = []
+    stack: list[str] = []
+
+    def visit(rel: str, path: str, walk: bool = True) -> int:
+        """Add the entry of `rel` (at `path`), unless the profile leaves it out; a directory is
+        walked if `walk`. The number of entries added (0 or 1)."""
+        last = old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
+        if rel in extra or rel in skip_mounts or (last is None and profile.exclude.match(rel)):
+            return 0
+        if rel in mounted:
+            host_files.append(rel)
+            return 0
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return 0
+        except PermissionError:
+            unreadable.append(rel)
+            return 0
+        if last is not None and _unchanged(last, st):
+            e = None if isinstance(last, str) else last
+        else:
+            try:
+                e = _new_entry(rel, path, st, profile, metadata_only)
+            except FileNotFoundError:
+                return 0
+            except PermissionError:
+                unreadable.append(rel)
+                return 0
+            if e is _UNREADABLE:
+                unreadable.append(rel)
+                return 0
+            if e is _NOT_CONTENT:
+                return 0
+        if st.st_ctime_ns < settled_ns:
+            new[rel] = e if e is not None else _memo_stamp(st)
+        if e is None:
+            secrets.append(rel)
+            return 0
+        entries[rel] = e
+        if e.kind == DIR and walk:
+            stack.append(rel)
+        elif e.kind == FILE and rel.rpartition("/")[2] == "pyvenv.cfg":
+            venvs.add(rel.rpartition("/")[0])
+        return 1
+
+    if profile.include:
+        for rel in profile.include:
+            _check_include(root, rel, profile)
+            for parent in reversed(list(self_and_parents(rel))[1:]):
+                if parent not in entries:
+                    visit(parent, os.path.join(root, parent), walk=False)
+            visit(rel, os.path.join(root, rel))
+        if progress:
+            progress(len(entries))
+    else:
+        stack.append("")
+    while stack:
+        rel_dir = stack.pop()
+        abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+        try:
+            # Opened without following: a directory swapped for a symlink (or a file) since its
+            # lstat is not walked (a symlink's target is not the box's content there).
+            # (The root itself may be a symlink: --root names it.)
+            fd = os.open(abs_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if rel_dir else 0))
+            try:
+                with os.scandir(fd) as it:
+                    names = [de.name for de in it]
+            finally:
+                os.close(fd)
+        except PermissionError:
+            unreadable.append(rel_dir or "/")
+            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed or replaced while we walked
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            continue  # replaced by a symlink while we walked
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        base = f"{abs_dir}/" if rel_dir else os.path.join(root, "")
+        added = sum(visit(prefix + name, base + name) for name in names)
+        if progress and added:
+            progress(added)  # once per directory: a call per file costs as much as its lstat
+    if memo is not None:
+        memo.finish(context, new)
+    host_files.extend(links_to(entries, mounted))
+    for rel in host_files:
+        entries.pop(rel, None)
+    if unreadable:
+        shown = ", ".join("/" + u for u in sorted(unreadable)[:3])
+        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+        raise StorageError(f"cannot read {shown}{more} in the box",
+                           "run snap as root, or add the paths to the profile's exclude list")
+    return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files))
+
+
+_UNREADABLE, _NOT_CONTENT = object(), object()
+
+
+def _new_entry(rel: str, path: str, st: os.stat_result, profile: Profile, metadata_only: bool):
+    """The entry of a path not known from the last scan: None for a secret the profile leaves out,
+    _NOT_CONTENT for a socket, _UNREADABLE for a file snap cannot read."""
+    link = os.readlink(path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
+    e = entry_from_stat(rel, st, link)
+    if e is None:
+        return _NOT_CONTENT
+    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, path)):
+        return None
+    if not metadata_only:
+        e.xattrs = read_xattrs(path)
+        if e.kind == FILE and not os.access(path, os.R_OK):
+            return _UNREADABLE
+    return e
+
+
+def _check_include(root: str, rel: str, profile: Profile) -> None:
+    """An included path must exist, lie below no symlink (its parents are captured as directories),
+    and not be left out by the profile."""
+    path = os.path.join(root, rel)
+    if not os.path.lexists(path):
+        raise UsageError(f"--include {'/' + rel!r} does not exist in {root!r}")
+    for parent in list(self_and_parents(rel))[1:]:
+        if os.path.islink(os.path.join(root, parent)):
+            raise UsageError(f"--include {'/' + rel!r} lies below the symlink {'/' + parent!r}",
+                             "include the path the symlink points to")
+    if any(profile.leaves_out(p) for p in self_and_parents(rel)):
+        raise UsageError(f"--include {'/' + rel!r} is left out by the profile (its exclude or secrets list)")
+
+
+def read_xattrs(path: str) -> Optional[dict[str, str]]:
+    """A path's extended attributes worth carrying (not trusted.*, not SELinux labels: the host's)."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return None  # a filesystem without xattrs
+    out = {}
+    for name in names:
+        if name.startswith(SKIP_XATTRS):
+            continue
+        try:
+            out[name] = os.getxattr(path, name, follow_symlinks=False).decode("utf-8", "surrogateescape")
+        except OSError:
+            continue
+    return out or None

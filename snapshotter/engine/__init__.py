@@ -1,0 +1,1 @@
+"""The Docker Engine: `snap run`, and the connection a container commit uses."""

@@ -1,0 +1,203 @@
+"""`snap run` (run mode): hand a snapshot image to a Docker engine, which pulls it and starts it.
+
+Extract mode (`snap restore`) needs no engine; run mode keeps the image's own entrypoint, command,
+env and workdir, and only replaces the command when the user gives one. The engine is found the
+way the docker CLI finds it (DOCKER_HOST, else the default socket)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Optional, Sequence
+
+from snapshotter.errors import (AuthError, EngineUnavailable, NotFound, RegistryError, RegistryUnreachable,
+                                SnapError, UsageError)
+from snapshotter.oci.reference import Reference
+from snapshotter.registry.transport import TransportOptions
+
+GPU_MODES = ("auto", "all", "none")
+RESTORE_HINT = "without an engine, use extract mode: snap restore REF --root DIR"
+
+
+class Interrupted(SnapError):
+    exit_code = 130
+
+
+@dataclass
+class RunResult:
+    container_id: str
+    name: str
+    image: str  # what the container was created from: repo:tag or repo@digest
+    exit_code: Optional[int]  # None when detached
+
+
+def connect():
+    """A client for the Docker engine, or EngineUnavailable naming where we looked."""
+    try:
+        import docker
+    except ImportError:
+        raise EngineUnavailable("the docker Python package is not installed", RESTORE_HINT)
+    try:
+        return docker.from_env()
+    except docker.errors.DockerException as e:
+        where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        raise EngineUnavailable(f"no Docker engine answers at {where}: {_why(e)}", RESTORE_HINT)
+
+
+def host_has_gpus() -> bool:
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def parse_port(spec: str) -> tuple[str, object]:
+    """'8188', '8188:8188', '127.0.0.1:8188:8188', '9000:9000/udp' -> (container port key, host binding)."""
+    ports, _, proto = spec.partition("/")
+    parts = ports.split(":")
+    host = parts[-2] if len(parts) > 1 else ""
+    if (proto or "tcp") not in ("tcp", "udp", "sctp") or len(parts) > 3 or not parts[-1].isdigit() \
+            or (host and not host.isdigit()):
+        raise UsageError(f"port {spec!r} is not valid", "write it as [IP:]HOST_PORT:CONTAINER_PORT[/udp], e.g. 8188:8188")
+    key = f"{parts[-1]}/{proto or 'tcp'}"
+    host_port = int(host) if host else None
+    if len(parts) == 1:
+        return key, None  # the engine picks a free host port
+    return key, (parts[0], host_port) if len(parts) == 3 else host_port
+
+
+def parse_volume(spec: str) -> str:
+    """'/host:/ctr[:ro|rw]' (a relative host path is made absolute; a bare name is a named volume)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1].startswith("/") or \
+            (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+        raise UsageError(f"volume {spec!r} is not valid", "write it as HOST_PATH:CONTAINER_PATH[:ro], e.g. /data:/workspace")
+    host = parts[0]
+    if host.startswith((".", "/", "~")):
+        host = os.path.abspath(os.path.expanduser(host))
+    return ":".join([host, parts[1], parts[2] if len(parts) == 3 else "rw"])
+
+
+def parse_env(specs: Sequence[str]) -> list[str]:
+    """'K=V' as given; a bare 'K' takes its value from snap's own environment (as docker run does)."""
+    out = []
+    for s in specs:
+        if "=" in s:
+            out.append(s)
+        elif s in os.environ:
+            out.append(f"{s}={os.environ[s]}")
+    return out
+
+
+def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", ports: Sequence[str] = (),
+        volumes: Sequence[str] = (), env: Sequence[str] = (), name: Optional[str] = None, detach: bool = False,
+        transport: Optional[TransportOptions] = None, stdout: Optional[BinaryIO] = None,
+        stderr: Optional[BinaryIO] = None, log: Callable[[str], None] = lambda msg: None) -> RunResult:
+    """Pull `ref` into the engine and start it. Not detached: stream its output to stdout/stderr
+    and return its exit code. The container is kept (like docker run without --rm), so its
+    changes can be captured later with `snap commit --from-container`."""
+    reference = Reference.parse(ref)
+    if gpus not in GPU_MODES:
+        raise UsageError(f"gpus={gpus!r} is not one of {', '.join(GPU_MODES)}")
+    port_map: dict[str, list] = {}
+    for spec in ports:
+        key, binding = parse_port(spec)
+        port_map.setdefault(key, []).append(binding)
+    binds = [parse_volume(v) for v in volumes]
+    want_gpus = gpus == "all" or (gpus == "auto" and host_has_gpus())
+
+    client = connect()
+    import docker  # importable: connect() checked
+
+    image = pull(client, reference, transport, log)
+    device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if want_gpus else None
+    try:
+        ct = client.containers.create(
+            image, command=list(command) if command else None, name=name, environment=parse_env(env),
+            ports={k: v[0] if len(v) == 1 else v for k, v in port_map.items()} or None,
+            volumes=binds or None, device_requests=device_requests, detach=True)
+    except docker.errors.APIError as e:
+        raise _engine_error(e, name)
+    result = RunResult(ct.id, ct.name, image, None)
+    stream = None if detach else ct.attach(stdout=True, stderr=True, stream=True, demux=True, logs=True)
+    try:
+        ct.start()
+    except docker.errors.APIError as e:
+        ct.remove(force=True)  # it never ran: leave nothing behind
+        raise _engine_error(e, name)
+    if detach:
+        return result
+    out, err = stdout or sys.stdout.buffer, stderr or sys.stderr.buffer
+    try:
+        for o, e in stream:
+            for data, f in ((o, out), (e, err)):
+                if data:
+                    f.write(data)
+                    f.flush()
+        result.exit_code = ct.wait()["StatusCode"]
+    except KeyboardInterrupt:
+        ct.stop(timeout=10)
+        raise Interrupted(f"interrupted: container {ct.name} stopped", f"docker start -a {ct.name} runs it again")
+    return result
+
+
+def pull(client, reference: Reference, transport: Optional[TransportOptions], log: Callable[[str], None]) -> str:
+    """Have the engine pull the image; returns the name to create the container from.
+    Credentials given to snap (--username) go to the engine; else it uses its own docker config."""
+    import docker
+
+    target = reference.target
+    image = f"{reference.name}{'@' if reference.digest else ':'}{target}"
+    creds = transport.credentials if transport else None
+    auth = {"username": creds.username, "password": creds.password or ""} if creds and creds.username is not None else None
+    log(f"pulling {image}")
+    try:
+        # The high-level images.pull drops errors reported inside the stream: read it ourselves.
+        for event in client.api.pull(reference.name, tag=target, stream=True, decode=True, auth_config=auth):
+            if "error" in event:
+                raise _pull_error(client, image, event["error"])
+    except docker.errors.APIError as e:
+        raise _pull_error(client, image, e.explanation or str(e))
+    return image
+
+
+def _pull_error(client, image: str, msg: str) -> SnapError:
+    msg = " ".join(str(msg).split())
+    low = msg.lower()
+    if "invalid tar header" in low or "zstd" in low:
+        version = client.version().get("Version", "?")
+        return EngineUnavailable(
+            f"the Docker engine ({version}) cannot unpack {image}: its layers are zstd, which Docker reads from 23.0 on ({msg})",
+            "commit with --compression gzip for this engine, or " + RESTORE_HINT)
+    if any(k in low for k in ("unauthorized", "authentication required", "no basic auth credentials", "denied")):
+        return AuthError(f"the registry refused the engine's pull of {image}: {msg}")
+    if "not found" in low or "manifest unknown" in low:
+        return NotFound(f"image {image} not found: {msg}")
+    if "http response to https client" in low:
+        return RegistryUnreachable(f"the Docker engine cannot pull {image}: {msg}",
+                                   "add the registry to the engine's insecure-registries (daemon.json)")
+    if any(k in low for k in ("connection refused", "no such host", "dial tcp", "i/o timeout", "timeout")):
+        return RegistryUnreachable(f"the Docker engine cannot reach the registry of {image}: {msg}",
+                                   "check the host and port from the engine's host")
+    return RegistryError(f"the Docker engine failed to pull {image}: {msg}")
+
+
+def _engine_error(e, name: Optional[str]) -> SnapError:
+    msg = " ".join(str(e.explanation or e).split())
+    if "could not select device driver" in msg and "gpu" in msg:
+        return EngineUnavailable(f"the Docker engine cannot give the container GPUs ({msg})",
+                                 "install the NVIDIA Container Toolkit on the host, or pass --no-gpu")
+    if e.status_code == 409:
+        return UsageError(f"a container named {name} already exists ({msg})",
+                          f"pick another --name, or remove it: docker rm -f {name}")
+    if e.status_code and 400 <= e.status_code < 500:
+        return UsageError(f"the Docker engine refused the container: {msg}")
+    return SnapError(f"the Docker engine failed to start the container: {msg}")
+
+
+def _why(e: Exception) -> str:
+    text = str(e)
+    for key in ("No such file or directory", "Connection refused", "Permission denied", "timed out",
+                "Name or service not known"):
+        if key in text:
+            return key
+    return " ".join(text.split())[:200]

@@ -1,0 +1,56 @@
+"""The image index's on-disk form: gzip'd JSON lines, one Entry a line, behind a header that names
+the format and the layers indexed."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import astuple, fields
+from typing import Optional, Sequence
+
+from snapshotter.state import replace_file
+from snapshotter.index.entry import Entry, gc_paused
+
+
+# The base-index cache holds each Entry positionally (astuple: compact, quick to load). Its first
+# line names the format version and Entry's fields: a cache of another version or field layout is
+# rebuilt, never read into the wrong fields. Version 1 had no such line.
+INDEX_VERSION = 4  # 3: the header names the diff_ids of the layers indexed; 4: files' exact PAX mtimes (mtime_ns)
+
+
+def _index_header(diff_ids: Sequence[str]) -> dict:
+    return {"version": INDEX_VERSION, "fields": [f.name for f in fields(Entry)], "diff_ids": list(diff_ids)}
+
+
+def save_index(index: dict[str, Entry], path: str, diff_ids: Sequence[str]) -> None:
+    """Save the index of the layers `diff_ids` (their uncompressed digests, in order)."""
+    def write(f) -> None:
+        f.write(json.dumps(_index_header(diff_ids)) + "\n")
+        for e in index.values():
+            f.write(json.dumps(astuple(e), separators=(",", ":")))
+            f.write("\n")
+
+    replace_file(path, write, lambda p, m: gzip.open(p, m, compresslevel=1), "wt")
+
+
+def load_index(path: str, diff_ids: Optional[Sequence[str]] = None) -> Optional[dict[str, Entry]]:
+    """The index saved at `path`; None if it is missing, damaged, of another version or layout, or,
+    given `diff_ids`, of other layers than those: an image that names a base it does not hold (a
+    hostile one, restored here) must not stand for that base in the next commit's diff."""
+    try:
+        with gzip.open(path, "rt") as f, gc_paused():
+            header = json.loads(f.readline() or "null")
+            if not isinstance(header, dict) or not isinstance(header.get("diff_ids"), list) or \
+                    header != _index_header(header["diff_ids"] if diff_ids is None else diff_ids):
+                return None
+            width = len(header["fields"])
+            index = {}
+            for line in f:
+                row = json.loads(line)
+                if not isinstance(row, list) or len(row) != width:
+                    return None
+                e = Entry(*row)
+                index[e.path] = e
+            return index
+    except (OSError, ValueError, TypeError, EOFError):
+        return None  # a missing or damaged cache is rebuilt

@@ -1,0 +1,697 @@
+"""Applying a layer tar onto a directory, the way a careful container runtime does (cf. umoci, containerd).
+
+- Every name is checked: absolute names and names with '..' are refused (the layer is hostile).
+- Parents are resolved inside the root, following symlinks as if the root were '/', so a symlink
+  in the tree can never lead a write outside it; the final component is never followed.
+- Regular files are written to a temp name in the same directory and renamed into place, so an
+  interrupted restore leaves no half-written file at an original path (unless the caller says
+  nothing reads the root yet: then a file new in a directory the layer made is written at its
+  path, and a killed run leaves it half-written there for the next run to apply again). Each is renamed when the
+  next entry is read, so a layer's last entry, if a regular file, is renamed only after the
+  caller's check of the whole stream (its diff_id: `check_end`); a failed check removes it.
+- OCI whiteouts ('.wh.NAME') and opaque markers ('.wh..wh..opq') delete from lower layers only.
+- Owners are applied when running as root; device nodes only when asked; setuid/setgid bits and
+  file capabilities (the security.capability xattr) only when asked and running as root.
+- Directory mtimes are set last, and directories this layer only wrote into keep their old mtime.
+- Temp files a killed run left behind ('.snap-tmp-*') are removed when a run next writes into
+  their directory.
+- A directory tree is never removed (a whiteout, or a non-directory replacing it) when a filesystem
+  is mounted at or below it, nor a file mounted over: a layer must not empty a mounted volume.
+- Onto a root that holds a live system (ExtractOptions.live_system), a whiteout or opaque marker
+  that would delete one of its top-level directories (or a top-level link to one) that holds
+  anything is refused before it deletes: the net under deletions.py's check of the manifest, for
+  images that carry no record of what they delete.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import hashlib
+import os
+import re
+import shutil
+import stat
+import tarfile
+import zlib
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Optional
+
+import zstandard
+
+from snapshotter.digests import file_digest, hasher_digest
+from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_path
+from snapshotter.index.indexer import ImageIndexer
+from snapshotter.index.entry import clean_path
+from snapshotter.box.mounts import inside, read_mounts
+from snapshotter.box.profile import PathSet
+from snapshotter.tar.reader import TarReader
+from snapshotter.tar.rules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest,
+                                   check_name, header_key, member_mtime_ns, whiteout_target)
+
+TMP_PREFIX = ".snap-tmp-"
+READ_BUFFER = 1 << 20
+XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
+_STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
+_CAPABILITY = "security.capability"
+_PLAIN_TYPES = frozenset((*tarfile.REGULAR_TYPES, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE))
+_DEVICE_TYPES = frozenset((tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.FIFOTYPE))
+_ON_FD: dict = {}
+_NOFOLLOW = {"follow_symlinks": False}
+
+
+@dataclass
+class ExtractOptions:
+    same_owner: bool = field(default_factory=lambda: os.geteuid() == 0)
+    allow_devices: bool = False
+    allow_setuid: bool = False
+    fsync: bool = False  # fsync each file before its rename (power-loss safety; slower)
+    # Globs (the profile's `exclude`: /etc/hostname, /etc/resolv.conf, /proc, /tmp, ...) of paths the
+    # machine owns: never written, replaced or deleted, whatever the layers hold.
+    never_write: tuple[str, ...] = ()
+    live_system: Optional[str] = None  # what shows the root holds a running system: its top-level dirs are not deleted
+
+
+NAMES_KEPT = 1000  # names kept per kind for the report; the counts go on, so memory stays flat for any layer
+
+
+@dataclass
+class ExtractStats:
+    files: int = 0
+    bytes: int = 0
+    skipped_devices: list[str] = field(default_factory=list)  # the first NAMES_KEPT of them
+    stripped_setuid: list[str] = field(default_factory=list)  # setuid/setgid bits or file capabilities (first NAMES_KEPT)
+    stale_tmp_removed: int = 0
+    left_alone: int = 0  # entries skipped because they are under ExtractOptions.never_write
+    skipped_devices_count: int = 0
+    stripped_setuid_count: int = 0
+
+    def skipped_device(self, path: str) -> None:
+        self.skipped_devices_count += 1
+        if len(self.skipped_devices) < NAMES_KEPT:
+            self.skipped_devices.append(path)
+
+    def stripped(self, path: str) -> None:
+        self.stripped_setuid_count += 1
+        if len(self.stripped_setuid) < NAMES_KEPT:
+            self.stripped_setuid.append(path)
+
+    def add_stripped(self, other: "ExtractStats") -> None:
+        """Fold in another extractor's setuid strips (restore's part joins run beside the applier)."""
+        self.stripped_setuid_count += other.stripped_setuid_count
+        self.stripped_setuid += other.stripped_setuid[:max(0, NAMES_KEPT - len(self.stripped_setuid))]
+
+
+def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> StorageError:
+    """A one-line StorageError for an OSError met while writing in `place` (`what`: doing what)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(f"disk full in {place}{what}", hint or "free space and run the restore again: it resumes")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StorageError(f"cannot write in {place}{what}: {e.strerror}", hint or "check permissions, or run as root")
+    return StorageError(f"cannot write in {place}{what}: {e.strerror or e}")
+
+
+class Extractor:
+    def __init__(self, root: str, options: Optional[ExtractOptions] = None):
+        os.makedirs(root, exist_ok=True)
+        self.root = os.path.realpath(root)
+        self.opts = options or ExtractOptions()
+        self.stats = ExtractStats()
+        self._cleaned: set[str] = set()  # directories already swept for stale temp files this run
+        # Resolved parent directories (rel -> real path). Resolution only goes through existing
+        # directories, so only removing or replacing a directory or a symlink can change an
+        # answer: those clear the cache.
+        self._dir_cache: dict[str, str] = {}
+        self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
+        self.indexer: Optional[ImageIndexer] = None  # set to index the layers applied (a restore's base: _Indexing)
+        self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
+        # (temp, path) of the last regular file, not yet renamed; (None, path) if written in place
+        self._held: Optional[tuple[Optional[str], str]] = None
+        self._in_place = False  # see apply()
+        self._never = PathSet(self.opts.never_write)
+        self._room = 0  # bytes still free on the target at the last look, less what was written since
+        self._keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
+        self._reset_dir_times()
+
+    def _reset_dir_times(self) -> None:
+        self._dir_times: dict[str, tuple[int, int]] = {}  # dirs we only wrote into: their times before
+        self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
+        self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
+        self._new_dirs: set[str] = set()  # directories this layer created: they hold only what it wrote
+
+    def put_back_dir_times(self) -> None:
+        """Put back the times of directories we only wrote into, then set this layer's own directory
+        times (deepest first, since setting a child can touch its parent)."""
+        for path, (at, mt) in self._dir_times.items():
+            if path not in self._layer_dirs:
+                _utime(path, at, mt)
+        for path in sorted(self._layer_dirs, key=lambda p: p.count("/"), reverse=True):
+            at, mt = self._layer_dirs[path]
+            _utime(path, at, mt)
+        self._reset_dir_times()
+
+    # ---- the tree outside a layer (parts.py joins part layers) ---------------------------------
+
+    def parent_dir(self, rel: str) -> str:
+        """The real directory that holds /rel, resolved inside the root, made by nothing (a
+        missing one raises FileNotFoundError); stale temp files there are swept."""
+        return self._locate(rel, create=False)[0]
+
+    def will_change(self, pdir: str) -> None:
+        """`pdir`'s entries are about to change: its times are put back after (put_back_dir_times)."""
+        self._note_parent(pdir)
+
+    def add_hardlink(self, rel: str, target: str) -> None:
+        """Link /rel to /target as a layer's hardlink entry is made (inside the root, never over a
+        directory)."""
+        link = tarfile.TarInfo(rel)
+        link.type, link.linkname = tarfile.LNKTYPE, target
+        self._apply_member(None, link)  # a hardlink entry: no data to read
+
+    # ---- path resolution, scoped to the root ------------------------------------------------
+
+    def _resolve_dir(self, rel: str, create: bool = True) -> str:
+        """Real path of directory `rel`, following symlinks as if self.root were '/'.
+        Missing directories are created (0755, as the runtimes do)."""
+        parts = [p for p in rel.split("/") if p]
+        current = self.root
+        hops = 0
+        while parts:
+            part = parts.pop(0)
+            if part == "..":
+                current = os.path.dirname(current) if current != self.root else current
+                continue
+            nxt = os.path.join(current, part)
+            try:
+                st = os.lstat(nxt)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                self._note_parent(current)
+                os.mkdir(nxt, 0o755)
+                self._made_dir(nxt)
+                current = nxt
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                hops += 1
+                if hops > MAX_SYMLINK_HOPS:
+                    raise IntegrityError(f"too many symlinks resolving /{rel}: refusing a hostile layer")
+                target = os.readlink(nxt)
+                if target.startswith("/"):
+                    current = self.root
+                parts = [p for p in target.split("/") if p and p != "."] + parts
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                if not create:
+                    raise FileNotFoundError(nxt)
+                # A non-directory stands where a directory is needed: the new layer replaces it.
+                self._note_parent(current)
+                os.unlink(nxt)
+                os.mkdir(nxt, 0o755)
+                self._made_dir(nxt)
+            current = nxt
+        return current
+
+    def _made_dir(self, path: str) -> None:
+        """Note a directory this layer made: it holds only what the layer writes, and no temp file
+        of a killed run: no sweep, which saves a directory read per new directory."""
+        self._new_dirs.add(path)
+        self._cleaned.add(path)
+
+    def _locate(self, rel: str, create: bool = True) -> tuple[str, str]:
+        """(real parent dir, final path) for a member; the final component is not followed.
+        With create=False a missing parent raises FileNotFoundError instead of being made."""
+        parent, _, base = rel.rpartition("/")
+        pdir = self._dir_cache.get(parent)
+        if pdir is None:
+            pdir = self._dir_cache[parent] = self._resolve_dir(parent, create)
+        if pdir not in self._cleaned:
+            self._cleaned.add(pdir)
+            self._sweep_stale_tmp(pdir)
+        return pdir, _join(pdir, base)
+
+    def _sweep_stale_tmp(self, pdir: str) -> None:
+        """Remove temp files an interrupted run left in `pdir` (this run has none open there yet)."""
+        with os.scandir(pdir) as it:
+            stale = [de.path for de in it if de.name.startswith(TMP_PREFIX) and _STALE_TMP.fullmatch(de.name)]
+        for path in stale:
+            self._note_parent(pdir)
+            self._remove_any(path)
+            self.stats.stale_tmp_removed += 1
+
+    # ---- directory mtimes ---------------------------------------------------------------------
+
+    def _note_parent(self, pdir: str) -> None:
+        """Remember a directory's times before we change its contents, to put them back."""
+        if pdir not in self._dir_times and pdir not in self._layer_dirs:
+            try:
+                st = os.lstat(pdir)
+                self._dir_times[pdir] = (st.st_atime_ns, st.st_mtime_ns)
+            except FileNotFoundError:
+                pass
+
+    # ---- applying a layer ------------------------------------------------------------------------
+
+    def apply(self, tar_stream: BinaryIO, take: Optional[Callable[[int, int], Optional[str]]] = None,
+              layer: str = "layer", check_end: Optional[Callable[[], None]] = None, in_place: bool = False) -> None:
+        """Apply one layer (an uncompressed tar stream). `take(offset, size)`, if given, may hand
+        over a file holding a regular file's data (a split layer: staging.py), to be renamed into
+        place instead of copied; the stream then skips that data without reading it (its `skip`).
+        `check_end`, if given, is called once the stream is read to its end, before the layer's
+        last entry, if a regular file, is renamed into place: what it raises leaves that file
+        unseen (its temp removed). A last entry of another kind is in place by then.
+
+        `in_place`: nothing reads the root yet (the app has not started: restore.py), so a regular
+        file new in a directory this layer made is written at its path, not in a temp file renamed
+        there: a venv is tens of thousands of files, and the rename was a tenth of applying it.
+        Killed midway, such a file is half-written at its path, and the layer (not recorded as
+        applied) is applied again over it. The layer's last file is still removed if check_end fails."""
+        self._reset_dir_times()
+        self._take = take
+        self._in_place = in_place
+        name = ""
+        try:
+            reader = TarReader(tar_stream, layer)
+            indexing = _Indexing(self.indexer, reader, take) if self.indexer is not None else None
+            if indexing is not None:
+                reader, self._take = indexing, indexing.take  # the data hashed as it is written
+            for m in reader:
+                self._finish_held()
+                name = m.name
+                if self.record is not None:
+                    self.record.add(header_key(m))
+                self._apply_member(reader, m)
+                if indexing is not None:
+                    indexing.add(m)
+            reader.stream.drain()  # read to the end here, so a corrupt tail is caught below
+            if check_end is not None:
+                check_end()
+            self._finish_held()
+            if indexing is not None:
+                self.indexer = indexing.end_layer()
+        except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
+            raise IntegrityError(f"{layer} does not decompress: {e}")  # checked before OSError: BadGzipFile is one
+        except OSError as e:
+            raise storage_error(e, self.root, f" while writing {quoted_path(clean_path(name))}" if name else "") from e
+        finally:
+            if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
+                tmp, path = self._held
+                _remove(tmp if tmp is not None else path)
+                self._held = None
+            self._take = None
+            self.put_back_dir_times()
+
+    def _finish_held(self) -> None:
+        """Rename the regular file held back by the last entry into place (before the next entry,
+        which may link to it or reuse its temp name)."""
+        if self._held is not None:
+            tmp, path = self._held
+            if tmp is not None:
+                os.rename(tmp, path)
+            self._held = None
+
+    def _apply_member(self, reader: TarReader, m: tarfile.TarInfo) -> None:
+        rel = check_name(m.name)
+        if not rel:
+            return  # the root entry itself: the root keeps its own attributes
+        parent, _, base = rel.rpartition("/")
+        if base.startswith(WHITEOUT_PREFIX):
+            self._dir_cache.clear()
+            self._whiteout(parent, base)
+            return
+        if self._never.match(rel) and self._leave_alone(rel, m):
+            self.stats.left_alone += 1
+            return
+        if m.type not in _PLAIN_TYPES:
+            if m.type not in _DEVICE_TYPES:
+                return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
+            if not self._devices_allowed(m):
+                self.stats.skipped_device("/" + rel)
+                return  # skipped before anything is touched: the path keeps what lower layers put there
+        pdir, path = self._locate(rel)
+        self._note_parent(pdir)
+        try:
+            # In a directory this layer created, only what this layer wrote (or made on the way: a
+            # directory implied by a path below it) can be there.
+            old = os.lstat(path) if pdir not in self._new_dirs or path in self._written or path in self._new_dirs else None
+        except FileNotFoundError:
+            old = None
+        if old is not None and (stat.S_ISLNK(old.st_mode) or (stat.S_ISDIR(old.st_mode) and not m.isdir())):
+            self._dir_cache.clear()  # a symlink or a directory is about to be replaced
+
+        if m.isdir():
+            if old is not None and not stat.S_ISDIR(old.st_mode):
+                os.unlink(path)
+                old = None
+            if old is None:
+                os.mkdir(path, 0o700)
+                self._made_dir(path)
+            self._set_attrs(path, m, rel)
+            self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+            self._dir_times.pop(path, None)
+            self._written.add(path)
+            return
+
+        if old is not None and stat.S_ISDIR(old.st_mode):
+            self._remove_tree(path)  # a non-directory replaces a whole lower tree
+
+        # A short name: the member's own name may already be NAME_MAX bytes long.
+        # No leftover can be there: _locate swept the directory of stale temp files on first use.
+        tmp = _join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
+        in_place = self._in_place and old is None and m.isreg() and pdir in self._new_dirs  # see apply()
+        dest = path if in_place else tmp
+        renamed = False
+        try:
+            attrs_set = False
+            if m.isreg():
+                try:
+                    attrs_set = self._write_file(reader, m, dest, rel)
+                except FileExistsError:
+                    if not in_place:
+                        raise
+                    # The name is there after all: the directory folds case (ext4 +F, vfat) and
+                    # holds it under another case. Replaced by a rename, as any existing file is.
+                    dest, in_place = tmp, False
+                    attrs_set = self._write_file(reader, m, dest, rel)
+            elif m.issym():
+                os.symlink(m.linkname, tmp)
+            elif m.islnk():
+                self._hardlink(m, tmp)
+            elif m.ischr() or m.isblk():
+                kind = stat.S_IFCHR if m.ischr() else stat.S_IFBLK
+                os.mknod(tmp, kind | 0o600, os.makedev(m.devmajor, m.devminor))
+            else:
+                os.mkfifo(tmp, 0o600)
+            if not m.islnk() and not (m.isreg() and attrs_set):
+                self._set_attrs(dest, m, rel)
+            if m.isreg():
+                # renamed by _finish_held, or removed by apply
+                self._held, renamed = (None if in_place else tmp, path), True
+            else:
+                os.rename(tmp, path)
+                # A rename onto another link of the same inode does nothing and leaves tmp in place:
+                # only a hardlink can be that (when `path` already links to its target).
+                renamed = not m.islnk()
+        finally:
+            if not renamed:
+                _remove(dest)  # in place: a regular file this layer began there
+        self._written.add(path)
+
+    def _devices_allowed(self, m: tarfile.TarInfo) -> bool:
+        """Device nodes with --allow-devices as root; FIFOs (which a reader can block on) with
+        --allow-devices."""
+        return self.opts.allow_devices and (m.isfifo() or os.geteuid() == 0)
+
+    def _reserve(self, size: int, rel: str) -> None:
+        """Stop before a file the disk cannot hold (a decompression bomb, or an image bigger than
+        the disk): the free space is asked again only once what was free at the last look is used."""
+        self._room -= size
+        if self._room >= 0:
+            return
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        if size > free:
+            raise StorageError(f"disk full in {self.root}: layer entry {quoted_path(rel)} needs {size} bytes, {free} are free: "
+                               "stopping before writing it (an image bigger than the disk, or a decompression bomb)",
+                               "free space, or restore onto a bigger disk: the restore resumes")
+        self._room = free - size
+
+    def _write_file(self, reader: TarReader, m: tarfile.TarInfo, tmp: str, rel: str) -> bool:
+        """Write a regular file's data to `tmp` (a temp name, or its path if written in place: apply). True if its attributes were set too (on the open fd:
+        no path lookups)."""
+        staged = self._take(m.offset_data, m.size) if self._take else None
+        if staged is not None:
+            try:
+                os.rename(staged, tmp)  # verified at download; written once
+                self.stats.files += 1
+                self.stats.bytes += m.size
+                return False
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                # The state dir is on another filesystem than this directory: copied below.
+        self._reserve(m.size, rel)
+        # Written with os.write on the fd, not through a file object: a venv is tens of thousands
+        # of small files, and a buffered writer per file cost more than the writes themselves.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if staged is not None:
+                with open(staged, "rb") as src:
+                    while chunk := src.read(READ_BUFFER):
+                        _write_all(fd, chunk)
+            else:
+                while chunk := reader.read_data(READ_BUFFER):
+                    _write_all(fd, chunk)
+                    if len(chunk) == m.size:
+                        break  # all of it (a venv's files are small): no read for the end
+            if self.opts.fsync:
+                os.fsync(fd)
+            self._set_attrs(fd, m, rel)
+        finally:
+            os.close(fd)
+        self.stats.files += 1
+        self.stats.bytes += m.size
+        return True
+
+    def _hardlink(self, m: tarfile.TarInfo, tmp: str) -> None:
+        target_rel = check_name(m.linkname)
+        if not target_rel:
+            raise IntegrityError(f"hardlink {m.name!r} points at the root: refusing a hostile layer")
+        tparent, _, tbase = target_rel.rpartition("/")
+        try:
+            # Scoped like any path, and never creating or replacing anything on the way.
+            target = os.path.join(self._resolve_dir(tparent, create=False), tbase)
+            tst = os.lstat(target)
+        except (FileNotFoundError, NotADirectoryError):
+            raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, which is not in the image")
+        if stat.S_ISDIR(tst.st_mode):
+            raise IntegrityError(f"hardlink {m.name!r} points at a directory: refusing a hostile layer")
+        os.link(target, tmp, follow_symlinks=False)
+
+    def _leave_alone(self, rel: str, m: tarfile.TarInfo) -> bool:
+        """Whether to skip an entry under never_write. Only the top of such a tree, a directory
+        (/proc, /tmp: mount points), is made when it is missing, so that the tree can boot."""
+        parent = rel.rpartition("/")[0]
+        if not m.isdir() or (parent and self._never.match(parent)):
+            return True
+        return os.path.lexists(self._locate(rel)[1])
+
+    def _whiteout(self, parent: str, base: str) -> None:
+        try:
+            pdir = self._resolve_dir(parent, create=False)
+        except FileNotFoundError:
+            return  # nothing below to hide
+        hidden = parent if base == OPAQUE else f"{parent}/{base[len(WHITEOUT_PREFIX):]}".lstrip("/")
+        if hidden and self._never.match(hidden):
+            self.stats.left_alone += 1
+            return
+        if self.opts.live_system:
+            if base != OPAQUE:
+                top = [os.path.join(pdir, whiteout_target(base))] if pdir == self.root else []
+            elif pdir == self.root:
+                top = [os.path.join(pdir, name) for name in os.listdir(pdir)]
+            else:  # an opaque /etc, or /bin (a link to usr/bin) empties it
+                top = [pdir] if "/" not in parent or os.path.dirname(pdir) == self.root else []
+            self._spare_system(top, base)
+        if base == OPAQUE:
+            for name in os.listdir(pdir):
+                path = os.path.join(pdir, name)
+                if self._never.match(f"{parent}/{name}".lstrip("/")):
+                    continue  # the machine's own (/etc/hostname under an opaque /etc) stays
+                if path not in self._written:
+                    self._note_parent(pdir)
+                    self._remove_any(path)
+            return
+        name = whiteout_target(base)
+        path = os.path.join(pdir, name)
+        if path in self._written:
+            return  # a whiteout never deletes from its own layer
+        self._note_parent(pdir)
+        self._remove_any(path)  # the final component is removed, never followed
+
+    def _spare_system(self, paths: list[str], marker: str) -> None:
+        """Refuse a whiteout (`marker`) that would delete or empty one of `paths`, top-level paths
+        of a live root, where it is (or links to) a directory holding anything: /bin, /etc, /usr."""
+        for path in paths:
+            if path in self._written:
+                continue  # this layer's own
+            rel = os.path.relpath(path, self.root)
+            try:
+                holds = bool(os.listdir(self._resolve_dir(rel, create=False)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # not a directory (or gone): nothing of the system
+            if holds:
+                raise UsageError(f"a layer's whiteout {marker!r} would delete {'/' + rel!r} of {self.root!r}, which "
+                                 f"holds a live system ({self.opts.live_system}): refusing to apply it",
+                                 "was the image committed from a wrong --root? pass --force to apply it anyway")
+
+    def _remove_any(self, path: str) -> None:
+        """Remove a path of any type; the final component is never followed."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            self._remove_tree(path)
+            return
+        try:
+            os.unlink(path)
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            shown = "/" + os.path.relpath(path, self.root)
+            raise StorageError(f"the image deletes or replaces {shown}, but a file is mounted over it: refusing",
+                               "unmount it, or restore into another directory") from e
+
+    def _remove_tree(self, path: str) -> None:
+        """shutil.rmtree, refused when a filesystem is mounted at or below `path`: rmtree would
+        empty the mounted volume before failing on the mount point itself."""
+        mp = mount_below(path)
+        if mp is not None:
+            shown = "/" + os.path.relpath(path, self.root)
+            raise StorageError(f"the image deletes or replaces the directory {shown}, but {mp} is a mount point: "
+                               "refusing to empty a mounted filesystem",
+                               "unmount it, or restore into another directory")
+        self._dir_cache.clear()
+        shutil.rmtree(path)
+
+    def _set_attrs(self, path, m: tarfile.TarInfo, rel: str) -> None:
+        """Owner, mode, xattrs, mtime on a path (never followed) or an open fd."""
+        mode = m.mode & 0o7777
+        keep_privileges = self._keep_privileges
+        xattrs = {k[len(XATTR_PAX):]: v for k, v in m.pax_headers.items() if k.startswith(XATTR_PAX)} if m.pax_headers else {}
+        stripped = False
+        if mode & (stat.S_ISUID | stat.S_ISGID) and not m.isdir() and not keep_privileges:
+            mode &= ~(stat.S_ISUID | stat.S_ISGID)
+            stripped = True
+        if xattrs and _CAPABILITY in xattrs and not keep_privileges:
+            del xattrs[_CAPABILITY]  # file capabilities are setuid by another name
+            stripped = True
+        if stripped:
+            self.stats.stripped("/" + rel)
+        nofollow = _ON_FD if isinstance(path, int) else _NOFOLLOW
+        if self.opts.same_owner:
+            os.chown(path, m.uid, m.gid, **nofollow)
+        if m.type != tarfile.SYMTYPE:
+            os.chmod(path, mode)  # after chown: chown clears setuid bits
+        for name, value in xattrs.items():
+            self._set_xattr(path, name, value, nofollow)
+        # A PAX mtime to the ns, as Docker sets it: the next commit's diff tells an untouched base file by it.
+        ns = member_mtime_ns(m) if m.pax_headers else None
+        ns = int(m.mtime) * 1_000_000_000 if ns is None else ns
+        os.utime(path, ns=(ns, ns), **nofollow)
+
+    def _set_xattr(self, path, name: str, value: str, nofollow: dict) -> None:
+        if name.startswith(SKIP_XATTRS):
+            return
+        data = value.encode("utf-8", "surrogateescape")
+        if len(name.encode("utf-8", "surrogateescape")) > XATTR_NAME_MAX or len(data) > XATTR_SIZE_MAX:
+            raise IntegrityError(f"extended attribute {name[:64]!r} ({len(data)} bytes) is larger than Linux allows: "
+                                 "refusing a hostile layer")
+        try:
+            os.setxattr(path, name, data, **nofollow)
+        except OSError as e:
+            if e.errno in (errno.E2BIG, errno.ERANGE, errno.EINVAL):
+                raise IntegrityError(f"extended attribute {name[:64]!r} cannot be set: {e.strerror}: "
+                                     "refusing a hostile layer") from None
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EACCES):
+                raise
+
+
+class _Indexing:
+    """The extractor's hook for an ImageIndexer (fsindex.py): stands for the TarReader, hashing each
+    regular file's data as the extractor reads it to write it, and the rest of it (all of it for an
+    entry left alone) when the member is indexed; a content file a split layer hands over (`take`)
+    is hashed before it is renamed into place (a read; copying it instead would write the weight
+    again and need its room twice)."""
+
+    def __init__(self, indexer: ImageIndexer, reader: TarReader,
+                 take: Optional[Callable[[int, int], Optional[str]]]):
+        self.indexer, self.reader, self._take = indexer, reader, take
+        self.stream = reader.stream
+        self._hash = hashlib.sha256()
+        self._taken: Optional[str] = None  # the digest of the content file taken for this member
+        self.failed = False  # the index refused the layer (a hardlink to a path not in the image)
+
+    def __iter__(self):
+        for m in self.reader:
+            self._hash, self._taken = hashlib.sha256(), None
+            yield m
+
+    def read_data(self, n: int) -> bytes:
+        data = self.reader.read_data(n)
+        self._hash.update(data)
+        return data
+
+    def take(self, offset: int, size: int) -> Optional[str]:
+        staged = self._take(offset, size) if self._take else None
+        if staged is not None:
+            self._taken = file_digest(staged)
+        return staged
+
+    def add(self, m: tarfile.TarInfo) -> None:
+        if self.failed:
+            return
+        try:
+            self.indexer.add(m, self._content_digest)
+        except IntegrityError:
+            self.failed = True  # what the extractor accepted stays applied; there is just no index
+
+    def end_layer(self) -> Optional[ImageIndexer]:
+        """The indexer, the layer applied to it; None if it refused the layer."""
+        if self.failed:
+            return None
+        self.indexer.end_layer()
+        return self.indexer
+
+    def _content_digest(self) -> str:
+        if self._taken is not None:
+            return self._taken
+        while self.read_data(READ_BUFFER):
+            pass
+        return hasher_digest(self._hash)
+
+
+def _join(directory: str, name: str) -> str:
+    """os.path.join(directory, name) for a name without "/", for a fraction of its cost (twice per member)."""
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    n = os.write(fd, data)
+    if n < len(data):  # a short write (a signal, a nearly full disk): the rest, or the error
+        view = memoryview(data)[n:]
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def _utime(path: str, at: int, mt: int) -> None:
+    try:
+        os.utime(path, ns=(at, mt), follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def mount_below(path: str) -> Optional[str]:
+    """A mount point at or below directory `path` (a real path), or None."""
+    mounts = read_mounts()
+    if mounts is not None:
+        return next((m.point for m in mounts if inside(path, m.point) is not None), None)
+    # No /proc: another filesystem below shows as another st_dev (bind mounts of the same one do not).
+    dev = os.lstat(path).st_dev
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in dirnames:
+            full = os.path.join(dirpath, d)
+            try:
+                if os.lstat(full).st_dev != dev:
+                    return full
+            except FileNotFoundError:
+                pass
+    return None

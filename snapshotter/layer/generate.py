@@ -1,0 +1,285 @@
+"""Generating layers: reproducible tars of box paths (plus whiteouts), compressed and hashed in one pass.
+
+The same content always gives the same bytes, so an unchanged layer keeps its digest and the
+registry already has it: entries sorted (whiteouts before their siblings), PAX headers with integer
+mtimes and numeric owners only, deterministic compression."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Iterator, Optional, Protocol
+
+from snapshotter.oci.mediatypes import MEDIA_TYPE
+from snapshotter.tar.compress import Compressor
+from snapshotter.errors import StorageError
+from snapshotter.index.entry import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
+from snapshotter.tar.rules import XATTR_PAX, layer_order, pax_mtime, whiteout_name
+from .plan import LayerPlan
+
+READ_SIZE = 1 << 20  # per read of a file's content
+SETTLE_TRIES = 3  # reads of a file that keeps changing while read; the last one is kept, with a warning
+BUFFERED_MAX = 8 << 20  # a file up to this size is read into memory, and read again alone if it changed
+# Called after each read of a file's content with (path, attempt), before the re-stat: lets a test
+# change the file at that exact point. None in normal runs.
+after_read: Optional[Callable[[str, int], None]] = None
+_TAR_TYPE = {FILE: tarfile.REGTYPE, DIR: tarfile.DIRTYPE, SYMLINK: tarfile.SYMTYPE, CHAR: tarfile.CHRTYPE,
+             BLOCK: tarfile.BLKTYPE, FIFO: tarfile.FIFOTYPE}
+
+
+@dataclass
+class LayerBlob:
+    """A built layer: the digests that name it, and the blob on disk (None when it was only measured:
+    an uncompressed layer is streamed from the box again at upload instead of copied to disk)."""
+
+    name: str
+    path: Optional[str]
+    digest: str  # sha256 of the blob (compressed bytes)
+    diff_id: str  # sha256 of the uncompressed tar
+    size: int
+    media_type: str
+    changed_while_read: list[str] = field(default_factory=list)  # never read whole and still (warned about)
+    changed_since_scan: list[str] = field(default_factory=list)  # read whole and still, but not as the scan saw it
+
+
+class _Torn(Exception):
+    """A file streamed into the layer changed while it was read: the layer is built again."""
+
+
+@dataclass
+class _Reads:
+    """What write_tar saw of the box files while reading them."""
+
+    torn: list[str] = field(default_factory=list)  # changed during every read, or vanished: kept as last read
+    stale: list[str] = field(default_factory=list)  # settled, but not as the scan saw it (size, mtime, ctime)
+    retry_streamed: bool = False  # a torn streamed file raises _Torn (the caller can start the layer again)
+    on_header: Optional[Callable[[bytes, int], None]] = None  # each header as written, with its content size
+
+
+class HeaderSink(Protocol):
+    """Where _emit sends the headers of the layer it writes (skeleton.PieceWriter): `start` at
+    each try of the layer, then `add(header bytes, content size)` per member."""
+
+    def start(self) -> None: ...
+
+    def add(self, header: bytes, size: int) -> None: ...
+
+
+def _put_header(put: Callable[[bytes], None], ti: tarfile.TarInfo, reads: _Reads, size: int) -> None:
+    header = ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    put(header)
+    if reads.on_header is not None:
+        reads.on_header(header, size)
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _read_exactly(fd: Optional[int], offset: int, size: int, put: Callable[[bytes], None],
+                  on_bytes: Optional[Callable[[int], None]]) -> bool:
+    """Pass `size` bytes of the file from `offset` to `put`, zeros where the file ends too soon (the
+    tar header promised that size) or for no file (None). False if it did end too soon."""
+    whole = fd is not None
+    while size:
+        data = os.pread(fd, min(size, READ_SIZE), offset) if whole else b""
+        if not data:  # the end of the file, or no file
+            whole = False
+            data = bytes(min(size, READ_SIZE))
+        put(data)
+        offset += len(data)
+        size -= len(data)
+        if on_bytes:
+            on_bytes(len(data))
+    return whole
+
+
+def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path: str, offset: int, fixed_size: bool,
+              reads: _Reads, on_bytes: Optional[Callable[[int], None]]) -> None:
+    """The header and content of one regular file, read so that it is not torn: the file is stat'ed
+    before and after each read (size, mtime, ctime) and read again if it changed, as GNU tar warns
+    "file changed as we read it". A whole file's header takes the size and mtime of the read kept
+    (a part layer's size is fixed by its plan); the content is always exactly the header's size."""
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:  # deleted while we committed: keep the archive well-formed, report it
+        reads.torn.append(e.path)
+        _put_header(put, ti, reads, ti.size)
+        _read_exactly(None, 0, ti.size, put, on_bytes)
+        put(bytes(-ti.size % tarfile.BLOCKSIZE))
+        return
+    except PermissionError:
+        raise StorageError(f"cannot read /{e.path} in the box", "run snap as root, or exclude the path in the profile")
+    with f:
+        fd = f.fileno()
+        for attempt in range(SETTLE_TRIES):
+            before = os.fstat(fd)
+            if not fixed_size:
+                ti.size, ti.mtime = before.st_size, int(before.st_mtime)
+                if e.mtime_ns is not None:
+                    ti.pax_headers = {**ti.pax_headers, "mtime": pax_mtime(before.st_mtime_ns)}
+            if ti.size <= BUFFERED_MAX:
+                chunks: list[bytes] = []
+                whole = _read_exactly(fd, offset, ti.size, chunks.append, None)
+            else:  # too big to hold: streamed into the layer, which is built again if it tore
+                _put_header(put, ti, reads, ti.size)
+                whole = _read_exactly(fd, offset, ti.size, put, on_bytes)
+            if after_read:
+                after_read(e.path, attempt)
+            settled = whole and _stat_key(os.fstat(fd)) == _stat_key(before)
+            if ti.size > BUFFERED_MAX:
+                if not settled and reads.retry_streamed:
+                    raise _Torn(e.path)
+                break
+            if settled:
+                break
+        if not settled:
+            reads.torn.append(e.path)
+        elif e.stamp and (stat_stamp(before) != e.stamp
+                          or not fixed_size and before.st_size != e.size):
+            reads.stale.append(e.path)
+        if ti.size <= BUFFERED_MAX:
+            _put_header(put, ti, reads, ti.size)
+            for chunk in chunks:
+                put(chunk)
+            if on_bytes:
+                on_bytes(ti.size)
+    put(bytes(-ti.size % tarfile.BLOCKSIZE))
+
+
+def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(e.path + ("/" if e.kind == DIR else ""))
+    ti.mode = e.mode
+    ti.uid, ti.gid = e.uid, e.gid
+    ti.uname = ti.gname = ""
+    ti.mtime = int(e.mtime)
+    if e.xattrs:
+        ti.pax_headers = {XATTR_PAX + k: v for k, v in sorted(e.xattrs.items())}
+    if e.mtime_ns is not None:  # an edit within its base file's second (fsindex.diff): a restore puts its ns back
+        ti.pax_headers = {**ti.pax_headers, "mtime": pax_mtime(e.mtime_ns)}
+    if linkname_for_hardlink is not None:
+        ti.type = tarfile.LNKTYPE
+        ti.linkname = linkname_for_hardlink
+        return ti
+    ti.type = _TAR_TYPE[e.kind]
+    if e.kind == FILE:
+        ti.size = e.size
+    elif e.kind == SYMLINK:
+        ti.linkname = e.linkname
+    elif e.kind in (CHAR, BLOCK):
+        ti.devmajor, ti.devminor = os.major(e.rdev), os.minor(e.rdev)
+    return ti
+
+
+def tar_headers(plan: LayerPlan) -> Iterator[tuple[tarfile.TarInfo, Optional[Entry]]]:
+    """The tar headers of a plan in layer order, each with its entry (None for a whiteout):
+    sorted, whiteouts before their siblings, later paths of a hardlinked inode as links. Made one
+    at a time as they are asked for: the headers of a 200k-file layer held at once took 150 MB."""
+    items = [(e.path, False) for e in plan.entries] + [(w, True) for w in plan.whiteouts]
+    items.sort(key=layer_order)
+    by_path = {e.path: e for e in plan.entries}
+    first_of_inode: dict[str, str] = {}
+    for path, is_whiteout in items:
+        if is_whiteout:
+            ti = tarfile.TarInfo(whiteout_name(path))
+            ti.mode, ti.mtime, ti.uname, ti.gname = 0o644, 0, "", ""
+            yield ti, None
+            continue
+        e = by_path[path]
+        link_to = first_of_inode.get(e.inode) if e.inode else None
+        if e.inode and link_to is None:
+            first_of_inode[e.inode] = e.path
+        yield _tarinfo(e, link_to), e
+
+
+def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Callable[[int], None]] = None,
+              reads: Optional[_Reads] = None) -> _Reads:
+    """Write the plan as a tar stream to `out`. Returns what changed while being read.
+
+    The bytes are those of tarfile's PAX writer (each header is TarInfo.tobuf, then the content
+    padded to 512, then two zero blocks and zeros up to a 10 KiB record), but contents go from the
+    file to `out` in 1 MiB reads instead of tarfile's 16 KiB copies re-cut into 10 KiB records:
+    at tens of GB that copying is most of the CPU."""
+    reads = reads or _Reads()
+    written = 0
+
+    def put(data: bytes) -> None:
+        nonlocal written
+        out.write(data)
+        written += len(data)
+
+    for ti, e in tar_headers(plan):
+        if e is None or ti.type != tarfile.REGTYPE:
+            _put_header(put, ti, reads, 0)
+            continue
+        source, offset = plan.slices.get(e.path, (e.path, 0))
+        _put_file(put, ti, e, os.path.join(root, source), offset, bool(plan.slices), reads, on_bytes)
+    put(bytes(2 * tarfile.BLOCKSIZE))
+    if written % tarfile.RECORDSIZE:
+        put(bytes(tarfile.RECORDSIZE - written % tarfile.RECORDSIZE))
+    return reads
+
+
+def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
+          on_bytes: Optional[Callable[[int], None]], hashing: bool = True,
+          headers: Optional[HeaderSink] = None) -> LayerBlob:
+    """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere), and its headers
+    to `headers`. A big file that changes while it is streamed makes the layer start again, where
+    `out` can be rewound (a file, or nowhere), up to SETTLE_TRIES times; the last build is kept."""
+    rewindable = out is None or (hashing and out.seekable())
+    for attempt in range(SETTLE_TRIES if rewindable else 1):
+        if attempt and out is not None:
+            out.seek(0)
+            out.truncate()
+        if headers is not None:
+            headers.start()
+        comp = Compressor(out, plan.compression, zstd_level, hashing)
+        try:
+            reads = write_tar(comp, root, plan, on_bytes, _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
+                                                                 on_header=headers.add if headers else None))
+            break
+        except _Torn:
+            comp.finish()  # closed now: nothing of it may reach `out` after the rewind
+            continue
+    comp.finish()
+    report = {"changed_while_read": reads.torn, "changed_since_scan": reads.stale}
+    if not hashing:
+        return LayerBlob(plan.name, None, "", "", comp.blob.size, MEDIA_TYPE[plan.compression], **report)
+    return LayerBlob(plan.name, None, comp.blob.digest, comp.tar.digest, comp.blob.size,
+                     MEDIA_TYPE[plan.compression], **report)
+
+
+def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
+                  on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None) -> LayerBlob:
+    """Digests and size of a layer without keeping its bytes (stream it again with write_layer)."""
+    return _emit(None, root, plan, zstd_level, on_bytes, headers=headers)
+
+
+def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
+                on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
+    """Write the layer blob's bytes to `out`: the upload stream of a measured layer, not hashed
+    again (the registry checks the bytes against the digest measured before)."""
+    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False)
+
+
+def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
+                on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None) -> LayerBlob:
+    """Build one layer blob into `out_dir` (temp name, renamed to its digest when complete)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".building-{plan.name}-{os.getpid()}-{id(plan)}")
+    try:
+        with open(tmp, "wb") as f:
+            blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers)
+        blob.path = os.path.join(out_dir, blob.digest.split(":", 1)[1])
+        os.replace(tmp, blob.path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise StorageError(f"cannot write layer {plan.name} to {out_dir}: {e.strerror}",
+                           "free disk space or set SNAP_STATE_DIR to a larger disk")
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return blob

@@ -1,0 +1,402 @@
+"""Planning the snapshot layers: which changed path goes into which layer.
+
+Every changed or deleted path goes to one profile layer (venv, custom_nodes, models, rest, ...).
+A profile layer can then become several image layers, each kept stable so that adding or removing
+one model re-uploads nothing else:
+  - a file of at least the rule's `file_layer_min` gets a layer of its own (big weights);
+  - a file larger than the registry's layer cap is cut into part layers that restore joins back;
+  - the rest is bundled, sorted by path, into layers of at most `bundle_max` bytes, cut where the
+    path's hash says so (content-defined), so an insertion only changes the bundle it falls in.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from snapshotter.digests import chunks_digest
+from snapshotter.errors import UsageError
+from snapshotter.index.entry import DIR, FILE, Entry
+from snapshotter.box.diff import Diff
+from snapshotter.box.scan import Scan
+from snapshotter.box.profile import LayerRule, Profile
+
+DEFAULT_MAX_LAYER_SIZE = int(9.5 * 1000**3)  # some registries reject layers over 10 GB
+PART_SUFFIX = ".snap-part-"  # "<path>.snap-part-0001-of-0003"
+MAX_PARTS = 100_000  # a file cut into more parts than this is refused (by commit and restore)
+_PART_NAME = re.compile(re.escape(PART_SUFFIX) + r"([0-9]{4,6})-of-([0-9]{4,6})")
+_PART_ANNOTATION = re.compile(r"([0-9]{1,6})/([0-9]{1,6})")
+_ROWS_PER_PIECE = 4096  # rows of a stat-cache key hashed at once (a piece of about 0.5 MB)
+_BUNDLE_FILL = 4  # content-defined bundle cuts every bundle_max / 4 bytes on average
+
+
+@dataclass
+class LayerPlan:
+    """What goes into one image layer."""
+
+    name: str  # the profile layer (venv, models, ...)
+    compression: str
+    entries: list[Entry] = field(default_factory=list)
+    whiteouts: list[str] = field(default_factory=list)  # deleted paths
+    detail: str = ""  # "" | "bundle 2" | the file of a single-file layer | "part 1/3 of <file>"
+    slices: dict[str, tuple[str, int]] = field(default_factory=dict)  # part entry -> (source file, offset)
+    part_of: Optional[tuple[str, int, int]] = None  # (file, index, count) for a part layer
+    part_links: list[str] = field(default_factory=list)  # last part: the file's other names (hardlinks)
+    # fingerprint() by zstd level: asked twice per layer by a commit, and costly for a 20k-file venv
+    _fingerprints: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries and not self.whiteouts
+
+    @property
+    def content_size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.detail})" if self.detail else self.name
+
+    def fingerprint(self, zstd_level: int, memo: Optional["PlanMemo"] = None) -> str:
+        """A digest of everything the layer's bytes depend on, from stat data only: the stat cache's
+        key. ctime and inode are in it, so a file rewritten with its old mtime put back still counts
+        as changed. Computed once per level: the plan is not changed after it is made.
+
+        The digest is of the JSON text of {"compression", "zstd_level", "entries": [a row per
+        entry], "whiteouts", "slices", "part_links"} (compact separators), written here a row at a
+        time so that a `memo` can give the row of an entry it has seen (the same object)."""
+        if zstd_level in self._fingerprints:
+            return self._fingerprints[zstd_level]
+        fp = self._fingerprints[zstd_level] = chunks_digest(s.encode() for s in self._key_text(zstd_level, memo))
+        return fp
+
+    def _key_text(self, zstd_level: int, memo: Optional["PlanMemo"]):
+        """fingerprint()'s JSON in pieces (ASCII: json escapes the rest), hashed as they come: the
+        whole text of a 200k-file layer would be tens of MB at the commit's peak of memory."""
+        dump = functools.partial(json.dumps, separators=(",", ":"))
+        yield (f'{{"compression":{dump(self.compression)},'
+               f'"zstd_level":{dump(zstd_level if self.compression == "zstd" else None)},"entries":[')
+        rows = memo.rows_of(self.entries) if memo is not None else map(_fingerprint_row, self.entries)
+        sep = ""
+        while batch := list(itertools.islice(rows, _ROWS_PER_PIECE)):
+            yield sep + ",".join(batch)
+            sep = ","
+        yield (f'],"whiteouts":{dump(self.whiteouts)},"slices":{dump(sorted(self.slices.items()))},'
+               f'"part_links":{dump(self.part_links)}}}')
+
+
+_json_row = json.JSONEncoder(separators=(",", ":")).encode
+_json_str = json.encoder.encode_basestring_ascii  # the string form json.dumps writes (ensure_ascii)
+
+
+def _fingerprint_row(e: Entry) -> str:
+    """An entry's row of the stat cache's key: the JSON text of [path, kind, mode, uid, gid, size,
+    mtime, linkname, rdev, inode, stamp, sorted xattrs]. Written by hand when every field has its
+    usual type (a commit makes one row per path of the box; the generic encoder costs ~5 us each),
+    by the encoder otherwise: the same text either way."""
+    try:
+        if not e.xattrs and type(e.mode) is type(e.uid) is type(e.gid) is type(e.size) is type(e.mtime) \
+                is type(e.rdev) is int:
+            inode = "null" if e.inode is None else _json_str(e.inode)
+            return (f"[{_json_str(e.path)},{_json_str(e.kind)},{e.mode},{e.uid},{e.gid},{e.size},{e.mtime},"
+                    f"{_json_str(e.linkname)},{e.rdev},{inode},{_json_str(e.stamp)},[]]")
+    except TypeError:  # a field of another type: the encoder says how it is written
+        pass
+    return _json_row([e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
+                      sorted(e.xattrs.items()) if e.xattrs else []])
+
+
+class PlanMemo:
+    """What the last plan of the same box made, for the next one (`snap watch` keeps one, with one
+    profile): each profile layer's split into image layers, reused when that layer holds the very
+    same entries (objects: the scan memo keeps an unchanged path's entry) and deletions as then; and
+    each entry's row of the stat cache's key. Entries are mutable but nothing changes the fields
+    a plan or a row reads once the scan made them. The memo holds the entries it names, so no new
+    object can take one of their ids. Each plan starts afresh and keeps only what it used."""
+
+    def __init__(self):
+        self.splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
+        self._old_splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
+        self.rows: dict[int, tuple[Entry, str]] = {}
+        self._old_rows: dict[int, tuple[Entry, str]] = {}
+
+    def start(self) -> None:
+        self._old_splits, self.splits = self.splits, {}
+        self._old_rows, self.rows = self.rows, {}
+
+    def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[LayerPlan]:
+        """split_plan(plan, ...), or copies of what it gave last time for the same input."""
+        key = (rule, max_layer_size, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts))
+        last = self._old_splits.get(rule.name)
+        made = last[1] if last is not None and last[0] == key else split_plan(plan, rule, max_layer_size)
+        # The key's ids stay unique while the entries live: the memo holds them (the third item).
+        self.splits[rule.name] = (key, [_copy(p) for p in made], plan.entries)
+        return [_copy(p) for p in made]
+
+    def rows_of(self, entries: list[Entry]):
+        for e in entries:
+            hit = self.rows.get(id(e)) or self._old_rows.get(id(e))
+            if hit is None or hit[0] is not e:
+                hit = (e, _fingerprint_row(e))
+            self.rows[id(e)] = hit
+            yield hit[1]
+
+
+def _copy(plan: LayerPlan) -> LayerPlan:
+    """A plan whose lists a caller may change (add_parent_dirs does) without changing this one."""
+    return replace(plan, entries=list(plan.entries), whiteouts=list(plan.whiteouts), slices=dict(plan.slices),
+                   part_links=list(plan.part_links))
+
+
+def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
+                compression: Optional[str] = None,
+                max_layer_size: int = DEFAULT_MAX_LAYER_SIZE, memo: Optional[PlanMemo] = None) -> list[LayerPlan]:
+    """Assign every changed and deleted path to a profile layer, then split each as its rule says.
+    Returns the non-empty plans in profile order, except that the weights layers come last: a
+    restore can start the app once the layers before them are applied (`snap restore --then`).
+    Each path is in one layer only, so no whiteout of an earlier layer concerns a later one.
+    A `memo` (PlanMemo) reuses the last plan's split of a profile layer whose paths did not change."""
+    if memo is not None:
+        memo.start()
+    split = memo.split if memo is not None else split_plan
+    plans = {r.name: LayerPlan(r.name, _compression(r.compression, compression)) for r in profile.layers}
+    changed = {e.path: e for e in d.changed}
+    # Hardlinked files travel together, in the layer of their first path, so the links survive.
+    groups: dict[str, list[Entry]] = {}
+    for e in scan.entries.values():
+        if e.inode:
+            groups.setdefault(e.inode, []).append(e)
+    group_layer: dict[str, str] = {}
+    for inode, members in groups.items():
+        if any(m.path in changed for m in members):
+            members.sort(key=lambda m: m.path)
+            first = members[0]
+            group_layer[inode] = profile.classify(first.path, first.size, True, scan.venv_roots)
+            for m in members:
+                changed[m.path] = m
+    for path in sorted(changed):
+        e = changed[path]
+        name = group_layer.get(e.inode) if e.inode else None
+        name = name or profile.classify(path, e.size, e.kind != DIR, scan.venv_roots)
+        plans[name].entries.append(e)
+    for path in d.deleted:
+        old = base[path]
+        plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
+    out: list[LayerPlan] = []
+    for rule in sorted(profile.layers, key=lambda r: r.weights):  # stable: profile order otherwise
+        out.extend(split(plans[rule.name], rule, max_layer_size))
+    out = [p for p in out if not p.empty]
+    _last_carries_changed_dirs(out, {r.name for r in profile.layers if r.weights}, changed)
+    add_parent_dirs(out, scan.entries, changed, base)
+    return out
+
+
+META_DETAIL = "directories and deletions"
+BUNDLE_PREFIX = "bundle "  # the detail of the n-th bundle of a layer: "bundle n"
+
+
+def holds_one_file(detail: str) -> bool:
+    """Whether a layer's detail (its dev.snap.content annotation) names the one file it holds:
+    not a bundle's number, not the weights' directories-and-deletions layer."""
+    return detail != META_DETAIL and not (detail.startswith(BUNDLE_PREFIX) and detail[len(BUNDLE_PREFIX):].isdigit())
+
+
+def _last_carries_changed_dirs(layers: list[LayerPlan], weights: set[str], changed: dict[str, Entry]) -> None:
+    """With the weights last, the topmost layer carrying a directory would often be a weight's own
+    layer, which then takes the directory's new mtime (add_parent_dirs): a file added beside a model
+    would change the model's layer. The weights' small last layer (directories and deletions) carries
+    every changed parent directory of the weights layers instead, and so decides their mtime."""
+    parents: set[str] = set()
+    for plan in layers:
+        if plan.name in weights and plan.detail != META_DETAIL:
+            for path in [e.path for e in plan.entries] + plan.whiteouts:
+                parent = path.rpartition("/")[0]
+                while parent and parent not in parents:
+                    parents.add(parent)
+                    parent = parent.rpartition("/")[0]
+    dirs = [changed[d] for d in sorted(parents) if d in changed and changed[d].kind == DIR]
+    if not dirs:
+        return
+    last = layers[-1]
+    if last.detail != META_DETAIL or last.name not in weights:
+        last = LayerPlan(last.name, last.compression, detail=META_DETAIL)
+        layers.append(last)
+    own = {e.path for e in last.entries}
+    last.entries.extend(e for e in dirs if e.path not in own)
+    last.entries.sort(key=lambda x: x.path)
+
+
+def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry],
+                    base: dict[str, Entry]) -> None:
+    """Give every layer each parent directory of its paths, as `docker commit` and buildkit do:
+    Docker and podman create a parent a layer lacks as 0755 root:root, over the one below it.
+
+    The copies carry the box's mode, owner and xattrs. The mtime: the box's in the topmost layer
+    that carries the directory (that one decides what an engine shows, and what restore leaves),
+    and in every layer for a directory the box has as in the base. In the lower layers a changed
+    directory carries its mtime in the base instead (for a new one, the newest mtime of that
+    layer's own paths under it): adding a model changes its directory's mtime, and that must not
+    change the layer of every other model in it, not even the first time the directory changes."""
+    below: list[set[str]] = []
+    topmost: dict[str, int] = {}
+    for i, plan in enumerate(layers):
+        dirs: set[str] = set()
+        for path in [e.path for e in plan.entries] + plan.whiteouts:
+            parent = path.rpartition("/")[0]
+            while parent and parent not in dirs:
+                dirs.add(parent)
+                parent = parent.rpartition("/")[0]
+        below.append(dirs)
+        for d in dirs.union(e.path for e in plan.entries if e.kind == DIR):
+            topmost[d] = i
+    for i, plan in enumerate(layers):
+        own = {e.path for e in plan.entries}
+        added = False
+        for d in sorted(below[i] - own):
+            e = box.get(d)
+            if e is None or e.kind != DIR:
+                continue  # not seen in the box (cannot happen for a walk): engines make it as they do
+            mtime = e.mtime
+            if d in changed and topmost[d] != i:
+                was = base.get(d)
+                mtime = was.mtime if was is not None and was.kind == DIR else \
+                    max((x.mtime for x in plan.entries if x.path.startswith(d + "/")), default=0)
+            # No stamp: a directory's ctime moves with every file added to it, and the stat cache
+            # keys on what the layer's bytes depend on (its mode, owner, xattrs and this mtime).
+            plan.entries.append(replace(e, mtime=mtime, stamp="", inode=None, digest=None))
+            added = True
+        if added:
+            plan.entries.sort(key=lambda x: x.path)
+
+
+def part_name(path: str, i: int, n: int) -> str:
+    """The name of part i of n of `path`: "<path>.snap-part-0001-of-0003" (the one place it is built)."""
+    return f"{path}{PART_SUFFIX}{i:04d}-of-{n:04d}"
+
+
+def parse_part_name(name: str) -> Optional[tuple[str, int, int]]:
+    """(path, i, n) of a name part_name() built, with 1 <= i <= n <= MAX_PARTS; None for any other name."""
+    m = _PART_NAME.search(name)
+    if m is None or m.end() != len(name):
+        return None
+    path, i, n = name[:m.start()], int(m.group(1)), int(m.group(2))
+    if not path or not 1 <= i <= n <= MAX_PARTS or part_name(path, i, n) != name:
+        return None
+    return path, i, n
+
+
+def parse_part_annotation(value: object) -> Optional[tuple[int, int]]:
+    """(i, n) of a part layer's "i/n" annotation, with 1 <= i <= n <= MAX_PARTS; None if malformed."""
+    m = _PART_ANNOTATION.fullmatch(value) if isinstance(value, str) else None
+    if m is None:
+        return None
+    i, n = int(m.group(1)), int(m.group(2))
+    return (i, n) if 1 <= i <= n <= MAX_PARTS else None
+
+
+def _compression(layer_default: str, override: Optional[str]) -> str:
+    if override is None or layer_default == "none":
+        return layer_default  # weights stay uncompressed whatever the engine
+    return override
+
+
+def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[LayerPlan]:
+    """Cut one profile layer into image layers: single-file layers, part layers, bundles."""
+    if max_layer_size <= 0:
+        raise ValueError("max_layer_size must be positive")
+    weights = rule.weights
+    singles: list[LayerPlan] = []
+    rest: list[Entry] = []
+    # For a weights layer, directories and deletions go into a small layer of their own, last:
+    # adding or removing a model changes a directory's mtime, and only that small layer follows.
+    meta = LayerPlan(plan.name, plan.compression, detail=META_DETAIL)
+    # The names of one inode travel with its first name (in path order), into the same layer: its
+    # content is written once and the others are hardlinks to it. Not into a later layer: Docker
+    # and podman refuse a hardlink to a lower layer's file.
+    names: dict[str, list[Entry]] = {}
+    for e in plan.entries:
+        if e.inode:
+            names.setdefault(e.inode, []).append(e)
+    others = {group[0].path: group[1:] for group in (sorted(g, key=lambda x: x.path) for g in names.values())}
+    for e in plan.entries:
+        if e.inode and e.path not in others:
+            continue  # another name of an inode: it goes with the first
+        big_alone = rule.file_layer_min is not None and e.size >= rule.file_layer_min
+        if e.kind == FILE and (e.size > max_layer_size or big_alone):
+            singles.extend(_file_layers(plan, e, max_layer_size, others.get(e.path, [])))
+        elif weights and e.kind == DIR:
+            meta.entries.append(e)
+        else:
+            rest.append(e)
+    if weights:
+        meta.whiteouts, whiteouts = list(plan.whiteouts), []
+    else:
+        whiteouts = plan.whiteouts
+    bundle_max = min(rule.bundle_max or max_layer_size, max_layer_size)
+    bundles = _bundles(plan, rest, whiteouts, bundle_max, rule.bundle_max is not None, others)
+    return bundles + singles + [meta]
+
+
+def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int, other_names: list[Entry]) -> list[LayerPlan]:
+    """The layer of a big file (with its other names, as hardlinks), or its part layers. The other
+    names of a file cut into parts are listed on its last part: restore links them to the joined file."""
+    if e.size <= max_layer_size:
+        return [LayerPlan(plan.name, plan.compression, [e, *other_names], detail=e.path)]
+    count = -(-e.size // max_layer_size)
+    if count > MAX_PARTS:
+        raise UsageError(f"/{e.path} would be cut into {count} part layers (restore accepts at most {MAX_PARTS})",
+                         "raise --max-layer-size")
+    parts = []
+    for i in range(count):
+        offset = i * max_layer_size
+        part_path = part_name(e.path, i + 1, count)
+        part = replace(e, path=part_path, size=min(max_layer_size, e.size - offset), inode=None)
+        parts.append(LayerPlan(plan.name, plan.compression, [part], detail=f"part {i + 1}/{count} of {e.path}",
+                               slices={part_path: (e.path, offset)}, part_of=(e.path, i + 1, count)))
+    parts[-1].part_links = [o.path for o in other_names]
+    return parts
+
+
+def _cut_after(path: str, size: int, bundle_max: int) -> bool:
+    """Content-defined bundle boundaries: a file ends its bundle with a chance proportional to its
+    size (by its path's hash), so bundles average a quarter of the cap and an added or removed file
+    moves only the boundaries next to it; the cap itself is rarely what cuts."""
+    h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") / 2**64
+    return h < size * _BUNDLE_FILL / bundle_max
+
+
+def _bundles(plan: LayerPlan, entries: list[Entry], whiteouts: list[str], bundle_max: int,
+             content_cuts: bool, other_names: dict[str, list[Entry]]) -> list[LayerPlan]:
+    """Sorted entries and whiteouts, cut into bundles of at most bundle_max content bytes. The
+    other names of an inode go into the bundle of its first name (they add no content)."""
+    items = sorted([(e.path, e) for e in entries] + [(w, None) for w in whiteouts], key=lambda t: t[0])
+    bundles: list[LayerPlan] = []
+    cur = LayerPlan(plan.name, plan.compression)
+    size = 0
+    for path, e in items:
+        esize = e.size if e is not None else 0
+        if not cur.empty and size + esize > bundle_max:
+            bundles.append(cur)
+            cur, size = LayerPlan(plan.name, plan.compression), 0
+        if e is None:
+            cur.whiteouts.append(path)
+        else:
+            cur.entries.append(e)
+            cur.entries.extend(other_names.get(path, ()))
+        size += esize
+        if content_cuts and esize and _cut_after(path, esize, bundle_max):
+            bundles.append(cur)
+            cur, size = LayerPlan(plan.name, plan.compression), 0
+    if not cur.empty:
+        bundles.append(cur)
+    for b in bundles:
+        b.entries.sort(key=lambda x: x.path)
+    if len(bundles) > 1:
+        for i, b in enumerate(bundles):
+            b.detail = f"{BUNDLE_PREFIX}{i + 1}"
+    return bundles

@@ -1,0 +1,197 @@
+"""Images: a resolved image (`Image`), and assembling a snapshot image (base layers + snapshot
+layers, as an OCI manifest and config).
+
+Serialisation is canonical (sorted keys, no spaces) so the digest we compute is the digest the
+registry stores: we push these exact bytes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Optional
+
+from .mediatypes import oci_media_type
+from snapshotter.digests import sha256_digest
+from snapshotter.errors import IntegrityError, printable
+from .mediatypes import OCI_CONFIG, OCI_MANIFEST
+
+if TYPE_CHECKING:  # imported for the annotation only
+    from .reference import Reference
+
+SNAP_LAYER = "dev.snap.layer"  # layer annotation: which profile layer this is
+SNAP_CONTENT = "dev.snap.content"  # layer annotation: the one file it holds, or "bundle N"
+SNAP_PART = "dev.snap.part"  # layer annotation: "i/n" for a part of a file cut at the layer size cap
+SNAP_PART_FILE = "dev.snap.part-file"  # layer annotation: the file the parts join back into
+SNAP_PART_LINKS = "dev.snap.part-links"  # last part's annotation: the file's other names (JSON list), linked at the join
+SNAP_BASE_LAYERS = "dev.snap.base-layers"  # manifest annotation: how many leading layers are the base's
+SNAP_PROFILE = "dev.snap.profile"
+SNAP_MAX_LAYER = "dev.snap.max-layer-size"  # manifest annotation: the cap files were cut at
+SNAP_SECRETS = "dev.snap.left-out.secrets"  # manifest annotation: JSON list of the secret paths left out
+SNAP_SECRETS_COUNT = "dev.snap.left-out.secrets-count"  # how many there were (more than listed if cut)
+SECRETS_ANNOTATION_MAX = 32 * 1024  # bytes of JSON at most: registries cap a whole manifest at 4 MiB
+BASE_NAME = "org.opencontainers.image.base.name"
+BASE_DIGEST = "org.opencontainers.image.base.digest"
+CREATED = "org.opencontainers.image.created"
+
+
+@dataclass
+class Image:
+    """A resolved single-platform image: its manifest (exact bytes) and config."""
+
+    ref: Reference
+    manifest_bytes: bytes
+    manifest_digest: str
+    config_bytes: bytes
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads(self.manifest_bytes)
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.config_bytes)
+
+    @property
+    def layers(self) -> list[dict]:
+        return self.manifest["layers"]
+
+
+def canonical(doc: dict) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def descriptor(media_type: str, digest: str, size: int, annotations: Optional[dict] = None) -> dict:
+    d = {"mediaType": media_type, "digest": digest, "size": size}
+    if annotations:
+        d["annotations"] = annotations
+    return d
+
+
+def snapshot_config(base_config: dict, layers: list[tuple[str, str]], created: str) -> bytes:
+    """The base config with one diff_id and one history entry per snapshot layer.
+    `layers` is [(layer name, diff_id)]."""
+    cfg = oci_clean(base_config)  # a new document: the base's is not touched
+    rootfs = cfg.setdefault("rootfs", {"type": "layers", "diff_ids": []})
+    rootfs["type"] = "layers"
+    base_diff_ids = rootfs.setdefault("diff_ids", [])
+    history = cfg.setdefault("history", [])
+    # Tools pair non-empty history entries with layers: pad a base that lacks them.
+    real = sum(1 for h in history if not h.get("empty_layer"))
+    history.extend({"created_by": "(base image layer)"} for _ in range(len(base_diff_ids) - real))
+    for name, diff_id in layers:
+        base_diff_ids.append(diff_id)
+        history.append({"created": created, "created_by": f"snap commit: {name} layer", "comment": f"snap layer {name}"})
+    cfg["created"] = created
+    cfg.setdefault("architecture", "amd64")
+    cfg.setdefault("os", "linux")
+    return canonical(cfg)
+
+
+# Maps of name -> object in an image config: a null member stands for an empty object there.
+_OBJECT_MAPS = ("ExposedPorts", "Volumes")
+
+
+def oci_clean(doc):
+    """`doc` without its nulls, as the OCI image-spec's schema wants a config: Docker's configs carry
+    `"Env": null`, `"Entrypoint": null` and the like, which mean the same as a missing member.
+    Inside ExposedPorts and Volumes a null member becomes {} (the port or volume stays)."""
+    if isinstance(doc, list):
+        return [oci_clean(v) for v in doc if v is not None]
+    if not isinstance(doc, dict):
+        return doc
+    out = {}
+    for k, v in doc.items():
+        if k in _OBJECT_MAPS and isinstance(v, dict):
+            out[k] = {name: oci_clean(obj) if obj is not None else {} for name, obj in v.items()}
+        elif v is not None:
+            out[k] = oci_clean(v)
+    return out
+
+
+def scratch_config(os_: str, architecture: str) -> dict:
+    """The config of no base image (`--base scratch`): the platform it runs on and a default PATH."""
+    return {"architecture": architecture, "os": os_,
+            "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+            "rootfs": {"type": "layers", "diff_ids": []}, "history": []}
+
+
+def snapshot_manifest(base: Optional[Image], base_name: Optional[str], config: bytes, layers: list[dict], profile: str,
+                      created: str, extra_annotations: Optional[dict] = None) -> bytes:
+    """An OCI image manifest: the base's layers (media types in their OCI names; same bytes),
+    then the snapshot layer descriptors. No base (scratch): the snapshot layers alone."""
+    base_layers = []
+    for d in (base.layers if base else []):
+        nd = {"mediaType": oci_media_type(d["mediaType"]), "digest": d["digest"], "size": d["size"]}
+        if d.get("annotations"):
+            nd["annotations"] = d["annotations"]
+        base_layers.append(nd)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": descriptor(OCI_CONFIG, sha256_digest(config), len(config)),
+        "layers": base_layers + layers,
+        "annotations": {
+            **({BASE_NAME: base_name, BASE_DIGEST: base.manifest_digest} if base else {}),
+            SNAP_BASE_LAYERS: str(len(base_layers)),
+            SNAP_PROFILE: profile,
+            CREATED: created,
+            **(extra_annotations or {}),
+        },
+    }
+    return canonical(manifest)
+
+
+def snapshot_layer_count(image: Image) -> int:
+    """How many of an image's layers snap added (0 for an image snap did not make)."""
+    ann = image.manifest.get("annotations", {})
+    if SNAP_BASE_LAYERS not in ann:
+        return 0
+    base = ann[SNAP_BASE_LAYERS]
+    if not (isinstance(base, str) and base.isascii() and base.isdigit() and int(base) <= len(image.layers)):
+        raise IntegrityError(f"image {image.ref} says {SNAP_BASE_LAYERS}={base!r} but has {len(image.layers)} layers: "
+                             "refusing a hostile image")
+    return len(image.layers) - int(base)
+
+
+def snap_label(desc: dict) -> str:
+    """How commit named a layer: 'venv', 'models (bundle 2)', ...; '' for a layer snap did not make."""
+    ann = desc.get("annotations", {})
+    if SNAP_LAYER not in ann:
+        return ""
+    return f"{ann[SNAP_LAYER]} ({ann[SNAP_CONTENT]})" if SNAP_CONTENT in ann else ann[SNAP_LAYER]
+
+
+def secrets_annotations(paths: list[str]) -> dict:
+    """Manifest annotations recording the secret paths a commit left out (root-relative), cut to
+    SECRETS_ANNOTATION_MAX bytes of JSON; the count says how many there were in all."""
+    if not paths:
+        return {}
+    listed = list(paths)
+    while len(json.dumps(listed).encode()) > SECRETS_ANNOTATION_MAX:
+        listed = listed[:len(listed) * 3 // 4]
+    return {SNAP_SECRETS: json.dumps(listed), SNAP_SECRETS_COUNT: str(len(paths))}
+
+
+def left_out_secrets(manifest: dict) -> tuple[list[str], int]:
+    """(the secret paths listed in an image's manifest, how many were left out in all); a malformed
+    annotation (not snap's) lists nothing."""
+    ann = manifest.get("annotations") or {}
+    try:
+        listed = json.loads(ann.get(SNAP_SECRETS, "[]"))
+        total = int(ann.get(SNAP_SECRETS_COUNT, len(listed)))
+    except (ValueError, TypeError):
+        return [], 0
+    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        return [], 0
+    return listed, max(total, len(listed))
+
+
+def layer_label(desc: dict, i: int) -> str:
+    """'venv', 'models (bundle 2)', ... as commit named it, fit for a message; 'base layer N' for
+    the base's (`i`: its index in the image)."""
+    return printable(snap_label(desc)) or f"base layer {i + 1}"

@@ -1,0 +1,301 @@
+"""The OCI distribution protocol (v2 API) for one repository: references, index -> platform
+manifest resolution, manifests pushed as the exact bytes we hashed, verified streamed downloads,
+streamed uploads in bounded memory, cross-repository mounts. HTTP, auth and retries are
+transport.py's.
+
+oras-py does here what transport.py says (its session and its answers to auth challenges), and no
+protocol step: its manifest calls re-serialise JSON (the digest would not be the one we hashed),
+its upload reads a whole blob into memory (or PATCHes 16 MiB chunks, a writer reopen each on the
+registry) and its download does not check the digest. So manifests, blobs and uploads (upload.py)
+are our own requests over transport.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import threading
+import time
+import urllib.parse
+from typing import Callable, Iterator, Optional
+
+import requests
+
+from snapshotter.digests import hasher_digest, sha256_digest
+from snapshotter.errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
+from snapshotter.oci.image import Image
+from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
+from snapshotter.oci.reference import Reference
+from .transport import Transport, TransportOptions, check, short_error
+from .upload import PIECE_SIZE, upload
+
+ProgressFn = Optional[Callable[[int], None]]
+
+MAX_DOCUMENT_SIZE = 4 << 20  # manifests, indexes, configs: distribution's own cap on a manifest
+MAX_INDEX_DEPTH = 8  # an index that names an index ...: deeper chains are refused
+# Every download has an overall deadline: READ_GRACE_S plus its declared size at the minimum
+# throughput ($SNAP_MIN_THROUGHPUT, bytes per second, K/M/G suffixes allowed). Per-read timeouts
+# alone let a registry that drips a byte every few seconds keep a restore waiting forever.
+MIN_THROUGHPUT_ENV = "SNAP_MIN_THROUGHPUT"
+DEFAULT_MIN_THROUGHPUT = 64 << 10
+READ_GRACE_S = 10
+BODY_PIECE = 1 << 20
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_RATE = re.compile(r"([0-9]+)\s*([kmg]?)(?:i?b)?(?:/s)?", re.I)
+
+
+def host_platform() -> tuple[str, str]:
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(platform.machine(), platform.machine())
+    return "linux", arch
+
+
+class Remote:
+    """One repository on one registry: its manifests and blobs, over a `Transport`."""
+
+    def __init__(self, ref: Reference, options: Optional[TransportOptions] = None):
+        self.ref = ref
+        self.transport = Transport(ref.registry, ref.repository, options)
+        # Set by the caller on an error or Ctrl-C: uploads in flight give up, even one whose socket hangs.
+        self.stopping = threading.Event()
+
+    # ---- manifests -------------------------------------------------------------------------
+
+    def get_manifest(self, target: str) -> tuple[bytes, str, str]:
+        """Return (bytes, media type, digest) of a manifest or index, verifying pinned digests."""
+        accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
+        with self.transport.request("GET", self.transport.url(f"manifests/{target}"), headers={"Accept": accept},
+                                    stream=True) as r:
+            if r.status_code == 404:
+                raise NotFound(f"image {self.ref.name}:{target} not found in the registry" if ":" not in target
+                               else f"image {self.ref.name}@{target} not found in the registry")
+            check(r, f"fetch manifest {self.ref.name}:{target}")
+            body = b"".join(self._body(r, f"manifest {target}", MAX_DOCUMENT_SIZE, RegistryError))
+        digest = sha256_digest(body)
+        algorithm, pinned, _ = target.partition(":")  # a digest (sha256, sha384, sha512), or a tag
+        if pinned and hasher_digest(hashlib.new(algorithm, body)) != target:
+            raise IntegrityError(f"manifest {target} from {self.ref.registry} does not match its digest")
+        media = r.headers.get("Content-Type", "").split(";")[0].strip() or _json(body, "manifest").get("mediaType", "")
+        return body, media, digest
+
+    def resolve(self, target: Optional[str] = None, want: Optional[tuple[str, str]] = None, depth: int = 0) -> Image:
+        """Fetch the image for this ref (following an index to the host platform) and its config.
+        What the image's documents say is checked before it is used (IntegrityError)."""
+        body, media, digest = self.get_manifest(target or self.ref.target)
+        doc = _json(body, "manifest")
+        if media in INDEX_TYPES or (not media and "manifests" in doc):
+            if depth >= MAX_INDEX_DEPTH:
+                raise IntegrityError(f"image {self.ref} is an index of indexes more than {MAX_INDEX_DEPTH} deep: "
+                                     "refusing a hostile image")
+            os_, arch = want or host_platform()
+            manifests = doc.get("manifests", [])
+            if not isinstance(manifests, list) or not all(isinstance(m, dict) for m in manifests):
+                raise IntegrityError(f"image {self.ref} has a malformed index")
+            for m in manifests:
+                p = m.get("platform") or {}
+                if isinstance(p, dict) and p.get("os") == os_ and p.get("architecture") == arch:
+                    if not _valid_descriptor(m):
+                        raise IntegrityError(f"image {self.ref} has a malformed descriptor in its index")
+                    return self.resolve(m["digest"], want, depth + 1)
+            raise NotFound(f"image {self.ref} has no {os_}/{arch} manifest in its index")
+        if media not in MANIFEST_TYPES and doc.get("mediaType") not in MANIFEST_TYPES:
+            raise UsageError(f"{self.ref} is not a container image (media type {media or 'unknown'})")
+        cfg_desc = doc.get("config")
+        if not _valid_descriptor(cfg_desc) or not isinstance(doc.get("layers"), list) \
+                or not isinstance(doc.get("annotations", {}), dict):
+            raise IntegrityError(f"image {self.ref} has a malformed manifest (config, layers or annotations)")
+        config = self.fetch_bytes(cfg_desc["digest"], cfg_desc["size"])
+        cfg = _json(config, "config", IntegrityError)
+        rootfs = cfg.get("rootfs", {})
+        if not isinstance(rootfs, dict) or not isinstance(rootfs.get("diff_ids", []), list) \
+                or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in rootfs.get("diff_ids", [])):
+            raise IntegrityError(f"image {self.ref} has a malformed config (rootfs.diff_ids)")
+        return Image(self.ref.with_digest(digest), body, digest, config)
+
+    def put_manifest(self, body: bytes, media_type: str, target: str) -> str:
+        """PUT the exact bytes (never re-serialised, so the digest is what we computed)."""
+        r = self.transport.request("PUT", self.transport.url(f"manifests/{target}"), data=body, headers={"Content-Type": media_type})
+        check(r, f"push manifest to {self.ref.name}:{target}")
+        return sha256_digest(body)
+
+    def manifest_digest(self, tag: str) -> Optional[str]:
+        """The digest a tag points at (HEAD, nothing downloaded); None if there is no such tag."""
+        accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
+        r = self.transport.request("HEAD", self.transport.url(f"manifests/{tag}"), headers={"Accept": accept})
+        if r.status_code == 404:
+            return None
+        check(r, f"look up {self.ref.name}:{tag}")
+        return r.headers.get("Docker-Content-Digest") or self.get_manifest(tag)[2]
+
+    def list_tags(self) -> list[str]:
+        """Every tag of the repository, following the registry's pages (Link: rel="next")."""
+        tags: list[str] = []
+        url = self.transport.url("tags/list?n=1000")
+        while url:
+            r = self.transport.request("GET", url)
+            if r.status_code == 404:
+                return tags  # a repository with nothing pushed yet
+            check(r, f"list the tags of {self.ref.name}")
+            tags.extend(_json(r.content, "tag list").get("tags") or [])
+            nxt = r.links.get("next", {}).get("url")
+            url = self.transport.absolute(nxt) if nxt else ""
+        return tags
+
+    def delete_manifest(self, digest: str) -> bool:
+        """Delete a manifest (and every tag on it). False when the registry does not allow it."""
+        r = self.transport.request("DELETE", self.transport.url(f"manifests/{digest}"))
+        if r.status_code in (404, 202, 200):
+            return True
+        if r.status_code in (400, 403, 405) or "UNSUPPORTED" in r.text:
+            return False
+        check(r, f"delete manifest {digest} from {self.ref.name}")
+        return True
+
+    # ---- blobs -------------------------------------------------------------------------------
+
+    def blob_exists(self, digest: str) -> bool:
+        r = self.transport.request("HEAD", self.transport.url(f"blobs/{digest}"))
+        return r.status_code == 200
+
+    def fetch_bytes(self, digest: str, size: Optional[int] = None) -> bytes:
+        """A small blob (a config: at most MAX_DOCUMENT_SIZE, and `size` if given) into memory, verified."""
+        if size is not None and size > MAX_DOCUMENT_SIZE:
+            raise IntegrityError(f"blob {digest} of {self.ref.name} is {size} bytes, more than the {MAX_DOCUMENT_SIZE} "
+                                 "an image config may have: refusing a hostile image")
+        with self.open_blob(digest) as r:
+            data = b"".join(self._body(r, f"blob {digest}", MAX_DOCUMENT_SIZE if size is None else size))
+        if sha256_digest(data) != digest:
+            raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest")
+        return data
+
+    def open_blob(self, digest: str, offset: int = 0) -> requests.Response:
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        r = self.transport.request("GET", self.transport.url(f"blobs/{digest}"), stream=True, headers=headers)
+        if r.status_code == 404:
+            raise NotFound(f"blob {digest} missing from {self.ref.name}")
+        check(r, f"fetch blob {digest}")
+        return r
+
+    def iter_blob(self, digest: str, progress: ProgressFn = None, size: Optional[int] = None) -> Iterator[bytes]:
+        """Stream a blob. Raises IntegrityError at the end if the bytes do not hash to `digest`:
+        callers that write must treat what they got as untrusted until the generator finishes.
+        `size` (the descriptor's): a blob that grows past it is refused as soon as it does, and
+        the download has a deadline derived from it (see min_throughput)."""
+        # Not oras's download_blob: it never checks the digest of what it wrote.
+        h = hashlib.sha256()
+        with self.open_blob(digest) as r:
+            for chunk in self._body(r, f"blob {digest}", size):
+                h.update(chunk)
+                if progress:
+                    progress(len(chunk))
+                yield chunk
+        if hasher_digest(h) != digest:
+            raise IntegrityError(f"blob {digest} from {self.ref.name} does not match its digest (tampered or corrupt)")
+
+    def _body(self, r: requests.Response, what: str, limit: Optional[int],
+              too_long: type[SnapError] = IntegrityError) -> Iterator[bytes]:
+        """A response body in pieces of up to BODY_PIECE bytes. Refused (`too_long`) once it passes
+        `limit` bytes, and (RegistryUnreachable) once it takes longer than READ_GRACE_S plus `limit`
+        bytes at the minimum throughput. Each read takes what has arrived, so that a registry that
+        drips bytes meets the deadline instead of filling a piece first."""
+        registry = self.ref.registry
+        rate = min_throughput()
+        deadline = time.monotonic() + READ_GRACE_S + (limit or 0) / rate if limit is not None else None
+        got = 0
+        parts: list[bytes] = []
+        pending = 0
+        while True:
+            try:
+                data = r.raw.read1(BODY_PIECE, decode_content=True)
+            except Exception as e:  # noqa: BLE001 - urllib3's read errors are not requests' nor OSError
+                if isinstance(e, SnapError):
+                    raise
+                raise RegistryUnreachable(f"download of {what} from {registry} broke off: {short_error(e)}") from None
+            got += len(data)
+            if limit is not None and got > limit:
+                raise too_long(f"{what} from {registry} is longer than the {limit} bytes it may have: refusing it")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RegistryUnreachable(f"download of {what} from {registry} is slower than {rate} bytes/s "
+                                          f"({got} of {limit} bytes in {READ_GRACE_S + limit / rate:.0f} s): giving up",
+                                          f"on a slow link, set {MIN_THROUGHPUT_ENV} lower (bytes per second)")
+            if data:
+                parts.append(data)
+                pending += len(data)
+            if pending >= BODY_PIECE or (not data and pending):
+                yield b"".join(parts) if len(parts) > 1 else parts[0]
+                parts, pending = [], 0
+            if not data:
+                return
+
+    def download_blob(self, digest: str, dest: str, progress: ProgressFn = None, durable: bool = False,
+                      size: Optional[int] = None) -> None:
+        """Download to `dest` atomically: written to dest.part, verified, then renamed. `durable`
+        fsyncs it first (else a power loss can leave a renamed file with lost bytes: a cache
+        that keeps blobs across runs must check them again, as restore does). `size`: see iter_blob."""
+        part = dest + ".part"
+        try:
+            with open(part, "wb") as f:
+                for chunk in self.iter_blob(digest, progress, size):
+                    f.write(chunk)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(part, dest)
+        finally:
+            if os.path.exists(part):
+                os.unlink(part)
+
+    def mount_blob(self, digest: str, from_repository: str) -> bool:
+        """Ask the registry to link a blob from another repository. False if it would not."""
+        q = urllib.parse.urlencode({"mount": digest, "from": from_repository})
+        r = self.transport.request("POST", self.transport.url(f"blobs/uploads/?{q}"), headers={"Content-Length": "0"})
+        if r.status_code == 201:
+            return True
+        if r.status_code == 202 and r.headers.get("Location"):
+            # The registry opened a normal upload instead; cancel it.
+            self.transport.request("DELETE", self.transport.absolute(r.headers["Location"]))
+        return False
+
+    def upload_blob(self, path: str, digest: str, size: int, progress: ProgressFn = None) -> None:
+        """Upload a file as a blob."""
+
+        def copy(out) -> None:
+            with open(path, "rb") as f:
+                while chunk := f.read(PIECE_SIZE):
+                    out.write(chunk)
+
+        self.upload_from(copy, digest, size, progress)
+
+    def upload_from(self, produce: Callable[[object], None], digest: str, size: int, progress: ProgressFn = None) -> None:
+        """Upload a blob whose bytes `produce(out)` writes to `out`, streamed in bounded memory.
+        `produce` must give the same bytes each time it is called: an upload that breaks resumes
+        by running it again (upload.py)."""
+        upload(self, produce, digest, size, progress)
+
+
+def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dict:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise error(f"the registry returned a {what} that is not a JSON object")
+    return doc
+
+
+def _valid_descriptor(d) -> bool:
+    return (isinstance(d, dict) and isinstance(d.get("digest"), str) and bool(_DIGEST.fullmatch(d["digest"]))
+            and type(d.get("size")) is int and d["size"] >= 0)
+
+
+def min_throughput() -> int:
+    """The slowest download accepted, in bytes per second: $SNAP_MIN_THROUGHPUT (e.g. 200k, 1M)."""
+    text = os.environ.get(MIN_THROUGHPUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_MIN_THROUGHPUT
+    m = _RATE.fullmatch(text)
+    if not m or int(m.group(1)) == 0:
+        raise UsageError(f"{MIN_THROUGHPUT_ENV}={text!r} is not a rate", "write bytes per second, e.g. 100k or 2M")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]

@@ -1,0 +1,274 @@
+"""Streamed blob uploads that survive a broken link: the blob goes up in PATCHes of up to
+CHUNK_SIZE from a producer that writes it (bounded memory, whatever its size); a PATCH that breaks
+or is throttled resumes from the offset the registry reports holding, since the producer gives
+the same bytes each time it runs; a registry that refuses PATCH gets one streamed PUT."""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import urllib.parse
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+import requests
+
+from snapshotter.errors import IntegrityError, RegistryError
+from snapshotter.progress import Stopped
+from .transport import RETRY_DELAYS, RETRY_STATUSES, TIMEOUT, check, retry_delay
+
+if TYPE_CHECKING:
+    from .remote import Remote
+
+PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the producer and the socket
+QUEUED_PIECES = 8  # memory per upload: about this many pieces, whatever the blob size
+CHUNK_SIZE = 256 * 1024 * 1024  # bytes per PATCH: what a break can cost on a registry that cannot resume mid-PATCH
+UPLOAD_ATTEMPTS = 5
+# Answers of a registry that takes no chunked uploads (Google Artifact Registry): one PUT instead.
+PATCH_REFUSED = (405, 501)
+
+Produce = Callable[[object], None]
+
+
+def upload(remote: "Remote", produce: Produce, digest: str, size: int,
+           progress: Optional[Callable[[int], None]] = None) -> None:
+    """Upload the blob whose `size` bytes `produce(out)` writes to `out`. After a failed attempt
+    the registry is asked where the upload stands (GET on its URL: the Range it holds); the next
+    attempt runs `produce` again and sends only what follows. A registry that lost the upload
+    (distribution 2.8 drops one whose PATCH broke mid-way) gets it again from zero. The registry
+    accepts the blob only at the final PUT, and only if the bytes hash to `digest`."""
+    # Not oras's upload_blob: it reads the whole blob into memory (20 GB of RAM for a 20 GB model).
+    shown = 0  # bytes on the progress bar for this blob
+
+    def count(n: int) -> None:
+        nonlocal shown
+        shown += n
+        if progress:
+            progress(n)
+
+    monolithic = False
+    location, offset = None, 0
+    for attempt in range(UPLOAD_ATTEMPTS):
+        if location is None:
+            location, offset = _start(remote, digest), 0
+        out = _StreamedUpload(remote, location, digest, size, offset, count, monolithic)
+        try:
+            try:
+                produce(out)
+            except BaseException:
+                out.abort()
+                raise
+            location = out.finish()
+            if not monolithic:
+                _commit(remote, location, digest)
+            return
+        except RegistryError as e:
+            last: RegistryError = e
+        if out.patch_refused and not monolithic:
+            monolithic, location, offset = True, out.location, 0  # same upload, one PUT
+            continue
+        if remote.blob_exists(digest):  # it went in after all (waits for a registry that restarts)
+            count(size - shown)
+            return
+        remote.transport.backoff(out.retry_after if out.retry_after is not None else RETRY_DELAYS[attempt])
+        status = None if monolithic else _status(remote, out.location)
+        location, offset = status if status else (None, 0)
+        count(offset - shown)  # the bar goes back to what the registry holds
+    raise last
+
+
+def _start(remote: "Remote", digest: str) -> str:
+    r = remote.transport.request("POST", remote.transport.url("blobs/uploads/"), headers={"Content-Length": "0"})
+    check(r, f"start upload of {digest}")
+    return remote.transport.absolute(r.headers["Location"])
+
+
+def _status(remote: "Remote", location: str) -> Optional[tuple[str, int]]:
+    """(location, offset) of an upload the registry still holds, from its Range; None if it is gone."""
+    r = remote.transport.request("GET", location)
+    if r.status_code not in (200, 204):
+        return None
+    m = re.fullmatch(r"(?:bytes=)?0-(\d+)", r.headers.get("Range", "").strip())
+    # distribution answers "0-0" for an empty upload too: resuming one byte early costs nothing.
+    offset = int(m.group(1)) + 1 if m and m.group(1) != "0" else 0
+    return remote.transport.absolute(r.headers.get("Location") or location), offset
+
+
+def _commit(remote: "Remote", location: str, digest: str) -> None:
+    r = remote.transport.request("PUT", _with_digest(location, digest),
+                                 headers={"Content-Length": "0", "Content-Type": "application/octet-stream"})
+    _check_put(r, digest)
+
+
+def _with_digest(location: str, digest: str) -> str:
+    sep = "&" if "?" in location else "?"
+    return f"{location}{sep}digest={urllib.parse.quote(digest)}"
+
+
+def _check_put(r: requests.Response, digest: str) -> None:
+    if r.status_code == 400 and "DIGEST_INVALID" in r.text:
+        raise IntegrityError(f"blob {digest} changed while it was uploaded (the registry saw other bytes)",
+                             "a file of the box changed during the commit; commit again")
+    check(r, f"finish upload of {digest}")
+
+
+def _changed(digest: str, got: int, size: int) -> IntegrityError:
+    return IntegrityError(f"blob {digest} changed while it was uploaded ({got} bytes, expected {size})",
+                          "a file of the box changed during the commit; commit again")
+
+
+class _StreamedUpload:
+    """A write-only stream that a thread sends as request bodies: PATCHes of up to CHUNK_SIZE with
+    their Content-Range (or one PUT of the whole blob), each with its Content-Length, streamed
+    from a short queue so memory stays bounded. The first `skip` bytes written are what the
+    registry already holds: dropped, not sent."""
+
+    _END = object()
+
+    def __init__(self, remote: "Remote", location: str, digest: str, size: int, skip: int,
+                 progress: Callable[[int], None], monolithic: bool):
+        self.remote, self.digest, self.size, self.skip = remote, digest, size, skip
+        self.progress, self.monolithic = progress, monolithic
+        self.location = location  # where the upload continues: updated after each PATCH
+        self.confirmed = skip  # bytes the registry holds at self.location
+        self.written = 0  # bytes the producer wrote
+        self.parts: list[bytes] = []  # written, joined into one piece once PIECE_SIZE is here
+        self.pending = 0
+        self.leftover = b""  # the rest of a piece cut at a chunk's end
+        self.queue: queue.Queue = queue.Queue(QUEUED_PIECES)
+        self.aborted = False
+        self.patch_refused = False
+        self.retry_after: Optional[float] = None
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._send, name=f"upload {digest[:19]}", daemon=True)
+        self.thread.start()
+
+    def write(self, data) -> int:
+        n = len(data)
+        self.written += n
+        if self.written > self.size:
+            raise _changed(self.digest, self.written, self.size)
+        dropped = max(0, min(n, self.skip - (self.written - n)))
+        if dropped < n:
+            self.parts.append(bytes(data[dropped:]))
+            self.pending += n - dropped
+            if self.pending >= PIECE_SIZE:
+                self._queue()
+        return n
+
+    def finish(self) -> str:
+        """End the body, wait for the registry's answers; the upload's location."""
+        if self.written != self.size:
+            self.abort()
+            raise _changed(self.digest, self.written, self.size)
+        if self.parts:
+            self._queue()
+        self._put(self._END)
+        while self.thread.is_alive():  # the registry's answer; a stop does not wait for it
+            self._check_stopping()
+            self.thread.join(0.2)
+        if self.error is not None:
+            raise self.error
+        return self.location
+
+    def _check_stopping(self) -> None:
+        if self.remote.stopping.is_set():
+            self.aborted = True  # the request thread (a daemon) ends at its next piece, or with the process
+            raise Stopped()
+
+    def abort(self) -> None:
+        """The producer failed: end the request without a valid body."""
+        self.aborted = True
+        try:
+            while True:
+                self.queue.get_nowait()  # make room: the request thread may be waiting for a piece
+        except queue.Empty:
+            pass
+        self.queue.put(self._END)
+        self.thread.join(TIMEOUT[0])
+
+    def _queue(self) -> None:
+        piece = b"".join(self.parts)
+        self.parts, self.pending = [], 0
+        self._put(piece)
+
+    def _put(self, item) -> None:
+        while True:
+            self._check_stopping()
+            if not self.thread.is_alive():  # the requests ended early: the registry refused or broke
+                self.thread.join()
+                if item is self._END and self.error is None:
+                    return
+                raise self.error or RegistryError(f"upload of {self.digest} ended before its body was sent")
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _pieces(self, n: int) -> Iterator[bytes]:
+        """The next `n` bytes of the blob, as the producer hands them over."""
+        while n > 0:
+            piece, self.leftover = self.leftover, b""
+            if not piece:
+                piece = self.queue.get()
+                if self.aborted:
+                    raise _Aborted()
+                if piece is self._END:
+                    raise _Aborted()  # fewer bytes than `size`: finish() says so
+            if len(piece) > n:
+                piece, self.leftover = piece[:n], piece[n:]
+            n -= len(piece)
+            yield piece
+            self.progress(len(piece))
+
+    def _send(self) -> None:
+        t = self.remote.transport
+        try:
+            if self.monolithic:
+                r = t.request("PUT", _with_digest(self.location, self.digest), resend=False,
+                              data=_Body(self._pieces(self.size), self.size),
+                              headers={"Content-Type": "application/octet-stream"})
+                self._note_retry(r)
+                _check_put(r, self.digest)
+                return
+            while self.confirmed < self.size:
+                n = min(CHUNK_SIZE, self.size - self.confirmed)
+                r = t.request("PATCH", self.location, resend=False, data=_Body(self._pieces(n), n),
+                              headers={"Content-Type": "application/octet-stream",
+                                       "Content-Range": f"{self.confirmed}-{self.confirmed + n - 1}"})
+                if r.status_code in PATCH_REFUSED and self.confirmed == 0:
+                    self.patch_refused = True
+                    raise RegistryError(f"registry {t.registry} refuses chunked uploads (HTTP {r.status_code})")
+                self._note_retry(r)
+                check(r, f"upload of {self.digest}")
+                # The registry says how much it holds; a body it did not take whole must not reach the PUT.
+                got = r.headers.get("Range", "")
+                if got and got != f"0-{self.confirmed + n - 1}":
+                    raise RegistryError(f"upload of {self.digest} incomplete: the registry holds {got}, "
+                                        f"we sent {self.confirmed + n} bytes")
+                self.location = t.absolute(r.headers["Location"])
+                self.confirmed += n
+        except BaseException as e:  # handed to the writer
+            self.error = e
+
+    def _note_retry(self, r: requests.Response) -> None:
+        if r.status_code in RETRY_STATUSES:
+            self.retry_after = retry_delay(r, RETRY_DELAYS[0])
+
+
+class _Body:
+    """A request body of known length, streamed: requests sends it with Content-Length."""
+
+    def __init__(self, pieces: Iterator[bytes], length: int):
+        self.pieces, self.length = pieces, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self.pieces
+
+
+class _Aborted(Exception):
+    """Raised inside a streamed request body to end the request when its producer failed."""

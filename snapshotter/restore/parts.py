@@ -1,0 +1,183 @@
+"""Files cut into part layers: which ones an image holds, and joining them back at restore.
+
+`snap commit` cuts a file over the registry's layer size cap into part layers (plan.py names the
+parts and their annotations). A restore checks the parts' annotations before anything is written,
+applies the parts as files named FILE.snap-part-K-of-N, then joins them here into FILE."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+
+from snapshotter.errors import IntegrityError, printable
+from snapshotter.layer.extract import TMP_PREFIX, Extractor, storage_error
+from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, layer_label
+from .journal import Journal
+from snapshotter.layer.plan import parse_part_annotation, part_name
+from snapshotter.tar.rules import check_name
+
+
+def part_files(layers: list[tuple[int, dict, str]]) -> dict[str, int]:
+    """{file: number of parts} for the files commit cut into part layers, from the layers'
+    annotations. Refused unless every file has each of its parts 1..n exactly once, all saying n."""
+    seen: dict[str, tuple[int, set[int]]] = {}
+    for i, desc, _ in layers:
+        ann = desc.get("annotations") or {}
+        if not isinstance(ann, dict) or (SNAP_PART_FILE not in ann and SNAP_PART not in ann):
+            continue
+        label = layer_label(desc, i)
+        part = parse_part_annotation(ann.get(SNAP_PART))
+        rel = ann.get(SNAP_PART_FILE)
+        if part is None or not isinstance(rel, str):
+            raise IntegrityError(f"layer {label} has a malformed part annotation "
+                                 f"({SNAP_PART}={ann.get(SNAP_PART)!r}, {SNAP_PART_FILE}={rel!r}): refusing a hostile image")
+        rel = check_name(rel)
+        if not rel:
+            raise IntegrityError(f"layer {label} is a part of the root directory: refusing a hostile image")
+        k, n = part
+        count, have = seen.setdefault(rel, (n, set()))
+        if n != count:
+            raise IntegrityError(f"the part layers of /{printable(rel)} disagree on its number of parts ({count} and {n}): "
+                                 "refusing a hostile image")
+        if k in have:
+            raise IntegrityError(f"part {k}/{n} of /{printable(rel)} is in the image twice: refusing a hostile image")
+        have.add(k)
+    for rel, (n, have) in seen.items():
+        if len(have) != n:
+            raise IntegrityError(f"/{printable(rel)} is cut into {n} parts, but the layers restored hold only {len(have)} of them: "
+                                 "refusing an incomplete image")
+    return {rel: n for rel, (n, _) in seen.items()}
+
+
+def part_links(layers: list[tuple[int, dict, str]]) -> dict[str, list[str]]:
+    """{file: its other names} for the files cut into part layers that had hardlinks (listed on
+    the last part): restore links them to the joined file. Names are checked like tar names."""
+    out: dict[str, list[str]] = {}
+    for i, desc, _ in layers:
+        ann = desc.get("annotations") or {}
+        if not isinstance(ann, dict) or SNAP_PART_LINKS not in ann:
+            continue
+        rel = ann.get(SNAP_PART_FILE)
+        try:
+            names = json.loads(ann[SNAP_PART_LINKS]) if isinstance(ann[SNAP_PART_LINKS], str) else None
+        except ValueError:
+            names = None
+        if not isinstance(rel, str) or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise IntegrityError(f"layer {layer_label(desc, i)} has a malformed {SNAP_PART_LINKS} annotation: "
+                                 "refusing a hostile image")
+        rel, names = check_name(rel), [check_name(n) for n in names]
+        if "" in names or rel in names:
+            raise IntegrityError(f"layer {layer_label(desc, i)} links the root or /{printable(rel)} to itself: "
+                                 "refusing a hostile image")
+        out[rel] = names
+    return out
+
+
+def join_parts(extractor: Extractor, files: dict[str, int], links: dict[str, list[str]], fsync: bool,
+               journal: Journal) -> None:
+    """Join files that commit cut into part layers (over the registry's layer size cap) back into
+    their original path. Each part was verified with its layer. Parts are opened without following
+    symlinks, relative to their directory, and must be regular files: a hostile image cannot make
+    a "part" of a host file. A file whose parts are all gone was joined by an earlier run; one with
+    only some of them is refused. The file's other names (`links`) are then hardlinked to it, as
+    a layer's hardlink is made (scoped to the root, never replacing a directory)."""
+    try:
+        for rel, count in files.items():
+            try:
+                _join_file(extractor, rel, count, fsync, journal)
+                for name in links.get(rel, ()):
+                    extractor.add_hardlink(name, rel)
+            except OSError as e:
+                raise storage_error(e, extractor.root, f" while joining the parts of /{printable(rel)}") from e
+    finally:
+        extractor.put_back_dir_times()
+
+
+def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal: Journal) -> None:
+    try:
+        pdir = extractor.parent_dir(rel)
+    except FileNotFoundError:
+        return  # no directory, so no parts: nothing to join
+    base = rel.rpartition("/")[2]
+    names = [part_name(base, k, count) for k in range(1, count + 1)]
+    dfd = os.open(pdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        present = [_lexists_at(name, dfd) for name in names]
+        if rel in journal.joined:  # joined and recorded; a killed run may have left some parts
+            for name, there in zip(names, present):
+                if there:
+                    extractor.will_change(pdir)
+                    os.unlink(name, dir_fd=dfd)
+            return
+        if not any(present):
+            return  # joined by an earlier run
+        if not all(present):
+            first = present.index(False) + 1
+            raise IntegrityError(f"/{printable(rel)} is cut into {count} part layers, but {present.count(False)} of its parts "
+                                 f"(part {first} first) are missing from the restored tree: refusing to join an incomplete file",
+                                 "restore again into an empty directory")
+        extractor.will_change(pdir)
+        tmp = f"{TMP_PREFIX}join-{os.getpid()}"
+        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            with os.fdopen(out_fd, "wb") as out:
+                first_st = None
+                for k, name in enumerate(names, 1):
+                    fd, st = _open_part(name, dfd, rel, k, count)
+                    first_st = first_st or st
+                    with os.fdopen(fd, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 20)
+                out.flush()
+                if fsync:
+                    os.fsync(out.fileno())
+                if extractor.opts.same_owner:
+                    os.fchown(out.fileno(), first_st.st_uid, first_st.st_gid)
+                mode = stat.S_IMODE(first_st.st_mode)
+                if mode & (stat.S_ISUID | stat.S_ISGID) and not (extractor.opts.allow_setuid and os.geteuid() == 0):
+                    # The first part may be a hardlink to any setuid file already in the tree.
+                    mode &= ~(stat.S_ISUID | stat.S_ISGID)
+                    extractor.stats.stripped("/" + rel)
+                os.fchmod(out.fileno(), mode)  # after chown: chown clears setuid bits
+                os.utime(out.fileno(), ns=(first_st.st_atime_ns, first_st.st_mtime_ns))
+            os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+        journal.record_joined(rel)  # before the parts go: a run killed while removing them knows the file is whole
+        for name in names:
+            os.unlink(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _lexists_at(name: str, dfd: int) -> bool:
+    try:
+        os.lstat(name, dir_fd=dfd)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _open_part(name: str, dfd: int, rel: str, k: int, count: int) -> tuple[int, os.stat_result]:
+    """A read-only fd on part k of /rel: a regular file in directory `dfd`, never through a symlink."""
+    st = os.lstat(name, dir_fd=dfd)
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise IntegrityError(f"part {k}/{count} of /{printable(rel)} is {kind}: refusing a hostile image")
+    try:
+        # O_NONBLOCK: had the path been swapped for a FIFO since the lstat, open would not hang on it.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise IntegrityError(f"part {k}/{count} of /{printable(rel)} is a symlink: refusing a hostile image")
+        raise
+    fst = os.fstat(fd)
+    if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise IntegrityError(f"part {k}/{count} of /{printable(rel)} changed while being joined: refusing it")
+    return fd, fst

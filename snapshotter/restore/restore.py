@@ -1,0 +1,543 @@
+"""`snap restore` (extract mode): pull an image's layers, verify them, and apply them onto a directory.
+
+Blobs download into staging directories inside the restore root (staging.py: on the filesystem
+each layer lands on, not the state dir's), several at once, and each layer is applied as soon as its
+digest is checked and the layers before it are applied: no unverified byte reaches the target, and
+the extraction of the first layers overlaps the download of the rest. The app's layers download
+first, the weights after them at a lower CPU priority (AppFirst). Layers are applied in order,
+by one extractor in a child process (applier.py), so that unpacking does not wait on the
+download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
+its last entry, if a regular file, is renamed into place (extract.py; a split layer's digest,
+checked at download, is its diff_id). Before any download, the snap layers the root already holds,
+file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
+kept the weights). A journal (journal.py) records how many layers
+of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
+the snap layers are noted for the next commit of the root (restorerecord.py). A full restore of an
+image that carries no index of its base indexes the base's layers as it applies them (the base
+index: README), so that the next commit here does not download them again.
+
+A restore writes over what is there, so two things guard a live machine: a full image (base layers
+and all) is refused onto a root that already holds an operating system, unless this restore
+started there (its journal) or the caller forces it; and the profile's excludes (/etc/hostname,
+/etc/resolv.conf, /proc, /tmp, ...) are never written, whatever the image holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from snapshotter.index import base as baseindex
+from snapshotter.box import deletions
+from snapshotter import progress
+from snapshotter.snapshot import skeleton
+from .applier import ExtractWorker, LayerJob
+from snapshotter.registry.blobsources import BlobSources
+from snapshotter.tar.compress import label_mismatch, read_head, sniff_compression
+from snapshotter.digests import file_digest
+from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError
+from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, storage_error
+from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_MAX_LAYER, SNAP_PART_FILE,
+                                   SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count)
+from .journal import Journal
+from .landing import Progress, app_ready_after, weight_file
+from .parts import join_parts, part_files, part_links
+from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
+from snapshotter.progress import human_size
+from snapshotter.oci.reference import Reference
+from snapshotter.registry.remote import Remote
+from snapshotter.snapshot.record import applied_at, forget_restore, note_restore
+from .skip import RootRules, SkipPlan, plan_skips, skipped_part_files
+from snapshotter.layer.staging import SPLIT_SUFFIX, STAGING_PREFIX, SplitLayer, StagingDirs, download_split
+from snapshotter.state import exclusive, state_dir, sub
+from snapshotter.registry.transport import TransportOptions
+
+# Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
+# process of their own beside them; more streams than cores only slowed the restore down.
+DOWNLOAD_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the staging dir safe
+
+
+@dataclass
+class RestoreOptions:
+    only_snapshot: bool = False
+    extract: ExtractOptions = field(default_factory=ExtractOptions)
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    log: Callable[[str], None] = lambda msg: None
+    seed_stat_cache: bool = True  # record the snap layers, so that the next commit reads no unchanged one
+    force: bool = False  # apply a full image, or a snapshot's deletion of the system, onto a root that holds one
+    profile: Optional[str] = None  # whose `exclude` is never written; None: the image's own, if snap ships it
+    # Called once every layer but the weights is applied (landing.py): `snap restore --then` starts the app.
+    on_app_ready: Optional[Callable[[], None]] = None
+
+
+@dataclass
+class RestoreResult:
+    ref: Reference
+    manifest_digest: str
+    applied: list[str]  # layer names (or digests for base layers) applied now
+    resumed: int  # layers skipped because an earlier run had applied them
+    files: int
+    bytes: int
+    skipped_devices: list[str]
+    stripped_setuid: list[str]
+    seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them (restorerecord.py)
+    skipped_devices_count: int = 0  # all of them (the lists keep the first extract.NAMES_KEPT names)
+    stripped_setuid_count: int = 0
+    skipped_layers: int = 0  # layers the root already held: neither downloaded nor applied (skip.py)
+    skipped_bytes: int = 0  # their blobs' bytes
+    hashed_bytes: int = 0  # bytes of the root read to tell
+
+
+def _state_sub(name: str) -> str:
+    try:
+        return sub(name)
+    except OSError as e:
+        raise storage_error(e, f"snap's state dir {state_dir()}", hint="point SNAP_STATE_DIR at a writable directory") from e
+
+
+# ---- which layers, which parts ------------------------------------------------------------------
+
+
+def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
+    """[(index, descriptor, diff_id)] of the layers to apply, in order."""
+    layers = image.layers
+    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
+    if len(diff_ids) != len(layers):
+        raise IntegrityError(f"image {image.ref} is inconsistent: {len(layers)} layers but {len(diff_ids)} diff_ids")
+    for i, d in enumerate(layers):
+        if not (isinstance(d, dict) and isinstance(d.get("digest"), str) and _DIGEST.fullmatch(d["digest"])
+                and type(d.get("size")) is int and d["size"] >= 0 and isinstance(d.get("mediaType"), str)):
+            raise IntegrityError(f"image {image.ref} has a malformed descriptor for layer {i + 1}: refusing it")
+    start = 0
+    if only_snapshot:
+        n = snapshot_layer_count(image)
+        if n == 0:
+            raise UsageError(f"{image.ref} was not made by snap commit", "drop --only-snapshot to restore all its layers")
+        start = len(layers) - n
+    return [(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
+
+
+# ---- restore ----------------------------------------------------------------------------------------
+
+
+def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) -> RestoreResult:
+    """Restore `ref` into `root`, holding the state dir's lock (state.exclusive)."""
+    opts = opts or RestoreOptions()
+    with exclusive(opts.log):
+        return _restore_image(ref, root, opts)
+
+
+def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
+    reference = Reference.parse(ref)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise UsageError(f"restore target {root} exists and is not a directory")
+    remote = Remote(reference, opts.transport)
+    image = remote.resolve()
+    todo = select_layers(image, opts.only_snapshot)
+    parts, links = part_files(todo), part_links(todo)  # a malformed image is refused before anything is written
+    journal = Journal(_state_sub("restore-journal"), root, image.manifest_digest, [d["digest"] for _, d, _ in todo],
+                      opts.extract.fsync)
+    base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
+    if base_layers > 0 and not opts.force and not journal.started_here():
+        refuse_live_system(root, image, base_layers)
+    # Snapshot layers onto a live system: never its deletion (a snapshot of a wrong --root holds
+    # whiteouts of /bin, /etc, /usr). A full restore onto one is refused above, or forced.
+    live = holds_system(root) if base_layers == 0 and not opts.force else None
+    if live:
+        deletions.refuse_restore(root, str(image.ref), live, deletions.recorded(image.manifest.get("annotations")))
+    profile = restore_profile(image, opts.profile)
+    # A layer never writes into a staging dir: it holds the verified blobs of the layers after it.
+    never_write = (*profile.exclude.patterns, f"{STAGING_PREFIX}*")
+    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write, live_system=live))
+    journal.load(opts.log)
+    resumed = journal.applied
+    if resumed:
+        opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
+    skips = _skips(remote, image, todo, resumed, base_layers, links, extractor, opts)
+    if skips.skipped:
+        opts.log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
+                 f"{root}: not downloaded")
+        done = skipped_part_files(todo, skips.skipped)  # nothing to join: the file is there
+        parts = {rel: n for rel, n in parts.items() if rel not in done}
+    weights = {r.name for r in profile.layers if r.weights}
+    progress = Progress(root, [d for _, d, _ in todo], weights)
+    ready_at = app_ready_after([d for _, d, _ in todo], weights)
+
+    def after_layer(count: int, desc: Optional[dict]) -> None:
+        if desc is not None:
+            progress.landed(desc, weights)
+        if count == ready_at and opts.on_app_ready is not None:
+            opts.on_app_ready()
+
+    forget_restore(root)  # until this one finishes, the root did not come from any image (lineage.py)
+    staging = StagingDirs(root, image.manifest_digest)
+    try:
+        if resumed >= ready_at:
+            after_layer(ready_at, None)
+        # A resumed restore applied some base layers in an earlier run: it cannot index the base.
+        index_to = _base_index_to_build(image, base_layers) if not resumed else None
+        applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer,
+                                                (base_layers, index_to) if index_to else None, ready_at,
+                                                frozenset(weights), skips.skipped)
+        staging.remove()  # the layers are applied: the root holds nothing of ours
+        if parts:
+            join_parts(extractor, parts, links, opts.extract.fsync, journal)
+        if ready_at > len(todo):
+            after_layer(ready_at, None)
+    except BaseException as e:
+        progress.finish(ok=False)
+        # Kept for the next run, unless the image is refused or the disk is full: running it again
+        # will not help, or needs the room back.
+        staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError, StorageError)))
+        raise
+    if opts.extract.fsync:
+        os.sync()  # all of it durable before the journal goes (the last renames' directories too)
+    journal.remove()
+    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {})  # first: the root came from it
+    _note_sources(reference, image)
+    _keep_base_index(remote, image, opts.log)
+    progress.finish(ok=True)
+    stats.files += extractor.stats.files  # the joins
+    stats.bytes += extractor.stats.bytes
+    stats.add_stripped(extractor.stats)
+    return RestoreResult(image.ref, image.manifest_digest, applied, resumed, stats.files, stats.bytes,
+                         stats.skipped_devices, stats.stripped_setuid, seeded,
+                         stats.skipped_devices_count, stats.stripped_setuid_count,
+                         len(skips.skipped), skips.skipped_bytes, skips.hashed_bytes)
+
+
+def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resumed: int, base_layers: int,
+           links: dict[str, list[str]], extractor: Extractor, opts: RestoreOptions) -> SkipPlan:
+    """The pending layers the root already holds (skip.py), by the skeletons the snapshot carries.
+    None while base layers are still to apply: what they write is not known (a full restore goes
+    into a root without a system, refuse_live_system, where little is in place anyway)."""
+    ann = image.manifest.get("annotations") or {}
+    digest = ann.get(skeleton.SNAP_SKELETON)
+    if resumed < base_layers or not (isinstance(digest, str) and _DIGEST.fullmatch(digest)) or _empty(extractor.root):
+        return SkipPlan({})
+    skeletons = skeleton.fetch(remote, digest, opts.log)
+    if not skeletons:
+        return SkipPlan({})
+    try:
+        max_layer: Optional[int] = int(ann.get(SNAP_MAX_LAYER, ""))
+    except ValueError:
+        max_layer = None
+    ex = extractor.opts
+    rules = RootRules(extractor.root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
+                      max_layer, links)
+    root = extractor.root
+    return plan_skips(todo, resumed, skeletons, rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
+
+
+def _empty(root: str) -> bool:
+    """A first restore into an empty root: nothing there to check."""
+    try:
+        with os.scandir(root) as it:
+            return next(it, None) is None
+    except OSError:
+        return False
+
+
+def _open_root(root: str, opts: ExtractOptions) -> Extractor:
+    try:
+        return Extractor(root, opts)
+    except OSError as e:
+        raise StorageError(f"cannot create the restore root {root}: {e.strerror or e}",
+                           "restore into a directory on a writable filesystem") from e
+
+
+def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
+                  staging: StagingDirs, opts: RestoreOptions,
+                  after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
+                  ready_at: int = 0, weights: frozenset[str] = frozenset(),
+                  skipped: Optional[dict[int, str]] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
+    """Download the layers the journal does not list as applied, several at once, and apply each
+    in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
+    many are applied). `index_base` (n, path), for a restore from the first layer: the applier
+    indexes the first n layers, the base's, and saves the index at path. Returns (labels of the layers
+    applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats).
+    Each blob downloads into the staging dir of the filesystem its files land on. The blobs of the
+    first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
+    any other (AppFirst), and those that are not `weights` layers write their new files in place.
+    The layers `skipped` ({index in todo: digest of its tar headers}: the root holds them, skip.py)
+    are neither downloaded nor applied, and count as applied."""
+    resumed, fsync = journal.applied, opts.extract.fsync
+    skipped = skipped or {}
+    pending = todo[resumed:]
+    fetched = [(n, layer) for n, layer in enumerate(pending) if resumed + n not in skipped]
+    applied: list[str] = []
+    headers: dict[str, str] = {}
+    # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
+    sizes = {d["digest"]: d["size"] for _, (_, d, _) in fetched}
+    last_use = {d["digest"]: n for n, (_, d, _) in fetched}
+    # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
+    # kept split, so that its big files are renamed into place instead of copied (staging.py).
+    # Only a layer applied once: applying takes its big files away.
+    uses = Counter(d["digest"] for _, (_, d, _) in fetched)
+    split = {d["digest"] for _, (_, d, diff_id) in fetched if diff_id == d["digest"] and uses[d["digest"]] == 1}
+    try:
+        paths = {d["digest"]: _blob_path(staging.for_path(_lands_at(d)), d["digest"], d["digest"] in split)
+                 for _, (_, d, _) in fetched}
+    except OSError as e:
+        raise storage_error(e, f"the restore root {staging.root!r}", " while making a staging dir for downloads") from e
+    need: Counter[str] = Counter()
+    for digest, size in sizes.items():
+        if not os.path.exists(paths[digest]):
+            need[os.path.dirname(paths[digest])] += size
+    for blob_dir, size in need.items():
+        _check_room(blob_dir, size)
+    # Started before the download threads (a fork copies only the thread that forks), and stopped
+    # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
+    worker = ExtractWorker(extractor)
+    # Set on an error or Ctrl-C: downloads in flight give up at their next chunk instead of
+    # holding the exit until they end (a weight on a slow link takes minutes).
+    stopping = threading.Event()
+    app_first = AppFirst({d["digest"] for n, (_, d, _) in fetched if n < ready_at - resumed}, stopping)
+    with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
+        update = progress.stoppable(progress.safe_update(dl), stopping)
+
+        def fetch(digest: str) -> str:
+            app_first.wait_turn(digest)
+            path = paths[digest]
+            # Left by an interrupted run: verified before its rename, but not fsynced (unless
+            # --fsync), so after a power loss its bytes may be lost. Hashed again before use.
+            if os.path.exists(path) and _stored_digest(path) == digest:
+                update(sizes[digest])
+            elif digest in split:
+                _remove_blob(path)
+                download_split(remote.iter_blob(digest, update, sizes[digest]), path, durable=fsync)
+            else:
+                remote.download_blob(digest, path, update, durable=fsync, size=sizes[digest])
+            app_first.fetched(digest)
+            return path
+
+        # Submitted in layer order: the first layers arrive first, and each is applied as soon as it
+        # is verified and the ones before it are applied, while the later ones still download.
+        futures = {digest: pool.submit(fetch, digest) for digest in sizes}
+        try:
+            for n, (i, desc, diff_id) in enumerate(pending):
+                label = layer_label(desc, i)
+                if resumed + n in skipped:  # the root holds it: as if applied now
+                    headers[desc["digest"]] = skipped[resumed + n]
+                    journal.record_applied(resumed + n + 1)
+                    after_layer(resumed + n + 1, desc)
+                    continue
+                path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
+                _note_mislabelled(desc, path, desc["digest"] in split, label, opts.log)
+                job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
+                               record=bool(snap_label(desc)))  # snap's own: its headers teach the next commit
+                # Until the app's layers are applied nothing runs from the root (--then starts it
+                # after them): their new files are written in place. Weights always land whole
+                # (one may come before the app's last layer, or all before the joins of part files).
+                job.in_place = resumed + n < ready_at and weight_file(desc, weights) is None
+                if index_base is not None and n < index_base[0]:
+                    job.base_layer = n
+                    if n == index_base[0] - 1:
+                        job.save_index, job.index_diff_ids = index_base[1], tuple(d for _, _, d in pending[:n + 1])
+                with progress.bar(f"extracting {label}", desc["size"]) as xb:
+                    record = worker.apply(job, progress.safe_update(xb))
+                if record is not None:
+                    headers[desc["digest"]] = record
+                journal.record_applied(resumed + n + 1)
+                applied.append(label)
+                after_layer(resumed + n + 1, desc)
+                if last_use[desc["digest"]] == n:
+                    _remove_blob(path)
+        except BaseException as e:
+            stopping.set()
+            app_first.stop()
+            for f in futures.values():
+                f.cancel()
+            if journal.applied > resumed:
+                opts.log(f"stopped with {journal.applied} of {len(todo)} layer(s) applied: "
+                         "the next restore into this root resumes after them")
+            if isinstance(e, OSError) and e.errno is not None:
+                raise storage_error(e, f"a staging dir of the restore root {staging.root!r}", " while downloading layers",
+                                    "free space on the target's disk, and run the restore again: it resumes") from e
+            raise
+    return applied, headers, worker.stats
+
+
+class AppFirst:
+    """The order of downloads: the blobs of the app's layers first, the weights' only once all of
+    those are in. On a link the streams share, a weight started early takes its part of the link
+    from the app's blobs, and so delays the app's start by as much. Weights start as soon as the
+    app's blobs are downloaded, not applied: the link never idles while the app unpacks."""
+
+    def __init__(self, app_digests: set[str], stopping: threading.Event):
+        self._app, self._left, self._stopping = frozenset(app_digests), set(app_digests), stopping
+        self._lock, self._open = threading.Lock(), threading.Event()
+        if not self._left:
+            self._open.set()
+
+    def wait_turn(self, digest: str) -> None:
+        """Return when the download of `digest` may start; raise Stopped if the restore stops first."""
+        if digest not in self._app:
+            self._open.wait()
+            _yield_cpu()
+        if self._stopping.is_set():
+            raise progress.Stopped()
+
+    def fetched(self, digest: str) -> None:
+        with self._lock:
+            self._left.discard(digest)
+            if not self._left:
+                self._open.set()
+
+    def stop(self) -> None:
+        """Wake the waiting downloads (they find `stopping` set and give up)."""
+        self._open.set()
+
+
+WEIGHTS_NICE = 10  # the nice value of a thread downloading weights
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's CPU priority (it downloads weights from now on: all the app's blobs
+    were taken first): on a box with few cores, hashing and writing weights at link speed takes
+    most of a core, which the app's unpacking, then the app, need more. Linux sets a thread's
+    nice value by its id; where that is refused, the thread goes on as it is."""
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < WEIGHTS_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, WEIGHTS_NICE)
+    except OSError:
+        pass
+
+
+def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:
+    """Cache the index of the snapshot's base that came with it (baseindex.py, a small blob), so
+    that the first commit on this machine neither downloads nor reads the base's layers again."""
+    ann = image.manifest.get("annotations") or {}
+    base, digest = ann.get(BASE_DIGEST), ann.get(baseindex.SNAP_BASE_INDEX)
+    if not (isinstance(base, str) and _DIGEST.fullmatch(base) and isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        return
+    if not os.path.exists(baseindex.cache_path(base)):
+        try:
+            baseindex.fetch(remote, base, log, digest)
+        except SnapError as e:  # an optimisation only, after every layer is in: the next commit reads the base
+            log(f"warning: the snapshot's base index was not kept ({e})")
+
+
+def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
+    """Where a full restore saves the index of the image's base (baseindex.cache_path), built as it
+    applies the base's layers, so that the first commit on this machine reads none of them again;
+    None when the state dir has it, or the image carries one (_keep_base_index fetches that blob)."""
+    ann = image.manifest.get("annotations") or {}
+    if base_layers <= 0 or ann.get(baseindex.SNAP_BASE_INDEX) is not None:
+        return None
+    # A snapshot names its base; any other image is its own base (all its layers are).
+    base = ann.get(BASE_DIGEST) if SNAP_BASE_LAYERS in ann else image.manifest_digest
+    if not (isinstance(base, str) and _DIGEST.fullmatch(base)):
+        return None
+    path = baseindex.cache_path(base)
+    return None if os.path.exists(path) else path
+
+
+def _note_sources(reference: Reference, image: Image) -> None:
+    """Remember that this repository holds the image's blobs: a later commit to another repository
+    of the registry mounts them from here instead of uploading them (blobsources.py)."""
+    ann = image.manifest.get("annotations") or {}
+    travelled = [d for d in (ann.get(baseindex.SNAP_BASE_INDEX), ann.get(skeleton.SNAP_SKELETON)) if isinstance(d, str)]
+    travelled += [baseindex.EMPTY_CONFIG_DIGEST] if travelled else []
+    sources = BlobSources()
+    sources.note(reference.api_host, reference.repository,
+                 [d["digest"] for d in image.layers] + [image.manifest["config"]["digest"]] + travelled)
+    try:
+        sources.save()
+    except OSError:
+        pass  # an optimisation only: the next commit uploads instead of mounting
+
+
+def holds_system(root: str) -> Optional[str]:
+    """What shows that `root` holds an operating system (an os-release, a populated usr/), or None."""
+    for rel in ("etc/os-release", "usr/lib/os-release"):
+        if os.path.lexists(os.path.join(root, rel)):
+            return rel
+    try:
+        if os.listdir(os.path.join(root, "usr")):
+            return "a populated usr/"
+    except OSError:
+        pass
+    return None
+
+
+def refuse_live_system(root: str, image: Image, base_layers: int) -> None:
+    """A full image applied onto a running system replaces its libc, /etc/passwd and /bin and applies
+    the base's whiteouts: refused, before anything is written."""
+    sign = holds_system(root)
+    if sign:
+        raise UsageError(
+            f"{root!r} already holds an operating system ({sign}): restoring all of {image.ref}, "
+            f"{base_layers} base layer(s) included, would overwrite its system files",
+            "pass --only-snapshot if it runs the snapshot's base image, or restore into an empty directory "
+            "(or start the image with `snap run` on a Docker host), or pass --force to overwrite it")
+
+
+def restore_profile(image: Image, name: Optional[str] = None) -> Profile:
+    """The profile whose excludes a restore never writes: `name`, else the one the snapshot was
+    committed with when snap ships it, else the default."""
+    if name is None:
+        committed = (image.manifest.get("annotations") or {}).get(SNAP_PROFILE)
+        name = committed if committed in available_profiles() else "default"
+    return load_profile(name)
+
+
+def _note_mislabelled(desc: dict, path: str, split: bool, label: str, log: Callable[[str], None]) -> None:
+    """Say it in one line when a layer's bytes are not what its media type says (the extractor
+    reads them by their bytes all the same)."""
+    if split:
+        kind = "none"
+    else:
+        with open(path, "rb") as f:
+            kind = sniff_compression(read_head(f))
+    if kind is not None and (msg := label_mismatch(desc["mediaType"], kind)):
+        log(f"warning: {label}: {msg}")
+
+
+def _lands_at(desc: dict) -> Optional[str]:
+    """Where a layer's files land, as its annotations say (snap's single-file and part layers), if they say."""
+    ann = desc.get("annotations") or {}
+    hint = (ann.get(SNAP_PART_FILE) or ann.get(SNAP_CONTENT)) if isinstance(ann, dict) else None
+    return hint if isinstance(hint, str) else None
+
+
+def _blob_path(blob_dir: str, digest: str, split: bool) -> str:
+    return os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if split else ""))
+
+
+def _check_room(blob_dir: str, size: int) -> None:
+    """Refuse to start downloads the target's disk cannot hold (the layers' declared sizes)."""
+    try:
+        st = os.statvfs(blob_dir)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise StorageError(f"disk full on the restore target {blob_dir!r}: the image's layers need {size} bytes, {free} are free",
+                           "free space on the target's disk, or restore onto a bigger one")
+
+
+def _stored_digest(path: str) -> Optional[str]:
+    """The digest of a blob kept in the staging dir (a file, or a split layer's directory)."""
+    try:
+        if path.endswith(SPLIT_SUFFIX):
+            with SplitLayer(path) as layer:
+                return layer.digest()
+        return file_digest(path)
+    except (OSError, ValueError, IntegrityError):
+        return None  # incomplete (a kill while its files were moved into place): fetched again
+
+
+def _remove_blob(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)

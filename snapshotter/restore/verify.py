@@ -1,0 +1,297 @@
+"""`snap verify`: compare a directory with the files of an image, path by path.
+
+The expected tree is built from the image's layers (streamed from the registry, each blob checked
+against its digest and diff_id; nothing is written to disk), the way restore would apply them:
+whiteouts, replaced trees, files joined from part layers. Every path of it is then checked in the
+directory: type, content digest, mode, owner, symlink target, device number.
+
+What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
+profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), the secrets commit left
+out (listed in the image's manifest, and reported as left out instead), and, as restore does
+not write them by default, device nodes and setuid/setgid bits (unless --allow-devices /
+--allow-setuid). Files in the directory that the image does not have are reported only with
+`strict` (a live root has much the image never held); paths the image deletes (whiteouts) are
+reported when they are still there.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import stat
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from snapshotter import progress
+from snapshotter.tar.compress import IterReader, check_layer
+from snapshotter.digests import file_digest, hasher_digest
+from snapshotter.errors import UsageError
+from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, clean_path, entry_from_member,
+                                     entry_from_stat, self_and_parents)
+from snapshotter.index.indexer import apply_layer_to_index
+from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
+from snapshotter.box.scan import read_head
+from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets
+from .parts import part_links
+from snapshotter.layer.plan import parse_part_name
+from snapshotter.box.profile import Profile, load_profile
+from snapshotter.oci.reference import Reference
+from snapshotter.registry.remote import Remote
+from .restore import select_layers
+from snapshotter.tar.reader import data_chunks, iter_members
+from snapshotter.tar.rules import check_name
+from snapshotter.registry.transport import TransportOptions
+
+_PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
+
+
+@dataclass
+class VerifyOptions:
+    only_snapshot: bool = False
+    strict: bool = False  # also report files the image does not have
+    allow_setuid: bool = False  # expect setuid/setgid bits (restore --allow-setuid)
+    allow_devices: bool = False  # expect device nodes (restore --allow-devices)
+    profile: Profile = field(default_factory=load_profile)
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    log: Callable[[str], None] = lambda msg: None
+
+
+@dataclass
+class Difference:
+    path: str  # "/opt/app/x"
+    kind: str  # missing | extra | type | content | mode | owner | symlink | device
+    detail: str
+
+    def __str__(self) -> str:
+        # A name with a newline or a control character in it is quoted: it cannot forge a line.
+        return f"{self.path if self.path.isprintable() else repr(self.path)}: {self.detail}"
+
+
+@dataclass
+class VerifyResult:
+    ref: Reference
+    manifest_digest: str
+    checked: int  # image paths compared
+    differences: list[Difference]
+    left_out_secrets: list[str] = field(default_factory=list)  # what commit left out as secrets ("/root/.ssh")
+    left_out_total: int = 0  # how many it left out (more than listed when the image's list was cut)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+
+# ---- the expected tree ------------------------------------------------------------------------
+
+
+def image_index(remote: Remote, image: Image, only_snapshot: bool,
+                log: Callable[[str], None] = lambda msg: None) -> tuple[dict[str, Entry], set[str]]:
+    """(index of the image's paths, paths its layers delete that no later layer brings back).
+    Layers are read with restore's checks: an image restore refuses is refused here too."""
+    index: dict[str, Entry] = {}
+    deleted: set[str] = set()
+    joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
+    layers = select_layers(image, only_snapshot)
+    links = part_links(layers)
+    for i, desc, diff_id in layers:
+        label = layer_label(desc, i)
+
+        def note(msg: str, label: str = label) -> None:
+            log(f"warning: {label}: {msg}")
+
+        def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
+            if SNAP_PART_FILE in desc.get("annotations", {}):
+                _apply_part_layer(index, stream, joins, links, label)
+            else:
+                deleted.update(apply_layer_to_index(index, stream, f"layer {label}"))
+
+        with progress.bar(f"reading {label}", desc["size"]) as bar:
+            blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar), desc["size"]))
+            check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
+        deleted -= index.keys()
+    return index, deleted
+
+
+def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[str, list[str]], label: str) -> None:
+    """A layer holding one part of a file cut at the layer size cap: hash it into the joined file,
+    which is what restore leaves at the path once the last part is in (and at its other names)."""
+    for reader, m in iter_members(stream, f"layer {label}"):
+        rel = check_name(m.name)
+        part = parse_part_name(rel) if m.isreg() else None
+        if part is None:
+            e = entry_from_member(m, rel) if rel else None
+            if e is not None:
+                index[rel] = e
+            continue
+        path, i, n = part
+        h, size = joins.pop(path) if i > 1 and path in joins else (hashlib.sha256(), 0)
+        for chunk in data_chunks(reader):
+            h.update(chunk)
+        size += m.size
+        if i < n:
+            joins[path] = (h, size)
+            continue
+        e = entry_from_member(m, path)
+        e.size, e.digest = size, hasher_digest(h)
+        index[path] = e
+        for name in links.get(path, ()):
+            index[name] = replace(e, path=name)
+
+
+# ---- comparing ------------------------------------------------------------------------------
+
+
+def _kind_name(kind: str) -> str:
+    return {FILE: "a file", DIR: "a directory", SYMLINK: "a symlink"}.get(kind, f"a {kind} device" if kind in (CHAR, BLOCK) else f"a {kind}")
+
+
+def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions,
+            left_out: frozenset[str] = frozenset()) -> tuple[int, list[Difference]]:
+    """Compare the directory with the image's paths. `left_out` holds the paths commit left out as
+    secrets: neither they nor what lies under them are compared."""
+    root = os.path.realpath(root)
+
+    def excluded(rel: str) -> bool:
+        return opts.profile.exclude.match(rel) or any(p in left_out for p in self_and_parents(rel))
+    diffs: list[Difference] = []
+    covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
+    real_dirs: dict[str, bool] = {"": True}
+    checked = 0
+
+    def under_covered(rel: str) -> bool:
+        parent = rel.rpartition("/")[0]
+        while parent:
+            if parent in covered:
+                return True
+            parent = parent.rpartition("/")[0]
+        return False
+
+    def is_real_dir(rel: str) -> bool:
+        """Is root/rel a directory reached without following any symlink?"""
+        if rel not in real_dirs:
+            parent = rel.rpartition("/")[0]
+            ok = is_real_dir(parent)
+            if ok:
+                try:
+                    ok = stat.S_ISDIR(os.lstat(os.path.join(root, rel)).st_mode)
+                except OSError:
+                    ok = False
+            real_dirs[rel] = ok
+        return real_dirs[rel]
+
+    for rel in sorted(index):
+        e = index[rel]
+        if excluded(rel) or under_covered(rel):
+            continue
+        if e.kind in (CHAR, BLOCK, FIFO) and not opts.allow_devices:
+            continue  # restore skips device nodes unless asked
+        if e.kind != DIR:
+            covered.add(rel)  # nothing below a non-directory is reachable
+        checked += 1
+        shown = "/" + rel
+        if not is_real_dir(rel.rpartition("/")[0]):
+            diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
+            covered.add(rel)
+            continue
+        full = os.path.join(root, rel)
+        try:
+            st = os.lstat(full)
+            have = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
+        except FileNotFoundError:
+            diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
+            covered.add(rel)
+            continue
+        kind = have.kind if have else "socket"
+        if kind != e.kind:
+            diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
+            covered.add(rel)
+            continue
+        diffs.extend(_compare_entry(shown, full, have, e, opts.allow_setuid))
+
+    for rel in sorted(deleted):
+        if excluded(rel) or under_covered(rel) or rel.rpartition("/")[0] in deleted:
+            continue
+        if is_real_dir(rel.rpartition("/")[0]) and os.path.lexists(os.path.join(root, rel)):
+            diffs.append(Difference("/" + rel, "extra", "present, but the image deletes it"))
+            covered.add(rel)
+
+    if opts.strict:
+        diffs.extend(_extras(root, index, covered, opts, excluded))
+    diffs.sort(key=lambda d: d.path)
+    return checked, diffs
+
+
+def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid: bool) -> list[Difference]:
+    out: list[Difference] = []
+    if want.kind != SYMLINK and have.mode != want.mode:
+        stripped = want.kind != DIR and not allow_setuid and have.mode == want.mode & ~_PRIVILEGE_BITS
+        if not stripped:  # restore strips setuid/setgid unless --allow-setuid
+            out.append(Difference(shown, "mode", f"mode {have.mode:04o}, expected {want.mode:04o}"))
+    if (have.uid, have.gid) != (want.uid, want.gid):
+        out.append(Difference(shown, "owner", f"owner {have.uid}:{have.gid}, expected {want.uid}:{want.gid}"))
+    if want.kind == SYMLINK and have.linkname != want.linkname:
+        out.append(Difference(shown, "symlink", f"symlink to {have.linkname!r}, expected {want.linkname!r}"))
+    if want.kind in (CHAR, BLOCK) and have.rdev != want.rdev:
+        out.append(Difference(shown, "device", f"device {os.major(have.rdev)}:{os.minor(have.rdev)}, "
+                                               f"expected {os.major(want.rdev)}:{os.minor(want.rdev)}"))
+    if want.kind == FILE:
+        if have.size != want.size:
+            out.append(Difference(shown, "content", f"content differs: {have.size} bytes, expected {want.size}"))
+        elif want.digest:
+            try:
+                digest = file_digest(full)
+            except PermissionError:
+                digest = "unreadable"
+            if digest != want.digest:
+                out.append(Difference(shown, "content", f"content differs: {digest[:19]}, expected {want.digest[:19]}"))
+    return out
+
+
+def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyOptions,
+            excluded: Callable[[str], bool]) -> list[Difference]:
+    """Paths in the directory that the image does not have (only the top-most of an extra tree)."""
+    out: list[Difference] = []
+    skip = pseudo_mounts(root) | bind_mounted_files(root)  # the host's files (GPU drivers) were left out
+    profile = opts.profile
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        try:
+            with os.scandir(os.path.join(root, rel_dir) if rel_dir else root) as it:
+                names = sorted(de.name for de in it)
+        except OSError:
+            continue
+        for name in names:
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if rel in skip or rel in covered or excluded(rel):
+                continue
+            full = os.path.join(root, rel)
+            try:
+                mode = os.lstat(full).st_mode
+            except OSError:
+                continue
+            if profile.is_secret(rel, stat.S_ISDIR(mode), stat.S_ISREG(mode), functools.partial(read_head, full)):
+                continue  # commit never captures credentials: their absence from the image is expected
+            e = index.get(rel)
+            if e is None:
+                out.append(Difference("/" + rel, "extra", "extra (not in the image)"))
+            elif e.kind == DIR:
+                stack.append(rel)
+    return out
+
+
+def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyResult:
+    opts = opts or VerifyOptions()
+    if not os.path.isdir(root):
+        raise UsageError(f"root {root} does not exist or is not a directory")
+    if opts.strict and opts.only_snapshot:
+        raise UsageError("--strict compares the whole image with the directory", "drop --only-snapshot")
+    reference = Reference.parse(ref)
+    remote = Remote(reference, opts.transport)
+    image = remote.resolve()
+    index, deleted = image_index(remote, image, opts.only_snapshot, opts.log)
+    listed, total = left_out_secrets(image.manifest)
+    secrets = sorted(clean_path(p) for p in listed)
+    checked, diffs = compare(root, index, deleted, opts, frozenset(secrets))
+    return VerifyResult(image.ref, image.manifest_digest, checked, diffs, ["/" + p for p in secrets], total)

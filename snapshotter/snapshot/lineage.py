@@ -1,0 +1,36 @@
+"""Where a box came from, and so which tags a commit of it may move.
+
+A moving tag (box:v2) names the snapshot a reclaimed box comes back to. A commit that moved it from a
+box that never held that snapshot (a restore that failed or stopped half-way, a fresh box, a wrong
+--root) would replace the good snapshot with a worse one. So a tag only moves forward: from a snapshot
+this box came from (the last finished `snap restore` into this root, restorerecord.py) or made itself
+(this state dir's snapshots of the root, statcache.made_from), or from nothing (a new tag)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from snapshotter.errors import UsageError
+from snapshotter.oci.reference import Reference
+from snapshotter.registry.remote import Remote
+from .record import restored_from
+from .statcache import made_from
+
+
+def known_origins(root: str, also: Iterable[str] = ()) -> set[str]:
+    """Manifest digests of the snapshots `root` came from or made (`also`: others the caller knows,
+    such as the image a container was started from)."""
+    came = restored_from(root)
+    return {*made_from(root), *([came] if came else []), *also}
+
+
+def check_forward(remote: Remote, ref: Reference, root: str, force: bool = False, also: Iterable[str] = ()) -> Optional[str]:
+    """The digest `ref`'s tag names now (None: no such tag yet), if this box may move it; else a
+    UsageError (exit 2) naming the ways on, before anything is written."""
+    current = remote.manifest_digest(ref.tag)
+    if current is None or force or current in known_origins(root, also):
+        return current
+    raise UsageError(
+        f"{ref} names {current[:19]}, a snapshot that {root!r} neither came from (no finished `snap restore` of it "
+        f"here) nor made: moving the tag would replace it with this box",
+        f"restore it first (snap restore {ref} --root {root}), pass --force to replace it, or push to another tag")

@@ -1,0 +1,174 @@
+"""Layer skeletons: what a restore needs to tell, without downloading a layer, whether the root
+already holds it (restore onto a pod whose volume survived: skip.py).
+
+A snap layer is a reproducible tar (layer.py): its header blocks exactly as written, each regular
+file's content padded to 512 bytes, then the end-of-archive blocks. Its skeleton is that tar with
+the contents left out: each member's header bytes and its content size, made from the plan
+(layer.tar_headers) without reading a file, so a layer reused from the stat cache gets one too.
+The snapshot's skeleton blob holds the skeletons of its snap layers, each keyed by the layer's
+diff_id (the sha256 of the whole tar, which a restore recomputes from the headers and the bytes on
+disk). It is pushed into the snapshot's repository, named by the manifest annotation
+dev.snap.skeleton and kept referenced by an artifact manifest tagged snap-skeletons (the last
+commit's: baseindex.push_artifact).
+
+Format: gzip members, one per layer, each holding MAGIC, then per member its header length (u32),
+header bytes and content size (u64), then a zero length and the diff_id (71 ASCII bytes, last: a
+commit knows it once the layer is written). A commit takes each built layer's headers as
+layer.write_tar writes them (the very bytes, even of a file that changed since the scan).
+A restore reads it digest-checked and size-capped; anything malformed is ignored (the restore then
+downloads). The state dir keeps each layer's gzip member by diff_id (built, or restored), so a
+commit makes one from the plan only for a layer it reuses and has none of."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import tarfile
+import zlib
+from typing import Callable, Optional
+
+from snapshotter.index.base import push_artifact
+from snapshotter.registry.blobsources import BlobSources
+from snapshotter.digests import sha256_digest
+from snapshotter.errors import IntegrityError, NotFound, SnapError
+from snapshotter.layer.generate import tar_headers
+from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
+from snapshotter.layer.plan import LayerPlan
+from snapshotter.registry.remote import Remote
+from snapshotter.state import replace_file, sub
+
+SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation: the digest of the snapshot's skeleton blob
+ARTIFACT_TAG = "snap-skeletons"  # the tag of the artifact manifest that keeps the last commit's skeletons referenced
+MAGIC = b"snap-skeleton-v1\n"
+MAX_BLOB = 256 << 20  # compressed: a 200k-file box's headers compress to a few MB
+MAX_TOTAL = 2 << 30  # uncompressed: a gzip bomb stops here
+MAX_HEADER = 8 << 20  # one member's header bytes (PAX records included)
+_DIFF_ID = re.compile(rb"sha256:[0-9a-f]{64}")
+_U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
+
+Skeleton = list[tuple[bytes, int]]  # (header bytes, content size) per member, in layer order
+
+
+class PieceWriter:
+    """One layer's gzip member, compressed as the headers come (layer.HeaderSink): a 200k-file
+    layer's headers are 100 MB, its piece a few."""
+
+    def start(self) -> None:
+        self._z = zlib.compressobj(6, zlib.DEFLATED, 31)  # gzip, with no name and mtime 0
+        self._out = [self._z.compress(MAGIC)]
+
+    def add(self, header: bytes, size: int) -> None:
+        self._out.append(self._z.compress(_U32.pack(len(header)) + header + _U64.pack(size)))
+
+    def finish(self, diff_id: str) -> bytes:
+        self._out += [self._z.compress(_U32.pack(0) + diff_id.encode()), self._z.flush()]
+        return b"".join(self._out)
+
+
+def layer_piece(plan: LayerPlan, diff_id: str) -> bytes:
+    """The gzip member of one layer from its plan: its headers as layer.write_tar writes them."""
+    piece = PieceWriter()
+    piece.start()
+    for ti, e in tar_headers(plan):
+        size = ti.size if e is not None and ti.type == tarfile.REGTYPE else 0
+        piece.add(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"), size)
+    return piece.finish(diff_id)
+
+
+def _piece_path(diff_id: str) -> str:
+    return os.path.join(sub("skeletons"), diff_id.split(":", 1)[1] + ".gz")
+
+
+def _cached_piece(plan: LayerPlan, diff_id: str) -> bytes:
+    """layer_piece, kept in the state dir by diff_id: the same diff_id is the same tar, so the same headers."""
+    path = _piece_path(diff_id)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        pass
+    piece = layer_piece(plan, diff_id)
+    keep(diff_id, piece)
+    return piece
+
+
+def push(remote: Remote, layers: list[tuple[LayerPlan, str]], sources: BlobSources) -> Optional[str]:
+    """Push the skeleton blob of a snapshot's layers ([(plan, diff_id)] in order) into `remote`'s
+    repository, with an artifact manifest that keeps it referenced. Returns its digest (for the
+    manifest's annotation); None if it would be too big."""
+    data = b"".join(_cached_piece(plan, diff_id) for plan, diff_id in layers)
+    if not data or len(data) > MAX_BLOB:
+        return None
+    digest = sha256_digest(data)
+    # One tag per repository, moved by each commit: `snap watch` commits under a new tag every few
+    # minutes, and a tag per snapshot would pile up. An older snapshot's skeletons that a garbage
+    # collection then deletes only make its restores download every layer.
+    push_artifact(remote, data, digest, SKELETON, SKELETON_ARTIFACT, ARTIFACT_TAG, {}, sources)
+    return digest
+
+
+def fetch(remote: Remote, digest: str, log: Callable[[str], None]) -> dict[str, Skeleton]:
+    """{diff_id: skeleton} from the skeleton blob `digest`, digest-checked and size-capped; {} when
+    it is missing or malformed (never trusted: the layers then download)."""
+    try:
+        got, size = [], 0
+        for chunk in remote.iter_blob(digest):
+            size += len(chunk)
+            if size > MAX_BLOB:
+                raise IntegrityError(f"the skeleton blob {digest[:19]} is bigger than {MAX_BLOB} bytes")
+            got.append(chunk)
+        return parse(b"".join(got), keep)
+    except NotFound:
+        return {}
+    except (SnapError, ValueError, struct.error, OSError, zlib.error, EOFError) as e:
+        log(f"warning: the layer skeletons in {remote.ref.name} are not usable ({e}): downloading every layer")
+        return {}
+
+
+def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None) -> dict[str, Skeleton]:
+    """The skeletons of a blob; ValueError (or zlib.error, struct.error) for anything not as
+    `layer_piece` writes it. `keep(diff_id, piece)` is given each layer's gzip member."""
+    out: dict[str, Skeleton] = {}
+    pos, total = 0, 0
+    while pos < len(data):
+        d = zlib.decompressobj(wbits=31)
+        raw = d.decompress(data[pos:], MAX_TOTAL - total + 1)
+        total += len(raw)
+        if total > MAX_TOTAL or not d.eof:
+            raise ValueError("a skeleton is too big or truncated")
+        end = len(data) - len(d.unused_data)
+        diff_id, skeleton = _parse_piece(raw)
+        out[diff_id] = skeleton
+        if keep is not None:
+            keep(diff_id, data[pos:end])
+        pos = end
+    return out
+
+
+def keep(diff_id: str, piece: bytes) -> None:
+    """Keep a layer's piece (built or restored) in the state dir, for the next commit here."""
+    try:
+        replace_file(_piece_path(diff_id), lambda f: f.write(piece), mode="wb")
+    except OSError:
+        pass  # an optimisation only
+
+
+def _parse_piece(raw: bytes) -> tuple[str, Skeleton]:
+    if not raw.startswith(MAGIC):
+        raise ValueError("not a layer skeleton of this version")
+    pos = len(MAGIC)
+    members: Skeleton = []
+    while True:
+        (n,), pos = _U32.unpack_from(raw, pos), pos + 4
+        if n == 0:
+            break
+        if n % tarfile.BLOCKSIZE or n > MAX_HEADER or pos + n + 8 > len(raw):
+            raise ValueError("a malformed member in a layer skeleton")
+        header, pos = raw[pos:pos + n], pos + n
+        (size,), pos = _U64.unpack_from(raw, pos), pos + 8
+        members.append((header, size))
+    diff_id = raw[pos:]
+    if not _DIFF_ID.fullmatch(diff_id):
+        raise ValueError("a layer skeleton names no diff_id")
+    return diff_id.decode(), members

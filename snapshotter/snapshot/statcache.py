@@ -1,0 +1,96 @@
+"""The stat cache: layer fingerprints (from stat data only) -> the layer blob they produced.
+
+A second commit whose big layers did not change reads no model bytes: each planned layer's
+fingerprint (path, size, mtime, inode, ctime, mode, owner of every entry) is looked up here, and a
+hit whose blob the registry still has is reused as it is. The cache is per (box root, base image):
+a cache from another root or base is never consulted.
+
+Every file here carries a format version; one of another version, or whose entries are not laid out
+as this version writes them, is ignored (and rewritten), never misread."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+from snapshotter.state import replace_file, sub
+
+VERSION = 1
+BLOB_FIELDS = {"digest": str, "diff_id": str, "size": int, "media_type": str}  # what a hit gives commit
+
+
+def blob_entry(value) -> Optional[dict]:
+    """`value` if it is a blob as this version records it ({digest, diff_id, size, media_type}), else None."""
+    if isinstance(value, dict) and all(type(value.get(k)) is t for k, t in BLOB_FIELDS.items()):
+        return {k: value[k] for k in BLOB_FIELDS}
+    return None
+
+
+class StatCache:
+    def __init__(self, root: str, base_digest: str):
+        self.key = {"version": VERSION, "root": os.path.realpath(root), "base": base_digest}
+        name = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:32]
+        self.path = os.path.join(sub("stat-cache"), name + ".json")
+        self.old: dict[str, dict] = {}
+        self.new: dict[str, dict] = {}
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+            if isinstance(doc, dict) and doc.get("key") == self.key and isinstance(doc.get("layers"), dict):
+                self.old = doc["layers"]
+        except (OSError, ValueError):
+            pass  # no cache, or a damaged one: everything is built
+
+    def lookup(self, fingerprint: str) -> Optional[dict]:
+        return blob_entry(self.old.get(fingerprint))
+
+    def record(self, fingerprint: str, blob: dict) -> None:
+        self.new[fingerprint] = blob
+
+    def save(self, keep_old: bool = False) -> None:
+        """Keep what this commit used: layers that are gone from the box fall out of the cache.
+        `keep_old` adds to the cache instead (layers sent ahead of a commit, by `snap watch`)."""
+        layers = {**self.old, **self.new} if keep_old else self.new
+        replace_file(self.path, lambda f: json.dump({"key": self.key, "layers": layers}, f))
+
+
+# ---- what a commit leaves for `snap status` and for the next commit of the root ----------------
+
+
+LAST_COMMIT_VERSION = 2
+MADE_KEPT = 32  # digests of the snapshots made from a root that are remembered (lineage.py)
+
+
+def _last_commit_path(root: str) -> str:
+    return os.path.join(sub("last-commit"), hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
+
+
+def _last_commit(root: str) -> dict:
+    try:
+        with open(_last_commit_path(root)) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) and doc.get("version") == LAST_COMMIT_VERSION else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def note_last_commit(root: str, base: str, target: str, digest: str) -> None:
+    """Remembered per root: the base, so that `snap status` needs no --base after a commit or a
+    watch; the manifest digests of the last snapshots made from it, so that a later commit may move
+    a tag that names one of them (lineage.py)."""
+    made = [d for d in made_from(root) if d != digest][-(MADE_KEPT - 1):] + [digest]
+    doc = {"version": LAST_COMMIT_VERSION, "base": base, "target": target, "made": made}
+    replace_file(_last_commit_path(root), lambda f: json.dump(doc, f))
+
+
+def last_base(root: str) -> Optional[str]:
+    base = _last_commit(root).get("base")
+    return base if isinstance(base, str) else None
+
+
+def made_from(root: str) -> list[str]:
+    """The manifest digests of the last snapshots this state dir pushed of `root`, oldest first."""
+    made = _last_commit(root).get("made")
+    return [d for d in made if isinstance(d, str)] if isinstance(made, list) else []

@@ -1,0 +1,1 @@
+"""`snap watch`: the watcher loop, its daemon, and providers' reclaim notices."""

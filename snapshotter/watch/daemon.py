@@ -1,0 +1,219 @@
+"""`snap watch` where there is no init system (a container): one watcher per box root (a lock
+file, held with flock for the watcher's life, so a watcher killed with -9 leaves no stale lock),
+detached with a double fork, its pid file and log in the state dir, and `snap watch --stop`."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from snapshotter.errors import NotFound, UsageError
+from snapshotter.state import replace_file, sub
+
+VERSION = 1  # of the pid and exit files
+READY = "\0ready\n"  # what the detached watcher sends its starter once it watches
+
+
+@dataclass
+class WatchFiles:
+    lock: str
+    pid: str
+    log: str
+    exit: str
+
+
+def watch_files(root: str) -> WatchFiles:
+    """The files of the watcher of `root`, in the state dir."""
+    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
+    d = sub("watch")
+    return WatchFiles(*(os.path.join(d, f"{key}.{ext}") for ext in ("lock", "pid", "log", "exit")))
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) and doc.get("version") == VERSION else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def take_lock(files: WatchFiles, root: str) -> int:
+    """Hold the root's watch lock (kept across fork); refuse if another watcher holds it."""
+    fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        pid = _read_json(files.pid).get("pid", "?")
+        raise UsageError(f"another snap watch (pid {pid}) is already watching {root!r}",
+                         "stop it with: snap watch --stop --root ROOT")
+    return fd
+
+
+def lock_held(files: WatchFiles) -> bool:
+    try:
+        fd = os.open(files.lock, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's lock, if it got one
+
+
+def note_pid(files: WatchFiles, target: str, grace: float) -> None:
+    replace_file(files.pid, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "target": target, "grace": grace}, f))
+
+
+def note_exit(files: WatchFiles, code: int, error: str = "") -> None:
+    """The watcher's exit code and its error line, if any: what `--stop` tells after the watcher ended."""
+    replace_file(files.exit, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "code": code, "error": error}, f))
+
+
+def detach(files: WatchFiles) -> Callable[[], None]:
+    """Double fork. The starting process waits for the watcher's readiness (printing what the
+    watcher says until then) and exits; this returns only in the detached watcher, with the
+    function that signals readiness. The watcher's output goes to the log file, and its lines
+    also to the stderr the starter had: in a container that is the container's output, where
+    the provider shows it (a log file inside the box is lost with the box)."""
+    starters_stderr = os.dup(2)
+    r, w = os.pipe()
+    if os.fork() > 0:  # the starter
+        os.close(w)
+        _relay_until_ready(r, files)
+    os.close(r)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)  # the middle process: the watcher is now no session leader, reparented to init
+    log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    # Until ready, stderr goes to the starter too (a usage error is shown where it was typed).
+    tee = _Tee(w, log, starters_stderr)
+    sys.stderr = tee
+
+    def ready() -> None:
+        tee.ready()
+        os.dup2(log, 2)  # what is written to fd 2 directly (a helper program's stderr): the log alone
+
+    return ready
+
+
+class _Tee:
+    """stderr of the detached watcher: its log, and a copy to the starter (through the readiness
+    pipe until ready, which the starter prints), then to the stderr the starter had. A copy whose
+    reader is gone (a closed terminal: EIO; a closed pipe: EPIPE) is dropped: the log goes on."""
+
+    encoding = "utf-8"
+
+    def __init__(self, pipe: int, log: int, starters_stderr: int):
+        self.log, self.copy, self.later = log, pipe, starters_stderr
+
+    def write(self, text: str) -> int:
+        data = text.encode(errors="replace")
+        os.write(self.log, data)
+        if self.copy >= 0:
+            try:
+                os.write(self.copy, data)
+            except OSError:
+                os.close(self.copy)
+                self.copy = -1
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def ready(self) -> None:
+        pipe, self.copy = self.copy, self.later
+        if pipe >= 0:
+            try:
+                os.write(pipe, READY.encode())
+            except OSError:
+                pass
+            os.close(pipe)
+
+
+def _relay_until_ready(r: int, files: WatchFiles) -> None:
+    buf = b""
+    with os.fdopen(r, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(4096):
+            buf += chunk
+            if READY.encode() in buf:
+                sys.stderr.write(buf.split(READY.encode())[0].decode(errors="replace"))
+                sys.stderr.write(f"detached: pid file {files.pid}, log {files.log}\n")
+                sys.stderr.flush()
+                os._exit(0)
+    sys.stderr.write(buf.decode(errors="replace"))
+    sys.stderr.flush()
+    os._exit(_read_json(files.exit).get("code") or 1)
+
+
+def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] = lambda m: None) -> int:
+    """Send the watcher of `root` the notice (SIGTERM) and wait for its final snapshot. Its exit code."""
+    files = watch_files(root)
+    info = _read_json(files.pid)
+    if not isinstance(info.get("pid"), int):
+        raise NotFound(f"no snap watch has run for {root!r}")
+    pid = info["pid"]
+    if not lock_held(files):
+        return _ended_before(files, pid, root, log)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return _ended_before(files, pid, root, log)
+    log(f"sent SIGTERM to snap watch (pid {pid}); waiting for its final snapshot")
+    grace = info.get("grace") if isinstance(info.get("grace"), (int, float)) else 4
+    deadline = time.monotonic() + (timeout if timeout is not None else grace + 30)
+    while lock_held(files):  # the lock goes when the watcher's process is gone
+        if time.monotonic() > deadline:
+            raise UsageError(f"snap watch (pid {pid}) did not stop in time", f"see its log {files.log}")
+        time.sleep(0.05)
+    done = _read_json(files.exit)
+    code = done.get("code", 1) if done.get("pid") == pid else 1
+    if code:
+        log(f"snap watch (pid {pid}) of {root!r} stopped with code {code}: {done.get('error') or _last_line(files.log)}")
+    else:
+        log(f"snap watch (pid {pid}) of {root!r} stopped after its final snapshot (exit code 0)")
+    return code
+
+
+def _ended_before(files: WatchFiles, pid: int, root: str, log: Callable[[str], None]) -> int:
+    """The last watcher of `root` ended on its own (an auth error, a crash): its code, not "none
+    running", so that a start script's stop reports why the box had no protection."""
+    done = _read_json(files.exit)
+    if done.get("pid") == pid and isinstance(done.get("code"), int):
+        code, why = done["code"], done.get("error") or _last_line(files.log)
+    else:
+        code, why = 1, f"it left no exit code (killed?); its log: {_last_line(files.log)}"
+    log(f"snap watch (pid {pid}) of {root!r} had already ended with code {code}: {why}")
+    return code
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(empty log)"
+    except OSError:
+        return f"(no log at {path})"

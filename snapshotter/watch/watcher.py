@@ -1,0 +1,581 @@
+"""`snap watch`: keep a snapshot of the box seconds old in the registry, and flush the rest when
+the box is about to be reclaimed.
+
+The loop scans the box's metadata (no file is read) at a pace that keeps its own cost near
+SCAN_BUDGET of one core, commits with commit.py's library API when something changed (at most once
+per `every`, at once when a burst of writes is over), sends big files ahead as soon as they are
+stable, and ends with one final commit on a signal or a provider's reclaim notice. Each snapshot
+goes under an immutable tag `<tag>-<UTC time>` first; the moving tag is then put on the same
+manifest bytes, so it only ever names a complete snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+from snapshotter.commit.commit import (NOT_SENT_TORN, SCRATCH, CommitOptions, CommitPlan, being_written, changes_in,
+                                       file_layers, last_change, last_snapshot_files, own_excludes, plan_commit,
+                                       push_commit, push_layers, scan_root, target_remote)
+from snapshotter.errors import AuthError, SnapError, UsageError
+from snapshotter.index.entry import FILE, Entry, gc_paused
+from snapshotter.box.scan import Scan, ScanMemo, scan_box
+from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
+from snapshotter.snapshot.lineage import check_forward, known_origins
+from snapshotter.oci.mediatypes import OCI_MANIFEST
+from .notices import NoticeWatcher
+from snapshotter.layer.plan import PlanMemo
+from snapshotter.oci.reference import Reference
+from snapshotter.registry.remote import Remote
+from snapshotter.snapshot.record import restored_at_ns
+from snapshotter.state import exclusive
+from snapshotter.box.writers import open_for_writing
+
+MiB = 1024 * 1024
+DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
+ACTIVE_FACTOR = 10  # scan budget multiplier while the box is changing
+ASSUMED_THROUGHPUT = 50 * MiB  # bytes/s to the registry until the watcher has measured it
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '5m', '1h', '1.5m' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|ms)?\s*", str(text))
+    if not m:
+        raise UsageError(f"duration {text!r} is not valid", "write it as 90s, 5m or 1h")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+@dataclass
+class WatchOptions:
+    commit: CommitOptions = field(default_factory=CommitOptions)
+    every: float = 300.0  # at most one snapshot per this many seconds (a burst of writes excepted)
+    keep: Optional[int] = None  # immutable snapshot tags kept (oldest deleted); None: all
+    grace: float = 4.0  # the final commit's time limit after a signal or notice
+    notices: Optional[NoticeWatcher] = None
+    # Tuning (environment variables so that tests can make them tiny):
+    quiet: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_QUIET", 10.0))  # a burst is over after this
+    stable: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_STABLE", 5.0))  # a big file is complete after this
+    min_scan: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_MIN_SCAN", 2.0))  # seconds between scans, at least
+    scan_budget: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_BUDGET", 0.005))  # of one core, for checks
+    notice_poll: float = field(default_factory=lambda: _env_seconds("SNAP_NOTICE_POLL", 5.0))
+    log: Callable[[str], None] = lambda msg: None
+    clock: Callable[[], float] = time.time  # wall clock (compared with file times); injectable for tests
+    cpu_clock: Callable[[], float] = time.thread_time  # CPU, not wall: on a busy machine a check waits, and waiting costs nothing
+
+
+def _token(e: Entry) -> tuple:
+    """What a change of a path looks like in a metadata scan (stamp: inode, mtime and ctime in ns;
+    a new symlink target or xattr changes the ctime, so neither is read)."""
+    return (e.kind, e.mode, e.uid, e.gid, e.size, e.stamp)
+
+
+def _tokens_as_snapshotted(scan: Scan, held: dict[str, str], last: dict[str, tuple], kept: set[str]) -> dict[str, tuple]:
+    """The box's tokens as a snapshot holds it: each path as scanned, but a held file as the last
+    snapshot had it where this one keeps that version (`kept`), else not at all (pending)."""
+    tokens = {p: _token(e) for p, e in scan.entries.items() if p not in held}
+    tokens.update({p: last[p] for p in held if p in last and p in kept})
+    return tokens
+
+
+class Watcher:
+    """The loop's state. tick() is one step (scan, maybe send big files ahead, maybe commit); run()
+    calls it at the scan pace until stopped; final() is the last commit. Tests drive tick() with
+    their own clock."""
+
+    def __init__(self, target: str, base: str, opts: WatchOptions):
+        self.opts = opts
+        self.moving = Reference.parse(target)
+        if self.moving.digest or not self.moving.tag:
+            raise UsageError("watch needs a tag to move", f"drop the @sha256 part: {self.moving.name}:TAG")
+        if len(self.moving.tag) > 128 - 20:
+            raise UsageError(f"tag {self.moving.tag!r} is too long", "snapshots are tagged TAG-yyyymmddThhmmssZ: use a tag of at most 108 characters")
+        if opts.keep is not None and opts.keep < 1:
+            raise UsageError("--keep must be at least 1")
+        if opts.every < 0 or opts.grace <= 0:
+            raise UsageError("--every must be >= 0 and --grace > 0")
+        if not os.path.isdir(opts.commit.root):
+            raise UsageError(f"root {opts.commit.root!r} does not exist or is not a directory")
+        if base != SCRATCH:
+            Reference.parse(base)
+        self.base = base
+        self.root = os.path.realpath(opts.commit.root)
+        self.transport = opts.commit.transport.credentials_only_for(self.moving.registry)
+        rules = [r.file_layer_min for r in opts.commit.profile.layers if getattr(r, "file_layer_min", None)]
+        self.big = min(rules) if rules else DEFAULT_BIG
+        self.log = opts.log
+        self.lock = threading.Lock()  # one tag move at a time; the newest snapshot wins
+        self.seq = 0
+        self.moved_seq = 0
+        self.last_tag = ""
+        self.current: Optional[str] = None  # the immutable tag the moving tag names
+        self.tokens: dict[str, tuple] = {}  # the last scan
+        self.entries: dict[str, Entry] = {}
+        self.since: dict[str, float] = {}  # when a path got its current token
+        self.committed: Optional[dict[str, tuple]] = None  # tokens of the box as of the last snapshot
+        self.committed_changed: dict[str, Entry] = {}  # the last snapshot's changed paths, as its layers hold them
+        self.sent_ahead: dict[str, tuple] = {}  # big files sent before a commit: path -> token sent
+        self.last_commit_at = float("-inf")
+        self.last_change_at = float("-inf")
+        self.burst_bytes = 0
+        self.retry_at = float("-inf")
+        self.backoff = 0.0
+        self.check_cost = 0.0  # CPU seconds the last check took (its scan and the comparison with the last ones)
+        self.throughput = float(ASSUMED_THROUGHPUT)
+        self.prune_refused = False
+        self.snapshots = 0
+        # What the last scans learnt of each unchanged path (fsindex.ScanMemo): the loop's metadata
+        # scans and the commits' full ones each keep their own. On the watcher's clock (file times
+        # are compared with it).
+        memo_clock = lambda: int(opts.clock() * 1e9)  # noqa: E731
+        self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
+        self.plan_memo = PlanMemo()  # and what the last plan made of the layers that did not change
+        # The snapshot the moving tag names, once checked (lineage.py): its digest, and its layers of
+        # one file each, which keep a file being written at that version (commit.hold_back).
+        self.lineage_checked = False
+        self.tag_digest: Optional[str] = None
+        self.previous_files: dict[str, list[tuple[dict, str]]] = {}
+        self.restored_at = restored_at_ns(self.root)  # files a restore wrote are not being written
+        # One commit at a time: the final snapshot waits for the loop's (and stops it first), so the two
+        # never build the same layer file in the state dir at once.
+        self.commit_lock = threading.Lock()
+        self.final_started = threading.Event()
+        self.inflight: Optional[threading.Event] = None  # the loop's commit in flight gives up once set (by final())
+
+    # ---- scanning ------------------------------------------------------------------------------
+
+    def _scan(self) -> Scan:
+        with gc_paused():
+            return scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True,
+                            memo=self.tick_memo)
+
+    def _observe(self, scan: Scan, now: float) -> list[str]:
+        """Note a scan: paths whose token changed since the last one get `since` = now."""
+        tokens = {p: _token(e) for p, e in scan.entries.items()}
+        changed = [p for p, t in tokens.items() if self.tokens.get(p) != t] + [p for p in self.tokens if p not in tokens]
+        for p in changed:
+            self.since[p] = now
+            if p in tokens:
+                self.burst_bytes += scan.entries[p].size
+        for p in [p for p in self.since if p not in tokens]:
+            del self.since[p]
+        if changed and self.committed is not None:
+            self.last_change_at = now
+        self.tokens, self.entries = tokens, scan.entries
+        return changed
+
+    def _stable(self, e: Entry, now: float) -> bool:
+        """Unchanged for `stable` seconds: seen so by the watcher, or its times say so (a restore's
+        writing is not a change: after a restore every file has a fresh ctime)."""
+        return (now - self.since.get(e.path, now) >= self.opts.stable
+                or now - last_change(e, self.restored_at) >= self.opts.stable)
+
+    def _new_big(self, entries: dict[str, Entry]) -> list[Entry]:
+        """Big files that are not in the last snapshot as they are now."""
+        committed = self.committed or {}
+        return [e for e in entries.values() if e.kind == FILE and e.size >= self.big and e.inode is None
+                and committed.get(e.path) != _token(e)]
+
+    def _held(self, entries: dict[str, Entry], now: float, final: bool = False, writers_seen: bool = False) -> dict[str, str]:
+        """Big files left out of a snapshot's reads, with why: still being written by their times
+        (a download that closes between chunks), or (final) too big to send within the grace and not
+        sent ahead. The final snapshot trusts the times only where /proc cannot show every writer
+        (`writers_seen`: commit.being_written sees them all): a file written and closed a moment
+        before the signal is complete, and taken."""
+        held = {}
+        budget = self.throughput * self.opts.grace / 2
+        for e in self._new_big(entries):
+            if not self._stable(e, now) and not (final and writers_seen):
+                held[e.path] = "still being written"
+            elif final and self.sent_ahead.get(e.path) != _token(e) and e.size > budget:
+                held[e.path] = f"not sent yet, would not fit in the {self.opts.grace:g}s grace"
+        return held
+
+    def _pending(self) -> list[str]:
+        """Paths that differ from the last snapshot, big files being written left aside."""
+        if self.committed is None:
+            return ["(first snapshot)"]
+        held = self._held(self.entries, self.opts.clock())
+        changed = [p for p, t in self.tokens.items() if self.committed.get(p) != t]
+        changed += [p for p in self.committed if p not in self.tokens]
+        return [p for p in changed if p not in held]
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One step: scan; send big stable files ahead; commit if due. A registry that fails is
+        retried later with a growing delay; the loop goes on."""
+        now = self.opts.clock()
+        if now < self.retry_at:
+            return
+        try:
+            self._step(now)
+            self.backoff = 0.0
+        except (UsageError, AuthError):
+            raise  # the user must act: retrying cannot help
+        except SnapError as e:
+            self.backoff = min(max(self.backoff * 2, 1.0), max(self.opts.every, 60.0))
+            self.retry_at = now + self.backoff
+            self.log(f"{e}; trying again in {self.backoff:g}s (the last snapshot stays current)")
+
+    def _step(self, now: float) -> None:
+        # The pace budgets the whole check, not the scan alone: comparing a scan's paths with the
+        # last ones added about a fifth, and an idle watcher went over its 0.5% of a core.
+        if not self.lineage_checked:
+            self._check_lineage()
+        t = self.opts.cpu_clock()
+        self._observe(self._scan(), now)
+        pending = self._pending()
+        self.check_cost = self.opts.cpu_clock() - t
+        if not pending:
+            self.burst_bytes = 0
+            return
+        first = self.committed is None
+        ready = set() if first else self._ready_to_send(now)
+        due = now - self.last_commit_at >= self.opts.every
+        burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
+        if not (first or ready or due or burst_over):
+            return
+        with self.commit_lock, exclusive(self.log):  # as a commit does: another snap process on the state dir waits
+            with self.lock:
+                if self.final_started.is_set():
+                    return  # the final snapshot is on its way
+                self.inflight = stopping = threading.Event()
+            if ready:
+                self._send_ahead(now, ready, stopping)
+            if first or due or burst_over:
+                self._snapshot(first=first, stopping=stopping)
+
+    def next_interval(self) -> float:
+        """Seconds to the next scan: a check's cost stays near the budget, ten times it while the
+        box is changing (so the end of a burst is seen soon after it is over)."""
+        changing = self.opts.clock() - self.last_change_at < 2 * self.opts.quiet or self.burst_bytes >= self.big
+        budget = self.opts.scan_budget * (ACTIVE_FACTOR if changing else 1)
+        interval = max(self.opts.min_scan, self.check_cost / max(budget, 1e-6))
+        wait_retry = self.retry_at - self.opts.clock()
+        return max(interval, wait_retry) if wait_retry > 0 else interval
+
+    def run(self, stop: threading.Event, on_ready: Callable[[], None] = lambda: None) -> None:
+        """Ready first (a detached watcher's starter returns; the first snapshot of a big box may
+        take minutes), then tick at the scan pace until stopped."""
+        on_ready()
+        self.tick()
+        while not stop.wait(self.next_interval()):
+            self.tick()
+
+    # ---- sending -------------------------------------------------------------------------------
+
+    def _plan(self, now: float, final: bool) -> tuple[CommitOptions, CommitPlan]:
+        """A commit planned on a fresh scan, with the files being written held back (commit.hold_back):
+        open for writing and changed within `stable` seconds, big ones still changing, and (final)
+        big ones that would not fit in the grace. cp.held says which and why."""
+        opts = self.opts.commit
+
+        def changes(base_img: Image, index: dict[str, Entry]):
+            scan = scan_root(self.root, opts.profile, self.commit_memo)
+            return scan, changes_in(scan, self.root, opts.profile, index, opts.rehash)
+
+        def hold(scan: Scan) -> dict[str, str]:
+            writers = open_for_writing()
+            held = self._held(scan.entries, now, final, writers.complete)
+            held.update(being_written(scan, self.root, self.opts.stable, now, writers))
+            return held
+
+        opts = dataclasses.replace(opts, changes=changes, log=self.log, plan_memo=self.plan_memo, hold=hold,
+                                   previous=lambda: self.previous_files, old_entries=self.committed_changed)
+        return opts, plan_commit(self.base, opts, self.transport)
+
+    def _ready_to_send(self, now: float) -> set[str]:
+        """Big new files that are complete (stable) and not sent yet."""
+        return {e.path for e in self._new_big(self.entries)
+                if self._stable(e, now) and self.sent_ahead.get(e.path) != _token(e)}
+
+    def _send_ahead(self, now: float, ready: set[str], stopping: Optional[threading.Event] = None) -> None:
+        """Upload the layers of big files that are ready, before the commit that will name them:
+        that commit then finds their blobs in the registry."""
+        _, cp = self._plan(now, False)
+        plans = [p for p in cp.plans if (p.part_of[0] if p.part_of else p.detail) in ready]
+        if not plans:
+            return
+        remote = target_remote(cp, self.moving, self.transport)
+        if stopping is not None:
+            remote.stopping = stopping
+        t = time.monotonic()
+        results = push_layers(cp, remote, plans)
+        cp.cache.save(keep_old=True)
+        sent = sum(b.size for _, b, status in results if status == "uploaded")
+        if sent > 16 * MiB:
+            self.throughput = sent / max(time.monotonic() - t, 1e-3)
+        for plan, blob, status in results:
+            path = plan.part_of[0] if plan.part_of else plan.detail
+            if status == NOT_SENT_TORN:
+                self.log(f"not sent ahead: {plan.label!r} (a file changed while read; tried again later)")
+                continue
+            self.sent_ahead[path] = _token(cp.scan.entries[path])
+            self.log(f"sent ahead: {plan.label!r} ({blob.size} bytes, {status})")
+
+    def _tag_name(self) -> str:
+        stamp = datetime.fromtimestamp(self.opts.clock(), timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        name = f"{self.moving.tag}-{stamp}"
+        n = 1
+        while name <= self.last_tag and self.last_tag.startswith(f"{self.moving.tag}-{stamp}"):
+            n += 1
+            name = f"{self.moving.tag}-{stamp}-{n}"
+        self.last_tag = name
+        return name
+
+    def _snapshot(self, first: bool = False, final: bool = False,
+                  stopping: Optional[threading.Event] = None) -> Optional[str]:
+        """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
+        name, or None when the box matched the moving tag's snapshot already (first, final).
+        `stopping` set: the commit gives up at its next chunk (the final snapshot wants the lock)."""
+        with self.lock:  # the worker's and the final snapshot's may overlap
+            self.seq += 1
+            seq = self.seq
+            tag = self._tag_name()
+        now = self.opts.clock()
+        last = self.committed or {}
+        opts, cp = self._plan(now, final)
+        held = cp.held
+        self._trace(f"planned {len(cp.plans)} layer(s)")
+        # A held file the last snapshot has stays as it was there: carried, or the base's version.
+        tokens = _tokens_as_snapshotted(cp.scan, held, last, set(held))
+        if first and self._is_current(cp):
+            self.current = self.current or "its snapshot made before this watcher started"
+            self.log(f"{self.moving} already holds this box: nothing to send")
+            self._committed(tokens, now, cp)
+            return None
+        if final and tokens == self.committed:
+            return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
+        ref = Reference(self.moving.registry, self.moving.repository, tag)
+        result = push_commit(cp, ref, self.transport, dataclasses.replace(opts, stopping=stopping))
+        # The push may hold back more (files that tore while read) or read one after all: as pushed,
+        # a held file is in this snapshot at the last one's version (kept), or pending until taken.
+        kept = set(cp.carried) | (cp.unreadable - set(cp.left_unread))
+        tokens = _tokens_as_snapshotted(cp.scan, held, last, kept)
+        for path, why in sorted(held.items()):
+            if path in kept:
+                what = "kept the last snapshot's version"
+            elif path in cp.left_unread:
+                what = ("left out: the last snapshot's version shares a layer that changed, or is not in the "
+                        "stat cache, and the file is not read while it is written")
+            else:
+                what = "left out"
+            self.log(f"held back: {'/' + path!r} ({why}); {what}; the next snapshot takes it")
+        self._trace(f"pushed {tag}")
+        with self.lock:
+            moved = seq > self.moved_seq
+            if moved:
+                self._move_tag(result.manifest_digest)
+                self.moved_seq, self.current = seq, tag
+                self._trace(f"moved {self.moving.tag} to {tag}")
+        self._committed(tokens, now, cp)
+        self.previous_files = file_layers(result.snap_layers)
+        self.snapshots += 1
+        sent = [layer for layer in result.layers if layer.status == "uploaded"]
+        self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent, "
+                 f"{sum(layer.size for layer in sent)} bytes)" + (f"; {self.moving.tag} moved to it" if moved else ""))
+        if self.opts.keep:
+            self._prune()
+        return tag
+
+    def _check_lineage(self) -> None:
+        """Before the first snapshot: the moving tag must name a snapshot this box came from or made
+        (lineage.py), or nothing yet; its layers of one file each are what a file being written is
+        kept at."""
+        remote = Remote(self.moving, self.transport)
+        digest = check_forward(remote, self.moving, self.root, self.opts.commit.force, self.opts.commit.origins)
+        self.previous_files = last_snapshot_files(remote, self.root, digest)
+        self.tag_digest, self.lineage_checked = digest, True
+
+    def _move_tag(self, digest: str) -> None:
+        """Put the moving tag on the snapshot `digest`, unless someone else moved it since this watcher
+        last did (another box racing for the tag): then stop, as lineage.py refuses a commit."""
+        remote = Remote(self.moving, self.transport)
+        now = remote.manifest_digest(self.moving.tag)
+        if (now not in (self.tag_digest, digest) and not self.opts.commit.force
+                and now not in known_origins(self.root, self.opts.commit.origins)):  # e.g. a `snap commit` of this box
+            raise UsageError(f"{self.moving} was moved to {str(now)[:19]} by someone else while this watcher kept it "
+                             f"(it named {str(self.tag_digest)[:19]}); the new snapshot stays under its own tag",
+                             "two boxes must not watch one tag: give each its own, or pass --force")
+        body, _, _ = remote.get_manifest(digest)
+        remote.put_manifest(body, OCI_MANIFEST, self.moving.tag)
+        self.tag_digest = digest
+
+    def _trace(self, msg: str) -> None:
+        """Progress markers for tests that kill the watcher at chosen moments (SNAP_WATCH_TRACE=1)."""
+        if os.environ.get("SNAP_WATCH_TRACE"):
+            self.log(f"trace: {msg}")
+
+    def _committed(self, tokens: dict[str, tuple], now: float, cp: CommitPlan) -> None:
+        self.committed = tokens
+        self.committed_changed = {e.path: e for e in cp.diff.changed}
+        self.last_commit_at = now
+        self.burst_bytes = 0
+
+    def _is_current(self, cp: CommitPlan) -> bool:
+        """Whether the moving tag already names this box: every layer known unchanged, the same
+        layers and base in its manifest."""
+        known = [cp.known(p) for p in cp.plans]
+        if any(k is None for k in known):
+            return False
+        remote = Remote(self.moving, self.transport)
+        digest = remote.manifest_digest(self.moving.tag)
+        if digest is None:
+            return False
+        img = remote.resolve(digest)
+        count = snapshot_layer_count(img)
+        ours = [d["digest"] for d in img.layers[len(img.layers) - count:]] if count else []
+        base_digest = cp.base_img.manifest_digest if cp.base_img else None
+        carried = [desc["digest"] for layers in cp.carried.values() for desc, _ in layers]
+        return (img.manifest.get("annotations", {}).get(BASE_DIGEST) == base_digest
+                and sorted(ours) == sorted([k["digest"] for k in known] + carried))
+
+    def snapshot_tags(self, tags: list[str]) -> list[str]:
+        """This watch's immutable tags among `tags`, oldest first."""
+        pat = re.compile(re.escape(self.moving.tag) + r"-(\d{8}T\d{6}Z)(?:-(\d+))?$")
+        found = [(m.group(1), int(m.group(2) or 1), t) for t in tags if (m := pat.match(t))]
+        return [t for _, _, t in sorted(found)]
+
+    def _prune(self) -> None:
+        """Delete the oldest immutable snapshots beyond --keep (never one a kept tag names)."""
+        if self.prune_refused:
+            return
+        remote = Remote(self.moving, self.transport)
+        tags = remote.list_tags()
+        ours = self.snapshot_tags(tags)
+        drop, keep = ours[:-self.opts.keep], ours[-self.opts.keep:]
+        if not drop:
+            return
+        protected = {remote.manifest_digest(t) for t in keep + [self.moving.tag]}
+        for tag in drop:
+            digest = remote.manifest_digest(tag)
+            if digest is None or digest in protected:
+                continue
+            if not remote.delete_manifest(digest):
+                self.prune_refused = True
+                self.log(f"--keep: registry {self.moving.registry} does not allow deleting manifests "
+                         "(storage.delete.enabled in its config); older snapshots stay")
+                return
+            self.log(f"deleted old snapshot {tag}")
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def final(self, reason: str) -> int:
+        """One last commit, bounded by the grace. 0 when it is in (or nothing changed), else the
+        exit code of what stopped it; the moving tag names a complete snapshot either way."""
+        self.log(f"{reason}: final snapshot (grace {self.opts.grace:g}s)")
+        box: dict = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                with self.lock:  # a snapshot of the loop in flight gives up: this one replaces it
+                    self.final_started.set()
+                    if self.inflight is not None:
+                        self.inflight.set()
+                with self.commit_lock, exclusive(self.log):
+                    if not self.lineage_checked:
+                        self._check_lineage()
+                    box["tag"] = self._snapshot(final=True)
+            except BaseException as e:  # handed to the waiting thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="final snapshot", daemon=True).start()
+        current = f"{self.moving.tag} still names {self.current}" if self.current else f"{self.moving.tag} was not moved"
+        if not done.wait(self.opts.grace):
+            self._error(f"the final snapshot did not finish within the {self.opts.grace:g}s grace ({current})")
+            return 1
+        if "error" in box:
+            e = box["error"]
+            self._error(f"the final snapshot failed: {e} ({current})")
+            return e.exit_code if isinstance(e, SnapError) else 1
+        if box["tag"] is None:
+            self.log(f"nothing changed since {self.current or 'the last snapshot'}: {self.moving} is current")
+        else:
+            self.log(f"final snapshot {box['tag']} pushed; {self.moving} names it")
+        return 0
+
+    def _error(self, msg: str) -> None:
+        self.log(f"snap: error: {msg}")
+
+
+# ---- running it: signals, notices, exit --------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], None] = lambda: None) -> int:
+    """Watch until a signal or a reclaim notice, then make the final snapshot. The exit code."""
+    watcher = Watcher(target, base, opts)
+    stop = threading.Event()
+    reason: list[str] = []
+    failed: list[BaseException] = []
+
+    def on_signal(signum, _frame) -> None:
+        if not reason:
+            reason.append(f"signal {signal.Signals(signum).name}")
+        stop.set()
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, on_signal)
+
+    def loop() -> None:
+        try:
+            watcher.run(stop, on_ready)
+        except BaseException as e:  # a usage or auth error (or a bug): the loop cannot go on
+            failed.append(e)
+            stop.set()
+
+    def notices() -> None:
+        notice = opts.notices
+        while notice is not None and not stop.wait(opts.notice_poll):
+            found = notice.check()
+            if found and not reason:
+                reason.append(f"reclaim notice: {found}")
+                stop.set()
+
+    try:  # refused before it says it is ready: `--daemon` exits 2 with the line, not 0
+        watcher._check_lineage()
+    except (UsageError, AuthError):
+        raise
+    except SnapError:
+        pass  # the registry is not reachable yet: the loop checks before its first snapshot, retrying
+    threading.Thread(target=loop, name="watch loop", daemon=True).start()
+    threading.Thread(target=notices, name="notices", daemon=True).start()
+    while not stop.wait(1.0):
+        pass
+    if failed and not reason:
+        e = failed[0]
+        opts.log(f"snap: error: {e}" if isinstance(e, SnapError) else f"snap: internal error: {type(e).__name__}: {e}")
+        return e.exit_code if isinstance(e, SnapError) else 1
+    return watcher.final(reason[0] if reason else "stopped")
+
+
+def exit_now(code: int) -> None:
+    """Exit at once: threads still uploading (a big file sent ahead) are not waited for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def log_line(msg: str, stream=None) -> None:
+    """A watch log line: UTC time first (the daemon's log is read after the fact)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    out = stream or sys.stderr
+    out.write(f"{stamp} {msg}\n" if not msg.startswith("snap: error: ") else f"{msg}\n")
+    out.flush()
+
