@@ -16,7 +16,6 @@ download does not check the digest.
 from __future__ import annotations
 
 import dataclasses
-import email.utils
 import ipaddress
 import json
 import os
@@ -35,12 +34,10 @@ import requests
 
 from snapshotter.errors import AuthError, RegistryError, RegistryUnreachable, printable
 from snapshotter.oci.reference import DOCKER_HUB_NAMES, api_host
+from .retry import RETRY_DELAYS, retry_delay, scaled, worth_retrying
 
 PING_TIMEOUT = 10
 TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a wait forever
-RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we give up
-RETRY_STATUSES = (429, 500, 502, 503, 504)  # busy, throttling or restarting: worth asking again
-MAX_RETRY_AFTER = 60  # seconds: a longer Retry-After is waited this long, then asked again
 
 
 
@@ -187,7 +184,7 @@ class Transport:
                 raise RegistryUnreachable(f"registry {registry} failed: {short_error(e)}")
             except oras.auth.AuthenticationException:
                 raise self._no_token()
-            if r.status_code in RETRY_STATUSES and delay is not None:
+            if worth_retrying(r) and delay is not None:
                 self.backoff(retry_delay(r, delay))
                 r.close()
                 continue
@@ -202,8 +199,8 @@ class Transport:
         return r
 
     def backoff(self, seconds: float) -> None:
-        """Wait before asking again. $SNAP_RETRY_SCALE scales every wait (tests make them short)."""
-        self.sleep(seconds * _retry_scale())
+        """Wait before asking again (scaled: retry.py)."""
+        self.sleep(scaled(seconds))
 
     def _send(self, method: str, url: str, headers: dict, **kw) -> requests.Response:
         """One request; a 401 answered once by oras's auth backend (a bearer token for the
@@ -262,29 +259,6 @@ class Transport:
 
     def absolute(self, location: str) -> str:
         return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
-
-
-def retry_delay(r: requests.Response, default: float) -> float:
-    """How long to wait before asking again: the registry's Retry-After (seconds or an HTTP date,
-    at most MAX_RETRY_AFTER), else our own backoff step."""
-    value = r.headers.get("Retry-After", "").strip()
-    if not value:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
-            return default
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
-
-
-def _retry_scale() -> float:
-    try:
-        return max(0.0, float(os.environ.get("SNAP_RETRY_SCALE") or 1))
-    except ValueError:
-        return 1.0
 
 
 _SDK_CONFIGS = ("~/.docker/config.json", "~/.dockercfg")  # where the docker SDK looks without $DOCKER_CONFIG

@@ -15,7 +15,8 @@ import requests
 
 from snapshotter.errors import IntegrityError, RegistryError
 from snapshotter.progress import Stopped
-from .transport import RETRY_DELAYS, RETRY_STATUSES, TIMEOUT, check, retry_delay
+from .retry import RETRY_DELAYS, retry_delay, worth_retrying
+from .transport import TIMEOUT, check
 
 if TYPE_CHECKING:
     from .remote import Remote
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the producer and the socket
 QUEUED_PIECES = 8  # memory per upload: about this many pieces, whatever the blob size
 CHUNK_SIZE = 256 * 1024 * 1024  # bytes per PATCH: what a break can cost on a registry that cannot resume mid-PATCH
-UPLOAD_ATTEMPTS = 5
 # Answers of a registry that takes no chunked uploads (Google Artifact Registry): one PUT instead.
 PATCH_REFUSED = (405, 501)
 
@@ -48,7 +48,7 @@ def upload(remote: "Remote", produce: Produce, digest: str, size: int,
 
     monolithic = False
     location, offset = None, 0
-    for attempt in range(UPLOAD_ATTEMPTS):
+    for delay in RETRY_DELAYS:  # one attempt per step of the backoff
         if location is None:
             location, offset = _start(remote, digest), 0
         out = _StreamedUpload(remote, location, digest, size, offset, count, monolithic)
@@ -70,7 +70,7 @@ def upload(remote: "Remote", produce: Produce, digest: str, size: int,
         if remote.blob_exists(digest):  # it went in after all (waits for a registry that restarts)
             count(size - shown)
             return
-        remote.transport.backoff(out.retry_after if out.retry_after is not None else RETRY_DELAYS[attempt])
+        remote.transport.backoff(out.retry_after if out.retry_after is not None else delay)
         status = None if monolithic else _status(remote, out.location)
         location, offset = status if status else (None, 0)
         count(offset - shown)  # the bar goes back to what the registry holds
@@ -253,7 +253,7 @@ class _StreamedUpload:
             self.error = e
 
     def _note_retry(self, r: requests.Response) -> None:
-        if r.status_code in RETRY_STATUSES:
+        if worth_retrying(r):
             self.retry_after = retry_delay(r, RETRY_DELAYS[0])
 
 
