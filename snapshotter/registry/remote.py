@@ -272,7 +272,8 @@ class Remote:
         """Upload a blob whose bytes `produce(out)` writes to `out`, streamed in bounded memory.
         `produce` must give the same bytes each time it is called: an upload that breaks resumes
         by running it again (upload.py)."""
-        upload(self, produce, digest, size, progress)
+        upload(self.transport, produce, digest, size, exists=lambda: self.blob_exists(digest),
+               stopping=self.stopping, progress=progress)
 
 
 def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dict:
