@@ -16,7 +16,8 @@ import requests
 from snapshotter.errors import IntegrityError, RegistryError
 from snapshotter.progress import Stopped
 from .retry import RETRY_DELAYS, retry_delay, worth_retrying
-from .transport import TIMEOUT, Transport, check
+from .answers import check
+from .transport import TIMEOUT, Transport
 
 PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the producer and the socket
 QUEUED_PIECES = 8  # memory per upload: about this many pieces, whatever the blob size
