@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import os
 import threading
 import time
 import urllib.parse
@@ -28,23 +27,17 @@ from http.cookiejar import DefaultCookiePolicy
 
 import oras.auth
 import oras.auth.utils
-import oras.utils
 import requests
 
 from snapshotter.errors import AuthError, RegistryError, RegistryUnreachable
-from snapshotter.oci.reference import DOCKER_HUB_NAMES, api_host
+from snapshotter.oci.reference import api_host
 from .answers import short_error
+from .credentials import Credentials, docker_credentials
 from .retry import RETRY_DELAYS, retry_delay, scaled, worth_retrying
 
 PING_TIMEOUT = 10
 TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a wait forever
 
-
-
-@dataclass
-class Credentials:
-    username: Optional[str] = None
-    password: Optional[str] = None
 
 
 @dataclass
@@ -259,38 +252,6 @@ class Transport:
 
     def absolute(self, location: str) -> str:
         return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
-
-
-_SDK_CONFIGS = ("~/.docker/config.json", "~/.dockercfg")  # where the docker SDK looks without $DOCKER_CONFIG
-
-
-def docker_credentials(registry: str) -> Optional[tuple[str, str]]:
-    """(username, password) for `registry` from Docker's config, read by the docker SDK: inline
-    auths, credsStore and credHelpers (the helper programs run), Docker Hub under any of its keys.
-    A loopback registry's are also found under its other name (localhost or 127.0.0.1). None if
-    there are none."""
-    # The SDK falls back to ~/.docker when $DOCKER_CONFIG holds no config.json; Docker does not.
-    env_dir = os.environ.get("DOCKER_CONFIG")
-    path = os.path.join(env_dir, "config.json") if env_dir else None
-    if path and not os.path.exists(path):
-        return None
-    if not path and not any(os.path.exists(os.path.expanduser(p)) for p in _SDK_CONFIGS):
-        return None  # no config where the SDK looks: no credentials, and no SDK to load
-    import docker.auth  # only here: the SDK costs a restore's start ~0.1 s, and most machines have no config
-    import docker.errors
-
-    names = ["docker.io"] if registry in DOCKER_HUB_NAMES else list(oras.utils.iter_localhosts(registry))
-    try:
-        config = docker.auth.load_config(path)
-        for name in names:
-            found = docker.auth.resolve_authconfig(config, name) or {}
-            username = found.get("username", found.get("Username"))
-            if username is not None:
-                return username, found.get("password", found.get("Password")) or ""
-    except (docker.errors.DockerException, OSError, ValueError) as e:
-        raise AuthError(f"cannot read registry credentials for {registry} from Docker's config: {short_error(e)}",
-                        "check ~/.docker/config.json (or $DOCKER_CONFIG) and its credential helpers")
-    return None
 
 
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
