@@ -1,13 +1,11 @@
 """The OCI distribution protocol (v2 API) for one repository: references, index -> platform
 manifest resolution, manifests pushed as the exact bytes we hashed, verified streamed downloads,
-streamed uploads in bounded memory, cross-repository mounts. HTTP, auth and retries are
-transport.py's.
+streamed uploads in bounded memory (upload.py), cross-repository mounts. HTTP, auth and retries
+are the transport's (transport.py): no request here sets an Authorization header.
 
-oras-py does here what transport.py says (its session and its answers to auth challenges), and no
-protocol step: its manifest calls re-serialise JSON (the digest would not be the one we hashed),
-its upload reads a whole blob into memory (or PATCHes 16 MiB chunks, a writer reopen each on the
-registry) and its download does not check the digest. So manifests, blobs and uploads (upload.py)
-are our own requests over transport.py.
+oras-py takes no protocol step here: its manifest calls re-serialise JSON (the digest would not
+be the one we hashed), its upload reads a whole blob into memory (or PATCHes 16 MiB chunks, a
+writer reopen each on the registry) and its download does not check the digest.
 """
 
 from __future__ import annotations
