@@ -16,7 +16,8 @@ import typer
 
 from . import progress
 from .errors import SnapError, StorageError, UsageError
-from snapshotter.registry.transport import Credentials, TransportOptions
+from snapshotter.registry.credentials import Credentials
+from snapshotter.registry.transport import TransportOptions
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import NOT_CAPTURED, snap
-from snapshotter.registry.transport import docker_credentials
+from snapshotter.registry.credentials import docker_credentials
 from support import RegistryServer, TokenRegistryServer, push_base_image, snapshot_of_tree
 from test_errors import assert_one_line_error
 
@@ -269,7 +269,7 @@ def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_
     and the docker SDK is not even imported (it slowed every restore's start)."""
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_CONFIG"}
     env["HOME"] = str(tmp_path)
-    code = ("import sys; from snapshotter.registry.transport import docker_credentials\n"
+    code = ("import sys; from snapshotter.registry.credentials import docker_credentials\n"
             "print(docker_credentials('ghcr.io'), 'docker' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["None", "False"]

@@ -1,2 +1,4 @@
-"""Talking to an OCI registry: the HTTP transport (auth, retries, error answers), the
-protocol's verbs (Remote), blob uploads, and where a blob can be read from."""
+"""Talking to an OCI registry. Bottom up: what its answers say (answers), when to ask again
+(retry), who we are (credentials, auth), where it listens (ping); the HTTP transport composing
+them (transport); blob uploads over a transport (upload); the protocol's verbs for one repository
+(Remote, remote); and which repositories are known to hold a blob (blobsources)."""

@@ -1,13 +1,11 @@
 """The OCI distribution protocol (v2 API) for one repository: references, index -> platform
 manifest resolution, manifests pushed as the exact bytes we hashed, verified streamed downloads,
-streamed uploads in bounded memory, cross-repository mounts. HTTP, auth and retries are
-transport.py's.
+streamed uploads in bounded memory (upload.py), cross-repository mounts. HTTP, auth and retries
+are the transport's (transport.py): no request here sets an Authorization header.
 
-oras-py does here what transport.py says (its session and its answers to auth challenges), and no
-protocol step: its manifest calls re-serialise JSON (the digest would not be the one we hashed),
-its upload reads a whole blob into memory (or PATCHes 16 MiB chunks, a writer reopen each on the
-registry) and its download does not check the digest. So manifests, blobs and uploads (upload.py)
-are our own requests over transport.py.
+oras-py takes no protocol step here: its manifest calls re-serialise JSON (the digest would not
+be the one we hashed), its upload reads a whole blob into memory (or PATCHes 16 MiB chunks, a
+writer reopen each on the registry) and its download does not check the digest.
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ from snapshotter.errors import IntegrityError, NotFound, RegistryError, Registry
 from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from snapshotter.oci.reference import Reference
-from .transport import Transport, TransportOptions, check, short_error
+from .answers import check, short_error
+from .transport import Transport, TransportOptions
 from .upload import PIECE_SIZE, upload
 
 ProgressFn = Optional[Callable[[int], None]]
@@ -272,7 +271,8 @@ class Remote:
         """Upload a blob whose bytes `produce(out)` writes to `out`, streamed in bounded memory.
         `produce` must give the same bytes each time it is called: an upload that breaks resumes
         by running it again (upload.py)."""
-        upload(self, produce, digest, size, progress)
+        upload(self.transport, produce, digest, size, exists=lambda: self.blob_exists(digest),
+               stopping=self.stopping, progress=progress)
 
 
 def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dict:

@@ -1,26 +1,14 @@
-"""HTTP to a registry: where it is (http or https, probed), who we are (Basic credentials, bearer
-tokens and their scopes, Docker's credentials), and how a request survives a registry that restarts
-(timeouts, retries with backoff). registry.py speaks the distribution protocol over this.
+"""HTTP to one repository of a registry: the session (no cookies, a timeout on every request) and
+the request loop, composed of where the registry listens (ping.py), who we are (credentials.py,
+auth.py), how a request survives a registry that restarts or throttles (retry.py) and what a
+failed answer says (answers.py). remote.py speaks the distribution protocol over this.
 
-What oras-py does here, through its public API only (`oras.auth`: not `oras.provider`, whose
-import of jsonschema cost every restore's start ~0.1 s): the answer to a registry's 401 (`auth.authenticate_request`: Basic, or a
-bearer token asked for with our credentials or anonymously) and bearer token requests
-(`auth.request_token`). What it does not do here: find credentials (the docker SDK reads
-$DOCKER_CONFIG or ~/.docker/config.json, Docker Hub's legacy key and credential helpers:
-`docker.auth.load_config` and `resolve_authconfig`); retry (its `do_request` retries every error
-with sleeps of up to minutes, so requests go through its session and our own short backoff); and
-(registry.py, upload.py) uploads and downloads: its upload reads a whole blob into memory and its
-download does not check the digest.
+oras-py's do_request is not used: it retries every error with sleeps of up to minutes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import email.utils
-import ipaddress
-import json
-import os
-import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -28,26 +16,17 @@ from typing import Callable, Optional
 
 from http.cookiejar import DefaultCookiePolicy
 
-import oras.auth
-import oras.auth.utils
-import oras.utils
 import requests
 
-from snapshotter.errors import AuthError, RegistryError, RegistryUnreachable, printable
-from snapshotter.oci.reference import DOCKER_HUB_NAMES, api_host
+from snapshotter.errors import RegistryError, RegistryUnreachable
+from snapshotter.oci.reference import api_host
+from .answers import short_error
+from .auth import authenticator
+from .credentials import Credentials, docker_credentials
+from .ping import ping
+from .retry import RETRY_DELAYS, retry_delay, scaled, worth_retrying
 
-PING_TIMEOUT = 10
 TIMEOUT = (10, 300)  # connect, read: a registry that hangs is an error, not a wait forever
-RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we give up
-RETRY_STATUSES = (429, 500, 502, 503, 504)  # busy, throttling or restarting: worth asking again
-MAX_RETRY_AFTER = 60  # seconds: a longer Retry-After is waited this long, then asked again
-
-
-
-@dataclass
-class Credentials:
-    username: Optional[str] = None
-    password: Optional[str] = None
 
 
 @dataclass
@@ -70,15 +49,11 @@ class TransportOptions:
         return self.credentials.username is not None and (
             self.credentials_registry is None or api_host(self.credentials_registry) == api_host(registry))
 
-
-def _is_loopback(host: str) -> bool:
-    name = host.rsplit(":", 1)[0].strip("[]") if host.count(":") <= 1 or host.startswith("[") else host
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+    def credentials_for(self, registry: str) -> Optional[tuple[str, str]]:
+        """(username, password) for `registry`: the explicit ones if they are for it, else Docker's."""
+        if self.explicit_credentials_for(registry):
+            return self.credentials.username, self.credentials.password or ""
+        return docker_credentials(registry)
 
 
 class Transport:
@@ -91,84 +66,33 @@ class Transport:
         self.options = options or TransportOptions()
         self.host = api_host(registry)  # where requests go; `registry` stays the name in messages
         self.sleep: Callable[[float], None] = time.sleep  # tests swap it to see the waits
-        self.scheme = self._probe()
         verify = self.options.ca_bundle or self.options.tls_verify
-        backend = self._auth_kind
+        found = ping(self.host, self.options.plain_http, verify)
+        self.scheme = found.scheme
         self.session = requests.Session()
         # No cookies, as oras's Registry: some registries set one and then take us for a browser (CSRF).
         self.session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
-        self.auth = oras.auth.get_auth_backend(backend, self.session, self.scheme == "http", tls_verify=verify)
-        self.headers: dict[str, str] = {}  # sent with every request
         if not verify:
             requests.packages.urllib3.disable_warnings()  # --insecure-tls was asked for: no warning per request
         self.verify = verify
         self.session.mount("http://", _TimeoutAdapter())
         self.session.mount("https://", _TimeoutAdapter())
-        creds = self.options.credentials
-        if self.options.explicit_credentials_for(registry):
-            found: Optional[tuple[str, str]] = (creds.username, creds.password or "")
-        else:
-            found = docker_credentials(registry)
-        self.has_credentials = found is not None
-        self._token_lock = threading.Lock()  # layers upload in threads that share one token
-        self._scopes: dict[str, set[str]] = {}  # "repository:box" -> actions, of every token asked for
-        if found is not None:
-            self.auth.set_basic_auth(*found)  # what the token backend sends to the token realm
-            if backend == "basic":
-                # Send Basic credentials up front: saves a 401 round trip per request.
-                self.headers["Authorization"] = f"Basic {oras.auth.utils.get_basic_auth(*found)}"
-
-    def _probe(self) -> str:
-        """Ping /v2/ to pick http or https and learn the auth scheme; fail fast when down."""
-        host = self.host
-        verify = self.options.ca_bundle or self.options.tls_verify
-        schemes = ["https"]
-        if self.options.plain_http:
-            schemes = ["http"]
-        elif self.options.plain_http is None and _is_loopback(host):
-            # Plain http first: what a loopback registry usually speaks, and a TLS attempt costs
-            # ~50 ms of CPU (the CA bundle); a TLS registry answers it 400, and https is tried next.
-            schemes = ["http", "https"]
-        first_error: Optional[Exception] = None
-        for scheme in schemes:
-            try:
-                r = requests.get(f"{scheme}://{host}/v2/", timeout=PING_TIMEOUT, verify=verify)
-            except requests.exceptions.SSLError as e:
-                first_error = e  # the TLS error is the real cause, whatever plain http said
-                continue
-            except requests.exceptions.RequestException as e:
-                first_error = first_error or e
-                continue
-            if r.status_code == 400 and scheme == "http" and len(schemes) > 1:
-                continue  # an https server answering plain http
-            challenge = r.headers.get("Www-Authenticate", "")
-            self._auth_kind = "basic" if challenge.lower().startswith("basic") else "token"
-            return scheme
-        if isinstance(first_error, requests.exceptions.SSLError):
-            raise RegistryUnreachable(
-                f"TLS to registry {host} failed: {short_error(first_error)}",
-                "pass --ca-cert FILE for a private CA, or --plain-http for a registry without TLS",
-            )
-        raise RegistryUnreachable(
-            f"registry {host} is not reachable: {short_error(first_error)}",
-            "check the host and port, and that the registry is running",
-        )
+        self.auth = authenticator(found.auth_kind, registry, repository, self.options.credentials_for(registry),
+                                  self.session, self.scheme == "http", verify)
 
     def request(self, method: str, url: str, resend: bool = True, **kw) -> requests.Response:
-        """One registry request over oras's session (auth, token refresh), retried by us with a short
-        backoff: a registry that restarts or throttles (429/5xx, its Retry-After honoured) is
-        waited for, one that is down fails in seconds.
-        (oras's do_request retries with waits of minutes, so it is not used.)
+        """One registry request, with who we are (a token renewed once if the registry asks),
+        retried as retry.py says: a registry that restarts or throttles (429/5xx, its Retry-After
+        honoured) is waited for, one that is down fails in seconds.
         `resend=False` for a streamed body, which cannot be sent twice: a broken connection or an
         expired token is then a RegistryError, for the caller to start its upload over."""
-        headers = dict(self.headers)
-        headers.update(kw.pop("headers", {}) or {})
+        headers = dict(kw.pop("headers", {}) or {})
         registry = self.registry
         refreshed = False
         for delay in (*RETRY_DELAYS, None) if resend else (None,):
             try:
                 r = self._send(method, url, dict(headers), **kw)
-                if r.status_code == 401 and not refreshed and self._needs_new_token(r):
+                if r.status_code == 401 and not refreshed and self.auth.refresh(r):
                     refreshed = True  # once: a token the server scopes down again is a refusal
                     if not resend:
                         raise RegistryError(f"registry {registry} asked for a new token during an upload")
@@ -185,77 +109,22 @@ class Transport:
                 continue
             except requests.exceptions.RequestException as e:
                 raise RegistryUnreachable(f"registry {registry} failed: {short_error(e)}")
-            except oras.auth.AuthenticationException:
-                raise self._no_token()
-            if r.status_code in RETRY_STATUSES and delay is not None:
+            if worth_retrying(r) and delay is not None:
                 self.backoff(retry_delay(r, delay))
                 r.close()
                 continue
             break
         if r.status_code in (401, 403):
-            if not self.has_credentials:
-                raise AuthError(f"registry {registry} asks for credentials we do not have")
-            raise AuthError(
-                f"registry {registry} refused the credentials for {method} on {self.repository} (HTTP {r.status_code})",
-                "check the username/password or the token's permissions",
-            )
+            raise self.auth.refusal(f"{method} on {self.repository} (HTTP {r.status_code})")
         return r
 
     def backoff(self, seconds: float) -> None:
-        """Wait before asking again. $SNAP_RETRY_SCALE scales every wait (tests make them short)."""
-        self.sleep(seconds * _retry_scale())
+        """Wait before asking again (scaled: retry.py)."""
+        self.sleep(scaled(seconds))
 
     def _send(self, method: str, url: str, headers: dict, **kw) -> requests.Response:
-        """One request; a 401 answered once by oras's auth backend (a bearer token for the
-        challenge's scope), as oras's do_request does but without its retry decorator."""
-        auth = self.auth
-        if isinstance(auth, oras.auth.TokenAuth):
-            headers.update(auth.get_auth_header())  # the token we hold, if any
-        r = self.session.request(method, url, headers=headers, verify=self.verify, **kw)
-        if r.status_code != 401 or self._auth_kind == "basic":
-            return r  # Basic credentials went with the request: a 401 is a refusal
-        headers, changed = auth.authenticate_request(r, headers)
-        if not changed:
-            raise self._no_token()
-        r.close()
-        return self.session.request(method, url, headers=headers, verify=self.verify, **kw)
-
-    def _no_token(self) -> AuthError:
-        """oras could not answer the registry's auth challenge: no token for us."""
-        if self.has_credentials:
-            return AuthError(f"registry {self.registry} refused the credentials for {self.repository}",
-                             "check the username/password or the token's permissions")
-        return AuthError(f"registry {self.registry} asks for credentials we do not have")
-
-    def _needs_new_token(self, r: requests.Response) -> bool:
-        """A 401 with a Bearer challenge after oras sent its token: the token lacks the scope this
-        request needs (a pull token on a push: error="insufficient_scope") or it expired. oras
-        keeps one token and would send it again. Get a new one for the challenge's scope (e.g.
-        repository:box:pull,push) joined with the scopes of the tokens before it, so that it
-        replaces the old one for every later request, pulls included. True if there is a new
-        token to try (ours, or one another thread got meanwhile)."""
-        auth = self.auth
-        challenge = r.headers.get("Www-Authenticate", "")
-        if not isinstance(auth, oras.auth.TokenAuth) or not challenge.lower().startswith("bearer"):
-            return False
-        sent = r.request.headers.get("Authorization") if r.request is not None else None
-        r.close()
-        with self._token_lock:
-            if auth.token and sent != f"Bearer {auth.token}":
-                return True  # another thread replaced the token after this request was sent
-            h = oras.auth.utils.parse_auth_header(challenge)
-            for one in (h.scope or "").split():
-                resource, _, actions = one.rpartition(":")
-                self._scopes.setdefault(resource, set()).update(a for a in actions.split(",") if a)
-            if self._scopes:
-                h.scope = " ".join(f"{res}:{','.join(sorted(acts))}" for res, acts in sorted(self._scopes.items()))
-            # What oras's authenticate_request(refresh=True) does, without a moment with no token:
-            # other threads keep sending the old one until the new one is set.
-            token = auth.request_token(h)
-            if not token:
-                return False
-            auth.token = token
-            return True
+        """One request, with who we are (auth.py)."""
+        return self.auth.send(lambda h: self.session.request(method, url, headers=h, verify=self.verify, **kw), headers)
 
     def url(self, path: str) -> str:
         return f"{self.scheme}://{self.host}/v2/{self.repository}/{path}"
@@ -264,123 +133,10 @@ class Transport:
         return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
 
 
-def retry_delay(r: requests.Response, default: float) -> float:
-    """How long to wait before asking again: the registry's Retry-After (seconds or an HTTP date,
-    at most MAX_RETRY_AFTER), else our own backoff step."""
-    value = r.headers.get("Retry-After", "").strip()
-    if not value:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
-            return default
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
-
-
-def _retry_scale() -> float:
-    try:
-        return max(0.0, float(os.environ.get("SNAP_RETRY_SCALE") or 1))
-    except ValueError:
-        return 1.0
-
-
-_SDK_CONFIGS = ("~/.docker/config.json", "~/.dockercfg")  # where the docker SDK looks without $DOCKER_CONFIG
-
-
-def docker_credentials(registry: str) -> Optional[tuple[str, str]]:
-    """(username, password) for `registry` from Docker's config, read by the docker SDK: inline
-    auths, credsStore and credHelpers (the helper programs run), Docker Hub under any of its keys.
-    A loopback registry's are also found under its other name (localhost or 127.0.0.1). None if
-    there are none."""
-    # The SDK falls back to ~/.docker when $DOCKER_CONFIG holds no config.json; Docker does not.
-    env_dir = os.environ.get("DOCKER_CONFIG")
-    path = os.path.join(env_dir, "config.json") if env_dir else None
-    if path and not os.path.exists(path):
-        return None
-    if not path and not any(os.path.exists(os.path.expanduser(p)) for p in _SDK_CONFIGS):
-        return None  # no config where the SDK looks: no credentials, and no SDK to load
-    import docker.auth  # only here: the SDK costs a restore's start ~0.1 s, and most machines have no config
-    import docker.errors
-
-    names = ["docker.io"] if registry in DOCKER_HUB_NAMES else list(oras.utils.iter_localhosts(registry))
-    try:
-        config = docker.auth.load_config(path)
-        for name in names:
-            found = docker.auth.resolve_authconfig(config, name) or {}
-            username = found.get("username", found.get("Username"))
-            if username is not None:
-                return username, found.get("password", found.get("Password")) or ""
-    except (docker.errors.DockerException, OSError, ValueError) as e:
-        raise AuthError(f"cannot read registry credentials for {registry} from Docker's config: {short_error(e)}",
-                        "check ~/.docker/config.json (or $DOCKER_CONFIG) and its credential helpers")
-    return None
-
-
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
-    """oras passes no timeout to requests; this gives every request one."""
+    """Gives every request of the session a timeout, the token requests oras sends through it included."""
 
     def send(self, request, **kw):
         if kw.get("timeout") is None:
             kw["timeout"] = TIMEOUT
         return super().send(request, **kw)
-
-
-ERROR_BODY_LIMIT = 16 * 1024  # bytes of an error answer read for its message; the rest is dropped
-ERROR_READ_S = 5  # seconds spent reading them from a registry that drips
-
-
-def check(r: requests.Response, what: str) -> None:
-    """A RegistryError with the registry's own error codes, for an answer that is not a success.
-    Whatever the body's size or shape (a hostile registry's), the message is one printable line."""
-    if r.status_code < 300:
-        return
-    body = _error_body(r)
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    errors = doc.get("errors") if isinstance(doc, dict) else None
-    if isinstance(errors, list) and any(isinstance(e, dict) for e in errors):
-        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
-    else:
-        detail = body[:200].decode(errors="replace")
-    raise RegistryError(f"{what} failed: HTTP {r.status_code} {printable(detail.strip())[:500]}".strip())
-
-
-def _error_body(r: requests.Response) -> bytes:
-    """At most ERROR_BODY_LIMIT bytes of an answer's body: the ones arrived within ERROR_READ_S of
-    a streamed answer (then the connection is closed, the rest unread), or of one already read."""
-    pieces: list[bytes] = []
-    got, deadline = 0, time.monotonic() + ERROR_READ_S
-    try:
-        while got < ERROR_BODY_LIMIT and time.monotonic() < deadline:
-            data = r.raw.read1(ERROR_BODY_LIMIT - got, decode_content=True)  # what has arrived, without waiting for more
-            if not data:
-                break
-            pieces.append(data)
-            got += len(data)
-    except Exception:  # noqa: BLE001 - a broken or already read stream: urllib3's errors are not OSError
-        pass
-    if pieces:
-        r.close()
-        return b"".join(pieces)
-    try:
-        return (r.content or b"")[:ERROR_BODY_LIMIT]  # read before (not streamed), or empty
-    except Exception:  # noqa: BLE001 - a stream that broke: no message, the status says enough
-        return b""
-
-
-def short_error(e: Optional[BaseException]) -> str:
-    """The last, most specific line of a requests/urllib3 error chain."""
-    if e is None:
-        return "no answer"
-    text = str(e)
-    for key in ("Connection refused", "Name or service not known", "timed out", "certificate verify failed",
-                "No route to host", "Temporary failure in name resolution"):
-        if key in text:
-            return key
-    return text.splitlines()[0][:200]
-

@@ -9,34 +9,34 @@ import queue
 import re
 import threading
 import urllib.parse
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import requests
 
 from snapshotter.errors import IntegrityError, RegistryError
 from snapshotter.progress import Stopped
-from .transport import RETRY_DELAYS, RETRY_STATUSES, TIMEOUT, check, retry_delay
-
-if TYPE_CHECKING:
-    from .remote import Remote
+from .retry import RETRY_DELAYS, retry_delay, worth_retrying
+from .answers import check
+from .transport import TIMEOUT, Transport
 
 PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the producer and the socket
 QUEUED_PIECES = 8  # memory per upload: about this many pieces, whatever the blob size
 CHUNK_SIZE = 256 * 1024 * 1024  # bytes per PATCH: what a break can cost on a registry that cannot resume mid-PATCH
-UPLOAD_ATTEMPTS = 5
 # Answers of a registry that takes no chunked uploads (Google Artifact Registry): one PUT instead.
 PATCH_REFUSED = (405, 501)
 
 Produce = Callable[[object], None]
 
 
-def upload(remote: "Remote", produce: Produce, digest: str, size: int,
-           progress: Optional[Callable[[int], None]] = None) -> None:
-    """Upload the blob whose `size` bytes `produce(out)` writes to `out`. After a failed attempt
-    the registry is asked where the upload stands (GET on its URL: the Range it holds); the next
+def upload(transport: Transport, produce: Produce, digest: str, size: int, *, exists: Callable[[], bool],
+           stopping: threading.Event, progress: Optional[Callable[[int], None]] = None) -> None:
+    """Upload the blob whose `size` bytes `produce(out)` writes to `out`, into the transport's
+    repository. After a failed attempt the registry is asked whether it holds the blob after all
+    (`exists`), else where the upload stands (GET on its URL: the Range it holds); the next
     attempt runs `produce` again and sends only what follows. A registry that lost the upload
     (distribution 2.8 drops one whose PATCH broke mid-way) gets it again from zero. The registry
-    accepts the blob only at the final PUT, and only if the bytes hash to `digest`."""
+    accepts the blob only at the final PUT, and only if the bytes hash to `digest`. `stopping`
+    set: the upload gives up (Stopped), even one whose socket hangs."""
     # Not oras's upload_blob: it reads the whole blob into memory (20 GB of RAM for a 20 GB model).
     shown = 0  # bytes on the progress bar for this blob
 
@@ -48,10 +48,10 @@ def upload(remote: "Remote", produce: Produce, digest: str, size: int,
 
     monolithic = False
     location, offset = None, 0
-    for attempt in range(UPLOAD_ATTEMPTS):
+    for delay in RETRY_DELAYS:  # one attempt per step of the backoff
         if location is None:
-            location, offset = _start(remote, digest), 0
-        out = _StreamedUpload(remote, location, digest, size, offset, count, monolithic)
+            location, offset = _start(transport, digest), 0
+        out = _StreamedUpload(transport, stopping, location, digest, size, offset, count, monolithic)
         try:
             try:
                 produce(out)
@@ -60,43 +60,43 @@ def upload(remote: "Remote", produce: Produce, digest: str, size: int,
                 raise
             location = out.finish()
             if not monolithic:
-                _commit(remote, location, digest)
+                _commit(transport, location, digest)
             return
         except RegistryError as e:
             last: RegistryError = e
         if out.patch_refused and not monolithic:
             monolithic, location, offset = True, out.location, 0  # same upload, one PUT
             continue
-        if remote.blob_exists(digest):  # it went in after all (waits for a registry that restarts)
+        if exists():  # it went in after all (waits for a registry that restarts)
             count(size - shown)
             return
-        remote.transport.backoff(out.retry_after if out.retry_after is not None else RETRY_DELAYS[attempt])
-        status = None if monolithic else _status(remote, out.location)
+        transport.backoff(out.retry_after if out.retry_after is not None else delay)
+        status = None if monolithic else _status(transport, out.location)
         location, offset = status if status else (None, 0)
         count(offset - shown)  # the bar goes back to what the registry holds
     raise last
 
 
-def _start(remote: "Remote", digest: str) -> str:
-    r = remote.transport.request("POST", remote.transport.url("blobs/uploads/"), headers={"Content-Length": "0"})
+def _start(transport: Transport, digest: str) -> str:
+    r = transport.request("POST", transport.url("blobs/uploads/"), headers={"Content-Length": "0"})
     check(r, f"start upload of {digest}")
-    return remote.transport.absolute(r.headers["Location"])
+    return transport.absolute(r.headers["Location"])
 
 
-def _status(remote: "Remote", location: str) -> Optional[tuple[str, int]]:
+def _status(transport: Transport, location: str) -> Optional[tuple[str, int]]:
     """(location, offset) of an upload the registry still holds, from its Range; None if it is gone."""
-    r = remote.transport.request("GET", location)
+    r = transport.request("GET", location)
     if r.status_code not in (200, 204):
         return None
     m = re.fullmatch(r"(?:bytes=)?0-(\d+)", r.headers.get("Range", "").strip())
     # distribution answers "0-0" for an empty upload too: resuming one byte early costs nothing.
     offset = int(m.group(1)) + 1 if m and m.group(1) != "0" else 0
-    return remote.transport.absolute(r.headers.get("Location") or location), offset
+    return transport.absolute(r.headers.get("Location") or location), offset
 
 
-def _commit(remote: "Remote", location: str, digest: str) -> None:
-    r = remote.transport.request("PUT", _with_digest(location, digest),
-                                 headers={"Content-Length": "0", "Content-Type": "application/octet-stream"})
+def _commit(transport: Transport, location: str, digest: str) -> None:
+    r = transport.request("PUT", _with_digest(location, digest),
+                          headers={"Content-Length": "0", "Content-Type": "application/octet-stream"})
     _check_put(r, digest)
 
 
@@ -125,9 +125,10 @@ class _StreamedUpload:
 
     _END = object()
 
-    def __init__(self, remote: "Remote", location: str, digest: str, size: int, skip: int,
-                 progress: Callable[[int], None], monolithic: bool):
-        self.remote, self.digest, self.size, self.skip = remote, digest, size, skip
+    def __init__(self, transport: Transport, stopping: threading.Event, location: str, digest: str, size: int,
+                 skip: int, progress: Callable[[int], None], monolithic: bool):
+        self.transport, self.stopping = transport, stopping
+        self.digest, self.size, self.skip = digest, size, skip
         self.progress, self.monolithic = progress, monolithic
         self.location = location  # where the upload continues: updated after each PATCH
         self.confirmed = skip  # bytes the registry holds at self.location
@@ -172,7 +173,7 @@ class _StreamedUpload:
         return self.location
 
     def _check_stopping(self) -> None:
-        if self.remote.stopping.is_set():
+        if self.stopping.is_set():
             self.aborted = True  # the request thread (a daemon) ends at its next piece, or with the process
             raise Stopped()
 
@@ -223,7 +224,7 @@ class _StreamedUpload:
             self.progress(len(piece))
 
     def _send(self) -> None:
-        t = self.remote.transport
+        t = self.transport
         try:
             if self.monolithic:
                 r = t.request("PUT", _with_digest(self.location, self.digest), resend=False,
@@ -253,7 +254,7 @@ class _StreamedUpload:
             self.error = e
 
     def _note_retry(self, r: requests.Response) -> None:
-        if r.status_code in RETRY_STATUSES:
+        if worth_retrying(r):
             self.retry_after = retry_delay(r, RETRY_DELAYS[0])
 
 

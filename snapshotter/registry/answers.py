@@ -1,0 +1,70 @@
+"""What a registry's answers say: a failure as one printable line with the registry's own error
+codes (check), read within bounds whatever a hostile registry sends, and the short reason of a
+requests/urllib3 error (short_error)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import requests
+
+from snapshotter.errors import RegistryError, printable
+
+ERROR_BODY_LIMIT = 16 * 1024  # bytes of an error answer read for its message; the rest is dropped
+ERROR_READ_S = 5  # seconds spent reading them from a registry that drips
+
+
+def check(r: requests.Response, what: str) -> None:
+    """A RegistryError with the registry's own error codes, for an answer that is not a success.
+    Whatever the body's size or shape (a hostile registry's), the message is one printable line."""
+    if r.status_code < 300:
+        return
+    body = _error_body(r)
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    errors = doc.get("errors") if isinstance(doc, dict) else None
+    if isinstance(errors, list) and any(isinstance(e, dict) for e in errors):
+        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    else:
+        detail = body[:200].decode(errors="replace")
+    raise RegistryError(f"{what} failed: HTTP {r.status_code} {printable(detail.strip())[:500]}".strip())
+
+
+def _error_body(r: requests.Response) -> bytes:
+    """At most ERROR_BODY_LIMIT bytes of an answer's body: the ones arrived within ERROR_READ_S of
+    a streamed answer (then the connection is closed, the rest unread), or of one already read."""
+    pieces: list[bytes] = []
+    got, deadline = 0, time.monotonic() + ERROR_READ_S
+    try:
+        while got < ERROR_BODY_LIMIT and time.monotonic() < deadline:
+            data = r.raw.read1(ERROR_BODY_LIMIT - got, decode_content=True)  # what has arrived, without waiting for more
+            if not data:
+                break
+            pieces.append(data)
+            got += len(data)
+    except Exception:  # noqa: BLE001 - a broken or already read stream: urllib3's errors are not OSError
+        pass
+    if pieces:
+        r.close()
+        return b"".join(pieces)
+    try:
+        return (r.content or b"")[:ERROR_BODY_LIMIT]  # read before (not streamed), or empty
+    except Exception:  # noqa: BLE001 - a stream that broke: no message, the status says enough
+        return b""
+
+
+def short_error(e: Optional[BaseException]) -> str:
+    """The last, most specific line of a requests/urllib3 error chain."""
+    if e is None:
+        return "no answer"
+    text = str(e)
+    for key in ("Connection refused", "Name or service not known", "timed out", "certificate verify failed",
+                "No route to host", "Temporary failure in name resolution"):
+        if key in text:
+            return key
+    return text.splitlines()[0][:200]
+

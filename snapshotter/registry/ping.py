@@ -1,0 +1,67 @@
+"""Where a registry listens and how it wants us to say who we are: a GET of /v2/ picks https or
+plain http (a loopback registry may speak either, as Docker allows) and reads the auth scheme
+from its challenge. A registry that does not answer fails here, in seconds."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import requests
+
+from snapshotter.errors import RegistryUnreachable
+from .answers import short_error
+
+PING_TIMEOUT = 10
+
+
+@dataclass(frozen=True)
+class Ping:
+    scheme: str  # "http" or "https"
+    auth_kind: str  # "basic" (its challenge says Basic) or "token" (Bearer, or no challenge)
+
+
+def ping(host: str, plain_http: Optional[bool], verify: Union[bool, str]) -> Ping:
+    """Ping `host`'s /v2/. `plain_http` None: https, or for a loopback host plain http first;
+    `verify`: requests' (a CA bundle's path, or whether to check the certificate)."""
+    schemes = ["https"]
+    if plain_http:
+        schemes = ["http"]
+    elif plain_http is None and is_loopback(host):
+        # Plain http first: what a loopback registry usually speaks, and a TLS attempt costs
+        # ~50 ms of CPU (the CA bundle); a TLS registry answers it 400, and https is tried next.
+        schemes = ["http", "https"]
+    first_error: Optional[Exception] = None
+    for scheme in schemes:
+        try:
+            r = requests.get(f"{scheme}://{host}/v2/", timeout=PING_TIMEOUT, verify=verify)
+        except requests.exceptions.SSLError as e:
+            first_error = e  # the TLS error is the real cause, whatever plain http said
+            continue
+        except requests.exceptions.RequestException as e:
+            first_error = first_error or e
+            continue
+        if r.status_code == 400 and scheme == "http" and len(schemes) > 1:
+            continue  # an https server answering plain http
+        challenge = r.headers.get("Www-Authenticate", "")
+        return Ping(scheme, "basic" if challenge.lower().startswith("basic") else "token")
+    if isinstance(first_error, requests.exceptions.SSLError):
+        raise RegistryUnreachable(
+            f"TLS to registry {host} failed: {short_error(first_error)}",
+            "pass --ca-cert FILE for a private CA, or --plain-http for a registry without TLS",
+        )
+    raise RegistryUnreachable(
+        f"registry {host} is not reachable: {short_error(first_error)}",
+        "check the host and port, and that the registry is running",
+    )
+
+
+def is_loopback(host: str) -> bool:
+    name = host.rsplit(":", 1)[0].strip("[]") if host.count(":") <= 1 or host.startswith("[") else host
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
