@@ -1,10 +1,11 @@
 """Where snap keeps local state: built layers, copied base blobs, cached base indexes, journals
-(a restore downloads into staging dirs in its own root, not here); and the lock that gives one
-snap process at a time the state dir."""
+(a restore downloads into staging dirs in its own root, not here); the lock that gives one
+snap process at a time the state dir; and the name a box root's files go by (its key)."""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import threading
@@ -33,6 +34,12 @@ def sub(*parts: str) -> str:
     path = os.path.join(root, *parts)
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def root_key(root: str, length: int = 32) -> str:
+    """The name a box root's files in the state dir go by: the sha256 of its real path (the same
+    root however it is spelt), in hex, cut to `length` digits."""
+    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:length]
 
 
 def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., IO] = open, mode: str = "w",

@@ -11,7 +11,6 @@ layers before the app's start, which nothing reads yet, write their new files in
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART_FILE
-from snapshotter.state import replace_file, state_dir, sub
+from snapshotter.state import replace_file, root_key, state_dir, sub
 
 VERSION = 1
 PROGRESS_DIR = "restore-progress"
@@ -29,8 +28,7 @@ POLL_SECONDS = 0.1
 
 def progress_path(root: str, directory: Optional[str] = None) -> str:
     """The progress file of a restore into `root`, in `directory` (default: made in the state dir)."""
-    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-    return os.path.join(directory or sub(PROGRESS_DIR), key + ".json")
+    return os.path.join(directory or sub(PROGRESS_DIR), root_key(root) + ".json")
 
 
 def weight_file(desc: dict, weights: set[str]) -> Optional[str]:

@@ -11,7 +11,6 @@ this version writes them, is not used."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -21,7 +20,7 @@ from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, snap_label
 from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
-from snapshotter.state import replace_file, sub
+from snapshotter.state import replace_file, root_key, sub
 from .statcache import blob_entry
 from snapshotter.tar.rules import header_key, headers_digest
 
@@ -33,8 +32,7 @@ CLOCK_TICK_S = 0.02
 
 
 def _path(root: str) -> str:
-    name = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-    return os.path.join(sub("restored"), name + ".json")
+    return os.path.join(sub("restored"), root_key(root) + ".json")
 
 
 def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> int:

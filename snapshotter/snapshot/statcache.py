@@ -15,7 +15,7 @@ import json
 import os
 from typing import Optional
 
-from snapshotter.state import replace_file, sub
+from snapshotter.state import replace_file, root_key, sub
 
 VERSION = 1
 BLOB_FIELDS = {"digest": str, "diff_id": str, "size": int, "media_type": str}  # what a hit gives commit
@@ -64,7 +64,7 @@ MADE_KEPT = 32  # digests of the snapshots made from a root that are remembered 
 
 
 def _last_commit_path(root: str) -> str:
-    return os.path.join(sub("last-commit"), hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
+    return os.path.join(sub("last-commit"), root_key(root) + ".json")
 
 
 def _last_commit(root: str) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError
-from snapshotter.state import replace_file, sub
+from snapshotter.state import replace_file, root_key, sub
 
 VERSION = 1  # of the pid and exit files
 READY = "\0ready\n"  # what the detached watcher sends its starter once it watches
@@ -32,7 +31,7 @@ class WatchFiles:
 
 def watch_files(root: str) -> WatchFiles:
     """The files of the watcher of `root`, in the state dir."""
-    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
+    key = root_key(root, 16)
     d = sub("watch")
     return WatchFiles(*(os.path.join(d, f"{key}.{ext}") for ext in ("lock", "pid", "log", "exit")))
 
