@@ -31,6 +31,7 @@ from typing import BinaryIO, Callable, Iterable, Optional
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError
 from snapshotter.box.mounts import inside, read_mounts
+from snapshotter.state import versioned, write_versioned
 from snapshotter.tar.reader import MAX_META, header_number, pax_records
 
 STAGE_MIN = 1 << 20  # smaller contents stay in the skeleton: a rename saves nothing on them
@@ -152,8 +153,7 @@ class _Splitter:
             self.skeleton.flush()
             os.fsync(self.skeleton.fileno())
         self.skeleton.close()
-        with open(os.path.join(self.dir, "segments.json"), "w") as f:
-            json.dump({"version": SEGMENTS_VERSION, "segments": self.segments}, f)
+        write_versioned(os.path.join(self.dir, "segments.json"), SEGMENTS_VERSION, {"segments": self.segments})
 
     def close(self) -> None:
         for f in (self.content, self.skeleton):
@@ -198,7 +198,7 @@ class SplitLayer(io.RawIOBase):
         self.dir, self.on_bytes = dirpath, on_bytes
         with open(os.path.join(dirpath, "segments.json")) as f:
             doc = json.load(f)
-        if not (isinstance(doc, dict) and doc.get("version") == SEGMENTS_VERSION):
+        if versioned(doc, SEGMENTS_VERSION) is None:
             raise ValueError(f"{dirpath} is a split layer of another format version")
         segs = doc["segments"]
         # (start in the stream, length, content name or None, start in the skeleton)

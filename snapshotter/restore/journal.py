@@ -13,7 +13,7 @@ import os
 from typing import Callable
 
 from snapshotter.layer.extract import storage_error
-from snapshotter.state import replace_file, root_key
+from snapshotter.state import replace_file, root_key, versioned
 
 VERSION = 3  # a header line, then one line per event
 
@@ -44,7 +44,7 @@ class Journal:
         except OSError:
             return True, None, []
         head = _json_line(lines[0])
-        ours = (isinstance(head, dict) and head.get("version") == VERSION and head.get("manifest") == self.manifest
+        ours = (versioned(head, VERSION) is not None and head.get("manifest") == self.manifest
                 and head.get("layers") == self.layers)
         return True, head, [b"{}", *lines[1:]] if ours else []
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART_FILE
-from snapshotter.state import replace_file, root_key, state_dir, sub
+from snapshotter.state import root_key, state_dir, sub, versioned, write_versioned
 
 VERSION = 1
 PROGRESS_DIR = "restore-progress"
@@ -78,9 +78,8 @@ class Progress:
         self._write()
 
     def _write(self) -> None:
-        doc = {"version": VERSION, "pid": os.getpid(), "state": self.state, "files": self.files}
         try:
-            replace_file(self.path, lambda f: f.write(json.dumps(doc)))
+            write_versioned(self.path, VERSION, {"pid": os.getpid(), "state": self.state, "files": self.files})
         except OSError:
             pass  # only `--wait` reads it; the restore itself goes on
 
@@ -127,7 +126,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
                 return
             raise UsageError(f"no restore into {root!r} is running, and {path!r} is not there",
                              "start `snap restore REF --root ROOT` first")
-        if isinstance(doc, dict) and doc.get("version") == VERSION:
+        if versioned(doc, VERSION):
             files = doc.get("files") if isinstance(doc.get("files"), dict) else {}
             if files.get(rel) is True:
                 return
