@@ -20,7 +20,7 @@ from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, _KIND_OF_MODE, c
                                      self_and_parents, stat_stamp)
 
 
-def read_head(path: str, n: int) -> bytes:
+def file_head(path: str, n: int) -> bytes:
     """The first n bytes of a file (fewer if it is shorter; none if it is gone)."""
     try:
         with open(path, "rb") as f:
@@ -241,7 +241,7 @@ def _new_entry(rel: str, path: str, st: os.stat_result, profile: Profile, metada
     e = entry_from_stat(rel, st, link)
     if e is None:
         return _NOT_CONTENT
-    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, path)):
+    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(file_head, path)):
         return None
     if not metadata_only:
         e.xattrs = read_xattrs(path)

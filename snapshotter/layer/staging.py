@@ -35,7 +35,6 @@ from snapshotter.state import versioned, write_versioned
 from snapshotter.tar.reader import MAX_META, header_number, pax_records
 
 STAGE_MIN = 1 << 20  # smaller contents stay in the skeleton: a rename saves nothing on them
-BLOCK = tarfile.BLOCKSIZE
 SPLIT_SUFFIX = ".split"
 SEGMENTS_VERSION = 1  # of segments.json: a split layer of another version is downloaded again
 STAGING_PREFIX = ".snap-staging-"  # + 16 hex digits of the manifest digest, at the top of a filesystem in a restore root
@@ -45,7 +44,7 @@ _META = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNU
 
 
 def _padded(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
+    return -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
 
 class _Splitter:
@@ -93,10 +92,10 @@ class _Splitter:
         view = memoryview(data)
         while view:
             if self.state == "header":  # collect a whole block
-                n = min(len(view), BLOCK - len(self.pending))
+                n = min(len(view), tarfile.BLOCKSIZE - len(self.pending))
                 self.pending += bytes(view[:n])
                 view = view[n:]
-                if len(self.pending) == BLOCK:
+                if len(self.pending) == tarfile.BLOCKSIZE:
                     block, self.pending = self.pending, b""
                     self._skel(block)
                     self._header(block)
@@ -120,7 +119,7 @@ class _Splitter:
     def _header(self, block: bytes) -> None:
         """What follows a header block, as tarfile reads it: data only after PAX and GNU name
         headers, regular files, and types tarfile does not know."""
-        if block.count(0) == BLOCK:
+        if block.count(0) == tarfile.BLOCKSIZE:
             return  # an end-of-archive block: whatever follows stays in the skeleton
         try:
             size = header_number(block[124:136])

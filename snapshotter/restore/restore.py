@@ -38,7 +38,7 @@ from snapshotter import progress
 from snapshotter.snapshot import skeleton
 from .applier import ExtractWorker, LayerJob
 from snapshotter.registry.blobsources import BlobSources
-from snapshotter.tar.compress import label_mismatch, read_head, sniff_compression
+from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
 from snapshotter.digests import DIGEST as _DIGEST, file_digest
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, storage_error
@@ -495,7 +495,7 @@ def _note_mislabelled(desc: dict, path: str, split: bool, label: str, log: Calla
         kind = "none"
     else:
         with open(path, "rb") as f:
-            kind = sniff_compression(read_head(f))
+            kind = sniff_compression(stream_head(f))
     if kind is not None and (msg := label_mismatch(desc["mediaType"], kind)):
         log(f"warning: {label}: {msg}")
 
