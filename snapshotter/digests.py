@@ -1,11 +1,17 @@
 """Content digests as OCI writes them (`sha256:<hex>`): the one place they are computed, for bytes in
 memory, a file, a stream of chunks, or a hasher fed along the way (by the code that streams the bytes
-anyway, so nothing is read twice)."""
+anyway, so nothing is read twice); and the form a sha256 digest must have where an image names one."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import BinaryIO, Iterable, Union
+
+# A sha256 digest as an image may name one. Only this form is accepted, which also makes a digest
+# safe as a file name (a restore's staging dir names blobs by theirs).
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+DIGEST_BYTES = re.compile(DIGEST.pattern.encode())  # the same, in bytes read from a file
 
 
 def hasher_digest(h) -> str:

@@ -1,15 +1,19 @@
 """Where snap keeps local state: built layers, copied base blobs, cached base indexes, journals
-(a restore downloads into staging dirs in its own root, not here); and the lock that gives one
-snap process at a time the state dir."""
+(a restore downloads into staging dirs in its own root, not here); the lock that gives one
+snap process at a time the state dir; and the rules its files share: a box root's files are
+named by the root's key, and every format names its version, so that a file of another version
+is never misread."""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import threading
 from contextlib import contextmanager
-from typing import IO, Callable, Iterator
+from typing import IO, Callable, Iterator, Optional
 
 from .errors import StorageError
 
@@ -33,6 +37,32 @@ def sub(*parts: str) -> str:
     path = os.path.join(root, *parts)
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def root_key(root: str, length: int = 32) -> str:
+    """The name a box root's files in the state dir go by: the sha256 of its real path (the same
+    root however it is spelt), in hex, cut to `length` digits."""
+    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:length]
+
+
+def versioned(doc: object, version: int) -> Optional[dict]:
+    """`doc` (a parsed JSON document or header line) if it is an object of format `version`, else None."""
+    return doc if isinstance(doc, dict) and doc.get("version") == version else None
+
+
+def read_versioned(path: str, version: int) -> Optional[dict]:
+    """The JSON document at `path` if it is of format `version`; None if it is missing, unreadable,
+    damaged or of another version."""
+    try:
+        with open(path) as f:
+            return versioned(json.load(f), version)
+    except (OSError, ValueError):
+        return None
+
+
+def write_versioned(path: str, version: int, fields: dict) -> None:
+    """Write {"version": version, **fields} as the JSON document at `path`, whole or not at all."""
+    replace_file(path, lambda f: json.dump({"version": version, **fields}, f))
 
 
 def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., IO] = open, mode: str = "w",

@@ -15,11 +15,12 @@ from snapshotter.errors import StorageError, UsageError
 from snapshotter.tar.rules import SKIP_XATTRS
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
 from snapshotter.box.profile import Profile, VenvRoots
+from snapshotter.index.paths import entry_links, resolve_in_root
 from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, _KIND_OF_MODE, clean_path, entry_from_stat,
                                      self_and_parents, stat_stamp)
 
 
-def read_head(path: str, n: int) -> bytes:
+def file_head(path: str, n: int) -> bytes:
     """The first n bytes of a file (fewer if it is shorter; none if it is gone)."""
     try:
         with open(path, "rb") as f:
@@ -45,30 +46,10 @@ class Scan:
         return any(p in self._left_out for p in self_and_parents(path))
 
 
-def resolve_in_box(entries: dict[str, Entry], path: str, hops: int = 40) -> Optional[str]:
-    """`path` with the symlinks of the box (its scan entries) resolved, as seen from inside the box:
-    absolute targets start at the box root, `..` stops there. None for a symlink loop."""
-    done: list[str] = []
-    todo = list(reversed(path.split("/")))
-    while todo:
-        part = todo.pop()
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if done:
-                done.pop()
-            continue
-        e = entries.get("/".join(done + [part]))
-        if e is None or e.kind != SYMLINK:
-            done.append(part)
-            continue
-        hops -= 1
-        if hops < 0:
-            return None
-        if e.linkname.startswith("/"):
-            done = []
-        todo.extend(reversed(e.linkname.split("/")))
-    return "/".join(done)
+def resolve_in_box(entries: dict[str, Entry], path: str) -> Optional[str]:
+    """`path` with the symlinks of the box (its scan entries) resolved, as seen from inside the box
+    (index/paths.py). None for a symlink loop."""
+    return resolve_in_root(path, entry_links(entries))
 
 
 def links_to(entries: dict[str, Entry], targets: set[str]) -> list[str]:
@@ -260,7 +241,7 @@ def _new_entry(rel: str, path: str, st: os.stat_result, profile: Profile, metada
     e = entry_from_stat(rel, st, link)
     if e is None:
         return _NOT_CONTENT
-    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, path)):
+    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(file_head, path)):
         return None
     if not metadata_only:
         e.xattrs = read_xattrs(path)

@@ -28,7 +28,7 @@ from snapshotter.errors import NotFound, SnapError, UsageError
 from snapshotter.layer.extract import ExtractOptions, Extractor
 from snapshotter.index.entry import DIR, FILE, Entry, clean_path, entry_from_stat
 from snapshotter.box.diff import Diff, diff
-from snapshotter.box.scan import Scan, read_head
+from snapshotter.box.scan import Scan, file_head
 from snapshotter.box.profile import Profile, VenvRoots
 from snapshotter.oci.image import Image
 from snapshotter.engine.run import connect
@@ -145,7 +145,7 @@ def container_changes(ct, base_img: Image, index: dict[str, Entry], mirror: str,
         e = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
         if e is None or skipped(rel):
             continue
-        if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(read_head, full)):
+        if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(file_head, full)):
             secrets.append(rel)  # a secret file, told by its kind and content: the base's copy stays
             continue
         old = view.get(rel)

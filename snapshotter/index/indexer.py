@@ -8,8 +8,9 @@ from typing import BinaryIO, Callable, Optional
 from snapshotter.digests import chunks_digest
 from snapshotter.errors import IntegrityError
 from snapshotter.tar.reader import iter_members, data_chunks
-from snapshotter.tar.rules import MAX_SYMLINK_HOPS, OPAQUE, WHITEOUT_PREFIX, check_name, whiteout_target
-from snapshotter.index.entry import DIR, FILE, SYMLINK, Entry, entry_from_member
+from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, check_name, whiteout_target
+from snapshotter.index.entry import DIR, FILE, Entry, entry_from_member
+from snapshotter.index.paths import entry_links, resolve_in_root
 
 
 def _under(path: str, roots: set[str]) -> bool:
@@ -23,30 +24,13 @@ def _under(path: str, roots: set[str]) -> bool:
 
 def resolve_parent(index: dict[str, Entry], layer: dict[str, Entry], rel: str, name: str = "") -> str:
     """Where an extractor writes `rel` (a checked name): its parent directories resolved through
-    the image's symlinks as if the root were '/' (extract.py does the same on disk), the final
-    component not followed. Refuses a loop, as restore does."""
+    the image's symlinks as if the root were '/' (paths.py; extract.py does the same on disk), the
+    final component not followed. Refuses a loop, as restore does."""
     parent, _, base = rel.rpartition("/")
-    parts = [p for p in parent.split("/") if p]
-    out: list[str] = []
-    hops = 0
-    while parts:
-        part = parts.pop(0)
-        if part == "..":
-            if out:
-                out.pop()
-            continue
-        here = "/".join((*out, part))
-        e = layer.get(here) or index.get(here)
-        if e is not None and e.kind == SYMLINK:
-            hops += 1
-            if hops > MAX_SYMLINK_HOPS:
-                raise IntegrityError(f"too many symlinks resolving {name or rel!r}: refusing a hostile layer")
-            if e.linkname.startswith("/"):
-                out = []
-            parts = [p for p in e.linkname.split("/") if p and p != "."] + parts
-            continue
-        out.append(part)
-    return "/".join((*out, base))
+    resolved = resolve_in_root(parent, entry_links(layer, index))
+    if resolved is None:
+        raise IntegrityError(f"too many symlinks resolving {name or rel!r}: refusing a hostile layer")
+    return f"{resolved}/{base}" if resolved else base
 
 
 def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, label: str = "layer") -> set[str]:

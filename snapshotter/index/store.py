@@ -8,7 +8,7 @@ import json
 from dataclasses import astuple, fields
 from typing import Optional, Sequence
 
-from snapshotter.state import replace_file
+from snapshotter.state import replace_file, versioned
 from snapshotter.index.entry import Entry, gc_paused
 
 
@@ -39,8 +39,8 @@ def load_index(path: str, diff_ids: Optional[Sequence[str]] = None) -> Optional[
     hostile one, restored here) must not stand for that base in the next commit's diff."""
     try:
         with gzip.open(path, "rt") as f, gc_paused():
-            header = json.loads(f.readline() or "null")
-            if not isinstance(header, dict) or not isinstance(header.get("diff_ids"), list) or \
+            header = versioned(json.loads(f.readline() or "null"), INDEX_VERSION)
+            if header is None or not isinstance(header.get("diff_ids"), list) or \
                     header != _index_header(header["diff_ids"] if diff_ids is None else diff_ids):
                 return None
             width = len(header["fields"])

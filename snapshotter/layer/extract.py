@@ -42,11 +42,12 @@ import zstandard
 from snapshotter.digests import file_digest, hasher_digest
 from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_path
 from snapshotter.index.indexer import ImageIndexer
+from snapshotter.index.paths import resolve_in_root
 from snapshotter.index.entry import clean_path
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.box.profile import PathSet
 from snapshotter.tar.reader import TarReader
-from snapshotter.tar.rules import (MAX_SYMLINK_HOPS, OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest,
+from snapshotter.tar.rules import (OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest,
                                    check_name, header_key, member_mtime_ns, whiteout_target)
 
 TMP_PREFIX = ".snap-tmp-"
@@ -171,46 +172,41 @@ class Extractor:
     # ---- path resolution, scoped to the root ------------------------------------------------
 
     def _resolve_dir(self, rel: str, create: bool = True) -> str:
-        """Real path of directory `rel`, following symlinks as if self.root were '/'.
+        """Real path of directory `rel`, following symlinks as if self.root were '/' (index/paths.py).
         Missing directories are created (0755, as the runtimes do)."""
-        parts = [p for p in rel.split("/") if p]
-        current = self.root
-        hops = 0
-        while parts:
-            part = parts.pop(0)
-            if part == "..":
-                current = os.path.dirname(current) if current != self.root else current
-                continue
-            nxt = os.path.join(current, part)
-            try:
-                st = os.lstat(nxt)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                self._note_parent(current)
-                os.mkdir(nxt, 0o755)
-                self._made_dir(nxt)
-                current = nxt
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                hops += 1
-                if hops > MAX_SYMLINK_HOPS:
-                    raise IntegrityError(f"too many symlinks resolving /{rel}: refusing a hostile layer")
-                target = os.readlink(nxt)
-                if target.startswith("/"):
-                    current = self.root
-                parts = [p for p in target.split("/") if p and p != "."] + parts
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                if not create:
-                    raise FileNotFoundError(nxt)
-                # A non-directory stands where a directory is needed: the new layer replaces it.
-                self._note_parent(current)
-                os.unlink(nxt)
-                os.mkdir(nxt, 0o755)
-                self._made_dir(nxt)
-            current = nxt
-        return current
+        resolved = resolve_in_root(rel, lambda here: self._dir_on_the_way(here, create))
+        if resolved is None:
+            raise IntegrityError(f"too many symlinks resolving /{rel}: refusing a hostile layer")
+        return self._real(resolved)
+
+    def _dir_on_the_way(self, here: str, create: bool) -> Optional[str]:
+        """The target of the symlink at `here` (a resolved path on the way to a directory); else
+        `here` is made a directory if it is not one (with create=False, FileNotFoundError)."""
+        path = self._real(here)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                raise
+            self._note_parent(self._real(here.rpartition("/")[0]))
+            os.mkdir(path, 0o755)
+            self._made_dir(path)
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return os.readlink(path)
+        if not stat.S_ISDIR(st.st_mode):
+            if not create:
+                raise FileNotFoundError(path)
+            # A non-directory stands where a directory is needed: the new layer replaces it.
+            self._note_parent(self._real(here.rpartition("/")[0]))
+            os.unlink(path)
+            os.mkdir(path, 0o755)
+            self._made_dir(path)
+        return None
+
+    def _real(self, rel: str) -> str:
+        """The path on disk of `rel`, a path relative to the root with its symlinks resolved."""
+        return os.path.join(self.root, rel) if rel else self.root
 
     def _made_dir(self, path: str) -> None:
         """Note a directory this layer made: it holds only what the layer writes, and no temp file

@@ -31,10 +31,10 @@ from typing import BinaryIO, Callable, Iterable, Optional
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError
 from snapshotter.box.mounts import inside, read_mounts
+from snapshotter.state import versioned, write_versioned
 from snapshotter.tar.reader import MAX_META, header_number, pax_records
 
 STAGE_MIN = 1 << 20  # smaller contents stay in the skeleton: a rename saves nothing on them
-BLOCK = tarfile.BLOCKSIZE
 SPLIT_SUFFIX = ".split"
 SEGMENTS_VERSION = 1  # of segments.json: a split layer of another version is downloaded again
 STAGING_PREFIX = ".snap-staging-"  # + 16 hex digits of the manifest digest, at the top of a filesystem in a restore root
@@ -44,7 +44,7 @@ _META = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNU
 
 
 def _padded(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
+    return -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
 
 class _Splitter:
@@ -92,10 +92,10 @@ class _Splitter:
         view = memoryview(data)
         while view:
             if self.state == "header":  # collect a whole block
-                n = min(len(view), BLOCK - len(self.pending))
+                n = min(len(view), tarfile.BLOCKSIZE - len(self.pending))
                 self.pending += bytes(view[:n])
                 view = view[n:]
-                if len(self.pending) == BLOCK:
+                if len(self.pending) == tarfile.BLOCKSIZE:
                     block, self.pending = self.pending, b""
                     self._skel(block)
                     self._header(block)
@@ -119,7 +119,7 @@ class _Splitter:
     def _header(self, block: bytes) -> None:
         """What follows a header block, as tarfile reads it: data only after PAX and GNU name
         headers, regular files, and types tarfile does not know."""
-        if block.count(0) == BLOCK:
+        if block.count(0) == tarfile.BLOCKSIZE:
             return  # an end-of-archive block: whatever follows stays in the skeleton
         try:
             size = header_number(block[124:136])
@@ -152,8 +152,7 @@ class _Splitter:
             self.skeleton.flush()
             os.fsync(self.skeleton.fileno())
         self.skeleton.close()
-        with open(os.path.join(self.dir, "segments.json"), "w") as f:
-            json.dump({"version": SEGMENTS_VERSION, "segments": self.segments}, f)
+        write_versioned(os.path.join(self.dir, "segments.json"), SEGMENTS_VERSION, {"segments": self.segments})
 
     def close(self) -> None:
         for f in (self.content, self.skeleton):
@@ -198,7 +197,7 @@ class SplitLayer(io.RawIOBase):
         self.dir, self.on_bytes = dirpath, on_bytes
         with open(os.path.join(dirpath, "segments.json")) as f:
             doc = json.load(f)
-        if not (isinstance(doc, dict) and doc.get("version") == SEGMENTS_VERSION):
+        if versioned(doc, SEGMENTS_VERSION) is None:
             raise ValueError(f"{dirpath} is a split layer of another format version")
         segs = doc["segments"]
         # (start in the stream, length, content name or None, start in the skeleton)

@@ -9,7 +9,7 @@ import os
 from typing import Iterable
 
 from .remote import Remote
-from snapshotter.state import replace_file, sub
+from snapshotter.state import sub, versioned, write_versioned
 
 VERSION = 1
 FILE_NAME = "blob-sources.json"
@@ -27,7 +27,7 @@ class BlobSources:
         try:
             with open(self.path) as f:
                 doc = json.load(f)
-            if isinstance(doc, dict) and doc.get("version") == VERSION and isinstance(doc.get("registries"), dict):
+            if versioned(doc, VERSION) and isinstance(doc.get("registries"), dict):
                 self.known = {host: {d: [r for r in repos if isinstance(r, str)]
                                      for d, repos in blobs.items() if isinstance(repos, list)}
                               for host, blobs in doc["registries"].items() if isinstance(blobs, dict)}
@@ -47,7 +47,7 @@ class BlobSources:
             del blobs[digest]
 
     def save(self) -> None:
-        replace_file(self.path, lambda f: json.dump({"version": VERSION, "registries": self.known}, f))
+        write_versioned(self.path, VERSION, {"registries": self.known})
 
 
 def in_registry(remote: Remote, digest: str, sources: BlobSources) -> str:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 
 import requests
 
-from snapshotter.digests import hasher_digest, sha256_digest
+from snapshotter.digests import DIGEST as _DIGEST, hasher_digest, sha256_digest
 from snapshotter.errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
 from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
@@ -42,7 +42,6 @@ MIN_THROUGHPUT_ENV = "SNAP_MIN_THROUGHPUT"
 DEFAULT_MIN_THROUGHPUT = 64 << 10
 READ_GRACE_S = 10
 BODY_PIECE = 1 << 20
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _RATE = re.compile(r"([0-9]+)\s*([kmg]?)(?:i?b)?(?:/s)?", re.I)
 
 

@@ -8,13 +8,12 @@ a full one. A journal of another format version, or another image, means startin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Callable
 
 from snapshotter.layer.extract import storage_error
-from snapshotter.state import replace_file
+from snapshotter.state import replace_file, root_key, versioned
 
 VERSION = 3  # a header line, then one line per event
 
@@ -28,8 +27,7 @@ class Journal:
     5,000 layers was quadratic). A torn last line (a kill while appending) is ignored."""
 
     def __init__(self, directory: str, root: str, manifest_digest: str, layers: list[str], fsync: bool):
-        key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-        self.path = os.path.join(directory, key + ".json")  # JSON lines
+        self.path = os.path.join(directory, root_key(root) + ".json")  # JSON lines
         self.root, self.manifest, self.layers, self.fsync = root, manifest_digest, layers, fsync
         self.applied = 0
         self.joined: list[str] = []
@@ -46,7 +44,7 @@ class Journal:
         except OSError:
             return True, None, []
         head = _json_line(lines[0])
-        ours = (isinstance(head, dict) and head.get("version") == VERSION and head.get("manifest") == self.manifest
+        ours = (versioned(head, VERSION) is not None and head.get("manifest") == self.manifest
                 and head.get("layers") == self.layers)
         return True, head, [b"{}", *lines[1:]] if ours else []
 

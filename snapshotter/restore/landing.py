@@ -11,7 +11,6 @@ layers before the app's start, which nothing reads yet, write their new files in
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART_FILE
-from snapshotter.state import replace_file, state_dir, sub
+from snapshotter.state import root_key, state_dir, sub, versioned, write_versioned
 
 VERSION = 1
 PROGRESS_DIR = "restore-progress"
@@ -29,8 +28,7 @@ POLL_SECONDS = 0.1
 
 def progress_path(root: str, directory: Optional[str] = None) -> str:
     """The progress file of a restore into `root`, in `directory` (default: made in the state dir)."""
-    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-    return os.path.join(directory or sub(PROGRESS_DIR), key + ".json")
+    return os.path.join(directory or sub(PROGRESS_DIR), root_key(root) + ".json")
 
 
 def weight_file(desc: dict, weights: set[str]) -> Optional[str]:
@@ -80,9 +78,8 @@ class Progress:
         self._write()
 
     def _write(self) -> None:
-        doc = {"version": VERSION, "pid": os.getpid(), "state": self.state, "files": self.files}
         try:
-            replace_file(self.path, lambda f: f.write(json.dumps(doc)))
+            write_versioned(self.path, VERSION, {"pid": os.getpid(), "state": self.state, "files": self.files})
         except OSError:
             pass  # only `--wait` reads it; the restore itself goes on
 
@@ -129,7 +126,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
                 return
             raise UsageError(f"no restore into {root!r} is running, and {path!r} is not there",
                              "start `snap restore REF --root ROOT` first")
-        if isinstance(doc, dict) and doc.get("version") == VERSION:
+        if versioned(doc, VERSION):
             files = doc.get("files") if isinstance(doc.get("files"), dict) else {}
             if files.get(rel) is True:
                 return

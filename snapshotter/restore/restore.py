@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import threading
 from collections import Counter
@@ -39,8 +38,8 @@ from snapshotter import progress
 from snapshotter.snapshot import skeleton
 from .applier import ExtractWorker, LayerJob
 from snapshotter.registry.blobsources import BlobSources
-from snapshotter.tar.compress import label_mismatch, read_head, sniff_compression
-from snapshotter.digests import file_digest
+from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
+from snapshotter.digests import DIGEST as _DIGEST, file_digest
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, storage_error
 from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_MAX_LAYER, SNAP_PART_FILE,
@@ -61,7 +60,6 @@ from snapshotter.registry.transport import TransportOptions
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
 # process of their own beside them; more streams than cores only slowed the restore down.
 DOWNLOAD_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the staging dir safe
 
 
 @dataclass
@@ -497,7 +495,7 @@ def _note_mislabelled(desc: dict, path: str, split: bool, label: str, log: Calla
         kind = "none"
     else:
         with open(path, "rb") as f:
-            kind = sniff_compression(read_head(f))
+            kind = sniff_compression(stream_head(f))
     if kind is not None and (msg := label_mismatch(desc["mediaType"], kind)):
         log(f"warning: {label}: {msg}")
 

@@ -31,7 +31,7 @@ from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entr
                                      entry_from_stat, self_and_parents)
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
-from snapshotter.box.scan import read_head
+from snapshotter.box.scan import file_head
 from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets
 from .parts import part_links
 from snapshotter.layer.plan import parse_part_name
@@ -271,7 +271,7 @@ def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyO
                 mode = os.lstat(full).st_mode
             except OSError:
                 continue
-            if profile.is_secret(rel, stat.S_ISDIR(mode), stat.S_ISREG(mode), functools.partial(read_head, full)):
+            if profile.is_secret(rel, stat.S_ISDIR(mode), stat.S_ISREG(mode), functools.partial(file_head, full)):
                 continue  # commit never captures credentials: their absence from the image is expected
             e = index.get(rel)
             if e is None:

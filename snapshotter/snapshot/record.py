@@ -11,8 +11,6 @@ this version writes them, is not used."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from typing import Optional
@@ -21,7 +19,7 @@ from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, snap_label
 from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
-from snapshotter.state import replace_file, sub
+from snapshotter.state import read_versioned, root_key, sub, write_versioned
 from .statcache import blob_entry
 from snapshotter.tar.rules import header_key, headers_digest
 
@@ -33,8 +31,7 @@ CLOCK_TICK_S = 0.02
 
 
 def _path(root: str) -> str:
-    name = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
-    return os.path.join(sub("restored"), name + ".json")
+    return os.path.join(sub("restored"), root_key(root) + ".json")
 
 
 def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> int:
@@ -54,11 +51,11 @@ def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> in
         if label and headers is not None:
             layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
                              "media_type": desc["mediaType"], "headers": headers}
-    doc = {"version": VERSION, "root": os.path.realpath(root), "manifest": image.manifest_digest,
+    doc = {"root": os.path.realpath(root), "manifest": image.manifest_digest,
            "base": ann.get(BASE_DIGEST),
            "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer, "restored_at_ns": time.time_ns(), "layers": layers}
     try:
-        replace_file(_path(root), lambda f: json.dump(doc, f))
+        write_versioned(_path(root), VERSION, doc)
     except OSError:
         return 0
     time.sleep(CLOCK_TICK_S)  # later writes get ctimes past restored_at_ns
@@ -75,13 +72,8 @@ def forget_restore(root: str) -> None:
 
 
 def _load(root: str) -> Optional[dict]:
-    try:
-        with open(_path(root)) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(doc, dict) and doc.get("version") == VERSION and doc.get("root") == os.path.realpath(root)
-    return doc if ok else None
+    doc = read_versioned(_path(root), VERSION)
+    return doc if doc and doc.get("root") == os.path.realpath(root) else None
 
 
 def restored_from(root: str) -> Optional[str]:

@@ -22,7 +22,6 @@ commit makes one from the plan only for a layer it reuses and has none of."""
 from __future__ import annotations
 
 import os
-import re
 import struct
 import tarfile
 import zlib
@@ -30,7 +29,7 @@ from typing import Callable, Optional
 
 from snapshotter.index.base import push_artifact
 from snapshotter.registry.blobsources import BlobSources
-from snapshotter.digests import sha256_digest
+from snapshotter.digests import DIGEST_BYTES, sha256_digest
 from snapshotter.errors import IntegrityError, NotFound, SnapError
 from snapshotter.layer.generate import tar_headers
 from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
@@ -44,7 +43,6 @@ MAGIC = b"snap-skeleton-v1\n"
 MAX_BLOB = 256 << 20  # compressed: a 200k-file box's headers compress to a few MB
 MAX_TOTAL = 2 << 30  # uncompressed: a gzip bomb stops here
 MAX_HEADER = 8 << 20  # one member's header bytes (PAX records included)
-_DIFF_ID = re.compile(rb"sha256:[0-9a-f]{64}")
 _U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
 
 Skeleton = list[tuple[bytes, int]]  # (header bytes, content size) per member, in layer order
@@ -169,6 +167,6 @@ def _parse_piece(raw: bytes) -> tuple[str, Skeleton]:
         (size,), pos = _U64.unpack_from(raw, pos), pos + 8
         members.append((header, size))
     diff_id = raw[pos:]
-    if not _DIFF_ID.fullmatch(diff_id):
+    if not DIGEST_BYTES.fullmatch(diff_id):
         raise ValueError("a layer skeleton names no diff_id")
     return diff_id.decode(), members

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Optional
 
-from snapshotter.state import replace_file, sub
+from snapshotter.state import read_versioned, replace_file, root_key, sub, write_versioned
 
 VERSION = 1
 BLOB_FIELDS = {"digest": str, "diff_id": str, "size": int, "media_type": str}  # what a hit gives commit
@@ -64,16 +64,11 @@ MADE_KEPT = 32  # digests of the snapshots made from a root that are remembered 
 
 
 def _last_commit_path(root: str) -> str:
-    return os.path.join(sub("last-commit"), hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
+    return os.path.join(sub("last-commit"), root_key(root) + ".json")
 
 
 def _last_commit(root: str) -> dict:
-    try:
-        with open(_last_commit_path(root)) as f:
-            doc = json.load(f)
-        return doc if isinstance(doc, dict) and doc.get("version") == LAST_COMMIT_VERSION else {}
-    except (OSError, ValueError):
-        return {}
+    return read_versioned(_last_commit_path(root), LAST_COMMIT_VERSION) or {}
 
 
 def note_last_commit(root: str, base: str, target: str, digest: str) -> None:
@@ -81,8 +76,7 @@ def note_last_commit(root: str, base: str, target: str, digest: str) -> None:
     watch; the manifest digests of the last snapshots made from it, so that a later commit may move
     a tag that names one of them (lineage.py)."""
     made = [d for d in made_from(root) if d != digest][-(MADE_KEPT - 1):] + [digest]
-    doc = {"version": LAST_COMMIT_VERSION, "base": base, "target": target, "made": made}
-    replace_file(_last_commit_path(root), lambda f: json.dump(doc, f))
+    write_versioned(_last_commit_path(root), LAST_COMMIT_VERSION, {"base": base, "target": target, "made": made})
 
 
 def last_base(root: str) -> Optional[str]:

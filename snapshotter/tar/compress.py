@@ -187,7 +187,7 @@ class _Prefixed(io.RawIOBase):
         return len(data)
 
 
-def read_head(raw: BinaryIO, n: int = _SNIFF) -> bytes:
+def stream_head(raw: BinaryIO, n: int = _SNIFF) -> bytes:
     """Up to n first bytes of a stream (fewer only at its end)."""
     head = b""
     while len(head) < n:
@@ -202,7 +202,7 @@ def decompressing_reader(raw: BinaryIO, media_type: str, note: Optional[Callable
     """The uncompressed tar stream of a layer blob, decompressed by what its bytes are (zstd, gzip or
     a plain tar), not by its media type: `docker push` relabels plain-tar layers as gzip. `note`
     gets one line when the label and the bytes disagree."""
-    head = read_head(raw)
+    head = stream_head(raw)
     kind = sniff_compression(head)
     if kind is None:
         raise IntegrityError(f"layer ({media_type}) is neither zstd, gzip nor a tar archive")

@@ -27,7 +27,6 @@ from typing import BinaryIO, Iterator, Optional
 from snapshotter.errors import IntegrityError
 from .rules import XATTR_PAX
 
-BLOCK = tarfile.BLOCKSIZE
 READ_BUFFER = 1 << 20
 MAX_META = 4 << 20  # PAX records, GNU long names and links: snap's are a few hundred bytes
 MAX_SIZE = (1 << 63) - 1  # what a file offset can hold
@@ -157,10 +156,10 @@ class TarReader:
             self._data_left = self._pad = 0
 
     def _block(self) -> Optional[bytes]:
-        buf = self.stream.read_exact(BLOCK)
+        buf = self.stream.read_exact(tarfile.BLOCKSIZE)
         if not buf:
             return None
-        if len(buf) < BLOCK:
+        if len(buf) < tarfile.BLOCKSIZE:
             raise self._bad("it ends inside a header (truncated)")
         return buf
 
@@ -175,7 +174,7 @@ class TarReader:
                 if pax is not None or long_name is not None or long_link is not None:
                     raise self._bad("it ends after an extended header")
                 return None  # the end of the stream, without end-of-archive blocks: as tarfile does
-            if buf.count(0) == BLOCK:
+            if buf.count(0) == tarfile.BLOCKSIZE:
                 if pax is not None or long_name is not None or long_link is not None:
                     raise self._bad("an extended header is followed by the end of the archive")
                 return None  # end of archive; what follows (record padding) is the caller's to drain
@@ -187,7 +186,7 @@ class TarReader:
                 data = self.stream.read_exact(size)
                 if len(data) < size:
                     raise self._bad("it ends inside an extended header (truncated)")
-                self.stream.skip(-size % BLOCK)
+                self.stream.skip(-size % tarfile.BLOCKSIZE)
                 if kind == tarfile.GNUTYPE_LONGNAME:
                     long_name = _nts(data)
                 elif kind == tarfile.GNUTYPE_LONGLINK:
@@ -260,7 +259,7 @@ class TarReader:
         m.offset_data = self.stream.pos
         self._validate(m)
         if m.isreg() or m.type not in tarfile.SUPPORTED_TYPES:  # what tarfile reads as content
-            self._data_left, self._pad = m.size, -m.size % BLOCK
+            self._data_left, self._pad = m.size, -m.size % tarfile.BLOCKSIZE
         return m
 
     def _fields(self, block: bytes, layout: tuple[tuple[int, int, Optional[str]], ...]) -> tuple:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
-import json
 import os
 import signal
 import sys
@@ -16,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError
-from snapshotter.state import replace_file, sub
+from snapshotter.state import read_versioned, root_key, sub, write_versioned
 
 VERSION = 1  # of the pid and exit files
 READY = "\0ready\n"  # what the detached watcher sends its starter once it watches
@@ -32,18 +30,13 @@ class WatchFiles:
 
 def watch_files(root: str) -> WatchFiles:
     """The files of the watcher of `root`, in the state dir."""
-    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
+    key = root_key(root, 16)
     d = sub("watch")
     return WatchFiles(*(os.path.join(d, f"{key}.{ext}") for ext in ("lock", "pid", "log", "exit")))
 
 
 def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-        return doc if isinstance(doc, dict) and doc.get("version") == VERSION else {}
-    except (OSError, ValueError):
-        return {}
+    return read_versioned(path, VERSION) or {}
 
 
 def take_lock(files: WatchFiles, root: str) -> int:
@@ -76,12 +69,12 @@ def lock_held(files: WatchFiles) -> bool:
 
 
 def note_pid(files: WatchFiles, target: str, grace: float) -> None:
-    replace_file(files.pid, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "target": target, "grace": grace}, f))
+    write_versioned(files.pid, VERSION, {"pid": os.getpid(), "target": target, "grace": grace})
 
 
 def note_exit(files: WatchFiles, code: int, error: str = "") -> None:
     """The watcher's exit code and its error line, if any: what `--stop` tells after the watcher ended."""
-    replace_file(files.exit, lambda f: json.dump({"version": VERSION, "pid": os.getpid(), "code": code, "error": error}, f))
+    write_versioned(files.exit, VERSION, {"pid": os.getpid(), "code": code, "error": error})
 
 
 def detach(files: WatchFiles) -> Callable[[], None]:

@@ -1,0 +1,90 @@
+"""The files snap keeps in its state dir: a box root's files are named by its key (the same names
+whatever snap's version, so an upgraded snap finds them), and a file that names another format
+version than this snap writes is ignored, never read as this version's."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from snapshotter.errors import WaitTimeout
+from snapshotter.registry.blobsources import BlobSources
+from snapshotter.restore import landing
+from snapshotter.snapshot import record, statcache
+from snapshotter.state import read_versioned, versioned, write_versioned
+from snapshotter.watch import daemon
+
+MANIFEST = "sha256:" + "a" * 64
+
+
+def key(root, length: int) -> str:
+    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:length]
+
+
+def test_a_roots_files_are_named_by_the_sha256_of_its_real_path(state_dir, tmp_path):
+    (tmp_path / "box").mkdir()
+    os.symlink("box", tmp_path / "link")
+    root = str(tmp_path / "link")  # spelt through a symlink: the same root
+    real = tmp_path / "box"
+    assert os.path.basename(daemon.watch_files(root).pid) == key(real, 16) + ".pid"
+    assert os.path.basename(landing.progress_path(root)) == key(real, 32) + ".json"
+    assert os.path.basename(record._path(root)) == key(real, 32) + ".json"
+    assert os.path.basename(statcache._last_commit_path(root)) == key(real, 32) + ".json"
+
+
+def test_versioned_takes_only_an_object_of_that_version():
+    assert versioned({"version": 2, "x": 1}, 2) == {"version": 2, "x": 1}
+    for doc in ({"version": 3, "x": 1}, {"x": 1}, {"version": "2"}, [2], 2, None):
+        assert versioned(doc, 2) is None
+
+
+def test_a_versioned_file_is_written_version_first_and_read_back_only_at_its_version(tmp_path):
+    path = str(tmp_path / "f.json")
+    write_versioned(path, 2, {"b": 1, "a": [1, 2]})
+    assert open(path).read() == '{"version": 2, "b": 1, "a": [1, 2]}'
+    assert read_versioned(path, 2) == {"version": 2, "b": 1, "a": [1, 2]}
+    assert read_versioned(path, 3) is None
+    assert read_versioned(str(tmp_path / "missing.json"), 2) is None
+    (tmp_path / "f.json").write_text('{"version": 2,')
+    assert read_versioned(path, 2) is None
+
+
+def next_version(path: str) -> None:
+    """Make the file at `path` name the next format version, its content otherwise the same."""
+    with open(path) as f:
+        doc = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**doc, "version": doc["version"] + 1}, f)
+
+
+def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
+    root = str(tmp_path)
+    files = daemon.watch_files(root)
+    daemon.note_pid(files, "reg/box:v1", 4)
+    statcache.note_last_commit(root, MANIFEST, "reg/box:v1", MANIFEST)
+    write_versioned(record._path(root), record.VERSION, {"root": os.path.realpath(root), "manifest": MANIFEST})
+    sources = BlobSources()
+    sources.note("reg", "box", [MANIFEST])
+    sources.save()
+    read = {files.pid: lambda: daemon._read_json(files.pid).get("pid"),
+            statcache._last_commit_path(root): lambda: statcache.last_base(root),
+            record._path(root): lambda: record.restored_from(root),
+            sources.path: lambda: BlobSources().repositories("reg", MANIFEST) or None}
+    assert all(got() is not None for got in read.values())
+    for path, got in read.items():
+        next_version(path)
+        assert got() is None, path
+
+
+def test_wait_does_not_take_a_progress_file_of_another_version_for_a_landed_file(state_dir, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    path = landing.progress_path(str(root))
+    write_versioned(path, landing.VERSION, {"pid": os.getpid(), "state": "running", "files": {"w.bin": True}})
+    landing.wait_landed(str(root / "w.bin"), str(root), timeout=0)
+    next_version(path)
+    with pytest.raises(WaitTimeout):
+        landing.wait_landed(str(root / "w.bin"), str(root), timeout=0)
