@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import threading
 from collections import Counter
@@ -43,8 +42,9 @@ from snapshotter.tar.compress import label_mismatch, read_head, sniff_compressio
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, storage_error
-from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_MAX_LAYER, SNAP_PART_FILE,
-                                   SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count)
+from snapshotter.oci.image import (BASE_DIGEST, DIGEST_RE, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_MAX_LAYER,
+                                   SNAP_PART_FILE, SNAP_PROFILE, Image, layer_label, select_layers, snap_label,
+                                   snapshot_layer_count)
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
@@ -61,7 +61,6 @@ from snapshotter.registry.transport import TransportOptions
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
 # process of their own beside them; more streams than cores only slowed the restore down.
 DOWNLOAD_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # also what makes a blob's file name in the staging dir safe
 
 
 @dataclass
@@ -100,28 +99,6 @@ def _state_sub(name: str) -> str:
         return sub(name)
     except OSError as e:
         raise storage_error(e, f"snap's state dir {state_dir()}", hint="point SNAP_STATE_DIR at a writable directory") from e
-
-
-# ---- which layers, which parts ------------------------------------------------------------------
-
-
-def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
-    """[(index, descriptor, diff_id)] of the layers to apply, in order."""
-    layers = image.layers
-    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
-    if len(diff_ids) != len(layers):
-        raise IntegrityError(f"image {image.ref} is inconsistent: {len(layers)} layers but {len(diff_ids)} diff_ids")
-    for i, d in enumerate(layers):
-        if not (isinstance(d, dict) and isinstance(d.get("digest"), str) and _DIGEST.fullmatch(d["digest"])
-                and type(d.get("size")) is int and d["size"] >= 0 and isinstance(d.get("mediaType"), str)):
-            raise IntegrityError(f"image {image.ref} has a malformed descriptor for layer {i + 1}: refusing it")
-    start = 0
-    if only_snapshot:
-        n = snapshot_layer_count(image)
-        if n == 0:
-            raise UsageError(f"{image.ref} was not made by snap commit", "drop --only-snapshot to restore all its layers")
-        start = len(layers) - n
-    return [(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
 
 
 # ---- restore ----------------------------------------------------------------------------------------
@@ -220,7 +197,7 @@ def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resu
     into a root without a system, refuse_live_system, where little is in place anyway)."""
     ann = image.manifest.get("annotations") or {}
     digest = ann.get(skeleton.SNAP_SKELETON)
-    if resumed < base_layers or not (isinstance(digest, str) and _DIGEST.fullmatch(digest)) or _empty(extractor.root):
+    if resumed < base_layers or not (isinstance(digest, str) and DIGEST_RE.fullmatch(digest)) or _empty(extractor.root):
         return SkipPlan({})
     skeletons = skeleton.fetch(remote, digest, opts.log)
     if not skeletons:
@@ -417,7 +394,7 @@ def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -
     that the first commit on this machine neither downloads nor reads the base's layers again."""
     ann = image.manifest.get("annotations") or {}
     base, digest = ann.get(BASE_DIGEST), ann.get(baseindex.SNAP_BASE_INDEX)
-    if not (isinstance(base, str) and _DIGEST.fullmatch(base) and isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+    if not (isinstance(base, str) and DIGEST_RE.fullmatch(base) and isinstance(digest, str) and DIGEST_RE.fullmatch(digest)):
         return
     if not os.path.exists(baseindex.cache_path(base)):
         try:
@@ -435,7 +412,7 @@ def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
         return None
     # A snapshot names its base; any other image is its own base (all its layers are).
     base = ann.get(BASE_DIGEST) if SNAP_BASE_LAYERS in ann else image.manifest_digest
-    if not (isinstance(base, str) and _DIGEST.fullmatch(base)):
+    if not (isinstance(base, str) and DIGEST_RE.fullmatch(base)):
         return None
     path = baseindex.cache_path(base)
     return None if os.path.exists(path) else path
