@@ -86,8 +86,8 @@ def _nice(tid: str) -> int:
 
 def _note_blocked_streams(monkeypatch, blocked: threading.Event) -> None:
     """Set `blocked` when a download stream of an in-process restore blocks, waiting for the app's
-    blobs before it takes a weight (restore.AppFirst)."""
-    from snapshotter.restore import restore
+    blobs before it takes a weight (download.AppFirst)."""
+    from snapshotter.restore import download
 
     class NotedGate(threading.Event):
         def wait(self, timeout=None):
@@ -95,7 +95,7 @@ def _note_blocked_streams(monkeypatch, blocked: threading.Event) -> None:
                 blocked.set()
             return super().wait(timeout)
 
-    real_init = restore.AppFirst.__init__
+    real_init = download.AppFirst.__init__
 
     def init(self, *args):
         real_init(self, *args)
@@ -104,14 +104,14 @@ def _note_blocked_streams(monkeypatch, blocked: threading.Event) -> None:
             gate.set()
         self._open = gate
 
-    monkeypatch.setattr(restore.AppFirst, "__init__", init)
+    monkeypatch.setattr(download.AppFirst, "__init__", init)
 
 
 def test_no_weight_is_requested_before_the_apps_blobs_are_in(registry, proxy, base_ref, box, tmp_path, monkeypatch):
     """On a link the downloads share, the app's blobs go first: while the venv's blob is on its way
     (held by the proxy), a free download stream waits its turn instead of taking part of the link
     for a weight. The venv is let go once a weight waits (or, out of order, is requested)."""
-    from snapshotter.restore import restore
+    from snapshotter.restore import download, restore
     profile = tmp_path / "small-weights.yaml"
     profile.write_text(SMALL_WEIGHTS)
     snap("commit", f"{registry.host}/order-dl:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)
@@ -146,7 +146,7 @@ def test_no_weight_is_requested_before_the_apps_blobs_are_in(registry, proxy, ba
         worker.join(TIMEOUT)
     assert done, "the restore failed"
     assert requested_while_held == [False] * len(weights)  # each weight once, after the venv
-    assert min(niced) >= restore.WEIGHTS_NICE  # a weight downloads below the app's unpacking
+    assert min(niced) >= download.WEIGHTS_NICE  # a weight downloads below the app's unpacking
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 

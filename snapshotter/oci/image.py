@@ -1,5 +1,5 @@
-"""Images: a resolved image (`Image`), and assembling a snapshot image (base layers + snapshot
-layers, as an OCI manifest and config).
+"""Images: a resolved image (`Image`) and which of its layers a restore applies, and assembling a
+snapshot image (base layers + snapshot layers, as an OCI manifest and config).
 
 Serialisation is canonical (sorted keys, no spaces) so the digest we compute is the digest the
 registry stores: we push these exact bytes."""
@@ -12,8 +12,8 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Optional
 
 from .mediatypes import oci_media_type
-from snapshotter.digests import sha256_digest
-from snapshotter.errors import IntegrityError, printable
+from snapshotter.digests import DIGEST, sha256_digest
+from snapshotter.errors import IntegrityError, UsageError, printable
 from .mediatypes import OCI_CONFIG, OCI_MANIFEST
 
 if TYPE_CHECKING:  # imported for the annotation only
@@ -33,6 +33,7 @@ SECRETS_ANNOTATION_MAX = 32 * 1024  # bytes of JSON at most: registries cap a wh
 BASE_NAME = "org.opencontainers.image.base.name"
 BASE_DIGEST = "org.opencontainers.image.base.digest"
 CREATED = "org.opencontainers.image.created"
+# A blob digest snap accepts in an image it reads: also what makes a blob's file name in a staging dir safe.
 
 
 @dataclass
@@ -156,6 +157,26 @@ def snapshot_layer_count(image: Image) -> int:
         raise IntegrityError(f"image {image.ref} says {SNAP_BASE_LAYERS}={base!r} but has {len(image.layers)} layers: "
                              "refusing a hostile image")
     return len(image.layers) - int(base)
+
+
+def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
+    """[(index, descriptor, diff_id)] of the layers a restore applies, in order: all of them, or
+    only the snapshot's; refused if the image is malformed."""
+    layers = image.layers
+    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
+    if len(diff_ids) != len(layers):
+        raise IntegrityError(f"image {image.ref} is inconsistent: {len(layers)} layers but {len(diff_ids)} diff_ids")
+    for i, d in enumerate(layers):
+        if not (isinstance(d, dict) and isinstance(d.get("digest"), str) and DIGEST.fullmatch(d["digest"])
+                and type(d.get("size")) is int and d["size"] >= 0 and isinstance(d.get("mediaType"), str)):
+            raise IntegrityError(f"image {image.ref} has a malformed descriptor for layer {i + 1}: refusing it")
+    start = 0
+    if only_snapshot:
+        n = snapshot_layer_count(image)
+        if n == 0:
+            raise UsageError(f"{image.ref} was not made by snap commit", "drop --only-snapshot to restore all its layers")
+        start = len(layers) - n
+    return [(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
 
 
 def snap_label(desc: dict) -> str:

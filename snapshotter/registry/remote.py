@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 
 import requests
 
-from snapshotter.digests import DIGEST as _DIGEST, hasher_digest, sha256_digest
+from snapshotter.digests import DIGEST, hasher_digest, sha256_digest
 from snapshotter.errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
 from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
@@ -108,7 +108,7 @@ class Remote:
         cfg = _json(config, "config", IntegrityError)
         rootfs = cfg.get("rootfs", {})
         if not isinstance(rootfs, dict) or not isinstance(rootfs.get("diff_ids", []), list) \
-                or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in rootfs.get("diff_ids", [])):
+                or not all(isinstance(d, str) and DIGEST.fullmatch(d) for d in rootfs.get("diff_ids", [])):
             raise IntegrityError(f"image {self.ref} has a malformed config (rootfs.diff_ids)")
         return Image(self.ref.with_digest(digest), body, digest, config)
 
@@ -285,7 +285,7 @@ def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dic
 
 
 def _valid_descriptor(d) -> bool:
-    return (isinstance(d, dict) and isinstance(d.get("digest"), str) and bool(_DIGEST.fullmatch(d["digest"]))
+    return (isinstance(d, dict) and isinstance(d.get("digest"), str) and bool(DIGEST.fullmatch(d["digest"]))
             and type(d.get("size")) is int and d["size"] >= 0)
 
 

@@ -1,10 +1,10 @@
 """`snap restore` (extract mode): pull an image's layers, verify them, and apply them onto a directory.
 
 Blobs download into staging directories inside the restore root (staging.py: on the filesystem
-each layer lands on, not the state dir's), several at once, and each layer is applied as soon as its
-digest is checked and the layers before it are applied: no unverified byte reaches the target, and
-the extraction of the first layers overlaps the download of the rest. The app's layers download
-first, the weights after them at a lower CPU priority (AppFirst). Layers are applied in order,
+each layer lands on, not the state dir's), several at once (download.py), and each layer is applied
+as soon as its digest is checked and the layers before it are applied: no unverified byte reaches
+the target, and the extraction of the first layers overlaps the download of the rest. The app's
+layers download first, the weights after them at a lower CPU priority (AppFirst). Layers are applied in order,
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
 download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
 its last entry, if a regular file, is renamed into place (extract.py; a split layer's digest,
@@ -25,41 +25,34 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import threading
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
-from snapshotter.index import base as baseindex
-from snapshotter.box import deletions
 from snapshotter import progress
-from snapshotter.snapshot import skeleton
-from .applier import ExtractWorker, LayerJob
-from snapshotter.registry.blobsources import BlobSources
-from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
-from snapshotter.digests import DIGEST as _DIGEST, file_digest
+from snapshotter.box import deletions
+from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
+from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError
+from snapshotter.index import base as baseindex
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, storage_error
-from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_CONTENT, SNAP_MAX_LAYER, SNAP_PART_FILE,
-                                   SNAP_PROFILE, Image, layer_label, snap_label, snapshot_layer_count)
+from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
+from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, Image,
+                                   layer_label, select_layers, snap_label, snapshot_layer_count)
+from snapshotter.oci.reference import Reference
+from snapshotter.progress import human_size
+from snapshotter.registry.blobsources import BlobSources
+from snapshotter.registry.remote import Remote
+from snapshotter.registry.transport import TransportOptions
+from snapshotter.snapshot import skeleton
+from snapshotter.snapshot.record import applied_at, forget_restore, note_restore
+from snapshotter.state import exclusive, state_dir, sub
+from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
+from .applier import ExtractWorker, LayerJob
+from .download import Blob, Downloads
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
-from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
-from snapshotter.progress import human_size
-from snapshotter.oci.reference import Reference
-from snapshotter.registry.remote import Remote
-from snapshotter.snapshot.record import applied_at, forget_restore, note_restore
 from .skip import RootRules, SkipPlan, plan_skips, skipped_part_files
-from snapshotter.layer.staging import SPLIT_SUFFIX, STAGING_PREFIX, SplitLayer, StagingDirs, download_split
-from snapshotter.state import exclusive, state_dir, sub
-from snapshotter.registry.transport import TransportOptions
-
-# Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
-# process of their own beside them; more streams than cores only slowed the restore down.
-DOWNLOAD_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))
 
 
 @dataclass
@@ -98,28 +91,6 @@ def _state_sub(name: str) -> str:
         return sub(name)
     except OSError as e:
         raise storage_error(e, f"snap's state dir {state_dir()}", hint="point SNAP_STATE_DIR at a writable directory") from e
-
-
-# ---- which layers, which parts ------------------------------------------------------------------
-
-
-def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
-    """[(index, descriptor, diff_id)] of the layers to apply, in order."""
-    layers = image.layers
-    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
-    if len(diff_ids) != len(layers):
-        raise IntegrityError(f"image {image.ref} is inconsistent: {len(layers)} layers but {len(diff_ids)} diff_ids")
-    for i, d in enumerate(layers):
-        if not (isinstance(d, dict) and isinstance(d.get("digest"), str) and _DIGEST.fullmatch(d["digest"])
-                and type(d.get("size")) is int and d["size"] >= 0 and isinstance(d.get("mediaType"), str)):
-            raise IntegrityError(f"image {image.ref} has a malformed descriptor for layer {i + 1}: refusing it")
-    start = 0
-    if only_snapshot:
-        n = snapshot_layer_count(image)
-        if n == 0:
-            raise UsageError(f"{image.ref} was not made by snap commit", "drop --only-snapshot to restore all its layers")
-        start = len(layers) - n
-    return [(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
 
 
 # ---- restore ----------------------------------------------------------------------------------------
@@ -218,7 +189,7 @@ def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resu
     into a root without a system, refuse_live_system, where little is in place anyway)."""
     ann = image.manifest.get("annotations") or {}
     digest = ann.get(skeleton.SNAP_SKELETON)
-    if resumed < base_layers or not (isinstance(digest, str) and _DIGEST.fullmatch(digest)) or _empty(extractor.root):
+    if resumed < base_layers or not (isinstance(digest, str) and DIGEST.fullmatch(digest)) or _empty(extractor.root):
         return SkipPlan({})
     skeletons = skeleton.fetch(remote, digest, opts.log)
     if not skeletons:
@@ -251,108 +222,53 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
                            "restore into a directory on a writable filesystem") from e
 
 
+class LayerBlobs(Protocol):
+    """What the apply loop takes from the downloads (download.Downloads): each layer's blob, verified."""
+
+    def verified(self, digest: str) -> Blob:
+        """The blob of `digest` once its digest is checked (waits for it)."""
+
+    def used(self, digest: str) -> None:
+        """A layer of `digest` is applied: its blob may go once no later layer needs it."""
+
+
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
                   staging: StagingDirs, opts: RestoreOptions,
                   after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
                   ready_at: int = 0, weights: frozenset[str] = frozenset(),
                   skipped: Optional[dict[int, str]] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
-    """Download the layers the journal does not list as applied, several at once, and apply each
-    in order as soon as it is verified, noting it in the journal (and telling `after_layer` how
-    many are applied). `index_base` (n, path), for a restore from the first layer: the applier
-    indexes the first n layers, the base's, and saves the index at path. Returns (labels of the layers
-    applied, {layer digest: digest of its tar headers} for snap's own layers, extraction stats).
-    Each blob downloads into the staging dir of the filesystem its files land on. The blobs of the
-    first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
-    any other (AppFirst), and those that are not `weights` layers write their new files in place.
-    The layers `skipped` ({index in todo: digest of its tar headers}: the root holds them, skip.py)
-    are neither downloaded nor applied, and count as applied."""
-    resumed, fsync = journal.applied, opts.extract.fsync
-    skipped = skipped or {}
+    """Apply the layers the journal does not list as applied, in order, each as soon as its blob is
+    downloaded and verified while the later ones still download (download.py), noting it in the
+    journal (and telling `after_layer` how many are applied). `index_base` (n, path), for a restore
+    from the first layer: the applier indexes the first n layers, the base's, and saves the index at
+    path. Returns (labels of the layers applied, {layer digest: digest of its tar headers} for snap's
+    own layers, extraction stats). The blobs of the first `ready_at` layers (the app's: `--then`
+    starts it once they are applied) download before any other (AppFirst), and those that are not
+    `weights` layers write their new files in place. The layers `skipped` ({index in todo: digest of
+    its tar headers}: the root holds them, skip.py) are neither downloaded nor applied, and count as
+    applied."""
+    resumed, skipped = journal.applied, skipped or {}
     pending = todo[resumed:]
-    fetched = [(n, layer) for n, layer in enumerate(pending) if resumed + n not in skipped]
-    applied: list[str] = []
-    headers: dict[str, str] = {}
-    # An image may list one blob twice: each distinct blob is downloaded once, and removed after its last use.
-    sizes = {d["digest"]: d["size"] for _, (_, d, _) in fetched}
-    last_use = {d["digest"]: n for n, (_, d, _) in fetched}
-    # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
-    # kept split, so that its big files are renamed into place instead of copied (staging.py).
-    # Only a layer applied once: applying takes its big files away.
-    uses = Counter(d["digest"] for _, (_, d, _) in fetched)
-    split = {d["digest"] for _, (_, d, diff_id) in fetched if diff_id == d["digest"] and uses[d["digest"]] == 1}
-    try:
-        paths = {d["digest"]: _blob_path(staging.for_path(_lands_at(d)), d["digest"], d["digest"] in split)
-                 for _, (_, d, _) in fetched}
-    except OSError as e:
-        raise storage_error(e, f"the restore root {staging.root!r}", " while making a staging dir for downloads") from e
-    need: Counter[str] = Counter()
-    for digest, size in sizes.items():
-        if not os.path.exists(paths[digest]):
-            need[os.path.dirname(paths[digest])] += size
-    for blob_dir, size in need.items():
-        _check_room(blob_dir, size)
+    fetched = [(n, desc, diff_id) for n, (_, desc, diff_id) in enumerate(pending) if resumed + n not in skipped]
+    downloads = Downloads(remote, [(desc, diff_id) for _, desc, diff_id in fetched],
+                          {desc["digest"] for n, desc, _ in fetched if n < ready_at - resumed}, staging,
+                          durable=opts.extract.fsync)
+
+    def layer_job(n: int, blob: Blob) -> LayerJob:
+        # Until the app's layers are applied nothing runs from the root (--then starts it after
+        # them): their new files are written in place. Weights always land whole (one may come
+        # before the app's last layer, or all before the joins of part files).
+        in_place = resumed + n < ready_at and weight_file(pending[n][1], weights) is None
+        return _layer_job(pending, n, blob, in_place, index_base)
+
     # Started before the download threads (a fork copies only the thread that forks), and stopped
     # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
     worker = ExtractWorker(extractor)
-    # Set on an error or Ctrl-C: downloads in flight give up at their next chunk instead of
-    # holding the exit until they end (a weight on a slow link takes minutes).
-    stopping = threading.Event()
-    app_first = AppFirst({d["digest"] for n, (_, d, _) in fetched if n < ready_at - resumed}, stopping)
-    with progress.bar("downloading", sum(sizes.values())) as dl, ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool, worker:
-        update = progress.stoppable(progress.safe_update(dl), stopping)
-
-        def fetch(digest: str) -> str:
-            app_first.wait_turn(digest)
-            path = paths[digest]
-            # Left by an interrupted run: verified before its rename, but not fsynced (unless
-            # --fsync), so after a power loss its bytes may be lost. Hashed again before use.
-            if os.path.exists(path) and _stored_digest(path) == digest:
-                update(sizes[digest])
-            elif digest in split:
-                _remove_blob(path)
-                download_split(remote.iter_blob(digest, update, sizes[digest]), path, durable=fsync)
-            else:
-                remote.download_blob(digest, path, update, durable=fsync, size=sizes[digest])
-            app_first.fetched(digest)
-            return path
-
-        # Submitted in layer order: the first layers arrive first, and each is applied as soon as it
-        # is verified and the ones before it are applied, while the later ones still download.
-        futures = {digest: pool.submit(fetch, digest) for digest in sizes}
+    with downloads, worker:
         try:
-            for n, (i, desc, diff_id) in enumerate(pending):
-                label = layer_label(desc, i)
-                if resumed + n in skipped:  # the root holds it: as if applied now
-                    headers[desc["digest"]] = skipped[resumed + n]
-                    journal.record_applied(resumed + n + 1)
-                    after_layer(resumed + n + 1, desc)
-                    continue
-                path = futures[desc["digest"]].result()  # its digest checked: nothing unverified is applied
-                _note_mislabelled(desc, path, desc["digest"] in split, label, opts.log)
-                job = LayerJob(path, desc["mediaType"], diff_id, desc["digest"] in split, label,
-                               record=bool(snap_label(desc)))  # snap's own: its headers teach the next commit
-                # Until the app's layers are applied nothing runs from the root (--then starts it
-                # after them): their new files are written in place. Weights always land whole
-                # (one may come before the app's last layer, or all before the joins of part files).
-                job.in_place = resumed + n < ready_at and weight_file(desc, weights) is None
-                if index_base is not None and n < index_base[0]:
-                    job.base_layer = n
-                    if n == index_base[0] - 1:
-                        job.save_index, job.index_diff_ids = index_base[1], tuple(d for _, _, d in pending[:n + 1])
-                with progress.bar(f"extracting {label}", desc["size"]) as xb:
-                    record = worker.apply(job, progress.safe_update(xb))
-                if record is not None:
-                    headers[desc["digest"]] = record
-                journal.record_applied(resumed + n + 1)
-                applied.append(label)
-                after_layer(resumed + n + 1, desc)
-                if last_use[desc["digest"]] == n:
-                    _remove_blob(path)
+            applied, headers = _apply_in_order(pending, resumed, skipped, downloads, layer_job, worker, journal,
+                                               after_layer, opts.log)
         except BaseException as e:
-            stopping.set()
-            app_first.stop()
-            for f in futures.values():
-                f.cancel()
             if journal.applied > resumed:
                 opts.log(f"stopped with {journal.applied} of {len(todo)} layer(s) applied: "
                          "the next restore into this root resumes after them")
@@ -363,51 +279,48 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     return applied, headers, worker.stats
 
 
-class AppFirst:
-    """The order of downloads: the blobs of the app's layers first, the weights' only once all of
-    those are in. On a link the streams share, a weight started early takes its part of the link
-    from the app's blobs, and so delays the app's start by as much. Weights start as soon as the
-    app's blobs are downloaded, not applied: the link never idles while the app unpacks."""
-
-    def __init__(self, app_digests: set[str], stopping: threading.Event):
-        self._app, self._left, self._stopping = frozenset(app_digests), set(app_digests), stopping
-        self._lock, self._open = threading.Lock(), threading.Event()
-        if not self._left:
-            self._open.set()
-
-    def wait_turn(self, digest: str) -> None:
-        """Return when the download of `digest` may start; raise Stopped if the restore stops first."""
-        if digest not in self._app:
-            self._open.wait()
-            _yield_cpu()
-        if self._stopping.is_set():
-            raise progress.Stopped()
-
-    def fetched(self, digest: str) -> None:
-        with self._lock:
-            self._left.discard(digest)
-            if not self._left:
-                self._open.set()
-
-    def stop(self) -> None:
-        """Wake the waiting downloads (they find `stopping` set and give up)."""
-        self._open.set()
-
-
-WEIGHTS_NICE = 10  # the nice value of a thread downloading weights
+def _apply_in_order(pending: list[tuple[int, dict, str]], resumed: int, skipped: dict[int, str], blobs: LayerBlobs,
+                    layer_job: Callable[[int, Blob], LayerJob], worker: ExtractWorker, journal: Journal,
+                    after_layer: Callable[[int, dict], None],
+                    log: Callable[[str], None]) -> tuple[list[str], dict[str, str]]:
+    """Apply `pending` (the layers after the first `resumed` of the journal's list) one after the
+    other, each once its blob is verified. Returns (labels of the layers applied, {layer digest:
+    digest of its tar headers})."""
+    applied: list[str] = []
+    headers: dict[str, str] = {}
+    for n, (_, desc, _) in enumerate(pending):
+        at, digest = resumed + n, desc["digest"]
+        if at in skipped:  # the root holds it: as if applied now
+            headers[digest] = skipped[at]
+            journal.record_applied(at + 1)
+            after_layer(at + 1, desc)
+            continue
+        blob = blobs.verified(digest)  # nothing unverified is applied
+        job = layer_job(n, blob)
+        _note_mislabelled(desc, blob, job.label, log)
+        with progress.bar(f"extracting {job.label}", desc["size"]) as xb:
+            record = worker.apply(job, progress.safe_update(xb))
+        if record is not None:
+            headers[digest] = record
+        journal.record_applied(at + 1)
+        applied.append(job.label)
+        after_layer(at + 1, desc)
+        blobs.used(digest)
+    return applied, headers
 
 
-def _yield_cpu() -> None:
-    """Lower this thread's CPU priority (it downloads weights from now on: all the app's blobs
-    were taken first): on a box with few cores, hashing and writing weights at link speed takes
-    most of a core, which the app's unpacking, then the app, need more. Linux sets a thread's
-    nice value by its id; where that is refused, the thread goes on as it is."""
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < WEIGHTS_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, WEIGHTS_NICE)
-    except OSError:
-        pass
+def _layer_job(pending: list[tuple[int, dict, str]], n: int, blob: Blob, in_place: bool,
+               index_base: Optional[tuple[int, str]]) -> LayerJob:
+    """What the applier needs to apply pending[n] from its verified blob (applier.py)."""
+    i, desc, diff_id = pending[n]
+    job = LayerJob(blob.path, desc["mediaType"], diff_id, blob.split, layer_label(desc, i),
+                   record=bool(snap_label(desc)),  # snap's own: its headers teach the next commit
+                   in_place=in_place)
+    if index_base is not None and n < index_base[0]:
+        job.base_layer = n
+        if n == index_base[0] - 1:
+            job.save_index, job.index_diff_ids = index_base[1], tuple(d for _, _, d in pending[:n + 1])
+    return job
 
 
 def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:
@@ -415,7 +328,7 @@ def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -
     that the first commit on this machine neither downloads nor reads the base's layers again."""
     ann = image.manifest.get("annotations") or {}
     base, digest = ann.get(BASE_DIGEST), ann.get(baseindex.SNAP_BASE_INDEX)
-    if not (isinstance(base, str) and _DIGEST.fullmatch(base) and isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+    if not (isinstance(base, str) and DIGEST.fullmatch(base) and isinstance(digest, str) and DIGEST.fullmatch(digest)):
         return
     if not os.path.exists(baseindex.cache_path(base)):
         try:
@@ -433,7 +346,7 @@ def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
         return None
     # A snapshot names its base; any other image is its own base (all its layers are).
     base = ann.get(BASE_DIGEST) if SNAP_BASE_LAYERS in ann else image.manifest_digest
-    if not (isinstance(base, str) and _DIGEST.fullmatch(base)):
+    if not (isinstance(base, str) and DIGEST.fullmatch(base)):
         return None
     path = baseindex.cache_path(base)
     return None if os.path.exists(path) else path
@@ -488,54 +401,13 @@ def restore_profile(image: Image, name: Optional[str] = None) -> Profile:
     return load_profile(name)
 
 
-def _note_mislabelled(desc: dict, path: str, split: bool, label: str, log: Callable[[str], None]) -> None:
+def _note_mislabelled(desc: dict, blob: Blob, label: str, log: Callable[[str], None]) -> None:
     """Say it in one line when a layer's bytes are not what its media type says (the extractor
     reads them by their bytes all the same)."""
-    if split:
+    if blob.split:
         kind = "none"
     else:
-        with open(path, "rb") as f:
+        with open(blob.path, "rb") as f:
             kind = sniff_compression(stream_head(f))
     if kind is not None and (msg := label_mismatch(desc["mediaType"], kind)):
         log(f"warning: {label}: {msg}")
-
-
-def _lands_at(desc: dict) -> Optional[str]:
-    """Where a layer's files land, as its annotations say (snap's single-file and part layers), if they say."""
-    ann = desc.get("annotations") or {}
-    hint = (ann.get(SNAP_PART_FILE) or ann.get(SNAP_CONTENT)) if isinstance(ann, dict) else None
-    return hint if isinstance(hint, str) else None
-
-
-def _blob_path(blob_dir: str, digest: str, split: bool) -> str:
-    return os.path.join(blob_dir, digest.split(":", 1)[1] + (SPLIT_SUFFIX if split else ""))
-
-
-def _check_room(blob_dir: str, size: int) -> None:
-    """Refuse to start downloads the target's disk cannot hold (the layers' declared sizes)."""
-    try:
-        st = os.statvfs(blob_dir)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if size > free:
-        raise StorageError(f"disk full on the restore target {blob_dir!r}: the image's layers need {size} bytes, {free} are free",
-                           "free space on the target's disk, or restore onto a bigger one")
-
-
-def _stored_digest(path: str) -> Optional[str]:
-    """The digest of a blob kept in the staging dir (a file, or a split layer's directory)."""
-    try:
-        if path.endswith(SPLIT_SUFFIX):
-            with SplitLayer(path) as layer:
-                return layer.digest()
-        return file_digest(path)
-    except (OSError, ValueError, IntegrityError):
-        return None  # incomplete (a kill while its files were moved into place): fetched again
-
-
-def _remove_blob(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)

@@ -32,13 +32,12 @@ from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entr
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
 from snapshotter.box.scan import file_head
-from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets
+from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
 from .parts import part_links
 from snapshotter.layer.plan import parse_part_name
 from snapshotter.box.profile import Profile, load_profile
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
-from .restore import select_layers
 from snapshotter.tar.reader import data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 from snapshotter.registry.transport import TransportOptions
