@@ -27,7 +27,7 @@ from snapshotter.snapshot import skeleton
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.tar.compress import IterReader, decompressing_reader
 from snapshotter.digests import file_digest, sha256_digest
-from snapshotter.errors import IntegrityError, NotFound, SnapError, UsageError
+from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.box.scan import RACY_WINDOW_NS, Scan, ScanMemo, scan_box
 from snapshotter.box.diff import Diff, diff
@@ -35,22 +35,21 @@ from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index, save_index
 from snapshotter.oci.image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
                                    SNAP_PART_LINKS, descriptor, now_rfc3339, Image, scratch_config,
-                                   secrets_annotations, snap_label, snapshot_config, snapshot_layer_count,
-                                   snapshot_manifest)
+                                   secrets_annotations, snap_label, snapshot_config, snapshot_manifest)
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
+from snapshotter.snapshot.files import last_snapshot_files
 from snapshotter.snapshot.lineage import check_forward
 from snapshotter.oci.mediatypes import OCI_MANIFEST
-from snapshotter.layer.plan import (DEFAULT_MAX_LAYER_SIZE, META_DETAIL, LayerPlan, PlanMemo, holds_one_file,
-                                    parse_part_annotation, plan_layers)
+from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, META_DETAIL, LayerPlan, PlanMemo, plan_layers
 from snapshotter.box.profile import Profile, load_profile
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote, host_platform
-from snapshotter.snapshot.record import RestoreRecord, restored_at_ns, restored_from
+from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
 from snapshotter.layer.staging import staging_dirs
 from snapshotter.state import exclusive, state_dir, sub
 from snapshotter.snapshot.statcache import StatCache, note_last_commit
 from snapshotter.registry.transport import TransportOptions
-from snapshotter.box.writers import Writers, open_for_writing
+from snapshotter.box.writers import BEING_WRITTEN, WRITING_QUIET_S, being_written
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
@@ -245,7 +244,8 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
         deleted = deletions.count(index, d.deleted) if base_img else None
     if deleted is not None and not opts.force:
         deletions.refuse_commit(root, deleted)  # before anything is read or pushed
-    held = (opts.hold or (lambda sc: being_written(sc, root, WRITING_QUIET_S)))(scan)
+    hold = opts.hold or (lambda sc: being_written(sc, root, WRITING_QUIET_S, restored_at=restored_at_ns(root)))
+    held = hold(scan)
     if scratch and not opts.profile.include:
         files = [e for e in scan.entries.values() if e.kind == FILE]
         opts.log(f"--base scratch without --include: capturing all of {root} but the profile's excludes: "
@@ -258,37 +258,6 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
                     opts.profile.zstd_level, opts.rehash, deletes=deleted)
     hold_back(cp, held, opts)
     return cp
-
-
-WRITING_QUIET_S = 5.0  # a file held open for writing counts as being written until left alone this long
-BEING_WRITTEN = "being written"
-
-
-def last_change(e: Entry, restored_at: Optional[int] = None) -> float:
-    """When a box file last changed, in seconds: the later of mtime and ctime (a rename into place
-    changes only the ctime), except that a ctime from before a restore's end (`restored_at`, ns, the
-    restore record's) is the restore writing the file, not the box: then the mtime alone."""
-    _, mtime_ns, ctime_ns = e.stamp.split(":")
-    if restored_at is not None and int(ctime_ns) <= restored_at:
-        return int(mtime_ns) / 1e9
-    return max(int(mtime_ns), int(ctime_ns)) / 1e9
-
-
-def being_written(scan: Scan, root: str, quiet_s: float, now: Optional[float] = None,
-                  writers: Optional[Writers] = None) -> dict[str, str]:
-    """Regular files of the scan that some process holds open for writing (or maps writable,
-    writers.py) and that changed within `quiet_s`: reading one now could capture it half written
-    (a checkpoint saved in chunks, a weight rewritten in place). One left alone longer (a database
-    kept open), or last written by a restore, is read as usual: the read itself checks that it
-    holds still."""
-    now = time.time() if now is None else now
-    restored_at = restored_at_ns(root)
-    held = {}
-    for path in (writers or open_for_writing()).under(root):
-        e = scan.entries.get(path)
-        if e is not None and e.kind == FILE and e.stamp and now - last_change(e, restored_at) < quiet_s:
-            held[path] = BEING_WRITTEN
-    return held
 
 
 def hold_back(cp: CommitPlan, held: dict[str, str], opts: CommitOptions) -> None:
@@ -321,52 +290,6 @@ def hold_back(cp: CommitPlan, held: dict[str, str], opts: CommitOptions) -> None
     cp.plans = _plan_layers(cp.diff, cp.scan, cp.index, opts)
     for plan in cp.plans:
         plan.fingerprint(opts.profile.zstd_level, opts.plan_memo)
-
-
-def file_layers(layers: list[tuple[dict, str]]) -> dict[str, list[tuple[dict, str]]]:
-    """A snapshot's layers of one file each, by that file's path: its single-file layer, or all its
-    part layers in order (image.py's annotations). Bundles hold other files too: not listed."""
-    single: dict[str, list[tuple[dict, str]]] = {}
-    parts: dict[str, dict[int, tuple[dict, str]]] = {}
-    counts: dict[str, int] = {}
-    for desc, diff_id in layers:
-        ann = desc.get("annotations") or {}
-        content, part_file = ann.get(SNAP_CONTENT), ann.get(SNAP_PART_FILE)
-        if isinstance(part_file, str) and (part := parse_part_annotation(ann.get(SNAP_PART))):
-            parts.setdefault(part_file, {})[part[0]] = (desc, diff_id)
-            counts[part_file] = part[1]
-        elif isinstance(content, str) and holds_one_file(content):
-            single[content] = [(desc, diff_id)]
-    for path, got in parts.items():
-        if sorted(got) == list(range(1, counts[path] + 1)):
-            single[path] = [got[i] for i in sorted(got)]
-    return single
-
-
-def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> dict[str, list[tuple[dict, str]]]:
-    """file_layers of the box's last snapshot in `remote`'s repository: the one its tag names
-    (`current`), else, for a new tag, the image the root was restored from, if this repository has
-    it (its blobs are then there to reuse)."""
-    digest = current or restored_from(root)
-    if digest is None:
-        return {}
-    try:
-        return image_file_layers(remote.resolve(digest))
-    except NotFound:
-        return {}
-
-
-def image_file_layers(image: Image) -> dict[str, list[tuple[dict, str]]]:
-    """file_layers of an image's own layers (none for an image snap did not make)."""
-    try:
-        count = snapshot_layer_count(image)
-    except SnapError:
-        return {}
-    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
-    if not count or len(diff_ids) != len(image.layers):
-        return {}
-    start = len(image.layers) - count
-    return file_layers(list(zip(image.layers[start:], diff_ids[start:])))
 
 
 def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry],

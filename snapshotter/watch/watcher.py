@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from snapshotter.commit.commit import (NOT_SENT_TORN, SCRATCH, CommitOptions, CommitPlan, being_written, changes_in,
-                                       file_layers, last_change, last_snapshot_files, own_excludes, plan_commit,
-                                       push_commit, push_layers, scan_root, target_remote)
+from snapshotter.commit.commit import (NOT_SENT_TORN, SCRATCH, CommitOptions, CommitPlan, changes_in, own_excludes,
+                                       plan_commit, push_commit, push_layers, scan_root, target_remote)
 from snapshotter.errors import AuthError, SnapError, UsageError
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
@@ -34,9 +33,10 @@ from .notices import NoticeWatcher
 from snapshotter.layer.plan import PlanMemo
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
+from snapshotter.snapshot.files import file_layers, last_snapshot_files
 from snapshotter.snapshot.record import restored_at_ns
 from snapshotter.state import exclusive
-from snapshotter.box.writers import open_for_writing
+from snapshotter.box.writers import being_written, last_change, open_for_writing
 
 MiB = 1024 * 1024
 DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
@@ -191,7 +191,7 @@ class Watcher:
         """Big files left out of a snapshot's reads, with why: still being written by their times
         (a download that closes between chunks), or (final) too big to send within the grace and not
         sent ahead. The final snapshot trusts the times only where /proc cannot show every writer
-        (`writers_seen`: commit.being_written sees them all): a file written and closed a moment
+        (`writers_seen`: writers.being_written sees them all): a file written and closed a moment
         before the signal is complete, and taken."""
         held = {}
         budget = self.throughput * self.opts.grace / 2
@@ -289,7 +289,8 @@ class Watcher:
         def hold(scan: Scan) -> dict[str, str]:
             writers = open_for_writing()
             held = self._held(scan.entries, now, final, writers.complete)
-            held.update(being_written(scan, self.root, self.opts.stable, now, writers))
+            held.update(being_written(scan, self.root, self.opts.stable, now, writers,
+                                      restored_at=restored_at_ns(self.root)))
             return held
 
         opts = dataclasses.replace(opts, changes=changes, log=self.log, plan_memo=self.plan_memo, hold=hold,
