@@ -2,11 +2,11 @@
 the box is about to be reclaimed.
 
 The loop scans the box's metadata (no file is read) at a pace that keeps its own cost near
-SCAN_BUDGET of one core, commits with commit.py's library API when something changed (at most once
-per `every`, at once when a burst of writes is over), sends big files ahead as soon as they are
-stable, and ends with one final commit on a signal or a provider's reclaim notice. Each snapshot
-goes under an immutable tag `<tag>-<UTC time>` first; the moving tag is then put on the same
-manifest bytes, so it only ever names a complete snapshot."""
+SCAN_BUDGET of one core, commits with the commit package's library API when something changed (at
+most once per `every`, at once when a burst of writes is over), sends big files ahead as soon as
+they are stable, and ends with one final commit on a signal or a provider's reclaim notice. Each
+snapshot goes under an immutable tag `<tag>-<UTC time>` first; the moving tag is then put on the
+same manifest bytes, so it only ever names a complete snapshot."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from snapshotter.commit.commit import (NOT_SENT_TORN, SCRATCH, CommitOptions, CommitPlan, changes_in, own_excludes,
-                                       plan_commit, push_commit, push_layers, scan_root, target_remote)
+from snapshotter.commit.commit import changes_in, own_excludes, plan_commit, scan_root
+from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan
+from snapshotter.commit.push import NOT_SENT_TORN, push_commit, push_layers, target_remote
 from snapshotter.errors import AuthError, SnapError, UsageError
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
@@ -142,7 +143,7 @@ class Watcher:
         self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
         self.plan_memo = PlanMemo()  # and what the last plan made of the layers that did not change
         # The snapshot the moving tag names, once checked (lineage.py): its digest, and its layers of
-        # one file each, which keep a file being written at that version (commit.hold_back).
+        # one file each, which keep a file being written at that version (hold.hold_back).
         self.lineage_checked = False
         self.tag_digest: Optional[str] = None
         self.previous_files: dict[str, list[tuple[dict, str]]] = {}
@@ -277,7 +278,7 @@ class Watcher:
     # ---- sending -------------------------------------------------------------------------------
 
     def _plan(self, now: float, final: bool) -> tuple[CommitOptions, CommitPlan]:
-        """A commit planned on a fresh scan, with the files being written held back (commit.hold_back):
+        """A commit planned on a fresh scan, with the files being written held back (hold.hold_back):
         open for writing and changed within `stable` seconds, big ones still changing, and (final)
         big ones that would not fit in the grace. cp.held says which and why."""
         opts = self.opts.commit
