@@ -154,7 +154,8 @@ def commit(
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
     The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made."""
-    from snapshotter.commit.commit import CommitOptions, commit_box
+    from snapshotter.commit.commit import commit_box
+    from snapshotter.commit.model import CommitOptions
     from snapshotter.box.profile import include_path, load_profile, parse_size
 
     prof = load_profile(profile)
@@ -379,7 +380,7 @@ def watch(
     reclaim notice (AWS, GCP, Azure). The moving tag only ever names a complete snapshot.
     Exits 0 after the final snapshot; non-zero with one line if it could not finish within --grace."""
     from snapshotter.watch import daemon as dmn
-    from snapshotter.commit.commit import CommitOptions
+    from snapshotter.commit.model import CommitOptions
     from snapshotter.watch.notices import notice_watcher
     from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.watch.watcher import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
@@ -453,7 +454,7 @@ def status(
 ):
     """What a commit would send now: the layers that changed since the last commit (with the size of
     their files) and those it would skip. Reads only file metadata; pushes nothing."""
-    from snapshotter.commit.commit import CommitOptions
+    from snapshotter.commit.model import CommitOptions
     from snapshotter.commit.history import box_status
     from snapshotter.box.profile import load_profile, parse_size
 

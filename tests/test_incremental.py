@@ -10,7 +10,7 @@ import pytest
 
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
-from snapshotter.commit import commit as commit_module
+from snapshotter.commit import push as push_module
 from snapshotter import CommitOptions, commit_box
 from snapshotter.box.profile import parse_profile
 
@@ -31,7 +31,7 @@ def model_box(box, monkeypatch):
     write_tree(box, {"opt/app/models/checkpoints/big.safetensors": os.urandom(40 * MiB)})
     # Files changed within RACY_WINDOW_NS before a scan are not trusted to the stat cache (racy
     # clean). A real box's files are older than that: here the window is closed instead.
-    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
     return box
 
 
@@ -39,12 +39,12 @@ def test_files_changed_just_before_the_scan_are_read_again(registry, base_ref, b
     """The racy-clean rule: a layer with a file changed within the window before the scan is not cached."""
     write_tree(box, {"opt/app/models/checkpoints/fresh.safetensors": os.urandom(4 * MiB)})
     # An hour wide: the file is inside the window however long this machine takes to reach the scan.
-    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 3600 * 10**9)
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 3600 * 10**9)
     commit_box(f"{registry.host}/racy:v1", base_ref, CommitOptions(root=box))
     second = commit_box(f"{registry.host}/racy:v2", base_ref, CommitOptions(root=box))
     assert statuses(second)["models"] == "exists, skipped"  # read again, not trusted from the cache
     # The window is what made the difference: closed, the same files are cached and not read.
-    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
     commit_box(f"{registry.host}/racy:v3", base_ref, CommitOptions(root=box))
     fourth = commit_box(f"{registry.host}/racy:v4", base_ref, CommitOptions(root=box))
     assert statuses(fourth)["models"] == "exists, skipped (unchanged, not read)"

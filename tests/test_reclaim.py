@@ -21,7 +21,7 @@ import pytest
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
 from snapshotter import CommitOptions, commit_box, restore_image
-from snapshotter.commit import commit as commit_module
+from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
 from snapshotter import progress
 from snapshotter.errors import SnapError, UsageError
@@ -374,7 +374,7 @@ def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(regi
     w.tick()
     inside, entered, stopped = [0], threading.Event(), threading.Event()
     overlap = []
-    real_push_layers = commit_module.push_layers
+    real_push_layers = push_module.push_layers
 
     def push_layers(cp, remote, plans):
         inside[0] += 1
@@ -389,7 +389,7 @@ def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(regi
         finally:
             inside[0] -= 1
 
-    monkeypatch.setattr(commit_module, "push_layers", push_layers)
+    monkeypatch.setattr(push_module, "push_layers", push_layers)
     write_tree(box, {"opt/app/late.txt": "written just before the reclaim\n"})
     clock.advance(1)
     loop = threading.Thread(target=lambda: pytest.raises(progress.Stopped, w.tick))

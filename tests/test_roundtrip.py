@@ -9,7 +9,7 @@ import zstandard
 
 from conftest import NOT_CAPTURED, snap
 from support import snapshot_of_tree, write_tree
-from snapshotter.commit import commit as commit_module
+from snapshotter.commit import push as push_module
 from snapshotter import CommitOptions, commit_box
 
 
@@ -114,7 +114,7 @@ def test_each_path_lands_in_its_layer(registry, base_ref, box):
 def test_recommit_keeps_unchanged_layers_and_skips_upload(registry, base_ref, box, monkeypatch):
     """A second commit takes the layers whose files did not change from the stat cache, without
     reading them; only the layer with the changed file is built and uploaded."""
-    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)  # the box's files count as old: the first commit caches
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # the box's files count as old: the first commit caches
     first = commit_box(f"{registry.host}/inc:v1", base_ref, CommitOptions(root=box))
     # Change one custom node file only.
     write_tree(box, {"opt/app/custom_nodes/NodeB/__init__.py": "B = 3\n"}, mtime=1_700_000_000)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import NOT_CAPTURED, snap
 from snapshotter import CommitOptions, commit_box
-from snapshotter.commit import commit as commit_module
+from snapshotter.commit import push as push_module
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index
 from support import member, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
@@ -27,7 +27,7 @@ STAGING_PREFIX = ".snap-staging-"  # a restore's downloads, at the top of its ro
 @pytest.fixture
 def weight_box(box, monkeypatch):
     write_tree(box, {"opt/app/models/checkpoints/big.safetensors": os.urandom(70 * MiB)})  # a layer of its own
-    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)  # the box's files are trusted to the stat cache
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # the box's files are trusted to the stat cache
     return box
 
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import NOT_CAPTURED, snap
 from support import MetadataServer, RegistryServer, fake_dmi, push_base_image, snapshot_of_tree, write_tree
 from snapshotter import CommitOptions, restore_image
-from snapshotter.commit import commit as commit_module
+from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.box.profile import load_profile, parse_profile
@@ -212,7 +212,7 @@ BIG_ELSEWHERE = open(os.path.join(os.path.dirname(__file__), "..", "layers", "de
 
 def record_reads(monkeypatch) -> list[str]:
     """The box files commit reads (layer.after_read), from now on; the stat cache trusts new files."""
-    monkeypatch.setattr(commit_module, "RACY_WINDOW_NS", 0)  # a layer built now goes into the stat cache
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # a layer built now goes into the stat cache
     reads: list[str] = []
     monkeypatch.setattr(layer_module, "after_read", lambda path, attempt: reads.append(path))
     return reads

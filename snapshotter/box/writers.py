@@ -9,7 +9,15 @@ is refused only a process of an outer namespace, which is not the box's)."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
+from typing import Optional
+
+from snapshotter.index.entry import FILE, Entry
+from .scan import Scan
+
+WRITING_QUIET_S = 5.0  # a file held open for writing counts as being written until left alone this long
+BEING_WRITTEN = "being written"
 
 _ACCESS_MODE = 0o3  # O_ACCMODE: O_RDONLY 0, O_WRONLY 1, O_RDWR 2
 _DELETED = " (deleted)"
@@ -49,6 +57,32 @@ def open_for_writing(proc: str = "/proc") -> Writers:
         except (PermissionError, FileNotFoundError, ProcessLookupError, NotADirectoryError):
             pass  # a container's init may hide its maps even from root; writes through a mapping are rare
     return found
+
+
+def last_change(e: Entry, restored_at: Optional[int] = None) -> float:
+    """When a box file last changed, in seconds: the later of mtime and ctime (a rename into place
+    changes only the ctime), except that a ctime from before a restore's end (`restored_at`, ns, the
+    restore record's) is the restore writing the file, not the box: then the mtime alone."""
+    _, mtime_ns, ctime_ns = e.stamp.split(":")
+    if restored_at is not None and int(ctime_ns) <= restored_at:
+        return int(mtime_ns) / 1e9
+    return max(int(mtime_ns), int(ctime_ns)) / 1e9
+
+
+def being_written(scan: Scan, root: str, quiet_s: float, now: Optional[float] = None,
+                  writers: Optional[Writers] = None, *, restored_at: Optional[int]) -> dict[str, str]:
+    """Regular files of the scan that some process holds open for writing (or maps writable) and
+    that changed within `quiet_s`: reading one now could capture it half written (a checkpoint saved
+    in chunks, a weight rewritten in place). One left alone longer (a database kept open), or last
+    written by a restore (`restored_at`, as in last_change), is read as usual: the read itself
+    checks that it holds still."""
+    now = time.time() if now is None else now
+    held = {}
+    for path in (writers or open_for_writing()).under(root):
+        e = scan.entries.get(path)
+        if e is not None and e.kind == FILE and e.stamp and now - last_change(e, restored_at) < quiet_s:
+            held[path] = BEING_WRITTEN
+    return held
 
 
 def _fds_for_writing(pid_dir: str, out: set[str]) -> None:

@@ -21,7 +21,8 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from snapshotter import progress
-from .commit import SCRATCH, CommitOptions, CommitResult, commit_box
+from .commit import commit_box
+from .model import SCRATCH, CommitOptions, CommitResult
 from snapshotter.tar.compress import IterReader
 from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.errors import NotFound, SnapError, UsageError

@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .commit import CommitOptions, plan_commit
+from .commit import plan_commit
+from .model import CommitOptions
 from snapshotter.errors import NotFound, UsageError
 from snapshotter.oci.image import BASE_NAME, CREATED, SNAP_BASE_LAYERS, snap_label
 from snapshotter.oci.mediatypes import MANIFEST_TYPES

@@ -1,2 +1,3 @@
 """What a root remembers of its snapshots, shared by commit and restore: the stat cache, the
-restore record, layer skeletons, and the lineage rule (the tag moves only forward)."""
+restore record, layer skeletons, the lineage rule (the tag moves only forward), and which layers
+of the last snapshot hold each file."""

@@ -2,11 +2,11 @@
 the box is about to be reclaimed.
 
 The loop scans the box's metadata (no file is read) at a pace that keeps its own cost near
-SCAN_BUDGET of one core, commits with commit.py's library API when something changed (at most once
-per `every`, at once when a burst of writes is over), sends big files ahead as soon as they are
-stable, and ends with one final commit on a signal or a provider's reclaim notice. Each snapshot
-goes under an immutable tag `<tag>-<UTC time>` first; the moving tag is then put on the same
-manifest bytes, so it only ever names a complete snapshot."""
+SCAN_BUDGET of one core, commits with the commit package's library API when something changed (at
+most once per `every`, at once when a burst of writes is over), sends big files ahead as soon as
+they are stable, and ends with one final commit on a signal or a provider's reclaim notice. Each
+snapshot goes under an immutable tag `<tag>-<UTC time>` first; the moving tag is then put on the
+same manifest bytes, so it only ever names a complete snapshot."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from snapshotter.commit.commit import (NOT_SENT_TORN, SCRATCH, CommitOptions, CommitPlan, being_written, changes_in,
-                                       file_layers, last_change, last_snapshot_files, own_excludes, plan_commit,
-                                       push_commit, push_layers, scan_root, target_remote)
+from snapshotter.commit.commit import changes_in, own_excludes, plan_commit, scan_root
+from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan
+from snapshotter.commit.push import NOT_SENT_TORN, push_commit, push_layers, target_remote
 from snapshotter.errors import AuthError, SnapError, UsageError
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
@@ -34,9 +34,10 @@ from .notices import NoticeWatcher
 from snapshotter.layer.plan import PlanMemo
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
+from snapshotter.snapshot.files import file_layers, last_snapshot_files
 from snapshotter.snapshot.record import restored_at_ns
 from snapshotter.state import exclusive
-from snapshotter.box.writers import open_for_writing
+from snapshotter.box.writers import being_written, last_change, open_for_writing
 
 MiB = 1024 * 1024
 DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
@@ -142,7 +143,7 @@ class Watcher:
         self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
         self.plan_memo = PlanMemo()  # and what the last plan made of the layers that did not change
         # The snapshot the moving tag names, once checked (lineage.py): its digest, and its layers of
-        # one file each, which keep a file being written at that version (commit.hold_back).
+        # one file each, which keep a file being written at that version (hold.hold_back).
         self.lineage_checked = False
         self.tag_digest: Optional[str] = None
         self.previous_files: dict[str, list[tuple[dict, str]]] = {}
@@ -191,7 +192,7 @@ class Watcher:
         """Big files left out of a snapshot's reads, with why: still being written by their times
         (a download that closes between chunks), or (final) too big to send within the grace and not
         sent ahead. The final snapshot trusts the times only where /proc cannot show every writer
-        (`writers_seen`: commit.being_written sees them all): a file written and closed a moment
+        (`writers_seen`: writers.being_written sees them all): a file written and closed a moment
         before the signal is complete, and taken."""
         held = {}
         budget = self.throughput * self.opts.grace / 2
@@ -277,7 +278,7 @@ class Watcher:
     # ---- sending -------------------------------------------------------------------------------
 
     def _plan(self, now: float, final: bool) -> tuple[CommitOptions, CommitPlan]:
-        """A commit planned on a fresh scan, with the files being written held back (commit.hold_back):
+        """A commit planned on a fresh scan, with the files being written held back (hold.hold_back):
         open for writing and changed within `stable` seconds, big ones still changing, and (final)
         big ones that would not fit in the grace. cp.held says which and why."""
         opts = self.opts.commit
@@ -289,7 +290,8 @@ class Watcher:
         def hold(scan: Scan) -> dict[str, str]:
             writers = open_for_writing()
             held = self._held(scan.entries, now, final, writers.complete)
-            held.update(being_written(scan, self.root, self.opts.stable, now, writers))
+            held.update(being_written(scan, self.root, self.opts.stable, now, writers,
+                                      restored_at=restored_at_ns(self.root)))
             return held
 
         opts = dataclasses.replace(opts, changes=changes, log=self.log, plan_memo=self.plan_memo, hold=hold,

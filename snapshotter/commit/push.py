@@ -1,0 +1,292 @@
+"""Pushing a planned commit: its layers built and uploaded (or reused unread), a file that tore while
+read held back and its layer built again, then the config and the manifest under the target's tag."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from snapshotter import progress
+from snapshotter.box.scan import RACY_WINDOW_NS
+from snapshotter.box.writers import BEING_WRITTEN
+from snapshotter.digests import file_digest, sha256_digest
+from snapshotter.errors import SnapError
+from snapshotter.index import base as baseindex
+from snapshotter.index.entry import FILE
+from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
+from snapshotter.layer.plan import META_DETAIL, LayerPlan
+from snapshotter.oci.image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
+                                   SNAP_PART_LINKS, Image, descriptor, now_rfc3339, scratch_config,
+                                   secrets_annotations, snap_label, snapshot_config, snapshot_manifest)
+from snapshotter.oci.mediatypes import OCI_MANIFEST
+from snapshotter.oci.reference import Reference
+from snapshotter.registry.blobsources import BlobSources, in_registry
+from snapshotter.registry.remote import Remote, host_platform
+from snapshotter.registry.transport import TransportOptions
+from snapshotter.snapshot import skeleton
+from snapshotter.snapshot.statcache import note_last_commit
+from snapshotter.state import sub
+from .hold import hold_back
+from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
+
+LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
+MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
+TORN = "changed while read"
+CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
+NOT_SENT_TORN = "not sent: a file changed while read or since the scan"
+SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one before
+
+
+def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions) -> Remote:
+    """The repository the snapshot goes to, with the base's blobs made available in it."""
+    if cp.base_img is None:
+        return Remote(target_ref, transport)
+    remote = cp.base_remote if target_ref.name == cp.base_ref.name else Remote(target_ref, transport)
+    _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources)
+    return remote
+
+
+def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:
+    """Build and upload some of a plan's layers (all of them for a commit)."""
+    return _push_layers(plans, remote, cp)
+
+
+def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
+    """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
+    remote = target_remote(cp, target_ref, transport)
+    if opts.stopping is not None:
+        remote.stopping = opts.stopping
+    base_img = cp.base_img
+    layers = _push_settled_layers(cp, remote, opts)
+    count = cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values())
+    if count > MAX_ENGINE_LAYERS:
+        opts.log(f"warning: the image has {count} layers; Docker cannot run images "
+                 f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
+
+    created = now_rfc3339()
+    base_config = base_img.config if base_img else scratch_config(*host_platform())
+    rows = [(p.label, b.diff_id, descriptor(b.media_type, b.digest, b.size, _annotations(p)), status,
+             len(p.entries) + len(p.whiteouts)) for p, b, status in layers]
+    _insert_carried(rows, cp)
+    config = snapshot_config(base_config, [(label, diff_id) for label, diff_id, *_ in rows], created)
+    layer_descs = [desc for _, _, desc, *_ in rows]
+    extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
+             **(cp.deletes.annotation() if cp.deletes else {})}  # read by a restore onto a live system
+    # The base's index, for a commit on a new machine and for restore (baseindex.py).
+    index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
+    if index_digest:
+        extra[baseindex.SNAP_BASE_INDEX] = index_digest
+    # The layers' headers, for a restore onto a root that already holds some of them (skip.py).
+    skeleton_digest = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
+    if skeleton_digest:
+        extra[skeleton.SNAP_SKELETON] = skeleton_digest
+    manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
+                                 created, extra)
+    config_digest = sha256_digest(config)
+    if not remote.blob_exists(config_digest):
+        remote.upload_from(lambda out: out.write(config), config_digest, len(config))
+    # The tag moves only now, after every blob is in.
+    digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
+    cp.cache.save()
+    note_last_commit(cp.root, cp.base_name, str(target_ref), digest)
+    own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
+    cp.sources.note(target_ref.api_host, target_ref.repository,
+                    own + ([base_img.manifest["config"]["digest"]] if base_img else [])
+                    + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else [])
+                    + ([skeleton_digest, baseindex.EMPTY_CONFIG_DIGEST] if skeleton_digest else []))
+    cp.sources.save()
+
+    reports = [LayerReport(label, desc["digest"], desc["size"], desc["mediaType"], entries, status)
+               for label, _, desc, status, entries in rows]
+    return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
+                        cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
+                        len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
+                        snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows])
+
+
+def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
+    """Build and upload the planned layers; a file that kept changing while it was read (layer.py
+    reads it up to 3 times), or that was read whole but changed since the scan (a save in chunks
+    that paused), is held back as one being written (hold_back) and its layer built again without
+    it: no snapshot holds a torn file. Refused after SETTLE_PASSES builds that each tore."""
+    for _ in range(SETTLE_PASSES):
+        if cp.unreadable:
+            _leave_out_unreadable(cp, remote, opts)
+        layers = push_layers(cp, remote, cp.plans)
+        torn = {path: CHANGED_SINCE_SCAN for _, blob, _ in layers for path in blob.changed_since_scan}
+        torn.update({path: TORN for _, blob, _ in layers for path in blob.changed_while_read})
+        if not torn:
+            return layers
+        hold_back(cp, torn, opts)
+    raise SnapError(f"files kept changing while they were read, {SETTLE_PASSES} times: nothing was pushed",
+                    "commit again once the box is quieter")
+
+
+def _insert_carried(rows: list, cp: CommitPlan) -> None:
+    """Put the layers carried from the last snapshot among the weights' single-file layers: before
+    the weights' last small layer (directories and deletions), which must stay on top of them."""
+    carried = [(snap_label(desc) or desc["digest"][:19], diff_id, desc, "kept from the last snapshot (being written, not read)",
+                1) for path in sorted(cp.carried) for desc, diff_id in cp.carried[path]]
+    if not carried:
+        return
+    at = len(rows)
+    if cp.plans and cp.plans[-1].detail == META_DETAIL:
+        at -= 1
+    rows[at:at] = carried
+
+
+def _annotations(plan: LayerPlan) -> dict:
+    ann = {SNAP_LAYER: plan.name}
+    if plan.detail:
+        ann[SNAP_CONTENT] = plan.detail
+    if plan.part_of:
+        path, i, n = plan.part_of
+        ann[SNAP_PART] = f"{i}/{n}"
+        ann[SNAP_PART_FILE] = path
+    if plan.part_links:
+        ann[SNAP_PART_LINKS] = json.dumps(plan.part_links)
+    return ann
+
+
+def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
+    """Whether a built layer may go into the stat cache. Not if a file changed while it was read
+    (the blob may hold a torn copy) or since the scan (the blob is not what its stat data says), nor
+    if a file changed just before the scan: within a coarse ctime tick a later write can leave the
+    same stat (git's "racy clean" rule)."""
+    if blob.changed_while_read or blob.changed_since_scan:
+        return False
+    return all(e.ctime_ns < scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
+
+
+def _files_read(plan: LayerPlan) -> set[str]:
+    """The box files whose bytes building the layer reads (a part layer reads its slice's file)."""
+    return {plan.slices.get(e.path, (e.path, 0))[0] for e in plan.entries if e.kind == FILE}
+
+
+def _reused(cp: CommitPlan, remote: Remote, plan: LayerPlan) -> tuple[Optional[dict], str]:
+    """The blob a layer already has (stat cache or last restore) and where the registry has it:
+    "" when the layer must be built, its files read."""
+    hit = cp.known(plan)
+    return hit, (in_registry(remote, hit["digest"], cp.sources) if hit else "")
+
+
+def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> None:
+    """For each held file carried at its old entry whose layer would have to be built after all (it
+    shares a changed bundle, or the stat cache lost it): one held only because a process has it open
+    (BEING_WRITTEN) is read as it is now, the read checking that it holds still (else it tears and
+    is left out then): leaving it out would drop the last snapshot's version of a database kept open
+    and written now and then from every snapshot. One that tore is left out. Then plan again:
+    leaving one out can change the layer of another (a bundle of two), hence the loop."""
+    while True:
+        stuck = {path for plan in cp.plans if (paths := _files_read(plan) & cp.unreadable)
+                 and not _reused(cp, remote, plan)[1] for path in paths}
+        if not stuck:
+            return
+        cp.unreadable -= stuck
+        read_now = {p for p in stuck if cp.held.get(p) == BEING_WRITTEN and p in cp.scan.entries}
+        for p in read_now:
+            del cp.held[p]
+        cp.left_unread.extend(sorted(stuck - read_now))
+        cp.diff.changed = sorted([e for e in cp.diff.changed if e.path not in stuck]
+                                 + [cp.scan.entries[p] for p in read_now], key=lambda e: e.path)
+        cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts)
+
+
+def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:
+    """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
+    stat cache (or that the last restore into this root wrote and nothing changed since), and
+    whose blob the registry has (or mounts from another repository), is neither read nor uploaded."""
+    root, zstd_level, sources = cp.root, cp.zstd_level, cp.sources
+    results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
+    todo: list[tuple[int, LayerPlan, str]] = []
+    for i, plan in enumerate(plans):
+        fp = plan.fingerprint(zstd_level)
+        hit, there = _reused(cp, remote, plan)
+        if there:
+            blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
+            results[i] = (plan, blob, f"{there} (unchanged, not read)")
+            cp.cache.record(fp, hit)
+        elif unread := sorted(_files_read(plan) & cp.unreadable):  # the registry lost the blob since push_commit looked
+            raise SnapError(f"layer {plan.label!r} would have to read {'/' + unread[0]!r}, which is being rewritten",
+                            "nothing was pushed; the next try leaves the file out")
+        else:
+            todo.append((i, plan, fp))
+    out_dir = sub("layers")
+    with progress.bar("packing", sum(p.content_size for _, p, _ in todo)) as pack, \
+            progress.bar("uploading") as up, ThreadPoolExecutor(LAYER_WORKERS) as pool:
+        # An error or Ctrl-C sets remote.stopping: layers being read or sent give up at their next
+        # chunk, and the exit does not wait for a weight to finish on a slow link.
+        on_pack = progress.stoppable(progress.safe_update(pack), remote.stopping)
+        on_up = progress.stoppable(progress.safe_update(up), remote.stopping)
+
+        def produce(plan: LayerPlan) -> tuple[LayerBlob, str]:
+            headers = skeleton.PieceWriter()  # the layer's skeleton, as its tar is written
+            blob, status = _produce(plan, headers)
+            skeleton.keep(blob.diff_id, headers.finish(blob.diff_id))
+            return blob, status
+
+        def _produce(plan: LayerPlan, headers: skeleton.PieceWriter) -> tuple[LayerBlob, str]:
+            if plan.compression == "none":
+                # Stored as is: hash it in one read, then stream it again to the registry only if
+                # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
+                blob = measure_layer(root, plan, zstd_level, on_pack, headers)
+                if blob.changed_while_read or blob.changed_since_scan:
+                    return blob, NOT_SENT_TORN
+                if there := in_registry(remote, blob.digest, sources):
+                    return blob, there
+                remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
+                return blob, "uploaded"
+            blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
+            try:
+                if blob.changed_while_read or blob.changed_since_scan:
+                    return blob, NOT_SENT_TORN
+                if there := in_registry(remote, blob.digest, sources):
+                    return blob, there
+                remote.upload_blob(blob.path, blob.digest, blob.size, on_up)
+                return blob, "uploaded"
+            finally:
+                os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
+
+        futures = {}
+        try:  # a Ctrl-C while the layers are still being handed out must stop the ones already started
+            for i, plan, fp in todo:
+                futures[pool.submit(produce, plan)] = (i, plan, fp)
+            for fut, (i, plan, fp) in futures.items():
+                blob, status = fut.result()
+                results[i] = (plan, blob, status)
+                if _cacheable(plan, blob, cp.scan_started_ns):
+                    cp.cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
+                                         "media_type": blob.media_type})
+        except BaseException:
+            remote.stopping.set()
+            for f in futures:
+                f.cancel()
+            raise
+    return [results[i] for i in range(len(plans))]
+
+
+def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: BlobSources) -> None:
+    """Make the base's blobs available in the target repository: nothing to do in the same repo,
+    a cross-repository mount on the same registry (from the base's repository or another known to
+    hold the blob), else a copy through the local disk."""
+    if target is source:
+        return
+    missing = [d for d in base.layers + [base.manifest["config"]] if not target.blob_exists(d["digest"])]
+    if not missing:
+        return
+    same_registry = target.ref.api_host == source.ref.api_host
+    if same_registry:
+        sources.note(source.ref.api_host, source.ref.repository, [d["digest"] for d in missing])
+    tmp_dir = sub("blobs")
+    with progress.bar("copying base layers", sum(d["size"] for d in missing)) as b:
+        for d in missing:
+            if in_registry(target, d["digest"], sources):
+                b.update(d["size"])
+                continue
+            path = os.path.join(tmp_dir, d["digest"].split(":", 1)[1])
+            if not (os.path.exists(path) and file_digest(path) == d["digest"]):  # a killed run's: checked first
+                source.download_blob(d["digest"], path, size=d["size"])
+            target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
+            os.unlink(path)  # only a stop on the way to the other registry

@@ -1,0 +1,59 @@
+"""Which layers of a snapshot hold each file on its own: a file's single-file layer, or all its
+part layers. A commit keeps a file that is being written at the last snapshot's version by naming
+those layers again, without reading the file."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from snapshotter.errors import NotFound, SnapError
+from snapshotter.layer.plan import holds_one_file, parse_part_annotation
+from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, SNAP_PART_FILE, Image, snapshot_layer_count
+from snapshotter.registry.remote import Remote
+from .record import restored_from
+
+
+def file_layers(layers: list[tuple[dict, str]]) -> dict[str, list[tuple[dict, str]]]:
+    """A snapshot's layers of one file each, by that file's path: its single-file layer, or all its
+    part layers in order (image.py's annotations). Bundles hold other files too: not listed."""
+    single: dict[str, list[tuple[dict, str]]] = {}
+    parts: dict[str, dict[int, tuple[dict, str]]] = {}
+    counts: dict[str, int] = {}
+    for desc, diff_id in layers:
+        ann = desc.get("annotations") or {}
+        content, part_file = ann.get(SNAP_CONTENT), ann.get(SNAP_PART_FILE)
+        if isinstance(part_file, str) and (part := parse_part_annotation(ann.get(SNAP_PART))):
+            parts.setdefault(part_file, {})[part[0]] = (desc, diff_id)
+            counts[part_file] = part[1]
+        elif isinstance(content, str) and holds_one_file(content):
+            single[content] = [(desc, diff_id)]
+    for path, got in parts.items():
+        if sorted(got) == list(range(1, counts[path] + 1)):
+            single[path] = [got[i] for i in sorted(got)]
+    return single
+
+
+def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> dict[str, list[tuple[dict, str]]]:
+    """file_layers of the box's last snapshot in `remote`'s repository: the one its tag names
+    (`current`), else, for a new tag, the image the root was restored from, if this repository has
+    it (its blobs are then there to reuse)."""
+    digest = current or restored_from(root)
+    if digest is None:
+        return {}
+    try:
+        return image_file_layers(remote.resolve(digest))
+    except NotFound:
+        return {}
+
+
+def image_file_layers(image: Image) -> dict[str, list[tuple[dict, str]]]:
+    """file_layers of an image's own layers (none for an image snap did not make)."""
+    try:
+        count = snapshot_layer_count(image)
+    except SnapError:
+        return {}
+    diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
+    if not count or len(diff_ids) != len(image.layers):
+        return {}
+    start = len(image.layers) - count
+    return file_layers(list(zip(image.layers[start:], diff_ids[start:])))
