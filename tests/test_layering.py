@@ -52,13 +52,19 @@ def imports_of(path: str, name: str, modules: set[str]) -> set[str]:
     return found & modules
 
 
-def the_graph() -> dict[str, set[str]]:
+def the_files() -> dict[str, str]:
+    """module name -> its file."""
     files = {}
     for folder, _, names in os.walk(PACKAGE):
         for n in names:
             if n.endswith(".py"):
                 path = os.path.join(folder, n)
                 files[module_name(path)] = path
+    return files
+
+
+def the_graph() -> dict[str, set[str]]:
+    files = the_files()
     return {name: imports_of(path, name, set(files)) - {name} for name, path in files.items()}
 
 
@@ -100,3 +106,26 @@ def test_no_import_cycle():
 
     for m in sorted(graph):
         visit(m)
+
+
+def test_the_readme_layout_is_the_tree():
+    """The README's Layout block names every module and package, and nothing that is gone."""
+    readme = open(os.path.join(os.path.dirname(PACKAGE), "README.md"), encoding="utf-8").read()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    named, folder = set(), ""
+    for line in block.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.endswith("/") and line.startswith("  ") and not line.startswith("    "):
+            folder = name
+            named.add(folder)
+        elif name.endswith(".py"):
+            named.add((folder if line.startswith("    ") else "") + name)
+    on_disk = set()
+    for path in the_files().values():
+        rel = os.path.relpath(path, PACKAGE)
+        if os.path.basename(rel) in ("__init__.py", "__main__.py"):
+            if os.path.dirname(rel):
+                on_disk.add(os.path.dirname(rel) + "/")
+            continue
+        on_disk.add(rel)
+    assert named == on_disk

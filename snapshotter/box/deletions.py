@@ -5,7 +5,7 @@ manifest, where a restore onto a live system reads it before downloading anythin
 The system is the base's top-level directories that hold paths (bin, etc, usr; an empty /srv or
 /mnt does not count: deleting it loses nothing), or more than half of the base's paths. The
 record is an accident guard, not a trust boundary: the extractor refuses to delete a top-level
-directory of a live root whatever the manifest says (extract.py)."""
+directory of a live root whatever the manifest says (layer/extract.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Deletions:
 
 
 def count(index: dict[str, Entry], deleted: list[str]) -> Deletions:
-    """What deleting `deleted` (the top-most paths of each deleted tree: fsindex.Diff) does to the
+    """What deleting `deleted` (the top-most paths of each deleted tree: box/diff.py's Diff) does to the
     base `index`. The paths below a path are one run of the sorted paths (those between 'p/' and
     'p0', '0' following '/'): no pass over a 200k-path base per deleted path."""
     if not deleted:

@@ -44,7 +44,7 @@ def diff(base: dict[str, Entry], scan: Scan, skipped: Callable[[str], bool], reh
             try:
                 e.digest = file_digest(os.path.join(root, rel))
             except FileNotFoundError:
-                e.digest = None  # deleted since the scan: the layer says so (layer.py)
+                e.digest = None  # deleted since the scan: the layer says so (layer/generate.py)
             if e.digest != old.digest:
                 e.mtime_ns = int(e.stamp.split(":")[1])  # else a restore of it would look unchanged next time
                 changed.append(e)

@@ -48,7 +48,7 @@ from .push import push_commit
 def base_index(remote: Remote, image: Image, log: Callable[[str], None],
                travelled: Optional[Remote] = None) -> dict[str, Entry]:
     """The file index of the base image: cached by manifest digest, else the one an earlier
-    snapshot pushed into the `travelled` repository (baseindex.py), else read from its layer tars."""
+    snapshot pushed into the `travelled` repository (index/base.py), else read from its layer tars."""
     cache = baseindex.cache_path(image.manifest_digest)
     diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])  # an index of other layers is not this base's
     index = load_index(cache, diff_ids)
@@ -82,7 +82,7 @@ def own_excludes(root: str) -> tuple[str, ...]:
 
 def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
-    `memo` carries what the last such walk learnt (fsindex.ScanMemo)."""
+    `memo` carries what the last such walk learnt (box/scan.py's ScanMemo)."""
     with progress.bar("scanning box", unit="files") as b:
         return scan_box(root, profile, own_excludes(root), progress.safe_update(b), memo=memo)
 

@@ -52,7 +52,7 @@ def commit_from_container(container: str, target: str, base: Optional[str], opts
     except docker.errors.NotFound:
         raise NotFound(f"no container {container!r} on the Docker engine", "list them with docker ps -a")
     base = base or base_of(ct)
-    # The container came from its image: a tag that names it may move (lineage.py).
+    # The container came from its image: a tag that names it may move (snapshot/lineage.py).
     origins = tuple(d.split("@", 1)[1] for d in _repo_digests(ct) if "@" in d)
     # One mirror per container: a stable root keeps commit's stat cache file from piling up.
     mirror = os.path.join(sub("containers"), ct.id[:12])

@@ -38,10 +38,10 @@ class CommitOptions:
     # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
     changes: Optional[Callable] = None
     plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
-    force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (deletions.py), a tag this box neither came from nor made (lineage.py)
-    origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides lineage.py's (a container's image)
+    force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (box/deletions.py), a tag this box neither came from nor made (snapshot/lineage.py)
+    origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides snapshot/lineage.py's (a container's image)
     # Files not to read now, with why (being written): given the scan, the paths to hold back. None: the
-    # files some process is writing (writers.py) that changed in the last WRITING_QUIET_S seconds.
+    # files some process is writing (box/writers.py) that changed in the last WRITING_QUIET_S seconds.
     hold: Optional[Callable[[Scan], dict[str, str]]] = None
     # Where a held file's last snapshot version is: the last snapshot's own layers of each file
     # (file_layers), asked only when a file is held. None: the target tag's snapshot (snap commit).

@@ -74,11 +74,11 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     layer_descs = [desc for _, _, desc, *_ in rows]
     extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
              **(cp.deletes.annotation() if cp.deletes else {})}  # read by a restore onto a live system
-    # The base's index, for a commit on a new machine and for restore (baseindex.py).
+    # The base's index, for a commit on a new machine and for restore (index/base.py).
     index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
     if index_digest:
         extra[baseindex.SNAP_BASE_INDEX] = index_digest
-    # The layers' headers, for a restore onto a root that already holds some of them (skip.py).
+    # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
     skeleton_digest = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
     if skeleton_digest:
         extra[skeleton.SNAP_SKELETON] = skeleton_digest
@@ -107,7 +107,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
 
 
 def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
-    """Build and upload the planned layers; a file that kept changing while it was read (layer.py
+    """Build and upload the planned layers; a file that kept changing while it was read (layer/generate.py
     reads it up to 3 times), or that was read whole but changed since the scan (a save in chunks
     that paused), is held back as one being written (hold_back) and its layer built again without
     it: no snapshot holds a torn file. Refused after SETTLE_PASSES builds that each tore."""

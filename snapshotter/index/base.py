@@ -1,7 +1,7 @@
 """The base image's file index travels with the snapshot, so that a new machine (an empty state
 dir) commits without reading the base's layers: a 6 GB base would cost minutes of a 5 s notice.
 
-The index (the cache file fsindex.save_index writes, gzip'd JSON lines with their format
+The index (the cache file store.py writes, gzip'd JSON lines with their format
 version) is pushed as a blob into the snapshot's repository and kept referenced by a layer-less
 artifact manifest of its own, tagged `snap-index-sha256-<base manifest hex>`. Not the referrers
 API: distribution 2.8 (Debian's registry) has none; not an annotation only: a registry's garbage

@@ -24,7 +24,7 @@ def _under(path: str, roots: set[str]) -> bool:
 
 def resolve_parent(index: dict[str, Entry], layer: dict[str, Entry], rel: str, name: str = "") -> str:
     """Where an extractor writes `rel` (a checked name): its parent directories resolved through
-    the image's symlinks as if the root were '/' (paths.py; extract.py does the same on disk), the
+    the image's symlinks as if the root were '/' (paths.py; layer/extract.py does the same on disk), the
     final component not followed. Refuses a loop, as restore does."""
     parent, _, base = rel.rpartition("/")
     resolved = resolve_in_root(parent, entry_links(layer, index))
@@ -45,7 +45,7 @@ def apply_layer_to_index(index: dict[str, Entry], tar_stream: BinaryIO, label: s
 class ImageIndexer:
     """An image's index built one layer at a time, its members fed one by one as they are read: by
     apply_layer_to_index from a layer stream (a commit reading its base), and by the extractor as it
-    applies a layer (a full restore: extract.py). Applies them as an extractor would, with the same
+    applies a layer (a full restore: layer/extract.py). Applies them as an extractor would, with the same
     checks (names, whiteouts, hardlinks, symlink loops): whiteouts and opaque markers hide lower
     paths, a non-directory replaces a lower directory tree, a path below a symlink lands where the
     symlink leads. Linear in the index and the layer."""

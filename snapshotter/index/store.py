@@ -14,8 +14,8 @@ from snapshotter.index.entry import Entry, gc_paused
 
 # The base-index cache holds each Entry positionally (astuple: compact, quick to load). Its first
 # line names the format version and Entry's fields: a cache of another version or field layout is
-# rebuilt, never read into the wrong fields. Version 1 had no such line.
-INDEX_VERSION = 4  # 3: the header names the diff_ids of the layers indexed; 4: files' exact PAX mtimes (mtime_ns)
+# rebuilt, never read into the wrong fields, and so is one of other layers (its diff_ids).
+INDEX_VERSION = 4
 
 
 def _index_header(diff_ids: Sequence[str]) -> dict:

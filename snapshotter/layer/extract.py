@@ -19,7 +19,7 @@
   is mounted at or below it, nor a file mounted over: a layer must not empty a mounted volume.
 - Onto a root that holds a live system (ExtractOptions.live_system), a whiteout or opaque marker
   that would delete one of its top-level directories (or a top-level link to one) that holds
-  anything is refused before it deletes: the net under deletions.py's check of the manifest, for
+  anything is refused before it deletes: the net under box/deletions.py's check of the manifest, for
   images that carry no record of what they delete.
 """
 
@@ -151,7 +151,7 @@ class Extractor:
             _utime(path, at, mt)
         self._reset_dir_times()
 
-    # ---- the tree outside a layer (parts.py joins part layers) ---------------------------------
+    # ---- the tree outside a layer (restore/parts.py joins part layers) ---------------------------------
 
     def parent_dir(self, rel: str) -> str:
         """The real directory that holds /rel, resolved inside the root, made by nothing (a
@@ -257,7 +257,7 @@ class Extractor:
         last entry, if a regular file, is renamed into place: what it raises leaves that file
         unseen (its temp removed). A last entry of another kind is in place by then.
 
-        `in_place`: nothing reads the root yet (the app has not started: restore.py), so a regular
+        `in_place`: nothing reads the root yet (the app has not started: restore/restore.py), so a regular
         file new in a directory this layer made is written at its path, not in a temp file renamed
         there: a venv is tens of thousands of files, and the rename was a tenth of applying it.
         Killed midway, such a file is half-written at its path, and the layer (not recorded as
@@ -595,7 +595,7 @@ class Extractor:
 
 
 class _Indexing:
-    """The extractor's hook for an ImageIndexer (fsindex.py): stands for the TarReader, hashing each
+    """The extractor's hook for an ImageIndexer (index/indexer.py): stands for the TarReader, hashing each
     regular file's data as the extractor reads it to write it, and the rest of it (all of it for an
     entry left alone) when the member is indexed; a content file a split layer hands over (`take`)
     is hashed before it is renamed into place (a read; copying it instead would write the weight

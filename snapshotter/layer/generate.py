@@ -156,7 +156,7 @@ def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
     ti.mtime = int(e.mtime)
     if e.xattrs:
         ti.pax_headers = {XATTR_PAX + k: v for k, v in sorted(e.xattrs.items())}
-    if e.mtime_ns is not None:  # an edit within its base file's second (fsindex.diff): a restore puts its ns back
+    if e.mtime_ns is not None:  # an edit within its base file's second (box/diff.py): a restore puts its ns back
         ti.pax_headers = {**ti.pax_headers, "mtime": pax_mtime(e.mtime_ns)}
     if linkname_for_hardlink is not None:
         ti.type = tarfile.LNKTYPE
@@ -175,7 +175,7 @@ def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
 def tar_headers(plan: LayerPlan) -> Iterator[tuple[tarfile.TarInfo, Optional[Entry]]]:
     """The tar headers of a plan in layer order, each with its entry (None for a whiteout):
     sorted, whiteouts before their siblings, later paths of a hardlinked inode as links. Made one
-    at a time as they are asked for: the headers of a 200k-file layer held at once took 150 MB."""
+    at a time as they are asked for: the headers of a 200k-file layer held at once would take 150 MB."""
     items = [(e.path, False) for e in plan.entries] + [(w, True) for w in plan.whiteouts]
     items.sort(key=layer_order)
     by_path = {e.path: e for e in plan.entries}

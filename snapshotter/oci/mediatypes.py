@@ -22,12 +22,12 @@ NONDISTRIBUTABLE_TAR = "application/vnd.oci.image.layer.nondistributable.v1.tar"
 # The layer media type snap writes for each --compression.
 MEDIA_TYPE = {"none": LAYER_TAR, "gzip": LAYER_GZIP, "zstd": LAYER_ZSTD}
 
-# The base image's file index (fsindex.save_index's gzip'd JSON lines), pushed with a snapshot,
-# and the artifact manifest that keeps it referenced (baseindex.py).
+# The base image's file index (index/store.py's gzip'd JSON lines), pushed with a snapshot,
+# and the artifact manifest that keeps it referenced (index/base.py).
 BASE_INDEX = "application/vnd.dev.snap.base-index.v1.jsonl+gzip"
 BASE_INDEX_ARTIFACT = "application/vnd.dev.snap.base-index.v1"
 OCI_EMPTY = "application/vnd.oci.empty.v1+json"
-# The headers of a snapshot's layers without their contents (skeleton.py), and the artifact
+# The headers of a snapshot's layers without their contents (snapshot/skeleton.py), and the artifact
 # manifest that keeps that blob referenced.
 SKELETON = "application/vnd.dev.snap.skeleton.v1+gzip"
 SKELETON_ARTIFACT = "application/vnd.dev.snap.skeleton.v1"

@@ -1,8 +1,8 @@
 """Applying layers in a child process of their own, for `snap restore`.
 
 Python runs one thread at a time: in the process that downloads, unpacking the venv's many small
-files took twice as long while the weights were hashed and written beside it. One extractor in a
-child applies the layers, in order and with the checks of extract.py; the parent sends it one
+files would wait on the weights being hashed and written beside it (twice as long, measured). One extractor in a
+child applies the layers, in order and with the checks of layer/extract.py; the parent sends it one
 verified layer at a time and gets back progress, the result or the error.
 """
 
@@ -32,7 +32,7 @@ class LayerJob:
     path: str  # the verified blob (or its split form)
     media_type: str
     diff_id: str
-    split: bool  # kept split at download (staging.py); its digest is its diff_id
+    split: bool  # kept split at download (layer/staging.py); its digest is its diff_id
     label: str
     record: bool  # send back the digest of its tar headers
     # Its position among the base's layers, when the applier indexes the base as it goes (0 starts

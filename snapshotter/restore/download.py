@@ -1,7 +1,7 @@
 """Downloading a restore's layer blobs, several at once, for the apply loop (restore.py).
 
 Each distinct blob downloads once, into the staging dir of the filesystem its layer's files land on
-(staging.py: inside the restore root, not the state dir), and is handed over only once its digest is
+(layer/staging.py: inside the restore root, not the state dir), and is handed over only once its digest is
 checked: no unverified byte reaches the target. The app's blobs download first, the weights' after
 them at a lower CPU priority (AppFirst). A blob that an interrupted run left is hashed again and
 used; a blob goes once the last layer that needs it is applied."""
@@ -32,7 +32,7 @@ WEIGHTS_NICE = 10  # the nice value of a thread downloading weights
 
 class Blob(NamedTuple):
     path: str  # in a staging dir
-    split: bool  # an uncompressed layer kept split (staging.py): its big files are renamed into place
+    split: bool  # an uncompressed layer kept split (layer/staging.py): its big files are renamed into place
 
 
 class Downloads:
@@ -48,7 +48,7 @@ class Downloads:
         self._sizes = {d["digest"]: d["size"] for d, _ in layers}
         self._uses = Counter(d["digest"] for d, _ in layers)
         # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
-        # kept split, so that its big files are renamed into place instead of copied (staging.py).
+        # kept split, so that its big files are renamed into place instead of copied (layer/staging.py).
         # Only a layer applied once: applying takes its big files away.
         self._split = {d["digest"] for d, diff_id in layers if diff_id == d["digest"] and self._uses[d["digest"]] == 1}
         self._paths = self._staging_paths(layers, staging)

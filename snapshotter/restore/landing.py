@@ -1,12 +1,12 @@
 """Which weights of a restore have landed, for `snap restore --then` and `snap restore --wait PATH`.
 
-Commit puts the weights layers last (plan.py), so a restore knows the point after which only
+Commit puts the weights layers last (layer/plan.py), so a restore knows the point after which only
 weights remain: there it starts the app (`--then CMD`). As it goes, it keeps a small progress file
 per restore root in the state dir: its pid, the weight files named by their layers (a single-file
 layer's file, a file cut into parts) and whether each has landed, and whether the restore is done.
 `--wait PATH`, in another process, polls that file (it takes no lock: the restore holds it).
 A file inside a bundle or a non-weight layer is not named in advance: it counts as landed when the
-restore is done. A weight appears at its path by a rename, never half-written (extract.py); the
+restore is done. A weight appears at its path by a rename, never half-written (layer/extract.py); the
 layers before the app's start, which nothing reads yet, write their new files in place."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Files cut into part layers: which ones an image holds, and joining them back at restore.
 
-`snap commit` cuts a file over the registry's layer size cap into part layers (plan.py names the
+`snap commit` cuts a file over the registry's layer size cap into part layers (layer/plan.py names the
 parts and their annotations). A restore checks the parts' annotations before anything is written,
 applies the parts as files named FILE.snap-part-K-of-N, then joins them here into FILE."""
 

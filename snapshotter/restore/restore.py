@@ -1,18 +1,18 @@
 """`snap restore` (extract mode): pull an image's layers, verify them, and apply them onto a directory.
 
-Blobs download into staging directories inside the restore root (staging.py: on the filesystem
+Blobs download into staging directories inside the restore root (layer/staging.py: on the filesystem
 each layer lands on, not the state dir's), several at once (download.py), and each layer is applied
 as soon as its digest is checked and the layers before it are applied: no unverified byte reaches
 the target, and the extraction of the first layers overlaps the download of the rest. The app's
 layers download first, the weights after them at a lower CPU priority (AppFirst). Layers are applied in order,
 by one extractor in a child process (applier.py), so that unpacking does not wait on the
 download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
-its last entry, if a regular file, is renamed into place (extract.py; a split layer's digest,
+its last entry, if a regular file, is renamed into place (layer/extract.py; a split layer's digest,
 checked at download, is its diff_id). Before any download, the snap layers the root already holds,
 file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
 kept the weights). A journal (journal.py) records how many layers
 of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
-the snap layers are noted for the next commit of the root (restorerecord.py). A full restore of an
+the snap layers are noted for the next commit of the root (snapshot/record.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base
 index: README), so that the next commit here does not download them again.
 
@@ -78,7 +78,7 @@ class RestoreResult:
     bytes: int
     skipped_devices: list[str]
     stripped_setuid: list[str]
-    seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them (restorerecord.py)
+    seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them (snapshot/record.py)
     skipped_devices_count: int = 0  # all of them (the lists keep the first extract.NAMES_KEPT names)
     stripped_setuid_count: int = 0
     skipped_layers: int = 0  # layers the root already held: neither downloaded nor applied (skip.py)
@@ -145,7 +145,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         if count == ready_at and opts.on_app_ready is not None:
             opts.on_app_ready()
 
-    forget_restore(root)  # until this one finishes, the root did not come from any image (lineage.py)
+    forget_restore(root)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
     staging = StagingDirs(root, image.manifest_digest)
     try:
         if resumed >= ready_at:
@@ -324,7 +324,7 @@ def _layer_job(pending: list[tuple[int, dict, str]], n: int, blob: Blob, in_plac
 
 
 def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:
-    """Cache the index of the snapshot's base that came with it (baseindex.py, a small blob), so
+    """Cache the index of the snapshot's base that came with it (index/base.py, a small blob), so
     that the first commit on this machine neither downloads nor reads the base's layers again."""
     ann = image.manifest.get("annotations") or {}
     base, digest = ann.get(BASE_DIGEST), ann.get(baseindex.SNAP_BASE_INDEX)
@@ -354,7 +354,7 @@ def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
 
 def _note_sources(reference: Reference, image: Image) -> None:
     """Remember that this repository holds the image's blobs: a later commit to another repository
-    of the registry mounts them from here instead of uploading them (blobsources.py)."""
+    of the registry mounts them from here instead of uploading them (registry/blobsources.py)."""
     ann = image.manifest.get("annotations") or {}
     travelled = [d for d in (ann.get(baseindex.SNAP_BASE_INDEX), ann.get(skeleton.SNAP_SKELETON)) if isinstance(d, str)]
     travelled += [baseindex.EMPTY_CONFIG_DIGEST] if travelled else []

@@ -1,10 +1,10 @@
 """Which layers a restore need not download: the root already holds exactly what they would write.
 
 A pod restart keeps its volume (/workspace, with the weights) and loses the container disk and
-snap's state dir with it. Before any download, each pending snap layer with a skeleton (skeleton.py)
+snap's state dir with it. Before any download, each pending snap layer with a skeleton (snapshot/skeleton.py)
 is checked against the root:
 
-1. A stat pass over the layer's members, by the extractor's rules (extract.py): every path there,
+1. A stat pass over the layer's members, by the extractor's rules (layer/extract.py): every path there,
    reached through real directories, of the right type, size, mode (setuid bits as the extractor
    leaves them), owner (when the restore sets owners), xattrs, symlink target and mtime; each
    hardlink the same inode as its target, each file with no other links than the layer's; each
@@ -14,7 +14,7 @@ is checked against the root:
 2. The layer's tar rebuilt from its headers and the bytes on disk, hashed: equal to its diff_id
    means applying it writes exactly what is there. A file that differs never passes: its bytes
    differ (the hash) or its stat data does (the stat pass). Where this state dir's restore record
-   (restorerecord.py) says the root got this very layer and no file of it changed since (ctime),
+   (snapshot/record.py) says the root got this very layer and no file of it changed since (ctime),
    the hash is not needed.
 3. Order: a layer passes only if no earlier layer that is applied writes one of its paths or a
    parent of them (it would overwrite what was checked), save a directory written with the same
@@ -77,7 +77,7 @@ class _Source:
 class LayerCheck:
     """One layer's paths (from its headers) and what its stat pass found."""
 
-    headers: str  # the digest of its tar headers (as the extractor records them: restorerecord.py)
+    headers: str  # the digest of its tar headers (as the extractor records them: snapshot/record.py)
     paths: list[tuple[str, object, tuple]] = field(default_factory=list)  # (path, kind, what a directory must agree on)
     sources: list[Optional[_Source]] = field(default_factory=list)  # per member: its content on disk, or None
     why: str = ""  # why the stat pass failed; "" if it passed

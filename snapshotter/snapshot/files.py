@@ -15,7 +15,7 @@ from .record import restored_from
 
 def file_layers(layers: list[tuple[dict, str]]) -> dict[str, list[tuple[dict, str]]]:
     """A snapshot's layers of one file each, by that file's path: its single-file layer, or all its
-    part layers in order (image.py's annotations). Bundles hold other files too: not listed."""
+    part layers in order (oci/image.py's annotations). Bundles hold other files too: not listed."""
     single: dict[str, list[tuple[dict, str]]] = {}
     parts: dict[str, dict[int, tuple[dict, str]]] = {}
     counts: dict[str, int] = {}

@@ -3,7 +3,7 @@
 A moving tag (box:v2) names the snapshot a reclaimed box comes back to. A commit that moved it from a
 box that never held that snapshot (a restore that failed or stopped half-way, a fresh box, a wrong
 --root) would replace the good snapshot with a worse one. So a tag only moves forward: from a snapshot
-this box came from (the last finished `snap restore` into this root, restorerecord.py) or made itself
+this box came from (the last finished `snap restore` into this root, record.py) or made itself
 (this state dir's snapshots of the root, statcache.made_from), or from nothing (a new tag)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The restore record: what `snap restore` leaves for the next commit of its root.
 
 After a restore, the image's snap layers are noted per root (their digests and the digest of the
-tar headers extracted, applier.py), with the time the restore ended. The next commit of that root
+tar headers extracted, restore/applier.py), with the time the restore ended. The next commit of that root
 takes a planned layer from here without reading it when its tar headers are the extracted ones
 and none of its files changed since (ctime): a reclaim's commit right after a restore reads no
 model bytes. The stat cache then learns those layers as usual (statcache.py).
@@ -124,7 +124,7 @@ class RestoreRecord:
 def applied_at(root: str, digest: str, headers: str) -> Optional[int]:
     """When the last restore into `root` ended (ns), if it applied (or found in place) the layer
     blob `digest` with exactly these tar headers; else None. A restore uses it to trust, without
-    hashing them, the files of such a layer that did not change since (skip.py)."""
+    hashing them, the files of such a layer that did not change since (restore/skip.py)."""
     doc = _load(root)
     if not (doc is not None and type(doc.get("restored_at_ns")) is int and isinstance(doc.get("layers"), dict)):
         return None

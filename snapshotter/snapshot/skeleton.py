@@ -1,7 +1,7 @@
 """Layer skeletons: what a restore needs to tell, without downloading a layer, whether the root
-already holds it (restore onto a pod whose volume survived: skip.py).
+already holds it (restore onto a pod whose volume survived: restore/skip.py).
 
-A snap layer is a reproducible tar (layer.py): its header blocks exactly as written, each regular
+A snap layer is a reproducible tar (layer/generate.py): its header blocks exactly as written, each regular
 file's content padded to 512 bytes, then the end-of-archive blocks. Its skeleton is that tar with
 the contents left out: each member's header bytes and its content size, made from the plan
 (layer.tar_headers) without reading a file, so a layer reused from the stat cache gets one too.
@@ -9,7 +9,7 @@ The snapshot's skeleton blob holds the skeletons of its snap layers, each keyed 
 diff_id (the sha256 of the whole tar, which a restore recomputes from the headers and the bytes on
 disk). It is pushed into the snapshot's repository, named by the manifest annotation
 dev.snap.skeleton and kept referenced by an artifact manifest tagged snap-skeletons (the last
-commit's: baseindex.push_artifact).
+commit's: index/base.py's push_artifact).
 
 Format: gzip members, one per layer, each holding MAGIC, then per member its header length (u32),
 header bytes and content size (u64), then a zero length and the diff_id (71 ASCII bytes, last: a

@@ -1,5 +1,5 @@
-"""Layer compression: which media type is which, and streaming (de)compression with hashing in the
-same pass."""
+"""Layer compression: streaming (de)compression with hashing in the same pass, and what a stream's
+first bytes say its compression is."""
 
 from __future__ import annotations
 

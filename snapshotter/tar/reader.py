@@ -42,7 +42,7 @@ _PAX_INT = {"size": MAX_SIZE, "uid": MAX_ID, "gid": MAX_ID}
 
 class ForwardStream:
     """A byte stream that is read and skipped forward only, counting its position: the layer
-    stream as the tar reader sees it. A source with a `skip(n)` method (a split layer, staging.py)
+    stream as the tar reader sees it. A source with a `skip(n)` method (a split layer, layer/staging.py)
     skips without reading; any other is read and dropped."""
 
     def __init__(self, src: BinaryIO):

@@ -1,4 +1,4 @@
-"""The rules of a layer tar that generation (layer.py) and reading (extract.py, fsindex.py, verify.py)
+"""The rules of a layer tar that generation (layer/generate.py) and reading (layer/extract.py, index/indexer.py, restore/verify.py)
 share, kept apart from both (as umoci keeps its utils apart from extract and generate): entry
 order, whiteout names, xattr records, and what of a header identifies a layer's bytes."""
 
@@ -63,7 +63,7 @@ def member_xattrs(m) -> Optional[dict[str, str]]:
 def member_mtime_ns(m) -> Optional[int]:
     """A member's exact mtime in ns where its header holds one finer than whole seconds (a PAX
     mtime with a fraction, parsed from its text as Go's archive/tar does: a float would be off by
-    a few hundred ns), else None. tarreader.py has checked the text."""
+    a few hundred ns), else None. reader.py has checked the text."""
     text = (m.pax_headers or {}).get("mtime", "")
     whole, _, frac = text.partition(".")
     if not frac.strip("0"):
@@ -80,7 +80,7 @@ def pax_mtime(ns: int) -> str:
 
 def header_key(ti) -> tuple:
     """What of a tar header decides the layer's bytes (with the content): compared when the stat
-    cache is seeded from a restore. `ti`: a tarfile.TarInfo written, or one read (tarreader.py)."""
+    cache is seeded from a restore. `ti`: a tarfile.TarInfo written, or one read (reader.py)."""
     xattrs = member_xattrs(ti) if ti.pax_headers else None  # most members have no PAX records: 5x faster
     return (ti.name.rstrip("/"), ti.type, ti.mode & 0o7777, ti.uid, ti.gid, ti.size, int(ti.mtime), ti.linkname,
             ti.devmajor, ti.devminor, tuple(sorted(xattrs.items())) if xattrs else ())

@@ -136,13 +136,13 @@ class Watcher:
         self.throughput = float(ASSUMED_THROUGHPUT)
         self.prune_refused = False
         self.snapshots = 0
-        # What the last scans learnt of each unchanged path (fsindex.ScanMemo): the loop's metadata
+        # What the last scans learnt of each unchanged path (box/scan.py's ScanMemo): the loop's metadata
         # scans and the commits' full ones each keep their own. On the watcher's clock (file times
         # are compared with it).
         memo_clock = lambda: int(opts.clock() * 1e9)  # noqa: E731
         self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
         self.plan_memo = PlanMemo()  # and what the last plan made of the layers that did not change
-        # The snapshot the moving tag names, once checked (lineage.py): its digest, and its layers of
+        # The snapshot the moving tag names, once checked (snapshot/lineage.py): its digest, and its layers of
         # one file each, which keep a file being written at that version (hold.hold_back).
         self.lineage_checked = False
         self.tag_digest: Optional[str] = None
@@ -394,7 +394,7 @@ class Watcher:
 
     def _check_lineage(self) -> None:
         """Before the first snapshot: the moving tag must name a snapshot this box came from or made
-        (lineage.py), or nothing yet; its layers of one file each are what a file being written is
+        (snapshot/lineage.py), or nothing yet; its layers of one file each are what a file being written is
         kept at."""
         remote = Remote(self.moving, self.transport)
         digest = check_forward(remote, self.moving, self.root, self.opts.commit.force, self.opts.commit.origins)
@@ -403,7 +403,7 @@ class Watcher:
 
     def _move_tag(self, digest: str) -> None:
         """Put the moving tag on the snapshot `digest`, unless someone else moved it since this watcher
-        last did (another box racing for the tag): then stop, as lineage.py refuses a commit."""
+        last did (another box racing for the tag): then stop, as snapshot/lineage.py refuses a commit."""
         remote = Remote(self.moving, self.transport)
         now = remote.manifest_digest(self.moving.tag)
         if (now not in (self.tag_digest, digest) and not self.opts.commit.force
