@@ -14,10 +14,11 @@ from typing import List, Optional
 
 import typer
 
-from . import progress
-from .errors import SnapError, StorageError, UsageError
 from snapshotter.registry.credentials import Credentials
 from snapshotter.registry.transport import TransportOptions
+
+from . import progress
+from .errors import SnapError, StorageError, UsageError
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
@@ -154,9 +155,9 @@ def commit(
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
     The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made."""
+    from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.commit.commit import commit_box
     from snapshotter.commit.model import CommitOptions
-    from snapshotter.box.profile import include_path, load_profile, parse_size
 
     prof = load_profile(profile)
     prof.include += tuple(include_path(p) for p in include or ())
@@ -318,9 +319,11 @@ def verify(
     """Compare a directory with the image, file by file: one line per path that differs (type, content,
     mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
     Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0."""
-    from .errors import VerifyFailed
     from snapshotter.box.profile import load_profile
-    from snapshotter.restore.verify import VerifyOptions, verify as do_verify
+    from snapshotter.restore.verify import VerifyOptions
+    from snapshotter.restore.verify import verify as do_verify
+
+    from .errors import VerifyFailed
 
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
@@ -379,11 +382,12 @@ def watch(
     up as soon as they are complete), and one final snapshot on SIGTERM, SIGINT, SIGHUP or a provider's
     reclaim notice (AWS, GCP, Azure). The moving tag only ever names a complete snapshot.
     Exits 0 after the final snapshot; non-zero with one line if it could not finish within --grace."""
-    from snapshotter.watch import daemon as dmn
-    from snapshotter.commit.model import CommitOptions
-    from snapshotter.watch.notices import notice_watcher
     from snapshotter.box.profile import include_path, load_profile, parse_size
-    from snapshotter.watch.watcher import WatchOptions, exit_now, log_line, parse_duration, watch as do_watch
+    from snapshotter.commit.model import CommitOptions
+    from snapshotter.watch import daemon as dmn
+    from snapshotter.watch.notices import notice_watcher
+    from snapshotter.watch.watcher import WatchOptions, exit_now, log_line, parse_duration
+    from snapshotter.watch.watcher import watch as do_watch
 
     if stop:
         raise typer.Exit(dmn.stop(root, log=_say))
@@ -454,9 +458,9 @@ def status(
 ):
     """What a commit would send now: the layers that changed since the last commit (with the size of
     their files) and those it would skip. Reads only file metadata; pushes nothing."""
-    from snapshotter.commit.model import CommitOptions
-    from snapshotter.commit.history import box_status
     from snapshotter.box.profile import load_profile, parse_size
+    from snapshotter.commit.history import box_status
+    from snapshotter.commit.model import CommitOptions
 
     opts = CommitOptions(root=root, profile=load_profile(profile), compression=compression,
                          max_layer_size=parse_size(max_layer_size),

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from snapshotter.digests import file_digest
-from snapshotter.box.scan import Scan
 from snapshotter.index.entry import DIR, FILE, Entry
+
+from .scan import Scan
 
 
 @dataclass

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter.errors import StorageError, UsageError
-from snapshotter.tar.rules import SKIP_XATTRS
-from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
-from snapshotter.box.profile import Profile, VenvRoots
-from snapshotter.index.paths import entry_links, resolve_in_root
-from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, _KIND_OF_MODE, clean_path, entry_from_stat,
+from snapshotter.index.entry import (_KIND_OF_MODE, DIR, FILE, SYMLINK, Entry, clean_path, entry_from_stat,
                                      self_and_parents, stat_stamp)
+from snapshotter.index.paths import entry_links, resolve_in_root
+from snapshotter.tar.rules import SKIP_XATTRS
+
+from .mounts import bind_mounted_files, pseudo_mounts
+from .profile import Profile, VenvRoots
 
 
 def file_head(path: str, n: int) -> bytes:

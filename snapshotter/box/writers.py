@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from snapshotter.index.entry import FILE, Entry
+
 from .scan import Scan
 
 WRITING_QUIET_S = 5.0  # a file held open for writing counts as being written until left alone this long

@@ -40,6 +40,7 @@ from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
 from snapshotter.snapshot.statcache import StatCache
 from snapshotter.state import exclusive, state_dir
 from snapshotter.tar.compress import IterReader, decompressing_reader
+
 from .hold import hold_back
 from .model import SCRATCH, CommitOptions, CommitPlan, CommitResult, plan_commit_layers
 from .push import push_commit

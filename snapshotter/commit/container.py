@@ -21,19 +21,20 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from snapshotter import progress
+from snapshotter.box.diff import Diff, diff
+from snapshotter.box.profile import Profile, VenvRoots
+from snapshotter.box.scan import Scan, file_head
+from snapshotter.digests import file_digest, sha256_digest
+from snapshotter.engine.run import connect
+from snapshotter.errors import NotFound, SnapError, UsageError
+from snapshotter.index.entry import DIR, FILE, Entry, clean_path, entry_from_stat
+from snapshotter.layer.extract import ExtractOptions, Extractor
+from snapshotter.oci.image import Image
+from snapshotter.state import sub
+from snapshotter.tar.compress import IterReader
+
 from .commit import commit_box
 from .model import SCRATCH, CommitOptions, CommitResult
-from snapshotter.tar.compress import IterReader
-from snapshotter.digests import file_digest, sha256_digest
-from snapshotter.errors import NotFound, SnapError, UsageError
-from snapshotter.layer.extract import ExtractOptions, Extractor
-from snapshotter.index.entry import DIR, FILE, Entry, clean_path, entry_from_stat
-from snapshotter.box.diff import Diff, diff
-from snapshotter.box.scan import Scan, file_head
-from snapshotter.box.profile import Profile, VenvRoots
-from snapshotter.oci.image import Image
-from snapshotter.engine.run import connect
-from snapshotter.state import sub
 
 ADDED, DELETED = 1, 2
 _GO_MODE_DIR = 1 << 31  # os.ModeDir in the archive API's stat header

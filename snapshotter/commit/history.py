@@ -8,8 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .commit import plan_commit
-from .model import CommitOptions
 from snapshotter.errors import NotFound, UsageError
 from snapshotter.oci.image import BASE_NAME, CREATED, SNAP_BASE_LAYERS, snap_label
 from snapshotter.oci.mediatypes import MANIFEST_TYPES
@@ -17,6 +15,9 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.statcache import last_base
+
+from .commit import plan_commit
+from .model import CommitOptions
 
 
 @dataclass

@@ -4,6 +4,7 @@ or is left out, and the layers are planned again without it."""
 from __future__ import annotations
 
 from snapshotter.index.entry import Entry
+
 from .model import CommitOptions, CommitPlan, plan_commit_layers
 
 

@@ -17,9 +17,9 @@ from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
-from snapshotter.oci.image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
-                                   SNAP_PART_LINKS, Image, descriptor, now_rfc3339, scratch_config,
-                                   secrets_annotations, snap_label, snapshot_config, snapshot_manifest)
+from snapshotter.oci.image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS,
+                                   Image, descriptor, now_rfc3339, scratch_config, secrets_annotations, snap_label,
+                                   snapshot_config, snapshot_manifest)
 from snapshotter.oci.mediatypes import OCI_MANIFEST
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources, in_registry
@@ -28,6 +28,7 @@ from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
+
 from .hold import hold_back
 from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
 

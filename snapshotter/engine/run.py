@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
 
-from snapshotter.errors import (AuthError, EngineUnavailable, NotFound, RegistryError, RegistryUnreachable,
-                                SnapError, UsageError)
+from snapshotter.errors import (AuthError, EngineUnavailable, NotFound, RegistryError, RegistryUnreachable, SnapError,
+                                UsageError)
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.transport import TransportOptions
 

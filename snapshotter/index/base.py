@@ -14,15 +14,16 @@ import json
 import os
 from typing import Callable, Optional
 
-from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.digests import sha256_digest
 from snapshotter.errors import IntegrityError, NotFound, RegistryError
-from .entry import Entry
-from .store import load_index
 from snapshotter.oci.image import canonical, descriptor
 from snapshotter.oci.mediatypes import BASE_INDEX, BASE_INDEX_ARTIFACT, OCI_EMPTY, OCI_MANIFEST
+from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
 from snapshotter.state import sub
+
+from .entry import Entry
+from .store import load_index
 
 SNAP_BASE_INDEX = "dev.snap.base-index"  # manifest annotation: the digest of the base's index blob
 MAX_INDEX_SIZE = 256 * 1024 * 1024  # a 200k-file base compresses to ~10 MB: anything far bigger is refused

@@ -14,7 +14,6 @@ from typing import Optional
 
 from snapshotter.tar.rules import member_mtime_ns, member_xattrs
 
-
 FILE, DIR, SYMLINK, CHAR, BLOCK, FIFO = "file", "dir", "symlink", "char", "block", "fifo"
 
 

@@ -7,10 +7,11 @@ from typing import BinaryIO, Callable, Optional
 
 from snapshotter.digests import chunks_digest
 from snapshotter.errors import IntegrityError
-from snapshotter.tar.reader import iter_members, data_chunks
+from snapshotter.tar.reader import data_chunks, iter_members
 from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, check_name, whiteout_target
-from snapshotter.index.entry import DIR, FILE, Entry, entry_from_member
-from snapshotter.index.paths import entry_links, resolve_in_root
+
+from .entry import DIR, FILE, Entry, entry_from_member
+from .paths import entry_links, resolve_in_root
 
 
 def _under(path: str, roots: set[str]) -> bool:

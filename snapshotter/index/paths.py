@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from snapshotter.tar.rules import MAX_SYMLINK_HOPS
-from snapshotter.index.entry import SYMLINK, Entry
+
+from .entry import SYMLINK, Entry
 
 
 def resolve_in_root(path: str, readlink: Callable[[str], Optional[str]]) -> Optional[str]:

@@ -9,8 +9,8 @@ from dataclasses import astuple, fields
 from typing import Optional, Sequence
 
 from snapshotter.state import replace_file, versioned
-from snapshotter.index.entry import Entry, gc_paused
 
+from .entry import Entry, gc_paused
 
 # The base-index cache holds each Entry positionally (astuple: compact, quick to load). Its first
 # line names the format version and Entry's fields: a cache of another version or field layout is

@@ -39,16 +39,16 @@ from typing import BinaryIO, Callable, Optional
 
 import zstandard
 
-from snapshotter.digests import file_digest, hasher_digest
-from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_path
-from snapshotter.index.indexer import ImageIndexer
-from snapshotter.index.paths import resolve_in_root
-from snapshotter.index.entry import clean_path
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.box.profile import PathSet
+from snapshotter.digests import file_digest, hasher_digest
+from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_path
+from snapshotter.index.entry import clean_path
+from snapshotter.index.indexer import ImageIndexer
+from snapshotter.index.paths import resolve_in_root
 from snapshotter.tar.reader import TarReader
-from snapshotter.tar.rules import (OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest,
-                                   check_name, header_key, member_mtime_ns, whiteout_target)
+from snapshotter.tar.rules import (OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest, check_name,
+                                   header_key, member_mtime_ns, whiteout_target)
 
 TMP_PREFIX = ".snap-tmp-"
 READ_BUFFER = 1 << 20

@@ -11,11 +11,12 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterator, Optional, Protocol
 
-from snapshotter.oci.mediatypes import MEDIA_TYPE
-from snapshotter.tar.compress import Compressor
 from snapshotter.errors import StorageError
 from snapshotter.index.entry import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
+from snapshotter.oci.mediatypes import MEDIA_TYPE
+from snapshotter.tar.compress import Compressor
 from snapshotter.tar.rules import XATTR_PAX, layer_order, pax_mtime, whiteout_name
+
 from .plan import LayerPlan
 
 READ_SIZE = 1 << 20  # per read of a file's content

@@ -19,12 +19,12 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from snapshotter.box.diff import Diff
+from snapshotter.box.profile import LayerRule, Profile
+from snapshotter.box.scan import Scan
 from snapshotter.digests import chunks_digest
 from snapshotter.errors import UsageError
 from snapshotter.index.entry import DIR, FILE, Entry
-from snapshotter.box.diff import Diff
-from snapshotter.box.scan import Scan
-from snapshotter.box.profile import LayerRule, Profile
 
 DEFAULT_MAX_LAYER_SIZE = int(9.5 * 1000**3)  # some registries reject layers over 10 GB
 PART_SUFFIX = ".snap-part-"  # "<path>.snap-part-0001-of-0003"

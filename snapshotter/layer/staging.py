@@ -28,9 +28,9 @@ import stat
 import tarfile
 from typing import BinaryIO, Callable, Iterable, Optional
 
+from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError
-from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.state import versioned, write_versioned
 from snapshotter.tar.reader import MAX_META, header_number, pax_records
 

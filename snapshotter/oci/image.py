@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Optional
 
-from .mediatypes import oci_media_type
 from snapshotter.digests import DIGEST, sha256_digest
 from snapshotter.errors import IntegrityError, UsageError, printable
-from .mediatypes import OCI_CONFIG, OCI_MANIFEST
+
+from .mediatypes import OCI_CONFIG, OCI_MANIFEST, oci_media_type
 
 if TYPE_CHECKING:  # imported for the annotation only
     from .reference import Reference

@@ -8,8 +8,9 @@ import json
 import os
 from typing import Iterable
 
-from .remote import Remote
 from snapshotter.state import sub, versioned, write_versioned
+
+from .remote import Remote
 
 VERSION = 1
 FILE_NAME = "blob-sources.json"

@@ -11,6 +11,7 @@ import oras.utils
 
 from snapshotter.errors import AuthError
 from snapshotter.oci.reference import DOCKER_HUB_NAMES
+
 from .answers import short_error
 
 

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import requests
 
 from snapshotter.errors import RegistryUnreachable
+
 from .answers import short_error
 
 PING_TIMEOUT = 10

@@ -27,6 +27,7 @@ from snapshotter.errors import IntegrityError, NotFound, RegistryError, Registry
 from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from snapshotter.oci.reference import Reference
+
 from .answers import check, short_error
 from .transport import Transport, TransportOptions
 from .upload import PIECE_SIZE, upload

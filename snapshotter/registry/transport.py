@@ -12,14 +12,14 @@ import dataclasses
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Callable, Optional
-
 from http.cookiejar import DefaultCookiePolicy
+from typing import Callable, Optional
 
 import requests
 
 from snapshotter.errors import RegistryError, RegistryUnreachable
 from snapshotter.oci.reference import api_host
+
 from .answers import short_error
 from .auth import authenticator
 from .credentials import Credentials, docker_credentials

@@ -15,8 +15,9 @@ import requests
 
 from snapshotter.errors import IntegrityError, RegistryError
 from snapshotter.progress import Stopped
-from .retry import RETRY_DELAYS, retry_delay, worth_retrying
+
 from .answers import check
+from .retry import RETRY_DELAYS, retry_delay, worth_retrying
 from .transport import TIMEOUT, Transport
 
 PIECE_SIZE = 1024 * 1024  # upload body pieces: what is queued between the producer and the socket

@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from snapshotter.tar.compress import check_layer
 from snapshotter.errors import SnapError
-from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.store import save_index
+from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
 from snapshotter.layer.staging import SplitLayer
+from snapshotter.tar.compress import check_layer
 from snapshotter.tar.rules import HeadersDigest
 
 

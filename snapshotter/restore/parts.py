@@ -14,10 +14,11 @@ import stat
 
 from snapshotter.errors import IntegrityError, printable
 from snapshotter.layer.extract import TMP_PREFIX, Extractor, storage_error
-from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, layer_label
-from .journal import Journal
 from snapshotter.layer.plan import parse_part_annotation, part_name
+from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, layer_label
 from snapshotter.tar.rules import check_name
+
+from .journal import Journal
 
 
 def part_files(layers: list[tuple[int, dict, str]]) -> dict[str, int]:

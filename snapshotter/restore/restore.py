@@ -36,8 +36,8 @@ from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageErr
 from snapshotter.index import base as baseindex
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, storage_error
 from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
-from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, Image,
-                                   layer_label, select_layers, snap_label, snapshot_layer_count)
+from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, Image, layer_label,
+                                   select_layers, snap_label, snapshot_layer_count)
 from snapshotter.oci.reference import Reference
 from snapshotter.progress import human_size
 from snapshotter.registry.blobsources import BlobSources
@@ -47,6 +47,7 @@ from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.record import applied_at, forget_restore, note_restore
 from snapshotter.state import exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
+
 from .applier import ExtractWorker, LayerJob
 from .download import Blob, Downloads
 from .journal import Journal

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter import progress
-from snapshotter.errors import IntegrityError
-from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE
-from snapshotter.layer.plan import parse_part_annotation, parse_part_name
 from snapshotter.box.profile import PathSet
+from snapshotter.errors import IntegrityError
+from snapshotter.layer.plan import parse_part_annotation, parse_part_name
+from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE
 from snapshotter.snapshot.skeleton import Skeleton
 from snapshotter.tar.reader import READ_BUFFER, ForwardStream, TarReader
 from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, member_xattrs,

@@ -24,23 +24,24 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from snapshotter import progress
-from snapshotter.tar.compress import IterReader, check_layer
+from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
+from snapshotter.box.profile import Profile, load_profile
+from snapshotter.box.scan import file_head
 from snapshotter.digests import file_digest, hasher_digest
 from snapshotter.errors import UsageError
 from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, clean_path, entry_from_member,
                                      entry_from_stat, self_and_parents)
 from snapshotter.index.indexer import apply_layer_to_index
-from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
-from snapshotter.box.scan import file_head
-from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
-from .parts import part_links
 from snapshotter.layer.plan import parse_part_name
-from snapshotter.box.profile import Profile, load_profile
+from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
+from snapshotter.registry.transport import TransportOptions
+from snapshotter.tar.compress import IterReader, check_layer
 from snapshotter.tar.reader import data_chunks, iter_members
 from snapshotter.tar.rules import check_name
-from snapshotter.registry.transport import TransportOptions
+
+from .parts import part_links
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 

@@ -10,6 +10,7 @@ from snapshotter.errors import NotFound, SnapError
 from snapshotter.layer.plan import holds_one_file, parse_part_annotation
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, SNAP_PART_FILE, Image, snapshot_layer_count
 from snapshotter.registry.remote import Remote
+
 from .record import restored_from
 
 

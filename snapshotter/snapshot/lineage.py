@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 from snapshotter.errors import UsageError
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
+
 from .record import restored_from
 from .statcache import made_from
 

@@ -15,13 +15,14 @@ import os
 import time
 from typing import Optional
 
-from snapshotter.oci.mediatypes import MEDIA_TYPE
-from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, snap_label
 from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
+from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, snap_label
+from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.state import read_versioned, root_key, sub, write_versioned
-from .statcache import blob_entry
 from snapshotter.tar.rules import header_key, headers_digest
+
+from .statcache import blob_entry
 
 VERSION = 1
 # Written files get a ctime from the kernel's coarse clock, which lags the fine one by up to a tick

@@ -27,13 +27,13 @@ import tarfile
 import zlib
 from typing import Callable, Optional
 
-from snapshotter.index.base import push_artifact
-from snapshotter.registry.blobsources import BlobSources
 from snapshotter.digests import DIGEST_BYTES, sha256_digest
 from snapshotter.errors import IntegrityError, NotFound, SnapError
+from snapshotter.index.base import push_artifact
 from snapshotter.layer.generate import tar_headers
-from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
 from snapshotter.layer.plan import LayerPlan
+from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
+from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.state import replace_file, sub
 

@@ -25,6 +25,7 @@ import tarfile
 from typing import BinaryIO, Iterator, Optional
 
 from snapshotter.errors import IntegrityError
+
 from .rules import XATTR_PAX
 
 READ_BUFFER = 1 << 20

@@ -21,23 +21,24 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
+from snapshotter.box.scan import Scan, ScanMemo, scan_box
+from snapshotter.box.writers import being_written, last_change, open_for_writing
 from snapshotter.commit.commit import changes_in, own_excludes, plan_commit, scan_root
 from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan
 from snapshotter.commit.push import NOT_SENT_TORN, push_commit, push_layers, target_remote
 from snapshotter.errors import AuthError, SnapError, UsageError
 from snapshotter.index.entry import FILE, Entry, gc_paused
-from snapshotter.box.scan import Scan, ScanMemo, scan_box
-from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
-from snapshotter.snapshot.lineage import check_forward, known_origins
-from snapshotter.oci.mediatypes import OCI_MANIFEST
-from .notices import NoticeWatcher
 from snapshotter.layer.plan import PlanMemo
+from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
+from snapshotter.oci.mediatypes import OCI_MANIFEST
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.files import file_layers, last_snapshot_files
+from snapshotter.snapshot.lineage import check_forward, known_origins
 from snapshotter.snapshot.record import restored_at_ns
 from snapshotter.state import exclusive
-from snapshotter.box.writers import being_written, last_change, open_for_writing
+
+from .notices import NoticeWatcher
 
 MiB = 1024 * 1024
 DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
