@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
 from snapshotter.registry.transport import docker_credentials
-from support import RegistryServer, TokenRegistryServer, push_base_image, snapshot_of_tree
+from support import NOT_CAPTURED, RegistryServer, TokenRegistryServer, push_base_image, snap, snapshot_of_tree
 from test_errors import assert_one_line_error
 
 USER, PASSWORD = "snapuser", "s3cret-Pa55"

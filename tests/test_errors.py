@@ -4,8 +4,7 @@ import pytest
 
 import requests
 
-from conftest import snap
-from support import free_port
+from support import free_port, snap
 
 
 def assert_one_line_error(r, code, *words):

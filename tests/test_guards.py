@@ -11,8 +11,7 @@ import threading
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
 
 
 def blobs_in(registry) -> set[str]:

@@ -15,9 +15,8 @@ import tarfile
 
 import pytest
 
-from conftest import snap
 from snapshotter.layer.extract import NAMES_KEPT
-from support import gzip_bytes, member, tar_bytes
+from support import gzip_bytes, member, snap, tar_bytes
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
 GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"

@@ -10,8 +10,7 @@ import subprocess
 import sys
 import threading
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree
+from support import NOT_CAPTURED, snap, snapshot_of_tree
 from test_restore_reliability import assert_one_line_error
 from test_watch import SMALL_WEIGHTS
 

@@ -16,8 +16,7 @@ import referencing
 import referencing.jsonschema
 import zstandard
 
-from conftest import NOT_CAPTURED, make_box, snap
-from support import make_base_rootfs, push_base_image, snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, make_base_rootfs, make_box, push_base_image, snap, snapshot_of_tree, write_tree
 from test_errors import assert_one_line_error
 from test_incremental import WEIGHTS_PROFILE
 from test_roundtrip import commit_json, layers_by_name

@@ -1,6 +1,6 @@
 """Failures of the local machine (state dir, profile file, restore target) are one line, not a traceback."""
 
-from conftest import snap
+from support import snap
 from test_errors import assert_one_line_error
 
 

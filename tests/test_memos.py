@@ -16,8 +16,7 @@ import random
 
 import pytest
 
-from conftest import NOT_CAPTURED
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, snapshot_of_tree, write_tree
 from snapshotter.box import scan as box_scan
 from snapshotter.layer import plan as plan_module
 from snapshotter import restore_image

@@ -9,8 +9,7 @@ import sys
 import pytest
 import zstandard
 
-from conftest import NOT_CAPTURED, snap
-from support import FaultProxy, RegistryServer, push_base_image, snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, FaultProxy, RegistryServer, push_base_image, snap, snapshot_of_tree, write_tree
 from test_errors import assert_one_line_error
 
 MiB = 1024 * 1024

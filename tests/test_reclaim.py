@@ -18,8 +18,7 @@ import threading
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
 from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import commit as commit_module
 from snapshotter.layer import generate as layer_module

@@ -3,7 +3,7 @@ tests (normalize_test.go, reference_test.go), each with what `docker pull` would
 
 import pytest
 
-from conftest import snap
+from support import snap
 from snapshotter.errors import UsageError
 from snapshotter.oci.reference import Reference
 from test_errors import assert_one_line_error

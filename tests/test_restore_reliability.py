@@ -19,7 +19,6 @@ import time
 import pytest
 import zstandard
 
-from conftest import snap
 from snapshotter.restore import applier
 from snapshotter.restore import journal as journal_module
 from snapshotter.restore import restore as restore_module
@@ -27,7 +26,7 @@ from snapshotter.restore.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore.restore import RestoreOptions, restore_image
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
-from support import FaultProxy, member, tar_bytes, tar_of_files
+from support import FaultProxy, member, snap, tar_bytes, tar_of_files
 from test_hostile import part_ann, push_annotated
 
 TAR = "application/vnd.oci.image.layer.v1.tar"

@@ -7,8 +7,7 @@ import tarfile
 
 import zstandard
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
 from snapshotter.commit import commit as commit_module
 from snapshotter import CommitOptions, commit_box
 

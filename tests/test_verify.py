@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import make_box, snap
+from support import make_box, snap
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
-from support import MetadataServer, RegistryServer, fake_dmi, push_base_image, snapshot_of_tree, write_tree
+from support import (NOT_CAPTURED, MetadataServer, RegistryServer, fake_dmi, push_base_image, snap, snapshot_of_tree,
+                     write_tree)
 from snapshotter import CommitOptions, restore_image
 from snapshotter.commit import commit as commit_module
 from snapshotter.layer import generate as layer_module
