@@ -509,6 +509,16 @@ def snap(*args, input=None, env=None, check=False):
     return r
 
 
+def assert_one_line_error(r, code: int, *words: str) -> None:
+    """snap exited `code` and said why in one `snap: error:` line holding each of `words`, without a traceback."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
 def snapshot_of_tree(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
     """Everything a restore must reproduce, per path: type, mode, owner, mtime, content digest or
     link target, and which paths share an inode (hardlinks). Written independently of snap's code."""

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from snapshotter.registry.transport import docker_credentials
-from support import NOT_CAPTURED, RegistryServer, TokenRegistryServer, push_base_image, snap, snapshot_of_tree
-from test_errors import assert_one_line_error
+from support import (NOT_CAPTURED, RegistryServer, TokenRegistryServer, assert_one_line_error, push_base_image, snap,
+                     snapshot_of_tree)
 
 USER, PASSWORD = "snapuser", "s3cret-Pa55"
 READER, READER_PASSWORD = "reader", "read-0nly"

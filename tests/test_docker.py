@@ -26,9 +26,8 @@ from typing import Optional
 
 import pytest
 
-from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, free_port, have_wheels, make_box,
-                     push_base_image, snap, snapshot_of_tree, stop_process, tar_of_files)
-from test_errors import assert_one_line_error
+from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, assert_one_line_error, free_port,
+                     have_wheels, make_box, push_base_image, snap, snapshot_of_tree, stop_process, tar_of_files)
 from test_roundtrip import commit_json, label, layers_by_name
 
 docker = pytest.importorskip("docker")

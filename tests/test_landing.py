@@ -10,8 +10,7 @@ import subprocess
 import sys
 import threading
 
-from support import NOT_CAPTURED, snap, snapshot_of_tree
-from test_restore_reliability import assert_one_line_error
+from support import NOT_CAPTURED, assert_one_line_error, snap, snapshot_of_tree
 from test_watch import SMALL_WEIGHTS
 
 WEIGHT = "opt/app/models/checkpoints/sd15.safetensors"  # 2 MB: a layer of its own with SMALL_WEIGHTS

@@ -16,8 +16,8 @@ import referencing
 import referencing.jsonschema
 import zstandard
 
-from support import NOT_CAPTURED, make_base_rootfs, make_box, push_base_image, snap, snapshot_of_tree, write_tree
-from test_errors import assert_one_line_error
+from support import (NOT_CAPTURED, assert_one_line_error, make_base_rootfs, make_box, push_base_image, snap,
+                     snapshot_of_tree, write_tree)
 from test_incremental import WEIGHTS_PROFILE
 from test_roundtrip import commit_json, layers_by_name
 

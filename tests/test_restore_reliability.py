@@ -26,7 +26,7 @@ from snapshotter.restore.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore.restore import RestoreOptions, restore_image
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
-from support import FaultProxy, member, snap, tar_bytes, tar_of_files
+from support import FaultProxy, assert_one_line_error, member, snap, tar_bytes, tar_of_files
 from test_hostile import part_ann, push_annotated
 
 TAR = "application/vnd.oci.image.layer.v1.tar"
@@ -60,15 +60,6 @@ def staged(root, manifest_digest: str):
 
 def stale_temps(root) -> list[str]:
     return [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files if n.startswith(".snap-tmp-")]
-
-
-def assert_one_line_error(r, code: int, *words: str) -> None:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 # ---- killed mid-file, then resumed -----------------------------------------------------------
