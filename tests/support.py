@@ -23,10 +23,16 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urljoin, urlparse
 
+import jsonschema
+import pytest
+import referencing
+import referencing.jsonschema
 import requests
+import zstandard
 
+MiB = 1024 * 1024
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 
 
@@ -552,7 +558,6 @@ def snapshot_of_tree(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
 
 def snap_layer_files(registry: RegistryServer, repo: str, tag: str) -> dict[str, tarfile.TarInfo]:
     """Every tar member of the layers snap added to an image (gzip, zstd or plain), by name."""
-    import zstandard
     out: dict[str, tarfile.TarInfo] = {}
     for d in registry.manifest(repo, tag)["layers"]:
         if "dev.snap.layer" not in d.get("annotations", {}):
@@ -921,3 +926,150 @@ def pip_install_offline(venv: str, *args: str) -> subprocess.CompletedProcess:
     env.pop("PYTHONPATH", None)
     return subprocess.run([os.path.join(venv, "bin/pip"), "install", "-q", "--no-index", "--find-links", WHEELS, *args],
                           capture_output=True, text=True, env=env)
+
+
+# ---- images snap made, read back -----------------------------------------------------------------
+
+def commit_json(target, base, root, *extra):
+    r = snap("commit", target, "--base", base, "--root", root, "--json", *extra, check=True)
+    return json.loads(r.stdout)
+
+
+def label(desc):
+    ann = desc["annotations"]
+    return f"{ann['dev.snap.layer']} ({ann['dev.snap.content']})" if "dev.snap.content" in ann else ann["dev.snap.layer"]
+
+
+def layers_by_name(manifest):
+    """snap's layers by label: the profile layer, and what part of it (for split layers)."""
+    return {label(d): d for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
+
+
+def layer_tar(registry, repo: str, desc: dict) -> tarfile.TarFile:
+    """One layer's tar, whatever its compression (every zstd frame read)."""
+    blob = registry.blob(repo, desc["digest"])
+    if desc["mediaType"].endswith("+zstd"):
+        blob = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True).read()
+    elif desc["mediaType"].endswith("gzip"):
+        blob = gzip.decompress(blob)
+    return tarfile.open(fileobj=io.BytesIO(blob))
+
+
+def assert_content_written_once(registry, repo: str, tag: str) -> dict[str, list[tarfile.TarInfo]]:
+    """Each inode's content is in the image once: its other names are hardlinks to it in the same
+    layer (Docker refuses a hardlink to a lower layer's file). Returns the layers' members by label."""
+    layers = {}
+    regular: dict[str, str] = {}
+    for label, desc in layers_by_name(registry.manifest(repo, tag)).items():
+        with layer_tar(registry, repo, desc) as t:
+            members = t.getmembers()
+        layers[label] = members
+        names = {m.name: m for m in members}
+        for m in members:
+            if m.isreg():
+                regular[m.name] = label
+            if m.islnk():
+                assert m.linkname in names and names[m.linkname].isreg(), f"{label}: {m.name} -> {m.linkname} not in the layer"
+    for first, *others in LINKED:
+        assert not any(n in regular for n in others), f"a second copy of {first}"
+    return layers
+
+
+SCHEMA_DIR = os.path.join(os.path.dirname(__file__), "data", "oci-schema")
+
+
+def _ids(doc) -> set:
+    """Every "id" in a schema: relative $refs resolve against the nearest one."""
+    if isinstance(doc, dict):
+        found = {doc["id"]} if isinstance(doc.get("id"), str) else set()
+        return found.union(*(_ids(v) for v in doc.values()))
+    if isinstance(doc, list):
+        return set().union(*(_ids(v) for v in doc))
+    return set()
+
+
+def oci_validator(name: str):
+    """A validator for one of the image-spec's schemas, its $refs resolved from tests/data only
+    (each file is known by its name under every base URI the schemas use: no network)."""
+    docs = {}
+    for fname in sorted(os.listdir(SCHEMA_DIR)):
+        if fname.endswith(".json"):
+            with open(os.path.join(SCHEMA_DIR, fname)) as f:
+                docs[fname] = json.load(f)
+    bases = set().union(*(_ids(d) for d in docs.values()))
+    resources = []
+    for fname, doc in docs.items():
+        resource = referencing.jsonschema.DRAFT4.create_resource(doc)
+        resources += [(fname, resource)] + [(urljoin(base, fname), resource) for base in bases]
+    registry = referencing.Registry().with_resources(resources)
+    return jsonschema.Draft4Validator(docs[name], registry=registry, format_checker=jsonschema.FormatChecker())
+
+
+# ---- boxes and bases for particular cases ---------------------------------------------------------
+
+def make_home_base(registry, workdir: str, repo: str) -> tuple[str, str]:
+    """A base with /home/user (0700, 1000:1000) and /home/user/proj, and /root 0700; returns
+    (base ref, its rootfs). The box made from it adds a file to each of proj and /root."""
+    if os.geteuid() != 0:
+        pytest.skip("owners other than our own need root")
+    rootfs = os.path.join(workdir, "home-base")
+    os.makedirs(rootfs)
+    make_base_rootfs(rootfs)
+    write_tree(rootfs, {"home/user/proj/old.txt": "old\n", "home/user/.profile": "export A=1\n"})
+    for rel, mode, owner in (("home/user", 0o700, 1000), ("home/user/proj", 0o750, 1000), ("home", 0o755, 0),
+                             ("root", 0o700, 0)):
+        path = os.path.join(rootfs, rel)
+        os.chown(path, owner, owner)
+        os.chmod(path, mode)
+    for rel in ("home/user/proj/old.txt", "home/user/.profile"):
+        os.chown(os.path.join(rootfs, rel), 1000, 1000)
+    for rel in ("home/user/proj", "home/user", "home", "root", ""):
+        os.utime(os.path.join(rootfs, rel), (1_600_000_000, 1_600_000_000))
+    push_base_image(registry, repo, "1", rootfs)
+    return f"{registry.host}/{repo}:1", rootfs
+
+
+def home_box(base_rootfs: str, dest: str) -> str:
+    """The home base with new files in unchanged-mode directories: /home/user/proj/new.txt, /root/notes.txt."""
+    subprocess.run(["cp", "-a", base_rootfs, dest], check=True)
+    write_tree(dest, {"home/user/proj/new.txt": "new\n", "root/notes.txt": "root's\n"}, mtime=1_700_000_000)
+    os.chown(os.path.join(dest, "home/user/proj/new.txt"), 1000, 1000)
+    os.setxattr(os.path.join(dest, "home"), "user.snap.parent", b"kept in every layer under it")
+    os.utime(os.path.join(dest, "home/user/proj"), (1_700_000_005, 1_700_000_005))
+    os.utime(os.path.join(dest, "root"), (1_700_000_006, 1_700_000_006))
+    return dest
+
+
+WEIGHTS_PROFILE = """
+extends: default
+layers:
+  - name: venv
+    venv: true
+  - name: models
+    paths: ["**/models/**"]
+    compression: none
+    file_layer_min: 1MiB
+    bundle_max: 64KiB
+"""
+
+
+BIG = "opt/app/models/checkpoints/big.safetensors"
+# Names of one inode each, its first name (in path order) first.
+LINKED = [(BIG, "opt/app/models/loras/big-link.safetensors", "opt/app/models/zz/alias.bin"),
+          ("opt/app/models/configs/c000.json", "opt/app/models/zz/c000-link.json")]
+
+
+def hardlink_box(base_rootfs: str, dest: str) -> tuple[str, str]:
+    """The usual box plus a 3 MiB weight with two more names, and a small file (among 60 that fill
+    several 64 KiB bundles) with another name far from it in path order. Returns (box, profile file)."""
+    box = make_box(base_rootfs, dest)
+    write_tree(box, {BIG: os.urandom(3 * MiB + 5)})
+    write_tree(box, {f"opt/app/models/configs/c{i:03d}.json": os.urandom(3000) for i in range(60)})
+    for first, *others in LINKED:
+        for name in others:
+            os.makedirs(os.path.dirname(os.path.join(box, name)), exist_ok=True)
+            os.link(os.path.join(box, first), os.path.join(box, name))
+    profile = dest + "-profile.yaml"
+    with open(profile, "w") as f:
+        f.write(WEIGHTS_PROFILE)  # weights of 1 MiB get a layer of their own, bundles of 64 KiB
+    return box, profile

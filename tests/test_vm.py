@@ -13,10 +13,9 @@ import pytest
 
 from snapshotter.oci.image import SNAP_BASE_LAYERS
 from snapshotter.registry.remote import host_platform
-from support import assert_one_line_error, member, push_base_image, snap, snapshot_of_tree, tar_bytes, write_tree
+from support import (assert_one_line_error, commit_json, layers_by_name, member, oci_validator, push_base_image, snap,
+                     snapshot_of_tree, tar_bytes, write_tree)
 from test_hostile import push
-from test_layers import oci_validator
-from test_roundtrip import commit_json, layers_by_name
 
 UBUNTU = 1000  # the VM's user
 
