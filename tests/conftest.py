@@ -5,7 +5,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from support import FaultProxy, RegistryServer, make_base_rootfs, make_box, push_base_image  # noqa: E402
+from support import FaultProxy, Jail, RegistryServer, make_base_rootfs, make_box, push_base_image  # noqa: E402
 
 # A suite started in the background by a non-interactive shell (`make test &`, CI runners) inherits
 # SIGINT ignored, and so would every snap it starts: the Ctrl-C tests need it delivered, as from a
@@ -56,3 +56,9 @@ def base_ref(registry, base_rootfs):
 @pytest.fixture
 def box(base_rootfs, tmp_path):
     return make_box(base_rootfs, str(tmp_path / "box"))
+
+
+@pytest.fixture
+def jail(tmp_path):
+    """A root to restore into, with a sentinel directory next to it that nothing may touch."""
+    return Jail(tmp_path)

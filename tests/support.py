@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
@@ -33,6 +34,7 @@ import requests
 import zstandard
 
 MiB = 1024 * 1024
+IS_ROOT = os.geteuid() == 0
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 
 
@@ -297,7 +299,6 @@ class TokenServer(_ThreadedServer):
                 pass
 
         return Handler
-
 
 
 class _AdminBearer(requests.auth.AuthBase):
@@ -818,7 +819,6 @@ class FaultProxy(_ThreadedServer):
         return Handler
 
 
-
 class _Cut(Exception):
     """The proxy cuts this upload's connections here."""
 
@@ -1073,3 +1073,186 @@ def hardlink_box(base_rootfs: str, dest: str) -> tuple[str, str]:
     with open(profile, "w") as f:
         f.write(WEIGHTS_PROFILE)  # weights of 1 MiB get a layer of their own, bundles of 64 KiB
     return box, profile
+
+
+# ---- hostile layers, built by hand, and the jail they are restored into --------------------------
+
+TAR = "application/vnd.oci.image.layer.v1.tar"
+GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+MARK = "snap-pwned"  # the name every escape attempt tries to create
+
+
+def push(registry, request, *layers: bytes, gzip: bool = False) -> str:
+    """Push the layers as an image named after the test; returns its reference."""
+    repo = repo_for(request)
+    if gzip:
+        registry.push_image(repo, "v1", [gzip_bytes(b) for b in layers], layer_media_type=GZIP)
+    else:
+        registry.push_image(repo, "v1", list(layers), layer_media_type=TAR)
+    return f"{registry.host}/{repo}:v1"
+
+
+def push_annotated(registry, repo: str, layers: list[tuple[bytes, dict]], manifest_annotations: dict | None = None,
+                   tag: str = "v1") -> str:
+    """Push uncompressed layers with layer annotations (the dev.snap.* ones snap commit writes) and,
+    optionally, manifest annotations. Returns the image's reference."""
+    blobs = [b for b, _ in layers]
+    cfg = json.dumps({"architecture": "amd64", "os": "linux",
+                      "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(b).hexdigest() for b in blobs]},
+                      "history": [{"created_by": f"test layer {i}"} for i in range(len(blobs))]}).encode()
+    descs = []
+    for b, ann in layers:
+        d = {"mediaType": TAR, "digest": registry.push_blob(repo, b), "size": len(b)}
+        if ann:
+            d["annotations"] = ann
+        descs.append(d)
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           "digest": registry.push_blob(repo, cfg), "size": len(cfg)},
+                "layers": descs}
+    if manifest_annotations:
+        manifest["annotations"] = manifest_annotations
+    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=json.dumps(manifest).encode(),
+                               headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    r.raise_for_status()
+    return f"{registry.host}/{repo}:{tag}"
+
+
+def part_ann(path: str, part: str) -> dict:
+    """The annotations snap commit puts on a part layer ("i/n" of `path`)."""
+    return {"dev.snap.layer": "models", "dev.snap.content": f"part {part} of {path}",
+            "dev.snap.part": part, "dev.snap.part-file": path}
+
+
+def repo_for(request) -> str:
+    return "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+
+
+PART = "m/big.snap-part-{:04d}-of-{:04d}"
+
+
+def part_image(registry, request, first: tuple[tarfile.TarInfo, bytes], anns=("1/2", "2/2"), extra=()) -> str:
+    """m/big cut into two part layers: the first part is `first`, the second a regular file."""
+    return push_annotated(registry, repo_for(request), [
+        (tar_bytes(member("m/", "dir")), {}),
+        (tar_bytes(first), part_ann("m/big", anns[0])),
+        (tar_bytes(member(PART.format(2, 2), data=b"second part\n")), part_ann("m/big", anns[1])),
+        *extra,
+    ])
+
+
+def _tree(path: str) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            content = ""
+            if stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    content = hashlib.sha256(f.read()).hexdigest()
+            elif stat.S_ISLNK(st.st_mode):
+                content = os.readlink(p)
+            out[os.path.relpath(p, path)] = (st.st_mode, st.st_nlink, st.st_uid, st.st_mtime_ns, content)
+    return out
+
+
+class Jail:
+    def __init__(self, tmp_path):
+        self.base = tmp_path
+        self.root = tmp_path / "root"
+        self.outside = tmp_path / "outside"
+        self.outside.mkdir()
+        (self.outside / "keep").write_text("sentinel\n")
+        (self.outside / "secret").write_text("do not link me\n")
+        (self.outside / "sub").mkdir()
+        (self.outside / "sub" / "deep").write_text("deep\n")
+        self.before = self._state()
+
+    def _state(self):
+        # Above the test dir other test sessions may come and go: look only for the escape's mark.
+        around = [os.path.join(p, n) for p in (self.base.parent, self.base.parent.parent, "/")
+                  for n in os.listdir(p) if n.startswith(MARK)]
+        return _tree(str(self.outside)), sorted(n for n in os.listdir(self.base)), around
+
+    def through(self, link: str, via: str, target: str) -> str:
+        """The member name that reaches `target` (outside the root) through symlink `link` -> `via`
+        when the OS follows it as an ordinary path: what a naive extractor would write to."""
+        seen_from = os.path.normpath(os.path.join(self.root, via))
+        return os.path.normpath(f"{link}/{os.path.relpath(target, seen_from)}")
+
+    def restore(self, ref: str, *args: str):
+        r = snap("restore", ref, "--root", str(self.root), *args)
+        assert "Traceback" not in r.stderr, r.stderr
+        return r
+
+    def assert_untouched(self):
+        outside, names, around = self._state()
+        assert outside == self.before[0], "the sentinel directory next to the root changed"
+        assert set(names) <= set(self.before[1]) | {"root", "snap-state"}, names
+        assert around == self.before[2], "something appeared above the test directory"
+
+    def refused(self, r):
+        assert r.returncode == 6, (r.returncode, r.stdout, r.stderr)
+        lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
+        assert len(lines) == 1, r.stderr
+        self.assert_untouched()
+        return lines[0]
+
+    def ok(self, r):
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        self.assert_untouched()
+
+
+# ---- the snap command line, with its peak memory ---------------------------------------------------
+
+RUN_TIMEOUT = 300  # far more than a refusal takes: reaching it means a hang
+PEAK_LIMIT_KIB = 256 * 1024
+# Runs the snap CLI in this process and notes its peak RSS (VmHWM: since its exec, unlike
+# ru_maxrss, which counts the test process it was forked from) and that of its children (the
+# extraction process, forked from it) in the file named by $SNAP_TEST_PEAK, in KiB.
+_WRAPPER = """
+import os, resource, runpy
+try:
+    runpy.run_module("snapshotter", run_name="__main__", alter_sys=True)
+finally:
+    with open("/proc/self/status") as f:
+        own = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    peak = max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    with open(os.environ["SNAP_TEST_PEAK"], "w") as f:
+        f.write(str(peak))
+"""
+
+
+def run_snap(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, int]:
+    """(result, peak RSS in KiB) of the snap command line."""
+    with tempfile.TemporaryDirectory() as d:  # not in tmp_path: the jail watches what appears there
+        peak_file = os.path.join(d, "peak")
+        e = {**os.environ, "SNAP_TEST_PEAK": peak_file, **(env or {})}
+        r = subprocess.run([sys.executable, "-c", _WRAPPER, *args], capture_output=True, text=True, env=e,
+                           timeout=RUN_TIMEOUT)
+        with open(peak_file) as f:
+            peak = int(f.read())
+    assert "Traceback" not in r.stderr, r.stderr
+    return r, peak
+
+
+# ---- tar headers tarfile will not write ------------------------------------------------------------
+
+def raw_header(name: bytes, kind: bytes = b"0", size: int = 0, size_field: bytes | None = None,
+               extra: dict[int, bytes] | None = None) -> bytes:
+    """A ustar header block with a correct checksum; `extra` overwrites bytes at given offsets."""
+    buf = bytearray(512)
+    buf[0:len(name)] = name
+    buf[100:108] = b"0000644\0"
+    buf[108:116] = b"0000000\0"
+    buf[116:124] = b"0000000\0"
+    buf[124:136] = size_field if size_field is not None else b"%011o\0" % size
+    buf[136:148] = b"%011o\0" % 1_600_000_000
+    buf[156:157] = kind
+    buf[257:265] = b"ustar\x0000"
+    for at, data in (extra or {}).items():
+        buf[at:at + len(data)] = data
+    buf[148:156] = b" " * 8
+    buf[148:156] = b"%06o\0 " % sum(buf)
+    return bytes(buf)

@@ -505,7 +505,6 @@ def test_commit_from_container_gives_the_layers_of_a_walk(registry, base_ref, en
     assert_one_line_error(snap("commit", f"{registry.host}/fromct:v4", "--from-container", name), 5, name)
 
 
-
 def test_parent_directories_keep_their_mode_and_owner_in_docker(registry, engine, tmp_path):
     """Docker 20.10 makes a parent directory a layer lacks 0755 root:root, over the one below it: a
     box whose 0700 /home/user (1000:1000) and /root got a new file shows them as in the box."""

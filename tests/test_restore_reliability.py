@@ -26,14 +26,12 @@ from snapshotter.restore.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore.restore import RestoreOptions, restore_image
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
-from support import FaultProxy, assert_one_line_error, member, snap, tar_bytes, tar_of_files
-from test_hostile import part_ann, push_annotated
+from support import (IS_ROOT, TAR, FaultProxy, assert_one_line_error, member, part_ann, push_annotated, snap, tar_bytes,
+                     tar_of_files)
 
-TAR = "application/vnd.oci.image.layer.v1.tar"
 ZSTD = TAR + "+zstd"
 MiB = 1024 * 1024
 MTIME = 1_600_000_000
-IS_ROOT = os.geteuid() == 0
 
 
 def layer(files: dict[str, bytes], dirs: tuple[str, ...] = ()) -> bytes:

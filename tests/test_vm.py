@@ -13,9 +13,8 @@ import pytest
 
 from snapshotter.oci.image import SNAP_BASE_LAYERS
 from snapshotter.registry.remote import host_platform
-from support import (assert_one_line_error, commit_json, layers_by_name, member, oci_validator, push_base_image, snap,
-                     snapshot_of_tree, tar_bytes, write_tree)
-from test_hostile import push
+from support import (assert_one_line_error, commit_json, layers_by_name, member, oci_validator, push, push_base_image,
+                     snap, snapshot_of_tree, tar_bytes, write_tree)
 
 UBUNTU = 1000  # the VM's user
 
