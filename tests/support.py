@@ -33,8 +33,13 @@ import referencing.jsonschema
 import requests
 import zstandard
 
+from snapshotter import CommitOptions
+from snapshotter.box.profile import load_profile
+from snapshotter.watch.watcher import Watcher, WatchOptions
+
 MiB = 1024 * 1024
 IS_ROOT = os.geteuid() == 0
+TIMEOUT = 120  # generous overall bound for a process or a thread to get somewhere: reaching it means a hang
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 
 
@@ -945,6 +950,25 @@ def layers_by_name(manifest):
     return {label(d): d for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
 
 
+def digest_of(registry, repo, tag):
+    """The manifest digest `tag` names in `repo`; None where the tag names nothing."""
+    r = registry.session().head(f"{registry.url}/v2/{repo}/manifests/{tag}",
+                                headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    return r.headers.get("Docker-Content-Digest") if r.status_code == 200 else None
+
+
+def blobs_in(registry) -> set[str]:
+    """Every blob the registry's storage holds, by digest (what a refused push or commit must not add to)."""
+    top = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256")
+    return {d for _, dirs, _ in os.walk(top) for d in dirs if len(d) == 64}
+
+
+def snap_layers(manifest):
+    """snap's layers by what they hold: the file of a layer of its own, else the profile layer's name."""
+    return {d["annotations"].get("dev.snap.content", d["annotations"]["dev.snap.layer"]): d
+            for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
+
+
 def layer_tar(registry, repo: str, desc: dict) -> tarfile.TarFile:
     """One layer's tar, whatever its compression (every zstd frame read)."""
     blob = registry.blob(repo, desc["digest"])
@@ -1051,6 +1075,10 @@ layers:
     file_layer_min: 1MiB
     bundle_max: 64KiB
 """
+
+# The default profile with weights of 1 MiB and more in layers of their own (so tests stay small).
+SMALL_WEIGHTS = open(os.path.join(os.path.dirname(__file__), "..", "layers", "default.yaml")).read() \
+    .replace("file_layer_min: 64MiB", "file_layer_min: 1MiB").replace("min_size: 64MiB", "min_size: 1MiB")
 
 
 BIG = "opt/app/models/checkpoints/big.safetensors"
@@ -1256,3 +1284,54 @@ def raw_header(name: bytes, kind: bytes = b"0", size: int = 0, size_field: bytes
     buf[148:156] = b" " * 8
     buf[148:156] = b"%06o\0 " % sum(buf)
     return bytes(buf)
+
+
+# ---- the watcher -----------------------------------------------------------------------------------
+
+# Tiny pacing for watcher processes: scan at once, a burst is over after 0.2 s, files stable after 0.2 s.
+FAST = {"SNAP_WATCH_MIN_SCAN": "0", "SNAP_WATCH_BUDGET": "1", "SNAP_WATCH_QUIET": "0.2", "SNAP_WATCH_STABLE": "0.2",
+        "SNAP_NOTICE_POLL": "0.05"}
+
+
+class FakeClock:
+    """Wall-clock seconds that move only when the test says so."""
+
+    def __init__(self):
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def watcher(registry, base_ref, box, repo, lines, clock=None, profile=None, **kw) -> Watcher:
+    opts = WatchOptions(commit=CommitOptions(root=box, profile=profile or load_profile()), log=lines.append,
+                        clock=clock or FakeClock(), **kw)
+    return Watcher(f"{registry.host}/{repo}:v2", base_ref, opts)
+
+
+class WatchProcess:
+    """`snap watch` as a process; wait_for() reads what it prints on stderr, as it prints it."""
+
+    def __init__(self, *args, env=None):
+        e = {**os.environ, **FAST, **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", *args], stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True, env=e)
+        self.seen: list[str] = []
+        self._timer = threading.Timer(TIMEOUT, self.proc.kill)  # a hung test still ends
+        self._timer.start()
+
+    def wait_for(self, text: str) -> str:
+        for line in self.proc.stderr:
+            self.seen.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"snap watch ended without saying {text!r}:\n{''.join(self.seen)}")
+
+    def finish(self) -> int:
+        self.seen.extend(self.proc.stderr)
+        code = self.proc.wait()
+        self._timer.cancel()
+        return code

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from support import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, FakeClock, snapshot_of_tree, watcher, write_tree
 from snapshotter.box import scan as box_scan
 from snapshotter.layer import plan as plan_module
 from snapshotter import restore_image
@@ -25,7 +25,6 @@ from snapshotter.index.entry import Entry, gc_paused
 from snapshotter.box.scan import ScanMemo, scan_box
 from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
 from snapshotter.box.profile import load_profile
-from test_watch import FakeClock, watcher
 
 PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow" + b"A" * 58 + b"\n-----END RSA PRIVATE KEY-----\n"
 

@@ -18,7 +18,8 @@ import threading
 
 import pytest
 
-from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
+from support import (NOT_CAPTURED, SMALL_WEIGHTS, TIMEOUT, FakeClock, WatchProcess, blobs_in, digest_of, snap,
+                     snap_layers, snapshot_of_tree, watcher, write_tree)
 from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import commit as commit_module
 from snapshotter.layer import generate as layer_module
@@ -27,17 +28,9 @@ from snapshotter.errors import SnapError, UsageError
 from snapshotter.box.profile import parse_profile
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.box.writers import open_for_writing
-from test_watch import SMALL_WEIGHTS, TIMEOUT, FakeClock, WatchProcess, digest_of, snap_layers, watcher
 
 MiB = 1024 * 1024
 WEIGHT = "opt/app/models/checkpoints/model.safetensors"
-
-
-def blobs_in(registry) -> set[str]:
-    """The blob digests the registry's storage holds (what a refused commit must not add to)."""
-    top = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256")
-    return {name for _, _, files in os.walk(top) for name in files} | {
-        d for _, dirs, _ in os.walk(top) for d in dirs if len(d) == 64}
 
 
 def profile_file(tmp_path) -> str:
