@@ -281,7 +281,7 @@ def test_a_commit_to_a_new_tag_after_a_restore_keeps_the_restored_version_of_a_f
 
 
 def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref, box, tmp_path, monkeypatch):
-    """A file that changes during every read (layer.py reads it up to 3 times): never kept as last read.
+    """A file that changes during every read (layer/generate.py reads it up to 3 times): never kept as last read.
     A weight with a version in the tag's snapshot keeps it (that layer, reused); a new file is left out."""
     prof = parse_profile(SMALL_WEIGHTS)
     v1 = os.urandom(2 * MiB)

@@ -27,7 +27,7 @@ MiB = 1024 * 1024
 
 
 def tags(registry, repo):
-    """The repository's tags but the artifact tags of the base index and the skeletons (baseindex.py, skeleton.py)."""
+    """The repository's tags but the artifact tags of the base index and the skeletons (index/base.py, snapshot/skeleton.py)."""
     found = registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or []
     return sorted(t for t in found if not t.startswith("snap-index-") and t != "snap-skeletons")
 
