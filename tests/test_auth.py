@@ -265,7 +265,7 @@ def test_empty_docker_config_dir_is_not_the_users(tmp_path, monkeypatch):
 
 def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_path):
     """Without $DOCKER_CONFIG and with no ~/.docker/config.json nor ~/.dockercfg, no credentials,
-    and the docker SDK is not even imported (it slowed every restore's start)."""
+    and the docker SDK is not even imported (importing it slows every restore's start)."""
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_CONFIG"}
     env["HOME"] = str(tmp_path)
     code = ("import sys; from snapshotter.registry.transport import docker_credentials\n"

@@ -1,4 +1,4 @@
-"""Hostile tars, round 2: headers that would make a tar reader hang, blow up memory or fill the disk,
+"""Hostile tars: headers that would make a tar reader hang, blow up memory or fill the disk,
 and values no file can have. Each is refused by `snap restore` and by `snap verify` alike, with
 exit 6 and one line, within a bounded time (the subprocess timeout is the failure signal only)
 and under 256 MiB of peak memory, and nothing is written outside the root."""

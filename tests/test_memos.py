@@ -140,8 +140,8 @@ def test_the_watchers_final_snapshot_sees_a_file_added_where_nothing_looked_chan
 
 
 def test_the_stat_cache_key_is_the_digest_of_the_documented_json():
-    """Written a row at a time now (for the memo): the same bytes as before, so the stat caches of
-    earlier versions still hit and no model is read again after an upgrade."""
+    """Written a row at a time (for the memo), the key is the digest of the one json.dumps of the
+    whole document: stat caches an earlier snap wrote hit after an upgrade, and no model is read again."""
     entries = [Entry("opt/é/a.py", "file", 0o644, 1, 2, 30, 1_700_000_000, inode="5:6", stamp="7:8:9",
                      xattrs={"user.b": "2", "user.a": "\udcff"}),
                Entry("opt/l", "symlink", 0o777, linkname="a.py", stamp="1:2:3")]
