@@ -217,7 +217,7 @@ def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_b
     big_layer = "models"  # 40 MiB: below the single-file threshold, in the models bundle
     assert st2[big_layer] == "uploaded", st2
     assert all("not read" in s for name, s in st2.items() if name != big_layer), st2
-    r = snap("restore", f"{registry.host}/seedchg:v2", "--root", str(tmp_path / "again"), check=True)
+    snap("restore", f"{registry.host}/seedchg:v2", "--root", str(tmp_path / "again"), check=True)
     assert (tmp_path / "again/opt/app/models/checkpoints/big.safetensors").read_bytes() == big.read_bytes()
 
 
