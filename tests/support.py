@@ -1,5 +1,6 @@
 """Real parts for tests and the demo: a distribution registry on 127.0.0.1, and small base images
-made from files we write (pushed with snap's own registry client, no Docker)."""
+made from files we write (pushed with snap's own registry client, no Docker). Below them, in
+sections, the plain helpers more than one test module uses; the fixtures are in conftest.py."""
 
 from __future__ import annotations
 
