@@ -12,8 +12,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import NOT_CAPTURED, make_box  # noqa: E402
-from support import RegistryServer, make_base_rootfs, push_base_image, snapshot_of_tree, write_tree  # noqa: E402
+from support import (NOT_CAPTURED, RegistryServer, make_base_rootfs, make_box, push_base_image,  # noqa: E402
+                     snapshot_of_tree, write_tree)
 
 
 def run(*args: str) -> str:

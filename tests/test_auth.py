@@ -9,10 +9,9 @@ import sys
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
 from snapshotter.registry.credentials import docker_credentials
-from support import RegistryServer, TokenRegistryServer, push_base_image, snapshot_of_tree
-from test_errors import assert_one_line_error
+from support import (NOT_CAPTURED, RegistryServer, TokenRegistryServer, assert_one_line_error, push_base_image, snap,
+                     snapshot_of_tree)
 
 USER, PASSWORD = "snapuser", "s3cret-Pa55"
 READER, READER_PASSWORD = "reader", "read-0nly"
@@ -266,7 +265,7 @@ def test_empty_docker_config_dir_is_not_the_users(tmp_path, monkeypatch):
 
 def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_path):
     """Without $DOCKER_CONFIG and with no ~/.docker/config.json nor ~/.dockercfg, no credentials,
-    and the docker SDK is not even imported (it slowed every restore's start)."""
+    and the docker SDK is not even imported (importing it slows every restore's start)."""
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_CONFIG"}
     env["HOME"] = str(tmp_path)
     code = ("import sys; from snapshotter.registry.credentials import docker_credentials\n"

@@ -15,14 +15,13 @@ import pytest
 import zstandard
 from typer.testing import CliRunner
 
-from conftest import snap
 from snapshotter import cli
 from snapshotter.layer import generate as layer
 from snapshotter.index.entry import entry_from_stat
 from snapshotter.layer.generate import build_layer, measure_layer, write_layer
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.box.profile import holds_private_key
-from support import have_wheels, pip_install_offline, snap_layer_files, write_tree
+from support import have_wheels, pip_install_offline, snap, snap_layer_files, write_tree
 
 CUDA_DIR = "usr/lib/x86_64-linux-gnu"
 CUDA_LIB = f"{CUDA_DIR}/libcuda.so.555.42.06"

@@ -26,11 +26,10 @@ from typing import Optional
 
 import pytest
 
-from conftest import NOT_CAPTURED, make_box, snap
-from support import (PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, free_port, have_wheels, push_base_image,
-                     snapshot_of_tree, stop_process, tar_of_files)
-from test_errors import assert_one_line_error
-from test_roundtrip import commit_json, label, layers_by_name
+from support import (LINKED, NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, assert_content_written_once,
+                     assert_one_line_error, commit_json, free_port, hardlink_box, have_wheels, home_box, label,
+                     layers_by_name, make_box, make_home_base, push_base_image, snap, snapshot_of_tree, stop_process,
+                     tar_of_files)
 
 docker = pytest.importorskip("docker")
 
@@ -506,12 +505,9 @@ def test_commit_from_container_gives_the_layers_of_a_walk(registry, base_ref, en
     assert_one_line_error(snap("commit", f"{registry.host}/fromct:v4", "--from-container", name), 5, name)
 
 
-
 def test_parent_directories_keep_their_mode_and_owner_in_docker(registry, engine, tmp_path):
     """Docker 20.10 makes a parent directory a layer lacks 0755 root:root, over the one below it: a
     box whose 0700 /home/user (1000:1000) and /root got a new file shows them as in the box."""
-    from test_layers import home_box, make_home_base
-
     base_ref, rootfs = make_home_base(registry, str(tmp_path), "dock-home-base")
     box = home_box(rootfs, str(tmp_path / "box"))
     ref = f"{registry.host}/dock-home:v1"
@@ -528,8 +524,6 @@ def test_parent_directories_keep_their_mode_and_owner_in_docker(registry, engine
 def test_hardlinked_weights_are_one_inode_in_docker_and_umoci(registry, base_ref, base_rootfs, engine, tmp_path):
     """A weight with three names and a small file with two: Docker (snap run) and umoci show each
     as one inode, as restore does (tests/test_layers.py)."""
-    from test_layers import LINKED, assert_content_written_once, hardlink_box
-
     need("skopeo")
     need("umoci")
     box, profile = hardlink_box(base_rootfs, str(tmp_path / "box"))

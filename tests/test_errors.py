@@ -4,17 +4,7 @@ import pytest
 
 import requests
 
-from conftest import snap
-from support import free_port
-
-
-def assert_one_line_error(r, code, *words):
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
+from support import assert_one_line_error, free_port, snap
 
 
 def test_unknown_base_image(registry, box):

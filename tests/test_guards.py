@@ -11,20 +11,7 @@ import threading
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree, write_tree
-
-
-def blobs_in(registry) -> set[str]:
-    """Every blob the registry's storage holds (what a refused push must not add to)."""
-    top = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256")
-    return {d for _, dirs, _ in os.walk(top) for d in dirs if len(d) == 64}
-
-
-def digest_of(registry, repo, tag):
-    r = registry.session().head(f"{registry.url}/v2/{repo}/manifests/{tag}",
-                                headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
-    return r.headers.get("Docker-Content-Digest") if r.status_code == 200 else None
+from support import NOT_CAPTURED, blobs_in, digest_of, snap, snapshot_of_tree, write_tree
 
 
 def empty_roots(tmp_path):

@@ -3,8 +3,7 @@
 import json
 import os
 
-from conftest import snap
-from support import push_base_image, write_tree
+from support import push_base_image, snap, write_tree
 
 MiB = 1024 * 1024
 MODEL = "opt/app/models/checkpoints/added.safetensors"

@@ -15,132 +15,9 @@ import tarfile
 
 import pytest
 
-from conftest import snap
 from snapshotter.layer.extract import NAMES_KEPT
-from support import gzip_bytes, member, tar_bytes
-
-TAR = "application/vnd.oci.image.layer.v1.tar"
-GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
-MARK = "snap-pwned"  # the name every escape attempt tries to create
-IS_ROOT = os.geteuid() == 0
-
-
-# ---- building layers ---------------------------------------------------------------------------
-
-def push(registry, request, *layers: bytes, gzip: bool = False) -> str:
-    """Push the layers as an image named after the test; returns its reference."""
-    repo = "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
-    if gzip:
-        registry.push_image(repo, "v1", [gzip_bytes(b) for b in layers], layer_media_type=GZIP)
-    else:
-        registry.push_image(repo, "v1", list(layers), layer_media_type=TAR)
-    return f"{registry.host}/{repo}:v1"
-
-
-def push_annotated(registry, repo: str, layers: list[tuple[bytes, dict]], manifest_annotations: dict | None = None,
-                   tag: str = "v1") -> str:
-    """Push uncompressed layers with layer annotations (the dev.snap.* ones snap commit writes) and,
-    optionally, manifest annotations. Returns the image's reference."""
-    blobs = [b for b, _ in layers]
-    cfg = json.dumps({"architecture": "amd64", "os": "linux",
-                      "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(b).hexdigest() for b in blobs]},
-                      "history": [{"created_by": f"test layer {i}"} for i in range(len(blobs))]}).encode()
-    descs = []
-    for b, ann in layers:
-        d = {"mediaType": TAR, "digest": registry.push_blob(repo, b), "size": len(b)}
-        if ann:
-            d["annotations"] = ann
-        descs.append(d)
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                           "digest": registry.push_blob(repo, cfg), "size": len(cfg)},
-                "layers": descs}
-    if manifest_annotations:
-        manifest["annotations"] = manifest_annotations
-    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=json.dumps(manifest).encode(),
-                               headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
-    r.raise_for_status()
-    return f"{registry.host}/{repo}:{tag}"
-
-
-def part_ann(path: str, part: str) -> dict:
-    """The annotations snap commit puts on a part layer ("i/n" of `path`)."""
-    return {"dev.snap.layer": "models", "dev.snap.content": f"part {part} of {path}",
-            "dev.snap.part": part, "dev.snap.part-file": path}
-
-
-def repo_for(request) -> str:
-    return "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
-
-
-# ---- the jail: a root with a sentinel directory next to it -------------------------------------
-
-def _tree(path: str) -> dict:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(path):
-        for n in dirnames + filenames:
-            p = os.path.join(dirpath, n)
-            st = os.lstat(p)
-            content = ""
-            if stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    content = hashlib.sha256(f.read()).hexdigest()
-            elif stat.S_ISLNK(st.st_mode):
-                content = os.readlink(p)
-            out[os.path.relpath(p, path)] = (st.st_mode, st.st_nlink, st.st_uid, st.st_mtime_ns, content)
-    return out
-
-
-class Jail:
-    def __init__(self, tmp_path):
-        self.base = tmp_path
-        self.root = tmp_path / "root"
-        self.outside = tmp_path / "outside"
-        self.outside.mkdir()
-        (self.outside / "keep").write_text("sentinel\n")
-        (self.outside / "secret").write_text("do not link me\n")
-        (self.outside / "sub").mkdir()
-        (self.outside / "sub" / "deep").write_text("deep\n")
-        self.before = self._state()
-
-    def _state(self):
-        # Above the test dir other test sessions may come and go: look only for the escape's mark.
-        around = [os.path.join(p, n) for p in (self.base.parent, self.base.parent.parent, "/")
-                  for n in os.listdir(p) if n.startswith(MARK)]
-        return _tree(str(self.outside)), sorted(n for n in os.listdir(self.base)), around
-
-    def through(self, link: str, via: str, target: str) -> str:
-        """The member name that reaches `target` (outside the root) through symlink `link` -> `via`
-        when the OS follows it as an ordinary path: what a naive extractor would write to."""
-        seen_from = os.path.normpath(os.path.join(self.root, via))
-        return os.path.normpath(f"{link}/{os.path.relpath(target, seen_from)}")
-
-    def restore(self, ref: str, *args: str):
-        r = snap("restore", ref, "--root", str(self.root), *args)
-        assert "Traceback" not in r.stderr, r.stderr
-        return r
-
-    def assert_untouched(self):
-        outside, names, around = self._state()
-        assert outside == self.before[0], "the sentinel directory next to the root changed"
-        assert set(names) <= set(self.before[1]) | {"root", "snap-state"}, names
-        assert around == self.before[2], "something appeared above the test directory"
-
-    def refused(self, r):
-        assert r.returncode == 6, (r.returncode, r.stdout, r.stderr)
-        lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
-        assert len(lines) == 1, r.stderr
-        self.assert_untouched()
-        return lines[0]
-
-    def ok(self, r):
-        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
-        self.assert_untouched()
-
-
-@pytest.fixture
-def jail(tmp_path):
-    return Jail(tmp_path)
+from support import (GZIP, IS_ROOT, MARK, PART, gzip_bytes, member, part_ann, part_image, push, push_annotated,
+                     repo_for, snap, tar_bytes)
 
 
 # ---- names that leave the root -----------------------------------------------------------------
@@ -443,19 +320,6 @@ def test_corrupt_layer_data_is_an_integrity_error(registry, jail, request, kind)
 
 # ---- part layers: a file cut at the layer size cap, joined back by restore --------------------------
 
-PART = "m/big.snap-part-{:04d}-of-{:04d}"
-
-
-def _part_image(registry, request, first: tuple[tarfile.TarInfo, bytes], anns=("1/2", "2/2"), extra=()) -> str:
-    """m/big cut into two part layers: the first part is `first`, the second a regular file."""
-    return push_annotated(registry, repo_for(request), [
-        (tar_bytes(member("m/", "dir")), {}),
-        (tar_bytes(first), part_ann("m/big", anns[0])),
-        (tar_bytes(member(PART.format(2, 2), data=b"second part\n")), part_ann("m/big", anns[1])),
-        *extra,
-    ])
-
-
 def _nothing_leaked(jail) -> None:
     for d, _, files in os.walk(jail.root):
         for n in files:
@@ -478,7 +342,7 @@ def test_a_part_that_is_not_a_regular_file_is_refused(registry, jail, request, k
     if kind == "fifo":
         first[0].type = tarfile.FIFOTYPE
     # FIFOs are created only with --allow-devices
-    line = jail.refused(jail.restore(_part_image(registry, request, first), *(["--allow-devices"] if kind == "fifo" else [])))
+    line = jail.refused(jail.restore(part_image(registry, request, first), *(["--allow-devices"] if kind == "fifo" else [])))
     assert "part 1/2 of /m/big" in line, line
     _nothing_leaked(jail)
     assert not (jail.root / "m/big").exists()
@@ -486,7 +350,7 @@ def test_a_part_that_is_not_a_regular_file_is_refused(registry, jail, request, k
 
 @pytest.mark.parametrize("ann", ["1", "x/2", "0/2", "3/2", "1/100001", "1/2\n", " 1/2", "\uff11/2", "1/-2", ""])
 def test_malformed_part_annotations_are_refused(registry, jail, request, ann):
-    r = jail.restore(_part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"), anns=(ann, "2/2")))
+    r = jail.restore(part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"), anns=(ann, "2/2")))
     line = jail.refused(r)
     assert "malformed part annotation" in line, line
     assert not jail.root.exists() or list(jail.root.iterdir()) == []  # refused before anything is written
@@ -501,14 +365,14 @@ def test_part_files_outside_the_root_are_refused(registry, jail, request, path):
 
 @pytest.mark.parametrize("anns", [("1/2", "2/3"), ("1/2", "1/2"), ("1/3", "2/3")], ids=["counts-differ", "twice", "one-missing"])
 def test_inconsistent_part_layers_are_refused(registry, jail, request, anns):
-    ref = _part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"), anns=anns)
+    ref = part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"), anns=anns)
     line = jail.refused(jail.restore(ref))
     assert "/m/big" in line, line
 
 
 def test_parts_deleted_before_the_join_are_refused(registry, jail, request):
     """Some parts there and some not at join time: an incomplete file, never silently left as parts."""
-    ref = _part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"),
+    ref = part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"),
                       extra=[(tar_bytes(member("m/.wh." + PART.format(2, 2).split("/")[1])), {})])
     line = jail.refused(jail.restore(ref))
     assert "missing" in line and "/m/big" in line, line
@@ -516,7 +380,7 @@ def test_parts_deleted_before_the_join_are_refused(registry, jail, request):
 
 
 def test_well_formed_parts_are_joined(registry, jail, request):
-    ref = _part_image(registry, request, member(PART.format(1, 2), data=b"first part\n", mode=0o640))
+    ref = part_image(registry, request, member(PART.format(1, 2), data=b"first part\n", mode=0o640))
     jail.ok(jail.restore(ref, "--fsync"))
     assert (jail.root / "m/big").read_bytes() == b"first part\nsecond part\n"
     assert stat.S_IMODE(os.lstat(jail.root / "m/big").st_mode) == 0o640

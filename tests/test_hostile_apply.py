@@ -7,7 +7,6 @@ shows its last file."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import stat
@@ -15,11 +14,8 @@ import tarfile
 
 import pytest
 
-from support import gzip_bytes, member, tar_bytes
-from test_hostile import GZIP, TAR, PART, MARK, _part_image, jail, push, push_annotated, repo_for  # noqa: F401
-from test_hostile_tars import raw_header, run_snap
-
-IS_ROOT = os.geteuid() == 0
+from support import (GZIP, MARK, PART, TAR, gzip_bytes, member, part_image, push, raw_header, repo_for, run_snap,
+                     tar_bytes)
 
 
 def fifo(name: str) -> tuple[tarfile.TarInfo, bytes]:
@@ -73,7 +69,7 @@ def test_a_part_hardlinked_to_a_setuid_file_does_not_make_a_setuid_file(registry
     (jail.root / "bin").mkdir(parents=True)
     (jail.root / "bin/su").write_bytes(b"first part\n")
     os.chmod(jail.root / "bin/su", 0o4755)
-    ref = _part_image(registry, request, member(PART.format(1, 2), "hardlink", linkname="bin/su"))
+    ref = part_image(registry, request, member(PART.format(1, 2), "hardlink", linkname="bin/su"))
     jail.ok(jail.restore(ref))
     assert (jail.root / "m/big").read_bytes() == b"first part\nsecond part\n"
     assert stat.S_IMODE(os.lstat(jail.root / "m/big").st_mode) == 0o755

@@ -11,19 +11,10 @@ import os
 
 import pytest
 
-from support import FaultProxy, member, tar_bytes
-from test_hostile import TAR, jail, push, push_annotated, repo_for  # noqa: F401 - jail is a fixture
-from test_hostile_tars import PEAK_LIMIT_KIB, run_snap
+from support import PEAK_LIMIT_KIB, TAR, member, push, push_annotated, repo_for, run_snap, tar_bytes
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-
-
-@pytest.fixture
-def proxy(registry):
-    p = FaultProxy(registry.host).start()
-    yield p
-    p.stop()
 
 
 def both(jail, tmp_path, ref: str, env: dict | None = None) -> list[tuple[int, str, int]]:

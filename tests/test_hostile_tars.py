@@ -1,4 +1,4 @@
-"""Hostile tars, round 2: headers that would make a tar reader hang, blow up memory or fill the disk,
+"""Hostile tars: headers that would make a tar reader hang, blow up memory or fill the disk,
 and values no file can have. Each is refused by `snap restore` and by `snap verify` alike, with
 exit 6 and one line, within a bounded time (the subprocess timeout is the failure signal only)
 and under 256 MiB of peak memory, and nothing is written outside the root."""
@@ -7,44 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
-import tempfile
 import zlib
 
 import pytest
 
-from test_hostile import GZIP, MARK, TAR, jail, push  # noqa: F401 - jail is a fixture
-
-RUN_TIMEOUT = 300  # far more than any of these takes once fixed: reaching it means a hang
-PEAK_LIMIT_KIB = 256 * 1024
-# Runs the snap CLI in this process and notes its peak RSS (VmHWM: since its exec, unlike
-# ru_maxrss, which counts the test process it was forked from) and that of its children (the
-# extraction process, forked from it) in the file named by $SNAP_TEST_PEAK, in KiB.
-_WRAPPER = """
-import os, resource, runpy
-try:
-    runpy.run_module("snapshotter", run_name="__main__", alter_sys=True)
-finally:
-    with open("/proc/self/status") as f:
-        own = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    peak = max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    with open(os.environ["SNAP_TEST_PEAK"], "w") as f:
-        f.write(str(peak))
-"""
-
-
-def run_snap(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, int]:
-    """(result, peak RSS in KiB) of the snap command line."""
-    with tempfile.TemporaryDirectory() as d:  # not in tmp_path: the jail watches what appears there
-        peak_file = os.path.join(d, "peak")
-        e = {**os.environ, "SNAP_TEST_PEAK": peak_file, **(env or {})}
-        r = subprocess.run([sys.executable, "-c", _WRAPPER, *args], capture_output=True, text=True, env=e,
-                           timeout=RUN_TIMEOUT)
-        with open(peak_file) as f:
-            peak = int(f.read())
-    assert "Traceback" not in r.stderr, r.stderr
-    return r, peak
+from support import GZIP, MARK, PEAK_LIMIT_KIB, push, raw_header, run_snap
 
 
 def refused_by_both(jail, tmp_path, ref: str) -> list[str]:
@@ -62,25 +29,6 @@ def refused_by_both(jail, tmp_path, ref: str) -> list[str]:
 
 
 # ---- raw headers: what tarfile will not write -----------------------------------------------------
-
-def raw_header(name: bytes, kind: bytes = b"0", size: int = 0, size_field: bytes | None = None,
-               extra: dict[int, bytes] | None = None) -> bytes:
-    """A ustar header block with a correct checksum; `extra` overwrites bytes at given offsets."""
-    buf = bytearray(512)
-    buf[0:len(name)] = name
-    buf[100:108] = b"0000644\0"
-    buf[108:116] = b"0000000\0"
-    buf[116:124] = b"0000000\0"
-    buf[124:136] = size_field if size_field is not None else b"%011o\0" % size
-    buf[136:148] = b"%011o\0" % 1_600_000_000
-    buf[156:157] = kind
-    buf[257:265] = b"ustar\x0000"
-    for at, data in (extra or {}).items():
-        buf[at:at + len(data)] = data
-    buf[148:156] = b" " * 8
-    buf[148:156] = b"%06o\0 " % sum(buf)
-    return bytes(buf)
-
 
 def padded(data: bytes) -> bytes:
     return data + bytes(-len(data) % 512)

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, WEIGHTS_PROFILE, snap, snapshot_of_tree, write_tree
 from snapshotter.commit import push as push_module
 from snapshotter import CommitOptions, commit_box
 from snapshotter.box.profile import parse_profile
@@ -94,19 +93,6 @@ def test_cache_of_another_root_is_not_used(registry, base_ref, model_box, tmp_pa
     os.rename(moved, model_box)  # back at its own root, the box finds its cache again
     again = commit_box(f"{registry.host}/other:v3", base_ref, CommitOptions(root=model_box))
     assert all("not read" in s for s in statuses(again).values()), statuses(again)
-
-
-WEIGHTS_PROFILE = """
-extends: default
-layers:
-  - name: venv
-    venv: true
-  - name: models
-    paths: ["**/models/**"]
-    compression: none
-    file_layer_min: 1MiB
-    bundle_max: 64KiB
-"""
 
 
 def test_weight_layers_are_stable_when_a_model_is_added_or_removed(registry, base_ref, box, tmp_path):
@@ -231,7 +217,7 @@ def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_b
     big_layer = "models"  # 40 MiB: below the single-file threshold, in the models bundle
     assert st2[big_layer] == "uploaded", st2
     assert all("not read" in s for name, s in st2.items() if name != big_layer), st2
-    r = snap("restore", f"{registry.host}/seedchg:v2", "--root", str(tmp_path / "again"), check=True)
+    snap("restore", f"{registry.host}/seedchg:v2", "--root", str(tmp_path / "again"), check=True)
     assert (tmp_path / "again/opt/app/models/checkpoints/big.safetensors").read_bytes() == big.read_bytes()
 
 

@@ -10,13 +10,9 @@ import subprocess
 import sys
 import threading
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree
-from test_restore_reliability import assert_one_line_error
-from test_watch import SMALL_WEIGHTS
+from support import NOT_CAPTURED, SMALL_WEIGHTS, TIMEOUT, assert_one_line_error, snap, snapshot_of_tree
 
 WEIGHT = "opt/app/models/checkpoints/sd15.safetensors"  # 2 MB: a layer of its own with SMALL_WEIGHTS
-TIMEOUT = 120  # generous overall bound for a process to get somewhere
 
 
 def _snap_proc(*args: str) -> subprocess.Popen:

@@ -1,55 +1,15 @@
 """What a layer carries and how it is read back: configs valid by the OCI schema, layers read by
 their bytes rather than their label, parent directories in every layer, hardlinked weights."""
 
-import gzip
-import io
 import json
 import os
 import stat
 import subprocess
 import tarfile
-from urllib.parse import urljoin
 
-import jsonschema
-import pytest
-import referencing
-import referencing.jsonschema
-import zstandard
-
-from conftest import NOT_CAPTURED, make_box, snap
-from support import make_base_rootfs, push_base_image, snapshot_of_tree, write_tree
-from test_errors import assert_one_line_error
-from test_incremental import WEIGHTS_PROFILE
-from test_roundtrip import commit_json, layers_by_name
-
-SCHEMA_DIR = os.path.join(os.path.dirname(__file__), "data", "oci-schema")
-
-
-def _ids(doc) -> set:
-    """Every "id" in a schema: relative $refs resolve against the nearest one."""
-    if isinstance(doc, dict):
-        found = {doc["id"]} if isinstance(doc.get("id"), str) else set()
-        return found.union(*(_ids(v) for v in doc.values()))
-    if isinstance(doc, list):
-        return set().union(*(_ids(v) for v in doc))
-    return set()
-
-
-def oci_validator(name: str):
-    """A validator for one of the image-spec's schemas, its $refs resolved from tests/data only
-    (each file is known by its name under every base URI the schemas use: no network)."""
-    docs = {}
-    for fname in sorted(os.listdir(SCHEMA_DIR)):
-        if fname.endswith(".json"):
-            with open(os.path.join(SCHEMA_DIR, fname)) as f:
-                docs[fname] = json.load(f)
-    bases = set().union(*(_ids(d) for d in docs.values()))
-    resources = []
-    for fname, doc in docs.items():
-        resource = referencing.jsonschema.DRAFT4.create_resource(doc)
-        resources += [(fname, resource)] + [(urljoin(base, fname), resource) for base in bases]
-    registry = referencing.Registry().with_resources(resources)
-    return jsonschema.Draft4Validator(docs[name], registry=registry, format_checker=jsonschema.FormatChecker())
+from support import (BIG, LINKED, NOT_CAPTURED, MiB, assert_content_written_once, assert_one_line_error, commit_json,
+                     hardlink_box, home_box, layer_tar, layers_by_name, make_box, make_home_base, oci_validator, snap,
+                     snapshot_of_tree, write_tree)
 
 
 def test_manifest_and_config_validate_against_the_image_spec_schema(registry, base_ref, base_rootfs, tmp_path):
@@ -130,48 +90,6 @@ def test_layers_are_read_by_their_bytes_not_their_label(registry, base_ref, box,
 # ---- parent directories --------------------------------------------------------------------------
 
 
-def make_home_base(registry, workdir: str, repo: str) -> tuple[str, str]:
-    """A base with /home/user (0700, 1000:1000) and /home/user/proj, and /root 0700; returns
-    (base ref, its rootfs). The box made from it adds a file to each of proj and /root."""
-    if os.geteuid() != 0:
-        pytest.skip("owners other than our own need root")
-    rootfs = os.path.join(workdir, "home-base")
-    os.makedirs(rootfs)
-    make_base_rootfs(rootfs)
-    write_tree(rootfs, {"home/user/proj/old.txt": "old\n", "home/user/.profile": "export A=1\n"})
-    for rel, mode, owner in (("home/user", 0o700, 1000), ("home/user/proj", 0o750, 1000), ("home", 0o755, 0),
-                             ("root", 0o700, 0)):
-        path = os.path.join(rootfs, rel)
-        os.chown(path, owner, owner)
-        os.chmod(path, mode)
-    for rel in ("home/user/proj/old.txt", "home/user/.profile"):
-        os.chown(os.path.join(rootfs, rel), 1000, 1000)
-    for rel in ("home/user/proj", "home/user", "home", "root", ""):
-        os.utime(os.path.join(rootfs, rel), (1_600_000_000, 1_600_000_000))
-    push_base_image(registry, repo, "1", rootfs)
-    return f"{registry.host}/{repo}:1", rootfs
-
-
-def home_box(base_rootfs: str, dest: str) -> str:
-    """The home base with new files in unchanged-mode directories: /home/user/proj/new.txt, /root/notes.txt."""
-    subprocess.run(["cp", "-a", base_rootfs, dest], check=True)
-    write_tree(dest, {"home/user/proj/new.txt": "new\n", "root/notes.txt": "root's\n"}, mtime=1_700_000_000)
-    os.chown(os.path.join(dest, "home/user/proj/new.txt"), 1000, 1000)
-    os.setxattr(os.path.join(dest, "home"), "user.snap.parent", b"kept in every layer under it")
-    os.utime(os.path.join(dest, "home/user/proj"), (1_700_000_005, 1_700_000_005))
-    os.utime(os.path.join(dest, "root"), (1_700_000_006, 1_700_000_006))
-    return dest
-
-
-def layer_tar(registry, repo: str, desc: dict) -> tarfile.TarFile:
-    blob = registry.blob(repo, desc["digest"])
-    if desc["mediaType"].endswith("+zstd"):
-        blob = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True).read()
-    elif desc["mediaType"].endswith("gzip"):
-        blob = gzip.decompress(blob)
-    return tarfile.open(fileobj=io.BytesIO(blob))
-
-
 def assert_layers_carry_their_parents(registry, repo: str, tag: str, box: str) -> dict[str, list[tarfile.TarInfo]]:
     """Every snap layer of the image holds each parent directory of each of its paths, with the
     box's mode and owner; the topmost layer holding a directory has its mtime too. Returns each
@@ -230,29 +148,6 @@ def test_every_layer_carries_its_parent_directories(registry, base_ref, base_roo
 
 # ---- hardlinked weights ------------------------------------------------------------------------------
 
-MiB = 1024 * 1024
-BIG = "opt/app/models/checkpoints/big.safetensors"
-# Names of one inode each, its first name (in path order) first.
-LINKED = [(BIG, "opt/app/models/loras/big-link.safetensors", "opt/app/models/zz/alias.bin"),
-          ("opt/app/models/configs/c000.json", "opt/app/models/zz/c000-link.json")]
-
-
-def hardlink_box(base_rootfs: str, dest: str) -> tuple[str, str]:
-    """The usual box plus a 3 MiB weight with two more names, and a small file (among 60 that fill
-    several 64 KiB bundles) with another name far from it in path order. Returns (box, profile file)."""
-    box = make_box(base_rootfs, dest)
-    write_tree(box, {BIG: os.urandom(3 * MiB + 5)})
-    write_tree(box, {f"opt/app/models/configs/c{i:03d}.json": os.urandom(3000) for i in range(60)})
-    for first, *others in LINKED:
-        for name in others:
-            os.makedirs(os.path.dirname(os.path.join(box, name)), exist_ok=True)
-            os.link(os.path.join(box, first), os.path.join(box, name))
-    profile = dest + "-profile.yaml"
-    with open(profile, "w") as f:
-        f.write(WEIGHTS_PROFILE)  # weights of 1 MiB get a layer of their own, bundles of 64 KiB
-    return box, profile
-
-
 def same_inode(root: str, names) -> bool:
     return len({os.lstat(os.path.join(root, n)).st_ino for n in names}) == 1
 
@@ -260,26 +155,6 @@ def same_inode(root: str, names) -> bool:
 def tree_without_link_order(root: str) -> dict:
     """snapshot_of_tree, without which name of an inode a walk met first (compared by same_inode)."""
     return {k: v[:5] + (v[5].split(" linked-with:")[0],) + v[6:] for k, v in snapshot_of_tree(root, skip=NOT_CAPTURED).items()}
-
-
-def assert_content_written_once(registry, repo: str, tag: str) -> dict[str, list[tarfile.TarInfo]]:
-    """Each inode's content is in the image once: its other names are hardlinks to it in the same
-    layer (Docker refuses a hardlink to a lower layer's file). Returns the layers' members by label."""
-    layers = {}
-    regular: dict[str, str] = {}
-    for label, desc in layers_by_name(registry.manifest(repo, tag)).items():
-        with layer_tar(registry, repo, desc) as t:
-            members = t.getmembers()
-        layers[label] = members
-        names = {m.name: m for m in members}
-        for m in members:
-            if m.isreg():
-                regular[m.name] = label
-            if m.islnk():
-                assert m.linkname in names and names[m.linkname].isreg(), f"{label}: {m.name} -> {m.linkname} not in the layer"
-    for first, *others in LINKED:
-        assert not any(n in regular for n in others), f"a second copy of {first}"
-    return layers
 
 
 def test_hardlinked_weights_get_their_own_layer_and_stay_one_inode(registry, base_ref, base_rootfs, tmp_path):

@@ -1,7 +1,6 @@
 """Failures of the local machine (state dir, profile file, restore target) are one line, not a traceback."""
 
-from conftest import snap
-from test_errors import assert_one_line_error
+from support import assert_one_line_error, snap
 
 
 def test_state_dir_that_cannot_be_created(registry, base_ref, box, tmp_path):

@@ -16,8 +16,7 @@ import random
 
 import pytest
 
-from conftest import NOT_CAPTURED
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, FakeClock, snapshot_of_tree, watcher, write_tree
 from snapshotter.box import scan as box_scan
 from snapshotter.layer import plan as plan_module
 from snapshotter import restore_image
@@ -26,7 +25,6 @@ from snapshotter.index.entry import Entry, gc_paused
 from snapshotter.box.scan import ScanMemo, scan_box
 from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
 from snapshotter.box.profile import load_profile
-from test_watch import FakeClock, watcher
 
 PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow" + b"A" * 58 + b"\n-----END RSA PRIVATE KEY-----\n"
 
@@ -142,8 +140,8 @@ def test_the_watchers_final_snapshot_sees_a_file_added_where_nothing_looked_chan
 
 
 def test_the_stat_cache_key_is_the_digest_of_the_documented_json():
-    """Written a row at a time now (for the memo): the same bytes as before, so the stat caches of
-    earlier versions still hit and no model is read again after an upgrade."""
+    """Written a row at a time (for the memo), the key is the digest of the one json.dumps of the
+    whole document: stat caches an earlier snap wrote hit after an upgrade, and no model is read again."""
     entries = [Entry("opt/é/a.py", "file", 0o644, 1, 2, 30, 1_700_000_000, inode="5:6", stamp="7:8:9",
                      xattrs={"user.b": "2", "user.a": "\udcff"}),
                Entry("opt/l", "symlink", 0o777, linkname="a.py", stamp="1:2:3")]

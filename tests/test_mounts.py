@@ -1,4 +1,4 @@
-"""The one mountinfo parser (snapshotter/mounts.py), used by the box scan and by restore."""
+"""The one mountinfo parser (snapshotter/box/mounts.py), used by the box scan and by restore."""
 
 from snapshotter.box.mounts import pseudo_mounts
 from snapshotter.box.mounts import Mount, inside, parse_mountinfo

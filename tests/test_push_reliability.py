@@ -9,9 +9,8 @@ import sys
 import pytest
 import zstandard
 
-from conftest import NOT_CAPTURED, snap
-from support import FaultProxy, RegistryServer, push_base_image, snapshot_of_tree, write_tree
-from test_errors import assert_one_line_error
+from support import (NOT_CAPTURED, FaultProxy, RegistryServer, assert_one_line_error, push_base_image, snap,
+                     snapshot_of_tree, write_tree)
 
 MiB = 1024 * 1024
 STALL_AT = 20 * MiB  # bytes of the big blob's upload after which the tests act

@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from conftest import snap
-from support import gzip_bytes, member, snap_layer_files, tar_bytes
+from support import gzip_bytes, member, snap, snap_layer_files, tar_bytes
 from snapshotter.box import diff as box_diff
 from snapshotter import CommitOptions, commit_box
 

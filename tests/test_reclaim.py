@@ -18,8 +18,8 @@ import threading
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree, write_tree
+from support import (NOT_CAPTURED, SMALL_WEIGHTS, TIMEOUT, FakeClock, WatchProcess, blobs_in, digest_of, snap,
+                     snap_layers, snapshot_of_tree, watcher, write_tree)
 from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
@@ -28,17 +28,9 @@ from snapshotter.errors import SnapError, UsageError
 from snapshotter.box.profile import parse_profile
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.box.writers import open_for_writing
-from test_watch import SMALL_WEIGHTS, TIMEOUT, FakeClock, WatchProcess, digest_of, snap_layers, watcher
 
 MiB = 1024 * 1024
 WEIGHT = "opt/app/models/checkpoints/model.safetensors"
-
-
-def blobs_in(registry) -> set[str]:
-    """The blob digests the registry's storage holds (what a refused commit must not add to)."""
-    top = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256")
-    return {name for _, _, files in os.walk(top) for name in files} | {
-        d for _, dirs, _ in os.walk(top) for d in dirs if len(d) == 64}
 
 
 def profile_file(tmp_path) -> str:
@@ -289,7 +281,7 @@ def test_a_commit_to_a_new_tag_after_a_restore_keeps_the_restored_version_of_a_f
 
 
 def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref, box, tmp_path, monkeypatch):
-    """A file that changes during every read (layer.py reads it up to 3 times): never kept as last read.
+    """A file that changes during every read (layer/generate.py reads it up to 3 times): never kept as last read.
     A weight with a version in the tag's snapshot keeps it (that layer, reused); a new file is left out."""
     prof = parse_profile(SMALL_WEIGHTS)
     v1 = os.urandom(2 * MiB)

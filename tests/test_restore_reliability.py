@@ -19,7 +19,6 @@ import time
 import pytest
 import zstandard
 
-from conftest import snap
 from snapshotter.restore import applier
 from snapshotter.restore import journal as journal_module
 from snapshotter.restore import restore as restore_module
@@ -27,14 +26,12 @@ from snapshotter.restore.applier import ExtractWorker
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore.restore import RestoreOptions, restore_image
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
-from support import FaultProxy, member, tar_bytes, tar_of_files
-from test_hostile import part_ann, push_annotated
+from support import (IS_ROOT, TAR, FaultProxy, assert_one_line_error, member, part_ann, push_annotated, snap, tar_bytes,
+                     tar_of_files)
 
-TAR = "application/vnd.oci.image.layer.v1.tar"
 ZSTD = TAR + "+zstd"
 MiB = 1024 * 1024
 MTIME = 1_600_000_000
-IS_ROOT = os.geteuid() == 0
 
 
 def layer(files: dict[str, bytes], dirs: tuple[str, ...] = ()) -> bytes:
@@ -61,15 +58,6 @@ def staged(root, manifest_digest: str):
 
 def stale_temps(root) -> list[str]:
     return [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files if n.startswith(".snap-tmp-")]
-
-
-def assert_one_line_error(r, code: int, *words: str) -> None:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 # ---- killed mid-file, then resumed -----------------------------------------------------------

@@ -12,8 +12,7 @@ import tarfile
 
 import pytest
 
-from conftest import NOT_CAPTURED, make_box, snap
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, make_box, snap, snapshot_of_tree, write_tree
 
 MiB = 1 << 20
 # The default profile's models layer with small thresholds: weights of a few MiB get layers of

@@ -7,29 +7,13 @@ import tarfile
 
 import zstandard
 
-from conftest import NOT_CAPTURED, snap
-from support import snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, commit_json, layers_by_name, snap, snapshot_of_tree, write_tree
 from snapshotter.commit import push as push_module
 from snapshotter import CommitOptions, commit_box
 
 
-def label(desc):
-    ann = desc["annotations"]
-    return f"{ann['dev.snap.layer']} ({ann['dev.snap.content']})" if "dev.snap.content" in ann else ann["dev.snap.layer"]
-
-
-def layers_by_name(manifest):
-    """snap's layers by label: the profile layer, and what part of it (for split layers)."""
-    return {label(d): d for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
-
-
 MODELS_META = "models (directories and deletions)"
 SNAP_LAYERS = ["venv", "custom_nodes", "rest", "models", MODELS_META]  # weights last: `restore --then`
-
-
-def commit_json(target, base, root, *extra):
-    r = snap("commit", target, "--base", base, "--root", root, "--json", *extra, check=True)
-    return json.loads(r.stdout)
 
 
 def test_round_trip_restores_box_byte_for_byte(registry, base_ref, box, tmp_path):

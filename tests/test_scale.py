@@ -13,12 +13,11 @@ import sys
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
 from snapshotter import CommitOptions, commit_box
 from snapshotter.commit import push as push_module
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index
-from support import member, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
+from support import NOT_CAPTURED, member, snap, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
 
 MiB = 1024 * 1024
 STAGING_PREFIX = ".snap-staging-"  # a restore's downloads, at the top of its root

@@ -1,4 +1,4 @@
-"""The tar reader (snapshotter/tarreader.py) against Python's tarfile: the same members, the same
+"""The tar reader (snapshotter/tar/reader.py) against Python's tarfile: the same members, the same
 content, for every kind of valid tar snap, Docker, skopeo or GNU tar write."""
 
 from __future__ import annotations

@@ -11,14 +11,10 @@ import os
 
 import pytest
 
-from conftest import snap
 from snapshotter.oci.image import SNAP_BASE_LAYERS
 from snapshotter.registry.remote import host_platform
-from support import member, push_base_image, snapshot_of_tree, tar_bytes, write_tree
-from test_errors import assert_one_line_error
-from test_hostile import push
-from test_layers import oci_validator
-from test_roundtrip import commit_json, layers_by_name
+from support import (assert_one_line_error, commit_json, layers_by_name, member, oci_validator, push, push_base_image,
+                     snap, snapshot_of_tree, tar_bytes, write_tree)
 
 UBUNTU = 1000  # the VM's user
 

@@ -10,72 +10,32 @@ import random
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
-from conftest import NOT_CAPTURED, snap
-from support import MetadataServer, RegistryServer, fake_dmi, push_base_image, snapshot_of_tree, write_tree
-from snapshotter import CommitOptions, restore_image
+from support import (FAST, NOT_CAPTURED, SMALL_WEIGHTS, TIMEOUT, FakeClock, MetadataServer, RegistryServer,
+                     WatchProcess, digest_of, fake_dmi, push_base_image, snap, snap_layers, snapshot_of_tree, watcher,
+                     write_tree)
+from snapshotter import restore_image
 from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
 from snapshotter.watch.notices import detect_provider, notice_watcher
-from snapshotter.box.profile import load_profile, parse_profile
-from snapshotter.watch.watcher import Watcher, WatchOptions
+from snapshotter.box.profile import parse_profile
+from snapshotter.watch.watcher import Watcher
 
 MiB = 1024 * 1024
-TIMEOUT = 120  # generous overall bound for a watcher process to say something
-
-# The default profile with weights of 1 MiB and more in layers of their own (so tests stay small).
-SMALL_WEIGHTS = open(os.path.join(os.path.dirname(__file__), "..", "layers", "default.yaml")).read() \
-    .replace("file_layer_min: 64MiB", "file_layer_min: 1MiB").replace("min_size: 64MiB", "min_size: 1MiB")
-
-# Tiny pacing for watcher processes: scan at once, a burst is over after 0.2 s, files stable after 0.2 s.
-FAST = {"SNAP_WATCH_MIN_SCAN": "0", "SNAP_WATCH_BUDGET": "1", "SNAP_WATCH_QUIET": "0.2", "SNAP_WATCH_STABLE": "0.2",
-        "SNAP_NOTICE_POLL": "0.05"}
-
-
-class FakeClock:
-    """Wall-clock seconds that move only when the test says so."""
-
-    def __init__(self):
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
-def watcher(registry, base_ref, box, repo, lines, clock=None, profile=None, **kw) -> Watcher:
-    opts = WatchOptions(commit=CommitOptions(root=box, profile=profile or load_profile()), log=lines.append,
-                        clock=clock or FakeClock(), **kw)
-    return Watcher(f"{registry.host}/{repo}:v2", base_ref, opts)
 
 
 def tags(registry, repo):
-    """The repository's tags but the artifact tags of the base index and the skeletons (baseindex.py, skeleton.py)."""
+    """The repository's tags but the artifact tags of the base index and the skeletons (index/base.py, snapshot/skeleton.py)."""
     found = registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or []
     return sorted(t for t in found if not t.startswith("snap-index-") and t != "snap-skeletons")
-
-
-def digest_of(registry, repo, tag):
-    r = registry.session().head(f"{registry.url}/v2/{repo}/manifests/{tag}",
-                                headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
-    return r.headers.get("Docker-Content-Digest") if r.status_code == 200 else None
 
 
 def assert_restores_to(ref, tree, tmp_path, name):
     out = tmp_path / name
     restore_image(ref, str(out))
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == tree
-
-
-def snap_layers(manifest):
-    return {d["annotations"].get("dev.snap.content", d["annotations"]["dev.snap.layer"]): d
-            for d in manifest["layers"] if "dev.snap.layer" in d.get("annotations", {})}
 
 
 # ---- the loop, in process -------------------------------------------------------------------------
@@ -368,31 +328,6 @@ def test_a_registry_outage_is_retried_and_never_stops_the_loop(base_rootfs, box,
 
 
 # ---- the real process: signals, notices, daemon, kill -9 ------------------------------------------
-
-
-class WatchProcess:
-    """`snap watch` as a process; lines() yields what it prints on stderr, as it prints it."""
-
-    def __init__(self, *args, env=None):
-        e = {**os.environ, **FAST, **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", *args], stderr=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, text=True, env=e)
-        self.seen: list[str] = []
-        self._timer = threading.Timer(TIMEOUT, self.proc.kill)  # a hung test still ends
-        self._timer.start()
-
-    def wait_for(self, text: str) -> str:
-        for line in self.proc.stderr:
-            self.seen.append(line)
-            if text in line:
-                return line
-        raise AssertionError(f"snap watch ended without saying {text!r}:\n{''.join(self.seen)}")
-
-    def finish(self) -> int:
-        self.seen.extend(self.proc.stderr)
-        code = self.proc.wait()
-        self._timer.cancel()
-        return code
 
 
 def start_watch(registry, base_ref, box, repo, *extra, env=None) -> WatchProcess:
