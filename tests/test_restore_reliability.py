@@ -324,7 +324,7 @@ SNAP_BUNDLE = {"dev.snap.layer": "rest", "dev.snap.content": "bundle 1"}
 def test_interrupted_only_snapshot_then_full_restore_applies_layers_in_order(registry, tmp_path, monkeypatch):
     """An interrupted --only-snapshot run says nothing about a full restore of the same root: the
     base layers must not be applied on top of the snapshot layer the first run applied."""
-    ref = push_annotated(registry, "order", [
+    ref = push_annotated(registry, "order-restore", [
         (layer({"f.txt": b"base\n", "base-only.txt": b"b\n"}), {}),
         (layer({"f.txt": b"snapshot\n"}), SNAP_BUNDLE),
         (layer({"g.txt": b"g\n"}), {**SNAP_BUNDLE, "dev.snap.content": "bundle 2"}),

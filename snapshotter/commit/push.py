@@ -49,11 +49,6 @@ def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOpt
     return remote
 
 
-def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:
-    """Build and upload some of a plan's layers (all of them for a commit)."""
-    return _push_layers(plans, remote, cp)
-
-
 def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
     """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
     remote = target_remote(cp, target_ref, transport)
@@ -195,8 +190,8 @@ def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -
         cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts)
 
 
-def _push_layers(plans: list[LayerPlan], remote: Remote, cp: CommitPlan) -> list[tuple[LayerPlan, LayerBlob, str]]:
-    """Build and upload every planned layer, several at once. A layer whose fingerprint is in the
+def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:
+    """Build and upload planned layers (some of a plan's for the watcher, all for a commit), several at once. A layer whose fingerprint is in the
     stat cache (or that the last restore into this root wrote and nothing changed since), and
     whose blob the registry has (or mounts from another repository), is neither read nor uploaded."""
     root, zstd_level, sources = cp.root, cp.zstd_level, cp.sources
