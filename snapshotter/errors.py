@@ -1,5 +1,7 @@
 """Errors a user can act on. Each kind has its own exit code so scripts can branch on it."""
 
+import errno
+
 
 class SnapError(Exception):
     """Base class: the message is one line that names the cause and what to do."""
@@ -88,3 +90,12 @@ def quoted_path(rel: str) -> str:
 def printable(text: str) -> str:
     """`text` (from the image: annotations, paths) fit for a one-line message: control characters escaped."""
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> StorageError:
+    """A one-line StorageError for an OSError met while writing in `place` (`what`: doing what)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(f"disk full in {place}{what}", hint or "free space and run the restore again: it resumes")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return StorageError(f"cannot write in {place}{what}: {e.strerror}", hint or "check permissions, or run as root")
+    return StorageError(f"cannot write in {place}{what}: {e.strerror or e}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter.errors import StorageError, UsageError
-from snapshotter.index.entry import (_KIND_OF_MODE, DIR, FILE, SYMLINK, Entry, clean_path, entry_from_stat,
+from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, clean_path, entry_from_stat, kind_of_mode,
                                      self_and_parents, stat_stamp)
 from snapshotter.index.paths import entry_links, resolve_in_root
 from snapshotter.tar.rules import SKIP_XATTRS
@@ -77,7 +77,7 @@ def _unchanged(last, st: os.stat_result) -> bool:
         return last == _memo_stamp(st)
     mode = st.st_mode
     return (last.stamp == stat_stamp(st) and last.mode == mode & 0o7777 and last.uid == st.st_uid and last.gid == st.st_gid
-            and last.kind == _KIND_OF_MODE.get(mode & 0o170000) and (last.kind != FILE or last.size == st.st_size))
+            and last.kind == kind_of_mode(mode) and (last.kind != FILE or last.size == st.st_size))
 
 
 class ScanMemo:

@@ -109,14 +109,17 @@ def self_and_parents(path: str):
 
 _KIND_OF_MODE = {stat.S_IFREG: FILE, stat.S_IFDIR: DIR, stat.S_IFLNK: SYMLINK, stat.S_IFCHR: CHAR,
                  stat.S_IFBLK: BLOCK, stat.S_IFIFO: FIFO}  # sockets are not content
-
-
 _KIND_OF_TAR = {**{t: FILE for t in tarfile.REGULAR_TYPES}, tarfile.DIRTYPE: DIR, tarfile.SYMTYPE: SYMLINK,
                 tarfile.CHRTYPE: CHAR, tarfile.BLKTYPE: BLOCK, tarfile.FIFOTYPE: FIFO}
 
 
+def kind_of_mode(mode: int) -> Optional[str]:
+    """The kind of path an st_mode is (FILE, DIR, ...); None for what is not content (a socket)."""
+    return _KIND_OF_MODE.get(mode & 0o170000)
+
+
 def entry_from_stat(rel: str, st: os.stat_result, linkname: str = "") -> Optional[Entry]:
-    mode = st.st_mode  # S_IFMT and S_IMODE by hand: a scan calls this once per path
+    mode = st.st_mode  # S_IFMT and S_IMODE by hand, kind_of_mode inlined: a scan calls this once per path
     kind = _KIND_OF_MODE.get(mode & 0o170000)
     if kind is None:
         return None

@@ -42,7 +42,7 @@ import zstandard
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.box.profile import PathSet
 from snapshotter.digests import file_digest, hasher_digest
-from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_path
+from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_path, storage_error
 from snapshotter.index.entry import clean_path
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.paths import resolve_in_root
@@ -103,13 +103,6 @@ class ExtractStats:
         self.stripped_setuid += other.stripped_setuid[:max(0, NAMES_KEPT - len(self.stripped_setuid))]
 
 
-def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> StorageError:
-    """A one-line StorageError for an OSError met while writing in `place` (`what`: doing what)."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageError(f"disk full in {place}{what}", hint or "free space and run the restore again: it resumes")
-    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return StorageError(f"cannot write in {place}{what}: {e.strerror}", hint or "check permissions, or run as root")
-    return StorageError(f"cannot write in {place}{what}: {e.strerror or e}")
 
 
 class Extractor:

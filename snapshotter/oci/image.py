@@ -33,7 +33,6 @@ SECRETS_ANNOTATION_MAX = 32 * 1024  # bytes of JSON at most: registries cap a wh
 BASE_NAME = "org.opencontainers.image.base.name"
 BASE_DIGEST = "org.opencontainers.image.base.digest"
 CREATED = "org.opencontainers.image.created"
-# A blob digest snap accepts in an image it reads: also what makes a blob's file name in a staging dir safe.
 
 
 @dataclass

@@ -42,8 +42,7 @@ class Basic(_Auth):
         self.header = {"Authorization": f"Basic {oras.auth.utils.get_basic_auth(*credentials)}"} if credentials else {}
 
     def send(self, send: Send, headers: dict) -> requests.Response:
-        headers.update(self.header)
-        return send(headers)
+        return send({**self.header, **headers})
 
     def refresh(self, r: requests.Response) -> bool:
         return False  # no token to renew

@@ -18,8 +18,7 @@ from typing import NamedTuple, Optional
 
 from snapshotter import progress
 from snapshotter.digests import file_digest
-from snapshotter.errors import IntegrityError, StorageError
-from snapshotter.layer.extract import storage_error
+from snapshotter.errors import IntegrityError, StorageError, storage_error
 from snapshotter.layer.staging import SPLIT_SUFFIX, SplitLayer, StagingDirs, download_split
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART_FILE
 from snapshotter.registry.remote import Remote
@@ -81,10 +80,12 @@ class Downloads:
 
     def __exit__(self, *exc) -> Optional[bool]:
         if exc[0] is not None:
-            self._stop()
+            self.stop()
         return self._running.__exit__(*exc)
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Stop downloading: streams give up at their next chunk, waiting ones wake, queued ones are
+        cancelled. Called again on leaving after an error: a second call does nothing more."""
         self._stopping.set()
         self._app_first.stop()
         for f in self._futures.values():

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Callable
 
-from snapshotter.layer.extract import storage_error
+from snapshotter.errors import storage_error
 from snapshotter.state import replace_file, root_key, versioned
 
 VERSION = 3  # a header line, then one line per event

@@ -12,8 +12,8 @@ import os
 import shutil
 import stat
 
-from snapshotter.errors import IntegrityError, printable
-from snapshotter.layer.extract import TMP_PREFIX, Extractor, storage_error
+from snapshotter.errors import IntegrityError, printable, storage_error
+from snapshotter.layer.extract import TMP_PREFIX, Extractor
 from snapshotter.layer.plan import parse_part_annotation, part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, layer_label
 from snapshotter.tar.rules import check_name

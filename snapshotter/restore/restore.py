@@ -32,9 +32,9 @@ from snapshotter import progress
 from snapshotter.box import deletions
 from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.digests import DIGEST
-from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError
+from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, storage_error
 from snapshotter.index import base as baseindex
-from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, storage_error
+from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
 from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, Image, layer_label,
                                    select_layers, snap_label, snapshot_layer_count)
@@ -270,6 +270,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
             applied, headers = _apply_in_order(pending, resumed, skipped, downloads, layer_job, worker, journal,
                                                after_layer, opts.log)
         except BaseException as e:
+            downloads.stop()
             if journal.applied > resumed:
                 opts.log(f"stopped with {journal.applied} of {len(todo)} layer(s) applied: "
                          "the next restore into this root resumes after them")
