@@ -5,7 +5,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from support import FaultProxy, Jail, RegistryServer, make_base_rootfs, make_box, push_base_image  # noqa: E402
+from helpers import Jail
+from support import FaultProxy, RegistryServer, make_base_rootfs, make_box, push_base_image
 
 # A suite started in the background by a non-interactive shell (`make test &`, CI runners) inherits
 # SIGINT ignored, and so would every snap it starts: the Ctrl-C tests need it delivered, as from a

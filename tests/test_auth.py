@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from snapshotter.registry.credentials import docker_credentials
+
 from support import (NOT_CAPTURED, RegistryServer, TokenRegistryServer, assert_one_line_error, push_base_image, snap,
                      snapshot_of_tree)
 

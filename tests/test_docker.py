@@ -26,10 +26,10 @@ from typing import Optional
 
 import pytest
 
-from support import (LINKED, NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, assert_content_written_once,
-                     assert_one_line_error, commit_json, free_port, hardlink_box, have_wheels, home_box, label,
-                     layers_by_name, make_box, make_home_base, push_base_image, snap, snapshot_of_tree, stop_process,
-                     tar_of_files)
+from helpers import (LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, label, layers_by_name,
+                     make_home_base)
+from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, assert_one_line_error, free_port,
+                     have_wheels, make_box, push_base_image, snap, snapshot_of_tree, stop_process, tar_of_files)
 
 docker = pytest.importorskip("docker")
 

@@ -1,7 +1,6 @@
 """Bad input ends in one line on stderr naming the cause, a distinct exit code, and no traceback."""
 
 import pytest
-
 import requests
 
 from support import assert_one_line_error, free_port, snap

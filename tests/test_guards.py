@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from support import NOT_CAPTURED, blobs_in, digest_of, snap, snapshot_of_tree, write_tree
+from helpers import blobs_in, digest_of
+from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
 
 
 def empty_roots(tmp_path):

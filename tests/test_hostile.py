@@ -16,9 +16,9 @@ import tarfile
 import pytest
 
 from snapshotter.layer.extract import NAMES_KEPT
-from support import (GZIP, IS_ROOT, MARK, PART, gzip_bytes, member, part_ann, part_image, push, push_annotated,
-                     repo_for, snap, tar_bytes)
 
+from helpers import GZIP, MARK, PART, part_ann, part_image, push, push_annotated, repo_for
+from support import IS_ROOT, gzip_bytes, member, snap, tar_bytes
 
 # ---- names that leave the root -----------------------------------------------------------------
 
@@ -313,7 +313,7 @@ def test_corrupt_layer_data_is_an_integrity_error(registry, jail, request, kind)
         "garbage-zstd": (b"\x28\xb5\x2f\xfd" + os.urandom(5000), "application/vnd.oci.image.layer.v1.tar+zstd"),
         "not-a-tar": (gzip_bytes(os.urandom(5000)), GZIP),
     }[kind]
-    repo = "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    repo = repo_for(request)
     registry.push_image(repo, "v1", [blob], layer_media_type=media, diff_ids=["sha256:" + hashlib.sha256(data).hexdigest()])
     jail.refused(jail.restore(f"{registry.host}/{repo}:v1"))
 

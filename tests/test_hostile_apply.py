@@ -14,8 +14,8 @@ import tarfile
 
 import pytest
 
-from support import (GZIP, MARK, PART, TAR, gzip_bytes, member, part_image, push, raw_header, repo_for, run_snap,
-                     tar_bytes)
+from helpers import GZIP, MARK, PART, TAR, part_image, push, raw_header, repo_for, run_snap
+from support import gzip_bytes, member, tar_bytes
 
 
 def fifo(name: str) -> tuple[tarfile.TarInfo, bytes]:

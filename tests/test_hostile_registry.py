@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from support import PEAK_LIMIT_KIB, TAR, member, push, push_annotated, repo_for, run_snap, tar_bytes
+from helpers import PEAK_LIMIT_KIB, TAR, push, push_annotated, repo_for, run_snap
+from support import member, tar_bytes
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from support import GZIP, MARK, PEAK_LIMIT_KIB, push, raw_header, run_snap
+from helpers import GZIP, MARK, PEAK_LIMIT_KIB, push, raw_header, repo_for, run_snap
 
 
 def refused_by_both(jail, tmp_path, ref: str) -> list[str]:
@@ -66,7 +66,7 @@ class GzipLayer:
 
     def push(self, registry, request) -> str:
         blob = b"".join(self.out) + self.z.flush()
-        repo = "hostile/" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+        repo = repo_for(request)
         registry.push_image(repo, "v1", [blob], layer_media_type=GZIP, diff_ids=["sha256:" + self.sha.hexdigest()])
         return f"{registry.host}/{repo}:v1"
 

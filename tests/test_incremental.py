@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
-from support import NOT_CAPTURED, WEIGHTS_PROFILE, snap, snapshot_of_tree, write_tree
-from snapshotter.commit import push as push_module
 from snapshotter import CommitOptions, commit_box
 from snapshotter.box.profile import parse_profile
+from snapshotter.commit import push as push_module
+
+from helpers import WEIGHTS_PROFILE
+from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 

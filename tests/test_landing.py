@@ -10,7 +10,8 @@ import subprocess
 import sys
 import threading
 
-from support import NOT_CAPTURED, SMALL_WEIGHTS, TIMEOUT, assert_one_line_error, snap, snapshot_of_tree
+from helpers import SMALL_WEIGHTS
+from support import NOT_CAPTURED, TIMEOUT, assert_one_line_error, snap, snapshot_of_tree
 
 WEIGHT = "opt/app/models/checkpoints/sd15.safetensors"  # 2 MB: a layer of its own with SMALL_WEIGHTS
 
@@ -151,8 +152,8 @@ def test_a_bad_app_blob_stops_the_restore_with_weights_waiting_their_turn(regist
     """The venv's blob is forged, and sent only once a download stream waits for it before taking a
     weight: its digest check fails, and the waiting stream is let go (else the restore waits for it
     for ever). No weight was requested."""
-    from snapshotter.restore import restore
     from snapshotter.errors import IntegrityError
+    from snapshotter.restore import restore
     profile = tmp_path / "small-weights.yaml"
     profile.write_text(SMALL_WEIGHTS)
     snap("commit", f"{registry.host}/forged:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)

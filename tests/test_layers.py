@@ -7,9 +7,9 @@ import stat
 import subprocess
 import tarfile
 
-from support import (BIG, LINKED, NOT_CAPTURED, MiB, assert_content_written_once, assert_one_line_error, commit_json,
-                     hardlink_box, home_box, layer_tar, layers_by_name, make_box, make_home_base, oci_validator, snap,
-                     snapshot_of_tree, write_tree)
+from helpers import (BIG, LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, layer_tar,
+                     layers_by_name, make_home_base, oci_validator)
+from support import NOT_CAPTURED, MiB, assert_one_line_error, make_box, snap, snapshot_of_tree, write_tree
 
 
 def test_manifest_and_config_validate_against_the_image_spec_schema(registry, base_ref, base_rootfs, tmp_path):

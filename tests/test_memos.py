@@ -16,15 +16,17 @@ import random
 
 import pytest
 
-from support import NOT_CAPTURED, FakeClock, snapshot_of_tree, watcher, write_tree
-from snapshotter.box import scan as box_scan
-from snapshotter.layer import plan as plan_module
 from snapshotter import restore_image
+from snapshotter.box import scan as box_scan
+from snapshotter.box.profile import load_profile
+from snapshotter.box.scan import ScanMemo, scan_box
 from snapshotter.commit.commit import changes_in
 from snapshotter.index.entry import Entry, gc_paused
-from snapshotter.box.scan import ScanMemo, scan_box
+from snapshotter.layer import plan as plan_module
 from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
-from snapshotter.box.profile import load_profile
+
+from helpers import FakeClock, watcher
+from support import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow" + b"A" * 58 + b"\n-----END RSA PRIVATE KEY-----\n"
 

@@ -1,7 +1,6 @@
 """The one mountinfo parser (snapshotter/box/mounts.py), used by the box scan and by restore."""
 
-from snapshotter.box.mounts import pseudo_mounts
-from snapshotter.box.mounts import Mount, inside, parse_mountinfo
+from snapshotter.box.mounts import Mount, inside, parse_mountinfo, pseudo_mounts
 
 MOUNTINFO = (
     "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"

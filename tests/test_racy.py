@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from support import gzip_bytes, member, snap, snap_layer_files, tar_bytes
-from snapshotter.box import diff as box_diff
 from snapshotter import CommitOptions, commit_box
+from snapshotter.box import diff as box_diff
+
+from support import gzip_bytes, member, snap, snap_layer_files, tar_bytes
 
 T = 1_700_000_000  # the base's whole second
 NS = 1_000_000_000

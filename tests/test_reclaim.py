@@ -18,16 +18,16 @@ import threading
 
 import pytest
 
-from support import (NOT_CAPTURED, SMALL_WEIGHTS, TIMEOUT, FakeClock, WatchProcess, blobs_in, digest_of, snap,
-                     snap_layers, snapshot_of_tree, watcher, write_tree)
-from snapshotter import CommitOptions, commit_box, restore_image
-from snapshotter.commit import push as push_module
-from snapshotter.layer import generate as layer_module
-from snapshotter import progress
-from snapshotter.errors import SnapError, UsageError
+from snapshotter import CommitOptions, commit_box, progress, restore_image
 from snapshotter.box.profile import parse_profile
-from snapshotter.restore.restore import RestoreOptions
 from snapshotter.box.writers import open_for_writing
+from snapshotter.commit import push as push_module
+from snapshotter.errors import SnapError, UsageError
+from snapshotter.layer import generate as layer_module
+from snapshotter.restore.restore import RestoreOptions
+
+from helpers import SMALL_WEIGHTS, FakeClock, WatchProcess, blobs_in, digest_of, snap_layers, watcher
+from support import NOT_CAPTURED, TIMEOUT, snap, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 WEIGHT = "opt/app/models/checkpoints/model.safetensors"

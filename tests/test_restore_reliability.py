@@ -19,15 +19,16 @@ import time
 import pytest
 import zstandard
 
+from snapshotter.errors import IntegrityError, StorageError
+from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
 from snapshotter.restore import applier
 from snapshotter.restore import journal as journal_module
 from snapshotter.restore import restore as restore_module
 from snapshotter.restore.applier import ExtractWorker
-from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.restore.restore import RestoreOptions, restore_image
-from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
-from support import (IS_ROOT, TAR, FaultProxy, assert_one_line_error, member, part_ann, push_annotated, snap, tar_bytes,
-                     tar_of_files)
+
+from helpers import TAR, part_ann, push_annotated
+from support import IS_ROOT, FaultProxy, assert_one_line_error, member, snap, tar_bytes, tar_of_files
 
 ZSTD = TAR + "+zstd"
 MiB = 1024 * 1024

@@ -17,6 +17,7 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.commit import push as push_module
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index
+
 from support import NOT_CAPTURED, member, snap, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
 
 MiB = 1024 * 1024

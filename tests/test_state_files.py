@@ -13,6 +13,7 @@ import pytest
 from snapshotter.errors import WaitTimeout
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.restore import landing
+from snapshotter.restore.journal import Journal
 from snapshotter.snapshot import record, statcache
 from snapshotter.state import read_versioned, versioned, write_versioned
 from snapshotter.watch import daemon
@@ -33,6 +34,8 @@ def test_a_roots_files_are_named_by_the_sha256_of_its_real_path(state_dir, tmp_p
     assert os.path.basename(landing.progress_path(root)) == key(real, 32) + ".json"
     assert os.path.basename(record._path(root)) == key(real, 32) + ".json"
     assert os.path.basename(statcache._last_commit_path(root)) == key(real, 32) + ".json"
+    journal = Journal(str(tmp_path / "journals"), root, MANIFEST, [], fsync=False)
+    assert os.path.basename(journal.path) == key(real, 32) + ".json"
 
 
 def test_versioned_takes_only_an_object_of_that_version():

@@ -12,6 +12,7 @@ import tarfile
 import pytest
 
 from snapshotter.tar.reader import TarReader, data_chunks, iter_members
+
 from support import tar_bytes
 
 FIELDS = ("name", "type", "mode", "uid", "gid", "size", "mtime", "linkname", "uname", "gname", "devmajor",

@@ -133,6 +133,7 @@ def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp
 
 def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
     import hashlib
+
     from support import member, tar_bytes
     blob = tar_bytes(member("a.txt", data=b"a" * 1000))
     registry.push_image("verify-tampered", "v1", [blob], layer_media_type="application/vnd.oci.image.layer.v1.tar")

@@ -13,8 +13,9 @@ import pytest
 
 from snapshotter.oci.image import SNAP_BASE_LAYERS
 from snapshotter.registry.remote import host_platform
-from support import (assert_one_line_error, commit_json, layers_by_name, member, oci_validator, push, push_base_image,
-                     snap, snapshot_of_tree, tar_bytes, write_tree)
+
+from helpers import commit_json, layers_by_name, oci_validator, push
+from support import assert_one_line_error, member, push_base_image, snap, snapshot_of_tree, tar_bytes, write_tree
 
 UBUNTU = 1000  # the VM's user
 

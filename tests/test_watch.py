@@ -13,15 +13,16 @@ import sys
 
 import pytest
 
-from support import (FAST, NOT_CAPTURED, SMALL_WEIGHTS, TIMEOUT, FakeClock, MetadataServer, RegistryServer,
-                     WatchProcess, digest_of, fake_dmi, push_base_image, snap, snap_layers, snapshot_of_tree, watcher,
-                     write_tree)
 from snapshotter import restore_image
+from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
 from snapshotter.watch.notices import detect_provider, notice_watcher
-from snapshotter.box.profile import parse_profile
 from snapshotter.watch.watcher import Watcher
+
+from helpers import FAST, SMALL_WEIGHTS, FakeClock, WatchProcess, digest_of, snap_layers, watcher
+from support import (NOT_CAPTURED, TIMEOUT, MetadataServer, RegistryServer, fake_dmi, push_base_image, snap,
+                     snapshot_of_tree, write_tree)
 
 MiB = 1024 * 1024
 
