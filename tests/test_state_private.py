@@ -5,14 +5,18 @@ makes there is 0700 / 0600; `snap watch --stop` signals only the process that ho
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 from helpers import repo_for
 from support import assert_one_line_error, snap
 
 from snapshotter.state import root_key
+from snapshotter.watch import daemon
 
 
 def commit(registry, base_ref, box, repo="private", tag="v1"):
@@ -103,3 +107,29 @@ def test_a_journal_symlink_is_refused(registry, base_ref, jail, state_dir, tmp_p
     r = snap("restore", base_ref, "--root", str(jail.root))
     assert_one_line_error(r, 7, repr(str(link)), "symlink")
     assert forged.read_text() == "{}\n"
+
+
+def test_stop_never_signals_a_process_that_does_not_hold_the_watch_lock(box, state_dir):
+    """A pid file naming another process (stale, or forged) while the lock is held by another:
+    `--stop` signals nothing and says so in one line."""
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys\n"
+         "got = []\nsignal.signal(signal.SIGTERM, lambda *a: got.append('TERM'))\n"
+         "print('ready', flush=True)\nsys.stdin.read()\nprint(got and got[0] or 'untouched', flush=True)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bystander.stdout.readline() == "ready\n"
+        files = daemon.watch_files(str(box))
+        daemon.write_versioned(files.pid, daemon.VERSION, {"pid": bystander.pid, "target": "reg/box:v1", "grace": 4})
+        lock = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held by this test's process, not by the bystander
+        try:
+            r = snap("watch", "--stop", "--root", str(box))
+        finally:
+            os.close(lock)
+        bystander.stdin.close()
+        assert bystander.stdout.readline() == "untouched\n"
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert_one_line_error(r, 7, repr(files.pid), f"pid {bystander.pid}", "nothing signalled")
