@@ -15,7 +15,9 @@ import pytest
 from helpers import repo_for
 from support import assert_one_line_error, snap
 
-from snapshotter.state import root_key
+from snapshotter.restore.journal import Journal
+from snapshotter.snapshot import statcache
+from snapshotter.state import root_key, sub
 from snapshotter.watch import daemon
 
 
@@ -107,6 +109,26 @@ def test_a_journal_symlink_is_refused(registry, base_ref, jail, state_dir, tmp_p
     r = snap("restore", base_ref, "--root", str(jail.root))
     assert_one_line_error(r, 7, repr(str(link)), "symlink")
     assert forged.read_text() == "{}\n"
+
+
+def test_snap_reads_its_files_without_following_a_symlink(state_dir, tmp_path):
+    """Planted after this process checked the state dir (as a running watcher did): the stat cache,
+    the last commit's record and a journal are read as missing, never through the symlink."""
+    root = str(tmp_path / "box")
+    sub()  # the check, once per process
+    cache = statcache.StatCache(root, "sha256:" + "b" * 64)
+    cache.record("fp", {"digest": "sha256:" + "c" * 64, "diff_id": "sha256:" + "d" * 64, "size": 1, "media_type": "x"})
+    cache.save()
+    statcache.note_last_commit(root, "base", "reg/box:v1", "sha256:" + "e" * 64)
+    journal = Journal(sub("restore-journal"), root, "sha256:" + "f" * 64, ["sha256:" + "1" * 64], fsync=False)
+    journal.record_applied(1)
+    for path in (cache.path, statcache._last_commit_path(root), journal.path):
+        forged = tmp_path / (os.path.basename(path) + ".forged")
+        os.rename(path, forged)
+        os.symlink(forged, path)
+    assert statcache.StatCache(root, "sha256:" + "b" * 64).lookup("fp") is None
+    assert statcache.last_base(root) is None
+    assert not Journal(sub("restore-journal"), root, "sha256:" + "f" * 64, ["sha256:" + "1" * 64], fsync=False).started_here()
 
 
 def test_stop_never_signals_a_process_that_does_not_hold_the_watch_lock(box, state_dir):
