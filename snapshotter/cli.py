@@ -403,9 +403,9 @@ def watch(
         notices=notice_watcher(provider, metadata_url), log=log_line,
     )
     files = dmn.watch_files(root)
-    dmn.take_lock(files, root)
+    lock = dmn.take_lock(files, root)
     ready = dmn.detach(files) if daemon else (lambda: None)
-    dmn.note_pid(files, target, grace)
+    dmn.note_pid(files, lock, target, grace)
     notices = f"{opts.notices.provider} notices at {opts.notices.base_url}" if opts.notices else "no provider notices"
 
     def on_ready() -> None:

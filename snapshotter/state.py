@@ -2,7 +2,7 @@
 (a restore downloads into staging dirs in its own root, not here); the lock that gives one
 snap process at a time the state dir; and the rules its files share: a box root's files are
 named by the root's key, and every format names its version, so that a file of another version
-is never misread."""
+is never misread. The state dir is the user's alone, as ~/.ssh is (see private())."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import threading
 from contextlib import contextmanager
 from typing import IO, Callable, Iterator, Optional
@@ -20,23 +21,82 @@ from .errors import StorageError
 LOCK_NAME = "lock"
 _held = 0  # how deep this process is in exclusive() (a commit from a container commits inside)
 _held_guard = threading.Lock()
+_checked: dict[str, str] = {}  # state dirs this process found private: as configured -> real path
+
+
+def _configured() -> str:
+    return os.environ.get("SNAP_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "snap")
 
 
 def state_dir() -> str:
-    """$SNAP_STATE_DIR, else $XDG_CACHE_HOME/snap, else ~/.cache/snap."""
-    d = os.environ.get("SNAP_STATE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "snap")
-    return os.path.realpath(d)  # real: commit compares it with the box root to leave it out
+    """$SNAP_STATE_DIR, else $XDG_CACHE_HOME/snap, else ~/.cache/snap; its real path (commit
+    compares it with the box root to leave it out). Checked by private() once per process."""
+    d = _configured()
+    if d in _checked:
+        return _checked[d]
+    if not os.path.lexists(d):
+        return os.path.realpath(d)  # nothing to check yet: sub() makes it, then checks it
+    _checked[d] = real = private(d)
+    return real
 
 
 def sub(*parts: str) -> str:
     """A directory in the state dir, made private (it holds layer blobs of the box)."""
-    root = state_dir()
-    if not os.path.isdir(root):
-        os.makedirs(root, mode=0o700, exist_ok=True)
-    path = os.path.join(root, *parts)
+    if not os.path.lexists(_configured()):
+        os.makedirs(_configured(), mode=0o700, exist_ok=True)
+    path = os.path.join(state_dir(), *parts)
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def private(top: str) -> str:
+    """Check that the state dir at `top` is ours alone, as ssh checks ~/.ssh: it holds layers built
+    from root-only files, and what snap reads back from it (stat cache, base indexes, journals, the
+    watcher's pid) decides what a commit leaves out and what a restore or `watch --stop` trusts.
+    Refused (one line): `top` itself a symlink; the dir, or what snap keeps in it (two levels: no
+    more is snap's own; deeper is a container's mirror), owned by another uid or writable by group
+    or others; a symlink, hard link or special file there. What is ours but readable by others
+    (an older snap's 0755 dirs and 0644 files) is tightened to 0700 / 0600. Returns the real path."""
+    me = os.geteuid()
+
+    def check(path: str, depth: int) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return  # another snap process swept it meanwhile
+        where = f"snap's state dir {top!r}" if path == top else f"{path!r} in snap's state dir"
+        if stat.S_ISLNK(st.st_mode) and path == top:
+            raise StorageError(f"{where} is a symlink", "set SNAP_STATE_DIR to the real directory, one of your own")
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a hard link" if stat.S_ISREG(st.st_mode) else "no file"
+            raise StorageError(f"{where} is {kind}, which snap never makes there", "someone may have planted it: remove it")
+        if st.st_uid != me:
+            raise StorageError(f"{where} belongs to uid {st.st_uid}, not to uid {me} that snap runs as",
+                               f"chown -R {me} the state dir, or set SNAP_STATE_DIR to a directory of your own")
+        if st.st_mode & 0o022:  # not what any snap made: someone else may have written there
+            raise StorageError(f"{where} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
+                               "check it, then chmod -R go-rwx the state dir, or set SNAP_STATE_DIR to a new directory")
+        if st.st_mode & 0o077:
+            try:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+            except FileNotFoundError:
+                pass
+        if stat.S_ISDIR(st.st_mode) and depth < 2:
+            try:
+                names = os.listdir(path)
+            except FileNotFoundError:
+                return
+            for name in names:
+                check(os.path.join(path, name), depth + 1)
+
+    check(top, 0)
+    return os.path.realpath(top)
+
+
+def open_own(path: str, mode: str = "r") -> IO:
+    """open() for a file in the state dir: never through a symlink; made 0600."""
+    return open(path, mode, opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
 
 
 def root_key(root: str, length: int = 32) -> str:
@@ -54,7 +114,7 @@ def read_versioned(path: str, version: int) -> Optional[dict]:
     """The JSON document at `path` if it is of format `version`; None if it is missing, unreadable,
     damaged or of another version."""
     try:
-        with open(path) as f:
+        with open_own(path) as f:
             return versioned(json.load(f), version)
     except (OSError, ValueError):
         return None
@@ -68,9 +128,15 @@ def write_versioned(path: str, version: int, fields: dict) -> None:
 def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., IO] = open, mode: str = "w",
                  durable: bool = False) -> None:
     """Write a file whole or not at all: `write` fills a temp file beside it, which then replaces
-    `path`; on any failure the temp file is removed. `durable` also fsyncs the file and directory."""
+    `path`; on any failure the temp file is removed. `durable` also fsyncs the file and directory.
+    The temp file is made here, 0600 and new (no symlink followed), before `opener` opens it."""
     tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"  # threads of one process may write the same file
     try:
+        try:
+            os.unlink(tmp)  # a killed run's of the same pid and thread: the name is ours
+        except FileNotFoundError:
+            pass
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         with opener(tmp, mode) as f:
             write(f)
             if durable:
@@ -107,7 +173,7 @@ def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
             return
         try:
             root = sub()
-            fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise StorageError(f"cannot use snap's state dir {state_dir()!r}: {e.strerror or e}",
                                "point SNAP_STATE_DIR at a writable directory") from e

@@ -270,6 +270,7 @@ def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path
     data = layer({"f.txt": b"x\n"})
     manifest_digest = registry.push_image("journalfull", "v1", [data], layer_media_type=TAR)
     state = small_disk("state", "1m")
+    state.chmod(0o700)  # a fresh tmpfs is 1777: a state dir must be ours alone (state.private)
     (state / "restore-journal").mkdir()
     root = tmp_path / "root"
     # Downloaded and verified by an earlier run (an uncompressed layer is kept split: staging.py).

@@ -66,7 +66,9 @@ def next_version(path: str) -> None:
 def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
     root = str(tmp_path)
     files = daemon.watch_files(root)
-    daemon.note_pid(files, "reg/box:v1", 4)
+    lock = daemon.take_lock(files, root)
+    daemon.note_pid(files, lock, "reg/box:v1", 4)
+    os.close(lock)
     statcache.note_last_commit(root, MANIFEST, "reg/box:v1", MANIFEST)
     write_versioned(record._path(root), record.VERSION, {"root": os.path.realpath(root), "manifest": MANIFEST})
     sources = BlobSources()

@@ -20,7 +20,7 @@ from snapshotter.oci.image import canonical, descriptor
 from snapshotter.oci.mediatypes import BASE_INDEX, BASE_INDEX_ARTIFACT, OCI_EMPTY, OCI_MANIFEST
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
-from snapshotter.state import sub
+from snapshotter.state import open_own, sub
 
 from .entry import Entry
 from .store import load_index
@@ -45,7 +45,7 @@ def push(remote: Remote, base_manifest_digest: str, sources: BlobSources) -> Opt
     Returns the index blob's digest (for the snapshot's annotation); None if there is no cache."""
     path = cache_path(base_manifest_digest)
     try:
-        with open(path, "rb") as f:
+        with open_own(path, "rb") as f:
             data = f.read(MAX_INDEX_SIZE + 1)
     except OSError:
         return None

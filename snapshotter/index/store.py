@@ -8,7 +8,7 @@ import json
 from dataclasses import astuple, fields
 from typing import Optional, Sequence
 
-from snapshotter.state import replace_file, versioned
+from snapshotter.state import open_own, replace_file, versioned
 
 from .entry import Entry, gc_paused
 
@@ -38,7 +38,7 @@ def load_index(path: str, diff_ids: Optional[Sequence[str]] = None) -> Optional[
     given `diff_ids`, of other layers than those: an image that names a base it does not hold (a
     hostile one, restored here) must not stand for that base in the next commit's diff."""
     try:
-        with gzip.open(path, "rt") as f, gc_paused():
+        with open_own(path, "rb") as raw, gzip.open(raw, "rt") as f, gc_paused():
             header = versioned(json.loads(f.readline() or "null"), INDEX_VERSION)
             if header is None or not isinstance(header.get("diff_ids"), list) or \
                     header != _index_header(header["diff_ids"] if diff_ids is None else diff_ids):

@@ -13,7 +13,7 @@ import os
 from typing import Callable
 
 from snapshotter.errors import storage_error
-from snapshotter.state import replace_file, root_key, versioned
+from snapshotter.state import open_own, replace_file, root_key, versioned
 
 VERSION = 3  # a header line, then one line per event
 
@@ -37,7 +37,7 @@ class Journal:
         """(whether there is a journal, its first line (None if unreadable), its event lines if
         it is this restore's: same image, same layers; else [])."""
         try:
-            with open(self.path, "rb") as f:
+            with open_own(self.path, "rb") as f:
                 lines = f.read().split(b"\n")
         except FileNotFoundError:
             return False, None, []
@@ -97,7 +97,7 @@ class Journal:
         def append() -> None:
             if self.fsync:
                 os.sync()  # file data, and the directories of every rename, before the journal says so
-            with open(self.path, "a") as f:
+            with open_own(self.path, "a") as f:
                 f.write(json.dumps(event) + "\n")
                 if self.fsync:
                     f.flush()

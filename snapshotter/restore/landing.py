@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART_FILE
-from snapshotter.state import root_key, state_dir, sub, versioned, write_versioned
+from snapshotter.state import open_own, root_key, state_dir, sub, versioned, write_versioned
 
 VERSION = 1
 PROGRESS_DIR = "restore-progress"
@@ -115,7 +115,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
     progress = progress_path(real_root, os.path.join(state_dir(), PROGRESS_DIR))  # read only: nothing made
     while True:
         try:
-            with open(progress) as f:
+            with open_own(progress) as f:
                 doc = json.load(f)
         except FileNotFoundError:
             doc = None

@@ -35,7 +35,7 @@ from snapshotter.layer.plan import LayerPlan
 from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
-from snapshotter.state import replace_file, sub
+from snapshotter.state import open_own, replace_file, sub
 
 SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation: the digest of the snapshot's skeleton blob
 ARTIFACT_TAG = "snap-skeletons"  # the tag of the artifact manifest that keeps the last commit's skeletons referenced
@@ -82,7 +82,7 @@ def _cached_piece(plan: LayerPlan, diff_id: str) -> bytes:
     """layer_piece, kept in the state dir by diff_id: the same diff_id is the same tar, so the same headers."""
     path = _piece_path(diff_id)
     try:
-        with open(path, "rb") as f:
+        with open_own(path, "rb") as f:
             return f.read()
     except OSError:
         pass

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Optional
 
-from snapshotter.state import read_versioned, replace_file, root_key, sub, write_versioned
+from snapshotter.state import open_own, read_versioned, replace_file, root_key, sub, write_versioned
 
 VERSION = 1
 BLOB_FIELDS = {"digest": str, "diff_id": str, "size": int, "media_type": str}  # what a hit gives commit
@@ -36,7 +36,7 @@ class StatCache:
         self.old: dict[str, dict] = {}
         self.new: dict[str, dict] = {}
         try:
-            with open(self.path) as f:
+            with open_own(self.path) as f:
                 doc = json.load(f)
             if isinstance(doc, dict) and doc.get("key") == self.key and isinstance(doc.get("layers"), dict):
                 self.old = doc["layers"]

@@ -8,13 +8,14 @@ import errno
 import fcntl
 import os
 import signal
+import struct
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from snapshotter.errors import NotFound, UsageError
-from snapshotter.state import read_versioned, root_key, sub, write_versioned
+from snapshotter.errors import NotFound, StorageError, UsageError
+from snapshotter.state import open_own, read_versioned, root_key, sub, write_versioned
 
 VERSION = 1  # of the pid and exit files
 READY = "\0ready\n"  # what the detached watcher sends its starter once it watches
@@ -41,7 +42,7 @@ def _read_json(path: str) -> dict:
 
 def take_lock(files: WatchFiles, root: str) -> int:
     """Hold the root's watch lock (kept across fork); refuse if another watcher holds it."""
-    fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(files.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -56,7 +57,7 @@ def take_lock(files: WatchFiles, root: str) -> int:
 
 def lock_held(files: WatchFiles) -> bool:
     try:
-        fd = os.open(files.lock, os.O_RDWR)
+        fd = os.open(files.lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
@@ -68,8 +69,30 @@ def lock_held(files: WatchFiles) -> bool:
         os.close(fd)  # closing drops the probe's lock, if it got one
 
 
-def note_pid(files: WatchFiles, target: str, grace: float) -> None:
+# struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (and padding).
+_FLOCK = "hhqqi4x"
+
+
+def note_pid(files: WatchFiles, lock: int, target: str, grace: float) -> None:
+    """Write the watcher's pid file, after taking a POSIX lock on the watch lock's `lock` fd: the
+    flock is the starter's (kept across the fork); the POSIX lock names this very process, which is
+    how `--stop` knows the pid it signals is the watcher's (lock_holder)."""
+    fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other process can: this one holds the flock
     write_versioned(files.pid, VERSION, {"pid": os.getpid(), "target": target, "grace": grace})
+
+
+def lock_holder(files: WatchFiles) -> Optional[int]:
+    """The pid of the process that holds the POSIX lock on the watch lock (note_pid), or None."""
+    try:
+        fd = os.open(files.lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    finally:
+        os.close(fd)  # this process holds no lock on it: closing drops none
+    return pid if kind != fcntl.F_UNLCK and pid > 0 else None
 
 
 def note_exit(files: WatchFiles, code: int, error: str = "") -> None:
@@ -92,7 +115,7 @@ def detach(files: WatchFiles) -> Callable[[], None]:
     os.setsid()
     if os.fork() > 0:
         os._exit(0)  # the middle process: the watcher is now no session leader, reparented to init
-    log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     sys.stdout.flush()
@@ -170,6 +193,9 @@ def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] 
     pid = info["pid"]
     if not lock_held(files):
         return _ended_before(files, pid, root, log)
+    if lock_holder(files) != pid:  # a stale or forged pid file: never signal what may be another process
+        raise StorageError(f"the pid file {files.pid!r} names pid {pid}, which does not hold the watch lock of {root!r}: "
+                           "nothing signalled", "if a watcher is starting, run --stop again")
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -204,8 +230,8 @@ def _ended_before(files: WatchFiles, pid: int, root: str, log: Callable[[str], N
 
 def _last_line(path: str) -> str:
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 4096))
+        with open_own(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
             lines = f.read().decode(errors="replace").strip().splitlines()
         return lines[-1] if lines else "(empty log)"
     except OSError:
