@@ -242,7 +242,7 @@ def test_a_file_unreadable_at_its_read_is_held_back_and_the_rest_committed(regis
 
 class SwappingProfile:
     """The profile, whose secret check first swaps a path (as a racing process could, between the
-    scan's lstat of a name and its read of the name's head)."""
+    scan's lstat of a name and its read of the name's head), at the first path checked below `at`."""
 
     def __init__(self, profile, at, swap):
         self._profile, self._at, self._swap = profile, at, swap
@@ -251,41 +251,44 @@ class SwappingProfile:
         return getattr(self._profile, name)
 
     def is_secret(self, path, is_dir, is_file, read_head):
-        if path == self._at:
-            self._swap()
+        if self._swap is not None and path.startswith(self._at):
+            self._swap, swap = None, self._swap
+            swap()
         return self._profile.is_secret(path, is_dir, is_file, read_head)
 
 
-def _scan_bounded(root, profile):
+def _scan_swapping(root, at, swap, watched):
+    """Scan `root`, `swap` made at the secret check of the first path below `at`; bounded by the
+    hang guard. (the thread, what it got, whether `watched` was opened)."""
+    watch = Opened(watched)
     got = {}
-    t = threading.Thread(target=lambda: got.update(scan=scan_box(root, profile)), daemon=True)
+    profile = SwappingProfile(load_profile(), at, swap)
+    t = threading.Thread(target=lambda: got.update(scan=scan_box(str(root), profile)), daemon=True)
     t.start()
     t.join(HANG_GUARD_S)
-    return t, got
+    return t, got, watch.any()
 
 
 def test_the_scans_secret_check_neither_follows_a_symlink_nor_blocks_on_a_fifo(tmp_path, outside):
     root = tmp_path / "root"
-    write_tree(str(root), {"srv/tls/server.pem": b"-----BEGIN CERTIFICATE-----\n", "srv/tls/other.pem": b"x\n"})
+    write_tree(str(root), {"srv/tls/server.pem": b"-----BEGIN CERTIFICATE-----\n", "srv/keys/other.pem": b"x\n"})
     (outside / "key.pem").write_bytes(KEY)
     pem = str(root / "srv/tls/server.pem")
-    watch = Opened(outside / "key.pem")
 
     def to_symlink():
         os.unlink(pem)
         os.symlink(str(outside / "key.pem"), pem)
 
-    t, got = _scan_bounded(str(root), SwappingProfile(load_profile(), "srv/tls/server.pem", to_symlink))
-    assert not t.is_alive()
-    assert not watch.any(), "the scan opened a file outside the root"
+    t, got, opened = _scan_swapping(root, "srv/tls/server.pem", to_symlink, outside / "key.pem")
+    assert not t.is_alive() and not opened, "the scan opened a file outside the root"
 
-    other = str(root / "srv/tls/other.pem")
+    other = str(root / "srv/keys/other.pem")
 
     def to_fifo():
         os.unlink(other)
         os.mkfifo(other)
 
-    t, got = _scan_bounded(str(root), SwappingProfile(load_profile(), "srv/tls/other.pem", to_fifo))
+    t, got, _ = _scan_swapping(root, "srv/keys/other.pem", to_fifo, outside / "key.pem")
     if t.is_alive():
         unblock(other)
         pytest.fail("the scan blocked on a FIFO swapped in")
@@ -295,17 +298,16 @@ def test_the_scan_does_not_walk_through_a_directory_swapped_for_a_symlink(tmp_pa
     """Swapped after the directory was listed, while its names are visited: the rest are stat'ed
     through the handle of the directory listed, not through the symlink."""
     root = tmp_path / "root"
-    write_tree(str(root), {"srv/tls/a.txt": b"a\n", "srv/tls/z.pem": b"not a key\n"})
-    (outside / "z.pem").write_bytes(KEY)
+    write_tree(str(root), {"srv/tls/a.pem": b"not a key\n", "srv/tls/z.pem": b"not a key\n"})
+    for name in ("a.pem", "z.pem"):
+        (outside / name).write_bytes(KEY)
     tls = str(root / "srv/tls")
-    watch = Opened(outside / "z.pem")
 
     def swap():
         os.rename(tls, tls + ".old")
         os.symlink(str(outside), tls)
 
-    names = sorted(os.listdir(tls))
-    t, got = _scan_bounded(str(root), SwappingProfile(load_profile(), "srv/tls/" + names[0], swap))
-    assert not t.is_alive()
-    assert not watch.any(), "the scan opened a file outside the root"
-    assert "srv/tls/z.pem" in got["scan"].entries and got["scan"].skipped_secrets == []  # the box's own file
+    t, got, opened = _scan_swapping(root, "srv/tls/", swap, outside)
+    assert not t.is_alive() and not opened, "the scan opened a file outside the root"
+    entries = got["scan"].entries
+    assert {"srv/tls/a.pem", "srv/tls/z.pem"} <= set(entries) and got["scan"].skipped_secrets == []  # the box's own
