@@ -18,16 +18,46 @@ from snapshotter.index.paths import entry_links, resolve_in_root
 from snapshotter.tar.rules import SKIP_XATTRS
 
 from .mounts import bind_mounted_files, pseudo_mounts
+from .openat import DIR_FLAGS, READ_FLAGS, NotTheScanned, open_beneath, open_leaf, open_root
 from .profile import Profile, VenvRoots
 
 
 def file_head(path: str, n: int) -> bytes:
-    """The first n bytes of a file (fewer if it is shorter; none if it is gone)."""
+    """The first n bytes of a regular file (fewer if it is shorter; none if it is gone, or is a
+    symlink, a FIFO or a device now: not followed, not waited on)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(n)
-    except FileNotFoundError:
+        fd = os.open(path, READ_FLAGS | os.O_NOFOLLOW)
+    except (FileNotFoundError, NotADirectoryError):
         return b""
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return b""
+        raise
+    try:
+        return os.pread(fd, n, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+
+
+def head_at(dir_fd: int, name: str, st: os.stat_result, n: int) -> bytes:
+    """The first n bytes of the file `name` in the directory `dir_fd` (fewer if it is shorter), if
+    it is still the regular file `st` (lstat): none if it is gone or another file, a symlink or a
+    FIFO swapped in (not followed, not waited on: box/openat.py). Its read then says it changed."""
+    try:
+        fd = open_leaf(dir_fd, name, st.st_ino, st.st_dev)
+    except (FileNotFoundError, NotTheScanned):
+        return b""
+    try:
+        return os.pread(fd, n, 0)
+    finally:
+        os.close(fd)
+
+
+def _in_dir(dir_fd: int, name: str) -> str:
+    """A name in an open directory as a path that the kernel resolves through the handle (the
+    directory the walk listed, whatever was renamed or swapped above it since) and that follows no
+    symlink at its end (an lstat-like call): for the calls that take no dir_fd (xattrs)."""
+    return f"/proc/self/fd/{dir_fd}/{name}"
 
 
 @dataclass
@@ -138,9 +168,9 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     unreadable: list[str] = []
     stack: list[str] = []
 
-    def visit(rel: str, path: str, walk: bool = True) -> int:
-        """Add the entry of `rel` (at `path`), unless the profile leaves it out; a directory is
-        walked if `walk`. The number of entries added (0 or 1)."""
+    def visit(rel: str, dir_fd: int, name: str, walk: bool = True) -> int:
+        """Add the entry of `rel` (`name` in the open directory `dir_fd`), unless the profile leaves
+        it out; a directory is walked if `walk`. The number of entries added (0 or 1)."""
         last = old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
         if rel in extra or rel in skip_mounts or (last is None and profile.exclude.match(rel)):
             return 0
@@ -148,8 +178,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             host_files.append(rel)
             return 0
         try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
             return 0
         except PermissionError:
             unreadable.append(rel)
@@ -158,7 +188,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             e = None if isinstance(last, str) else last
         else:
             try:
-                e = _new_entry(rel, path, st, profile, metadata_only)
+                e = _new_entry(rel, dir_fd, name, st, profile, metadata_only)
             except FileNotFoundError:
                 return 0
             except PermissionError:
@@ -181,44 +211,51 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             venvs.add(rel.rpartition("/")[0])
         return 1
 
-    if profile.include:
-        for rel in profile.include:
-            _check_include(root, rel, profile)
-            for parent in reversed(list(self_and_parents(rel))[1:]):
-                if parent not in entries:
-                    visit(parent, os.path.join(root, parent), walk=False)
-            visit(rel, os.path.join(root, rel))
-        if progress:
-            progress(len(entries))
-    else:
-        stack.append("")
-    while stack:
-        rel_dir = stack.pop()
-        abs_dir = os.path.join(root, rel_dir) if rel_dir else root
-        try:
-            # Opened without following: a directory swapped for a symlink (or a file) since its
-            # lstat is not walked (a symlink's target is not the box's content there).
-            # (The root itself may be a symlink: --root names it.)
-            fd = os.open(abs_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if rel_dir else 0))
+    root_fd = open_root(root)  # (the root itself may be a symlink: --root names it)
+    try:
+        if profile.include:
+            for rel in profile.include:
+                _check_include(root, rel, profile)
+                for parent in reversed(list(self_and_parents(rel))[1:]):
+                    if parent not in entries:
+                        _visit_at(root_fd, parent, visit, walk=False)
+                _visit_at(root_fd, rel, visit)
+            if progress:
+                progress(len(entries))
+        else:
+            stack.append("")
+        while stack:
+            rel_dir = stack.pop()
             try:
-                with os.scandir(fd) as it:
-                    names = [de.name for de in it]
+                # Opened below the root following no symlink (box/openat.py): a directory, or one on
+                # the way, swapped for a symlink (or a file) since its lstat is not walked (a
+                # symlink's target is not the box's content there), and a path longer than
+                # PATH_MAX is walked all the same. Its entries are stat'ed through the handle.
+                fd = open_beneath(root_fd, rel_dir, DIR_FLAGS) if rel_dir else os.dup(root_fd)
+            except PermissionError:
+                unreadable.append(rel_dir or "/")
+                continue
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed or replaced while we walked
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.EXDEV):
+                    raise
+                continue  # replaced by a symlink while we walked
+            try:
+                try:
+                    with os.scandir(fd) as it:
+                        names = [de.name for de in it]
+                except PermissionError:
+                    unreadable.append(rel_dir or "/")
+                    continue
+                prefix = f"{rel_dir}/" if rel_dir else ""
+                added = sum(visit(prefix + name, fd, name) for name in names)
             finally:
                 os.close(fd)
-        except PermissionError:
-            unreadable.append(rel_dir or "/")
-            continue
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # removed or replaced while we walked
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            continue  # replaced by a symlink while we walked
-        prefix = f"{rel_dir}/" if rel_dir else ""
-        base = f"{abs_dir}/" if rel_dir else os.path.join(root, "")
-        added = sum(visit(prefix + name, base + name) for name in names)
-        if progress and added:
-            progress(added)  # once per directory: a call per file costs as much as its lstat
+            if progress and added:
+                progress(added)  # once per directory: a call per file costs as much as its lstat
+    finally:
+        os.close(root_fd)
     if memo is not None:
         memo.finish(context, new)
     host_files.extend(links_to(entries, mounted))
@@ -235,18 +272,33 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
 _UNREADABLE, _NOT_CONTENT = object(), object()
 
 
-def _new_entry(rel: str, path: str, st: os.stat_result, profile: Profile, metadata_only: bool):
-    """The entry of a path not known from the last scan: None for a secret the profile leaves out,
-    _NOT_CONTENT for a socket, _UNREADABLE for a file snap cannot read."""
-    link = os.readlink(path) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
+def _visit_at(root_fd: int, rel: str, visit: Callable[..., int], walk: bool = True) -> int:
+    """visit() a path given from the root (an --include path or its parent): its directory opened
+    below the root following no symlink."""
+    parent, _, name = rel.rpartition("/")
+    try:
+        fd = open_beneath(root_fd, parent, DIR_FLAGS) if parent else os.dup(root_fd)
+    except OSError as e:
+        raise UsageError(f"--include {'/' + rel!r}: cannot open its directory: {e.strerror}")
+    try:
+        return visit(rel, fd, name, walk=walk)
+    finally:
+        os.close(fd)
+
+
+def _new_entry(rel: str, dir_fd: int, name: str, st: os.stat_result, profile: Profile, metadata_only: bool):
+    """The entry of a path not known from the last scan (`name` in the open directory `dir_fd`,
+    lstat'ed as `st`): None for a secret the profile leaves out, _NOT_CONTENT for a socket,
+    _UNREADABLE for a file snap cannot read."""
+    link = os.readlink(name, dir_fd=dir_fd) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
     e = entry_from_stat(rel, st, link)
     if e is None:
         return _NOT_CONTENT
-    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(file_head, path)):
+    if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(head_at, dir_fd, name, st)):
         return None
     if not metadata_only:
-        e.xattrs = read_xattrs(path)
-        if e.kind == FILE and not os.access(path, os.R_OK):
+        e.xattrs = read_xattrs(_in_dir(dir_fd, name))
+        if e.kind == FILE and not os.access(name, os.R_OK, dir_fd=dir_fd, follow_symlinks=False):
             return _UNREADABLE
     return e
 

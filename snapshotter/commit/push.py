@@ -36,6 +36,7 @@ LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
 TORN = "changed while read"
 CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
+UNREADABLE = "could not be read"  # refused at open (permissions): not read
 NOT_SENT_TORN = "not sent: a file changed while read or since the scan"
 SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one before
 
@@ -113,6 +114,7 @@ def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) ->
         layers = push_layers(cp, remote, cp.plans)
         torn = {path: CHANGED_SINCE_SCAN for _, blob, _ in layers for path in blob.changed_since_scan}
         torn.update({path: TORN for _, blob, _ in layers for path in blob.changed_while_read})
+        torn.update({path: UNREADABLE for _, blob, _ in layers for path in blob.unreadable})
         if not torn:
             return layers
         hold_back(cp, torn, opts)
@@ -151,7 +153,7 @@ def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
     (the blob may hold a torn copy) or since the scan (the blob is not what its stat data says), nor
     if a file changed just before the scan: within a coarse ctime tick a later write can leave the
     same stat (git's "racy clean" rule)."""
-    if blob.changed_while_read or blob.changed_since_scan:
+    if blob.not_whole:
         return False
     return all(e.ctime_ns < scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
 
@@ -228,7 +230,7 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                 # Stored as is: hash it in one read, then stream it again to the registry only if
                 # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
                 blob = measure_layer(root, plan, zstd_level, on_pack, headers)
-                if blob.changed_while_read or blob.changed_since_scan:
+                if blob.not_whole:
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there
@@ -236,7 +238,7 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                 return blob, "uploaded"
             blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
             try:
-                if blob.changed_while_read or blob.changed_since_scan:
+                if blob.not_whole:
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there

@@ -11,6 +11,7 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterator, Optional, Protocol
 
+from snapshotter.box.openat import Beneath, NotTheScanned
 from snapshotter.errors import StorageError
 from snapshotter.index.entry import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
 from snapshotter.oci.mediatypes import MEDIA_TYPE
@@ -42,6 +43,12 @@ class LayerBlob:
     media_type: str
     changed_while_read: list[str] = field(default_factory=list)  # never read whole and still (warned about)
     changed_since_scan: list[str] = field(default_factory=list)  # read whole and still, but not as the scan saw it
+    unreadable: list[str] = field(default_factory=list)  # could not be opened (permissions): not read
+
+    @property
+    def not_whole(self) -> bool:
+        """Whether a file of the layer is not as the scan saw it, or was not read: the blob is not sent."""
+        return bool(self.changed_while_read or self.changed_since_scan or self.unreadable)
 
 
 class _Torn(Exception):
@@ -53,7 +60,9 @@ class _Reads:
     """What write_tar saw of the box files while reading them."""
 
     torn: list[str] = field(default_factory=list)  # changed during every read, or vanished: kept as last read
-    stale: list[str] = field(default_factory=list)  # settled, but not as the scan saw it (size, mtime, ctime)
+    stale: list[str] = field(default_factory=list)  # settled, but not as the scan saw it (size, mtime, ctime),
+    # or no longer the scan's regular file (a symlink, a FIFO, another inode): not read
+    unreadable: list[str] = field(default_factory=list)  # could not be opened: not read
     retry_streamed: bool = False  # a torn streamed file raises _Torn (the caller can start the layer again)
     on_header: Optional[Callable[[bytes, int], None]] = None  # each header as written, with its content size
 
@@ -96,22 +105,31 @@ def _read_exactly(fd: Optional[int], offset: int, size: int, put: Callable[[byte
     return whole
 
 
-def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, path: str, offset: int, fixed_size: bool,
-              reads: _Reads, on_bytes: Optional[Callable[[int], None]]) -> None:
+def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: Beneath, source: str, offset: int,
+              fixed_size: bool, reads: _Reads, on_bytes: Optional[Callable[[int], None]]) -> None:
     """The header and content of one regular file, read so that it is not torn: the file is stat'ed
     before and after each read (size, mtime, ctime) and read again if it changed, as GNU tar warns
     "file changed as we read it". A whole file's header takes the size and mtime of the read kept
-    (a part layer's size is fixed by its plan); the content is always exactly the header's size."""
+    (a part layer's size is fixed by its plan); the content is always exactly the header's size.
+    The file is opened below the root following no symlink, without blocking, and read only if it
+    is the regular file the scan saw (box/openat.py): else, or if it cannot be opened, its bytes are
+    zeros and it is reported (the layer is not sent; push holds the file back)."""
+    lost = None
     try:
-        f = open(path, "rb", buffering=0)
-    except FileNotFoundError:  # deleted while we committed: keep the archive well-formed, report it
-        reads.torn.append(e.path)
+        fd = box.open_scanned(source, int(e.stamp.split(":", 1)[0]) if e.stamp else None)
+    except FileNotFoundError:  # deleted while we committed
+        lost = reads.torn
+    except NotTheScanned:  # swapped since the scan: another file, a symlink, a directory, a FIFO...
+        lost = reads.stale
+    except OSError:  # unreadable, or a path the kernel refuses
+        lost = reads.unreadable
+    if lost is not None:  # not read: keep the archive well-formed, report it
+        lost.append(e.path)
         _put_header(put, ti, reads, ti.size)
         _read_exactly(None, 0, ti.size, put, on_bytes)
         put(bytes(-ti.size % tarfile.BLOCKSIZE))
         return
-    except PermissionError:
-        raise StorageError(f"cannot read /{e.path} in the box", "run snap as root, or exclude the path in the profile")
+    f = os.fdopen(fd, "rb", buffering=0)
     with f:
         fd = f.fileno()
         for attempt in range(SETTLE_TRIES):
@@ -210,16 +228,22 @@ def write_tar(out: BinaryIO, root: str, plan: LayerPlan, on_bytes: Optional[Call
         out.write(data)
         written += len(data)
 
+    with Beneath(root) as box:
+        _write_members(put, box, plan, reads, on_bytes)
+    put(bytes(2 * tarfile.BLOCKSIZE))
+    if written % tarfile.RECORDSIZE:
+        put(bytes(tarfile.RECORDSIZE - written % tarfile.RECORDSIZE))
+    return reads
+
+
+def _write_members(put: Callable[[bytes], None], box: Beneath, plan: LayerPlan, reads: _Reads,
+                   on_bytes: Optional[Callable[[int], None]]) -> None:
     for ti, e in tar_headers(plan):
         if e is None or ti.type != tarfile.REGTYPE:
             _put_header(put, ti, reads, 0)
             continue
         source, offset = plan.slices.get(e.path, (e.path, 0))
-        _put_file(put, ti, e, os.path.join(root, source), offset, bool(plan.slices), reads, on_bytes)
-    put(bytes(2 * tarfile.BLOCKSIZE))
-    if written % tarfile.RECORDSIZE:
-        put(bytes(tarfile.RECORDSIZE - written % tarfile.RECORDSIZE))
-    return reads
+        _put_file(put, ti, e, box, source, offset, bool(plan.slices), reads, on_bytes)
 
 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
@@ -244,7 +268,7 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
             comp.finish()  # closed now: nothing of it may reach `out` after the rewind
             continue
     comp.finish()
-    report = {"changed_while_read": reads.torn, "changed_since_scan": reads.stale}
+    report = {"changed_while_read": reads.torn, "changed_since_scan": reads.stale, "unreadable": reads.unreadable}
     if not hashing:
         return LayerBlob(plan.name, None, "", "", comp.blob.size, MEDIA_TYPE[plan.compression], **report)
     return LayerBlob(plan.name, None, comp.blob.digest, comp.tar.digest, comp.blob.size,
