@@ -178,6 +178,10 @@ def commit(
         _say(f"left out {len(result.skipped_secrets)} secret-looking path(s) (set include_secrets in the profile to keep them):")
         for p in result.skipped_secrets:
             _say(f"  {'/' + p!r}")
+    if result.unreadable:
+        _say(f"left out {len(result.unreadable)} path(s) snap may not read (run snap as root, or exclude them in the "
+             "profile): " + ", ".join(repr("/" + p) for p in result.unreadable[:20])
+             + (f" and {len(result.unreadable) - 20} more" if len(result.unreadable) > 20 else ""))
     if result.host_files:
         _say(f"left out {len(result.host_files)} file(s) bind-mounted from the host (GPU driver files and links to them; "
              "the next host's runtime mounts its own): " + ", ".join(repr("/" + p) for p in result.host_files))

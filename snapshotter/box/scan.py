@@ -67,13 +67,15 @@ class Scan:
     skipped_secrets: list[str] = field(default_factory=list)
     pseudo_mounts: set[str] = field(default_factory=set)  # kernel views (proc, sysfs, ...) not walked
     host_files: list[str] = field(default_factory=list)  # files bind-mounted from the host, and links to them
+    unreadable: list[str] = field(default_factory=list)  # paths snap may not read (left out, named to the user)
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
-        return frozenset(self.pseudo_mounts.union(self.skipped_secrets, self.host_files))
+        return frozenset(self.pseudo_mounts.union(self.skipped_secrets, self.host_files, self.unreadable))
 
     def not_walked(self, path: str) -> bool:
-        """Under a pseudo mount, a left-out secret or a host file: base paths there are unknown, not deleted."""
+        """Under a pseudo mount, a left-out secret, a host file or a path snap may not read: base paths
+        there are unknown, not deleted."""
         return any(p in self._left_out for p in self_and_parents(path))
 
 
@@ -261,12 +263,11 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     host_files.extend(links_to(entries, mounted))
     for rel in host_files:
         entries.pop(rel, None)
-    if unreadable:
-        shown = ", ".join("/" + u for u in sorted(unreadable)[:3])
-        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
-        raise StorageError(f"cannot read {shown}{more} in the box",
-                           "run snap as root, or add the paths to the profile's exclude list")
-    return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files))
+    if "/" in unreadable:  # the root itself: there is no box to commit
+        raise StorageError(f"cannot read the box root {root!r}", "run snap as root")
+    # Any other path snap may not read is left out, and named: one such path must not cost the rest
+    # of the box its snapshot (a reclaim gives no second try).
+    return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files), sorted(unreadable))
 
 
 _UNREADABLE, _NOT_CONTENT = object(), object()

@@ -75,6 +75,7 @@ class CommitResult:
     held: dict[str, str] = field(default_factory=dict)  # files not read because they were being written, with why
     carried: list[str] = field(default_factory=list)  # of those, kept at the last snapshot's version
     snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
+    unreadable: list[str] = field(default_factory=list)  # paths of the box snap may not read: left out
 
 
 @dataclass

@@ -100,7 +100,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
-                        snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows])
+                        snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows], unreadable=cp.scan.unreadable)
 
 
 def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
