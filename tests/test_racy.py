@@ -58,8 +58,8 @@ def test_a_same_size_edit_within_the_base_files_second_is_captured_and_only_such
     box = str(tmp_path / "box")
     make_box(box)
     read = []
-    real = box_diff.file_digest
-    monkeypatch.setattr(box_diff, "file_digest", lambda path: read.append(os.path.relpath(path, box)) or real(path))
+    real = box_diff.scanned_digest
+    monkeypatch.setattr(box_diff, "scanned_digest", lambda files, e: read.append(e.path) or real(files, e))
     commit_box(f"{registry.host}/racy-edit:v1", racy_base, CommitOptions(root=box))
     assert set(read) == READ  # the untouched files, at their base time to the ns, are never read
     in_layers = {p for p in snap_layer_files(registry, "racy-edit", "v1") if p in BOX}
