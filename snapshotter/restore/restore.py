@@ -147,7 +147,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
             opts.on_app_ready()
 
     forget_restore(root)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
-    staging = StagingDirs(root, image.manifest_digest)
+    staging = StagingDirs(root, image.manifest_digest, opts.log)
     try:
         if resumed >= ready_at:
             after_layer(ready_at, None)
