@@ -7,14 +7,12 @@ written through."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import stat
 
 import pytest
 
-from helpers import digest_of, part_ann, push, push_annotated, repo_for
+from helpers import _tree, digest_of, part_ann, push, push_annotated, repo_for
 from support import member, tar_bytes
 from snapshotter.layer.staging import STAGING_PREFIX
 from snapshotter.restore.applier import ExtractWorker
@@ -29,31 +27,16 @@ def plant_key(root) -> None:
     os.chmod(root / "root/.ssh/id_rsa", 0o600)
 
 
-def tree(root) -> dict:
-    """Every path under `root` with its type, mode, inode, link count, mtime and content."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = os.path.join(dirpath, n)
-            st = os.lstat(p)
-            content = ""
-            if stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    content = hashlib.sha256(f.read()).hexdigest()
-            out[os.path.relpath(p, root)] = (st.st_mode, st.st_ino, st.st_nlink, st.st_mtime_ns, content)
-    return out
-
-
 # ---- hardlinks name only what the image wrote ---------------------------------------------------------
 
 def test_a_hardlink_to_a_file_already_in_the_root_is_refused(registry, jail, request):
     plant_key(jail.root)
-    before = tree(jail.root)
+    before = _tree(str(jail.root))  # type, mode, link count, owner, mtime, content of each path
     ref = push(registry, request, tar_bytes(member("data/", "dir"), member("data/k", "hardlink", linkname="root/.ssh/id_rsa")))
     line = jail.refused(jail.restore(ref))
     assert "'root/.ssh/id_rsa'" in line and "the image did not write" in line, line
     assert os.lstat(jail.root / "root/.ssh/id_rsa").st_nlink == 1, "a second name for the box's key"
-    after = tree(jail.root)
+    after = _tree(str(jail.root))
     assert {k: v for k, v in after.items() if k != "data"} == before  # only the layer's own directory came
     assert os.listdir(jail.root / "data") == []
 
