@@ -13,6 +13,10 @@
 - Owners are applied when running as root; device nodes only when asked; setuid/setgid bits and
   file capabilities (the security.capability xattr) only when asked and running as root.
 - Directory mtimes are set last, and directories this layer only wrote into keep their old mtime.
+- A hardlink may only name a file this extractor wrote (this image's layers, in order; a resumed
+  restore says what its earlier runs wrote: `count_as_written`), as Docker and podman refuse a link
+  into a lower layer: a link to a file already in the root (a live box's /root/.ssh/id_rsa) would
+  give it a second name, that the next commit pushes.
 - Temp files a killed run left behind ('.snap-tmp-*') are removed when a run next writes into
   their directory.
 - A directory tree is never removed (a whiteout, or a non-directory replacing it) when a filesystem
@@ -35,7 +39,7 @@ import stat
 import tarfile
 import zlib
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Iterable, Optional
 
 import zstandard
 
@@ -125,6 +129,11 @@ class Extractor:
         self._never = PathSet(self.opts.never_write)
         self._room = 0  # bytes still free on the target at the last look, less what was written since
         self._keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
+        # Real paths of the non-directories written (by any layer, or counted: count_as_written):
+        # the only files a hardlink may name. A path a layer then deletes stays: nothing but the
+        # image can write there again.
+        self._image_files: set[str] = set()
+        self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
         self._reset_dir_times()
 
     def _reset_dir_times(self) -> None:
@@ -155,9 +164,20 @@ class Extractor:
         """`pdir`'s entries are about to change: its times are put back after (put_back_dir_times)."""
         self._note_parent(pdir)
 
+    def count_as_written(self, rels: Iterable[str]) -> None:
+        """Let hardlinks name these files (real paths relative to the root, as `layer_files` lists
+        them): what an earlier run of the same restore wrote."""
+        self._image_files.update(self._real(rel) for rel in rels)
+
+    def note_written(self, rel: str) -> None:
+        """/rel (its parent resolved inside the root) is a file this restore wrote outside a layer (a
+        join of part layers: restore/parts.py): hardlinks may name it."""
+        parent, _, base = rel.rpartition("/")
+        self._image_files.add(_join(self._resolve_dir(parent, create=False), base))
+
     def add_hardlink(self, rel: str, target: str) -> None:
         """Link /rel to /target as a layer's hardlink entry is made (inside the root, never over a
-        directory)."""
+        directory, only to a file this extractor wrote or was told of: note_written)."""
         link = tarfile.TarInfo(rel)
         link.type, link.linkname = tarfile.LNKTYPE, target
         self._apply_member(None, link)  # a hardlink entry: no data to read
@@ -256,6 +276,7 @@ class Extractor:
         Killed midway, such a file is half-written at its path, and the layer (not recorded as
         applied) is applied again over it. The layer's last file is still removed if check_end fails."""
         self._reset_dir_times()
+        self.layer_files = []
         self._take = take
         self._in_place = in_place
         name = ""
@@ -385,6 +406,8 @@ class Extractor:
             if not renamed:
                 _remove(dest)  # in place: a regular file this layer began there
         self._written.add(path)
+        self._image_files.add(path)
+        self.layer_files.append(path[len(self.root):].lstrip("/"))
 
     def _devices_allowed(self, m: tarfile.TarInfo) -> bool:
         """Device nodes with --allow-devices as root; FIFOs (which a reader can block on) with
@@ -449,10 +472,13 @@ class Extractor:
         tparent, _, tbase = target_rel.rpartition("/")
         try:
             # Scoped like any path, and never creating or replacing anything on the way.
-            target = os.path.join(self._resolve_dir(tparent, create=False), tbase)
+            target = _join(self._resolve_dir(tparent, create=False), tbase)
             tst = os.lstat(target)
         except (FileNotFoundError, NotADirectoryError):
             raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, which is not in the image")
+        if target not in self._image_files:
+            raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, a file the image did not write: "
+                                 "refusing a hostile layer")
         if stat.S_ISDIR(tst.st_mode):
             raise IntegrityError(f"hardlink {m.name!r} points at a directory: refusing a hostile layer")
         os.link(target, tmp, follow_symlinks=False)

@@ -15,6 +15,9 @@ differently (a hostile one) is extracted by copying, from the same verified byte
 A restore downloads its layers into a staging directory inside the restore root (`StagingDirs`),
 at the top of the filesystem each lands on, not into snap's state dir: the weights are renamed into place on the same filesystem, and the
 restore needs room for what it restores once, on the target, whatever the state dir's disk holds.
+A staging dir is written through only if it is this restore's: a directory (not a symlink) of its
+user's, mode 0700, which only that user can change. One that is not (planted by an image, or by
+another user of a shared root) is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import BinaryIO, Callable, Iterable, Optional
 
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.digests import file_digest
-from snapshotter.errors import IntegrityError
+from snapshotter.errors import IntegrityError, quoted_path
 from snapshotter.state import versioned, write_versioned
 from snapshotter.tar.reader import MAX_META, header_number, pax_records
 
@@ -299,6 +302,41 @@ def is_staging_name(name: str) -> bool:
     return bool(_STAGING.fullmatch(name))
 
 
+def not_ours(path: str) -> Optional[str]:
+    """Why `path` is not a staging dir this restore made (what it is), or None: this restore makes a
+    directory of its user's, mode 0700 (which a umask cannot widen); a symlink, another user's
+    directory or one others may write into could lead a download anywhere."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != os.geteuid():
+        return f"a directory of uid {st.st_uid}"
+    if st.st_mode & 0o077:
+        return f"a directory of mode {stat.S_IMODE(st.st_mode):o}"
+    return None
+
+
+def check_ours(path: str) -> None:
+    why = not_ours(path)
+    if why is not None:
+        raise IntegrityError(f"the staging dir {quoted_path(path)} is {why} now, not the one this restore made: "
+                             "refusing to write through it", "is another user writing into the restore root?")
+
+
+def _remove_any(path: str) -> None:
+    """Remove a staging dir of another restore, or something planted under such a name: a tree
+    (rmtree follows no symlink in it), else the name itself (never followed)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 def _mount_points(root: str) -> list[str]:
     """The mount points inside `root` (a real path), itself included, as real paths."""
     return sorted({root} | {os.path.join(root, rel) for m in read_mounts() or []
@@ -327,8 +365,8 @@ class StagingDirs:
     left; the staging directories of other images there (a killed run's) are removed on first use.
     Removed at the end, with the times of the directories they were made in put back."""
 
-    def __init__(self, root: str, manifest_digest: str):
-        self.root = os.path.realpath(root)
+    def __init__(self, root: str, manifest_digest: str, log: Callable[[str], None] = lambda msg: None):
+        self.root, self.log = os.path.realpath(root), log
         self.name = STAGING_PREFIX + manifest_digest.split(":", 1)[1][:16]
         self._mounts = set(_mount_points(self.root))
         self._made: dict[str, tuple[int, int]] = {}  # staging dir: the times of the directory it is in
@@ -342,10 +380,28 @@ class StagingDirs:
             st = os.stat(top)
             for name in os.listdir(top):
                 if is_staging_name(name) and name != self.name:
-                    shutil.rmtree(os.path.join(top, name), ignore_errors=True)
-            os.makedirs(path, mode=0o700, exist_ok=True)
+                    _remove_any(os.path.join(top, name))
+            self._make(path)
             self._made[path] = (st.st_atime_ns, st.st_mtime_ns)
         return path
+
+    def _make(self, path: str) -> None:
+        """Make the staging dir `path`, or keep the one a stopped run of this restore left there;
+        one this restore did not make is replaced (never followed, never written into)."""
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            why = not_ours(path)
+            if why is None:
+                return  # a stopped run's: its verified blobs are used again
+            self.log(f"warning: {quoted_path(path)} is {why}, which this restore did not make: replaced")
+            _remove_any(path)
+            os.mkdir(path, 0o700)
+        check_ours(path)
+
+    def check(self, path: str) -> None:
+        """Raise unless staging dir `path` is still this restore's (checked again before each download)."""
+        check_ours(path)
 
     def _filesystem_top(self, rel: str) -> str:
         """The top of the filesystem holding the deepest existing directory of `rel` inside the root,

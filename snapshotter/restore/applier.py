@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from snapshotter.errors import SnapError
 from snapshotter.index.indexer import ImageIndexer
@@ -69,14 +69,15 @@ class ExtractWorker:
     """Applies the layers, one after the other, in a child process, forked (spawned if the caller
     runs other threads, which a fork does not copy: a program calling restore_image() from a
     thread-running __main__ needs the usual `if __name__ == "__main__":` guard) and killed with
-    its parent."""
+    its parent. `written`: the files earlier runs of this restore wrote (its journal), which a
+    layer's hardlink may name (layer/extract.py)."""
 
     PROGRESS_EVERY = 4 << 20  # bytes between progress messages
 
-    def __init__(self, extractor: Extractor):
+    def __init__(self, extractor: Extractor, written: Iterable[str] = ()):
         ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
         self.conn, child_end = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child_end, extractor.root, extractor.opts, os.getpid()),
+        self.proc = ctx.Process(target=_worker_main, args=(child_end, extractor.root, extractor.opts, os.getpid(), list(written)),
                                 name="snap-extract", daemon=True)
         # Ctrl-C goes to the whole process group: the child is born with SIGINT blocked, then
         # ignores it; one pressed meanwhile reaches the parent once unblocked.
@@ -87,6 +88,7 @@ class ExtractWorker:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
         child_end.close()
         self.stats = ExtractStats()
+        self.layer_files: list[str] = []  # what the last layer applied wrote (Extractor.layer_files)
 
     def apply(self, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
         try:
@@ -102,7 +104,7 @@ class ExtractWorker:
                             f"layer {job.label}", "run the restore again: it resumes") from None
         if kind == "error":
             raise payload
-        self.stats, record = payload
+        self.stats, record, self.layer_files = payload
         return record
 
     def __enter__(self) -> "ExtractWorker":
@@ -120,12 +122,14 @@ class ExtractWorker:
         self.conn.close()
 
 
-def _worker_main(conn, root: str, opts: ExtractOptions, parent: int) -> None:
+def _worker_main(conn, root: str, opts: ExtractOptions, parent: int, written: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(parent)
     try:
-        _serve(conn, Extractor(root, opts))
+        extractor = Extractor(root, opts)
+        extractor.count_as_written(written)
+        _serve(conn, extractor)
     except BaseException:  # noqa: BLE001 - the parent is gone or the pipe broke: no one to tell
         os._exit(1)  # quietly: no child's traceback on the user's terminal
 
@@ -159,7 +163,7 @@ def _serve(conn, extractor: Extractor) -> None:
         if pending:
             conn.send(("progress", pending))
             pending = 0
-        conn.send(("done", (extractor.stats, record)))
+        conn.send(("done", (extractor.stats, record, extractor.layer_files)))
 
 
 def _die_with_parent(parent: int) -> None:

@@ -43,7 +43,7 @@ class Downloads:
 
     def __init__(self, remote: Remote, layers: list[tuple[dict, str]], app: set[str], staging: StagingDirs,
                  durable: bool):
-        self._remote, self._durable = remote, durable
+        self._remote, self._durable, self._staging = remote, durable, staging
         self._sizes = {d["digest"]: d["size"] for d, _ in layers}
         self._uses = Counter(d["digest"] for d, _ in layers)
         # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
@@ -94,6 +94,7 @@ class Downloads:
     def _fetch(self, digest: str) -> str:
         self._app_first.wait_turn(digest)
         path, size = self._paths[digest], self._sizes[digest]
+        self._staging.check(os.path.dirname(path))  # still the restore's own: never written through another's
         # Left by an interrupted run: verified before its rename, but not fsynced (unless
         # --fsync), so after a power loss its bytes may be lost. Hashed again before use.
         if os.path.exists(path) and _stored_digest(path) == digest:

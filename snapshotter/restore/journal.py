@@ -1,7 +1,8 @@
 """The restore journal: how far a restore into a root got, so that running it again resumes.
 
 One file per restore root in the state dir: {manifest digest, the digests of this run's layer
-list}, then how many of them are applied (always a prefix) and the files joined from part layers,
+list}, then how many of them are applied (always a prefix), with the files each layer wrote (a
+layer's hardlink may only name those: layer/extract.py), and the files joined from part layers,
 a line each. Resuming
 needs the same manifest and the same list: an interrupted `--only-snapshot` run says nothing about
 a full one. A journal of another format version, or another image, means starting over."""
@@ -10,20 +11,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 from snapshotter.errors import storage_error
 from snapshotter.state import open_own, replace_file, root_key, versioned
 
-VERSION = 3  # a header line, then one line per event
+VERSION = 4  # a header line, then one line per event (3 did not list the files written)
 
 
 class Journal:
     """The journal of a restore of `manifest_digest` (its `layers`, by digest) into `root`, kept in
     `directory`. `load` reads what an earlier run left; `applied` and `joined` say how far it got.
 
-    One JSON line with the manifest and the list, then one line per event ({"applied": n} or
-    {"joined": path}) appended as it happens: linear in the layers (a whole rewrite after each of
+    One JSON line with the manifest and the list, then one line per event ({"applied": n,
+    "wrote": [path, ...]} or {"joined": path}) appended as it happens: linear in the layers (a whole rewrite after each of
     5,000 layers was quadratic). A torn last line (a kill while appending) is ignored."""
 
     def __init__(self, directory: str, root: str, manifest_digest: str, layers: list[str], fsync: bool):
@@ -31,6 +32,7 @@ class Journal:
         self.root, self.manifest, self.layers, self.fsync = root, manifest_digest, layers, fsync
         self.applied = 0
         self.joined: list[str] = []
+        self.written: set[str] = set()  # files the applied layers wrote, relative to the root
         self._started = False  # the file holds this run's first line
 
     def _read(self) -> tuple[bool, object, list[bytes]]:
@@ -70,13 +72,16 @@ class Journal:
             n, rel = event.get("applied"), event.get("joined")
             if type(n) is int and 0 <= n <= len(self.layers):
                 self.applied = max(self.applied, n)
+                wrote = event.get("wrote")
+                if isinstance(wrote, list):
+                    self.written.update(p for p in wrote if isinstance(p, str))
             elif isinstance(rel, str):
                 self.joined.append(rel)
 
-    def record_applied(self, count: int) -> None:
-        """The first `count` layers of the list are applied."""
+    def record_applied(self, count: int, wrote: Sequence[str] = ()) -> None:
+        """The first `count` layers of the list are applied, the last of them writing `wrote`."""
         self.applied = count
-        self._append({"applied": count})
+        self._append({"applied": count, "wrote": list(wrote)} if wrote else {"applied": count})
 
     def record_joined(self, rel: str) -> None:
         """/rel is whole again (its part layers joined): said before its parts are removed."""

@@ -84,11 +84,13 @@ def join_parts(extractor: Extractor, files: dict[str, int], links: dict[str, lis
     symlinks, relative to their directory, and must be regular files: a hostile image cannot make
     a "part" of a host file. A file whose parts are all gone was joined by an earlier run; one with
     only some of them is refused. The file's other names (`links`) are then hardlinked to it, as
-    a layer's hardlink is made (scoped to the root, never replacing a directory)."""
+    a layer's hardlink is made (scoped to the root, never replacing a directory), only once this
+    restore (this run, or an earlier one: the journal) joined it: never to a file already there."""
     try:
         for rel, count in files.items():
             try:
-                _join_file(extractor, rel, count, fsync, journal)
+                if _join_file(extractor, rel, count, fsync, journal) and rel in links:
+                    extractor.note_written(rel)
                 for name in links.get(rel, ()):
                     extractor.add_hardlink(name, rel)
             except OSError as e:
@@ -97,11 +99,12 @@ def join_parts(extractor: Extractor, files: dict[str, int], links: dict[str, lis
         extractor.put_back_dir_times()
 
 
-def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal: Journal) -> None:
+def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal: Journal) -> bool:
+    """Join /rel's parts; whether /rel is the file this restore joined (now, or in an earlier run)."""
     try:
         pdir = extractor.parent_dir(rel)
     except FileNotFoundError:
-        return  # no directory, so no parts: nothing to join
+        return False  # no directory, so no parts: nothing to join
     base = rel.rpartition("/")[2]
     names = [part_name(base, k, count) for k in range(1, count + 1)]
     dfd = os.open(pdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -112,9 +115,9 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
                 if there:
                     extractor.will_change(pdir)
                     os.unlink(name, dir_fd=dfd)
-            return
+            return True
         if not any(present):
-            return  # joined by an earlier run
+            return False  # no parts (joined by an earlier run, which the journal says: above)
         if not all(present):
             first = present.index(False) + 1
             raise IntegrityError(f"/{printable(rel)} is cut into {count} part layers, but {present.count(False)} of its parts "
@@ -152,6 +155,7 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
         journal.record_joined(rel)  # before the parts go: a run killed while removing them knows the file is whole
         for name in names:
             os.unlink(name, dir_fd=dfd)
+        return True
     finally:
         os.close(dfd)
 

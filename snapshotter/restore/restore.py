@@ -147,7 +147,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
             opts.on_app_ready()
 
     forget_restore(root)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
-    staging = StagingDirs(root, image.manifest_digest)
+    staging = StagingDirs(root, image.manifest_digest, opts.log)
     try:
         if resumed >= ready_at:
             after_layer(ready_at, None)
@@ -264,7 +264,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
 
     # Started before the download threads (a fork copies only the thread that forks), and stopped
     # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
-    worker = ExtractWorker(extractor)
+    worker = ExtractWorker(extractor, journal.written)  # a layer's hardlink may name what earlier runs wrote
     with downloads, worker:
         try:
             applied, headers = _apply_in_order(pending, resumed, skipped, downloads, layer_job, worker, journal,
@@ -304,7 +304,7 @@ def _apply_in_order(pending: list[tuple[int, dict, str]], resumed: int, skipped:
             record = worker.apply(job, progress.safe_update(xb))
         if record is not None:
             headers[digest] = record
-        journal.record_applied(at + 1)
+        journal.record_applied(at + 1, worker.layer_files)
         applied.append(job.label)
         after_layer(at + 1, desc)
         blobs.used(digest)
