@@ -18,7 +18,7 @@ from snapshotter.registry.credentials import Credentials
 from snapshotter.registry.transport import TransportOptions
 
 from . import progress
-from .errors import SnapError, StorageError, UsageError
+from .errors import SnapError, StorageError, UsageError, printable
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
@@ -36,7 +36,14 @@ _TYPER_WAYS_OUT = tuple({typer.Exit, typer.Abort, getattr(typer, "TyperException
 
 
 def _say(msg: str) -> None:
-    typer.echo(msg, err=True)
+    """One line on stderr. Messages carry what registries, images, a box's file names and the engine
+    said: control characters are escaped here, so none can forge a line or drive the terminal."""
+    typer.echo(printable(msg), err=True)
+
+
+def _out(msg: str) -> None:
+    """One line on stdout, escaped as _say's (JSON output is escaped by json.dumps)."""
+    typer.echo(printable(msg))
 
 
 class _Terminated(KeyboardInterrupt):
@@ -198,10 +205,10 @@ def commit(
     _say(f"base: {result.base_layers} layer(s); deleted paths: {result.deleted}")
     for layer in result.layers:
         kind = layer.media_type.rsplit(".", 1)[-1]
-        typer.echo(f"{layer.name}: {layer.status}  [{_fmt_size(layer.size)}, {kind}, {layer.entries} entries, {layer.digest[:19]}]")
+        _out(f"{layer.name}: {layer.status}  [{_fmt_size(layer.size)}, {kind}, {layer.entries} entries, {layer.digest[:19]}]")
     if not result.layers:
-        typer.echo("no changes against the base: the snapshot is the base image")
-    typer.echo(f"pushed {result.ref}")
+        _out("no changes against the base: the snapshot is the base image")
+    _out(f"pushed {result.ref}")
 
 
 @app.command()
@@ -267,7 +274,7 @@ def restore(
         doc["ref"] = str(result.ref)
         typer.echo(json.dumps(doc, indent=2))
         return
-    typer.echo(f"restored {result.ref} into {root}: {len(result.applied)} layer(s) applied"
+    _out(f"restored {result.ref} into {root}: {len(result.applied)} layer(s) applied"
                f"{f', {result.resumed} already applied' if result.resumed else ''}"
                f"{f', {result.skipped_layers} already there (not downloaded)' if result.skipped_layers else ''}, "
                f"{result.files} files, {_fmt_size(result.bytes)}")
@@ -302,7 +309,7 @@ def run_image(
     result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
                     env=env or [], name=name, detach=detach, transport=transport, log=_say)
     if detach:
-        typer.echo(result.container_id)
+        _out(result.container_id)
         return
     raise typer.Exit(result.exit_code or 0)
 
@@ -342,11 +349,11 @@ def verify(
                               indent=2))
     else:
         for d in result.differences:
-            typer.echo(str(d))
+            _out(str(d))
         for p in result.left_out_secrets:
-            typer.echo(f"left out (secret): {p!r}")
+            _out(f"left out (secret): {p!r}")
         if result.left_out_total > len(result.left_out_secrets):
-            typer.echo(f"left out (secret): {result.left_out_total - len(result.left_out_secrets)} more, "
+            _out(f"left out (secret): {result.left_out_total - len(result.left_out_secrets)} more, "
                        "not listed in the image")
     if not result.ok:
         raise VerifyFailed(f"{len(result.differences)} path(s) in {root} differ from {result.ref}",
@@ -355,10 +362,10 @@ def verify(
         return
     if result.left_out_total:
         # Not a difference (no restore can bring them back: the image never held them), not a plain match either.
-        typer.echo(f"verified {result.ref}: {root} matches ({result.checked} paths), except {result.left_out_total} "
+        _out(f"verified {result.ref}: {root} matches ({result.checked} paths), except {result.left_out_total} "
                    "path(s) the commit left out as secrets (not in the image)")
     else:
-        typer.echo(f"verified {result.ref}: {root} matches ({result.checked} paths)")
+        _out(f"verified {result.ref}: {root} matches ({result.checked} paths)")
 
 
 @app.command()
@@ -441,12 +448,12 @@ def log_(
         typer.echo(json.dumps([asdict(s) for s in snaps], indent=2))
         return
     for s in snaps:
-        typer.echo(f"{', '.join(s.tags)}  {s.created.replace('T', ' ').replace('Z', ' UTC')}  {_fmt_size(s.size)}  "
+        _out(f"{', '.join(s.tags)}  {s.created.replace('T', ' ').replace('Z', ' UTC')}  {_fmt_size(s.size)}  "
                    f"{s.digest[:19]}  base {s.base}")
         for layer in s.new:
-            typer.echo(f"    new: {layer.label}  {_fmt_size(layer.size)}")
+            _out(f"    new: {layer.label}  {_fmt_size(layer.size)}")
         if not s.new:
-            typer.echo("    no new layers")
+            _out("    no new layers")
 
 
 @app.command()
@@ -475,9 +482,9 @@ def status(
         return
     for layer in st.layers:
         what = "changed, would send" if layer.changed else "unchanged, skipped"
-        typer.echo(f"{layer.label}: {what}  [{_fmt_size(layer.size)}, {layer.entries} entries]")
+        _out(f"{layer.label}: {what}  [{_fmt_size(layer.size)}, {layer.entries} entries]")
     changed = sum(1 for layer in st.layers if layer.changed)
-    typer.echo(f"{changed} of {len(st.layers)} layer(s) changed against base {st.base}, "
+    _out(f"{changed} of {len(st.layers)} layer(s) changed against base {st.base}, "
                f"{_fmt_size(st.to_send)} of files to send; {st.deleted} deleted path(s)")
 
 
@@ -489,7 +496,7 @@ def list_profiles():
 
     for name in available_profiles():
         p = load_profile(name)
-        typer.echo(f"{name}: layers {', '.join(p.layer_names)}")
+        _out(f"{name}: layers {', '.join(p.layer_names)}")
 
 
 def main() -> None:

@@ -8,10 +8,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from snapshotter.errors import NotFound, UsageError
-from snapshotter.oci.image import BASE_NAME, CREATED, SNAP_BASE_LAYERS, snap_label
+from snapshotter.digests import DIGEST
+from snapshotter.errors import IntegrityError, NotFound, RegistryError, UsageError
+from snapshotter.oci.image import BASE_NAME, CREATED, SNAP_BASE_LAYERS, manifest_annotations, snap_label, snapshot_layers_of
 from snapshotter.oci.mediatypes import MANIFEST_TYPES
-from snapshotter.oci.reference import Reference
+from snapshotter.oci.reference import Reference, is_tag
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.statcache import last_base
@@ -44,7 +45,11 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None) -> l
     remote = Remote(ref, transport)
     by_digest: dict[str, list[str]] = {}
     for tag in remote.list_tags():
+        if not is_tag(tag):
+            raise RegistryError(f"the registry lists a malformed tag {tag!r} in {ref.name}")  # repr: escaped
         digest = remote.manifest_digest(tag)
+        if digest is not None and not (isinstance(digest, str) and DIGEST.fullmatch(digest)):
+            raise RegistryError(f"the registry names {ref.name}:{tag} by a malformed digest {digest!r}")
         if digest:
             by_digest.setdefault(digest, []).append(tag)
     found = []
@@ -54,14 +59,21 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None) -> l
             doc = json.loads(body)
         except ValueError:
             continue
-        ann = doc.get("annotations") or {}
-        if (media or doc.get("mediaType")) not in MANIFEST_TYPES or SNAP_BASE_LAYERS not in ann:
-            continue  # not a snapshot (a base image, an index)
-        layers = doc.get("layers") or []
-        ours = layers[int(ann[SNAP_BASE_LAYERS]):]
+        if not isinstance(doc, dict) or (media or doc.get("mediaType")) not in MANIFEST_TYPES:
+            continue  # not a snapshot (an index)
+        where = f"image {ref.name}@{digest}"
+        layers, config = doc.get("layers") or [], doc.get("config") or {}
+        if not (isinstance(layers, list) and isinstance(config, dict) and type(config.get("size", 0)) is int
+                and all(isinstance(d, dict) and type(d.get("size", 0)) is int and isinstance(d.get("digest", ""), str)
+                        for d in layers)):
+            raise IntegrityError(f"{where} has a malformed manifest (config or layers): refusing a hostile image")
+        ann = manifest_annotations(doc, where)
+        if SNAP_BASE_LAYERS not in ann:
+            continue  # not a snapshot (a base image)
+        ours = layers[len(layers) - snapshot_layers_of(doc, where):]
         found.append(SnapshotInfo(
             sorted(tags, key=lambda t: (t == ref.tag, t)), digest, ann.get(CREATED, ""),
-            sum(d.get("size", 0) for d in layers) + doc.get("config", {}).get("size", 0), ann.get(BASE_NAME, ""),
+            sum(d.get("size", 0) for d in layers) + config.get("size", 0), ann.get(BASE_NAME, ""),
             [LayerInfo(snap_label(d), d.get("size", 0), d.get("digest", "")) for d in ours]))
     if not found:
         raise NotFound(f"no snapshots in {ref.name}", "snap commit or snap watch pushes them")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from snapshotter.digests import DIGEST, sha256_digest
 from snapshotter.errors import IntegrityError, UsageError, printable
 
-from .mediatypes import OCI_CONFIG, OCI_MANIFEST, oci_media_type
+from .mediatypes import OCI_CONFIG, OCI_MANIFEST, compression_of, oci_media_type
 
 if TYPE_CHECKING:  # imported for the annotation only
     from .reference import Reference
@@ -43,6 +43,13 @@ class Image:
     manifest_bytes: bytes
     manifest_digest: str
     config_bytes: bytes
+
+    def __post_init__(self) -> None:
+        """Every annotation snap may read is checked once, here: a malformed one is refused (exit 6),
+        never met later as an internal error."""
+        doc = self.manifest
+        if isinstance(doc, dict):
+            manifest_annotations(doc, f"image {self.ref}")
 
     @property
     def manifest(self) -> dict:
@@ -146,16 +153,41 @@ def snapshot_manifest(base: Optional[Image], base_name: Optional[str], config: b
     return canonical(manifest)
 
 
-def snapshot_layer_count(image: Image) -> int:
-    """How many of an image's layers snap added (0 for an image snap did not make)."""
-    ann = image.manifest.get("annotations", {})
+def annotations_of(doc: dict, where: str) -> dict[str, str]:
+    """The annotations of a manifest or a descriptor ({} when it has none): a map of strings to
+    strings, as the image-spec wants; any other JSON (a number, a list, a nested object) is refused."""
+    ann = doc.get("annotations")
+    if ann is None:
+        return {}
+    if not isinstance(ann, dict) or not all(isinstance(v, str) for v in ann.values()):
+        raise IntegrityError(f"{where} has malformed annotations (not a map of strings): refusing a hostile image")
+    return ann
+
+
+def manifest_annotations(doc: dict, where: str) -> dict[str, str]:
+    """A manifest's annotations, after checking its layers' annotations too (annotations_of)."""
+    layers = doc.get("layers")
+    for i, d in enumerate(layers if isinstance(layers, list) else []):
+        if isinstance(d, dict):
+            annotations_of(d, f"layer {i + 1} of {where}")
+    return annotations_of(doc, where)
+
+
+def snapshot_layers_of(doc: dict, where: str) -> int:
+    """How many of a manifest's layers snap added (0 for an image snap did not make); refused when
+    its annotation says more than it has."""
+    ann, n = manifest_annotations(doc, where), len(doc.get("layers") or [])
     if SNAP_BASE_LAYERS not in ann:
         return 0
     base = ann[SNAP_BASE_LAYERS]
-    if not (isinstance(base, str) and base.isascii() and base.isdigit() and int(base) <= len(image.layers)):
-        raise IntegrityError(f"image {image.ref} says {SNAP_BASE_LAYERS}={base!r} but has {len(image.layers)} layers: "
-                             "refusing a hostile image")
-    return len(image.layers) - int(base)
+    if not (base.isascii() and base.isdigit() and int(base) <= n):
+        raise IntegrityError(f"{where} says {SNAP_BASE_LAYERS}={base!r} but has {n} layers: refusing a hostile image")
+    return n - int(base)
+
+
+def snapshot_layer_count(image: Image) -> int:
+    """How many of an image's layers snap added (0 for an image snap did not make)."""
+    return snapshot_layers_of(image.manifest, f"image {image.ref}")
 
 
 def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
@@ -169,6 +201,7 @@ def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, st
         if not (isinstance(d, dict) and isinstance(d.get("digest"), str) and DIGEST.fullmatch(d["digest"])
                 and type(d.get("size")) is int and d["size"] >= 0 and isinstance(d.get("mediaType"), str)):
             raise IntegrityError(f"image {image.ref} has a malformed descriptor for layer {i + 1}: refusing it")
+        compression_of(d["mediaType"])  # an unknown type: refused before anything is read
     start = 0
     if only_snapshot:
         n = snapshot_layer_count(image)
@@ -180,7 +213,7 @@ def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, st
 
 def snap_label(desc: dict) -> str:
     """How commit named a layer: 'venv', 'models (bundle 2)', ...; '' for a layer snap did not make."""
-    ann = desc.get("annotations", {})
+    ann = annotations_of(desc, "a layer")
     if SNAP_LAYER not in ann:
         return ""
     return f"{ann[SNAP_LAYER]} ({ann[SNAP_CONTENT]})" if SNAP_CONTENT in ann else ann[SNAP_LAYER]
@@ -200,7 +233,7 @@ def secrets_annotations(paths: list[str]) -> dict:
 def left_out_secrets(manifest: dict) -> tuple[list[str], int]:
     """(the secret paths listed in an image's manifest, how many were left out in all); a malformed
     annotation (not snap's) lists nothing."""
-    ann = manifest.get("annotations") or {}
+    ann = annotations_of(manifest, "the image")
     try:
         listed = json.loads(ann.get(SNAP_SECRETS, "[]"))
         total = int(ann.get(SNAP_SECRETS_COUNT, len(listed)))

@@ -1,6 +1,6 @@
 """Every media type snap reads or writes, in one place: manifests, indexes, configs and layers."""
 
-from snapshotter.errors import UsageError
+from snapshotter.errors import IntegrityError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -34,14 +34,15 @@ SKELETON_ARTIFACT = "application/vnd.dev.snap.skeleton.v1"
 
 
 def compression_of(media_type: str) -> str:
-    """'none' | 'gzip' | 'zstd' for a layer media type."""
+    """'none' | 'gzip' | 'zstd' for a layer media type; any other type is refused (a layer snap does
+    not know how to read is never sniffed and applied)."""
     if media_type in (LAYER_TAR, DOCKER_LAYER_TAR, NONDISTRIBUTABLE_TAR):
         return "none"
     if media_type in (LAYER_GZIP, DOCKER_LAYER_GZIP, NONDISTRIBUTABLE_TAR + "+gzip"):
         return "gzip"
     if media_type in (LAYER_ZSTD, NONDISTRIBUTABLE_TAR + "+zstd"):
         return "zstd"
-    raise UsageError(f"unsupported layer media type {media_type}")
+    raise IntegrityError(f"unsupported layer media type {media_type!r}: refusing the layer")  # repr: escaped
 
 
 def oci_media_type(media_type: str) -> str:

@@ -40,7 +40,13 @@ _DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}
 _REFERENCE_RE = re.compile(
     rf"(?P<name>(?:{_DOMAIN_AND_PORT}/)?{_REMOTE_NAME})(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?")
 _NAME_RE = re.compile(rf"(?:(?P<domain>{_DOMAIN_AND_PORT})/)?(?P<path>{_REMOTE_NAME})")
+_TAG_RE = re.compile(_TAG)
 _IDENTIFIER_RE = re.compile(r"[a-f0-9]{64}")  # a bare image ID: not a name
+
+
+def is_tag(text) -> bool:
+    """Is `text` a tag as distribution spells them (what a registry's tag list may hold)?"""
+    return isinstance(text, str) and _TAG_RE.fullmatch(text) is not None
 
 
 def api_host(registry: str) -> str:

@@ -27,11 +27,11 @@ from snapshotter import progress
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
 from snapshotter.box.profile import Profile, load_profile
 from snapshotter.box.scan import file_head
-from snapshotter.digests import file_digest, hasher_digest
-from snapshotter.errors import UsageError
+from snapshotter.digests import chunks_digest, file_digest, hasher_digest
+from snapshotter.errors import IntegrityError, UsageError, quoted_path
 from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, clean_path, entry_from_member,
                                      entry_from_stat, self_and_parents)
-from snapshotter.index.indexer import apply_layer_to_index
+from snapshotter.index.indexer import ImageIndexer, apply_layer_to_index
 from snapshotter.layer.plan import parse_part_name
 from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
 from snapshotter.oci.reference import Reference
@@ -41,9 +41,10 @@ from snapshotter.tar.compress import IterReader, check_layer
 from snapshotter.tar.reader import data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 
-from .parts import part_links
+from .parts import part_files, part_links
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits (limits.h), in bytes
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Difference:
 
     def __str__(self) -> str:
         # A name with a newline or a control character in it is quoted: it cannot forge a line.
-        return f"{self.path if self.path.isprintable() else repr(self.path)}: {self.detail}"
+        return f"{self.path if self.path.isprintable() else quoted_path(self.path)}: {self.detail}"
 
 
 @dataclass
@@ -94,6 +95,8 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
     layers = select_layers(image, only_snapshot)
     links = part_links(layers)
+    for rel in (*part_files(layers), *links, *(n for names in links.values() for n in names)):
+        _check_fits(rel)  # the part annotations restore refuses are refused here too
     for i, desc, diff_id in layers:
         label = layer_label(desc, i)
 
@@ -102,7 +105,7 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
 
         def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
             if SNAP_PART_FILE in desc.get("annotations", {}):
-                _apply_part_layer(index, stream, joins, links, label)
+                deleted.update(_apply_part_layer(index, stream, joins, links, label))
             else:
                 deleted.update(apply_layer_to_index(index, stream, f"layer {label}"))
 
@@ -110,19 +113,34 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
             blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar), desc["size"]))
             check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
         deleted -= index.keys()
+    for rel in (*index, *deleted):
+        _check_fits(rel)
     return index, deleted
 
 
-def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[str, list[str]], label: str) -> None:
+def _check_fits(rel: str) -> None:
+    """Refuse a path no directory can hold as named (one too long, one with a newline): what it
+    would be compared with is nothing a restore could have written."""
+    raw = rel.encode("utf-8", "surrogateescape")
+    if b"\n" in raw:
+        raise IntegrityError(f"the image has a path with a newline, {quoted_path(rel)}: refusing a hostile image")
+    if len(raw) >= PATH_MAX or any(len(part) > NAME_MAX for part in raw.split(b"/")):
+        raise IntegrityError(f"the image has a path too long for a file system ({len(raw)} bytes, "
+                             f"{quoted_path(rel[:64])}...): refusing a hostile image")
+
+
+def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[str, list[str]],
+                      label: str) -> set[str]:
     """A layer holding one part of a file cut at the layer size cap: hash it into the joined file,
-    which is what restore leaves at the path once the last part is in (and at its other names)."""
+    which is what restore leaves at the path once the last part is in (and at its other names).
+    Its other members are indexed with the indexer's checks (hardlinks, whiteouts, symlinks), as in
+    any layer. Returns the paths it removed."""
+    indexer = ImageIndexer(index)
     for reader, m in iter_members(stream, f"layer {label}"):
         rel = check_name(m.name)
         part = parse_part_name(rel) if m.isreg() else None
         if part is None:
-            e = entry_from_member(m, rel) if rel else None
-            if e is not None:
-                index[rel] = e
+            indexer.add(m, lambda: chunks_digest(data_chunks(reader)))
             continue
         path, i, n = part
         h, size = joins.pop(path) if i > 1 and path in joins else (hashlib.sha256(), 0)
@@ -137,6 +155,7 @@ def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[
         index[path] = e
         for name in links.get(path, ()):
             index[name] = replace(e, path=name)
+    return indexer.end_layer()
 
 
 # ---- comparing ------------------------------------------------------------------------------

@@ -157,11 +157,7 @@ def sniff_compression(head: bytes) -> Optional[str]:
 
 def label_mismatch(media_type: str, actual: str) -> Optional[str]:
     """A one-line note when a layer's media type says another compression than its bytes."""
-    try:
-        said = compression_of(media_type)
-    except UsageError:
-        said = None
-    if said == actual:
+    if compression_of(media_type) == actual:
         return None
     name = {"none": "a plain tar", "gzip": "gzip", "zstd": "zstd"}[actual]
     return f"labelled {media_type} but its bytes are {name} (relabelled by a tool such as docker push): read as {name}"
@@ -202,6 +198,7 @@ def decompressing_reader(raw: BinaryIO, media_type: str, note: Optional[Callable
     """The uncompressed tar stream of a layer blob, decompressed by what its bytes are (zstd, gzip or
     a plain tar), not by its media type: `docker push` relabels plain-tar layers as gzip. `note`
     gets one line when the label and the bytes disagree."""
+    compression_of(media_type)  # an unknown type is refused (one of snap's known types here), not sniffed
     head = stream_head(raw)
     kind = sniff_compression(head)
     if kind is None:

@@ -26,7 +26,7 @@ from snapshotter.box.writers import being_written, last_change, open_for_writing
 from snapshotter.commit.commit import changes_in, own_excludes, plan_commit, scan_root
 from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan
 from snapshotter.commit.push import NOT_SENT_TORN, push_commit, push_layers, target_remote
-from snapshotter.errors import AuthError, SnapError, UsageError
+from snapshotter.errors import AuthError, SnapError, UsageError, printable
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.layer.plan import PlanMemo
 from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
@@ -578,7 +578,7 @@ def exit_now(code: int) -> None:
 def log_line(msg: str, stream=None) -> None:
     """A watch log line: UTC time first (the daemon's log is read after the fact)."""
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    out = stream or sys.stderr
+    out, msg = stream or sys.stderr, printable(msg)  # escaped: it carries names from the box and the registry
     out.write(f"{stamp} {msg}\n" if not msg.startswith("snap: error: ") else f"{msg}\n")
     out.flush()
 
