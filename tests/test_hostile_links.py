@@ -160,3 +160,16 @@ def test_a_planted_staging_dir_of_another_user_is_not_written_through(registry, 
     assert (jail.root / "f").read_bytes() == b"f\n"
     assert "a directory of uid 1000, which this restore did not make: replaced" in r.stderr, r.stderr
     assert not os.path.lexists(planted)
+
+
+def test_a_path_the_restore_never_writes_is_not_written_through_a_symlink_either(registry, jail, request):
+    """The profile's never-written paths (/etc/hostname: the new host's) and the staging dirs are
+    kept by where a member lands, not by its name: a layer's symlink to /etc does not reach them."""
+    (jail.root / "etc").mkdir(parents=True)
+    (jail.root / "etc/hostname").write_bytes(b"this-box\n")
+    ref = push(registry, request, tar_bytes(member("e", "symlink", linkname="/etc"),
+                                            member("e/hostname", data=b"hostile\n"),
+                                            member("e/motd", data=b"hello\n")))
+    jail.ok(jail.restore(ref))
+    assert (jail.root / "etc/hostname").read_bytes() == b"this-box\n"
+    assert (jail.root / "etc/motd").read_bytes() == b"hello\n"  # what the profile lets through still lands

@@ -113,6 +113,7 @@ class Extractor:
     def __init__(self, root: str, options: Optional[ExtractOptions] = None):
         os.makedirs(root, exist_ok=True)
         self.root = os.path.realpath(root)
+        self._root_prefix = os.path.join(self.root, "")  # a resolved path, less this, is root-relative
         self.opts = options or ExtractOptions()
         self.stats = ExtractStats()
         self._cleaned: set[str] = set()  # directories already swept for stale temp files this run
@@ -339,6 +340,10 @@ class Extractor:
                 self.stats.skipped_device("/" + rel)
                 return  # skipped before anything is touched: the path keeps what lower layers put there
         pdir, path = self._locate(rel)
+        landed = path[len(self._root_prefix):]
+        if landed != rel and self._never.match(landed) and self._leave_alone(landed, m):
+            self.stats.left_alone += 1  # reached through a symlink: where it lands decides, not its name
+            return
         self._note_parent(pdir)
         try:
             # In a directory this layer created, only what this layer wrote (or made on the way: a
