@@ -80,7 +80,7 @@ class Transport:
         self.session.mount("http://", _TimeoutAdapter())
         self.session.mount("https://", _TimeoutAdapter())
         self.auth = authenticator(found.auth_kind, registry, repository, self.options.credentials_for(registry),
-                                  self.session, self.scheme == "http", verify)
+                                  self.session, self.scheme, verify)
 
     def request(self, method: str, url: str, resend: bool = True, **kw) -> requests.Response:
         """One registry request, with who we are (a token renewed once if the registry asks),
