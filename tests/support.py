@@ -792,22 +792,7 @@ class FaultProxy(_ThreadedServer):
                     pass
                 proxy._log(method, path, status)
                 pieces = list(pieces) if length else pieces
-                self.send_response_only(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                if length:
-                    self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
-                else:
-                    self.send_header("Connection", "close")
-                    self.close_connection = True
-                self.end_headers()
-                if method == "HEAD":
-                    return
-                for piece in pieces:
-                    try:
-                        self.wfile.write(piece)
-                    except OSError:
-                        return  # the client hung up
+                _answer(self, status, headers, pieces, length)
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 
@@ -829,7 +814,6 @@ class HostileServer(_ThreadedServer):
         self.seen: list[tuple[str, str, Optional[str]]] = []
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
-        self.scheme = "https" if workdir else "http"
         if workdir:
             import ssl
             cert, key = os.path.join(workdir, "hostile-cert.pem"), os.path.join(workdir, "hostile-key.pem")
@@ -843,10 +827,6 @@ class HostileServer(_ThreadedServer):
     def host(self) -> str:
         return f"127.0.0.1:{self._httpd.server_address[1]}"
 
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://{self.host}"
-
     def _handler(self):
         server = self
 
@@ -858,19 +838,7 @@ class HostileServer(_ThreadedServer):
                 while left > 0:
                     left -= len(self.rfile.read(min(left, 1 << 16)) or b"\0" * left)
                 server.seen.append((self.command, self.path, self.headers.get("Authorization")))
-                status, headers, pieces = server.answer(self.command, self.path)
-                self.send_response_only(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
-                self.end_headers()
-                if self.command == "HEAD":
-                    return
-                for piece in pieces:
-                    try:
-                        self.wfile.write(piece)
-                    except OSError:
-                        return  # the client hung up
+                _answer(self, *server.answer(self.command, self.path))
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 
@@ -878,6 +846,27 @@ class HostileServer(_ThreadedServer):
                 pass
 
         return Handler
+
+
+def _answer(handler: BaseHTTPRequestHandler, status: int, headers: dict, pieces, length: bool = True) -> None:
+    """Answer with `pieces` as the body: with a Content-Length (their total: a list), or without
+    one, the end of the body being the end of the connection."""
+    handler.send_response_only(status)
+    for k, v in headers.items():
+        handler.send_header(k, v)
+    if length:
+        handler.send_header("Content-Length", str(sum(len(p) for p in pieces)))
+    else:
+        handler.send_header("Connection", "close")
+        handler.close_connection = True
+    handler.end_headers()
+    if handler.command == "HEAD":
+        return
+    for piece in pieces:
+        try:
+            handler.wfile.write(piece)
+        except OSError:
+            return  # the client hung up
 
 
 class _Cut(Exception):

@@ -82,18 +82,14 @@ def challenging(registry: HostileServer, challenge: str) -> None:
     registry.answer = lambda method, path: (401, {"WWW-Authenticate": challenge, **JSON}, [b'{"errors": []}'])
 
 
-@pytest.fixture(scope="module")
-def basic_registry(tmp_path_factory):
-    reg = RegistryServer(str(tmp_path_factory.mktemp("basic-registry")), auth=(USER, PASSWORD)).start()
-    yield reg
-    reg.stop()
-
-
 @pytest.fixture
-def basic_proxy(basic_registry):
-    p = FaultProxy(basic_registry.host).start()
-    yield p
-    p.stop()
+def basic_proxy(tmp_path):
+    """A FaultProxy in front of a registry with htpasswd auth (plain http): Basic credentials up front."""
+    reg = RegistryServer(str(tmp_path / "basic-registry"), auth=(USER, PASSWORD)).start()
+    front = FaultProxy(reg.host).start()
+    yield front
+    front.stop()
+    reg.stop()
 
 
 def with_credentials(host: str, repo: str) -> Remote:
@@ -130,7 +126,7 @@ def test_credentials_stay_off_a_next_page_on_another_host(basic_proxy, hostile, 
 
 def test_credentials_go_to_no_realm_over_plain_http_from_a_tls_registry(hostile, tmp_path):
     registry, tokens = hostile(str(tmp_path)), hostile()
-    challenging(registry, f'Bearer realm="{tokens.url}/token",service="s"')
+    challenging(registry, f'Bearer realm="http://{tokens.host}/token",service="s"')
     tokens.answer = lambda method, path: (200, JSON, [b'{"token": "t"}'])
     r = snap("log", f"{registry.host}/box", "--insecure-tls", env={"SNAP_USERNAME": USER, "SNAP_PASSWORD": PASSWORD})
     assert_one_line_error(r, 4, "plain http", repr("127.0.0.1"))
@@ -181,7 +177,7 @@ def test_a_blob_redirect_to_a_metadata_address_is_refused_before_connecting(regi
 @pytest.mark.parametrize("lie", ["no-realm", "list", "not-json", "token-not-a-string", "huge"])
 def test_a_lying_token_service_is_one_line(hostile, tmp_path, lie):
     registry, tokens = hostile(), hostile()
-    challenging(registry, 'Bearer service="s"' if lie == "no-realm" else f'Bearer realm="{tokens.url}/t",service="s"')
+    challenging(registry, 'Bearer service="s"' if lie == "no-realm" else f'Bearer realm="http://{tokens.host}/t",service="s"')
     body = {"list": [b'["token", "t"]'], "not-json": [b"\xff not json"], "token-not-a-string": [b'{"token": 5}'],
             "huge": [b" " * (1 << 20)] * 300}.get(lie, [])
     tokens.answer = lambda method, path: (200, JSON, body)

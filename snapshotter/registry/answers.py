@@ -18,17 +18,23 @@ ANSWER_LIMIT = 4 << 20  # bytes of any other answer read whole (a tags page, an 
 ANSWER_READ_S = 60  # seconds it may take to arrive
 
 
+def json_object(body: bytes) -> Optional[dict]:
+    """`body` as a JSON object; None if it is not one (not JSON, a list, a number)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def check(r: requests.Response, what: str) -> None:
     """A RegistryError with the registry's own error codes, for an answer that is not a success.
     Whatever the body's size or shape (a hostile registry's), the message is one printable line."""
     if r.status_code < 300:
         return
     body = _error_body(r)
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    errors = doc.get("errors") if isinstance(doc, dict) else None
+    doc = json_object(body)
+    errors = doc.get("errors") if doc is not None else None
     if isinstance(errors, list) and any(isinstance(e, dict) for e in errors):
         detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
     else:

@@ -9,7 +9,6 @@ requests are ours, bounded and checked."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import urllib.parse
@@ -20,7 +19,7 @@ import requests
 
 from snapshotter.errors import AuthError, RegistryError
 
-from .answers import read_capped
+from .answers import json_object, read_capped
 from .destinations import check_destination
 
 Send = Callable[[dict], requests.Response]  # one request with these headers
@@ -139,11 +138,8 @@ class Bearer(_Auth):
                 body = read_capped(r, TOKEN_LIMIT, what, AuthError)
         except RegistryError as e:  # a redirect of the realm that destinations.py refuses
             raise AuthError(str(e)) from None
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            doc = None
-        if not isinstance(doc, dict):
+        doc = json_object(body)
+        if doc is None:
             raise AuthError(f"{what} is not a JSON object")
         token = doc.get("token") or doc.get("access_token")
         if token is None:

@@ -11,7 +11,6 @@ writer reopen each on the registry) and its download does not check the digest.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import re
@@ -28,7 +27,7 @@ from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from snapshotter.oci.reference import Reference
 
-from .answers import check, short_error
+from .answers import check, json_object, short_error
 from .transport import Transport, TransportOptions
 from .upload import PIECE_SIZE, upload
 
@@ -286,11 +285,8 @@ class Remote:
 
 
 def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dict:
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
+    doc = json_object(body)
+    if doc is None:
         raise error(f"the registry returned a {what} that is not a JSON object")
     return doc
 
