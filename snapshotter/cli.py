@@ -95,19 +95,35 @@ def _errors(fn):
     return wrapper
 
 
+# The credential variables snap reads: taken out of its environment (_secret_env), so that no
+# process it starts (`restore --then`'s app, a credential helper) inherits them.
+SECRET_ENV = ("SNAP_USERNAME", "SNAP_PASSWORD")
+_secrets: dict[str, str] = {}
+
+
+def _secret_env() -> dict[str, str]:
+    """SECRET_ENV's values, removed from os.environ (and so from every child's environment) the
+    first time they are seen."""
+    for name in SECRET_ENV:
+        if name in os.environ:
+            _secrets[name] = os.environ.pop(name)
+    return _secrets
+
+
 def _transport(plain_http: bool, ca_cert: Optional[str], insecure: bool, username: Optional[str],
                password_stdin: bool) -> TransportOptions:
     password = None
+    secrets = _secret_env()
     if password_stdin:
         if username is None:
             raise UsageError("--password-stdin needs --username")
         password = sys.stdin.readline().rstrip("\r\n")
     elif username is not None:
-        password = os.environ.get("SNAP_PASSWORD")
+        password = secrets.get("SNAP_PASSWORD")
         if password is None:
             raise UsageError("--username needs a password", "pipe it to --password-stdin, or set SNAP_PASSWORD")
     else:
-        username, password = _env_credentials()
+        username, password = _env_credentials(secrets)
     if ca_cert and not os.path.isfile(ca_cert):
         raise UsageError(f"CA certificate {ca_cert} does not exist")
     return TransportOptions(
@@ -118,10 +134,10 @@ def _transport(plain_http: bool, ca_cert: Optional[str], insecure: bool, usernam
     )
 
 
-def _env_credentials() -> tuple:
+def _env_credentials(secrets: dict[str, str]) -> tuple:
     """SNAP_USERNAME and SNAP_PASSWORD, both or neither: where a provider puts its secrets (a box it
     starts has no `docker login`). An empty variable counts as unset (a template's blank secret)."""
-    username, password = os.environ.get("SNAP_USERNAME") or None, os.environ.get("SNAP_PASSWORD") or None
+    username, password = secrets.get("SNAP_USERNAME") or None, secrets.get("SNAP_PASSWORD") or None
     if (username is None) != (password is None):
         given, missing = ("SNAP_USERNAME", "SNAP_PASSWORD") if username is not None else ("SNAP_PASSWORD", "SNAP_USERNAME")
         raise UsageError(f"{given} is set but {missing} is not", "set both, or neither to use Docker's config")
@@ -500,6 +516,7 @@ def list_profiles():
 
 
 def main() -> None:
+    _secret_env()  # before anything can start a process
     app()
 
 

@@ -792,22 +792,7 @@ class FaultProxy(_ThreadedServer):
                     pass
                 proxy._log(method, path, status)
                 pieces = list(pieces) if length else pieces
-                self.send_response_only(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                if length:
-                    self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
-                else:
-                    self.send_header("Connection", "close")
-                    self.close_connection = True
-                self.end_headers()
-                if method == "HEAD":
-                    return
-                for piece in pieces:
-                    try:
-                        self.wfile.write(piece)
-                    except OSError:
-                        return  # the client hung up
+                _answer(self, status, headers, pieces, length)
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 
@@ -815,6 +800,73 @@ class FaultProxy(_ThreadedServer):
                 pass
 
         return Handler
+
+
+class HostileServer(_ThreadedServer):
+    """A lying HTTP server on 127.0.0.1 (over TLS with a self-signed certificate if `workdir` is
+    given), in a thread of the test process: a registry's front, its token service, or the other
+    host that a registry's answer points at. `answer(method, path)` returns (status, headers,
+    body pieces), sent with their total as Content-Length (default: 404). Each request is noted
+    in `seen` as (method, path, its Authorization header or None)."""
+
+    def __init__(self, workdir: Optional[str] = None):
+        self.answer: Callable[[str, str], tuple[int, dict, list[bytes]]] = lambda method, path: (404, {}, [])
+        self.seen: list[tuple[str, str, Optional[str]]] = []
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd.daemon_threads = True
+        if workdir:
+            import ssl
+            cert, key = os.path.join(workdir, "hostile-cert.pem"), os.path.join(workdir, "hostile-key.pem")
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                            "-subj", "/CN=127.0.0.1", "-keyout", key, "-out", cert], check=True, capture_output=True)
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(cert, key)
+            self._httpd.socket = ctx.wrap_socket(self._httpd.socket, server_side=True)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self._httpd.server_address[1]}"
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _any(self):
+                left = int(self.headers.get("Content-Length") or 0)
+                while left > 0:
+                    left -= len(self.rfile.read(min(left, 1 << 16)) or b"\0" * left)
+                server.seen.append((self.command, self.path, self.headers.get("Authorization")))
+                _answer(self, *server.answer(self.command, self.path))
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+
+def _answer(handler: BaseHTTPRequestHandler, status: int, headers: dict, pieces, length: bool = True) -> None:
+    """Answer with `pieces` as the body: with a Content-Length (their total: a list), or without
+    one, the end of the body being the end of the connection."""
+    handler.send_response_only(status)
+    for k, v in headers.items():
+        handler.send_header(k, v)
+    if length:
+        handler.send_header("Content-Length", str(sum(len(p) for p in pieces)))
+    else:
+        handler.send_header("Connection", "close")
+        handler.close_connection = True
+    handler.end_headers()
+    if handler.command == "HEAD":
+        return
+    for piece in pieces:
+        try:
+            handler.wfile.write(piece)
+        except OSError:
+            return  # the client hung up
 
 
 class _Cut(Exception):

@@ -1,6 +1,6 @@
 """What a registry's answers say: a failure as one printable line with the registry's own error
-codes (check), read within bounds whatever a hostile registry sends, and the short reason of a
-requests/urllib3 error (short_error)."""
+codes (check), every body read within bounds whatever a hostile registry sends (read_answer,
+read_capped), and the short reason of a requests/urllib3 error (short_error)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,21 @@ from typing import Optional
 
 import requests
 
-from snapshotter.errors import RegistryError, printable
+from snapshotter.errors import RegistryError, RegistryUnreachable, SnapError, printable
 
 ERROR_BODY_LIMIT = 16 * 1024  # bytes of an error answer read for its message; the rest is dropped
 ERROR_READ_S = 5  # seconds spent reading them from a registry that drips
+ANSWER_LIMIT = 4 << 20  # bytes of any other answer read whole (a tags page, an upload's answer)
+ANSWER_READ_S = 60  # seconds it may take to arrive
+
+
+def json_object(body: bytes) -> Optional[dict]:
+    """`body` as a JSON object; None if it is not one (not JSON, a list, a number)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def check(r: requests.Response, what: str) -> None:
@@ -22,16 +33,44 @@ def check(r: requests.Response, what: str) -> None:
     if r.status_code < 300:
         return
     body = _error_body(r)
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    errors = doc.get("errors") if isinstance(doc, dict) else None
+    doc = json_object(body)
+    errors = doc.get("errors") if doc is not None else None
     if isinstance(errors, list) and any(isinstance(e, dict) for e in errors):
         detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
     else:
         detail = body[:200].decode(errors="replace")
     raise RegistryError(f"{what} failed: HTTP {r.status_code} {printable(detail.strip())[:500]}".strip())
+
+
+def read_answer(r: requests.Response, what: str) -> None:
+    """Read a streamed answer's body within bounds, for r.content and r.text to give: an error's
+    first ERROR_BODY_LIMIT bytes (the rest dropped), any other's whole if it is at most
+    ANSWER_LIMIT bytes (else a RegistryError: requests alone would read gigabytes into memory)."""
+    body = _error_body(r) if r.status_code >= 300 else read_capped(r, ANSWER_LIMIT, what)
+    r._content, r._content_consumed = body, True  # requests' own cache of a body it has read
+
+
+def read_capped(r: requests.Response, limit: int, what: str, too_long: type[SnapError] = RegistryError,
+                seconds: float = ANSWER_READ_S) -> bytes:
+    """A streamed answer's body, refused (`too_long`) past `limit` bytes and (RegistryUnreachable)
+    once it has taken longer than `seconds` to arrive. `what`: the answer, in the messages."""
+    pieces: list[bytes] = []
+    got, deadline = 0, time.monotonic() + seconds
+    try:
+        while data := r.raw.read1(limit + 1 - got, decode_content=True):  # what has arrived, at most one byte too many
+            pieces.append(data)
+            got += len(data)
+            if got > limit:
+                r.close()
+                raise too_long(f"{what} is longer than the {limit} bytes it may have: refusing it")
+            if time.monotonic() > deadline:
+                r.close()
+                raise RegistryUnreachable(f"{what} took more than {seconds:.0f} s to arrive: giving up")
+    except SnapError:
+        raise
+    except Exception as e:  # noqa: BLE001 - urllib3's read errors are not requests' nor OSError
+        raise RegistryUnreachable(f"{what} broke off: {short_error(e)}") from None
+    return b"".join(pieces)
 
 
 def _error_body(r: requests.Response) -> bytes:

@@ -1,23 +1,30 @@
 """Who we are to a registry, on each request: Basic credentials sent up front, or a bearer token
 for the scopes the requests need (asked for with our credentials, or anonymously). The transport
-sends every request through one of these; nothing else sets an Authorization header.
+sends every request to the registry's own origin through one of these; nothing else sets an
+Authorization header.
 
-The bearer side is oras-py's public auth API (`oras.auth`: not `oras.provider`, whose import of
-jsonschema cost every restore's start ~0.1 s): its answer to a 401 challenge
-(`authenticate_request`) and its token requests (`request_token`)."""
+oras-py's public auth API (`oras.auth.utils`: not `oras.provider`, whose import of jsonschema
+cost every restore's start ~0.1 s) parses challenges and encodes Basic credentials; the token
+requests are ours, bounded and checked."""
 
 from __future__ import annotations
 
+import re
 import threading
+import urllib.parse
 from typing import Callable, Optional, Union
 
-import oras.auth
 import oras.auth.utils
 import requests
 
-from snapshotter.errors import AuthError
+from snapshotter.errors import AuthError, RegistryError
+
+from .answers import json_object, read_capped
+from .destinations import check_destination
 
 Send = Callable[[dict], requests.Response]  # one request with these headers
+TOKEN_LIMIT = 1 << 20  # bytes of a token service's answer: its tokens are a few KiB
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # what an Authorization header can carry: no space, no newline
 
 
 class _Auth:
@@ -50,47 +57,51 @@ class Basic(_Auth):
 
 class Bearer(_Auth):
     """A bearer token, shared by the threads that upload layers. A 401 is answered once with a
-    token for the challenge's scope, as oras's do_request does but without its retry decorator
-    (whose waits are minutes: retries are retry.py's)."""
+    token for the challenge's scope, as oras's authenticate_request does, but asked for here: the
+    realm is checked before it is reached (http(s) only, no metadata or link-local address; our
+    credentials over plain http only to a plain http registry's realm), and its answer read
+    within bounds and checked (oras reads any size and shape)."""
 
     def __init__(self, registry: str, repository: str, credentials: Optional[tuple[str, str]],
-                 session: requests.Session, insecure: bool, verify: Union[bool, str]):
+                 session: requests.Session, scheme: str, verify: Union[bool, str]):
         super().__init__(registry, repository, credentials)
-        self.backend = oras.auth.get_auth_backend("token", session, insecure, tls_verify=verify)
-        if credentials is not None:
-            self.backend.set_basic_auth(*credentials)  # sent to the token realm
+        self.session, self.scheme, self.verify = session, scheme, verify
+        self.basic = Basic(registry, repository, credentials).header  # sent to the token realm only
+        self.token: Optional[str] = None
         self._lock = threading.Lock()
         self._scopes: dict[str, set[str]] = {}  # "repository:box" -> actions, of every token asked for
 
     def send(self, send: Send, headers: dict) -> requests.Response:
-        headers.update(self.backend.get_auth_header())  # the token we hold, if any
+        token = self.token
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         r = send(headers)
-        if r.status_code != 401:
-            return r
-        try:
-            headers, changed = self.backend.authenticate_request(r, headers)
-        except oras.auth.AuthenticationException:
-            changed = False
-        if not changed:
-            raise self.refusal()
+        if r.status_code != 401 or token:
+            return r  # a token the registry turns away: the transport refreshes it (refresh)
+        challenge = r.headers.get("Www-Authenticate", "")
         r.close()
+        if not challenge.lower().startswith("bearer"):
+            raise self.refusal()
+        token = self._request_token(oras.auth.utils.parse_auth_header(challenge))
+        if not token:
+            raise self.refusal()
+        self.token = token
+        headers["Authorization"] = f"Bearer {token}"
         return send(headers)
 
     def refresh(self, r: requests.Response) -> bool:
-        """A 401 with a Bearer challenge after oras sent its token: the token lacks the scope this
-        request needs (a pull token on a push: error="insufficient_scope") or it expired. oras
-        keeps one token and would send it again. Get a new one for the challenge's scope (e.g.
-        repository:box:pull,push) joined with the scopes of the tokens before it, so that it
-        replaces the old one for every later request, pulls included. True if there is a new
-        token to try (ours, or one another thread got meanwhile)."""
-        backend = self.backend
+        """A 401 with a Bearer challenge after we sent a token: the token lacks the scope this
+        request needs (a pull token on a push: error="insufficient_scope") or it expired. Get a
+        new one for the challenge's scope (e.g. repository:box:pull,push) joined with the scopes
+        of the tokens before it, so that it replaces the old one for every later request, pulls
+        included. True if there is a new token to try (ours, or one another thread got meanwhile)."""
         challenge = r.headers.get("Www-Authenticate", "")
         if not challenge.lower().startswith("bearer"):
             return False
         sent = r.request.headers.get("Authorization") if r.request is not None else None
         r.close()
         with self._lock:
-            if backend.token and sent != f"Bearer {backend.token}":
+            if self.token and sent != f"Bearer {self.token}":
                 return True  # another thread replaced the token after this request was sent
             h = oras.auth.utils.parse_auth_header(challenge)
             for one in (h.scope or "").split():
@@ -98,21 +109,49 @@ class Bearer(_Auth):
                 self._scopes.setdefault(resource, set()).update(a for a in actions.split(",") if a)
             if self._scopes:
                 h.scope = " ".join(f"{res}:{','.join(sorted(acts))}" for res, acts in sorted(self._scopes.items()))
-            # What oras's authenticate_request(refresh=True) does, without a moment with no token:
-            # other threads keep sending the old one until the new one is set.
-            try:
-                token = backend.request_token(h)
-            except oras.auth.AuthenticationException:
-                raise self.refusal() from None
+            # No moment without a token: other threads keep sending the old one until the new one is set.
+            token = self._request_token(h)
             if not token:
-                return False
-            backend.token = token
+                raise self.refusal()
+            self.token = token
             return True
+
+    def _request_token(self, h: oras.auth.utils.authHeader) -> Optional[str]:
+        """A token from the challenge's realm for its service and scope (with our credentials if
+        we have some); None if the realm turns us away. AuthError for a realm we may not reach or
+        an answer that is no token."""
+        if not h.realm:
+            raise AuthError(f"registry {self.registry!r} asks for a token but its challenge names no realm")
+        realm = h.realm if "://" in h.realm else f"{self.scheme}://{h.realm}"
+        check_destination(realm, AuthError)
+        host = repr(urllib.parse.urlsplit(realm).hostname)
+        if self.basic and realm.lower().startswith("http://") and self.scheme == "https":
+            raise AuthError(f"registry {self.registry!r} sends its token requests to {host} over plain http: "
+                            "refusing to send the credentials there without TLS")
+        params = {k: v for k, v in (("service", h.service), ("scope", h.scope)) if v}
+        what = f"the answer of token service {host}"
+        try:
+            with self.session.get(realm, params=params, headers={"Accept": "application/json", **self.basic},
+                                  verify=self.verify, stream=True) as r:
+                if r.status_code != 200:
+                    return None
+                body = read_capped(r, TOKEN_LIMIT, what, AuthError)
+        except RegistryError as e:  # a redirect of the realm that destinations.py refuses
+            raise AuthError(str(e)) from None
+        doc = json_object(body)
+        if doc is None:
+            raise AuthError(f"{what} is not a JSON object")
+        token = doc.get("token") or doc.get("access_token")
+        if token is None:
+            return None
+        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+            raise AuthError(f"{what} holds no valid token")
+        return token
 
 
 def authenticator(kind: str, registry: str, repository: str, credentials: Optional[tuple[str, str]],
-                  session: requests.Session, insecure: bool, verify: Union[bool, str]) -> Union[Basic, Bearer]:
-    """How to say who we are to a registry whose ping answered `kind` ("basic" or "token")."""
+                  session: requests.Session, scheme: str, verify: Union[bool, str]) -> Union[Basic, Bearer]:
+    """How to say who we are to a registry whose ping answered `kind` ("basic" or "token"), over `scheme`."""
     if kind == "basic":
         return Basic(registry, repository, credentials)
-    return Bearer(registry, repository, credentials, session, insecure, verify)
+    return Bearer(registry, repository, credentials, session, scheme, verify)

@@ -13,6 +13,7 @@ import requests
 from snapshotter.errors import RegistryUnreachable
 
 from .answers import short_error
+from .destinations import GuardedSession
 
 PING_TIMEOUT = 10
 
@@ -36,7 +37,9 @@ def ping(host: str, plain_http: Optional[bool], verify: Union[bool, str]) -> Pin
     first_error: Optional[Exception] = None
     for scheme in schemes:
         try:
-            r = requests.get(f"{scheme}://{host}/v2/", timeout=PING_TIMEOUT, verify=verify)
+            with GuardedSession() as s:  # streamed: only the status and headers are read, never the body
+                r = s.get(f"{scheme}://{host}/v2/", timeout=PING_TIMEOUT, verify=verify, stream=True)
+                r.close()
         except requests.exceptions.SSLError as e:
             first_error = e  # the TLS error is the real cause, whatever plain http said
             continue

@@ -11,7 +11,6 @@ writer reopen each on the registry) and its download does not check the digest.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import re
@@ -28,7 +27,7 @@ from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from snapshotter.oci.reference import Reference
 
-from .answers import check, short_error
+from .answers import check, json_object, short_error
 from .transport import Transport, TransportOptions
 from .upload import PIECE_SIZE, upload
 
@@ -36,6 +35,7 @@ ProgressFn = Optional[Callable[[int], None]]
 
 MAX_DOCUMENT_SIZE = 4 << 20  # manifests, indexes, configs: distribution's own cap on a manifest
 MAX_INDEX_DEPTH = 8  # an index that names an index ...: deeper chains are refused
+MAX_TAG_PAGES = 500  # of a tag list, 1000 tags each
 # Every download has an overall deadline: READ_GRACE_S plus its declared size at the minimum
 # throughput ($SNAP_MIN_THROUGHPUT, bytes per second, K/M/G suffixes allowed). Per-read timeouts
 # alone let a registry that drips a byte every few seconds keep a restore waiting forever.
@@ -129,15 +129,24 @@ class Remote:
         return r.headers.get("Docker-Content-Digest") or self.get_manifest(tag)[2]
 
     def list_tags(self) -> list[str]:
-        """Every tag of the repository, following the registry's pages (Link: rel="next")."""
+        """Every tag of the repository, following the registry's pages (Link: rel="next"): at
+        most MAX_TAG_PAGES of them, none asked for twice (a registry whose pages loop)."""
         tags: list[str] = []
         url = self.transport.url("tags/list?n=1000")
+        seen: set[str] = set()
         while url:
+            if url in seen or len(seen) >= MAX_TAG_PAGES:
+                why = "names a page again" if url in seen else f"has more than {MAX_TAG_PAGES} pages"
+                raise RegistryError(f"the tag list of {self.ref.name} on registry {self.ref.registry!r} {why}: giving up")
+            seen.add(url)
             r = self.transport.request("GET", url)
             if r.status_code == 404:
                 return tags  # a repository with nothing pushed yet
             check(r, f"list the tags of {self.ref.name}")
-            tags.extend(_json(r.content, "tag list").get("tags") or [])
+            page = _json(r.content, "tag list").get("tags") or []
+            if not isinstance(page, list) or not all(isinstance(t, str) for t in page):
+                raise RegistryError(f"registry {self.ref.registry!r} returned a tag list whose tags are not strings")
+            tags.extend(page)
             nxt = r.links.get("next", {}).get("url")
             url = self.transport.absolute(nxt) if nxt else ""
         return tags
@@ -254,7 +263,7 @@ class Remote:
             return True
         if r.status_code == 202 and r.headers.get("Location"):
             # The registry opened a normal upload instead; cancel it.
-            self.transport.request("DELETE", self.transport.absolute(r.headers["Location"]))
+            self.transport.request("DELETE", self.transport.location(r, "a mount"))
         return False
 
     def upload_blob(self, path: str, digest: str, size: int, progress: ProgressFn = None) -> None:
@@ -276,11 +285,8 @@ class Remote:
 
 
 def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dict:
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
+    doc = json_object(body)
+    if doc is None:
         raise error(f"the registry returned a {what} that is not a JSON object")
     return doc
 

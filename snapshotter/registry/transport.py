@@ -20,9 +20,10 @@ import requests
 from snapshotter.errors import RegistryError, RegistryUnreachable
 from snapshotter.oci.reference import api_host
 
-from .answers import short_error
+from .answers import read_answer, short_error
 from .auth import authenticator
 from .credentials import Credentials, docker_credentials
+from .destinations import GuardedSession, origin
 from .ping import ping
 from .retry import RETRY_DELAYS, retry_delay, scaled, worth_retrying
 
@@ -69,7 +70,8 @@ class Transport:
         verify = self.options.ca_bundle or self.options.tls_verify
         found = ping(self.host, self.options.plain_http, verify)
         self.scheme = found.scheme
-        self.session = requests.Session()
+        self.origin = origin(f"{self.scheme}://{self.host}/")
+        self.session = GuardedSession()  # no request to a metadata or link-local address (destinations.py)
         # No cookies, as oras's Registry: some registries set one and then take us for a browser (CSRF).
         self.session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
         if not verify:
@@ -78,25 +80,28 @@ class Transport:
         self.session.mount("http://", _TimeoutAdapter())
         self.session.mount("https://", _TimeoutAdapter())
         self.auth = authenticator(found.auth_kind, registry, repository, self.options.credentials_for(registry),
-                                  self.session, self.scheme == "http", verify)
+                                  self.session, self.scheme, verify)
 
     def request(self, method: str, url: str, resend: bool = True, **kw) -> requests.Response:
         """One registry request, with who we are (a token renewed once if the registry asks),
         retried as retry.py says: a registry that restarts or throttles (429/5xx, its Retry-After
         honoured) is waited for, one that is down fails in seconds.
         `resend=False` for a streamed body, which cannot be sent twice: a broken connection or an
-        expired token is then a RegistryError, for the caller to start its upload over."""
+        expired token is then a RegistryError, for the caller to start its upload over.
+        An answer not asked for as a stream is read here, within bounds (answers.read_answer)."""
         headers = dict(kw.pop("headers", {}) or {})
+        stream = kw.pop("stream", False)
+        own = origin(url) == self.origin  # another origin (a Location, a next page) gets no credentials
         registry = self.registry
         refreshed = False
         for delay in (*RETRY_DELAYS, None) if resend else (None,):
             try:
-                r = self._send(method, url, dict(headers), **kw)
-                if r.status_code == 401 and not refreshed and self.auth.refresh(r):
+                r = self._send(method, url, dict(headers), own, **kw)
+                if r.status_code == 401 and own and not refreshed and self.auth.refresh(r):
                     refreshed = True  # once: a token the server scopes down again is a refusal
                     if not resend:
                         raise RegistryError(f"registry {registry} asked for a new token during an upload")
-                    r = self._send(method, url, dict(headers), **kw)
+                    r = self._send(method, url, dict(headers), own, **kw)
             except requests.exceptions.SSLError as e:
                 raise RegistryUnreachable(f"TLS to registry {registry} failed: {short_error(e)}")
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
@@ -116,21 +121,34 @@ class Transport:
             break
         if r.status_code in (401, 403):
             raise self.auth.refusal(f"{method} on {self.repository} (HTTP {r.status_code})")
+        if not stream:
+            read_answer(r, f"the answer of registry {registry!r} to {method}")
         return r
 
     def backoff(self, seconds: float) -> None:
         """Wait before asking again (scaled: retry.py)."""
         self.sleep(scaled(seconds))
 
-    def _send(self, method: str, url: str, headers: dict, **kw) -> requests.Response:
-        """One request, with who we are (auth.py)."""
-        return self.auth.send(lambda h: self.session.request(method, url, headers=h, verify=self.verify, **kw), headers)
+    def _send(self, method: str, url: str, headers: dict, own: bool, **kw) -> requests.Response:
+        """One request, streamed (its body read by request, bounded), with who we are (auth.py)
+        if it goes to the registry's own origin."""
+        def send(h: dict) -> requests.Response:
+            return self.session.request(method, url, headers=h, verify=self.verify, stream=True, **kw)
+
+        return self.auth.send(send, headers) if own else send(headers)
 
     def url(self, path: str) -> str:
         return f"{self.scheme}://{self.host}/v2/{self.repository}/{path}"
 
     def absolute(self, location: str) -> str:
         return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
+
+    def location(self, r: requests.Response, what: str) -> str:
+        """The absolute URL of an answer's Location header; a RegistryError if it has none."""
+        location = r.headers.get("Location")
+        if not location:
+            raise RegistryError(f"registry {self.registry!r} answered {what} without a Location")
+        return self.absolute(location)
 
 
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):

@@ -81,7 +81,7 @@ def upload(transport: Transport, produce: Produce, digest: str, size: int, *, ex
 def _start(transport: Transport, digest: str) -> str:
     r = transport.request("POST", transport.url("blobs/uploads/"), headers={"Content-Length": "0"})
     check(r, f"start upload of {digest}")
-    return transport.absolute(r.headers["Location"])
+    return transport.location(r, f"the start of upload of {digest}")
 
 
 def _status(transport: Transport, location: str) -> Optional[tuple[str, int]]:
@@ -249,7 +249,7 @@ class _StreamedUpload:
                 if got and got != f"0-{self.confirmed + n - 1}":
                     raise RegistryError(f"upload of {self.digest} incomplete: the registry holds {got}, "
                                         f"we sent {self.confirmed + n} bytes")
-                self.location = t.absolute(r.headers["Location"])
+                self.location = t.location(r, f"a PATCH of upload of {self.digest}")
                 self.confirmed += n
         except BaseException as e:  # handed to the writer
             self.error = e

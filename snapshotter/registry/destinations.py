@@ -1,0 +1,90 @@
+"""Where a registry request may go, and which requests carry who we are. A registry's answers
+name URLs (a token realm, a redirect, an upload's Location, a next page): they are followed over
+http(s) only and never to a link-local, metadata or unspecified address, so that a hostile
+registry cannot make snap read a cloud's metadata service (the box's own credentials). Our
+credentials go only to the registry's own scheme, host and port, as Docker's per-host authorizer.
+
+Names are not resolved here (that would be a second lookup, which a name that rebinds answers
+differently): literal addresses, in any form the resolver takes, and the metadata services'
+well-known names are refused."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+import urllib.parse
+from typing import Optional, Union
+
+import requests
+
+from snapshotter.errors import RegistryError, SnapError
+
+# Metadata services outside 169.254.0.0/16 (link-local, refused as a whole): AWS's IPv6 one, Alibaba's.
+METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in ("fd00:ec2::254", "100.100.100.200"))
+METADATA_NAMES = frozenset({"metadata", "metadata.google.internal", "metadata.goog", "instance-data",
+                            "instance-data.ec2.internal"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_INET_ATON = re.compile(r"[0-9a-fx.]+", re.I)  # 2852039166, 0xa9fea9fe, 0251.0376.0251.0376: what inet_aton reads
+
+
+def _address(host: str) -> Optional[Union[ipaddress.IPv4Address, ipaddress.IPv6Address]]:
+    try:
+        a = ipaddress.ip_address(host)
+    except ValueError:
+        if not _INET_ATON.fullmatch(host):
+            return None
+        try:
+            a = ipaddress.ip_address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return (a.ipv4_mapped or a) if isinstance(a, ipaddress.IPv6Address) else a  # ::ffff:169.254.169.254 too
+
+
+def forbidden(host: str) -> str:
+    """Why requests may not go to `host` (a URL's hostname), or "" if they may."""
+    name = host.strip("[]").rstrip(".").lower()
+    if name in METADATA_NAMES:
+        return "a cloud metadata service's name"
+    a = _address(name)
+    if a is None:
+        return ""
+    if a in METADATA_ADDRESSES:
+        return "a cloud metadata service's address"
+    if a.is_link_local:
+        return "a link-local address (where cloud metadata services answer)"
+    if a.is_unspecified:
+        return "an unspecified address"
+    return ""
+
+
+def check_destination(url: str, error: type[SnapError] = RegistryError) -> None:
+    """Refuse (`error`), before connecting, a URL that is not http(s) or whose host is forbidden."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in _DEFAULT_PORTS:
+        raise error(f"refusing to follow {url[:200]!r}: only http and https URLs are followed")
+    host = parts.hostname or ""
+    why = forbidden(host)
+    if why or not host:
+        raise error(f"refusing to connect to {host!r}: {why or 'no host'}",
+                    "a registry's answer pointed there; only a registry's own hosts are reached")
+
+
+def origin(url: str) -> tuple[str, str, Optional[int]]:
+    """(scheme, host, port) of a URL, the port filled in from the scheme."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1  # not a port: matches no registry
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(parts.scheme.lower())
+
+
+class GuardedSession(requests.Session):
+    """A session whose every request, redirects included (requests sends each hop through send),
+    is refused before connecting if check_destination refuses its URL. Redirects to another
+    origin lose the Authorization header (requests' rebuild_auth)."""
+
+    def send(self, request, **kw):
+        check_destination(request.url)
+        return super().send(request, **kw)
