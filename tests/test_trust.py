@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from snapshotter.errors import RegistryError
+from snapshotter.errors import IntegrityError, RegistryError
 from snapshotter.registry.credentials import Credentials
 from snapshotter.registry.remote import Reference, Remote
 from snapshotter.registry.transport import TransportOptions
@@ -212,3 +212,25 @@ def test_a_huge_upload_answer_is_refused(proxy, request):
     remote.transport.sleep = lambda seconds: None
     with pytest.raises(RegistryError, match="longer than"):
         remote.upload_from(lambda out: out.write(b"x"), "sha256:" + "0" * 64, 1)
+
+
+def test_a_manifest_digest_of_an_unknown_algorithm_is_refused_before_asking(registry):
+    """The command line refuses such a reference; an index may still name one (a lying registry)."""
+    remote = Remote(Reference.parse(f"{registry.host}/any:v1"), TransportOptions())
+    with pytest.raises(IntegrityError, match="'md5:0+' uses an algorithm"):
+        remote.get_manifest("md5:" + "0" * 32)
+
+
+def test_a_download_does_not_write_through_a_planted_part_file(registry, request, tmp_path):
+    """A name planted where a download writes (its `.part`) is replaced, never followed."""
+    data = b"the blob\n" * 100
+    ref = Reference.parse(push(registry, request, tar_bytes(member("f", data=data))))
+    remote = Remote(ref, TransportOptions())
+    digest = remote.resolve().manifest["layers"][0]["digest"]
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me\n")
+    dest = tmp_path / "blob"
+    os.symlink(victim, str(dest) + ".part")
+    remote.download_blob(digest, str(dest))
+    assert victim.read_bytes() == b"keep me\n"
+    assert not os.path.islink(dest) and os.path.getsize(dest) > 0

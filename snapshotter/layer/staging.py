@@ -177,8 +177,10 @@ def download_split(chunks: Iterable[bytes], dest: str, durable: bool = False) ->
     `chunks` must raise at its end if the bytes do not match their digest (Remote.iter_blob):
     only then is `dest.part` renamed to `dest`."""
     part = dest + ".part"
+    if os.path.islink(part):
+        os.unlink(part)  # planted: never written through
     shutil.rmtree(part, ignore_errors=True)
-    os.makedirs(part)
+    os.makedirs(part, 0o700)
     try:
         splitter = _Splitter(part, durable)
         try:

@@ -22,7 +22,8 @@ from typing import Callable, Iterator, Optional
 import requests
 
 from snapshotter.digests import DIGEST, hasher_digest, sha256_digest
-from snapshotter.errors import IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError
+from snapshotter.errors import (IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError,
+                                printable)
 from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
 from snapshotter.oci.reference import Reference
@@ -64,6 +65,8 @@ class Remote:
 
     def get_manifest(self, target: str) -> tuple[bytes, str, str]:
         """Return (bytes, media type, digest) of a manifest or index, verifying pinned digests."""
+        if ":" in target and target.partition(":")[0] not in ("sha256", "sha384", "sha512"):
+            raise IntegrityError(f"manifest digest {printable(target)!r} uses an algorithm OCI does not define")
         accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
         with self.transport.request("GET", self.transport.url(f"manifests/{target}"), headers={"Accept": accept},
                                     stream=True) as r:
@@ -243,8 +246,12 @@ class Remote:
         fsyncs it first (else a power loss can leave a renamed file with lost bytes: a cache
         that keeps blobs across runs must check them again, as restore does). `size`: see iter_blob."""
         part = dest + ".part"
+        if os.path.lexists(part):
+            os.unlink(part)  # an interrupted run's, or planted: never written through
         try:
-            with open(part, "wb") as f:
+            # O_EXCL | O_NOFOLLOW: a name swapped in since is refused, not followed.
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 for chunk in self.iter_blob(digest, progress, size):
                     f.write(chunk)
                 if durable:
@@ -252,7 +259,7 @@ class Remote:
                     os.fsync(f.fileno())
             os.replace(part, dest)
         finally:
-            if os.path.exists(part):
+            if os.path.lexists(part):
                 os.unlink(part)
 
     def mount_blob(self, digest: str, from_repository: str) -> bool:
