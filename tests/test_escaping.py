@@ -12,6 +12,11 @@ import os
 import tempfile
 
 import pytest
+import zstandard
+
+from snapshotter.errors import RegistryError
+from snapshotter.registry.answers import json_object
+from snapshotter.registry.destinations import check_destination, origin
 
 from helpers import PART, part_ann, push_annotated, repo_for
 from support import assert_one_line_error, member, snap, tar_bytes
@@ -181,3 +186,21 @@ def test_verify_refuses_what_restore_refuses(registry, request, jail, case):
         r = snap("restore", ref, "--root", str(jail.root))
         assert_refused(r, 6)
     jail.assert_untouched()
+
+
+def test_every_layer_media_type_engines_write_is_restored(registry, request, jail):
+    """Docker's zstd layer type (containerd and BuildKit write it) is zstd, as OCI's is."""
+    data = tar_bytes(member("etc/", "dir"), member("etc/zstd.txt", data=b"zstd\n"))
+    repo = repo_for(request)
+    registry.push_image(repo, "v1", [zstandard.ZstdCompressor().compress(data)],
+                        layer_media_type="application/vnd.docker.image.rootfs.diff.tar.zstd",
+                        diff_ids=["sha256:" + hashlib.sha256(data).hexdigest()])
+    jail.ok(jail.restore(f"{registry.host}/{repo}:v1"))
+    assert (jail.root / "etc/zstd.txt").read_bytes() == b"zstd\n"
+
+
+def test_answers_nested_beyond_the_parser_and_locations_that_are_no_url_are_one_line():
+    assert json_object(b"[" * 100_000 + b"]" * 100_000) is None
+    with pytest.raises(RegistryError, match="not a URL"):
+        check_destination("https://[x/v2/")
+    assert origin("https://[x") == ("", "", -1)

@@ -12,11 +12,13 @@ import os
 
 import pytest
 
-from helpers import _tree, digest_of, part_ann, push, push_annotated, repo_for
-from support import member, tar_bytes
-from snapshotter.layer.staging import STAGING_PREFIX
+from snapshotter.errors import IntegrityError
+from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.restore.applier import ExtractWorker
 from snapshotter.restore.restore import RestoreOptions, restore_image
+
+from helpers import _tree, digest_of, part_ann, push, push_annotated, repo_for
+from support import member, tar_bytes
 
 KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nthe box's own\n"
 
@@ -173,3 +175,21 @@ def test_a_path_the_restore_never_writes_is_not_written_through_a_symlink_either
     jail.ok(jail.restore(ref))
     assert (jail.root / "etc/hostname").read_bytes() == b"this-box\n"
     assert (jail.root / "etc/motd").read_bytes() == b"hello\n"  # what the profile lets through still lands
+
+
+def test_a_staging_dir_is_known_by_its_identity_not_the_owner_a_filesystem_gives_it(tmp_path):
+    """NFS squashes root's new directory to nobody, CIFS and FUSE fix its mode: the dir this
+    restore made is still its own. A directory or symlink swapped in for it is not."""
+    staging = StagingDirs(str(tmp_path), "sha256:" + "ab" * 32)
+    path = staging.for_path(None)
+    os.chown(path, 65534, 65534)
+    os.chmod(path, 0o777)
+    staging.check(path)  # the one it made
+    os.rename(path, path + ".moved")
+    os.symlink(str(tmp_path / "elsewhere"), path)
+    with pytest.raises(IntegrityError, match="not the one this restore made"):
+        staging.check(path)
+    os.unlink(path)
+    os.mkdir(path, 0o700)
+    with pytest.raises(IntegrityError, match="not the one this restore made"):
+        staging.check(path)

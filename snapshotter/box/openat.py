@@ -108,10 +108,11 @@ def _changed(e: OSError, rel: str) -> Exception:
     return NotTheScanned(rel) if e.errno in CHANGED_ERRNOS else e
 
 
-def open_leaf(dir_fd: int, name: str, ino: Optional[int], dev: int) -> int:
+def open_leaf(dir_fd: int, name: str, ino: Optional[int], dev: Optional[int] = None) -> int:
     """A read-only handle on the regular file `name` in the directory `dir_fd`, if it is still the
-    inode `ino` (None: any) on the device `dev`: NotTheScanned otherwise (a symlink is not followed,
-    a FIFO does not block), PermissionError if it cannot be read."""
+    inode `ino` (None: any), on the device `dev` if given (the scan's lstat of that very file: on
+    an overlay of several filesystems a file's device is not its directory's): NotTheScanned
+    otherwise (a symlink is not followed, a FIFO does not block), PermissionError if unreadable."""
     try:
         fd = os.open(name, READ_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
     except PermissionError:
@@ -120,7 +121,7 @@ def open_leaf(dir_fd: int, name: str, ino: Optional[int], dev: int) -> int:
         raise _changed(e, name) from e
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino) or st.st_dev != dev:
+        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino) or (dev is not None and st.st_dev != dev):
             raise NotTheScanned(name)
     except BaseException:
         os.close(fd)
@@ -134,13 +135,13 @@ class Beneath:
 
     def __init__(self, root: str):
         self.root_fd = open_root(root)
-        self._root_dir = ("", self.root_fd, os.fstat(self.root_fd).st_dev)
-        self._dir: tuple[str, int, int] = self._root_dir
+        self._root_dir = ("", self.root_fd)
+        self._dir: tuple[str, int] = self._root_dir
 
     def open_scanned(self, rel: str, ino: Optional[int]) -> int:
-        """A read-only handle on the regular file the scan saw at `rel` (inode `ino`, None: any),
-        on its directory's device (a box file's: files bind-mounted from the host are left out by
-        the scan). NotTheScanned if it is not that file any more; PermissionError if unreadable."""
+        """A read-only handle on the regular file the scan saw at `rel` (inode `ino`, None: any;
+        with its stamp's times, which the reader compares, that names the file the scan saw).
+        NotTheScanned if it is not that file any more; PermissionError if unreadable."""
         parent, _, name = rel.rpartition("/")
         if parent != self._dir[0]:
             self._close_dir()
@@ -151,8 +152,8 @@ class Beneath:
                     raise
                 except OSError as e:
                     raise _changed(e, rel) from e
-                self._dir = (parent, fd, os.fstat(fd).st_dev)
-        return open_leaf(self._dir[1], name, ino, self._dir[2])
+                self._dir = (parent, fd)
+        return open_leaf(self._dir[1], name, ino)
 
     def _close_dir(self) -> None:
         if self._dir[1] != self.root_fd:

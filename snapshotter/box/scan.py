@@ -299,7 +299,9 @@ def _new_entry(rel: str, dir_fd: int, name: str, st: os.stat_result, profile: Pr
         return None
     if not metadata_only:
         e.xattrs = read_xattrs(_in_dir(dir_fd, name))
-        if e.kind == FILE and not os.access(name, os.R_OK, dir_fd=dir_fd, follow_symlinks=False):
+        # Through the handle's /proc path, not faccessat(AT_SYMLINK_NOFOLLOW): glibc tries the
+        # faccessat2 syscall for that, which older container seccomp profiles answer with EPERM.
+        if e.kind == FILE and not os.access(_in_dir(dir_fd, name), os.R_OK):
             return _UNREADABLE
     return e
 

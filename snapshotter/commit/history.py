@@ -57,7 +57,7 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None) -> l
         body, media, _ = remote.get_manifest(digest)
         try:
             doc = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(doc, dict) or (media or doc.get("mediaType")) not in MANIFEST_TYPES:
             continue  # not a snapshot (an index)

@@ -320,11 +320,9 @@ def not_ours(path: str) -> Optional[str]:
     return None
 
 
-def check_ours(path: str) -> None:
-    why = not_ours(path)
-    if why is not None:
-        raise IntegrityError(f"the staging dir {quoted_path(path)} is {why} now, not the one this restore made: "
-                             "refusing to write through it", "is another user writing into the restore root?")
+def _identity(path: str) -> tuple[int, int]:
+    st = os.lstat(path)
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else (-1, -1)
 
 
 def _remove_any(path: str) -> None:
@@ -372,6 +370,7 @@ class StagingDirs:
         self.name = STAGING_PREFIX + manifest_digest.split(":", 1)[1][:16]
         self._mounts = set(_mount_points(self.root))
         self._made: dict[str, tuple[int, int]] = {}  # staging dir: the times of the directory it is in
+        self._ids: dict[str, tuple[int, int]] = {}  # staging dir: its (device, inode) once made or kept
 
     def for_path(self, rel: Optional[str]) -> str:
         """The staging dir for a layer whose files land at `rel` (a hint: None or a wrong one means
@@ -394,16 +393,20 @@ class StagingDirs:
             os.mkdir(path, 0o700)
         except FileExistsError:
             why = not_ours(path)
-            if why is None:
-                return  # a stopped run's: its verified blobs are used again
-            self.log(f"warning: {quoted_path(path)} is {why}, which this restore did not make: replaced")
-            _remove_any(path)
-            os.mkdir(path, 0o700)
-        check_ours(path)
+            if why is not None:
+                self.log(f"warning: {quoted_path(path)} is {why}, which this restore did not make: replaced")
+                _remove_any(path)
+                os.mkdir(path, 0o700)
+        # What this restore made (or kept) is known by its identity from here on: the owner and mode a
+        # filesystem gives a new directory are its own (NFS squashes root, CIFS and FUSE fix modes).
+        self._ids[path] = _identity(path)
 
     def check(self, path: str) -> None:
-        """Raise unless staging dir `path` is still this restore's (checked again before each download)."""
-        check_ours(path)
+        """Raise unless staging dir `path` is still the directory this restore made or kept (checked
+        again before each download): not a symlink or another directory swapped in since."""
+        if _identity(path) != self._ids.get(path):
+            raise IntegrityError(f"the staging dir {quoted_path(path)} is not the one this restore made now: "
+                                 "refusing to write through it", "is another user writing into the restore root?")
 
     def _filesystem_top(self, rel: str) -> str:
         """The top of the filesystem holding the deepest existing directory of `rel` inside the root,

@@ -16,6 +16,7 @@ LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
 DOCKER_LAYER_TAR = "application/vnd.docker.image.rootfs.diff.tar"
+DOCKER_LAYER_ZSTD = "application/vnd.docker.image.rootfs.diff.tar.zstd"  # containerd and BuildKit write it
 # Foreign (non-distributable) variants carry the same bytes.
 NONDISTRIBUTABLE_TAR = "application/vnd.oci.image.layer.nondistributable.v1.tar"
 
@@ -40,7 +41,7 @@ def compression_of(media_type: str) -> str:
         return "none"
     if media_type in (LAYER_GZIP, DOCKER_LAYER_GZIP, NONDISTRIBUTABLE_TAR + "+gzip"):
         return "gzip"
-    if media_type in (LAYER_ZSTD, NONDISTRIBUTABLE_TAR + "+zstd"):
+    if media_type in (LAYER_ZSTD, DOCKER_LAYER_ZSTD, NONDISTRIBUTABLE_TAR + "+zstd"):
         return "zstd"
     raise IntegrityError(f"unsupported layer media type {media_type!r}: refusing the layer")  # repr: escaped
 

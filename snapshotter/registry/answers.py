@@ -22,7 +22,7 @@ def json_object(body: bytes) -> Optional[dict]:
     """`body` as a JSON object; None if it is not one (not JSON, a list, a number)."""
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -60,7 +60,11 @@ def forbidden(host: str) -> str:
 
 def check_destination(url: str, error: type[SnapError] = RegistryError) -> None:
     """Refuse (`error`), before connecting, a URL that is not http(s) or whose host is forbidden."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # e.g. "https://[x": no URL at all
+        raise error(f"refusing to follow {url[:200]!r}: not a URL",
+                    "a registry's answer pointed there; only a registry's own hosts are reached") from None
     if parts.scheme not in _DEFAULT_PORTS:
         raise error(f"refusing to follow {url[:200]!r}: only http and https URLs are followed")
     host = parts.hostname or ""
@@ -71,8 +75,11 @@ def check_destination(url: str, error: type[SnapError] = RegistryError) -> None:
 
 
 def origin(url: str) -> tuple[str, str, Optional[int]]:
-    """(scheme, host, port) of a URL, the port filled in from the scheme."""
-    parts = urllib.parse.urlsplit(url)
+    """(scheme, host, port) of a URL, the port filled in from the scheme; no host for no URL."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "", "", -1  # not a URL: matches no registry
     try:
         port = parts.port
     except ValueError:

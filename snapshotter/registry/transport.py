@@ -141,7 +141,10 @@ class Transport:
         return f"{self.scheme}://{self.host}/v2/{self.repository}/{path}"
 
     def absolute(self, location: str) -> str:
-        return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
+        try:
+            return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
+        except ValueError:  # e.g. "https://[x"
+            raise RegistryError(f"registry {self.host!r} sent a location that is not a URL: {location[:200]!r}") from None
 
     def location(self, r: requests.Response, what: str) -> str:
         """The absolute URL of an answer's Location header; a RegistryError if it has none."""

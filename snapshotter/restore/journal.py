@@ -131,5 +131,5 @@ class Journal:
 def _json_line(line: bytes):
     try:
         return json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
