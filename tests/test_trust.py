@@ -27,9 +27,21 @@ from support import FaultProxy, HostileServer, RegistryServer, assert_one_line_e
 USER, PASSWORD = "snapuser", "s3cret-Pa55"
 JSON = {"Content-Type": "application/json"}
 
-# snap's command line, with every connect() and getaddrinfo() off loopback refused and noted.
+# snap's command line, with every connect() and getaddrinfo() off loopback refused and noted; a name
+# in $SNAP_TEST_RESOLVE ("name=address") resolves to that address without asking any resolver.
 _OFF_LOOPBACK_GUARD = """
-import ipaddress, os, runpy, sys
+import ipaddress, os, runpy, socket, sys
+
+_real_getaddrinfo = socket.getaddrinfo
+_name, _, _address = os.environ.get("SNAP_TEST_RESOLVE", "").partition("=")
+
+def getaddrinfo(host, port, *args, **kw):
+    if _name and host == _name:
+        family = socket.AF_INET6 if ":" in _address else socket.AF_INET
+        return [(family, socket.SOCK_STREAM, 6, "", (_address, port))]
+    return _real_getaddrinfo(host, port, *args, **kw)
+
+socket.getaddrinfo = getaddrinfo
 
 def loopback(host):
     try:
@@ -234,3 +246,14 @@ def test_a_download_does_not_write_through_a_planted_part_file(registry, request
     remote.download_blob(digest, str(dest))
     assert victim.read_bytes() == b"keep me\n"
     assert not os.path.islink(dest) and os.path.getsize(dest) > 0
+
+
+@pytest.mark.parametrize("address", ["169.254.169.254", "fd00:ec2::254", "0.0.0.0"])
+def test_a_name_that_resolves_to_a_metadata_address_is_never_connected_to(hostile, tmp_path, address):
+    registry = hostile()
+    challenging(registry, 'Bearer realm="http://token.example/token",service="s"')
+    r, off = snap_on_loopback(tmp_path, "log", f"{registry.host}/box",
+                              env={"SNAP_TEST_RESOLVE": f"token.example={address}"})
+    assert r.returncode in (4, 10), r.stderr
+    assert_one_line_error(r, r.returncode, "refusing to connect", "'token.example'", "resolves to")
+    assert off == ""  # no connect() to it was attempted

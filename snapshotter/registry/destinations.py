@@ -4,9 +4,10 @@ http(s) only and never to a link-local, metadata or unspecified address, so that
 registry cannot make snap read a cloud's metadata service (the box's own credentials). Our
 credentials go only to the registry's own scheme, host and port, as Docker's per-host authorizer.
 
-Names are not resolved here (that would be a second lookup, which a name that rebinds answers
-differently): literal addresses, in any form the resolver takes, and the metadata services'
-well-known names are refused."""
+Literal addresses, in any form the resolver takes, and the metadata services' well-known names are
+refused before a request is sent; a name is resolved when its connection is made, every address
+checked, and the connection made to a checked address, never to a second lookup's answer (a name
+that rebinds would answer differently)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import urllib.parse
 from typing import Optional, Union
 
 import requests
+import urllib3
+from urllib3.exceptions import ConnectTimeoutError, NewConnectionError
 
 from snapshotter.errors import RegistryError, SnapError
 
@@ -92,6 +95,75 @@ class GuardedSession(requests.Session):
     is refused before connecting if check_destination refuses its URL. Redirects to another
     origin lose the Authorization header (requests' rebuild_auth)."""
 
+    def __init__(self):
+        super().__init__()
+        for scheme in _DEFAULT_PORTS:
+            self.mount(f"{scheme}://", CheckedAdapter())
+
     def send(self, request, **kw):
         check_destination(request.url)
         return super().send(request, **kw)
+
+
+def checked_addresses(host: str, port: int) -> list[str]:
+    """The addresses a name resolves to, in the resolver's order, each checked: RegistryError if
+    one is forbidden. A literal address is itself (check_destination has judged it); a name the
+    resolver does not know is left to the connection, which says so."""
+    if not host or _address(host) is not None:
+        return [host]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return [host]
+    addresses: list[str] = []
+    for *_, sockaddr in infos:
+        why = forbidden(sockaddr[0])
+        if why:
+            raise RegistryError(f"refusing to connect to {host!r}: it resolves to {why}",
+                                "a registry's answer pointed there; only a registry's own hosts are reached")
+        if sockaddr[0] not in addresses:
+            addresses.append(sockaddr[0])
+    return addresses
+
+
+class _CheckedConnect:
+    """Connects only to the checked addresses of its host (checked_addresses), in order."""
+
+    def _new_conn(self):
+        host = self._dns_host
+        addresses = checked_addresses(host, self.port)
+        try:
+            for address in addresses[:-1]:
+                self._dns_host = address
+                try:
+                    return super()._new_conn()
+                except (NewConnectionError, ConnectTimeoutError):
+                    continue  # the next address, as the resolver's order says
+            self._dns_host = addresses[-1]
+            return super()._new_conn()
+        finally:
+            self._dns_host = host
+
+
+class _CheckedHTTPConnection(_CheckedConnect, urllib3.connection.HTTPConnection):
+    pass
+
+
+class _CheckedHTTPSConnection(_CheckedConnect, urllib3.connection.HTTPSConnection):
+    pass
+
+
+class _CheckedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _CheckedHTTPConnection
+
+
+class _CheckedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _CheckedHTTPSConnection
+
+
+class CheckedAdapter(requests.adapters.HTTPAdapter):
+    """An adapter whose connections go only to addresses checked_addresses allows."""
+
+    def init_poolmanager(self, *args, **kw) -> None:
+        super().init_poolmanager(*args, **kw)
+        self.poolmanager.pool_classes_by_scheme = {"http": _CheckedHTTPPool, "https": _CheckedHTTPSPool}

@@ -23,7 +23,7 @@ from snapshotter.oci.reference import api_host
 from .answers import read_answer, short_error
 from .auth import authenticator
 from .credentials import Credentials, docker_credentials
-from .destinations import GuardedSession, origin
+from .destinations import CheckedAdapter, GuardedSession, origin
 from .ping import ping
 from .retry import RETRY_DELAYS, retry_delay, scaled, worth_retrying
 
@@ -154,8 +154,9 @@ class Transport:
         return self.absolute(location)
 
 
-class _TimeoutAdapter(requests.adapters.HTTPAdapter):
-    """Gives every request of the session a timeout, the token requests oras sends through it included."""
+class _TimeoutAdapter(CheckedAdapter):
+    """Gives every request of the session a timeout, the token requests oras sends through it
+    included; its connections go only to checked addresses (destinations.py)."""
 
     def send(self, request, **kw):
         if kw.get("timeout") is None:
