@@ -202,6 +202,16 @@ def hardlink_box(base_rootfs: str, dest: str) -> tuple[str, str]:
     return box, profile
 
 
+def profile_excluding_nothing(folder) -> str:
+    """A restore profile that excludes nothing: a test whose paths lie below /tmp (never written
+    in a restore root by the default profile, not even through a link) sees them land where they
+    resolve. The profile file's path."""
+    path = os.path.join(str(folder), "open.yaml")
+    with open(path, "w") as f:
+        f.write("name: open\nlayers:\n  - name: rest\nexclude: []\n")
+    return path
+
+
 # ---- hostile layers, built by hand, and the jail they are restored into --------------------------
 
 TAR = "application/vnd.oci.image.layer.v1.tar"

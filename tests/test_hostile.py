@@ -17,7 +17,7 @@ import pytest
 
 from snapshotter.layer.extract import NAMES_KEPT
 
-from helpers import GZIP, MARK, PART, part_ann, part_image, push, push_annotated, repo_for
+from helpers import GZIP, MARK, PART, part_ann, part_image, profile_excluding_nothing, push, push_annotated, repo_for
 from support import IS_ROOT, gzip_bytes, member, snap, tar_bytes
 
 # ---- names that leave the root -----------------------------------------------------------------
@@ -55,11 +55,8 @@ def test_write_through_an_escaping_symlink_stays_inside(registry, jail, request,
     files = [member(f"{prefix}/{MARK}", data=b"inside\n"), member(f"{prefix}/sub/deep", data=b"overwritten\n")]
     layers = [tar_bytes(link), tar_bytes(*files)] if split else [tar_bytes(link, *files)]
     ref = push(registry, request, *layers)
-    # The sentinel lies below /tmp, which the default profile never writes in a restore root (not
-    # even through a link): a profile that excludes nothing lets the files land where they resolve.
-    open_profile = tmp_path_factory.mktemp("profile") / "open.yaml"
-    open_profile.write_text("name: open\nlayers:\n  - name: rest\nexclude: []\n")
-    jail.ok(jail.restore(ref, "--profile", str(open_profile)))
+    # The sentinel lies below /tmp: see profile_excluding_nothing.
+    jail.ok(jail.restore(ref, "--profile", profile_excluding_nothing(tmp_path_factory.mktemp("profile"))))
     assert os.readlink(jail.root / "evil") == target  # the link itself is data, kept as written
     # Resolved as if the root were '/': the files land inside the root.
     [found] = _find(jail.root, MARK)

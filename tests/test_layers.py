@@ -8,7 +8,7 @@ import subprocess
 import tarfile
 
 from helpers import (BIG, LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, layer_tar,
-                     layers_by_name, make_home_base, oci_validator)
+                     layers_by_name, make_home_base, oci_validator, profile_excluding_nothing)
 from support import NOT_CAPTURED, MiB, assert_one_line_error, make_box, snap, snapshot_of_tree, write_tree
 
 
@@ -220,12 +220,9 @@ def test_part_links_from_a_hostile_image_stay_in_the_root(registry, base_ref, ba
 
     put_manifest(registry, "evil-links", "symlink", with_links(json.dumps(["opt/app/escape/evil.bin"])))
     out = tmp_path / "out-symlink"
-    # `outside` lies below /tmp, which the default profile never writes in a restore root (not even
-    # through a link): a profile that excludes nothing lets the link land where it resolves.
-    open_profile = tmp_path / "open.yaml"
-    open_profile.write_text("name: open\nlayers:\n  - name: rest\nexclude: []\n")
-    snap("restore", f"{registry.host}/evil-links:symlink", "--root", str(out), "--profile", str(open_profile),
-         check=True)
+    # `outside` lies below /tmp: see profile_excluding_nothing.
+    snap("restore", f"{registry.host}/evil-links:symlink", "--root", str(out), "--profile",
+         profile_excluding_nothing(tmp_path), check=True)
     assert not os.listdir(outside)
     assert same_inode(str(out), [BIG, str(outside).lstrip("/") + "/evil.bin"])  # the link landed inside the root
 
