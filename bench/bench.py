@@ -297,19 +297,22 @@ def snap(b: Bench, *args: str, state: str, cold: bool = False) -> Run:
     return r
 
 
-def restore_then(b: Bench, repo_tag: str, out: str, state: str) -> Run:
-    """`snap restore --then` over a link capped at LINK_BYTES_PER_SEC (a proxy: on loopback the
-    weights arrive before the venv is unpacked): a whole restore, with the time its CMD started (it
-    writes the wall clock) in `first`: the app's venv and nodes are on disk then, the weights still arriving."""
+def restore_then(b: Bench, repo_tag: str, out: str, state: str, link_bytes_per_sec: Optional[int] = LINK_BYTES_PER_SEC) -> Run:
+    """`snap restore --then` over a link capped at `link_bytes_per_sec` (a proxy: on loopback the
+    weights arrive before the venv is unpacked; None: straight from the registry): a whole restore,
+    with the time its CMD started (it writes the wall clock) in `first`: the app's venv and nodes are
+    on disk then, the weights still arriving."""
     marker = os.path.join(b.work, "then-started")
-    link = FaultProxy(b.reg.host).start()
-    link.throttle = LINK_BYTES_PER_SEC
+    link = FaultProxy(b.reg.host).start() if link_bytes_per_sec else None
+    if link:
+        link.throttle = link_bytes_per_sec
     try:
-        r = snap(b, "restore", f"{link.host}/{repo_tag}", "--root", out, "--then", f"date +%s.%N > {marker}",
-                 state=state, cold=True)
+        r = snap(b, "restore", f"{link.host if link else b.reg.host}/{repo_tag}", "--root", out, "--then",
+                 f"date +%s.%N > {marker}", state=state, cold=True)
         ended = time.time()  # counted back from the end: the untimed sync and cache drop come before the start
     finally:
-        link.stop()
+        if link:
+            link.stop()
     try:
         with open(marker) as f:
             r.first = r.secs - (ended - float(f.read()))
@@ -319,11 +322,14 @@ def restore_then(b: Bench, repo_tag: str, out: str, state: str) -> Run:
     return r
 
 
-def start_watch(b: Bench, target: str, base_ref: str, box: str, state: str, every: str) -> subprocess.Popen:
-    """`snap watch` on the box, returned once its first snapshot is made (or found current)."""
+def start_watch(b: Bench, target: str, base_ref: str, box: str, state: str, every: str,
+                include: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`snap watch` on the box (only `include`'s paths with base scratch), returned once its first
+    snapshot is made (or found current)."""
     env = dict(os.environ, SNAP_STATE_DIR=state, SNAP_QUIET="1", DOCKER_CONFIG=os.path.join(b.work, "docker-config"))
     p = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", target, "--base", base_ref, "--root", box,
-                          "--every", every, "--provider", "none"], stderr=subprocess.PIPE, text=True, env=env)
+                          "--every", every, "--provider", "none", *(a for path in include for a in ("--include", path))],
+                         stderr=subprocess.PIPE, text=True, env=env)
     b.child = p
     with open(b.log, "a") as lf:
         lf.write(f"\n$ snap watch {target} --every {every}\n")
