@@ -568,7 +568,7 @@ def readme_recipe() -> tuple[str, str]:
 
 
 def with_own(script: str, box: str, base: str, app: str) -> str:
-    """The script with the test's image names and app in place of the README's examples; nothing else changes."""
+    """The script with the test's image names and app in place of the recipe's examples; nothing else changes."""
     lines = script.split("\n")
     names = [i for i, line in enumerate(lines) if line.startswith("BOX=")]
     apps = [i for i, line in enumerate(lines) if line.endswith(" & app=$!")]
