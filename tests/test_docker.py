@@ -546,12 +546,12 @@ def test_hardlinked_weights_are_one_inode_in_docker_and_umoci(registry, base_ref
     assert snapshot_of_tree(str(bundle / "rootfs"), skip=NOT_CAPTURED)[LINKED[0][2]][5].startswith(sha256_file(os.path.join(box, LINKED[0][0])))
 
 
-# ---- the container provider recipe of the README ------------------------------------------------------
+# ---- the container provider recipe of docs/providers.md (the README's, before docs/) ---------------------
 
 def readme_recipe() -> tuple[str, str]:
-    """(Dockerfile, start.sh) of README's container provider recipe: the first indented blocks,
-    after its mention of this test, that start with FROM and with #!/bin/sh."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+    """(Dockerfile, start.sh) of docs/providers.md's container provider recipe: the first indented
+    blocks, after its mention of this test, that start with FROM and with #!/bin/sh."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "providers.md")) as f:
         lines = f.read().split("\n")
     at = next(i for i, line in enumerate(lines) if "test_container_recipe_from_the_readme" in line)
     at = next(i for i in range(at, 0, -1) if lines[i].startswith("**A container provider**"))
@@ -568,7 +568,7 @@ def readme_recipe() -> tuple[str, str]:
 
 
 def with_own(script: str, box: str, base: str, app: str) -> str:
-    """The script with the test's image names and app in place of the README's examples; nothing else changes."""
+    """The script with the test's image names and app in place of the recipe's examples; nothing else changes."""
     lines = script.split("\n")
     names = [i for i, line in enumerate(lines) if line.startswith("BOX=")]
     apps = [i for i, line in enumerate(lines) if line.endswith(" & app=$!")]
@@ -656,7 +656,7 @@ def wait_for_line(ct, text: str, count: int = 1, timeout: float = 120) -> str:
 
 
 def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
-    """README's container recipe on a new box every time, as in the field: the Dockerfile puts snap
+    """The container recipe of docs/providers.md on a new box every time, as in the field: the Dockerfile puts snap
     and start.sh into the image (nothing on the volume), credentials come from SNAP_USERNAME and
     SNAP_PASSWORD (a password-protected snapshot registry, htpasswd over plain http on loopback),
     and the cycle is: first start (no snapshot yet), changes (a pip install, a custom node, a
