@@ -315,7 +315,7 @@ def test_oras_is_used_through_its_public_api_only():
 
 # ---- credentials from the environment (a provider's secret env vars: a pod has no `docker login`) ----
 
-WAYS = ("SNAP_USERNAME", "SNAP_PASSWORD", "--username", "--password-stdin", "docker login")
+WAYS = ("snap login REGISTRY", "SNAP_USERNAME", "SNAP_PASSWORD", "--username", "--password-stdin", "docker login")
 
 
 def test_env_credentials_for_every_command(secure_registry, box, tmp_path):
@@ -434,7 +434,7 @@ def test_logout_then_no_credentials_and_a_second_logout_says_so(secure_registry,
     assert _login(reg, PASSWORD).returncode == 0
     snap("logout", reg.host, check=True)
     r = snap("commit", f"{reg.host}/box:out", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert)
-    assert_one_line_error(r, 4, "credentials we do not have")
+    assert_one_line_error(r, 4, "credentials we do not have", "snap login REGISTRY")
     again = snap("logout", reg.host)
     assert again.returncode == 0 and again.stdout.strip() == f"not logged in to {reg.host}"
 
