@@ -439,12 +439,14 @@ def test_logout_then_no_credentials_and_a_second_logout_says_so(secure_registry,
     assert again.returncode == 0 and again.stdout.strip() == f"not logged in to {reg.host}"
 
 
-def test_login_logout_through_a_credential_helper(secure_registry, box, tmp_path):
-    """A config naming a helper for the registry: the login stores through it (the file keeps an
-    empty entry and no secret), a commit gets them from it, the logout erases them there."""
+@pytest.mark.parametrize("named_by", ["credHelpers", "credsStore"])
+def test_login_logout_through_a_credential_helper(named_by, secure_registry, box, tmp_path):
+    """A config naming a helper for the registry (or for all): the login stores through it (the file
+    keeps an empty entry and no secret), a commit gets them from it, the logout erases them there."""
     reg = secure_registry
     path, log = credential_helper(tmp_path, "test", {})
-    cfg_dir = docker_config(tmp_path, {}, credHelpers={reg.host: "test"})
+    cfg_dir = docker_config(tmp_path, {}, **({"credHelpers": {reg.host: "test"}} if named_by == "credHelpers"
+                                             else {"credsStore": "test"}))
     env = {"PATH": path}
     r = _login(reg, PASSWORD, env=env)
     assert r.returncode == 0, r.stderr
@@ -452,7 +454,7 @@ def test_login_logout_through_a_credential_helper(secure_registry, box, tmp_path
     assert json.loads(open(log + ".json").read()) == {reg.host: {"Username": USER, "Secret": PASSWORD}}
     config_text = open(os.path.join(cfg_dir, "config.json")).read()
     assert PASSWORD not in config_text and json.loads(config_text)["auths"] == {reg.host: {}}
-    snap("commit", f"{reg.host}/box:helper", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert,
+    snap("commit", f"{reg.host}/box:{named_by.lower()}", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert,
          env=env, check=True)
     assert f"get {reg.host}" in open(log).read().splitlines()
     assert snap("logout", reg.host, env=env, check=True).stdout.strip() == f"logged out of {reg.host}"

@@ -83,7 +83,7 @@ def save_docker_credentials(registry: str, username: str, password: str) -> str:
     key = config_key(registry)
     config = _read_config()
     helper = _helper_for(config, key)
-    auths = config.setdefault("auths", {})
+    auths = config["auths"] = config.get("auths") or {}
     if not isinstance(auths, dict):
         raise AuthError(f"Docker's config {docker_config_path()} has an \"auths\" that is not an object", _FIX_CONFIG)
     if helper:
@@ -177,7 +177,7 @@ def _helper_for(config: dict, key: str) -> Optional[str]:
     """The credential helper the config names for `key`: credHelpers', else credsStore."""
     helpers = config.get("credHelpers")
     helper = (helpers.get(key) if isinstance(helpers, dict) else None) or config.get("credsStore")
-    if helper is not None and not (isinstance(helper, str) and _HELPER_NAME.fullmatch(helper)):
+    if helper and not (isinstance(helper, str) and _HELPER_NAME.fullmatch(helper)):  # "": none, as Docker reads it
         raise AuthError(f"Docker's config {docker_config_path()} names a credential helper that is no program name: "
                         f"{str(helper)[:100]!r}", _FIX_CONFIG)
     return helper or None
