@@ -454,8 +454,8 @@ def test_login_logout_through_a_credential_helper(named_by, secure_registry, box
     assert json.loads(open(log + ".json").read()) == {reg.host: {"Username": USER, "Secret": PASSWORD}}
     config_text = open(os.path.join(cfg_dir, "config.json")).read()
     assert PASSWORD not in config_text and json.loads(config_text)["auths"] == {reg.host: {}}
-    snap("commit", f"{reg.host}/box:{named_by.lower()}", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert,
-         env=env, check=True)
+    snap("commit", f"{reg.host}/box:{named_by.lower()}", "--base", f"{reg.host}/base:1", "--root", box,
+         "--ca-cert", reg.cert, env=env, check=True)
     assert f"get {reg.host}" in open(log).read().splitlines()
     assert snap("logout", reg.host, env=env, check=True).stdout.strip() == f"logged out of {reg.host}"
     assert json.loads(open(log + ".json").read()) == {}
@@ -550,3 +550,14 @@ def test_login_asks_on_the_terminal_without_echoing_the_password(secure_registry
 def test_login_to_a_name_that_is_no_registry_is_one_line_before_any_prompt(tmp_path):
     r = snap("login", "bad host", "--username", USER, "--password-stdin", input="")
     assert_one_line_error(r, 2, "'bad host' is not valid", "HOST[:PORT]")
+
+
+def test_login_into_a_config_with_an_empty_creds_store_and_null_auths(tmp_path, monkeypatch):
+    """`"credsStore": ""` and `"auths": null` (left by some tools) mean none, as Docker reads them."""
+    from snapshotter.registry.credentials import save_docker_credentials
+
+    _docker_config(tmp_path, monkeypatch, None, credsStore="", psFormat="x")
+    save_docker_credentials("ghcr.io", "me", "gh-Pa55")
+    assert json.loads((tmp_path / "docker-config" / "config.json").read_text()) == {
+        "auths": {"ghcr.io": basic("me", "gh-Pa55")}, "credsStore": "", "psFormat": "x"}
+    assert _found("ghcr.io") == basic("me", "gh-Pa55")["auth"]
