@@ -24,7 +24,7 @@ def login(registry: str, username: str, password: str, options: TransportOptions
         transport.request("GET", f"{transport.scheme}://{transport.host}/v2/")
     except CredentialsRefused:
         raise CredentialsRefused(f"registry {registry} refused the login of {username!r}",
-                                 "check the username and password (or token); nothing was saved") from None
+                                 "check the username and the password or token; nothing was saved") from None
     return save_docker_credentials(registry, username, password)
 
 
