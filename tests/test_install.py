@@ -39,7 +39,10 @@ def test_pip_install_into_a_fresh_venv_then_snap_help(tmp_path):
     env.pop("PYTHONPATH", None)
     r = subprocess.run([str(venv / "bin/snap"), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    for command in ("commit", "restore", "verify", "run"):
+    for command in ("commit", "restore", "verify", "run", "login", "logout"):
         assert command in r.stdout
+    # The installed `snap` starts at cli.main, which takes SNAP_USERNAME/SNAP_PASSWORD out of the
+    # environment before anything can start a process (app() alone would skip that).
+    assert "from snapshotter.cli import main" in (venv / "bin/snap").read_text()
     r = subprocess.run([str(venv / "bin/python"), "-c", IMPORT_ALL], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
