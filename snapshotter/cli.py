@@ -70,6 +70,7 @@ def _errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            progress.check_settings()
             return fn(*args, **kwargs)
         except SnapError as e:
             _say(f"snap: error: {e}")
