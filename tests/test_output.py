@@ -1,7 +1,10 @@
 """Output made for logs: without a terminal, progress is a plain line now and then (no carriage
-return, no escape code), timed by progress.clock."""
+return, no escape code), timed by progress.clock; a closed stdout ends a command quietly."""
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +111,38 @@ def test_commit_and_restore_into_a_log_say_what_and_how_much(registry, base_ref,
 
     quiet = snap("restore", ref, "--root", str(tmp_path / "quiet"), check=True)  # SNAP_QUIET=1, as the suite runs
     assert not any(line.startswith(("downloading", "extracting")) for line in quiet.stderr.splitlines())
+
+
+def run_with_stdout_closed(*args: str) -> subprocess.CompletedProcess:
+    """snap with stdout a pipe whose reader is gone before snap writes (`snap log | head -1`, once
+    head has its line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "snapshotter", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=600)
+    finally:
+        os.close(write_end)
+
+
+def test_a_closed_stdout_ends_the_command_quietly_with_its_own_exit_code(registry, base_ref, box, tmp_path):
+    ref = f"{registry.host}/piped:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, check=True)
+    for args in (("log", ref), ("log", ref, "--json"), ("profiles",)):
+        r = run_with_stdout_closed(*args)
+        assert (r.returncode, r.stderr) == (0, ""), args
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    (out / "etc/app.conf").write_text("changed\n")
+    r = run_with_stdout_closed("verify", ref, "--root", str(out))  # its differences go nowhere: still exit 9
+    assert_one_line_error(r, 9, "differ")
+    assert r.stderr.count("\n") == 1
+
+    # As a reader does it: one line read, then the pipe closed while snap may still write.
+    p = subprocess.Popen([sys.executable, "-m", "snapshotter", "log", ref], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    first = p.stdout.readline()
+    p.stdout.close()
+    assert "piped" not in first and "v1" in first
+    assert (p.wait(timeout=600), p.stderr.read()) == (0, "")
+    p.stderr.close()
