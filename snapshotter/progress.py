@@ -19,8 +19,16 @@ from snapshotter.errors import UsageError, printable
 MODES = ("bars", "lines", "off")
 DEFAULT_EVERY = 10.0  # seconds between two lines of one transfer
 
+
+def _to_stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 # What the lines are timed by: seconds, only ever increasing. Tests set their own.
 clock: Callable[[], float] = time.monotonic
+# Where the lines go: stderr; `snap watch` sends them through its log, with their time.
+write_line: Callable[[str], None] = _to_stderr
 
 _lock = threading.Lock()
 
@@ -129,8 +137,7 @@ class LineProgress:
         if self._broken:
             return
         try:
-            sys.stderr.write(f"{self.desc}: {what}\n")
-            sys.stderr.flush()
+            write_line(f"{self.desc}: {what}")
         except (OSError, ValueError):
             self._broken = True
 
