@@ -45,8 +45,22 @@ def _say(msg: str) -> None:
 
 
 def _out(msg: str) -> None:
-    """One line on stdout, escaped as _say's (JSON output is escaped by json.dumps)."""
-    typer.echo(printable(msg))
+    """One line on stdout, escaped as _say's."""
+    _stdout(printable(msg))
+
+
+def _stdout(text: str) -> None:
+    """`text` and a newline on stdout (JSON as json.dumps escaped it). Once stdout's reader has gone
+    (`snap log | head -1`) the rest is dropped, quietly: the command ends as it would have, with
+    its own exit code (verify's 9 stays 9)."""
+    try:
+        typer.echo(text)
+    except BrokenPipeError:
+        # stdout's fd now points at /dev/null: what its buffer still holds goes there, at exit too,
+        # instead of raising again ("Exception ignored ... BrokenPipeError").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -73,6 +87,7 @@ def _errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            progress.check_settings()
             return fn(*args, **kwargs)
         except SnapError as e:
             _say(f"snap: error: {e}")
@@ -233,7 +248,7 @@ def commit(
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)
-        typer.echo(json.dumps(doc, indent=2))
+        _stdout(json.dumps(doc, indent=2))
         return
     _say(f"base: {result.base_layers} layer(s); deleted paths: {result.deleted}")
     for layer in result.layers:
@@ -305,7 +320,7 @@ def restore(
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)
-        typer.echo(json.dumps(doc, indent=2))
+        _stdout(json.dumps(doc, indent=2))
         return
     _out(f"restored {result.ref} into {root}: {len(result.applied)} layer(s) applied"
                f"{f', {result.resumed} already applied' if result.resumed else ''}"
@@ -376,7 +391,7 @@ def verify(
     )
     result = do_verify(ref, root, opts)
     if as_json:
-        typer.echo(json.dumps({"ref": str(result.ref), "manifest_digest": result.manifest_digest, "checked": result.checked,
+        _stdout(json.dumps({"ref": str(result.ref), "manifest_digest": result.manifest_digest, "checked": result.checked,
                                "ok": result.ok, "differences": [asdict(d) for d in result.differences],
                                "left_out_secrets": result.left_out_secrets, "left_out_total": result.left_out_total},
                               indent=2))
@@ -446,6 +461,7 @@ def watch(
         every=parse_duration(every), keep=keep, grace=grace,
         notices=notice_watcher(provider, metadata_url), log=log_line,
     )
+    progress.write_line = log_line  # its snapshots' progress lines in its log, with their time
     files = dmn.watch_files(root)
     lock = dmn.take_lock(files, root)
     ready = dmn.detach(files) if daemon else (lambda: None)
@@ -478,7 +494,7 @@ def log_(
 
     snaps = snapshot_log(target, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin))
     if as_json:
-        typer.echo(json.dumps([asdict(s) for s in snaps], indent=2))
+        _stdout(json.dumps([asdict(s) for s in snaps], indent=2))
         return
     for s in snaps:
         _out(f"{', '.join(s.tags)}  {s.created.replace('T', ' ').replace('Z', ' UTC')}  {_fmt_size(s.size)}  "
@@ -511,7 +527,7 @@ def status(
                          transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say)
     st = box_status(base, opts)
     if as_json:
-        typer.echo(json.dumps({**asdict(st), "to_send": st.to_send}, indent=2))
+        _stdout(json.dumps({**asdict(st), "to_send": st.to_send}, indent=2))
         return
     for layer in st.layers:
         what = "changed, would send" if layer.changed else "unchanged, skipped"

@@ -33,7 +33,7 @@ from .hold import hold_back
 from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
 
 LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
-MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
+MAX_ENGINE_LAYERS = 125  # Docker refuses images of more layers; podman fails at run from 126 to 133
 TORN = "changed while read"
 CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
 UNREADABLE = "could not be read"  # refused at open (permissions): not read
@@ -59,8 +59,9 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     layers = _push_settled_layers(cp, remote, opts)
     count = cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values())
     if count > MAX_ENGINE_LAYERS:
-        opts.log(f"warning: the image has {count} layers; Docker cannot run images "
-                 f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
+        opts.log(f"warning: the image has {count} layers: Docker cannot run an image of more than about "
+                 f"{MAX_ENGINE_LAYERS}, and podman fails to start one of somewhere between 126 and 133 or more "
+                 "(snap restore has no such limit)")
 
     created = now_rfc3339()
     base_config = base_img.config if base_img else scratch_config(*host_platform())
