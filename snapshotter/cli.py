@@ -20,6 +20,7 @@ from snapshotter.registry.transport import TransportOptions
 
 from . import progress
 from .errors import SnapError, StorageError, UsageError, printable
+from .version import __version__
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
@@ -32,6 +33,18 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        _out(f"snap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print snap's version and exit.")) -> None:
+    pass  # options for snap itself, before the command
 
 
 # typer's own exits; newer typers vendor click and no longer export click's exception classes.
