@@ -15,14 +15,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(REPO, "docs")) if n.endswith(".md"))
 PROGRAMS = ("snap", "boxsnap")
 
-# What the docs already describe and the CLI does not have yet, as other work adds it: a line that
-# uses one of these is skipped with its reason, every other line must parse. The lead removes this
-# list (and the skip) once `snap login`/`snap logout` are merged.
-PENDING = {
-    ("login",): "`snap login` (credentials in Docker's config format) is not merged yet",
-    ("logout",): "`snap logout` is not merged yet",
-}
-
 
 def click_of(command) -> object:
     """The exceptions of the click a command is made with: click's, or those of the copy newer typers
@@ -145,9 +137,6 @@ def test_command_line_parses(args):
     required argument is there, nothing is left over. Placeholders (REGISTRY, $BOX) are fine as
     arguments: they are strings to the parser."""
     group = typer.main.get_command(app)
-    for key, why in PENDING.items():
-        if tuple(args[:len(key)]) == key:
-            pytest.skip(f"pending: {why}: snap {' '.join(args)}")
     if not args or args[0] in ("--help", "-h"):
         return
     if args[0].startswith("-"):  # an option of snap itself (--version): it stands alone
