@@ -1,12 +1,17 @@
 """Planning the snapshot layers: which changed path goes into which layer.
 
 Every changed or deleted path goes to one profile layer (venv, custom_nodes, models, rest, ...).
-A profile layer can then become several image layers, each kept stable so that adding or removing
-one model re-uploads nothing else:
+A profile layer can then become several image layers, each kept stable so that adding, upgrading
+or removing one package, node or model re-uploads nothing else:
   - a file of at least the rule's `file_layer_min` gets a layer of its own (big weights);
   - a file larger than the registry's layer cap is cut into part layers that restore joins back;
-  - the rest is bundled, sorted by path, into layers of at most `bundle_max` bytes, cut where the
-    path's hash says so (content-defined), so an insertion only changes the bundle it falls in.
+  - the rest is bundled: in a code layer by natural unit (layer/units.py: a distribution with its
+    dist-info, one custom node) and then path, cut only between units where the unit's hash says
+    so (content-defined), in a weights layer by path, cut between files; so an insertion only
+    changes the bundle it falls in;
+  - directories and deletions go into a small last layer (always for weights, else when there are
+    several bundles): the shared directories' new mtimes change only it.
+sizing() sizes the bundles to the box so that a snapshot keeps to LAYER_BUDGET layers.
 """
 
 from __future__ import annotations
