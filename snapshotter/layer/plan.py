@@ -44,6 +44,7 @@ _BUNDLE_FILL = 4  # a weights layer's bundles hold bundle_max / 4 on average
 LAYER_BUDGET = 100  # image layers, the base's included: engines refuse about 125 (MAX_ENGINE_LAYERS)
 CODE_SHARE = 0.6  # of the budget left by the base, the code layers' bundles (the weights take the rest)
 MIN_BUNDLE = 16 * 1024**2  # the code layers' smallest bundle target: a tiny layer costs round trips
+WHOLE_BELOW = 4  # a code layer of less than this many MIN_BUNDLEs stays one layer
 MAX_SIZING_ROUNDS = 16  # targets doubled at most this often to fit the budget
 
 
@@ -83,7 +84,7 @@ def sizing(plans: dict[str, LayerPlan], profile: Profile, max_layer_size: int, b
     keeps to LAYER_BUDGET layers. From the content sizes alone (the same tree gets the same cuts):
       - the code layers (all but the weights) share one target, the power of two at or above their
         content over CODE_SHARE of the budget (less their directory layers), and MIN_BUNDLE at least;
-        cuts fall between natural units;
+        cuts fall between natural units; a code layer under WHOLE_BELOW MIN_BUNDLEs stays whole;
       - a weights layer keeps a layer per file of file_layer_min or more while those fit in 3/4 of
         its share; else the threshold doubles until they do, and the files under it are bundled
         with a target raised (in powers of two from bundle_max / 4) to fit the rest of the share.
@@ -97,7 +98,10 @@ def sizing(plans: dict[str, LayerPlan], profile: Profile, max_layer_size: int, b
     code_size = sum(plans[r.name].content_size for r in code)
     target = max(MIN_BUNDLE, _step_up(code_size / max(1, code_share - len(code)))) << doublings
     for r in code:
-        out[r.name] = Bundling(min(target, max_layer_size), min(4 * target, max_layer_size), None, units=True)
+        if plans[r.name].content_size < WHOLE_BELOW * MIN_BUNDLE:
+            out[r.name] = rule_bundling(r, max_layer_size)  # a few MB sent again cost less than more layers
+        else:
+            out[r.name] = Bundling(min(target, max_layer_size), min(4 * target, max_layer_size), None, units=True)
     share = max(2, (budget - code_share) // max(1, len(weights)) - 1)  # less its directories' layer
     for r in weights:
         files = sorted((e.size for e in plans[r.name].entries if e.kind == FILE), reverse=True)
