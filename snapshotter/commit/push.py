@@ -190,7 +190,7 @@ def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -
         cp.left_unread.extend(sorted(stuck - read_now))
         cp.diff.changed = sorted([e for e in cp.diff.changed if e.path not in stuck]
                                  + [cp.scan.entries[p] for p in read_now], key=lambda e: e.path)
-        cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts)
+        cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts, cp.base_layers)
 
 
 def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:
