@@ -333,8 +333,14 @@ def test_a_registry_outage_is_retried_and_never_stops_the_loop(base_rootfs, box,
 # ---- the real process: signals, notices, daemon, kill -9 ------------------------------------------
 
 
+# The watchers these tests signal: a change made just before the signal is the final snapshot's (a
+# box quiet for SNAP_WATCH_QUIET seconds would send it by itself first).
+LEFT_FOR_THE_FINAL = {"SNAP_WATCH_QUIET": "3600"}
+
+
 def start_watch(registry, base_ref, box, repo, *extra, env=None) -> WatchProcess:
-    p = WatchProcess(f"{registry.host}/{repo}:v2", "--base", base_ref, "--root", box, "--every", "1h", *extra, env=env)
+    p = WatchProcess(f"{registry.host}/{repo}:v2", "--base", base_ref, "--root", box, "--every", "1h", *extra,
+                     env={**LEFT_FOR_THE_FINAL, **(env or {})})
     p.wait_for("watching ")
     p.wait_for(" moved to it")  # the first snapshot
     return p
@@ -426,7 +432,7 @@ def start_daemon(registry_host, base_ref, box, repo, stderr, env=None) -> subpro
     writing its lines there, as into a container's output, so no capture that waits for EOF)."""
     return subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry_host}/{repo}:v2", "--base",
                            base_ref, "--root", box, "--every", "1h", "--daemon"], stdout=subprocess.DEVNULL,
-                          stderr=stderr, env=dict(os.environ, **FAST, **(env or {})), timeout=TIMEOUT)
+                          stderr=stderr, env=dict(os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})), timeout=TIMEOUT)
 
 
 def test_daemon_one_per_root_and_stop(registry, base_ref, box, tmp_path, state_dir):

@@ -8,10 +8,16 @@ its event. The watcher's trace (SNAP_WATCH_TRACE) says which scan ran."""
 
 import mmap
 import os
+import random
+import shutil
+import time
 
 import pytest
 
 from snapshotter import restore_image
+from snapshotter.box.events import ChangeEvents
+from snapshotter.box.profile import load_profile
+from snapshotter.box.scan import ScanMemo, scan_box
 
 from helpers import FakeClock, watcher
 from support import NOT_CAPTURED, snapshot_of_tree, write_tree
@@ -165,3 +171,67 @@ def test_a_write_through_mmap_is_caught_by_the_safety_scan(registry, base_ref, b
     whole = [i for i, line in enumerate(lines) if line == "trace: scan: the whole box"]
     assert len(snapshots(lines)) == 2 and len(whole) == 2 and whole[1] < lines.index(snapshots(lines)[1])
     assert_restores_to_box(registry, "ev-mmap", box, tmp_path, "r")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_scan_of_the_notified_directories_is_the_full_scan(tmp_path, seed):
+    """Random creates, deletes, renames across directories, directory swaps, chmods and symlinks:
+    after each round, the scan of the directories the notifications named, from the last one, is
+    the scan of the whole tree."""
+    root = str(tmp_path / "tree")
+    rnd = random.Random(seed)
+    os.makedirs(root)
+    for i in range(60):
+        d = random_dir(rnd, root)
+        if rnd.random() < 0.3:
+            os.makedirs(os.path.join(d, f"d{i}"))
+        else:
+            write_tree(d, {f"f{i}": "x" * i})
+    profile = load_profile()
+    events = ChangeEvents(root, lambda rel: bool(profile.exclude.match(rel)))
+    memo = ScanMemo(lambda: time.time_ns() + 100 * 10**9)  # every path settled: kept by the memo
+    last = scan_box(root, profile, memo=memo)
+    for n in range(25):
+        for k in range(rnd.randint(1, 6)):
+            mutate(rnd, root, f"{n}_{k}")
+        dirty, lost = events.drain()
+        assert lost is None
+        part = scan_box(root, profile, memo=memo, previous=last, dirty=dirty)
+        assert listing(part) == listing(scan_box(root, profile)), f"round {n}, notified {sorted(dirty)}"
+        last = part
+
+
+def random_dir(rnd, root):
+    return rnd.choice(sorted(d for d, _, _ in os.walk(root)))
+
+
+def mutate(rnd, root, tag):
+    r, d = rnd.random(), random_dir(rnd, root)
+    try:
+        if r < 0.2:
+            write_tree(d, {f"n{tag}/inner": "y"})
+        elif r < 0.4:
+            write_tree(d, {f"g{tag}": "z" * len(tag)})
+        elif r < 0.55:
+            files = sorted(f for f in os.listdir(d) if os.path.isfile(os.path.join(d, f)))
+            if files:
+                os.unlink(os.path.join(d, rnd.choice(files)))
+        elif r < 0.7 and d != root:
+            to = os.path.join(random_dir(rnd, root), f"mv{tag}")
+            if not to.startswith(d + "/"):
+                os.rename(d, to)
+        elif r < 0.8 and d != root:
+            shutil.rmtree(d)
+            if rnd.random() < 0.5:
+                os.makedirs(d)  # the same name, another directory
+        elif r < 0.9:
+            os.chmod(d, 0o700 if rnd.random() < 0.5 else 0o755)
+        else:
+            os.symlink("target", os.path.join(d, f"l{tag}"))
+    except FileNotFoundError:
+        pass
+
+
+def listing(scan):
+    return ({p: (e.kind, e.mode, e.size, e.stamp, e.linkname) for p, e in scan.entries.items()},
+            scan.skipped_secrets, scan.unreadable)

@@ -14,7 +14,6 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import stat
 import struct
 from typing import Callable, Optional
 
@@ -134,7 +133,7 @@ class ChangeEvents:
                 with os.scandir(path) as it:
                     for de in it:
                         try:
-                            if stat.S_ISDIR(de.stat(follow_symlinks=False).st_mode):
+                            if de.is_dir(follow_symlinks=False):  # (the directory's own type field: no stat)
                                 stack.append(f"{rel}/{de.name}" if rel else de.name)
                         except OSError:
                             continue

@@ -136,6 +136,7 @@ class Watcher:
         self.sent_ahead: dict[str, tuple] = {}  # big files sent before a commit: path -> token sent
         self.last_commit_at = float("-inf")
         self.last_change_at = float("-inf")
+        self.changed_since_commit = False  # a change seen since the last snapshot (not a held file still pending)
         self.burst_bytes = 0
         self.retry_at = float("-inf")
         self.backoff = 0.0
@@ -304,6 +305,7 @@ class Watcher:
                 self.burst_bytes += scan.entries[p].size
         if changed and self.committed is not None:
             self.last_change_at = now
+            self.changed_since_commit = True
         if changed:
             with self.events_lock:
                 if self.commit_dirty is not None:
@@ -394,7 +396,7 @@ class Watcher:
         due = now - self.last_commit_at >= self.opts.every
         # Any change is sent once the box has been quiet for `quiet` seconds (counted from the last
         # change seen: with notifications, within EVENT_POLL of the write): no reclaim notice may come.
-        burst_over = now - self.last_change_at >= self.opts.quiet
+        burst_over = self.changed_since_commit and now - self.last_change_at >= self.opts.quiet
         if not (first or ready or due or burst_over):
             return
         with self.commit_lock, exclusive(self.log):  # as a commit does: another snap process on the state dir waits
@@ -595,6 +597,7 @@ class Watcher:
     def _committed(self, tokens: dict[str, tuple], now: float, cp: CommitPlan) -> None:
         self.committed = tokens
         self.committed_whole = not cp.held
+        self.changed_since_commit = False
         self.committed_scan = cp.scan
         self.pending_stale = True
         self.committed_changed = {e.path: e for e in cp.diff.changed}
