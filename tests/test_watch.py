@@ -432,7 +432,7 @@ def start_daemon(registry_host, base_ref, box, repo, stderr, env=None) -> subpro
     writing its lines there, as into a container's output, so no capture that waits for EOF)."""
     return subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry_host}/{repo}:v2", "--base",
                            base_ref, "--root", box, "--every", "1h", "--daemon"], stdout=subprocess.DEVNULL,
-                          stderr=stderr, env=dict(os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})), timeout=TIMEOUT)
+                          stderr=stderr, env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})}, timeout=TIMEOUT)
 
 
 def test_daemon_one_per_root_and_stop(registry, base_ref, box, tmp_path, state_dir):

@@ -144,7 +144,7 @@ class Watcher:
         self.throughput = float(ASSUMED_THROUGHPUT)
         self.prune_refused = False
         self.snapshots = 0
-        self.pending: list[str] = []  # what the last check found pending, recomputed after a scan or a commit
+        self.differing: list[str] = []  # paths that differ from the last snapshot, recomputed after a scan or a commit
         self.pending_stale = True
         # What the last scans learnt of each unchanged path (box/scan.py's ScanMemo): the loop's metadata
         # scans and the commits' full ones each keep their own. On the watcher's clock (file times
@@ -341,14 +341,21 @@ class Watcher:
                 held[e.path] = f"not sent yet, would not fit in the {self.opts.grace:g}s grace"
         return held
 
+    def _differing(self) -> list[str]:
+        """Paths that differ from the last snapshot (every path compared: after a scan or a commit)."""
+        if self.committed is None:
+            return []
+        changed = [p for p, t in self.tokens.items() if self.committed.get(p) != t]
+        return changed + [p for p in self.committed if p not in self.tokens]
+
     def _pending(self) -> list[str]:
-        """Paths that differ from the last snapshot, big files being written left aside."""
+        """Paths that differ from the last snapshot, big files being written left aside (asked at each
+        step: a big file becomes stable with no new notification)."""
         if self.committed is None:
             return ["(first snapshot)"]
-        held = self._held(self.entries, self.opts.clock())
-        changed = [p for p, t in self.tokens.items() if self.committed.get(p) != t]
-        changed += [p for p in self.committed if p not in self.tokens]
-        return [p for p in changed if p not in held]
+        entries = {p: self.entries[p] for p in self.differing if p in self.entries}
+        held = self._held(entries, self.opts.clock())
+        return [p for p in self.differing if p not in held]
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -381,9 +388,9 @@ class Watcher:
         if full or self.tick_dirty or (self.tick_scan is not None and self.tick_scan.racy_dirs):
             self._observe(self._scan(full), now)
         if full or self.pending_stale:
-            self.pending = self._pending()
+            self.differing = self._differing()
             self.pending_stale = False
-        pending = self.pending
+        pending = self._pending()
         cost = self.opts.cpu_clock() - t
         if full:
             self.check_cost = cost
@@ -460,8 +467,9 @@ class Watcher:
         return opts, plan_commit(self.base, opts, self.transport)
 
     def _ready_to_send(self, now: float) -> set[str]:
-        """Big new files that are complete (stable) and not sent yet."""
-        return {e.path for e in self._new_big(self.entries)
+        """Big new files that are complete (stable) and not sent yet (among the paths that differ)."""
+        entries = {p: self.entries[p] for p in self.differing if p in self.entries}
+        return {e.path for e in self._new_big(entries)
                 if self._stable(e, now) and self.sent_ahead.get(e.path) != _token(e)}
 
     def _send_ahead(self, now: float, ready: set[str], stopping: Optional[threading.Event] = None) -> None:
