@@ -76,6 +76,22 @@ def pseudo_mounts(root: str) -> set[str]:
     return {clean_path(rel) for rel in found if rel is not None}
 
 
+# Filesystems whose changes may come from elsewhere (another machine, a FUSE daemon): inotify
+# reports only what this kernel did there.
+REMOTE_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "gpfs", "afs", "virtiofs"}
+
+
+def remote_mounts(root: str) -> dict[str, str]:
+    """Root-relative mount points under `root` of network and FUSE filesystems, with their type."""
+    root = os.path.realpath(root)
+    found = {}
+    for m in read_mounts() or ():
+        rel = inside(root, m.point)
+        if rel is not None and (m.fstype in REMOTE_FS or m.fstype == "fuse" or m.fstype.startswith("fuse.")):
+            found[clean_path(rel)] = m.fstype
+    return found
+
+
 def bind_mounted_files(root: str) -> set[str]:
     """Root-relative paths of single files mounted over a path inside `root`: what a container runtime
     injects from the host (the NVIDIA toolkit's libcuda.so.<driver version>, nvidia-smi, Docker's

@@ -68,6 +68,11 @@ class Scan:
     pseudo_mounts: set[str] = field(default_factory=set)  # kernel views (proc, sysfs, ...) not walked
     host_files: list[str] = field(default_factory=list)  # files bind-mounted from the host, and links to them
     unreadable: list[str] = field(default_factory=list)  # paths snap may not read (left out, named to the user)
+    # What a scan of some directories alone (scan_box's `dirty`) starts from: the names each walked
+    # directory held, and the directories with a path changed within the memo's racy window.
+    listed: dict[str, list[str]] = field(default_factory=dict)
+    racy_dirs: set[str] = field(default_factory=set)
+    touched: Optional[set[str]] = None  # a scan of some directories: the paths it looked at, gone ones too
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
@@ -146,45 +151,96 @@ class ScanMemo:
 
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
-             memo: Optional[ScanMemo] = None) -> Scan:
+             memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
+             dirty: Optional[set[str]] = None) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
     left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
     `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
     a change of those changes the ctime. With the profile's `include` (root-relative paths) only those are walked, and their parent
     directories are entries of their own. With a `memo` (ScanMemo) what an unchanged path held at
-    the last scan is taken from it."""
+    the last scan is taken from it.
+
+    With `previous` (this root's last scan, with the same memo) and `dirty`, only the directories in
+    `dirty` are listed again (a watcher's change notifications, box/events.py): the rest of the box
+    is as `previous` had it, a directory that appeared is walked whole, and one that went is dropped
+    with all below it. The full scan is the same walk with every directory dirty."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
     root = os.path.realpath(root)
     skip_mounts = pseudo_mounts(root)
     mounted = bind_mounted_files(root)
-    host_files: list[str] = []
     extra = {clean_path(e) for e in extra_excludes}
     context = (root, profile, frozenset(extra), metadata_only)
     old, new, settled_ns = (memo or ScanMemo()).start(context)
     if memo is None:
         settled_ns = -1  # nothing to keep
-    entries: dict[str, Entry] = {}
-    venvs = VenvRoots()
-    secrets: list[str] = []
-    unreadable: list[str] = []
+    partial = previous is not None and dirty is not None and memo is not None and bool(old) and not profile.include
+    entries: dict[str, Entry] = dict(previous.entries) if partial else {}
+    listed: dict[str, list[str]] = dict(previous.listed) if partial else {}
+    venvs = previous.venv_roots if partial else VenvRoots()
+    secrets: set[str] = set(previous.skipped_secrets) if partial else set()
+    unreadable: set[str] = set(previous.unreadable) if partial else set()
+    host_files: set[str] = set(previous.host_files) if partial else set()
+    racy: set[str] = set()  # directories holding a path the memo does not keep (changed within its window)
+    touched: set[str] = set()
+    walked: set[str] = set()
+    new_venvs = False
+    if partial:
+        new = dict(old)
     stack: list[str] = []
+
+    def forget(rel: str) -> None:
+        """`rel` as the last scan knew it, and all below it, dropped (it is looked at again, or gone)."""
+        nonlocal new_venvs
+        todo = [rel]
+        while todo:
+            p = todo.pop()
+            e = entries.pop(p, None)
+            new.pop(p, None)
+            secrets.discard(p)
+            unreadable.discard(p)
+            host_files.discard(p)
+            touched.add(p)
+            if p.endswith("pyvenv.cfg"):
+                new_venvs = True
+            if e is not None and e.kind == DIR:
+                names = listed.pop(p, ())
+                todo.extend(f"{p}/{n}" for n in names)
 
     def visit(rel: str, dir_fd: int, name: str, walk: bool = True) -> int:
         """Add the entry of `rel` (`name` in the open directory `dir_fd`), unless the profile leaves
-        it out; a directory is walked if `walk`. The number of entries added (0 or 1)."""
+        it out; a directory is walked if `walk`. The number of entries added (0 or 1). In a scan of
+        some directories, a directory known from the last scan is listed again if it is dirty or its
+        stamp moved, and what lay below it is forgotten only if it is another directory now."""
+        if not partial:
+            return look(rel, dir_fd, name, walk, None)
+        before = entries.pop(rel, None)
+        secrets.discard(rel)
+        unreadable.discard(rel)
+        host_files.discard(rel)
+        touched.add(rel)
+        was_dir = before is not None and before.kind == DIR and rel in listed
+        same = before.stamp if was_dir and rel not in dirty else None
+        added = look(rel, dir_fd, name, walk, same)
+        now = entries.get(rel)
+        if was_dir and not (now is not None and now.kind == DIR and _inode(now) == _inode(before)):
+            for n in listed.pop(rel, ()):
+                forget(f"{rel}/{n}")
+        return added
+
+    def look(rel: str, dir_fd: int, name: str, walk: bool, same: Optional[str]) -> int:
         last = old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
         if rel in extra or rel in skip_mounts or (last is None and profile.exclude.match(rel)):
             return 0
         if rel in mounted:
-            host_files.append(rel)
+            host_files.add(rel)
             return 0
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
             return 0
         except PermissionError:
-            unreadable.append(rel)
+            unreadable.add(rel)
             return 0
         if last is not None and _unchanged(last, st):
             e = None if isinstance(last, str) else last
@@ -194,20 +250,23 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             except FileNotFoundError:
                 return 0
             except PermissionError:
-                unreadable.append(rel)
+                unreadable.add(rel)
                 return 0
             if e is _UNREADABLE:
-                unreadable.append(rel)
+                unreadable.add(rel)
                 return 0
             if e is _NOT_CONTENT:
                 return 0
         if st.st_ctime_ns < settled_ns:
             new[rel] = e if e is not None else _memo_stamp(st)
+        elif memo is not None:
+            new.pop(rel, None)
+            racy.add(rel.rpartition("/")[0])
         if e is None:
-            secrets.append(rel)
+            secrets.add(rel)
             return 0
         entries[rel] = e
-        if e.kind == DIR and walk:
+        if e.kind == DIR and walk and e.stamp != same:
             stack.append(rel)
         elif e.kind == FILE and rel.rpartition("/")[2] == "pyvenv.cfg":
             venvs.add(rel.rpartition("/")[0])
@@ -224,62 +283,99 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
                 _visit_at(root_fd, rel, visit)
             if progress:
                 progress(len(entries))
-        else:
+        elif not partial:
             stack.append("")
-        while stack:
-            rel_dir = stack.pop()
-            try:
-                # Opened below the root following no symlink (box/openat.py): a directory, or one on
-                # the way, swapped for a symlink (or a file) since its lstat is not walked (a
-                # symlink's target is not the box's content there), and a path longer than
-                # PATH_MAX is walked all the same. Its entries are stat'ed through the handle.
-                fd = open_beneath(root_fd, rel_dir, DIR_FLAGS) if rel_dir else os.dup(root_fd)
-            except PermissionError:
-                unreadable.append(rel_dir or "/")
-                continue
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # removed or replaced while we walked
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.EXDEV):
-                    raise
-                continue  # replaced by a symlink while we walked
-            try:
-                try:
-                    with os.scandir(fd) as it:
-                        names = [de.name for de in it]
-                except PermissionError:
-                    unreadable.append(rel_dir or "/")
-                    continue
-                prefix = f"{rel_dir}/" if rel_dir else ""
-                added = sum(visit(prefix + name, fd, name) for name in names)
-            finally:
-                os.close(fd)
-            if progress and added:
-                progress(added)  # once per directory: a call per file costs as much as its lstat
+        for top in sorted(dirty) if partial else [None]:
+            if top is not None and top in listed and top not in walked:
+                # Its own entry (times, mode) is in its parent's listing: looked at again first.
+                if top:
+                    _visit_at(root_fd, top, visit, missing_ok=True)
+                else:
+                    stack.append(top)
+            walk_stack(root_fd, stack, listed, walked, unreadable, visit, progress, forget if partial else None)
     finally:
         os.close(root_fd)
     if memo is not None:
         memo.finish(context, new)
-    host_files.extend(links_to(entries, mounted))
+    if partial:
+        if new_venvs:
+            venvs = VenvRoots(p.rpartition("/")[0] for p, e in entries.items()
+                              if e.kind == FILE and p.rpartition("/")[2] == "pyvenv.cfg")
+        fresh = {p: entries[p] for p in touched if p in entries and entries[p].kind == SYMLINK}
+        links = links_to(entries, mounted) if fresh and mounted else []
+    else:
+        links = links_to(entries, mounted)
+    host_files.update(links)
     for rel in host_files:
         entries.pop(rel, None)
     if "/" in unreadable:  # the root itself: there is no box to commit
         raise StorageError(f"cannot read the box root {root!r}", "run snap as root")
     # Any other path snap may not read is left out, and named: one such path must not cost the rest
     # of the box its snapshot (a reclaim gives no second try).
-    return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files), sorted(unreadable))
+    return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files), sorted(unreadable),
+                listed=listed, racy_dirs=racy, touched=touched if partial else None)
+
+
+def walk_stack(root_fd: int, stack: list[str], listed: dict[str, list[str]], walked: set[str], unreadable: set[str],
+               visit: Callable[..., int], progress: Optional[Callable[[int], None]],
+               forget: Optional[Callable[[str], None]]) -> None:
+    """List each directory on `stack` and visit its names (visit() pushes the directories to walk).
+    With `forget` (a scan of some directories), the names a directory held at the last scan and no
+    longer holds are forgotten."""
+    while stack:
+        rel_dir = stack.pop()
+        try:
+            # Opened below the root following no symlink (box/openat.py): a directory, or one on the
+            # way, swapped for a symlink (or a file) since its lstat is not walked (a symlink's target
+            # is not the box's content there), and a path longer than PATH_MAX is walked all the
+            # same. Its entries are stat'ed through the handle.
+            fd = open_beneath(root_fd, rel_dir, DIR_FLAGS) if rel_dir else os.dup(root_fd)
+        except PermissionError:
+            unreadable.add(rel_dir or "/")
+            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed or replaced while we walked (its parent is listed again, or was)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.EXDEV):
+                raise
+            continue  # replaced by a symlink while we walked
+        try:
+            try:
+                with os.scandir(fd) as it:
+                    names = [de.name for de in it]
+            except PermissionError:
+                unreadable.add(rel_dir or "/")
+                continue
+            prefix = f"{rel_dir}/" if rel_dir else ""
+            if forget is not None:
+                now = set(names)
+                for gone in [n for n in listed.get(rel_dir, ()) if n not in now]:
+                    forget(prefix + gone)
+            listed[rel_dir] = names
+            walked.add(rel_dir)
+            added = sum(visit(prefix + name, fd, name) for name in names)
+        finally:
+            os.close(fd)
+        if progress and added:
+            progress(added)  # once per directory: a call per file costs as much as its lstat
 
 
 _UNREADABLE, _NOT_CONTENT = object(), object()
 
 
-def _visit_at(root_fd: int, rel: str, visit: Callable[..., int], walk: bool = True) -> int:
-    """visit() a path given from the root (an --include path or its parent): its directory opened
-    below the root following no symlink."""
+def _inode(e: Entry) -> str:
+    return e.stamp.partition(":")[0]
+
+
+def _visit_at(root_fd: int, rel: str, visit: Callable[..., int], walk: bool = True, missing_ok: bool = False) -> int:
+    """visit() a path given from the root (an --include path or its parent; a dirty directory): its
+    directory opened below the root following no symlink."""
     parent, _, name = rel.rpartition("/")
     try:
         fd = open_beneath(root_fd, parent, DIR_FLAGS) if parent else os.dup(root_fd)
     except OSError as e:
+        if missing_ok:
+            return 0  # gone since: its parent's listing says so
         raise UsageError(f"--include {'/' + rel!r}: cannot open its directory: {e.strerror}")
     try:
         return visit(rel, fd, name, walk=walk)

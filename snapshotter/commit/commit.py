@@ -81,11 +81,14 @@ def own_excludes(root: str) -> tuple[str, ...]:
     return (*((own,) if not own.startswith("..") else ()), *staging_dirs(root))
 
 
-def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None) -> Scan:
+def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
+              dirty: Optional[set[str]] = None) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
-    `memo` carries what the last such walk learnt (box/scan.py's ScanMemo)."""
+    `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
+    the directories changed since that walk (a watcher's change notifications)."""
     with progress.bar("scanning box", unit="files") as b:
-        return scan_box(root, profile, own_excludes(root), progress.safe_update(b), memo=memo)
+        return scan_box(root, profile, own_excludes(root), progress.safe_update(b), memo=memo, previous=previous,
+                        dirty=dirty)
 
 
 def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> Diff:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
+from snapshotter.box.events import ChangeEvents, EventsUnavailable
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
 from snapshotter.box.writers import being_written, last_change, open_for_writing
 from snapshotter.commit.commit import changes_in, own_excludes, plan_commit, scan_root
@@ -44,6 +45,8 @@ MiB = 1024 * 1024
 DEFAULT_BIG = 64 * MiB  # files this big are sent ahead and never sent half-written (else: the profile's)
 ACTIVE_FACTOR = 10  # scan budget multiplier while the box is changing
 ASSUMED_THROUGHPUT = 50 * MiB  # bytes/s to the registry until the watcher has measured it
+EVENT_POLL = 1.0  # seconds between reads of the change notifications
+SAFETY_SHARE = 0.5  # of the scan budget, for the full scans while change notifications cover the box
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -72,6 +75,9 @@ class WatchOptions:
     min_scan: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_MIN_SCAN", 2.0))  # seconds between scans, at least
     scan_budget: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_BUDGET", 0.005))  # of one core, for checks
     notice_poll: float = field(default_factory=lambda: _env_seconds("SNAP_NOTICE_POLL", 5.0))
+    events: bool = field(default_factory=lambda: os.environ.get("SNAP_WATCH_EVENTS", "1") != "0")  # inotify
+    max_watches: Optional[int] = field(default_factory=lambda: int(os.environ["SNAP_WATCH_MAX_WATCHES"])
+                                       if os.environ.get("SNAP_WATCH_MAX_WATCHES") else None)  # tests: as the kernel's limit
     log: Callable[[str], None] = lambda msg: None
     clock: Callable[[], float] = time.time  # wall clock (compared with file times); injectable for tests
     cpu_clock: Callable[[], float] = time.thread_time  # CPU, not wall: on a busy machine a check waits, and waiting costs nothing
@@ -130,6 +136,7 @@ class Watcher:
         self.sent_ahead: dict[str, tuple] = {}  # big files sent before a commit: path -> token sent
         self.last_commit_at = float("-inf")
         self.last_change_at = float("-inf")
+        self.changed_since_commit = False  # a change seen since the last snapshot (not a held file still pending)
         self.burst_bytes = 0
         self.retry_at = float("-inf")
         self.backoff = 0.0
@@ -137,12 +144,27 @@ class Watcher:
         self.throughput = float(ASSUMED_THROUGHPUT)
         self.prune_refused = False
         self.snapshots = 0
+        self.differing: list[str] = []  # paths that differ from the last snapshot, recomputed after a scan or a commit
+        self.pending_stale = True
         # What the last scans learnt of each unchanged path (box/scan.py's ScanMemo): the loop's metadata
         # scans and the commits' full ones each keep their own. On the watcher's clock (file times
         # are compared with it).
         memo_clock = lambda: int(opts.clock() * 1e9)  # noqa: E731
         self.tick_memo, self.commit_memo = ScanMemo(memo_clock), ScanMemo(memo_clock)
         self.plan_memo = PlanMemo()  # and what the last plan made of the layers that did not change
+        # Change notifications (box/events.py): the directories changed since the loop's last scan and
+        # since the last commit's, None where a full scan is due (no notifications yet, or some lost).
+        self.events: Optional[ChangeEvents] = None
+        self.events_tried = False
+        self.events_lock = threading.Lock()
+        self.tick_dirty: Optional[set[str]] = None
+        self.commit_dirty: Optional[set[str]] = None
+        self.tick_scan: Optional[Scan] = None  # the loop's last scan, and the last commit's
+        self.commit_scan: Optional[Scan] = None
+        self.next_full_at = float("-inf")
+        self.lost_told = False
+        self.committed_whole = False  # the last snapshot holds the box as its scan saw it (nothing held)
+        self.committed_scan: Optional[Scan] = None  # the commit scan the last snapshot was made from
         # The snapshot the moving tag names, once checked (snapshot/lineage.py): its digest, and its layers of
         # one file each, which keep a file being written at that version (hold.hold_back).
         self.lineage_checked = False
@@ -157,24 +179,139 @@ class Watcher:
 
     # ---- scanning ------------------------------------------------------------------------------
 
-    def _scan(self) -> Scan:
-        with gc_paused():
-            return scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True,
-                            memo=self.tick_memo)
+    def _start_events(self) -> None:
+        """Watch the box's directories, before its first scan (a change meanwhile is not missed)."""
+        self.events_tried = True
+        if not self.opts.events:
+            return
+        profile, extra = self.opts.commit.profile, set(own_excludes(self.root))
+        try:
+            self.events = ChangeEvents(self.root, lambda rel: rel in extra or bool(profile.exclude.match(rel)),
+                                       self.opts.max_watches)
+        except EventsUnavailable as e:
+            self.log(f"change notifications: {e}; the box is scanned whole at the CPU budget")
+            return
+        self._tell_gaps()
+
+    def _tell_gaps(self) -> None:
+        """One line per kind of gap: which directories send no change notification, and why."""
+        ev = self.events
+        if ev is None or not ev.new_gaps:
+            return
+        by_why: dict[str, list[str]] = {}
+        for rel in ev.new_gaps:
+            by_why.setdefault(ev.gaps[rel], []).append(rel)
+        ev.new_gaps.clear()
+        for why, rels in by_why.items():
+            more = f" and {len(rels) - 1} more director{'y' if len(rels) == 2 else 'ies'}" if len(rels) > 1 else ""
+            self.log(f"change notifications: none from {'/' + rels[0]!r}{more} ({why}); "
+                     "changes there are found by scans of the whole box at the CPU budget")
+
+    def _drain(self) -> None:
+        """Read the change notifications into both dirty sets; lost ones make both scans full."""
+        if self.events is None:
+            return
+        with self.events_lock:
+            dirty, lost = self.events.drain()
+            self._tell_gaps()
+            if lost:
+                if not self.lost_told:
+                    self.log(f"change notifications: lost ({lost}); scanning the whole box now, and at the CPU "
+                             "budget from now on")
+                    self.lost_told = True
+                self.tick_dirty = self.commit_dirty = None
+                return
+            for d in (self.tick_dirty, self.commit_dirty):
+                if d is not None:
+                    d.update(dirty)
+
+    @property
+    def events_complete(self) -> bool:
+        """Change notifications cover the whole box, none lost: full scans are the safety net only."""
+        return self.events is not None and self.events.complete and not self.lost_told
+
+    def _take_dirty(self, which: str) -> Optional[set[str]]:
+        """The directories to scan again for the loop ('tick') or a commit ('commit'), None for all;
+        the set starts again empty (changes from now on are kept for the next scan)."""
+        with self.events_lock:
+            dirty = getattr(self, f"{which}_dirty")
+            setattr(self, f"{which}_dirty", set() if self.events is not None else None)
+            return dirty
+
+    def _scan(self, full: bool = True) -> Scan:
+        """The loop's metadata scan: of the dirty directories only, unless `full` or none known."""
+        dirty = self._take_dirty("tick")
+        previous = self.tick_scan
+        if full or dirty is None or previous is None:
+            dirty = previous = None
+        else:
+            dirty = dirty | previous.racy_dirs
+        try:
+            with gc_paused():
+                scan = scan_box(self.root, self.opts.commit.profile, own_excludes(self.root), metadata_only=True,
+                                memo=self.tick_memo, previous=previous, dirty=dirty)
+        except BaseException:
+            with self.events_lock:
+                self.tick_dirty = None
+            raise
+        self.tick_scan = scan
+        self._trace("scan: the whole box" if dirty is None else f"scan: {len(dirty)} changed directories")
+        return scan
+
+    def _commit_scan(self, profile) -> Scan:
+        """A commit's scan: of the directories changed since the last commit's, where notifications
+        say which (and the loop's scans saw nothing they missed: their changes are added)."""
+        self._drain()
+        dirty = self._take_dirty("commit")
+        previous = self.commit_scan
+        if dirty is None or previous is None:
+            dirty = previous = None
+        else:
+            dirty = dirty | previous.racy_dirs
+        try:
+            scan = scan_root(self.root, profile, self.commit_memo, previous, dirty)
+        except BaseException:
+            with self.events_lock:
+                self.commit_dirty = None
+            raise
+        self.commit_scan = scan
+        return scan
 
     def _observe(self, scan: Scan, now: float) -> list[str]:
-        """Note a scan: paths whose token changed since the last one get `since` = now."""
-        tokens = {p: _token(e) for p, e in scan.entries.items()}
-        changed = [p for p, t in tokens.items() if self.tokens.get(p) != t] + [p for p in self.tokens if p not in tokens]
+        """Note a scan: paths whose token changed since the last one get `since` = now. A scan of
+        some directories compares only the paths it looked at. The directories of what changed are
+        scanned again by the next commit (a change only a full scan saw: a write through mmap)."""
+        if scan.touched is not None and self.tokens:
+            tokens = self.tokens
+            changed = []
+            for p in scan.touched:
+                e = scan.entries.get(p)
+                t = _token(e) if e is not None else None
+                if tokens.get(p) != t:
+                    changed.append(p)
+                    if t is None:
+                        del tokens[p]
+                        self.since.pop(p, None)
+                    else:
+                        tokens[p] = t
+        else:
+            tokens = {p: _token(e) for p, e in scan.entries.items()}
+            changed = [p for p, t in tokens.items() if self.tokens.get(p) != t] + [p for p in self.tokens if p not in tokens]
+            for p in [p for p in self.since if p not in tokens]:
+                del self.since[p]
         for p in changed:
-            self.since[p] = now
             if p in tokens:
+                self.since[p] = now
                 self.burst_bytes += scan.entries[p].size
-        for p in [p for p in self.since if p not in tokens]:
-            del self.since[p]
         if changed and self.committed is not None:
             self.last_change_at = now
+            self.changed_since_commit = True
+        if changed:
+            with self.events_lock:
+                if self.commit_dirty is not None:
+                    self.commit_dirty.update(p.rpartition("/")[0] for p in changed)
         self.tokens, self.entries = tokens, scan.entries
+        self.pending_stale = True
         return changed
 
     def _stable(self, e: Entry, now: float) -> bool:
@@ -204,14 +341,21 @@ class Watcher:
                 held[e.path] = f"not sent yet, would not fit in the {self.opts.grace:g}s grace"
         return held
 
+    def _differing(self) -> list[str]:
+        """Paths that differ from the last snapshot (every path compared: after a scan or a commit)."""
+        if self.committed is None:
+            return []
+        changed = [p for p, t in self.tokens.items() if self.committed.get(p) != t]
+        return changed + [p for p in self.committed if p not in self.tokens]
+
     def _pending(self) -> list[str]:
-        """Paths that differ from the last snapshot, big files being written left aside."""
+        """Paths that differ from the last snapshot, big files being written left aside (asked at each
+        step: a big file becomes stable with no new notification)."""
         if self.committed is None:
             return ["(first snapshot)"]
-        held = self._held(self.entries, self.opts.clock())
-        changed = [p for p, t in self.tokens.items() if self.committed.get(p) != t]
-        changed += [p for p in self.committed if p not in self.tokens]
-        return [p for p in changed if p not in held]
+        entries = {p: self.entries[p] for p in self.differing if p in self.entries}
+        held = self._held(entries, self.opts.clock())
+        return [p for p in self.differing if p not in held]
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -234,19 +378,34 @@ class Watcher:
     def _step(self, now: float) -> None:
         # The pace budgets the whole check, not the scan alone: comparing a scan's paths with the
         # last ones added about a fifth, and an idle watcher went over its 0.5% of a core.
+        if self.final_started.is_set():
+            return  # the final snapshot has the CPU to itself (a 2-core box, a 4 s grace)
         if not self.lineage_checked:
             self._check_lineage()
+        if not self.events_tried:
+            self._start_events()
         t = self.opts.cpu_clock()
-        self._observe(self._scan(), now)
+        self._drain()
+        full = self.events is None or self.tick_dirty is None or now >= self.next_full_at
+        if full or self.tick_dirty or (self.tick_scan is not None and self.tick_scan.racy_dirs):
+            self._observe(self._scan(full), now)
+        if full or self.pending_stale:
+            self.differing = self._differing()
+            self.pending_stale = False
         pending = self._pending()
-        self.check_cost = self.opts.cpu_clock() - t
+        cost = self.opts.cpu_clock() - t
+        if full:
+            self.check_cost = cost
+            self.next_full_at = now + self._full_interval()
         if not pending:
             self.burst_bytes = 0
             return
         first = self.committed is None
         ready = set() if first else self._ready_to_send(now)
         due = now - self.last_commit_at >= self.opts.every
-        burst_over = self.burst_bytes >= self.big and now - self.last_change_at >= self.opts.quiet
+        # Any change is sent once the box has been quiet for `quiet` seconds (counted from the last
+        # change seen: with notifications, within EVENT_POLL of the write): no reclaim notice may come.
+        burst_over = self.changed_since_commit and now - self.last_change_at >= self.opts.quiet
         if not (first or ready or due or burst_over):
             return
         with self.commit_lock, exclusive(self.log):  # as a commit does: another snap process on the state dir waits
@@ -259,12 +418,22 @@ class Watcher:
             if first or due or burst_over:
                 self._snapshot(first=first, stopping=stopping)
 
+    def _full_interval(self) -> float:
+        """Seconds between full scans: a check's cost stays near the budget, ten times it while the
+        box is changing (so the end of a burst is seen soon after it is over). Where change
+        notifications cover the whole box, the full scan is the safety net only (a write through
+        mmap): SAFETY_SHARE of the budget, never sped up."""
+        if self.events_complete:
+            budget = self.opts.scan_budget * SAFETY_SHARE
+        else:
+            changing = self.opts.clock() - self.last_change_at < 2 * self.opts.quiet or self.burst_bytes >= self.big
+            budget = self.opts.scan_budget * (ACTIVE_FACTOR if changing else 1)
+        return max(self.opts.min_scan, self.check_cost / max(budget, 1e-6))
+
     def next_interval(self) -> float:
-        """Seconds to the next scan: a check's cost stays near the budget, ten times it while the
-        box is changing (so the end of a burst is seen soon after it is over)."""
-        changing = self.opts.clock() - self.last_change_at < 2 * self.opts.quiet or self.burst_bytes >= self.big
-        budget = self.opts.scan_budget * (ACTIVE_FACTOR if changing else 1)
-        interval = max(self.opts.min_scan, self.check_cost / max(budget, 1e-6))
+        """Seconds to the next step: EVENT_POLL with change notifications (a step that finds none
+        costs microseconds), else the next full scan's."""
+        interval = min(EVENT_POLL, self._full_interval()) if self.events is not None else self._full_interval()
         wait_retry = self.retry_at - self.opts.clock()
         return max(interval, wait_retry) if wait_retry > 0 else interval
 
@@ -285,7 +454,7 @@ class Watcher:
         opts = self.opts.commit
 
         def changes(base_img: Image, index: dict[str, Entry]):
-            scan = scan_root(self.root, opts.profile, self.commit_memo)
+            scan = self._commit_scan(opts.profile)
             return scan, changes_in(scan, self.root, opts.profile, index, opts.rehash)
 
         def hold(scan: Scan) -> dict[str, str]:
@@ -300,8 +469,9 @@ class Watcher:
         return opts, plan_commit(self.base, opts, self.transport)
 
     def _ready_to_send(self, now: float) -> set[str]:
-        """Big new files that are complete (stable) and not sent yet."""
-        return {e.path for e in self._new_big(self.entries)
+        """Big new files that are complete (stable) and not sent yet (among the paths that differ)."""
+        entries = {p: self.entries[p] for p in self.differing if p in self.entries}
+        return {e.path for e in self._new_big(entries)
                 if self._stable(e, now) and self.sent_ahead.get(e.path) != _token(e)}
 
     def _send_ahead(self, now: float, ready: set[str], stopping: Optional[threading.Event] = None) -> None:
@@ -349,6 +519,8 @@ class Watcher:
             tag = self._tag_name()
         now = self.opts.clock()
         last = self.committed or {}
+        if final and self._nothing_new():
+            return None
         opts, cp = self._plan(now, final)
         held = cp.held
         self._trace(f"planned {len(cp.plans)} layer(s)")
@@ -393,6 +565,17 @@ class Watcher:
             self._prune()
         return tag
 
+    def _nothing_new(self) -> bool:
+        """The box is as the last snapshot holds it, by the change notifications alone (no scan): the
+        last commit scan is that snapshot's, nothing was held back from it, no notification came
+        since, none was lost, and no path of it changed within the memo's racy window."""
+        if not (self.events_complete and self.committed_whole and self.commit_scan is not None
+                and self.commit_scan is self.committed_scan and not self.commit_scan.racy_dirs):
+            return False
+        self._drain()
+        with self.events_lock:
+            return self.commit_dirty == set() and self.events_complete
+
     def _check_lineage(self) -> None:
         """Before the first snapshot: the moving tag must name a snapshot this box came from or made
         (snapshot/lineage.py), or nothing yet; its layers of one file each are what a file being written is
@@ -423,6 +606,10 @@ class Watcher:
 
     def _committed(self, tokens: dict[str, tuple], now: float, cp: CommitPlan) -> None:
         self.committed = tokens
+        self.committed_whole = not cp.held
+        self.changed_since_commit = False
+        self.committed_scan = cp.scan
+        self.pending_stale = True
         self.committed_changed = {e.path: e for e in cp.diff.changed}
         self.last_commit_at = now
         self.burst_bytes = 0

@@ -1,0 +1,237 @@
+"""`snap watch` with change notifications (box/events.py): a change is found by its event and sent
+once the box is quiet, whatever the box's size; what notifications cannot tell (a lost queue, the
+watch limit, a write through mmap) is found by the full scans that stay as the safety net.
+
+Driven in process through Watcher.tick() with clocks the test moves (wall and CPU): a full scan
+happens only when the test's clock says one is due, so a change committed between them was found by
+its event. The watcher's trace (SNAP_WATCH_TRACE) says which scan ran."""
+
+import mmap
+import os
+import random
+import shutil
+import time
+
+import pytest
+
+from snapshotter import restore_image
+from snapshotter.box.events import ChangeEvents
+from snapshotter.box.profile import load_profile
+from snapshotter.box.scan import ScanMemo, scan_box
+
+from helpers import FakeClock, watcher
+from support import NOT_CAPTURED, snapshot_of_tree, write_tree
+
+QUIET = 5
+FULL_EVERY = 1000  # seconds between full scans: the CPU clock stands still, so min_scan sets it
+
+
+@pytest.fixture(autouse=True)
+def trace(monkeypatch):
+    monkeypatch.setenv("SNAP_WATCH_TRACE", "1")
+
+
+def evented(registry, base_ref, box, repo, lines, clock, **kw):
+    """A watcher whose full scans come every FULL_EVERY seconds of the test's clock, no sooner."""
+    return watcher(registry, base_ref, box, repo, lines, clock, every=10**6, quiet=QUIET, cpu_clock=FakeClock(),
+                   min_scan=FULL_EVERY, **kw)
+
+
+def scans(lines):
+    return [line for line in lines if line.startswith("trace: scan: ")]
+
+
+def snapshots(lines):
+    return [line for line in lines if line.startswith("snapshot ")]
+
+
+def assert_restores_to_box(registry, repo, box, tmp_path, name):
+    out = tmp_path / name
+    restore_image(f"{registry.host}/{repo}:v2", str(out))
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def quiet_then_tick(w, clock):
+    """The change is seen (one step), then the box stays quiet: the next step sends it."""
+    w.tick()
+    clock.advance(QUIET)
+    w.tick()
+
+
+def test_a_change_deep_in_a_large_tree_is_sent_because_of_its_event(registry, base_ref, box, tmp_path):
+    write_tree(box, {f"opt/venv/lib/pkg{i}/sub{j}/mod{k}.py": f"# {i} {j} {k}\n"
+                     for i in range(40) for j in range(5) for k in range(10)})
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-deep", lines, clock)
+    w.tick()
+    assert scans(lines) == ["trace: scan: the whole box"] and len(snapshots(lines)) == 1
+    deep = os.path.join(box, "opt/venv/lib/pkg17/sub3/new.py")
+    with open(deep, "w") as f:
+        f.write("x = 1\n")
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    assert len(snapshots(lines)) == 2, lines
+    assert "the whole box" not in "".join(scans(lines)[1:])  # only the notified directories were listed
+    assert_restores_to_box(registry, "ev-deep", box, tmp_path, "r")
+
+
+def test_a_directory_made_and_filled_in_a_burst_is_captured_whole(registry, base_ref, box, tmp_path):
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-burst", lines, clock)
+    w.tick()
+    # Written before the watcher reads a single notification: the new directories' own files come
+    # before their watches exist.
+    write_tree(box, {f"opt/app/custom_nodes/node/{d}/f{i}.py": str(i) for d in ("a", "a/b", "a/b/c", "e") for i in range(20)})
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    write_tree(box, {"opt/app/custom_nodes/node/a/b/c/later.py": "after the watch"})  # the new watch works
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    assert len(snapshots(lines)) == 3 and "the whole box" not in "".join(scans(lines)[1:])
+    assert_restores_to_box(registry, "ev-burst", box, tmp_path, "r")
+
+
+def test_a_rename_across_directories_is_one_change_not_a_loss(registry, base_ref, box, tmp_path):
+    write_tree(box, {f"opt/app/work/run1/{n}": n for n in ("a.txt", "b/c.txt", "b/d/e.txt")})
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-move", lines, clock)
+    w.tick()
+    os.makedirs(os.path.join(box, "opt/app/done"))
+    os.rename(os.path.join(box, "opt/app/work/run1"), os.path.join(box, "opt/app/done/run1"))
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    assert len(snapshots(lines)) == 2
+    assert_restores_to_box(registry, "ev-move", box, tmp_path, "r1")
+    # The moved directory's watches go on under its new name.
+    write_tree(box, {"opt/app/done/run1/b/d/f.txt": "written after the move"})
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    assert len(snapshots(lines)) == 3 and "the whole box" not in "".join(scans(lines)[1:])
+    assert_restores_to_box(registry, "ev-move", box, tmp_path, "r2")
+
+
+def test_a_lost_queue_falls_back_to_a_full_scan_with_its_line(registry, base_ref, box, tmp_path):
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-overflow", lines, clock)
+    w.tick()
+    with open("/proc/sys/fs/inotify/max_queued_events") as f:
+        queued = int(f.read())
+    a, b = os.path.join(box, "opt/app/a.txt"), os.path.join(box, "opt/app/b.txt")
+    write_tree(box, {"opt/app/a.txt": "a", "opt/app/b.txt": "b"})
+    for i in range(queued // 2 + 8):  # two events that differ are never merged by the kernel: the queue overflows
+        os.chmod(a, 0o600 + i % 2)
+        os.chmod(b, 0o600 + i % 2)
+    write_tree(box, {"opt/app/lost-in-the-flood.txt": "found by the full scan"})
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    assert [line for line in lines if "the kernel's event queue overflowed" in line] == [
+        f"change notifications: lost (the kernel's event queue overflowed (more than {queued} events unread)); "
+        "scanning the whole box now, and at the CPU budget from now on"]
+    assert "trace: scan: the whole box" in scans(lines)[1:] and len(snapshots(lines)) == 2
+    assert_restores_to_box(registry, "ev-overflow", box, tmp_path, "r")
+
+
+def test_the_watch_limit_falls_back_to_full_scans_with_its_line(registry, base_ref, box, tmp_path):
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-limit", lines, clock, max_watches=3)
+    w.tick()
+    told = [line for line in lines if line.startswith("change notifications: none from ")]
+    assert len(told) == 1 and "the inotify watch limit is reached (3 watches: fs.inotify.max_user_watches)" in told[0]
+    assert told[0].endswith("changes there are found by scans of the whole box at the CPU budget")
+    unwatched = [p for p in ("opt/app", "etc", "usr", "root") if os.path.isdir(os.path.join(box, p))]
+    write_tree(box, {f"{p}/unwatched.txt": "seen by a full scan" for p in unwatched})
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    clock.advance(FULL_EVERY)  # the next full scan is due
+    quiet_then_tick(w, clock)
+    assert len(snapshots(lines)) == 2
+    assert_restores_to_box(registry, "ev-limit", box, tmp_path, "r")
+
+
+def test_a_write_through_mmap_is_caught_by_the_safety_scan(registry, base_ref, box, tmp_path):
+    path = os.path.join(box, "opt/app/state.bin")
+    write_tree(box, {"opt/app/state.bin": b"\0" * 4096})
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-mmap", lines, clock)
+    w.tick()
+    clock.advance(10)
+    w.tick()  # what changed within the memo's racy window of the first scan is looked at again: nothing
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 4096)
+    w.events.drain()  # the open and close for writing are notified, not the writes through the map
+    m[:11] = b"through map"  # (a database keeps its map: the close when it is unmapped comes much later)
+    m.flush()
+    assert w.events.drain() == (set(), None)
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    assert len(snapshots(lines)) == 1  # not seen yet
+    clock.advance(FULL_EVERY)
+    quiet_then_tick(w, clock)
+    m.close()
+    whole = [i for i, line in enumerate(lines) if line == "trace: scan: the whole box"]
+    assert len(snapshots(lines)) == 2 and len(whole) == 2 and whole[1] < lines.index(snapshots(lines)[1])
+    assert_restores_to_box(registry, "ev-mmap", box, tmp_path, "r")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_scan_of_the_notified_directories_is_the_full_scan(tmp_path, seed):
+    """Random creates, deletes, renames across directories, directory swaps, chmods and symlinks:
+    after each round, the scan of the directories the notifications named, from the last one, is
+    the scan of the whole tree."""
+    root = str(tmp_path / "tree")
+    rnd = random.Random(seed)
+    os.makedirs(root)
+    for i in range(60):
+        d = random_dir(rnd, root)
+        if rnd.random() < 0.3:
+            os.makedirs(os.path.join(d, f"d{i}"))
+        else:
+            write_tree(d, {f"f{i}": "x" * i})
+    profile = load_profile()
+    events = ChangeEvents(root, lambda rel: bool(profile.exclude.match(rel)))
+    memo = ScanMemo(lambda: time.time_ns() + 100 * 10**9)  # every path settled: kept by the memo
+    last = scan_box(root, profile, memo=memo)
+    for n in range(25):
+        for k in range(rnd.randint(1, 6)):
+            mutate(rnd, root, f"{n}_{k}")
+        dirty, lost = events.drain()
+        assert lost is None
+        part = scan_box(root, profile, memo=memo, previous=last, dirty=dirty)
+        assert listing(part) == listing(scan_box(root, profile)), f"round {n}, notified {sorted(dirty)}"
+        last = part
+
+
+def random_dir(rnd, root):
+    return rnd.choice(sorted(d for d, _, _ in os.walk(root)))
+
+
+def mutate(rnd, root, tag):
+    r, d = rnd.random(), random_dir(rnd, root)
+    try:
+        if r < 0.2:
+            write_tree(d, {f"n{tag}/inner": "y"})
+        elif r < 0.4:
+            write_tree(d, {f"g{tag}": "z" * len(tag)})
+        elif r < 0.55:
+            files = sorted(f for f in os.listdir(d) if os.path.isfile(os.path.join(d, f)))
+            if files:
+                os.unlink(os.path.join(d, rnd.choice(files)))
+        elif r < 0.7 and d != root:
+            to = os.path.join(random_dir(rnd, root), f"mv{tag}")
+            if not to.startswith(d + "/"):
+                os.rename(d, to)
+        elif r < 0.8 and d != root:
+            shutil.rmtree(d)
+            if rnd.random() < 0.5:
+                os.makedirs(d)  # the same name, another directory
+        elif r < 0.9:
+            os.chmod(d, 0o700 if rnd.random() < 0.5 else 0o755)
+        else:
+            os.symlink("target", os.path.join(d, f"l{tag}"))
+    except FileNotFoundError:
+        pass
+
+
+def listing(scan):
+    return ({p: (e.kind, e.mode, e.size, e.stamp, e.linkname) for p, e in scan.entries.items()},
+            scan.skipped_secrets, scan.unreadable)
