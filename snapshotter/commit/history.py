@@ -10,7 +10,8 @@ from typing import Optional
 
 from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, NotFound, RegistryError, UsageError
-from snapshotter.oci.image import BASE_NAME, CREATED, SNAP_BASE_LAYERS, manifest_annotations, snap_label, snapshot_layers_of
+from snapshotter.oci.image import (BASE_NAME, CREATED, SNAP_BASE_LAYERS, manifest_annotations, snap_label,
+                                   snapshot_layers_of)
 from snapshotter.oci.mediatypes import MANIFEST_TYPES
 from snapshotter.oci.reference import Reference, is_tag
 from snapshotter.registry.remote import Remote

@@ -18,7 +18,6 @@ Members are TarInfo objects (the attributes of tarfile's), made one at a time an
 
 from __future__ import annotations
 
-import io
 import re
 import struct
 import tarfile
