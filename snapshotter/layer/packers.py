@@ -162,12 +162,12 @@ class _Packer:
                         pass
 
     def close(self) -> None:
-        """Ends an idle packer (one that is working is killed)."""
+        """Ends an idle packer: every pack call has returned (else stop() killed it)."""
         try:
             with self._lock:
                 self.conn.send(None)
-            self.proc.wait(5)
-        except (OSError, ValueError, subprocess.TimeoutExpired):  # ValueError: already closed (killed)
+            self.proc.wait()
+        except (OSError, ValueError):  # ValueError: already closed (killed)
             pass
         self.kill()
 
