@@ -36,6 +36,10 @@ from .generate import BUILDING_PREFIX, LayerBlob, build_layer
 from .plan import LayerPlan
 
 PROGRESS_EVERY = 1 << 20  # bytes read between progress messages: a stop is noticed within one
+# The packer imports snap as this process did (same environment and working directory), else from
+# where this process found it (a program that put it on sys.path itself).
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_START = "import sys; sys.path.append(sys.argv.pop(1)); from snapshotter.layer.packers import main; main()"
 
 
 @dataclass
@@ -117,9 +121,9 @@ class _Packer:
         parent_end, child_end = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from snapshotter.layer.packers import main; main()",
-                 str(child_end.fileno()), str(os.getpid())],
-                pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+                [sys.executable, "-c", _START, _PACKAGE_PARENT, str(child_end.fileno()), str(os.getpid())],
+                pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                start_new_session=True)
         except OSError as e:
             parent_end.close()
             raise SnapError(f"cannot start a packer process ({sys.executable}): {e.strerror or e}",
