@@ -15,7 +15,7 @@ from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
 
 from helpers import SMALL_WEIGHTS, BlockOnRead, NoteReader, RewriteOnRead, digest_of, packer_env
-from support import TIMEOUT, write_tree
+from support import TIMEOUT, assert_one_line_error, snap, write_tree
 
 MiB = 1024 * 1024
 # The default profile with the venv in bundles of 64 KiB (several layers) and weights of 1 MiB and more alone.
@@ -155,3 +155,11 @@ def test_a_packer_that_dies_ends_the_commit_with_one_line(registry, base_ref, bo
     assert digest_of(registry, "died-apart", "v1") is None
     state = os.environ["SNAP_STATE_DIR"]
     assert not [n for n in os.listdir(os.path.join(state, "layers")) if n.startswith(".building-")]
+
+
+def test_a_bad_jobs_setting_is_one_line_before_anything_is_read(registry, base_ref, box):
+    r = snap("commit", f"{registry.host}/badjobs:v1", "--base", base_ref, "--root", box, env={"SNAP_JOBS": "many"})
+    assert_one_line_error(r, 2, "SNAP_JOBS='many'")
+    r = snap("commit", f"{registry.host}/badjobs:v1", "--base", base_ref, "--root", box, "--jobs", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert digest_of(registry, "badjobs", "v1") is None
