@@ -127,7 +127,7 @@ class _Packer:
         except OSError as e:
             parent_end.close()
             raise SnapError(f"cannot start a packer process ({sys.executable}): {e.strerror or e}",
-                            "run with --jobs 1 to pack in this process") from None
+                            "commit with --jobs 1 to pack in one process") from None
         finally:
             child_end.close()
         self.conn = Connection(parent_end.detach())
@@ -147,7 +147,7 @@ class _Packer:
             code = self.proc.wait()
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             raise PackerDied(f"the process packing layer {job.plan.label!r} died ({how})",
-                             "nothing was pushed; commit again (with --jobs 1 to pack in this process)") from None
+                             "nothing was pushed; commit again, with --jobs 1 to pack in one process") from None
         if kind == "error":
             raise payload
         return payload
