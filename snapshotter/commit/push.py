@@ -35,7 +35,7 @@ from snapshotter.state import sub
 from .hold import hold_back
 from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, cpu_count, plan_commit_layers
 
-UPLOADS = 2  # threads beside the `jobs` packing ones: uploading packed layers while the next are packed
+UPLOADS = 3  # layers uploaded at once (memory: a few MiB each), while the next ones are packed
 # Less to compress than this: packed in this process (a packer process takes ~0.1 s to start).
 PACK_APART_MIN = 64 << 20
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
@@ -223,7 +223,8 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
     # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
     # way the frames are the same (tar/compress.py).
     zstd_threads = max(1, cpu_count() // packers) if packers else -1
-    slots = threading.Semaphore(cp.jobs)  # layers packed at once; more threads upload the packed ones
+    slots = threading.Semaphore(cp.jobs)  # layers packed at once
+    sending = threading.Semaphore(UPLOADS)
     with progress.bar("packing", sum(p.content_size for _, p, _ in todo)) as pack, \
             progress.bar("uploading") as up, ThreadPoolExecutor(cp.jobs + UPLOADS) as pool, \
             Packers(packers, progress.Stopped) as apart_packers:
@@ -236,6 +237,10 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
             with slots:
                 blob, piece = _pack(plan)
             skeleton.keep(blob.diff_id, piece)
+            with sending:
+                return _send(plan, blob)
+
+        def _send(plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
             if plan.compression == "none":
                 if blob.not_whole:
                     return blob, NOT_SENT_TORN
