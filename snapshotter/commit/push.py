@@ -36,7 +36,7 @@ from .hold import hold_back
 from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, cpu_count, plan_commit_layers
 
 UPLOADS = 3  # layers uploaded at once (memory: a few MiB each), while the next ones are packed
-# Less to compress than this: packed in this process (a packer process takes ~0.1 s to start).
+# Less to compress than this: packed in this process (a packer process takes ~0.1 s of CPU to start).
 PACK_APART_MIN = 64 << 20
 MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
 TORN = "changed while read"
@@ -219,7 +219,9 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
     out_dir = sub("layers")
     todo.sort(key=lambda t: -t[1].content_size)  # the biggest first: the last to finish is a small one
     apart = [plan for _, plan, _ in todo if plan.compression != "none"]
-    packers = min(cp.jobs, len(apart)) if cp.jobs > 1 and sum(p.content_size for p in apart) >= PACK_APART_MIN else 0
+    # Packers only where they run side by side: one layer alone packs as fast here, without the start.
+    packers = min(cp.jobs, len(apart)) if sum(p.content_size for p in apart) >= PACK_APART_MIN else 0
+    packers = packers if packers > 1 else 0
     # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
     # way the frames are the same (tar/compress.py).
     zstd_threads = max(1, cpu_count() // packers) if packers else -1
