@@ -5,8 +5,8 @@ tar headers and hashing the tar all hold the interpreter's lock, so threads pack
 time whatever the core count. Each packer here is a child process of its own (started with
 `python -c`, not forked: the committing process runs threads) that builds the layers it is sent,
 one at a time, into the out_dir (layer/generate.py's build_layer: the same bytes as in-process),
-and sends back progress, the blob with its digests, or the error. The caller decides what to pack
-where and keeps the pool to at most `jobs` packers.
+and sends back progress, the blob with its digests (and its skeleton piece), or the error. The
+caller decides which layers go to packers, and how many packers there are.
 
 Stopping: the packers are killed (Ctrl-C, SIGTERM, an error elsewhere); a layer they were building
 leaves only its temp file, removed here. A packer that dies on its own (killed, out of memory) fails
@@ -24,7 +24,6 @@ import socket
 import subprocess
 import sys
 import threading
-import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
@@ -211,8 +210,7 @@ def _serve(conn: Connection) -> None:
             try:
                 pickle.loads(pickle.dumps(e))  # some exceptions pickle but do not unpickle
             except Exception:  # noqa: BLE001
-                e = SnapError(f"packing layer {job.plan.label!r} failed: {type(e).__name__}: {e}",
-                              traceback.format_exc().strip().splitlines()[-2].strip())
+                e = SnapError(f"packing layer {job.plan.label!r} failed: {type(e).__name__}: {e}")
             conn.send(("error", e))
             continue
         if pending:
