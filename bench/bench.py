@@ -2,8 +2,8 @@
 
 Generates a box (the test base rootfs + a venv-like tree of small files, a few big random "weights"
 and a custom-nodes tree), pushes the base image to a local registry, then times on the same data:
-  snap: first commit, commit with nothing changed, after one custom node changed, after one model
-        added, restore into an empty directory (fresh state dir, as on a new machine);
+  snap: first commit, commit with nothing changed, after one custom node changed, after one small
+        package added to the venv, after one model added (each with the bytes it sent), restore into an empty directory (fresh state dir, as on a new machine);
   peers: tar -c | zstd -T0 (packing floor), zstd -d | tar -x (unpacking floor), restic backup
         (1st, 2nd, after each change) and restore, docker commit + docker push (in a dockerd this
         script starts; skipped with the reason when it cannot start).
@@ -49,6 +49,8 @@ WARM_CODE = ("import importlib, pkgutil, snapshotter; "
 LINK_BYTES_PER_SEC = 250 * 1000 * 1000  # the link of the --then row: a registry across a fast network
 NOT_CAPTURED = ("proc", "sys", "dev", "tmp", "run")  # the default profile's never-captured dirs
 SMALL_FILE = "opt/app/custom_nodes/Node000/nodes.py"  # the one custom node file changed in case 3
+SITE = "opt/app/venv/lib/python3.11/site-packages"
+SIZE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}  # as snap prints sizes
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Run:
     cpu: float = 0.0  # user + sys seconds of the measured tree
     reg_cpu: float = 0.0  # user + sys seconds the registry spent meanwhile (it shares the cores)
     first: Optional[float] = None  # restore --then: seconds until its command started
+    sent: Optional[int] = None  # a commit: bytes of the layers it uploaded (as snap prints them, to 0.1 unit)
 
 
 class Bench:
@@ -269,6 +272,21 @@ def generate_box(base: str, box: str, args) -> dict:
     return {"text_bytes": text, "weights_bytes": per * args.weight_files}
 
 
+def write_tree_files(root: str, files: dict[str, str]) -> None:
+    for rel, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "w") as f:
+            f.write(content)
+
+
+def progress_size(n: int) -> str:
+    """Bytes for people, as snap prints them."""
+    for unit in ("GiB", "MiB", "KiB"):
+        if n >= SIZE_UNITS[unit]:
+            return f"{n / SIZE_UNITS[unit]:.1f} {unit}"
+    return f"{n} B"
+
+
 def tree_listing(root: str) -> dict[str, tuple]:
     """path -> (kind, size, mode, mtime) without the never-captured dirs: a cheap restore check."""
     out = {}
@@ -292,24 +310,28 @@ def snap(b: Bench, *args: str, state: str, cold: bool = False) -> Run:
     if r.ok and args[0] == "commit":  # "name: status (size, kind, n entries, digest)" per layer
         up = [m for m in re.findall(r"^.+?: (uploaded|exists, skipped).*?\[(\d[\d.]* \w+),", r.out, re.M)]
         sent = [size for status, size in up if status == "uploaded"]
+        r.sent = sum(int(float(n) * SIZE_UNITS[u]) for n, u in (size.split() for size in sent))
         r.note = f"{len(sent)} layer(s) uploaded ({', '.join(sent[:3])}{', ...' if len(sent) > 3 else ''}), " \
                  f"{len(up) - len(sent)} skipped"
     return r
 
 
-def restore_then(b: Bench, repo_tag: str, out: str, state: str) -> Run:
-    """`snap restore --then` over a link capped at LINK_BYTES_PER_SEC (a proxy: on loopback the
-    weights arrive before the venv is unpacked): a whole restore, with the time its CMD started (it
-    writes the wall clock) in `first`: the app's venv and nodes are on disk then, the weights still arriving."""
+def restore_then(b: Bench, repo_tag: str, out: str, state: str, link_bytes_per_sec: Optional[int] = LINK_BYTES_PER_SEC) -> Run:
+    """`snap restore --then` over a link capped at `link_bytes_per_sec` (a proxy: on loopback the
+    weights arrive before the venv is unpacked; None: straight from the registry): a whole restore,
+    with the time its CMD started (it writes the wall clock) in `first`: the app's venv and nodes are
+    on disk then, the weights still arriving."""
     marker = os.path.join(b.work, "then-started")
-    link = FaultProxy(b.reg.host).start()
-    link.throttle = LINK_BYTES_PER_SEC
+    link = FaultProxy(b.reg.host).start() if link_bytes_per_sec else None
+    if link:
+        link.throttle = link_bytes_per_sec
     try:
-        r = snap(b, "restore", f"{link.host}/{repo_tag}", "--root", out, "--then", f"date +%s.%N > {marker}",
-                 state=state, cold=True)
+        r = snap(b, "restore", f"{link.host if link else b.reg.host}/{repo_tag}", "--root", out, "--then",
+                 f"date +%s.%N > {marker}", state=state, cold=True)
         ended = time.time()  # counted back from the end: the untimed sync and cache drop come before the start
     finally:
-        link.stop()
+        if link:
+            link.stop()
     try:
         with open(marker) as f:
             r.first = r.secs - (ended - float(f.read()))
@@ -319,11 +341,14 @@ def restore_then(b: Bench, repo_tag: str, out: str, state: str) -> Run:
     return r
 
 
-def start_watch(b: Bench, target: str, base_ref: str, box: str, state: str, every: str) -> subprocess.Popen:
-    """`snap watch` on the box, returned once its first snapshot is made (or found current)."""
+def start_watch(b: Bench, target: str, base_ref: str, box: str, state: str, every: str,
+                include: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`snap watch` on the box (only `include`'s paths with base scratch), returned once its first
+    snapshot is made (or found current)."""
     env = dict(os.environ, SNAP_STATE_DIR=state, SNAP_QUIET="1", DOCKER_CONFIG=os.path.join(b.work, "docker-config"))
     p = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", target, "--base", base_ref, "--root", box,
-                          "--every", every, "--provider", "none"], stderr=subprocess.PIPE, text=True, env=env)
+                          "--every", every, "--provider", "none", *(a for path in include for a in ("--include", path))],
+                         stderr=subprocess.PIPE, text=True, env=env)
     b.child = p
     with open(b.log, "a") as lf:
         lf.write(f"\n$ snap watch {target} --every {every}\n")
@@ -578,6 +603,7 @@ ROWS = [  # case, snap key, peer label, peer key, target ratio, strict
     ("2 nothing changed", "snap_same", "restic backup (2nd, nothing changed)", "restic_2", 1.0, True),
     ("3 one custom node changed", "snap_node", "restic backup (after the change)", "restic_3", None, False),
     ("3 one custom node changed", "snap_node", "docker commit + push (after the change)", "docker_2", None, False),
+    ("3b one small package added to the venv", "snap_pkg", "restic backup (after the package)", "restic_pkg", None, False),
     ("4 one model added", "snap_model", "restic backup (after the model)", "restic_4", None, False),
     ("5 restore to empty dir", "snap_restore", "zstd -d \\| tar -x", "untar", 1.3, False),
     ("5 restore to empty dir", "snap_restore", "restic restore", "restic_restore", None, False),
@@ -706,6 +732,16 @@ def measure_all(b: Bench, args) -> dict:
     if b.dockerd:
         stop_dockerd(b.dockerd)  # frees its memory for the rest
         b.dockerd = None
+
+    # State 1b: one small package added to the venv, as `pip install` lays it out (10 KB).
+    rng = random.Random(99)
+    text = write_text(os.path.join(box, SITE, "tinypkg/__init__.py"), rng, python_lines(rng), 10_000, 10_000)
+    write_tree_files(box, {f"{SITE}/tinypkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+                           f"{SITE}/tinypkg-1.0.dist-info/RECORD": f"tinypkg/__init__.py,,{text}\n"})
+    step("snap_pkg", "snap commit (one small package added to the venv)",
+         lambda: snap(b, "commit", f"{box_ref}:v3b", "--base", base_ref, "--root", box, state=state))
+    if restic:
+        step("restic_pkg", "restic backup (after the package)", lambda: restic_backup(b, box))
 
     # State 2: one model added.
     write_random(os.path.join(box, "opt/app/models/loras/new-model.safetensors"), args.new_model_mib * MiB)
@@ -854,7 +890,8 @@ def report(b: Bench, args, data: dict, label: str, total_secs: float) -> str:
         target = "" if limit is None else (f"< {limit:.1f}x" if strict else f"<= {limit:.1f}x")
         verdict = "" if limit is None else "SKIP" if ratio is None and why else "ERROR" if ratio is None else \
             "PASS" if (ratio < limit if strict else ratio <= limit) else "FAIL"
-        rows.append([case, f"{s.secs:.2f}" if s and s.ok else "error" if s else "-", fmt_cpu(s), fmt_mib(s.rss) if s else "-",
+        sent = f" ({progress_size(s.sent)} sent)" if s and s.ok and s.sent is not None else ""
+        rows.append([case + sent, f"{s.secs:.2f}" if s and s.ok else "error" if s else "-", fmt_cpu(s), fmt_mib(s.rss) if s else "-",
                      peer, f"{p.secs:.2f}" if p and p.ok else f"skipped: {why}" if why else "error" if p else "-",
                      fmt_cpu(p), fmt_mib(p.rss) if p else "-", f"{ratio:.2f}x" if ratio else "-", target, verdict])
     mem_row, me = memory_row(b, args, data, label)

@@ -9,10 +9,12 @@ The library behind the `snap` command; each verb is a function, named apart from
 
 import importlib
 
+from .version import __version__
+
 # Loaded when first asked for (PEP 562): `snap restore` then imports no commit code, `snap --help` neither.
 _EXPORTS = {"commit_box": "commit", "CommitOptions": "commit", "restore_image": "restore",
             "RestoreOptions": "restore", "SnapError": "errors"}
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str):

@@ -1,10 +1,11 @@
 """The `snap` command: a thin typer shell over the library (commit, restore, verify, run, watch,
-log, status)."""
+log, status, login, logout)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import getpass
 import json
 import os
 import signal
@@ -19,16 +20,31 @@ from snapshotter.registry.transport import TransportOptions
 
 from . import progress
 from .errors import SnapError, StorageError, UsageError, printable
+from .version import __version__
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
     "Exit codes: 0 ok, 1 unexpected, 2 bad input, 3 registry unreachable, 4 auth, 5 not found, "
     "6 integrity (digest mismatch or hostile layer), 7 local disk, 8 no Docker engine, 9 verify found "
-    "differences, 10 registry error, 11 `restore --wait` timed out, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
+    "differences, 10 registry error, 11 `restore --wait` timed out, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).\n\n"
+    "Registry credentials: --username with --password-stdin, else SNAP_USERNAME with SNAP_PASSWORD, else Docker's "
+    "config as `snap login REGISTRY` (or `docker login`) wrote it, its credential helpers included.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        _out(f"snap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print snap's version and exit.")) -> None:
+    pass  # options for snap itself, before the command
 
 
 # typer's own exits; newer typers vendor click and no longer export click's exception classes.
@@ -42,8 +58,22 @@ def _say(msg: str) -> None:
 
 
 def _out(msg: str) -> None:
-    """One line on stdout, escaped as _say's (JSON output is escaped by json.dumps)."""
-    typer.echo(printable(msg))
+    """One line on stdout, escaped as _say's."""
+    _stdout(printable(msg))
+
+
+def _stdout(text: str) -> None:
+    """`text` and a newline on stdout (JSON as json.dumps escaped it). Once stdout's reader has gone
+    (`snap log | head -1`) the rest is dropped, quietly: the command ends as it would have, with
+    its own exit code (verify's 9 stays 9)."""
+    try:
+        typer.echo(text)
+    except BrokenPipeError:
+        # stdout's fd now points at /dev/null: what its buffer still holds goes there, at exit too,
+        # instead of raising again ("Exception ignored ... BrokenPipeError").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -70,6 +100,7 @@ def _errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            progress.check_settings()
             return fn(*args, **kwargs)
         except SnapError as e:
             _say(f"snap: error: {e}")
@@ -112,26 +143,37 @@ def _secret_env() -> dict[str, str]:
 
 def _transport(plain_http: bool, ca_cert: Optional[str], insecure: bool, username: Optional[str],
                password_stdin: bool) -> TransportOptions:
+    """How to reach the registry, with the credentials given: flags, else SNAP_USERNAME and
+    SNAP_PASSWORD; none, and the transport reads Docker's config."""
     password = None
     secrets = _secret_env()
     if password_stdin:
-        if username is None:
-            raise UsageError("--password-stdin needs --username")
-        password = sys.stdin.readline().rstrip("\r\n")
+        password = _password_from_stdin(username)
     elif username is not None:
         password = secrets.get("SNAP_PASSWORD")
         if password is None:
             raise UsageError("--username needs a password", "pipe it to --password-stdin, or set SNAP_PASSWORD")
     else:
         username, password = _env_credentials(secrets)
+    return _reach(plain_http, ca_cert, insecure, Credentials(username, password))
+
+
+def _reach(plain_http: bool, ca_cert: Optional[str], insecure: bool, credentials: Credentials) -> TransportOptions:
     if ca_cert and not os.path.isfile(ca_cert):
         raise UsageError(f"CA certificate {ca_cert} does not exist")
     return TransportOptions(
         plain_http=True if plain_http else None,
         ca_bundle=ca_cert,
         tls_verify=not insecure,
-        credentials=Credentials(username, password),
+        credentials=credentials,
     )
+
+
+def _password_from_stdin(username: Optional[str]) -> str:
+    """--password-stdin's password: the first line of standard input."""
+    if username is None:
+        raise UsageError("--password-stdin needs --username")
+    return sys.stdin.readline().rstrip("\r\n")
 
 
 def _env_credentials(secrets: dict[str, str]) -> tuple:
@@ -148,7 +190,10 @@ def _env_credentials(secrets: dict[str, str]) -> tuple:
 PlainHttp = typer.Option(False, "--plain-http", help="Talk to the registry over http (no TLS). Loopback registries try http first, then https.")
 CaCert = typer.Option(None, "--ca-cert", help="CA bundle (PEM) to verify the registry's TLS certificate.")
 Insecure = typer.Option(False, "--insecure-tls", help="Do not verify the registry's TLS certificate.")
-Username = typer.Option(None, "--username", "-u", help="Registry user (default: $SNAP_USERNAME with $SNAP_PASSWORD, else ~/.docker/config.json auths and credential helpers).")
+Username = typer.Option(None, "--username", "-u", help="Registry user. Credentials come from --username with "
+                        "--password-stdin (or $SNAP_PASSWORD), else $SNAP_USERNAME with $SNAP_PASSWORD, else Docker's "
+                        "config as `snap login` or `docker login` wrote it ($DOCKER_CONFIG/config.json or "
+                        "~/.docker/config.json, its credential helpers run).")
 PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry password from standard input.")
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 Jobs = typer.Option(None, "--jobs", "-j", min=1, help="Layers packed (read, compressed, hashed) at once, in worker processes when there is enough to compress (default: $SNAP_JOBS, else one per core; 1: all in this process).")
@@ -218,7 +263,7 @@ def commit(
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)
-        typer.echo(json.dumps(doc, indent=2))
+        _stdout(json.dumps(doc, indent=2))
         return
     _say(f"base: {result.base_layers} layer(s); deleted paths: {result.deleted}")
     for layer in result.layers:
@@ -290,7 +335,7 @@ def restore(
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)
-        typer.echo(json.dumps(doc, indent=2))
+        _stdout(json.dumps(doc, indent=2))
         return
     _out(f"restored {result.ref} into {root}: {len(result.applied)} layer(s) applied"
                f"{f', {result.resumed} already applied' if result.resumed else ''}"
@@ -361,7 +406,7 @@ def verify(
     )
     result = do_verify(ref, root, opts)
     if as_json:
-        typer.echo(json.dumps({"ref": str(result.ref), "manifest_digest": result.manifest_digest, "checked": result.checked,
+        _stdout(json.dumps({"ref": str(result.ref), "manifest_digest": result.manifest_digest, "checked": result.checked,
                                "ok": result.ok, "differences": [asdict(d) for d in result.differences],
                                "left_out_secrets": result.left_out_secrets, "left_out_total": result.left_out_total},
                               indent=2))
@@ -432,6 +477,7 @@ def watch(
         every=parse_duration(every), keep=keep, grace=grace,
         notices=notice_watcher(provider, metadata_url), log=log_line,
     )
+    progress.write_line = log_line  # its snapshots' progress lines in its log, with their time
     files = dmn.watch_files(root)
     lock = dmn.take_lock(files, root)
     ready = dmn.detach(files) if daemon else (lambda: None)
@@ -464,7 +510,7 @@ def log_(
 
     snaps = snapshot_log(target, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin))
     if as_json:
-        typer.echo(json.dumps([asdict(s) for s in snaps], indent=2))
+        _stdout(json.dumps([asdict(s) for s in snaps], indent=2))
         return
     for s in snaps:
         _out(f"{', '.join(s.tags)}  {s.created.replace('T', ' ').replace('Z', ' UTC')}  {_fmt_size(s.size)}  "
@@ -497,7 +543,7 @@ def status(
                          transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say)
     st = box_status(base, opts)
     if as_json:
-        typer.echo(json.dumps({**asdict(st), "to_send": st.to_send}, indent=2))
+        _stdout(json.dumps({**asdict(st), "to_send": st.to_send}, indent=2))
         return
     for layer in st.layers:
         what = "changed, would send" if layer.changed else "unchanged, skipped"
@@ -516,6 +562,66 @@ def list_profiles():
     for name in available_profiles():
         p = load_profile(name)
         _out(f"{name}: layers {', '.join(p.layer_names)}")
+
+
+@app.command()
+@_errors
+def login(
+    registry: str = typer.Argument(..., help="The registry, e.g. ghcr.io, 127.0.0.1:5000 or docker.io"),
+    username: Optional[str] = typer.Option(None, "--username", "-u", help="Registry user (default: $SNAP_USERNAME, "
+                                           "else asked for on the terminal)."),
+    password_stdin: bool = typer.Option(False, "--password-stdin", help="Read the password (or token) from standard "
+                                        "input (default: $SNAP_PASSWORD, else asked for on the terminal, not echoed)."),
+    plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
+):
+    """Log in to a registry without Docker, as `docker login` does.
+
+    The credentials are checked with the registry (its token service for a token registry), then kept
+    in Docker's config ($DOCKER_CONFIG/config.json or ~/.docker/config.json, 0600), or by the credential
+    helper it names for the registry (credHelpers, credsStore), where later snap commands, docker, oras
+    and crane find them. Nothing is saved if the registry refuses them (exit 4) or cannot be reached
+    (exit 3). Every command takes its credentials from --username with --password-stdin first, then
+    SNAP_USERNAME with SNAP_PASSWORD, then what `snap login` (or `docker login`) kept."""
+    from snapshotter.oci.reference import parse_registry
+    from snapshotter.registry.login import login as do_login
+
+    parse_registry(registry)  # a bad name is said before any password is asked for
+    username, password = _login_credentials(username, password_stdin)
+    where = do_login(registry, username, password, _reach(plain_http, ca_cert, insecure_tls, Credentials()))
+    _out(f"logged in to {registry}: credentials kept in {where}")
+
+
+def _login_credentials(username: Optional[str], password_stdin: bool) -> tuple[str, str]:
+    """Who logs in: flags, else SNAP_USERNAME and SNAP_PASSWORD, else asked for on the terminal."""
+    secrets = _secret_env()
+    if password_stdin:
+        password = _password_from_stdin(username)
+    elif username is None and (secrets.get("SNAP_USERNAME") or secrets.get("SNAP_PASSWORD")):
+        username, password = _env_credentials(secrets)
+    else:
+        password = (secrets.get("SNAP_PASSWORD") or None) if username is not None else None
+        if password is None:
+            if not sys.stdin.isatty():
+                raise UsageError("no password given and no terminal to ask for it",
+                                 "pipe it to --password-stdin with --username, or set SNAP_USERNAME and SNAP_PASSWORD")
+            if username is None:
+                username = input("Username: ")
+            password = getpass.getpass("Password: ")  # from the terminal, not echoed
+    if not username or not password:
+        raise UsageError("the username and the password must not be empty")
+    return username, password
+
+
+@app.command()
+@_errors
+def logout(registry: str = typer.Argument(..., help="The registry, e.g. ghcr.io, 127.0.0.1:5000 or docker.io")):
+    """Forget a registry's credentials (as `docker logout`): its entry in Docker's config, or the credential helper's."""
+    from snapshotter.registry.login import logout as do_logout
+
+    if do_logout(registry):
+        _out(f"logged out of {registry}")
+    else:
+        _out(f"not logged in to {registry}")
 
 
 def main() -> None:

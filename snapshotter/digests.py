@@ -29,7 +29,16 @@ def file_digest(file: Union[str, BinaryIO]) -> str:
     if isinstance(file, str):
         with open(file, "rb") as f:
             return file_digest(f)
-    return hasher_digest(hashlib.file_digest(file, "sha256"))
+    if hasattr(hashlib, "file_digest"):  # Python 3.11+
+        return hasher_digest(hashlib.file_digest(file, "sha256"))
+    h = hashlib.sha256()
+    buf = bytearray(2 ** 18)  # hashlib.file_digest's buffer size, reused for every read
+    view = memoryview(buf)
+    while True:
+        n = file.readinto(buf)
+        if not n:
+            return hasher_digest(h)
+        h.update(view[:n])
 
 
 def chunks_digest(chunks: Iterable[bytes]) -> str:

@@ -28,8 +28,8 @@ class RegistryUnreachable(SnapError):
 
 
 # Every auth error names them: a box started by a provider has no `docker login`, but secret env vars.
-CREDENTIAL_WAYS = ("credentials come from SNAP_USERNAME and SNAP_PASSWORD, --username with --password-stdin, "
-                   "or Docker's config (`docker login`)")
+CREDENTIAL_WAYS = ("credentials come from --username with --password-stdin, SNAP_USERNAME and SNAP_PASSWORD, "
+                   "or Docker's config as `snap login REGISTRY` (or `docker login`) writes it")
 
 
 class AuthError(SnapError):

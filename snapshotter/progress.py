@@ -1,31 +1,145 @@
-"""Progress bars (tqdm, on stderr). Off when SNAP_QUIET is set or stderr is not a terminal,
-unless SNAP_PROGRESS=1 forces them on."""
+"""Progress on stderr, in the form its reader can use: bars on a terminal (tqdm); without one (a
+pod's log, systemd's journal, a pipe) a plain line now and then per transfer, as `docker pull`
+prints without a TTY: a start line, then at most one line every SNAP_PROGRESS_EVERY seconds
+(default 10) saying how much of how much and how fast, then an end line; no carriage return, no
+escape code. SNAP_PROGRESS=bars|lines|off chooses instead (1 is bars); SNAP_QUIET silences both."""
 
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import time
+from typing import Callable, Optional
 
 from tqdm import tqdm
+
+from snapshotter.errors import UsageError, printable
+
+MODES = ("bars", "lines", "off")
+DEFAULT_EVERY = 10.0  # seconds between two lines of one transfer
+
+
+def _to_stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+# What the lines are timed by: seconds, only ever increasing. Tests set their own.
+clock: Callable[[], float] = time.monotonic
+# Where the lines go: stderr; `snap watch` sends them through its log, with their time.
+write_line: Callable[[str], None] = _to_stderr
 
 _lock = threading.Lock()
 
 
-def enabled() -> bool:
+def mode() -> str:
+    """'bars', 'lines' or 'off', from the environment and whether stderr is a terminal."""
     if os.environ.get("SNAP_QUIET"):
-        return False
-    if os.environ.get("SNAP_PROGRESS") == "1":
-        return True
-    return sys.stderr.isatty()
+        return "off"
+    want = os.environ.get("SNAP_PROGRESS", "").strip().lower()
+    if want in ("1", "bars"):
+        return "bars"
+    if want in ("0", "off"):
+        return "off"
+    if want == "lines":
+        return want
+    return "bars" if _stderr_is_terminal() else "lines"
 
 
-def bar(desc: str, total: int | None = None, unit: str = "B") -> tqdm:
-    """A bar for bytes (scaled to KB/MB/GB) or for counted things."""
+def enabled() -> bool:
+    return mode() != "off"
+
+
+def check_settings() -> None:
+    """Refuse a misspelt SNAP_PROGRESS or SNAP_PROGRESS_EVERY in one line, before any work starts."""
+    want = os.environ.get("SNAP_PROGRESS", "").strip().lower()
+    if want not in ("", "auto", "1", "0") + MODES:
+        raise UsageError(f"SNAP_PROGRESS={os.environ['SNAP_PROGRESS']!r} is not one of auto, bars, lines, off")
+    if _every() is None:
+        raise UsageError(f"SNAP_PROGRESS_EVERY={os.environ['SNAP_PROGRESS_EVERY']!r} is not a number of seconds",
+                         "e.g. SNAP_PROGRESS_EVERY=30; 0 prints a line on every update")
+
+
+def bar(desc: str, total: Optional[int] = None, unit: str = "B"):
+    """Progress of one transfer of bytes (sizes scaled to KiB/MiB/GiB) or of counted things
+    (unit: 'files', 'layers'): a context manager with update(n)."""
+    desc = printable(desc)  # labels come from images: no control character reaches the terminal or the log
+    how = mode()
+    if how == "lines":
+        every = _every()
+        return LineProgress(desc, total, unit, DEFAULT_EVERY if every is None else every)
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
-        disable=not enabled(), leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
+        disable=how == "off", leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
     )
+
+
+class LineProgress:
+    """One transfer's progress as plain lines on stderr (see the module's doc)."""
+
+    def __init__(self, desc: str, total: Optional[int], unit: str, every: float):
+        self.desc, self.total, self.unit, self.every = desc, total, unit, every
+        self.n = 0
+        self._started: Optional[float] = None
+        self._last_t, self._last_n = 0.0, 0
+        self._broken = False
+        if total:
+            self._start()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._started is None:
+            self._start()
+        now = clock()
+        if now - self._last_t >= self.every:
+            self._say(f"{self._amount()}{self._rate(self.n - self._last_n, now - self._last_t)}")
+            self._last_t, self._last_n = now, self.n
+
+    def close(self, ok: bool = True) -> None:
+        if self._started is None:
+            return  # nothing was said and nothing done: nothing to end
+        if ok:
+            took = clock() - self._started
+            self._say(f"done, {self._size(self.n)} in {_duration(took)}{self._rate(self.n, took, ' (%s)')}")
+        else:
+            self._say(f"stopped at {self._amount()}")
+        self._started = None
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(ok=exc_type is None)
+
+    def _start(self) -> None:
+        self._started = self._last_t = clock()
+        self._say(f"started ({self._size(self.total)})" if self.total else "started")
+
+    def _amount(self) -> str:
+        if not self.total:
+            return self._size(self.n)
+        return f"{self._size(self.n, with_unit=False)} of {self._size(self.total)} ({100 * self.n // self.total}%)"
+
+    def _size(self, n: Optional[int], with_unit: bool = True) -> str:
+        if self.unit == "B":
+            return human_size(n or 0)
+        return f"{n or 0:,} {self.unit}" if with_unit else f"{n or 0:,}"
+
+    def _rate(self, n: int, seconds: float, form: str = ", %s") -> str:
+        if seconds <= 0:
+            return ""
+        per_s = n / seconds
+        return form % (f"{human_size(per_s)}/s" if self.unit == "B" else f"{per_s:,.1f} {self.unit}/s")
+
+    def _say(self, what: str) -> None:
+        """One line; a log that can no longer be written (its reader gone) never fails the transfer."""
+        if self._broken:
+            return
+        try:
+            write_line(f"{self.desc}: {what}")
+        except (OSError, ValueError):
+            self._broken = True
 
 
 class Stopped(Exception):
@@ -44,7 +158,7 @@ def stoppable(update, stopping: threading.Event):
     return guarded
 
 
-def safe_update(b: tqdm):
+def safe_update(b):
     """An update callback usable from worker threads."""
 
     def update(n: int) -> None:
@@ -62,3 +176,31 @@ def human_size(n: float) -> str:
         n /= 1024
         i += 1
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _duration(seconds: float) -> str:
+    """0.4 s, 12 s, 3 min 5 s."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def _every() -> Optional[float]:
+    """SNAP_PROGRESS_EVERY in seconds (DEFAULT_EVERY when unset); None when it is no number >= 0."""
+    text = os.environ.get("SNAP_PROGRESS_EVERY", "").strip()
+    if not text:
+        return DEFAULT_EVERY
+    try:
+        every = float(text)
+    except ValueError:
+        return None
+    return every if every >= 0 and every == every and every != float("inf") else None
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # closed, or replaced by an object that is no file
+        return False

@@ -29,6 +29,7 @@ def run(*args: str) -> str:
 def main() -> None:
     work = tempfile.mkdtemp(prefix="snap-demo-")
     os.environ["SNAP_STATE_DIR"] = os.path.join(work, "state")
+    os.environ.setdefault("SNAP_PROGRESS", "off")  # snap's stderr is replayed after each command: no progress there
     reg = RegistryServer(os.path.join(work, "registry")).start()
     try:
         print(f"registry: {reg.url} (storage {reg.storage})")

@@ -446,6 +446,31 @@ class WatchProcess:
         return code
 
 
+# ---- a Docker Engine API of a chosen version -----------------------------------------------------
+
+def engine_api(version: dict, pull_error: str | None = None):
+    """An `answer` for support.HostileServer that speaks as a Docker engine of `version` (its
+    GET /version document; /_ping too, under any /vX.Y prefix): a pull (POST .../images/create)
+    fails in its stream with `pull_error` (one event, unchunked), or is refused with 500 when
+    none is given; anything else is 404. Point DOCKER_HOST at tcp://HOST and read what reached
+    the engine in `seen`."""
+    def answer(method: str, path: str):
+        route = path.split("?")[0]
+        route = route.split("/", 2)[2] if route.startswith("/v1.") else route.lstrip("/")
+        if method in ("GET", "HEAD") and route == "_ping":
+            return 200, {"Content-Type": "text/plain", "Api-Version": version.get("ApiVersion", "")}, [b"OK"]
+        if method == "GET" and route == "version":
+            return 200, {"Content-Type": "application/json"}, [json.dumps(version).encode()]
+        if method == "POST" and route == "images/create" and pull_error is not None:
+            event = {"errorDetail": {"message": pull_error}, "error": pull_error}
+            return 200, {"Content-Type": "application/json"}, [json.dumps(event).encode()]
+        if method == "POST" and route == "images/create":
+            return 500, {"Content-Type": "application/json"}, [b'{"message": "this engine pulls nothing"}']
+        return 404, {"Content-Type": "application/json"}, [b'{"message": "page not found"}']
+
+    return answer
+
+
 # ---- hooks run in packer processes (layer/packers.py) ------------------------------------------------
 # generate.after_read travels to each packer with its layer, pickled: these are classes, and a packer
 # imports this module (PYTHONPATH must name tests/, see packer_env).

@@ -57,7 +57,7 @@ def test_credential_helper_credentials(secure_registry, box, tmp_path):
              env={"DOCKER_CONFIG": cfg_dir, "PATH": path}, check=True)
     assert PASSWORD not in r.stdout + r.stderr
     assert reg.manifest("box", "v6")["layers"]
-    assert reg.host in open(log).read().split()
+    assert f"get {reg.host}" in open(log).read().splitlines()
 
 
 def test_wrong_password(secure_registry, box):
@@ -191,22 +191,31 @@ def basic(user: str, password: str) -> dict:
 
 def credential_helper(tmp_path, name: str, secrets: dict) -> tuple[str, str]:
     """A real `docker-credential-NAME` program (as docker-credential-pass or -ecr-login are) that
-    answers `get` for the servers in `secrets` (server -> (user, password)) and logs each server
-    it is asked about. Returns (PATH with it first, the log file)."""
+    keeps credentials in a JSON file, seeded with `secrets` (server -> (user, password)), speaks the
+    helper protocol (get, store, erase) and logs each call as "ACTION SERVER". Returns (PATH with it
+    first, the log file); the store is the log's name with .json."""
     bin_dir = tmp_path / "helper-bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / f"{name}.log"
-    table = {k: {"Username": u, "Secret": p} for k, (u, p) in secrets.items()}
+    store = tmp_path / f"{name}.log.json"
+    store.write_text(json.dumps({k: {"Username": u, "Secret": p} for k, (u, p) in secrets.items()}))
     prog = bin_dir / f"docker-credential-{name}"
     prog.write_text(f"""#!{sys.executable}
 import json, sys
-server = sys.stdin.read().strip()
-open({str(log)!r}, "a").write(server + "\\n")
-table = {table!r}
-if sys.argv[1:] != ["get"] or server not in table:
+action, data = sys.argv[1], sys.stdin.read()
+table = json.load(open({str(store)!r}))
+server = json.loads(data)["ServerURL"] if action == "store" else data.strip()
+open({str(log)!r}, "a").write(action + " " + server + "\\n")
+if action == "store":
+    table[server] = {{k: v for k, v in json.loads(data).items() if k != "ServerURL"}}
+elif action == "get" and server in table:
+    print(json.dumps(dict(table[server], ServerURL=server)))
+elif action == "erase" and server in table:
+    del table[server]
+else:
     print("credentials not found in native keychain")
     sys.exit(1)
-print(json.dumps(dict(table[server], ServerURL=server)))
+json.dump(table, open({str(store)!r}, "w"))
 """)
     prog.chmod(0o755)
     return f"{bin_dir}:{os.environ['PATH']}", str(log)
@@ -249,7 +258,7 @@ def test_docker_hub_credentials_from_a_helper(tmp_path, monkeypatch):
     _docker_config(tmp_path, monkeypatch, {}, credsStore="snaptest")
     assert _found("docker.io") == HUB_AUTH
     assert _found("ghcr.io") is None
-    assert open(log).read().split() == ["https://index.docker.io/v1/", "ghcr.io"]
+    assert open(log).read().splitlines() == ["get https://index.docker.io/v1/", "get ghcr.io"]
 
 
 def test_empty_docker_config_dir_is_not_the_users(tmp_path, monkeypatch):
@@ -306,7 +315,7 @@ def test_oras_is_used_through_its_public_api_only():
 
 # ---- credentials from the environment (a provider's secret env vars: a pod has no `docker login`) ----
 
-WAYS = ("SNAP_USERNAME", "SNAP_PASSWORD", "--username", "--password-stdin", "docker login")
+WAYS = ("snap login REGISTRY", "SNAP_USERNAME", "SNAP_PASSWORD", "--username", "--password-stdin", "docker login")
 
 
 def test_env_credentials_for_every_command(secure_registry, box, tmp_path):
@@ -341,3 +350,214 @@ def test_one_env_credential_without_the_other_is_a_usage_error(given, missing, t
     assert_one_line_error(r, 2, f"{given} is set but {missing} is not")
     assert "x-Pa55" not in r.stdout + r.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- snap login / logout: Docker's config written without Docker --------------------------------
+
+def _tls(reg) -> list:
+    return ["--ca-cert", reg.cert] if getattr(reg, "tls", False) else []
+
+
+def _login(reg, password, *more, env=None):
+    tls = _tls(reg)
+    return snap("login", reg.host, *tls, "--username", USER, "--password-stdin", *more, input=password + "\n", env=env)
+
+
+@pytest.fixture(params=["htpasswd+tls", "token"])
+def any_auth_registry(request):
+    return request.getfixturevalue("secure_registry" if request.param == "htpasswd+tls" else "token_registry")
+
+
+def _token_requests(reg) -> list:
+    return list(reg.tokens.requests) if hasattr(reg, "tokens") else []
+
+
+def test_login_with_a_wrong_password_fails_and_writes_nothing(any_auth_registry, tmp_path):
+    reg = any_auth_registry
+    before = len(_token_requests(reg))
+    r = _login(reg, "wr0ng-Pa55")
+    assert_one_line_error(r, 4, reg.host, "refused", USER, "nothing was saved")
+    assert "wr0ng-Pa55" not in r.stdout + r.stderr
+    assert not (tmp_path / "docker-config").exists()
+    if hasattr(reg, "tokens"):  # the token service was asked, and said no
+        assert _token_requests(reg)[before:] == [(USER, "refused")]
+
+
+def test_login_then_commit_and_restore_with_no_flags(any_auth_registry, box, tmp_path):
+    """The login writes a 0600 config in a 0700 dir, under the registry's host[:port], that the
+    next commands use."""
+    reg = any_auth_registry
+    before = len(_token_requests(reg))
+    r = _login(reg, PASSWORD)
+    assert r.returncode == 0, r.stderr
+    if hasattr(reg, "tokens"):  # checked with the token service: a token for the user, for no scope
+        assert _token_requests(reg)[before:] == [(USER, "")]
+    assert PASSWORD not in r.stdout + r.stderr
+    cfg = tmp_path / "docker-config" / "config.json"
+    assert f"logged in to {reg.host}" in r.stdout and str(cfg) in r.stdout
+    assert os.stat(cfg).st_mode & 0o777 == 0o600 and os.stat(cfg.parent).st_mode & 0o777 == 0o700
+    assert json.loads(cfg.read_text()) == {"auths": {reg.host: basic(USER, PASSWORD)}}
+    tls = _tls(reg)
+    snap("commit", f"{reg.host}/box:login", "--base", f"{reg.host}/base:1", "--root", box, *tls, check=True)
+    out = tmp_path / "out"
+    snap("restore", f"{reg.host}/box:login", "--root", str(out), *tls, check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_login_keeps_the_config_s_other_keys_and_honours_docker_config(secure_registry, tmp_path):
+    """An existing config (another registry, a helper for a third, Docker's own settings) keeps all
+    of it; the login goes to $DOCKER_CONFIG, never to ~/.docker; logout takes out only its entry."""
+    reg = secure_registry
+    home = tmp_path / "home"
+    home.mkdir()
+    others = {"auths": {"ghcr.io": basic("me", "gh-Pa55"), reg.host: basic("old", "stale")},
+              "credHelpers": {"123.dkr.ecr.us-east-1.amazonaws.com": "ecr-login"},
+              "psFormat": "table {{.ID}}", "proxies": {"default": {"httpProxy": "http://127.0.0.1:3128"}}}
+    cfg_dir = docker_config(tmp_path, {})
+    cfg = os.path.join(cfg_dir, "config.json")
+    with open(cfg, "w") as f:
+        json.dump(others, f)
+    env = {"HOME": str(home)}
+    assert _login(reg, PASSWORD, env=env).returncode == 0
+    written = json.loads(open(cfg).read())
+    assert written == {**others, "auths": {"ghcr.io": basic("me", "gh-Pa55"), reg.host: basic(USER, PASSWORD)}}
+    assert os.stat(cfg).st_mode & 0o777 == 0o600
+    assert not (home / ".docker").exists()
+    assert sorted(os.listdir(cfg_dir)) == ["config.json"]  # no temporary file left
+    r = snap("logout", reg.host, env=env, check=True)
+    assert r.stdout.strip() == f"logged out of {reg.host}"
+    assert json.loads(open(cfg).read()) == {**others, "auths": {"ghcr.io": basic("me", "gh-Pa55")}}
+
+
+def test_logout_then_no_credentials_and_a_second_logout_says_so(secure_registry, box):
+    reg = secure_registry
+    assert _login(reg, PASSWORD).returncode == 0
+    snap("logout", reg.host, check=True)
+    r = snap("commit", f"{reg.host}/box:out", "--base", f"{reg.host}/base:1", "--root", box, "--ca-cert", reg.cert)
+    assert_one_line_error(r, 4, "credentials we do not have", "snap login REGISTRY")
+    again = snap("logout", reg.host)
+    assert again.returncode == 0 and again.stdout.strip() == f"not logged in to {reg.host}"
+
+
+@pytest.mark.parametrize("named_by", ["credHelpers", "credsStore"])
+def test_login_logout_through_a_credential_helper(named_by, secure_registry, box, tmp_path):
+    """A config naming a helper for the registry (or for all): the login stores through it (the file
+    keeps an empty entry and no secret), a commit gets them from it, the logout erases them there."""
+    reg = secure_registry
+    path, log = credential_helper(tmp_path, "test", {})
+    cfg_dir = docker_config(tmp_path, {}, **({"credHelpers": {reg.host: "test"}} if named_by == "credHelpers"
+                                             else {"credsStore": "test"}))
+    env = {"PATH": path}
+    r = _login(reg, PASSWORD, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "docker-credential-test" in r.stdout
+    assert json.loads(open(log + ".json").read()) == {reg.host: {"Username": USER, "Secret": PASSWORD}}
+    config_text = open(os.path.join(cfg_dir, "config.json")).read()
+    assert PASSWORD not in config_text and json.loads(config_text)["auths"] == {reg.host: {}}
+    snap("commit", f"{reg.host}/box:{named_by.lower()}", "--base", f"{reg.host}/base:1", "--root", box,
+         "--ca-cert", reg.cert, env=env, check=True)
+    assert f"get {reg.host}" in open(log).read().splitlines()
+    assert snap("logout", reg.host, env=env, check=True).stdout.strip() == f"logged out of {reg.host}"
+    assert json.loads(open(log + ".json").read()) == {}
+    assert f"erase {reg.host}" in open(log).read().splitlines()
+    assert json.loads(open(os.path.join(cfg_dir, "config.json")).read())["auths"] == {}
+
+
+def test_login_from_env_credentials(secure_registry, tmp_path):
+    reg = secure_registry
+    r = snap("login", reg.host, "--ca-cert", reg.cert, input="", env={"SNAP_USERNAME": USER, "SNAP_PASSWORD": PASSWORD})
+    assert r.returncode == 0, r.stderr
+    cfg = tmp_path / "docker-config" / "config.json"
+    assert json.loads(cfg.read_text()) == {"auths": {reg.host: basic(USER, PASSWORD)}}
+    r = snap("login", reg.host, "--ca-cert", reg.cert, input="", env={"SNAP_USERNAME": USER, "SNAP_PASSWORD": ""})
+    assert_one_line_error(r, 2, "SNAP_USERNAME is set but SNAP_PASSWORD is not")
+
+
+def test_login_without_a_password_or_a_terminal_is_one_line(secure_registry, tmp_path):
+    r = snap("login", secure_registry.host, "--username", USER, input="")
+    assert_one_line_error(r, 2, "no terminal", "--password-stdin", "SNAP_PASSWORD")
+    assert not (tmp_path / "docker-config").exists()
+
+
+def test_login_to_an_unreachable_registry_is_one_line(tmp_path):
+    r = snap("login", "127.0.0.1:1", "--username", USER, "--password-stdin", input=PASSWORD + "\n")
+    assert_one_line_error(r, 3, "127.0.0.1:1", "not reachable")
+    assert not (tmp_path / "docker-config").exists()
+
+
+def test_login_refuses_a_config_that_is_no_json_and_leaves_it(secure_registry, tmp_path):
+    reg = secure_registry
+    cfg_dir = tmp_path / "docker-config"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text('{"auths": {"ghcr.io": ')
+    r = _login(reg, PASSWORD)
+    assert_one_line_error(r, 4, str(cfg_dir / "config.json"), "not a JSON object")
+    assert (cfg_dir / "config.json").read_text() == '{"auths": {"ghcr.io": '
+
+
+@pytest.mark.parametrize("registry", ["docker.io", "index.docker.io", "https://index.docker.io/v1/"])
+def test_docker_hub_login_key_is_docker_s_and_read_back(tmp_path, monkeypatch, registry):
+    """What `snap login docker.io` keeps is under Docker's key for Docker Hub, found again for any of its names."""
+    from snapshotter.oci.reference import parse_registry
+    from snapshotter.registry.credentials import save_docker_credentials
+
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "cfg"))
+    save_docker_credentials(parse_registry(registry), "hubuser", "hub-Pa55")
+    assert json.loads((tmp_path / "cfg" / "config.json").read_text()) == {
+        "auths": {"https://index.docker.io/v1/": {"auth": HUB_AUTH}}}
+    assert _found("docker.io") == _found("registry-1.docker.io") == HUB_AUTH
+
+
+def test_login_asks_on_the_terminal_without_echoing_the_password(secure_registry, tmp_path):
+    """No flags and no env: the user name and the password are asked for on the terminal (a real
+    pty, snap's controlling terminal), the password not echoed."""
+    import pty
+    import select
+
+    reg = secure_registry
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: snap on the pty, and never back into pytest
+        try:
+            os.execv(sys.executable, [sys.executable, "-m", "snapshotter", "login", reg.host, "--ca-cert", reg.cert])
+        finally:
+            os._exit(127)
+    seen = b""
+
+    def read_until(marker: bytes) -> None:
+        nonlocal seen
+        while marker not in seen:
+            assert select.select([fd], [], [], 60)[0], seen  # a guard against a hang, not a timing
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: snap exited, the pty closed
+                chunk = b""
+            assert chunk, seen
+            seen += chunk
+
+    read_until(b"Username: ")
+    os.write(fd, USER.encode() + b"\n")
+    read_until(b"Password: ")
+    os.write(fd, PASSWORD.encode() + b"\n")
+    read_until(b"logged in to")
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0, seen
+    assert PASSWORD.encode() not in seen
+    cfg = tmp_path / "docker-config" / "config.json"
+    assert json.loads(cfg.read_text()) == {"auths": {reg.host: basic(USER, PASSWORD)}}
+
+
+def test_login_to_a_name_that_is_no_registry_is_one_line_before_any_prompt(tmp_path):
+    r = snap("login", "bad host", "--username", USER, "--password-stdin", input="")
+    assert_one_line_error(r, 2, "'bad host' is not valid", "HOST[:PORT]")
+
+
+def test_login_into_a_config_with_an_empty_creds_store_and_null_auths(tmp_path, monkeypatch):
+    """`"credsStore": ""` and `"auths": null` (left by some tools) mean none, as Docker reads them."""
+    from snapshotter.registry.credentials import save_docker_credentials
+
+    _docker_config(tmp_path, monkeypatch, None, credsStore="", psFormat="x")
+    save_docker_credentials("ghcr.io", "me", "gh-Pa55")
+    assert json.loads((tmp_path / "docker-config" / "config.json").read_text()) == {
+        "auths": {"ghcr.io": basic("me", "gh-Pa55")}, "credsStore": "", "psFormat": "x"}
+    assert _found("ghcr.io") == basic("me", "gh-Pa55")["auth"]

@@ -26,10 +26,13 @@ from typing import Optional
 
 import pytest
 
-from helpers import (LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, label, layers_by_name,
-                     make_home_base)
-from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, RegistryServer, assert_one_line_error, free_port,
-                     have_wheels, make_box, push_base_image, snap, snapshot_of_tree, stop_process, tar_of_files)
+from snapshotter.engine.run import cannot_read_zstd
+
+from helpers import (LINKED, assert_content_written_once, commit_json, engine_api, hardlink_box, home_box, label,
+                     layers_by_name, make_home_base)
+from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, HostileServer, RegistryServer,
+                     assert_one_line_error, free_port, have_wheels, make_box, push_base_image, snap, snapshot_of_tree,
+                     stop_process, tar_of_files)
 
 docker = pytest.importorskip("docker")
 
@@ -174,6 +177,82 @@ def test_zstd_is_the_default_and_docker_20_cannot_pull_it(registry, base_ref, bo
         assert r.returncode == 0 and "pulled" in r.stdout, r.stderr
     else:
         assert_one_line_error(r, 8, "zstd", "--compression gzip", "snap restore")
+
+
+# /version as engines answer it: Debian 12's docker.io, Docker CE releases, podman's Docker API.
+DEBIAN_DOCKER_20 = {"Platform": {"Name": ""}, "Version": "20.10.24+dfsg1", "ApiVersion": "1.41", "MinAPIVersion": "1.12",
+                    "Os": "linux", "Arch": "amd64", "KernelVersion": "6.1.0-28-amd64",
+                    "Components": [{"Name": "Engine", "Version": "20.10.24+dfsg1", "Details": {"ApiVersion": "1.41"}},
+                                  {"Name": "containerd", "Version": "1.6.20~ds1"}]}
+DOCKER_CE_24 = {"Platform": {"Name": "Docker Engine - Community"}, "Version": "24.0.7", "ApiVersion": "1.43",
+                "MinAPIVersion": "1.12", "Os": "linux", "Arch": "amd64",
+                "Components": [{"Name": "Engine", "Version": "24.0.7"}, {"Name": "containerd", "Version": "1.6.25"}]}
+PODMAN_4 = {"Platform": {"Name": "linux/amd64/debian-12"}, "Version": "4.3.1", "ApiVersion": "1.41",
+            "MinAPIVersion": "1.24", "Os": "linux", "Arch": "amd64",
+            "Components": [{"Name": "Podman Engine", "Version": "4.3.1", "Details": {"APIVersion": "4.3.1"}},
+                           {"Name": "Conmon", "Version": "conmon version 2.1.6"}]}
+
+
+def with_version(doc: dict, version: str) -> dict:
+    return {**doc, "Version": version, "Components": [{**doc["Components"][0], "Version": version}]}
+
+
+def test_which_engines_cannot_read_zstd():
+    """Docker unpacks zstd layers from 23.0 on; podman answers with its own version, and reads them."""
+    assert cannot_read_zstd(DEBIAN_DOCKER_20) == "Docker 20.10.24+dfsg1"
+    assert cannot_read_zstd(with_version(DOCKER_CE_24, "17.03.2-ce")) == "Docker 17.03.2-ce"
+    assert cannot_read_zstd(with_version(DOCKER_CE_24, "1.13.1")) == "Docker 1.13.1"
+    assert cannot_read_zstd(with_version(DOCKER_CE_24, "22.06.0-beta.0")) == "Docker 22.06.0-beta.0"
+    for can in ("23.0.0", "24.0.7", "27.3.1", "100.0.1"):
+        assert cannot_read_zstd(with_version(DOCKER_CE_24, can)) is None, can
+    assert cannot_read_zstd(PODMAN_4) is None and cannot_read_zstd(with_version(PODMAN_4, "3.0.1")) is None
+    for unsure in ({}, {"Version": "dev"}, {"Version": None}, []):  # no sure number: the pull decides
+        assert cannot_read_zstd(unsure) is None
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """A real HTTP server answering as a Docker engine (helpers.engine_api), snap's DOCKER_HOST."""
+    server = HostileServer().start()
+    monkeypatch.setenv("DOCKER_HOST", f"tcp://{server.host}")
+    yield server
+    server.stop()
+
+
+def engine_calls(server) -> list[str]:
+    return [f"{method} {path.split('?')[0]}" for method, path, _ in server.seen]
+
+
+def test_run_on_an_engine_too_old_for_zstd_says_so_before_the_engine_pulls(registry, base_ref, box, fake_engine):
+    zstd_ref, gzip_ref = f"{registry.host}/old-engine:zstd", f"{registry.host}/old-engine:gz"
+    commit_json(zstd_ref, base_ref, box)
+    commit_json(gzip_ref, base_ref, box, "--compression", "gzip")
+
+    fake_engine.answer = engine_api(DEBIAN_DOCKER_20)
+    r = snap("run", zstd_ref, "--", "/bin/true")
+    assert_one_line_error(r, 8, "Docker 20.10.24+dfsg1 cannot read zstd layers (needs 23.0 or later)", zstd_ref,
+                          "upgrade Docker", "--compression gzip", "snap restore")
+    assert r.stderr.count("\n") == 1 and not r.stdout
+    assert all(call.endswith(("/version", "/_ping")) for call in engine_calls(fake_engine)), fake_engine.seen
+
+    # What the engine can read, and an engine that reads zstd: the engine is asked to pull.
+    for version, ref in ((DEBIAN_DOCKER_20, gzip_ref), (DOCKER_CE_24, zstd_ref), (PODMAN_4, zstd_ref)):
+        fake_engine.seen.clear()
+        fake_engine.answer = engine_api(version)
+        r = snap("run", ref, "--", "/bin/true")
+        assert r.returncode == 10 and "this engine pulls nothing" in r.stderr, (version["Version"], r.stderr)
+        assert any(call.endswith("/images/create") for call in engine_calls(fake_engine)), fake_engine.seen
+
+
+def test_an_old_engines_invalid_tar_header_is_the_same_line(registry, fake_engine):
+    """snap cannot read the image itself (here: not in its registry; on a box, a registry only the
+    engine's host reaches), so the engine pulls, and its failure reads as the zstd line."""
+    ref = f"{registry.host}/engine-only:v1"
+    said = "failed to register layer: Error processing tar file(exit status 1): archive/tar: invalid tar header"
+    fake_engine.answer = engine_api(DEBIAN_DOCKER_20, said)
+    assert_one_line_error(snap("run", ref), 8, "Docker 20.10.24+dfsg1 cannot read zstd layers", "--compression gzip")
+    fake_engine.answer = engine_api(DOCKER_CE_24, said)  # a new engine: its own words, not a guess
+    assert_one_line_error(snap("run", ref), 10, "archive/tar: invalid tar header")
 
 
 def test_run_keeps_the_image_entrypoint_cmd_env_and_workdir(registry, base_rootfs, engine, tmp_path):
@@ -546,12 +625,12 @@ def test_hardlinked_weights_are_one_inode_in_docker_and_umoci(registry, base_ref
     assert snapshot_of_tree(str(bundle / "rootfs"), skip=NOT_CAPTURED)[LINKED[0][2]][5].startswith(sha256_file(os.path.join(box, LINKED[0][0])))
 
 
-# ---- the container provider recipe of the README ------------------------------------------------------
+# ---- the container provider recipe of docs/providers.md (the README's, before docs/) ---------------------
 
 def readme_recipe() -> tuple[str, str]:
-    """(Dockerfile, start.sh) of README's container provider recipe: the first indented blocks,
-    after its mention of this test, that start with FROM and with #!/bin/sh."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+    """(Dockerfile, start.sh) of docs/providers.md's container provider recipe: the first indented
+    blocks, after its mention of this test, that start with FROM and with #!/bin/sh."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "providers.md")) as f:
         lines = f.read().split("\n")
     at = next(i for i, line in enumerate(lines) if "test_container_recipe_from_the_readme" in line)
     at = next(i for i in range(at, 0, -1) if lines[i].startswith("**A container provider**"))
@@ -568,7 +647,7 @@ def readme_recipe() -> tuple[str, str]:
 
 
 def with_own(script: str, box: str, base: str, app: str) -> str:
-    """The script with the test's image names and app in place of the README's examples; nothing else changes."""
+    """The script with the test's image names and app in place of the recipe's examples; nothing else changes."""
     lines = script.split("\n")
     names = [i for i, line in enumerate(lines) if line.startswith("BOX=")]
     apps = [i for i, line in enumerate(lines) if line.endswith(" & app=$!")]
@@ -656,7 +735,7 @@ def wait_for_line(ct, text: str, count: int = 1, timeout: float = 120) -> str:
 
 
 def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
-    """README's container recipe on a new box every time, as in the field: the Dockerfile puts snap
+    """The container recipe of docs/providers.md on a new box every time, as in the field: the Dockerfile puts snap
     and start.sh into the image (nothing on the volume), credentials come from SNAP_USERNAME and
     SNAP_PASSWORD (a password-protected snapshot registry, htpasswd over plain http on loopback),
     and the cycle is: first start (no snapshot yet), changes (a pip install, a custom node, a

@@ -3,6 +3,8 @@
 import pytest
 import requests
 
+import snapshotter
+
 from support import assert_one_line_error, free_port, snap
 
 
@@ -67,6 +69,14 @@ def test_help_explains_each_command():
         assert "--root" in r.stdout
     r = snap("--help")
     assert "Exit codes" in r.stdout
+
+
+def test_version_is_one_line_and_exit_0():
+    """`snap --version` from a source tree: the version pyproject.toml builds with (test_install checks
+    an installed one against its distribution's metadata)."""
+    r = snap("--version")
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"snap {snapshotter.__version__}\n", "")
+    assert snapshotter.__version__.count(".") == 2
 
 
 @pytest.mark.parametrize("cmd", ["commit", "verify", "watch", "status"])

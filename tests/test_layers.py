@@ -8,8 +8,8 @@ import subprocess
 import tarfile
 
 from helpers import (BIG, LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, layer_tar,
-                     layers_by_name, make_home_base, oci_validator, profile_excluding_nothing)
-from support import NOT_CAPTURED, MiB, assert_one_line_error, make_box, snap, snapshot_of_tree, write_tree
+                     layers_by_name, make_home_base, oci_validator, profile_excluding_nothing, push)
+from support import NOT_CAPTURED, MiB, assert_one_line_error, make_box, snap, snapshot_of_tree, tar_of_files, write_tree
 
 
 def test_manifest_and_config_validate_against_the_image_spec_schema(registry, base_ref, base_rootfs, tmp_path):
@@ -265,3 +265,16 @@ def test_a_weight_layer_keeps_its_digest_when_its_base_directory_first_changes(r
     out = tmp_path / "restored"
     snap("restore", f"{registry.host}/basedir:v2", "--root", str(out), check=True)
     assert os.lstat(out / "opt/app").st_mtime == 1_700_000_000
+
+
+def test_a_snapshot_past_the_engines_layer_limit_is_warned_of_naming_docker_and_podman(registry, request, tmp_path):
+    """Docker refuses images of more than about 125 layers, podman fails to start them from 126 to 133;
+    snap restore has no limit. A base of 125 layers and one snap layer on it: 126."""
+    base = push(registry, request, *(tar_of_files({f"l/{i:03d}": b"x"}, dirs=("l",)) for i in range(125)))
+    box = str(tmp_path / "box")
+    snap("restore", base, "--root", box, check=True)
+    write_tree(box, {"opt/new.txt": "new\n"})
+    r = snap("commit", f"{registry.host}/many-layers:v1", "--base", base, "--root", box, check=True)
+    warning = [line for line in r.stderr.splitlines() if line.startswith("warning: the image has 126 layers")]
+    assert len(warning) == 1, r.stderr
+    assert all(word in warning[0] for word in ("Docker", "125", "podman", "126 and 133", "snap restore")), warning

@@ -191,7 +191,7 @@ def test_an_unchanged_layer_is_not_split_again_and_the_plans_are_the_same(box, m
     profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
     splits = []
     real = plan_module.split_plan
-    monkeypatch.setattr(plan_module, "split_plan", lambda p, rule, size: splits.append(rule.name) or real(p, rule, size))
+    monkeypatch.setattr(plan_module, "split_plan", lambda p, rule, *a: splits.append(rule.name) or real(p, rule, *a))
 
     def plans(memo=None, scan_memo=None):
         scan = scan_box(box, profile, memo=scan_memo)

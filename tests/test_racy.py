@@ -3,11 +3,13 @@ within its base file's second, at the same size, matches the base by metadata; i
 tell, and only such files may be read."""
 
 import os
+import tarfile
 
 import pytest
 
 from snapshotter import CommitOptions, commit_box
 from snapshotter.box import diff as box_diff
+from snapshotter.tar.rules import header_bytes, pax_mtime
 
 from support import gzip_bytes, member, snap, snap_layer_files, tar_bytes
 
@@ -92,3 +94,21 @@ def test_a_captured_same_second_edit_survives_a_restore_and_the_next_commit(regi
     snap("restore", f"{registry.host}/racy-chain:v2", "--root", str(out), check=True)
     for rel, (data, _) in BOX.items():
         assert (out / rel).read_bytes() == data
+
+
+def test_a_pax_mtime_header_is_the_same_bytes_under_a_tarfile_that_writes_0_seconds(monkeypatch):
+    """With a PAX mtime record the ustar mtime field holds the whole seconds, as Python 3.11+ write
+    it, also under a 3.10 tarfile from before CPython's bpo-45863 that writes 0 there (emulated: the
+    Pythons here all have the fix; test_install compares whole layers across those it has)."""
+    ti = tarfile.TarInfo("data/edited.txt")
+    ti.mtime, ti.size, ti.pax_headers = T, 10, {"mtime": pax_mtime(T * NS + 900_000_000)}
+    this_python = ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    assert tarfile.nti(this_python[-512 + 136:-512 + 148]) == T
+    create_pax_header = tarfile.TarInfo.create_pax_header
+
+    def as_before_the_fix(self, info, encoding):  # a number field with a PAX record was zeroed
+        return create_pax_header(self, {**info, "mtime": 0} if "mtime" in self.pax_headers else info, encoding)
+
+    monkeypatch.setattr(tarfile.TarInfo, "create_pax_header", as_before_the_fix)
+    assert ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape") != this_python  # the emulation differs
+    assert header_bytes(ti) == this_python

@@ -7,6 +7,7 @@ test moves, and as the real `snap watch` process, waited on through the lines it
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -347,6 +348,17 @@ def test_a_signal_makes_one_final_snapshot_then_exit_0(sig, registry, base_ref, 
     assert any(f"signal {sig.name}: final snapshot" in line for line in p.seen)
     assert any("final snapshot v2-" in line for line in p.seen)
     assert_restores_to(f"{registry.host}/sig-{sig.name.lower()}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
+def test_a_watch_without_a_terminal_logs_its_snapshots_progress_with_their_time(registry, base_ref, box):
+    p = start_watch(registry, base_ref, box, "logged-watch", env={"SNAP_QUIET": "", "SNAP_PROGRESS_EVERY": "0"})
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.finish() == 0, "".join(p.seen)
+    stamped = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (scanning box|packing|uploading): ")
+    progress = [line for line in p.seen if stamped.match(line)]
+    for what in ("scanning box: started", "uploading: started", "uploading: done, "):
+        assert any(what in line for line in progress), (what, "".join(p.seen))
+    assert not any("\r" in line or "\x1b" in line for line in p.seen)
 
 
 def test_a_final_snapshot_that_cannot_finish_exits_non_zero_and_the_tag_stays(base_rootfs, box, tmp_path):

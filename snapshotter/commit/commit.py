@@ -163,7 +163,7 @@ def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry]
         scan, d = opts.changes(base_img, index)
     else:
         scan, d = box_changes(root, opts.profile, index, opts.rehash)
-    plans = plan_commit_layers(d, scan, index, opts)
+    plans = plan_commit_layers(d, scan, index, opts, len(base_img.layers) if base_img else 0)
     for plan in plans:
         plan.fingerprint(opts.profile.zstd_level, opts.plan_memo)
     return scan, d, plans

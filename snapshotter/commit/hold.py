@@ -35,6 +35,6 @@ def hold_back(cp: CommitPlan, held: dict[str, str], opts: CommitOptions) -> None
             cp.unreadable.add(e.path)
     cp.held.update(held)
     cp.diff.changed = keep
-    cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts)
+    cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts, cp.base_layers)
     for plan in cp.plans:
         plan.fingerprint(opts.profile.zstd_level, opts.plan_memo)

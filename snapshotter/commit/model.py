@@ -150,7 +150,8 @@ class CommitPlan:
         return hit or (self.restored.blob_for(plan) if self.restored else None)
 
 
-def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions) -> list[LayerPlan]:
+def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions,
+                       base_layers: int) -> list[LayerPlan]:
     """The layers of a diff with the commit's options (planned once, and again whenever files are
     left out: hold_back, push_commit)."""
-    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo)
+    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo, base_layers)

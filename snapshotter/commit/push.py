@@ -38,7 +38,7 @@ from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, cpu_cou
 UPLOADS = 3  # layers uploaded at once (memory: a few MiB each), while the next ones are packed
 # Less to compress than this: packed in this process (a packer process takes ~0.1 s of CPU to start).
 PACK_APART_MIN = 64 << 20
-MAX_ENGINE_LAYERS = 125  # overlayfs-based engines refuse images with more layers than about this
+MAX_ENGINE_LAYERS = 125  # Docker refuses images of more layers; podman fails at run from 126 to 133
 TORN = "changed while read"
 CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
 UNREADABLE = "could not be read"  # refused at open (permissions): not read
@@ -64,8 +64,9 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     layers = _push_settled_layers(cp, remote, opts)
     count = cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values())
     if count > MAX_ENGINE_LAYERS:
-        opts.log(f"warning: the image has {count} layers; Docker cannot run images "
-                 f"with more than about {MAX_ENGINE_LAYERS} (snap restore has no such limit)")
+        opts.log(f"warning: the image has {count} layers: Docker cannot run an image of more than about "
+                 f"{MAX_ENGINE_LAYERS}, and podman fails to start one of somewhere between 126 and 133 or more "
+                 "(snap restore has no such limit)")
 
     created = now_rfc3339()
     base_config = base_img.config if base_img else scratch_config(*host_platform())
@@ -194,7 +195,7 @@ def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -
         cp.left_unread.extend(sorted(stuck - read_now))
         cp.diff.changed = sorted([e for e in cp.diff.changed if e.path not in stuck]
                                  + [cp.scan.entries[p] for p in read_now], key=lambda e: e.path)
-        cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts)
+        cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts, cp.base_layers)
 
 
 def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:

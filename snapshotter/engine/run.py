@@ -7,18 +7,22 @@ way the docker CLI finds it (DOCKER_HOST, else the default socket)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
 
-from snapshotter.errors import (AuthError, EngineUnavailable, NotFound, RegistryError, RegistryUnreachable, SnapError,
-                                UsageError)
+from snapshotter.errors import (AuthError, EngineUnavailable, IntegrityError, NotFound, RegistryError,
+                                RegistryUnreachable, SnapError, UsageError)
+from snapshotter.oci.mediatypes import compression_of
 from snapshotter.oci.reference import Reference
+from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 
 GPU_MODES = ("auto", "all", "none")
 RESTORE_HINT = "without an engine, use extract mode: snap restore REF --root DIR"
+DOCKER_ZSTD = (23, 0)  # the first Docker that unpacks zstd layers (20.10 fails: archive/tar: invalid tar header)
 
 
 class Interrupted(SnapError):
@@ -108,6 +112,7 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
     client = connect()
     import docker  # importable: connect() checked
 
+    refuse_unreadable_layers(client, reference, transport)
     image = pull(client, reference, transport, log)
     device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if want_gpus else None
     try:
@@ -140,6 +145,62 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
     return result
 
 
+def cannot_read_zstd(version: dict) -> Optional[str]:
+    """The engine, as a user names it ('Docker 20.10.24'), when its /version answer says it cannot
+    unpack zstd layers: Docker before 23.0. None when it can, or when the answer is not sure of it
+    (podman answers with its own version, and reads zstd; a version that is no number)."""
+    if not isinstance(version, dict):
+        return None
+    components = version.get("Components")
+    names = [c.get("Name", "") for c in components if isinstance(c, dict)] if isinstance(components, list) else []
+    platform = version.get("Platform")
+    names.append(platform.get("Name", "") if isinstance(platform, dict) else "")
+    if any("podman" in str(n).lower() for n in names):
+        return None
+    number = str(version.get("Version", ""))
+    m = re.match(r"(\d+)\.(\d+)", number)
+    if m is None or (int(m[1]), int(m[2])) >= DOCKER_ZSTD:
+        return None
+    return f"Docker {number}"
+
+
+def zstd_error(engine: str, image: str) -> EngineUnavailable:
+    """The one line for an engine that cannot unpack the zstd layers of `image`."""
+    return EngineUnavailable(f"{engine} cannot read zstd layers (needs {'.'.join(map(str, DOCKER_ZSTD))} or later), "
+                             f"and {image} has them",
+                             "upgrade Docker, or commit the snapshot again with --compression gzip; or " + RESTORE_HINT)
+
+
+def refuse_unreadable_layers(client, reference: Reference, transport: Optional[TransportOptions]) -> None:
+    """Refuse, before the engine pulls anything, an image with zstd layers on an engine that cannot
+    unpack them. Only an old engine costs a look at the manifest; where snap cannot read it (a
+    registry only the engine's host reaches), the engine's pull goes ahead and its failure is
+    mapped to the same line (_pull_error)."""
+    import docker
+
+    try:
+        version = client.version()
+    except (docker.errors.DockerException, OSError):  # requests' errors are OSErrors
+        return  # the pull says what is wrong with the engine
+    engine = cannot_read_zstd(version)
+    if engine is None:
+        return
+    want = (version.get("Os") or "linux", version.get("Arch") or "amd64")
+    try:
+        layers = Remote(reference, transport).resolve(want=want).layers
+    except SnapError:
+        return
+    if any(_is_zstd(d) for d in layers):
+        raise zstd_error(engine, str(reference))
+
+
+def _is_zstd(desc) -> bool:
+    try:
+        return isinstance(desc, dict) and compression_of(str(desc.get("mediaType", ""))) == "zstd"
+    except IntegrityError:
+        return False  # a type snap does not read: the engine judges it
+
+
 def pull(client, reference: Reference, transport: Optional[TransportOptions], log: Callable[[str], None]) -> str:
     """Have the engine pull the image; returns the name to create the container from.
     Credentials given to snap (--username) go to the engine; else it uses its own docker config."""
@@ -164,10 +225,9 @@ def _pull_error(client, image: str, msg: str) -> SnapError:
     msg = " ".join(str(msg).split())
     low = msg.lower()
     if "invalid tar header" in low or "zstd" in low:
-        version = client.version().get("Version", "?")
-        return EngineUnavailable(
-            f"the Docker engine ({version}) cannot unpack {image}: its layers are zstd, which Docker reads from 23.0 on ({msg})",
-            "commit with --compression gzip for this engine, or " + RESTORE_HINT)
+        engine = cannot_read_zstd(_version_of(client))
+        if engine is not None:
+            return zstd_error(engine, image)
     if any(k in low for k in ("unauthorized", "authentication required", "no basic auth credentials", "denied")):
         return AuthError(f"the registry refused the engine's pull of {image}: {msg}")
     if "not found" in low or "manifest unknown" in low:
@@ -179,6 +239,15 @@ def _pull_error(client, image: str, msg: str) -> SnapError:
         return RegistryUnreachable(f"the Docker engine cannot reach the registry of {image}: {msg}",
                                    "check the host and port from the engine's host")
     return RegistryError(f"the Docker engine failed to pull {image}: {msg}")
+
+
+def _version_of(client) -> dict:
+    import docker
+
+    try:
+        return client.version()
+    except (docker.errors.DockerException, OSError):
+        return {}
 
 
 def _engine_error(e, name: Optional[str]) -> SnapError:

@@ -16,7 +16,7 @@ from snapshotter.errors import StorageError
 from snapshotter.index.entry import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
 from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.tar.compress import Compressor
-from snapshotter.tar.rules import XATTR_PAX, layer_order, pax_mtime, whiteout_name
+from snapshotter.tar.rules import XATTR_PAX, header_bytes, layer_order, pax_mtime, whiteout_name
 
 from .plan import LayerPlan
 
@@ -78,7 +78,7 @@ class HeaderSink(Protocol):
 
 
 def _put_header(put: Callable[[bytes], None], ti: tarfile.TarInfo, reads: _Reads, size: int) -> None:
-    header = ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    header = header_bytes(ti)
     put(header)
     if reads.on_header is not None:
         reads.on_header(header, size)

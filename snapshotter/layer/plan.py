@@ -1,12 +1,17 @@
 """Planning the snapshot layers: which changed path goes into which layer.
 
 Every changed or deleted path goes to one profile layer (venv, custom_nodes, models, rest, ...).
-A profile layer can then become several image layers, each kept stable so that adding or removing
-one model re-uploads nothing else:
+A profile layer can then become several image layers, each kept stable so that adding, upgrading
+or removing one package, node or model re-uploads nothing else:
   - a file of at least the rule's `file_layer_min` gets a layer of its own (big weights);
   - a file larger than the registry's layer cap is cut into part layers that restore joins back;
-  - the rest is bundled, sorted by path, into layers of at most `bundle_max` bytes, cut where the
-    path's hash says so (content-defined), so an insertion only changes the bundle it falls in.
+  - the rest is bundled: in a code layer by natural unit (layer/units.py: a distribution with its
+    dist-info, one custom node) and then path, cut only between units where the unit's hash says
+    so (content-defined), in a weights layer by path, cut between files; so an insertion only
+    changes the bundle it falls in;
+  - directories and deletions go into a small last layer (always for weights, else when there are
+    several bundles): the shared directories' new mtimes change only it.
+sizing() sizes the bundles to the box so that a snapshot keeps to LAYER_BUDGET layers.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -26,13 +32,92 @@ from snapshotter.digests import chunks_digest
 from snapshotter.errors import UsageError
 from snapshotter.index.entry import DIR, FILE, Entry
 
+from .units import units_of
+
 DEFAULT_MAX_LAYER_SIZE = int(9.5 * 1000**3)  # some registries reject layers over 10 GB
 PART_SUFFIX = ".snap-part-"  # "<path>.snap-part-0001-of-0003"
 MAX_PARTS = 100_000  # a file cut into more parts than this is refused (by commit and restore)
 _PART_NAME = re.compile(re.escape(PART_SUFFIX) + r"([0-9]{4,6})-of-([0-9]{4,6})")
 _PART_ANNOTATION = re.compile(r"([0-9]{1,6})/([0-9]{1,6})")
 _ROWS_PER_PIECE = 4096  # rows of a stat-cache key hashed at once (a piece of about 0.5 MB)
-_BUNDLE_FILL = 4  # content-defined bundle cuts every bundle_max / 4 bytes on average
+_BUNDLE_FILL = 4  # a weights layer's bundles hold bundle_max / 4 on average
+LAYER_BUDGET = 100  # image layers, the base's included: engines refuse about 125 (MAX_ENGINE_LAYERS)
+CODE_SHARE = 0.6  # of the budget left by the base, the code layers' bundles (the weights take the rest)
+MIN_BUNDLE = 16 * 1024**2  # the code layers' smallest bundle target: a tiny layer costs round trips
+WHOLE_BELOW = 4  # a code layer of less than this many MIN_BUNDLEs stays one layer
+MAX_SIZING_ROUNDS = 16  # targets doubled at most this often to fit the budget
+
+
+@dataclass(frozen=True)
+class Bundling:
+    """How one profile layer is cut into bundles (sizing() decides it for a commit)."""
+
+    target: float  # content a bundle holds on average: a unit ends one with a chance of its size over this
+    cap: int  # the most content a bundle holds (but for one entry bigger than it)
+    file_layer_min: Optional[int] = None  # a file this big gets a layer of its own (weights)
+    units: bool = False  # cuts fall between natural units (layer/units.py), not between any two files
+
+
+def rule_bundling(rule: LayerRule, max_layer_size: int) -> Bundling:
+    """A layer's bundling as its rule alone says: a weights layer's bundles of at most bundle_max,
+    any other layer whole (but at the layer cap)."""
+    if rule.bundle_max is not None:
+        cap = min(rule.bundle_max, max_layer_size)
+        return Bundling(cap / _BUNDLE_FILL, cap, rule.file_layer_min)
+    return Bundling(float("inf"), max_layer_size, rule.file_layer_min)
+
+
+def _step_up(n: float) -> int:
+    """The power of two at or above n: a target moves only when the layer doubles, so a package
+    added or removed keeps every other bundle's cuts."""
+    return 1 << max(0, math.ceil(math.log2(n))) if n > 1 else 1
+
+
+def layer_budget(profile: Profile, base_layers: int) -> int:
+    """The layers a snapshot may have besides its base's (two per profile layer at least)."""
+    return max(LAYER_BUDGET - base_layers, 2 * len(profile.layers))
+
+
+def sizing(plans: dict[str, LayerPlan], profile: Profile, max_layer_size: int, base_layers: int,
+           doublings: int = 0) -> dict[str, Bundling]:
+    """Each profile layer's bundling, sized to the box so that the image, base layers included,
+    keeps to LAYER_BUDGET layers. From the content sizes alone (the same tree gets the same cuts):
+      - the code layers (all but the weights) share one target, the power of two at or above their
+        content over CODE_SHARE of the budget (less their directory layers), and MIN_BUNDLE at least;
+        cuts fall between natural units; a code layer under WHOLE_BELOW MIN_BUNDLEs stays whole;
+      - a weights layer keeps a layer per file of file_layer_min or more while those fit in 3/4 of
+        its share; else the threshold doubles until they do, and the files under it are bundled
+        with a target raised (in powers of two from bundle_max / 4) to fit the rest of the share.
+    `doublings` doubles every target that many times more (plan_layers, when a box's cuts came out
+    over the budget)."""
+    budget = layer_budget(profile, base_layers)
+    code = [r for r in profile.layers if not r.weights]
+    weights = [r for r in profile.layers if r.weights]
+    code_share = int(budget * CODE_SHARE) if weights else budget
+    out: dict[str, Bundling] = {}
+    code_size = sum(plans[r.name].content_size for r in code)
+    target = max(MIN_BUNDLE, _step_up(code_size / max(1, code_share - len(code)))) << doublings
+    for r in code:
+        if plans[r.name].content_size < WHOLE_BELOW * MIN_BUNDLE:
+            out[r.name] = rule_bundling(r, max_layer_size)  # a few MB sent again cost less than more layers
+        else:
+            out[r.name] = Bundling(min(target, max_layer_size), min(4 * target, max_layer_size), None, units=True)
+    share = max(2, (budget - code_share) // max(1, len(weights)) - 1)  # less its directories' layer
+    for r in weights:
+        files = sorted((e.size for e in plans[r.name].entries if e.kind == FILE), reverse=True)
+        own = rule_bundling(r, max_layer_size)
+        threshold = own.file_layer_min
+        while threshold is not None and threshold < max_layer_size and \
+                sum(1 for s in files if s >= threshold) > share * 3 // 4:
+            threshold *= 2
+        singles = sum(1 for s in files if threshold is not None and s >= threshold)
+        folded = sum(s for s in files if threshold is None or s < threshold)
+        wtarget = max(own.target, _step_up(folded / max(1, share - singles))) * (1 << doublings)
+        if wtarget == own.target:
+            out[r.name] = replace(own, file_layer_min=threshold)
+        else:
+            out[r.name] = Bundling(min(wtarget, max_layer_size), min(int(4 * wtarget), max_layer_size), threshold)
+    return out
 
 
 @dataclass
@@ -129,11 +214,11 @@ class PlanMemo:
         self._old_splits, self.splits = self.splits, {}
         self._old_rows, self.rows = self.rows, {}
 
-    def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[LayerPlan]:
+    def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int, bundling: Bundling) -> list[LayerPlan]:
         """split_plan(plan, ...), or copies of what it gave last time for the same input."""
-        key = (rule, max_layer_size, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts))
+        key = (rule, max_layer_size, bundling, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts))
         last = self._old_splits.get(rule.name)
-        made = last[1] if last is not None and last[0] == key else split_plan(plan, rule, max_layer_size)
+        made = last[1] if last is not None and last[0] == key else split_plan(plan, rule, max_layer_size, bundling)
         # The key's ids stay unique while the entries live: the memo holds them (the third item).
         self.splits[rule.name] = (key, [_copy(p) for p in made], plan.entries)
         return [_copy(p) for p in made]
@@ -155,8 +240,10 @@ def _copy(plan: LayerPlan) -> LayerPlan:
 
 def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
                 compression: Optional[str] = None,
-                max_layer_size: int = DEFAULT_MAX_LAYER_SIZE, memo: Optional[PlanMemo] = None) -> list[LayerPlan]:
-    """Assign every changed and deleted path to a profile layer, then split each as its rule says.
+                max_layer_size: int = DEFAULT_MAX_LAYER_SIZE, memo: Optional[PlanMemo] = None,
+                base_layers: int = 0) -> list[LayerPlan]:
+    """Assign every changed and deleted path to a profile layer, then split each into bundles sized
+    (sizing()) so that the image, its `base_layers` included, keeps to LAYER_BUDGET layers.
     Returns the non-empty plans in profile order, except that the weights layers come last: a
     restore can start the app once the layers before them are applied (`snap restore --then`).
     Each path is in one layer only, so no whiteout of an earlier layer concerns a later one.
@@ -187,10 +274,20 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
     for path in d.deleted:
         old = base[path]
         plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
+    # Cuts fall by chance: a box whose bundles came out over the budget gets every target doubled
+    # (the same tree the same way), while that still helps.
     out: list[LayerPlan] = []
-    for rule in sorted(profile.layers, key=lambda r: r.weights):  # stable: profile order otherwise
-        out.extend(split(plans[rule.name], rule, max_layer_size))
-    out = [p for p in out if not p.empty]
+    for doublings in range(MAX_SIZING_ROUNDS):
+        bundlings = sizing(plans, profile, max_layer_size, base_layers, doublings)
+        made: list[LayerPlan] = []
+        for rule in sorted(profile.layers, key=lambda r: r.weights):  # stable: profile order otherwise
+            made.extend(split(plans[rule.name], rule, max_layer_size, bundlings[rule.name]))
+        made = [p for p in made if not p.empty]
+        if out and len(made) >= len(out):
+            break
+        out = made
+        if len(out) <= layer_budget(profile, base_layers):
+            break
     _last_carries_changed_dirs(out, {r.name for r in profile.layers if r.weights}, changed)
     add_parent_dirs(out, scan.entries, changed, base)
     return out
@@ -305,15 +402,20 @@ def _compression(layer_default: str, override: Optional[str]) -> str:
     return override
 
 
-def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[LayerPlan]:
-    """Cut one profile layer into image layers: single-file layers, part layers, bundles."""
+def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int,
+               bundling: Optional[Bundling] = None) -> list[LayerPlan]:
+    """Cut one profile layer into image layers: single-file layers, part layers, bundles, and the
+    small last layer of directories and deletions (a weights layer always; another when it has
+    several bundles). `bundling` says how (sizing() gives it); None: as the rule alone says."""
     if max_layer_size <= 0:
         raise ValueError("max_layer_size must be positive")
+    bundling = bundling or rule_bundling(rule, max_layer_size)
     weights = rule.weights
     singles: list[LayerPlan] = []
     rest: list[Entry] = []
-    # For a weights layer, directories and deletions go into a small layer of their own, last:
-    # adding or removing a model changes a directory's mtime, and only that small layer follows.
+    dirs: list[Entry] = []
+    # Directories and deletions go into a small layer of their own, last: adding a package or a
+    # model changes a shared directory's mtime (site-packages/, loras/), and only that layer follows.
     meta = LayerPlan(plan.name, plan.compression, detail=META_DETAIL)
     # The names of one inode travel with its first name (in path order), into the same layer: its
     # content is written once and the others are hardlinks to it. Not into a later layer: Docker
@@ -326,20 +428,22 @@ def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int) -> list[La
     for e in plan.entries:
         if e.inode and e.path not in others:
             continue  # another name of an inode: it goes with the first
-        big_alone = rule.file_layer_min is not None and e.size >= rule.file_layer_min
+        big_alone = bundling.file_layer_min is not None and e.size >= bundling.file_layer_min
         if e.kind == FILE and (e.size > max_layer_size or big_alone):
             singles.extend(_file_layers(plan, e, max_layer_size, others.get(e.path, [])))
-        elif weights and e.kind == DIR:
-            meta.entries.append(e)
+        elif e.kind == DIR:
+            dirs.append(e)
         else:
             rest.append(e)
-    if weights:
-        meta.whiteouts, whiteouts = list(plan.whiteouts), []
-    else:
-        whiteouts = plan.whiteouts
-    bundle_max = min(rule.bundle_max or max_layer_size, max_layer_size)
-    bundles = _bundles(plan, rest, whiteouts, bundle_max, rule.bundle_max is not None, others)
-    return bundles + singles + [meta]
+    bundles = _bundles(plan, rest, bundling, others)
+    if weights or len(bundles) > 1:
+        meta.entries, meta.whiteouts = dirs, list(plan.whiteouts)
+        return bundles + singles + [meta]
+    # One bundle: it holds the directories and deletions too.
+    whole = bundles[0] if bundles else LayerPlan(plan.name, plan.compression)
+    whole.entries = sorted(whole.entries + dirs, key=lambda x: x.path)
+    whole.whiteouts = list(plan.whiteouts)
+    return [whole] + singles
 
 
 def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int, other_names: list[Entry]) -> list[LayerPlan]:
@@ -362,38 +466,59 @@ def _file_layers(plan: LayerPlan, e: Entry, max_layer_size: int, other_names: li
     return parts
 
 
-def _cut_after(path: str, size: int, bundle_max: int) -> bool:
-    """Content-defined bundle boundaries: a file ends its bundle with a chance proportional to its
-    size (by its path's hash), so bundles average a quarter of the cap and an added or removed file
-    moves only the boundaries next to it; the cap itself is rarely what cuts."""
-    h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") / 2**64
-    return h < size * _BUNDLE_FILL / bundle_max
+def _chance(key: str, size: int, target: float) -> bool:
+    """Whether a unit (or a file of a big unit) ends its bundle: with a chance of its size over the
+    target, by its key's hash. Nothing else decides it, so a unit added or removed moves only the
+    cut next to it, and the same tree is cut the same way on any machine."""
+    p = size / target
+    return p >= 1 or (p > 0 and int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 < p)
 
 
-def _bundles(plan: LayerPlan, entries: list[Entry], whiteouts: list[str], bundle_max: int,
-             content_cuts: bool, other_names: dict[str, list[Entry]]) -> list[LayerPlan]:
-    """Sorted entries and whiteouts, cut into bundles of at most bundle_max content bytes. The
-    other names of an inode go into the bundle of its first name (they add no content)."""
-    items = sorted([(e.path, e) for e in entries] + [(w, None) for w in whiteouts], key=lambda t: t[0])
+def _bundles(plan: LayerPlan, entries: list[Entry], bundling: Bundling,
+             other_names: dict[str, list[Entry]]) -> list[LayerPlan]:
+    """Entries, in order of their unit (units_of) and then of path, cut into bundles of bundling.target
+    content on average and bundling.cap at most (but for one entry bigger than it). A cut falls
+    only after a whole unit, by the unit's key; a unit of at least the target has bundles of its
+    own, cut after its files by their paths. The other names of an inode go into the bundle of its
+    first name (they add no content)."""
+    paths = [e.path for e in entries]
+    keys = units_of(paths) if bundling.units else paths
+    # Paths are unique: the entries themselves are never compared.
+    items = sorted(zip(keys, paths, entries))
+    target, cap = bundling.target, bundling.cap
     bundles: list[LayerPlan] = []
-    cur = LayerPlan(plan.name, plan.compression)
+    cur: list[Entry] = []
     size = 0
-    for path, e in items:
-        esize = e.size if e is not None else 0
-        if not cur.empty and size + esize > bundle_max:
-            bundles.append(cur)
-            cur, size = LayerPlan(plan.name, plan.compression), 0
-        if e is None:
-            cur.whiteouts.append(path)
-        else:
-            cur.entries.append(e)
-            cur.entries.extend(other_names.get(path, ()))
-        size += esize
-        if content_cuts and esize and _cut_after(path, esize, bundle_max):
-            bundles.append(cur)
-            cur, size = LayerPlan(plan.name, plan.compression), 0
-    if not cur.empty:
-        bundles.append(cur)
+
+    def close():
+        nonlocal cur, size
+        if cur:
+            bundles.append(LayerPlan(plan.name, plan.compression, cur))
+            cur, size = [], 0
+
+    i, n = 0, len(items)
+    while i < n:
+        key = items[i][0]
+        j = i + 1
+        while j < n and items[j][0] == key:
+            j += 1
+        usize = sum(t[2].size for t in items[i:j])
+        big = bundling.units and usize >= target
+        if big or size + usize > cap:
+            close()
+        for _, path, e in items[i:j]:
+            if big and size + e.size > cap:
+                close()
+            cur.append(e)
+            if e.inode:
+                cur.extend(other_names.get(path, ()))
+            size += e.size
+            if big and _chance(path, e.size, target):
+                close()
+        if big or _chance(key, usize, target):
+            close()
+        i = j
+    close()
     for b in bundles:
         b.entries.sort(key=lambda x: x.path)
     if len(bundles) > 1:

@@ -54,6 +54,17 @@ def api_host(registry: str) -> str:
     return DOCKER_HUB_API if registry in DOCKER_HUB_NAMES else registry
 
 
+def parse_registry(text: str) -> str:
+    """The registry a `snap login REGISTRY` names: host[:port], as Docker takes it (a scheme and a
+    path, as in https://index.docker.io/v1/, are dropped; Docker Hub under any of its names is
+    docker.io)."""
+    host = text.split("://", 1)[1] if "://" in text else text
+    host = host.split("/", 1)[0]
+    if not re.fullmatch(_DOMAIN_AND_PORT, host):
+        raise UsageError(f"registry {text!r} is not valid", "write HOST[:PORT], e.g. ghcr.io or 127.0.0.1:5000")
+    return DOCKER_HUB if host in DOCKER_HUB_NAMES else host
+
+
 def _split_domain(text: str) -> tuple[str, str]:
     """Registry and the rest, as Docker splits a familiar name (distribution's splitDockerDomain)."""
     first, sep, rest = text.partition("/")

@@ -27,6 +27,10 @@ TOKEN_LIMIT = 1 << 20  # bytes of a token service's answer: its tokens are a few
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # what an Authorization header can carry: no space, no newline
 
 
+class CredentialsRefused(AuthError):
+    """The registry (or its token service) turned away the credentials we sent."""
+
+
 class _Auth:
     def __init__(self, registry: str, repository: str, credentials: Optional[tuple[str, str]]):
         self.registry, self.repository = registry, repository
@@ -36,8 +40,8 @@ class _Auth:
         """The registry turned us away (`request`: what it refused; default, the repository)."""
         if not self.has_credentials:
             return AuthError(f"registry {self.registry} asks for credentials we do not have")
-        return AuthError(f"registry {self.registry} refused the credentials for {request or self.repository}",
-                         "check the username/password or the token's permissions")
+        return CredentialsRefused(f"registry {self.registry} refused the credentials for {request or self.repository}",
+                                  "check the username/password or the token's permissions")
 
 
 class Basic(_Auth):

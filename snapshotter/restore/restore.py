@@ -14,7 +14,7 @@ kept the weights). A journal (journal.py) records how many layers
 of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
 the snap layers are noted for the next commit of the root (snapshot/record.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base
-index: README), so that the next commit here does not download them again.
+index: docs/commit.md), so that the next commit here does not download them again.
 
 A restore writes over what is there, so two things guard a live machine: a full image (base layers
 and all) is refused onto a root that already holds an operating system, unless this restore

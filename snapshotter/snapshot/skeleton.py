@@ -36,6 +36,7 @@ from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.state import open_own, replace_file, sub
+from snapshotter.tar.rules import header_bytes
 
 SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation: the digest of the snapshot's skeleton blob
 ARTIFACT_TAG = "snap-skeletons"  # the tag of the artifact manifest that keeps the last commit's skeletons referenced
@@ -70,7 +71,7 @@ def layer_piece(plan: LayerPlan, diff_id: str) -> bytes:
     piece.start()
     for ti, e in tar_headers(plan):
         size = ti.size if e is not None and ti.type == tarfile.REGTYPE else 0
-        piece.add(ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"), size)
+        piece.add(header_bytes(ti), size)
     return piece.finish(diff_id)
 
 

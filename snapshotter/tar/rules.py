@@ -1,10 +1,11 @@
 """The rules of a layer tar that generation (layer/generate.py) and reading (layer/extract.py, index/indexer.py, restore/verify.py)
 share, kept apart from both (as umoci keeps its utils apart from extract and generate): entry
-order, whiteout names, xattr records, and what of a header identifies a layer's bytes."""
+order, whiteout names, xattr records, a header's bytes, and what of a header identifies a layer's bytes."""
 
 from __future__ import annotations
 
 import hashlib
+import tarfile
 from typing import Optional
 
 from snapshotter.errors import IntegrityError
@@ -70,6 +71,25 @@ def member_mtime_ns(m) -> Optional[int]:
         return None
     ns = int(whole.lstrip("-") or 0) * 1_000_000_000 + int(frac[:9].ljust(9, "0"))
     return -ns if whole.startswith("-") else ns
+
+
+def header_bytes(ti: tarfile.TarInfo) -> bytes:
+    """A member's header as tarfile's PAX writer makes it (a PAX record block where one is needed,
+    then the ustar block), the same bytes on every Python: where a PAX mtime record holds the
+    nanoseconds, the ustar mtime field holds the whole seconds, as Python 3.11+ write it. 3.10s
+    older than CPython's bpo-45863 write 0 there, and a layer's digest must not depend on the
+    Python that wrote it."""
+    buf = ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    if "mtime" not in ti.pax_headers or not 0 <= ti.mtime < 8 ** 11:
+        return buf  # out of the field's range every Python writes 0
+    block = bytearray(buf[-tarfile.BLOCKSIZE:])
+    whole = tarfile.itn(int(ti.mtime), 12, tarfile.PAX_FORMAT)
+    if block[136:148] == whole:
+        return buf
+    block[136:148] = whole
+    block[148:156] = b" " * 8  # the checksum counts its own field as spaces
+    block[148:155] = b"%06o\0" % sum(block)
+    return buf[:-tarfile.BLOCKSIZE] + bytes(block)
 
 
 def pax_mtime(ns: int) -> str:
