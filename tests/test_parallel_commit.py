@@ -111,6 +111,20 @@ def _blocked_commit(tmp_path, registry, base_ref, box, repo):
     return p, first, _children(p.pid)
 
 
+def _ended(p: subprocess.Popen, packers: set[int]) -> tuple[str, str]:
+    """snap's output once it exits; if it hangs, it and its packers are killed (the test fails)."""
+    try:
+        return p.communicate(timeout=TIMEOUT)
+    finally:
+        if p.poll() is None:
+            for pid in packers | {p.pid}:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+
+
 def _children(pid: int) -> set[int]:
     kids = set()
     for name in os.listdir("/proc"):
@@ -136,7 +150,7 @@ def test_sigterm_during_a_parallel_commit_stops_it_and_its_packers(registry, bas
     p, first, packers = _blocked_commit(tmp_path, registry, base_ref, box, "term-apart")
     assert first in packers and len(packers) == 2, packers
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=TIMEOUT)
+    out, err = _ended(p, packers)
     assert p.returncode == 143, (out, err)
     assert "Traceback" not in err and "snap: terminated" in err, err
     assert all(_gone(pid) for pid in packers)
@@ -146,7 +160,7 @@ def test_sigterm_during_a_parallel_commit_stops_it_and_its_packers(registry, bas
 def test_a_packer_that_dies_ends_the_commit_with_one_line(registry, base_ref, box, tmp_path):
     p, first, packers = _blocked_commit(tmp_path, registry, base_ref, box, "died-apart")
     os.kill(first, signal.SIGKILL)  # as the kernel's OOM killer would
-    out, err = p.communicate(timeout=TIMEOUT)
+    out, err = _ended(p, packers)
     assert p.returncode == 1, (out, err)
     lines = [line for line in err.splitlines() if line.startswith("snap: error:")]
     assert len(lines) == 1 and "died (killed by SIGKILL)" in lines[0] and "nothing was pushed" in lines[0], err
