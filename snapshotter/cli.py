@@ -196,6 +196,7 @@ Username = typer.Option(None, "--username", "-u", help="Registry user. Credentia
                         "~/.docker/config.json, its credential helpers run).")
 PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry password from standard input.")
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+Jobs = typer.Option(None, "--jobs", "-j", min=1, help="Layers packed (read, compressed, hashed) at once, in worker processes when there is enough to compress (default: $SNAP_JOBS, else one per core; 1: all in this process).")
 PushForce = typer.Option(False, "--force", help="Push even what snap refuses: a snapshot that deletes the base's "
                          "system directories (bin, etc, usr, ...) or most of its paths (a wrong --root does), or "
                          "moves a tag that names a snapshot this box neither came from (a finished `snap restore` "
@@ -217,6 +218,7 @@ def commit(
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip for engines that cannot pull zstd (Docker < 23). Weights stay uncompressed."),
     rehash: bool = typer.Option(False, "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat cache."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); snap restore joins them."),
+    jobs: Optional[int] = Jobs,
     force: bool = PushForce,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
@@ -231,7 +233,7 @@ def commit(
     prof.include += tuple(include_path(p) for p in include or ())
     opts = CommitOptions(
         root=root, profile=prof, compression=compression, rehash=rehash,
-        max_layer_size=parse_size(max_layer_size), force=force,
+        max_layer_size=parse_size(max_layer_size), force=force, jobs=jobs,
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
     if from_container:
@@ -446,6 +448,7 @@ def watch(
     include: Optional[List[str]] = typer.Option(None, "--include", help="With --base scratch: watch and capture only this path (as for commit). Repeatable."),
     compression: Optional[str] = typer.Option(None, "--compression", help="zstd (default) or gzip (as for commit)."),
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (as for commit)."),
+    jobs: Optional[int] = Jobs,
     force: bool = PushForce,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin,
@@ -469,7 +472,7 @@ def watch(
     prof.include += tuple(include_path(p) for p in include or ())
     opts = WatchOptions(
         commit=CommitOptions(root=root, profile=prof, compression=compression,
-                             max_layer_size=parse_size(max_layer_size), force=force,
+                             max_layer_size=parse_size(max_layer_size), force=force, jobs=jobs,
                              transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin)),
         every=parse_duration(every), keep=keep, grace=grace,
         notices=notice_watcher(provider, metadata_url), log=log_line,

@@ -42,7 +42,7 @@ from snapshotter.state import exclusive, state_dir
 from snapshotter.tar.compress import IterReader, decompressing_reader
 
 from .hold import hold_back
-from .model import SCRATCH, CommitOptions, CommitPlan, CommitResult, plan_commit_layers
+from .model import SCRATCH, CommitOptions, CommitPlan, CommitResult, plan_commit_layers, resolve_jobs
 from .push import push_commit
 
 
@@ -114,6 +114,7 @@ def _check_options(opts: CommitOptions) -> None:
         raise UsageError("--max-layer-size must be at least 1MiB")
     if not os.path.isdir(opts.root):
         raise UsageError(f"root {opts.root} does not exist or is not a directory")
+    resolve_jobs(opts.jobs)  # a bad --jobs or SNAP_JOBS before anything is read
 
 
 def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOptions] = None,
@@ -153,7 +154,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
-                    opts.profile.zstd_level, opts.rehash, deletes=deleted)
+                    opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs))
     hold_back(cp, held, opts)
     return cp
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Optional
 
 from snapshotter import progress
@@ -15,7 +16,9 @@ from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.errors import SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
+from snapshotter.layer import generate
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
+from snapshotter.layer.packers import Packers, PackJob
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
 from snapshotter.oci.image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS,
                                    Image, descriptor, now_rfc3339, scratch_config, secrets_annotations, snap_label,
@@ -30,9 +33,11 @@ from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
 from .hold import hold_back
-from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
+from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, cpu_count, plan_commit_layers
 
-LAYER_WORKERS = min(3, os.cpu_count() or 1)  # layers built and uploaded at once
+UPLOADS = 3  # layers uploaded at once (memory: a few MiB each), while the next ones are packed
+# Less to compress than this: packed in this process (a packer process takes ~0.1 s of CPU to start).
+PACK_APART_MIN = 64 << 20
 MAX_ENGINE_LAYERS = 125  # Docker refuses images of more layers; podman fails at run from 126 to 133
 TORN = "changed while read"
 CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
@@ -213,31 +218,39 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
         else:
             todo.append((i, plan, fp))
     out_dir = sub("layers")
+    todo.sort(key=lambda t: -t[1].content_size)  # the biggest first: the last to finish is a small one
+    apart = [plan for _, plan, _ in todo if plan.compression != "none"]
+    # Packers only where they run side by side: one layer alone packs as fast here, without the start.
+    packers = min(cp.jobs, len(apart)) if sum(p.content_size for p in apart) >= PACK_APART_MIN else 0
+    packers = packers if packers > 1 else 0
+    # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
+    # way the frames are the same (tar/compress.py).
+    zstd_threads = max(1, cpu_count() // packers) if packers else -1
+    slots = threading.Semaphore(cp.jobs)  # layers packed at once
+    sending = threading.Semaphore(UPLOADS)
     with progress.bar("packing", sum(p.content_size for _, p, _ in todo)) as pack, \
-            progress.bar("uploading") as up, ThreadPoolExecutor(LAYER_WORKERS) as pool:
+            progress.bar("uploading") as up, ThreadPoolExecutor(cp.jobs + UPLOADS) as pool, \
+            Packers(packers, progress.Stopped) as apart_packers:
         # An error or Ctrl-C sets remote.stopping: layers being read or sent give up at their next
         # chunk, and the exit does not wait for a weight to finish on a slow link.
         on_pack = progress.stoppable(progress.safe_update(pack), remote.stopping)
         on_up = progress.stoppable(progress.safe_update(up), remote.stopping)
 
         def produce(plan: LayerPlan) -> tuple[LayerBlob, str]:
-            headers = skeleton.PieceWriter()  # the layer's skeleton, as its tar is written
-            blob, status = _produce(plan, headers)
-            skeleton.keep(blob.diff_id, headers.finish(blob.diff_id))
-            return blob, status
+            with slots:
+                blob, piece = _pack(plan)
+            skeleton.keep(blob.diff_id, piece)
+            with sending:
+                return _send(plan, blob)
 
-        def _produce(plan: LayerPlan, headers: skeleton.PieceWriter) -> tuple[LayerBlob, str]:
+        def _send(plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
             if plan.compression == "none":
-                # Stored as is: hash it in one read, then stream it again to the registry only if
-                # the registry lacks it. No copy of tens of GB on the box's (often full) disk.
-                blob = measure_layer(root, plan, zstd_level, on_pack, headers)
                 if blob.not_whole:
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there
                 remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
                 return blob, "uploaded"
-            blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
             try:
                 if blob.not_whole:
                     return blob, NOT_SENT_TORN
@@ -248,11 +261,27 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
             finally:
                 os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
 
+        def _pack(plan: LayerPlan) -> tuple[LayerBlob, bytes]:
+            """The layer's blob and its skeleton's piece (its headers, as written)."""
+            if plan.compression != "none" and packers:
+                return apart_packers.pack(PackJob(plan, root, out_dir, zstd_level, zstd_threads, skeleton.PieceWriter,
+                                                  generate.after_read), on_pack)
+            headers = skeleton.PieceWriter()
+            if plan.compression == "none":
+                # Stored as is: hash it in one read (the hash lets other threads run), then stream it
+                # again to the registry only if the registry lacks it. No copy of tens of GB on the
+                # box's (often full) disk.
+                blob = measure_layer(root, plan, zstd_level, on_pack, headers)
+            else:
+                blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
+            return blob, headers.finish(blob.diff_id)
+
         futures = {}
         try:  # a Ctrl-C while the layers are still being handed out must stop the ones already started
             for i, plan, fp in todo:
                 futures[pool.submit(produce, plan)] = (i, plan, fp)
-            for fut, (i, plan, fp) in futures.items():
+            for fut in as_completed(futures):  # the first error stops the rest, whichever layer it is
+                i, plan, fp = futures[fut]
                 blob, status = fut.result()
                 results[i] = (plan, blob, status)
                 if _cacheable(plan, blob, cp.scan_started_ns):
@@ -260,6 +289,7 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                                          "media_type": blob.media_type})
         except BaseException:
             remote.stopping.set()
+            apart_packers.stop()
             for f in futures:
                 f.cancel()
             raise

@@ -23,6 +23,7 @@ from .plan import LayerPlan
 READ_SIZE = 1 << 20  # per read of a file's content
 SETTLE_TRIES = 3  # reads of a file that keeps changing while read; the last one is kept, with a warning
 BUFFERED_MAX = 8 << 20  # a file up to this size is read into memory, and read again alone if it changed
+BUILDING_PREFIX = ".building-"  # a layer being built: BUILDING_PREFIX + "<pid>-<n>" in its out_dir
 # Called after each read of a file's content with (path, attempt), before the re-stat: lets a test
 # change the file at that exact point. None in normal runs.
 after_read: Optional[Callable[[str, int], None]] = None
@@ -248,7 +249,7 @@ def _write_members(put: Callable[[bytes], None], box: Beneath, plan: LayerPlan, 
 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
           on_bytes: Optional[Callable[[int], None]], hashing: bool = True,
-          headers: Optional[HeaderSink] = None) -> LayerBlob:
+          headers: Optional[HeaderSink] = None, zstd_threads: int = -1) -> LayerBlob:
     """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere), and its headers
     to `headers`. A big file that changes while it is streamed makes the layer start again, where
     `out` can be rewound (a file, or nowhere), up to SETTLE_TRIES times; the last build is kept."""
@@ -259,7 +260,7 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
             out.truncate()
         if headers is not None:
             headers.start()
-        comp = Compressor(out, plan.compression, zstd_level, hashing)
+        comp = Compressor(out, plan.compression, zstd_level, hashing, zstd_threads)
         try:
             reads = write_tar(comp, root, plan, on_bytes, _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
                                                                  on_header=headers.add if headers else None))
@@ -289,13 +290,14 @@ def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
 
 
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
-                on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None) -> LayerBlob:
+                on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None,
+                zstd_threads: int = -1) -> LayerBlob:
     """Build one layer blob into `out_dir` (temp name, renamed to its digest when complete)."""
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".building-{plan.name}-{os.getpid()}-{id(plan)}")
+    tmp = os.path.join(out_dir, f"{BUILDING_PREFIX}{os.getpid()}-{id(plan)}")
     try:
         with open(tmp, "wb") as f:
-            blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers)
+            blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers, zstd_threads=zstd_threads)
         blob.path = os.path.join(out_dir, blob.digest.split(":", 1)[1])
         os.replace(tmp, blob.path)
     except OSError as e:

@@ -45,16 +45,19 @@ class Compressor(io.RawIOBase):
     """tar bytes in -> diff_id hash -> compressor -> blob digest hash -> file.
 
     Output is deterministic for the same input and settings: gzip headers carry no name or time,
-    and zstd always runs in its multithreaded mode, whose frames do not depend on the thread count."""
+    and zstd always runs in its multithreaded mode, whose frames do not depend on the thread count
+    (`zstd_threads`: -1 one per core; a layer packed beside others takes its share)."""
 
-    def __init__(self, out: Optional[BinaryIO], compression: str, zstd_level: int = 3, hashing: bool = True):
+    def __init__(self, out: Optional[BinaryIO], compression: str, zstd_level: int = 3, hashing: bool = True,
+                 zstd_threads: int = -1):
         """`hashing=False` when the digests are known already (a layer streamed again to upload)."""
         self.blob = HashingWriter(out, hashing)
         # Uncompressed, the tar is the blob: one hash serves as both digest and diff_id.
         self.tar = self.blob if compression == "none" else HashingWriter(None, hashing)
         self.compression = compression
         if compression == "zstd":
-            cctx = zstandard.ZstdCompressor(level=zstd_level, threads=-1, write_checksum=True)
+            cctx = zstandard.ZstdCompressor(level=zstd_level, threads=zstd_threads if zstd_threads >= 1 else -1,
+                                           write_checksum=True)
             self._sink = cctx.stream_writer(self.blob, closefd=False)
         elif compression == "gzip":
             self._sink = gzip.GzipFile(filename="", mode="wb", fileobj=self.blob, mtime=0, compresslevel=6)
