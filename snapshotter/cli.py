@@ -151,6 +151,8 @@ Insecure = typer.Option(False, "--insecure-tls", help="Do not verify the registr
 Username = typer.Option(None, "--username", "-u", help="Registry user (default: $SNAP_USERNAME with $SNAP_PASSWORD, else ~/.docker/config.json auths and credential helpers).")
 PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry password from standard input.")
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+Jobs = typer.Option(None, "--jobs", min=1, help="How many layers are applied, or files hashed, at once "
+                    "(default: $SNAP_JOBS, else one per core).")
 PushForce = typer.Option(False, "--force", help="Push even what snap refuses: a snapshot that deletes the base's "
                          "system directories (bin, etc, usr, ...) or most of its paths (a wrong --root does), or "
                          "moves a tag that names a snapshot this box neither came from (a finished `snap restore` "
@@ -340,6 +342,7 @@ def verify(
     allow_devices: bool = typer.Option(False, "--allow-devices", help="Expect device nodes and FIFOs (restored with --allow-devices)."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Expect setuid/setgid bits (restored with --allow-setuid)."),
     profile: str = typer.Option("default", "--profile", help="Profile whose exclude list is not compared."),
+    jobs: Optional[int] = Jobs,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
@@ -347,6 +350,7 @@ def verify(
     mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
     Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0."""
     from snapshotter.box.profile import load_profile
+    from snapshotter.restore.jobs import default_jobs
     from snapshotter.restore.verify import VerifyOptions
     from snapshotter.restore.verify import verify as do_verify
 
@@ -355,7 +359,7 @@ def verify(
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
         profile=load_profile(profile), transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin),
-        log=_say,
+        log=_say, jobs=default_jobs(jobs),
     )
     result = do_verify(ref, root, opts)
     if as_json:
