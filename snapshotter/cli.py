@@ -256,6 +256,7 @@ def restore(
     profile: Optional[str] = typer.Option(None, "--profile", help="Profile (name or YAML file) whose `exclude` paths "
                                           "(/etc/hostname, /etc/resolv.conf, /proc, ...) are never written. "
                                           "Default: the one the snapshot was committed with, if snap ships it, else default."),
+    jobs: Optional[int] = Jobs,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
@@ -264,6 +265,7 @@ def restore(
     The profile's excluded paths are never written; a full image onto a live system is refused.
     Weights are applied last: --then starts the app before they land, --wait PATH waits for one."""
     from snapshotter.layer.extract import ExtractOptions
+    from snapshotter.restore.jobs import default_jobs
     from snapshotter.restore.landing import start_then, wait_landed
     from snapshotter.restore.restore import RestoreOptions, restore_image
 
@@ -275,7 +277,7 @@ def restore(
     if ref is None or root is None:
         raise UsageError("snap restore needs an image and --root", "run `snap restore REF --root DIR`")
     opts = RestoreOptions(
-        only_snapshot=only_snapshot, force=force, profile=profile,
+        only_snapshot=only_snapshot, force=force, profile=profile, jobs=default_jobs(jobs),
         on_app_ready=(lambda: _started(start_then(then), then)) if then is not None else None,
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
