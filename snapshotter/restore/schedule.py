@@ -72,6 +72,7 @@ class Scheduler:
         self._errors: list[tuple[int, BaseException]] = []
         self._written: list[str] = []  # files of the layers done, in the order they were done
         self._stop = False
+        self._recorded = 0  # layers the journal lists (their directories settled)
 
     # ---- the parent's thread: the journal, in order ----------------------------------------------
 
@@ -98,6 +99,7 @@ class Scheduler:
                 headers[digest] = layer.skipped
                 self.journal.record_applied(at + 1)
                 self.after_layer(at + 1, layer.desc)
+                self._note_recorded(n + 1)
                 continue
             with self._cond:
                 while n not in self._done:
@@ -116,7 +118,13 @@ class Scheduler:
             applied.append(done.label)
             self.after_layer(at + 1, layer.desc)
             self.blobs.used(digest)
+            self._note_recorded(n + 1)
         return applied, headers
+
+    def _note_recorded(self, count: int) -> None:
+        with self._cond:
+            self._recorded = count
+            self._cond.notify_all()
 
     def _settle(self, n: int, group: dict[int, _Done]) -> None:
         """Layer n's directories as the topmost layer done of its group says (module doc)."""
@@ -141,7 +149,9 @@ class Scheduler:
         if n is None:
             return None
         if self._alone(n):
-            return (n, False) if i == 0 and not self._running else None
+            # Only once the layers below are recorded: their directories settled, not to be noted
+            # mid-settle as this layer's times to put back.
+            return (n, False) if i == 0 and not self._running and self._recorded >= n else None
         if any(not beside for beside in self._running.values()):
             return None
         return n, True
