@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import stat
+import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -32,7 +33,7 @@ from snapshotter.digests import chunks_digest, file_digest, hasher_digest
 from snapshotter.errors import IntegrityError, UsageError, quoted_path
 from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, clean_path, entry_from_member,
                                      entry_from_stat, self_and_parents)
-from snapshotter.index.indexer import ImageIndexer, apply_layer_to_index
+from snapshotter.index.indexer import ImageIndexer
 from snapshotter.layer.plan import parse_part_name
 from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
 from snapshotter.oci.reference import Reference
@@ -90,9 +91,11 @@ class VerifyResult:
 
 
 def image_index(remote: Remote, image: Image, only_snapshot: bool,
-                log: Callable[[str], None] = lambda msg: None) -> tuple[dict[str, Entry], set[str]]:
+                log: Callable[[str], None] = lambda msg: None, jobs: int = 1) -> tuple[dict[str, Entry], set[str]]:
     """(index of the image's paths, paths its layers delete that no later layer brings back).
-    Layers are read with restore's checks: an image restore refuses is refused here too."""
+    Layers are read with restore's checks: an image restore refuses is refused here too. `jobs`
+    layers are downloaded, decompressed and hashed at once (threads: zstd, zlib and hashlib let go
+    of Python's lock); their members go into the index in layer order."""
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
@@ -100,25 +103,62 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
     links = part_links(layers)
     for rel in (*part_files(layers), *links, *(n for names in links.values() for n in names)):
         _check_fits(rel)  # the part annotations restore refuses are refused here too
-    for i, desc, diff_id in layers:
-        label = layer_label(desc, i)
 
-        def note(msg: str, label: str = label) -> None:
-            log(f"warning: {label}: {msg}")
+    def read(layer: tuple[int, dict, str]) -> Optional[list[tuple[tarfile.TarInfo, Optional[str]]]]:
+        """Layer's members with their content digests; None for a part layer, read in order below."""
+        i, desc, diff_id = layer
+        if SNAP_PART_FILE in desc.get("annotations", {}):
+            return None
+        return _read_layer(remote, desc, diff_id, layer_label(desc, i), log)
 
-        def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
-            if SNAP_PART_FILE in desc.get("annotations", {}):
-                deleted.update(_apply_part_layer(index, stream, joins, links, label))
-            else:
-                deleted.update(apply_layer_to_index(index, stream, f"layer {label}"))
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        read_ahead = [pool.submit(read, layer) for layer in layers]
+        try:
+            for (i, desc, diff_id), members in zip(layers, read_ahead):
+                label = layer_label(desc, i)
+                got = members.result()
+                if got is None:
+                    def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
+                        deleted.update(_apply_part_layer(index, stream, joins, links, label))
 
-        with progress.bar(f"reading {label}", desc["size"]) as bar:
-            blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar), desc["size"]))
-            check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
-        deleted -= index.keys()
+                    _read_blob(remote, desc, diff_id, label, log, consume)
+                else:
+                    indexer = ImageIndexer(index)
+                    for m, digest in got:
+                        indexer.add(m, lambda digest=digest: digest)
+                    deleted.update(indexer.end_layer())
+                deleted -= index.keys()
+        finally:
+            for f in read_ahead:
+                f.cancel()
     for rel in (*index, *deleted):
         _check_fits(rel)
     return index, deleted
+
+
+def _read_blob(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
+               consume: Callable) -> None:
+    """Stream a layer's blob through check_layer (digest and diff_id checked) into `consume`."""
+    def note(msg: str) -> None:
+        log(f"warning: {label}: {msg}")
+
+    with progress.bar(f"reading {label}", desc["size"]) as bar:
+        blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar), desc["size"]))
+        check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
+
+
+def _read_layer(remote: Remote, desc: dict, diff_id: str, label: str,
+                log: Callable[[str], None]) -> list[tuple[tarfile.TarInfo, Optional[str]]]:
+    """A layer's members, each regular file's with the digest of its data (ImageIndexer.add wants
+    it only for those)."""
+    out: list[tuple[tarfile.TarInfo, Optional[str]]] = []
+
+    def consume(stream, check) -> None:
+        for reader, m in iter_members(stream, f"layer {label}"):
+            out.append((m, chunks_digest(data_chunks(reader)) if m.isreg() else None))
+
+    _read_blob(remote, desc, diff_id, label, log, consume)
+    return out
 
 
 def _check_fits(rel: str) -> None:
@@ -328,7 +368,7 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     reference = Reference.parse(ref)
     remote = Remote(reference, opts.transport)
     image = remote.resolve()
-    index, deleted = image_index(remote, image, opts.only_snapshot, opts.log)
+    index, deleted = image_index(remote, image, opts.only_snapshot, opts.log, opts.jobs)
     listed, total = left_out_secrets(image.manifest)
     secrets = sorted(clean_path(p) for p in listed)
     checked, diffs = compare(root, index, deleted, opts, frozenset(secrets))
