@@ -629,6 +629,7 @@ ROWS = [  # case, snap key, peer label, peer key, target ratio, strict
     ("5 restore to empty dir", "snap_restore", "zstd -d \\| tar -x", "untar", 1.3, False),
     ("5 restore to empty dir", "snap_restore", "restic restore", "restic_restore", None, False),
     ("5 restore to empty dir", "snap_restore", "disk write floor: dd + fsync of the box's bytes", "write_floor", None, False),
+    ("6 verify the restored tree", "snap_verify", "sha256 floor: tar -c \\| openssl dgst -sha256", "sha_floor", None, False),
 ]
 
 
@@ -807,6 +808,8 @@ def measure_all(b: Bench, args) -> dict:
                  lambda: snap(b, "restore", f"{box_ref}:v1", "--root", out_snap, state=fresh, cold=True))
         if i == 0 and res["snap_restore"].ok:
             listings["snap"] = tree_listing(out_snap)
+            step("snap_verify", "snap verify (the restored tree)",
+                 lambda: snap(b, "verify", f"{box_ref}:v1", "--root", out_snap, state=fresh))
         b.discard(out_snap, fresh)
         if not b.lean:
             outs.append(os.path.join(w, f"restore-tar-{i}"))

@@ -196,7 +196,9 @@ Username = typer.Option(None, "--username", "-u", help="Registry user. Credentia
                         "~/.docker/config.json, its credential helpers run).")
 PasswordStdin = typer.Option(False, "--password-stdin", help="Read the registry password from standard input.")
 JsonOut = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
-Jobs = typer.Option(None, "--jobs", "-j", min=1, help="Layers packed (read, compressed, hashed) at once, in worker processes when there is enough to compress (default: $SNAP_JOBS, else one per core; 1: all in this process).")
+Jobs = typer.Option(None, "--jobs", "-j", min=1, help="How much runs at once: layers packed (commit, watch: in "
+                    "worker processes when there is enough to compress), layers applied (restore), files hashed "
+                    "(verify). Default: $SNAP_JOBS, else one per core; 1: all in this process.")
 PushForce = typer.Option(False, "--force", help="Push even what snap refuses: a snapshot that deletes the base's "
                          "system directories (bin, etc, usr, ...) or most of its paths (a wrong --root does), or "
                          "moves a tag that names a snapshot this box neither came from (a finished `snap restore` "
@@ -301,6 +303,7 @@ def restore(
     profile: Optional[str] = typer.Option(None, "--profile", help="Profile (name or YAML file) whose `exclude` paths "
                                           "(/etc/hostname, /etc/resolv.conf, /proc, ...) are never written. "
                                           "Default: the one the snapshot was committed with, if snap ships it, else default."),
+    jobs: Optional[int] = Jobs,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
@@ -308,6 +311,7 @@ def restore(
     Needs no Docker. An interrupted restore leaves no half-written file and resumes when run again.
     The profile's excluded paths are never written; a full image onto a live system is refused.
     Weights are applied last: --then starts the app before they land, --wait PATH waits for one."""
+    from snapshotter.jobs import resolve_jobs
     from snapshotter.layer.extract import ExtractOptions
     from snapshotter.restore.landing import start_then, wait_landed
     from snapshotter.restore.restore import RestoreOptions, restore_image
@@ -320,7 +324,7 @@ def restore(
     if ref is None or root is None:
         raise UsageError("snap restore needs an image and --root", "run `snap restore REF --root DIR`")
     opts = RestoreOptions(
-        only_snapshot=only_snapshot, force=force, profile=profile,
+        only_snapshot=only_snapshot, force=force, profile=profile, jobs=resolve_jobs(jobs),
         on_app_ready=(lambda: _started(start_then(then), then)) if then is not None else None,
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
@@ -387,6 +391,7 @@ def verify(
     allow_devices: bool = typer.Option(False, "--allow-devices", help="Expect device nodes and FIFOs (restored with --allow-devices)."),
     allow_setuid: bool = typer.Option(False, "--allow-setuid", help="Expect setuid/setgid bits (restored with --allow-setuid)."),
     profile: str = typer.Option("default", "--profile", help="Profile whose exclude list is not compared."),
+    jobs: Optional[int] = Jobs,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
@@ -394,6 +399,7 @@ def verify(
     mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
     Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0."""
     from snapshotter.box.profile import load_profile
+    from snapshotter.jobs import resolve_jobs
     from snapshotter.restore.verify import VerifyOptions
     from snapshotter.restore.verify import verify as do_verify
 
@@ -402,7 +408,7 @@ def verify(
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
         profile=load_profile(profile), transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin),
-        log=_say,
+        log=_say, jobs=resolve_jobs(jobs),
     )
     result = do_verify(ref, root, opts)
     if as_json:

@@ -230,8 +230,9 @@ def push(registry, request, *layers: bytes, gzip: bool = False) -> str:
 
 
 def push_annotated(registry, repo: str, layers: list[tuple[bytes, dict]], manifest_annotations: dict | None = None,
-                   tag: str = "v1") -> str:
-    """Push uncompressed layers with layer annotations (the dev.snap.* ones snap commit writes) and,
+                   tag: str = "v1", zstd: bool = False) -> str:
+    """Push uncompressed layers (zstd-compressed with `zstd`: a restore applies those from the stream,
+    several at once) with layer annotations (the dev.snap.* ones snap commit writes) and,
     optionally, manifest annotations. Returns the image's reference."""
     blobs = [b for b, _ in layers]
     cfg = json.dumps({"architecture": "amd64", "os": "linux",
@@ -239,7 +240,9 @@ def push_annotated(registry, repo: str, layers: list[tuple[bytes, dict]], manife
                       "history": [{"created_by": f"test layer {i}"} for i in range(len(blobs))]}).encode()
     descs = []
     for b, ann in layers:
-        d = {"mediaType": TAR, "digest": registry.push_blob(repo, b), "size": len(b)}
+        if zstd:
+            b = zstandard.ZstdCompressor(level=1).compress(b)
+        d = {"mediaType": TAR + "+zstd" if zstd else TAR, "digest": registry.push_blob(repo, b), "size": len(b)}
         if ann:
             d["annotations"] = ann
         descs.append(d)

@@ -180,3 +180,20 @@ def test_part_names_are_built_and_parsed_in_one_place():
     assert parse_part_annotation("2/3") == (2, 3)
     for bad in ["", "1", "0/1", "2/1", "1/2\n", " 1/2", "1/-2", f"1/{MAX_PARTS + 1}", None, 12]:
         assert parse_part_annotation(bad) is None, bad
+
+
+def test_parallel_hashing_finds_what_one_job_finds(restored):
+    """Content is hashed several files at once: the same differences, in the same order, as with one
+    job (two changed contents, an unreadable-as-different size, a mode)."""
+    ref, out = restored
+    for change in ("content", "size", "chmod", "deleted file"):
+        CHANGES[change][0](out)
+    (out / "opt/app/main.py").write_text("print('tampered')\n")
+    one = verify_json(ref, out, "--jobs", "1")
+    many = verify_json(ref, out, "--jobs", "8")
+    assert one[0] == many[0] == 9
+    assert one[1]["differences"] == many[1]["differences"]
+    paths = [d["path"] for d in many[1]["differences"] if d["kind"] == "content"]
+    assert paths == ["/etc/app.conf", "/opt/app/config.yaml", "/opt/app/main.py"], many[1]["differences"]
+    bad = verify(ref, out, "--jobs", "0")
+    assert bad.returncode != 0 and "--jobs" in bad.stderr and "Traceback" not in bad.stderr

@@ -28,6 +28,7 @@ from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index, save_index
+from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.layer.staging import staging_dirs
 from snapshotter.oci.image import Image
@@ -42,7 +43,7 @@ from snapshotter.state import exclusive, state_dir
 from snapshotter.tar.compress import IterReader, decompressing_reader
 
 from .hold import hold_back
-from .model import SCRATCH, CommitOptions, CommitPlan, CommitResult, plan_commit_layers, resolve_jobs
+from .model import SCRATCH, CommitOptions, CommitPlan, CommitResult, plan_commit_layers
 from .push import push_commit
 
 

@@ -4,7 +4,6 @@ whenever files are left out."""
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -13,7 +12,6 @@ from snapshotter.box import deletions
 from snapshotter.box.diff import Diff
 from snapshotter.box.profile import Profile, load_profile
 from snapshotter.box.scan import Scan
-from snapshotter.errors import UsageError
 from snapshotter.index.entry import Entry
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
 from snapshotter.oci.image import Image
@@ -25,29 +23,6 @@ from snapshotter.snapshot.record import RestoreRecord
 from snapshotter.snapshot.statcache import StatCache
 
 SCRATCH = "scratch"  # --base scratch: no base image
-JOBS_ENV = "SNAP_JOBS"  # layers packed at once when --jobs is not given (default: one per core)
-
-
-def cpu_count() -> int:
-    """The cores this process may run on (a container's cpuset, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def resolve_jobs(jobs: Optional[int]) -> int:
-    """--jobs, else SNAP_JOBS, else one per core."""
-    if jobs is None and os.environ.get(JOBS_ENV):
-        try:
-            jobs = int(os.environ[JOBS_ENV])
-        except ValueError:
-            raise UsageError(f"{JOBS_ENV}={os.environ[JOBS_ENV]!r} is not a number", "set it to 1 or more") from None
-    if jobs is None:
-        return cpu_count()
-    if jobs < 1:
-        raise UsageError(f"--jobs {jobs}: at least 1 layer must be packed at a time", "use 1 to pack in one process")
-    return jobs
 
 
 @dataclass

@@ -16,6 +16,7 @@ from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.errors import SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
+from snapshotter.jobs import cpu_count
 from snapshotter.layer import generate
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
 from snapshotter.layer.packers import Packers, PackJob
@@ -33,7 +34,7 @@ from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
 from .hold import hold_back
-from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, cpu_count, plan_commit_layers
+from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
 
 UPLOADS = 3  # layers uploaded at once (memory: a few MiB each), while the next ones are packed
 # Less to compress than this: packed in this process (a packer process takes ~0.1 s of CPU to start).

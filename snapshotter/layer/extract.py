@@ -21,6 +21,14 @@
   their directory.
 - A directory tree is never removed (a whiteout, or a non-directory replacing it) when a filesystem
   is mounted at or below it, nor a file mounted over: a layer must not empty a mounted volume.
+- Several extractors may apply layers into one root at once (restore's parallel apply), each
+  marked `parallel`: they share only parent directories, made by whichever comes first. A
+  parallel extractor never applies a whiteout, removes a directory, nor makes a hardlink to a file
+  it was not told of:
+  it raises NeedsSerial, before changing anything, and the caller applies that layer again alone
+  (another extractor may hold that directory resolved: removed, a symlink could take its place).
+  Temp names carry the run's token (ExtractOptions.run_token): the sweep spares the other
+  extractors' temp files.
 - Onto a root that holds a live system (ExtractOptions.live_system), a whiteout or opaque marker
   that would delete one of its top-level directories (or a top-level link to one) that holds
   anything is refused before it deletes: the net under box/deletions.py's check of the manifest, for
@@ -75,6 +83,12 @@ class ExtractOptions:
     # machine owns: never written, replaced or deleted, whatever the layers hold.
     never_write: tuple[str, ...] = ()
     live_system: Optional[str] = None  # what shows the root holds a running system: its top-level dirs are not deleted
+    run_token: str = ""  # in this run's temp names: the sweep spares them (other extractors of the run write them)
+
+
+class NeedsSerial(Exception):
+    """A layer applied beside others holds a whiteout, would remove a directory, or links to a file
+    it was not told of: raised before that entry changes anything; the caller applies it again, alone."""
 
 
 NAMES_KEPT = 1000  # names kept per kind for the report; the counts go on, so memory stays flat for any layer
@@ -100,6 +114,16 @@ class ExtractStats:
         self.stripped_setuid_count += 1
         if len(self.stripped_setuid) < NAMES_KEPT:
             self.stripped_setuid.append(path)
+
+    def add(self, other: "ExtractStats") -> None:
+        """Fold in another extractor's counts (restore applies layers in several at once)."""
+        self.files += other.files
+        self.bytes += other.bytes
+        self.stale_tmp_removed += other.stale_tmp_removed
+        self.left_alone += other.left_alone
+        self.skipped_devices_count += other.skipped_devices_count
+        self.skipped_devices += other.skipped_devices[:max(0, NAMES_KEPT - len(self.skipped_devices))]
+        self.add_stripped(other)
 
     def add_stripped(self, other: "ExtractStats") -> None:
         """Fold in another extractor's setuid strips (restore's part joins run beside the applier)."""
@@ -135,6 +159,11 @@ class Extractor:
         # image can write there again.
         self._image_files: set[str] = set()
         self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
+        self.parallel = False  # other extractors write into the root meanwhile (see NeedsSerial)
+        # Of the last layer applied: the directories it set ([(path relative to the root, its header)])
+        # and those it only wrote into ({path relative to the root: their times before}), for settle_dirs.
+        self.layer_dir_headers: list[tuple[str, tarfile.TarInfo]] = []
+        self.layer_touched_dirs: dict[str, tuple[int, int]] = {}
         self._reset_dir_times()
 
     def _reset_dir_times(self) -> None:
@@ -152,7 +181,35 @@ class Extractor:
         for path in sorted(self._layer_dirs, key=lambda p: p.count("/"), reverse=True):
             at, mt = self._layer_dirs[path]
             _utime(path, at, mt)
+        self.layer_touched_dirs = {self._rel(p): times for p, times in self._dir_times.items() if p not in self._layer_dirs}
         self._reset_dir_times()
+
+    def settle_dirs(self, headers: dict[str, tarfile.TarInfo], touched: dict[str, tuple[int, int]]) -> None:
+        """After layers applied at once (each extractor `parallel`): give each directory they set
+        the owner, mode and times its topmost header says (`headers`, by path relative to the root),
+        and put back the times of those they only wrote into (`touched`: the earliest times any of
+        them saw), as applying them one after the other would have left them. Nothing is created:
+        a path that is no longer a directory is left as it is."""
+        self._dir_cache.clear()
+        for rel, (at, mt) in touched.items():
+            if rel not in headers and self._is_dir(self._real(rel)):
+                _utime(self._real(rel), at, mt)
+        for rel, m in headers.items():
+            path = self._real(rel)
+            if self._is_dir(path):
+                self._set_attrs(path, m, rel)
+                _utime(path, int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+
+    def _is_dir(self, path: str) -> bool:
+        """A real directory inside the root, reached without a symlink."""
+        rel = self._rel(path)
+        try:
+            return self._resolve_dir(rel, create=False) == path
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def _rel(self, path: str) -> str:
+        return path[len(self._root_prefix):] if path != self.root else ""
 
     # ---- the tree outside a layer (restore/parts.py joins part layers) ---------------------------------
 
@@ -164,6 +221,10 @@ class Extractor:
     def will_change(self, pdir: str) -> None:
         """`pdir`'s entries are about to change: its times are put back after (put_back_dir_times)."""
         self._note_parent(pdir)
+
+    def forget_dirs(self) -> None:
+        """Resolve parent directories anew: other extractors changed the tree since."""
+        self._dir_cache.clear()
 
     def count_as_written(self, rels: Iterable[str]) -> None:
         """Let hardlinks name these files (real paths relative to the root, as `layer_files` lists
@@ -203,7 +264,12 @@ class Extractor:
             if not create:
                 raise
             self._note_parent(self._real(here.rpartition("/")[0]))
-            os.mkdir(path, 0o755)
+            try:
+                os.mkdir(path, 0o755)
+            except FileExistsError:
+                if not self.parallel:
+                    raise
+                return self._dir_on_the_way(here, create)  # another extractor made it meanwhile
             self._made_dir(path)
             return None
         if stat.S_ISLNK(st.st_mode):
@@ -241,9 +307,12 @@ class Extractor:
         return pdir, _join(pdir, base)
 
     def _sweep_stale_tmp(self, pdir: str) -> None:
-        """Remove temp files an interrupted run left in `pdir` (this run has none open there yet)."""
+        """Remove temp files an interrupted run left in `pdir` (this extractor has none open there
+        yet; other extractors of this run, whose names end in its token, may)."""
+        own = f"-{self.opts.run_token}" if self.opts.run_token else None
         with os.scandir(pdir) as it:
-            stale = [de.path for de in it if de.name.startswith(TMP_PREFIX) and _STALE_TMP.fullmatch(de.name)]
+            stale = [de.path for de in it if de.name.startswith(TMP_PREFIX) and _STALE_TMP.fullmatch(de.name)
+                     and not (own and de.name.endswith(own))]
         for path in stale:
             self._note_parent(pdir)
             self._remove_any(path)
@@ -278,6 +347,7 @@ class Extractor:
         applied) is applied again over it. The layer's last file is still removed if check_end fails."""
         self._reset_dir_times()
         self.layer_files = []
+        self.layer_dir_headers = []
         self._take = take
         self._in_place = in_place
         name = ""
@@ -327,6 +397,8 @@ class Extractor:
             return  # the root entry itself: the root keeps its own attributes
         parent, _, base = rel.rpartition("/")
         if base.startswith(WHITEOUT_PREFIX):
+            if self.parallel:
+                raise NeedsSerial(rel)  # what it deletes depends on the layers below it being all in
             self._dir_cache.clear()
             self._whiteout(parent, base)
             return
@@ -359,10 +431,17 @@ class Extractor:
                 os.unlink(path)
                 old = None
             if old is None:
-                os.mkdir(path, 0o700)
-                self._made_dir(path)
+                try:
+                    os.mkdir(path, 0o700)
+                    self._made_dir(path)
+                except FileExistsError:
+                    if not self.parallel or not stat.S_ISDIR(os.lstat(path).st_mode):
+                        raise
+                    # another extractor made it meanwhile: a parent directory both layers hold
             self._set_attrs(path, m, rel)
             self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+            if self.parallel:
+                self.layer_dir_headers.append((landed, m))
             self._dir_times.pop(path, None)
             self._written.add(path)
             return
@@ -372,7 +451,7 @@ class Extractor:
 
         # A short name: the member's own name may already be NAME_MAX bytes long.
         # No leftover can be there: _locate swept the directory of stale temp files on first use.
-        tmp = _join(pdir, f"{TMP_PREFIX}{os.getpid()}-0")
+        tmp = _join(pdir, f"{TMP_PREFIX}{os.getpid()}-{self.opts.run_token or 0}")
         in_place = self._in_place and old is None and m.isreg() and pdir in self._new_dirs  # see apply()
         dest = path if in_place else tmp
         renamed = False
@@ -480,8 +559,12 @@ class Extractor:
             target = _join(self._resolve_dir(tparent, create=False), tbase)
             tst = os.lstat(target)
         except (FileNotFoundError, NotADirectoryError):
+            if self.parallel:
+                raise NeedsSerial(m.name) from None  # perhaps a file of a layer applied meanwhile
             raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, which is not in the image")
         if target not in self._image_files:
+            if self.parallel:
+                raise NeedsSerial(m.name)  # perhaps a file of a layer applied meanwhile
             raise IntegrityError(f"hardlink {m.name!r} points at {m.linkname!r}, a file the image did not write: "
                                  "refusing a hostile layer")
         if stat.S_ISDIR(tst.st_mode):
@@ -556,6 +639,8 @@ class Extractor:
             return
         try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass  # another extractor of this run swept it first
         except OSError as e:
             if e.errno != errno.EBUSY:
                 raise
@@ -566,6 +651,8 @@ class Extractor:
     def _remove_tree(self, path: str) -> None:
         """shutil.rmtree, refused when a filesystem is mounted at or below `path`: rmtree would
         empty the mounted volume before failing on the mount point itself."""
+        if self.parallel:
+            raise NeedsSerial(path)
         mp = mount_below(path)
         if mp is not None:
             shown = "/" + os.path.relpath(path, self.root)

@@ -1,9 +1,10 @@
-"""Applying layers in a child process of their own, for `snap restore`.
+"""Applying layers in child processes of their own, for `snap restore`.
 
 Python runs one thread at a time: in the process that downloads, unpacking the venv's many small
-files would wait on the weights being hashed and written beside it (twice as long, measured). One extractor in a
-child applies the layers, in order and with the checks of layer/extract.py; the parent sends it one
-verified layer at a time and gets back progress, the result or the error.
+files would wait on the weights being hashed and written beside it (twice as long, measured). Each
+extractor runs in a child (ExtractWorker), with the checks of layer/extract.py; the parent sends
+it one verified layer at a time and gets back progress, the result or the error. Several of them
+apply snap's own layers at once (restore.py says which, and when).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import tarfile
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from typing import Callable, Iterable, Optional
 from snapshotter.errors import SnapError
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.store import save_index
-from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
+from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, NeedsSerial
 from snapshotter.layer.staging import SplitLayer
 from snapshotter.tar.compress import check_layer
 from snapshotter.tar.rules import HeadersDigest
@@ -41,10 +43,24 @@ class LayerJob:
     save_index: Optional[str] = None  # where to save the base's index once this layer is applied (its last)
     index_diff_ids: tuple[str, ...] = ()  # with save_index: the diff_ids of the base's layers, saved with it
     in_place: bool = False  # nothing reads the root yet: new files written at their paths (Extractor.apply)
+    parallel: bool = False  # other workers apply layers meanwhile (Extractor.parallel): NeedsSerial may come back
+    also_written: tuple[str, ...] = ()  # files other workers wrote since this one's last job: hardlinks may name them
+
+
+@dataclass
+class LayerResult:
+    """What applying a layer gave back to the parent."""
+    record: Optional[str]  # the digest of its tar headers, if the job asked for it
+    files: list[str]  # what it wrote (Extractor.layer_files)
+    dir_headers: dict[str, tarfile.TarInfo]  # with job.parallel: the directories it set (Extractor.settle_dirs)
+    touched_dirs: dict[str, tuple[int, int]]  # with job.parallel: those it only wrote into, their times before
 
 
 def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
     """Apply one verified layer; the digest of its tar headers if job.record. on_bytes: stored bytes consumed."""
+    extractor.forget_dirs()  # other workers changed the tree since this one's last layer
+    extractor.count_as_written(job.also_written)
+    extractor.parallel = job.parallel
     extractor.record = HeadersDigest() if job.record else None
     if job.base_layer is None or job.base_layer == 0:
         extractor.indexer = ImageIndexer() if job.base_layer == 0 else None
@@ -88,9 +104,9 @@ class ExtractWorker:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
         child_end.close()
         self.stats = ExtractStats()
-        self.layer_files: list[str] = []  # what the last layer applied wrote (Extractor.layer_files)
 
-    def apply(self, job: LayerJob, on_bytes: Callable[[int], None]) -> Optional[str]:
+    def apply(self, job: LayerJob, on_bytes: Callable[[int], None]) -> LayerResult:
+        """Apply `job` in the child; raises what applying it raised there (NeedsSerial included)."""
         try:
             self.conn.send(job)
             while True:
@@ -104,8 +120,10 @@ class ExtractWorker:
                             f"layer {job.label}", "run the restore again: it resumes") from None
         if kind == "error":
             raise payload
-        self.stats, record, self.layer_files = payload
-        return record
+        if kind == "serial":
+            raise NeedsSerial(job.label)
+        self.stats, result = payload
+        return result
 
     def __enter__(self) -> "ExtractWorker":
         return self
@@ -153,6 +171,10 @@ def _serve(conn, extractor: Extractor) -> None:
             return
         try:
             record = apply_layer(extractor, job, on_bytes)
+        except NeedsSerial:
+            pending = 0
+            conn.send(("serial", None))  # applied again alone, later: this worker goes on serving
+            continue
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, to be raised there
             try:
                 pickle.loads(pickle.dumps(e))  # some exceptions pickle but do not unpickle
@@ -163,7 +185,8 @@ def _serve(conn, extractor: Extractor) -> None:
         if pending:
             conn.send(("progress", pending))
             pending = 0
-        conn.send(("done", (extractor.stats, record, extractor.layer_files)))
+        conn.send(("done", (extractor.stats, LayerResult(record, extractor.layer_files, dict(extractor.layer_dir_headers),
+                                                         extractor.layer_touched_dirs))))
 
 
 def _die_with_parent(parent: int) -> None:

@@ -61,6 +61,10 @@ class Downloads:
         raises what its download raised."""
         return Blob(self._futures[digest].result(), digest in self._split)
 
+    def kept_split(self, digest: str) -> bool:
+        """Its blob is kept split (layer/staging.py): applying it takes its files away, so it is applied once."""
+        return digest in self._split
+
     def used(self, digest: str) -> None:
         """A layer of `digest` is applied: its blob is removed once no later layer needs it."""
         self._uses[digest] -= 1

@@ -4,9 +4,10 @@ Blobs download into staging directories inside the restore root (layer/staging.p
 each layer lands on, not the state dir's), several at once (download.py), and each layer is applied
 as soon as its digest is checked and the layers before it are applied: no unverified byte reaches
 the target, and the extraction of the first layers overlaps the download of the rest. The app's
-layers download first, the weights after them at a lower CPU priority (AppFirst). Layers are applied in order,
-by one extractor in a child process (applier.py), so that unpacking does not wait on the
-download threads for Python's lock. Each layer's diff_id is checked at the end of its stream, before
+layers download first, the weights after them at a lower CPU priority (AppFirst). Layers are applied
+by extractors in child processes (applier.py), so that unpacking does not wait on the download
+threads for Python's lock: snap's own layers several at once, one per process (--jobs), any other
+alone and in order (schedule.py). Each layer's diff_id is checked at the end of its stream, before
 its last entry, if a regular file, is renamed into place (layer/extract.py; a split layer's digest,
 checked at download, is its diff_id). Before any download, the snap layers the root already holds,
 file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
@@ -25,15 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
-from snapshotter import progress
 from snapshotter.box import deletions
 from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, storage_error
 from snapshotter.index import base as baseindex
+from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
 from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, Image, layer_label,
@@ -53,6 +56,7 @@ from .download import Blob, Downloads
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
+from .schedule import Layer, Scheduler
 from .skip import RootRules, SkipPlan, plan_skips, skipped_part_files
 
 
@@ -67,6 +71,7 @@ class RestoreOptions:
     profile: Optional[str] = None  # whose `exclude` is never written; None: the image's own, if snap ships it
     # Called once every layer but the weights is applied (landing.py): `snap restore --then` starts the app.
     on_app_ready: Optional[Callable[[], None]] = None
+    jobs: Optional[int] = None  # layers applied at once (jobs.py: --jobs, else SNAP_JOBS, else the cores)
 
 
 @dataclass
@@ -125,7 +130,9 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     profile = restore_profile(image, opts.profile)
     # A layer never writes into a staging dir: it holds the verified blobs of the layers after it.
     never_write = (*profile.exclude.patterns, f"{STAGING_PREFIX}*")
-    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write, live_system=live))
+    # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
+    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write, live_system=live,
+                                                     run_token=secrets.token_hex(4)))
     journal.load(opts.log)
     resumed = journal.applied
     if resumed:
@@ -223,24 +230,14 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
                            "restore into a directory on a writable filesystem") from e
 
 
-class LayerBlobs(Protocol):
-    """What the apply loop takes from the downloads (download.Downloads): each layer's blob, verified."""
-
-    def verified(self, digest: str) -> Blob:
-        """The blob of `digest` once its digest is checked (waits for it)."""
-
-    def used(self, digest: str) -> None:
-        """A layer of `digest` is applied: its blob may go once no later layer needs it."""
-
-
 def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
                   staging: StagingDirs, opts: RestoreOptions,
                   after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
                   ready_at: int = 0, weights: frozenset[str] = frozenset(),
                   skipped: Optional[dict[int, str]] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
-    """Apply the layers the journal does not list as applied, in order, each as soon as its blob is
-    downloaded and verified while the later ones still download (download.py), noting it in the
-    journal (and telling `after_layer` how many are applied). `index_base` (n, path), for a restore
+    """Apply the layers the journal does not list as applied, each as soon as its blob is downloaded
+    and verified while the later ones still download (download.py), snap's own several at once
+    (schedule.py), noting them in the journal in order (and telling `after_layer` how many are applied). `index_base` (n, path), for a restore
     from the first layer: the applier indexes the first n layers, the base's, and saves the index at
     path. Returns (labels of the layers applied, {layer digest: digest of its tar headers} for snap's
     own layers, extraction stats). The blobs of the first `ready_at` layers (the app's: `--then`
@@ -262,13 +259,23 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
         in_place = resumed + n < ready_at and weight_file(pending[n][1], weights) is None
         return _layer_job(pending, n, blob, in_place, index_base)
 
-    # Started before the download threads (a fork copies only the thread that forks), and stopped
-    # first: after an error or a Ctrl-C it must not go on writing while running downloads finish.
-    worker = ExtractWorker(extractor, journal.written)  # a layer's hardlink may name what earlier runs wrote
-    with downloads, worker:
+    layers = [Layer(desc, alone=not snap_label(desc) or downloads.kept_split(desc["digest"])
+                    or (index_base is not None and n < index_base[0]), skipped=skipped.get(resumed + n))
+              for n, (_, desc, _) in enumerate(pending)]
+    # One extraction process per layer applied at once, each holding one layer's stream (schedule.py).
+    count = max(1, min(resolve_jobs(opts.jobs), _workers_memory_allows(),
+                       sum(1 for layer in layers if not layer.alone and layer.skipped is None)))
+    with ExitStack() as stack:
+        # Started before the download threads (a fork copies only the thread that forks), and stopped
+        # first: after an error or a Ctrl-C they must not go on writing while running downloads finish.
+        # A layer's hardlink may name what earlier runs wrote.
+        workers = [ExtractWorker(extractor, journal.written) for _ in range(count)]
+        stack.enter_context(downloads)
+        for worker in workers:
+            stack.enter_context(worker)
         try:
-            applied, headers = _apply_in_order(pending, resumed, skipped, downloads, layer_job, worker, journal,
-                                               after_layer, opts.log)
+            applied, headers = Scheduler(layers, resumed, downloads, layer_job, workers, journal, after_layer, extractor,
+                                         lambda desc, blob, label: _note_mislabelled(desc, blob, label, opts.log)).run()
         except BaseException as e:
             downloads.stop()
             if journal.applied > resumed:
@@ -278,37 +285,23 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                 raise storage_error(e, f"a staging dir of the restore root {staging.root!r}", " while downloading layers",
                                     "free space on the target's disk, and run the restore again: it resumes") from e
             raise
-    return applied, headers, worker.stats
+    stats = ExtractStats()
+    for worker in workers:
+        stats.add(worker.stats)
+    return applied, headers, stats
 
 
-def _apply_in_order(pending: list[tuple[int, dict, str]], resumed: int, skipped: dict[int, str], blobs: LayerBlobs,
-                    layer_job: Callable[[int, Blob], LayerJob], worker: ExtractWorker, journal: Journal,
-                    after_layer: Callable[[int, dict], None],
-                    log: Callable[[str], None]) -> tuple[list[str], dict[str, str]]:
-    """Apply `pending` (the layers after the first `resumed` of the journal's list) one after the
-    other, each once its blob is verified. Returns (labels of the layers applied, {layer digest:
-    digest of its tar headers})."""
-    applied: list[str] = []
-    headers: dict[str, str] = {}
-    for n, (_, desc, _) in enumerate(pending):
-        at, digest = resumed + n, desc["digest"]
-        if at in skipped:  # the root holds it: as if applied now
-            headers[digest] = skipped[at]
-            journal.record_applied(at + 1)
-            after_layer(at + 1, desc)
-            continue
-        blob = blobs.verified(digest)  # nothing unverified is applied
-        job = layer_job(n, blob)
-        _note_mislabelled(desc, blob, job.label, log)
-        with progress.bar(f"extracting {job.label}", desc["size"]) as xb:
-            record = worker.apply(job, progress.safe_update(xb))
-        if record is not None:
-            headers[digest] = record
-        journal.record_applied(at + 1, worker.layer_files)
-        applied.append(job.label)
-        after_layer(at + 1, desc)
-        blobs.used(digest)
-    return applied, headers
+WORKER_MEMORY = 256 << 20  # an extraction process: Python, a zstd window (8 MiB at snap's levels), 1 MiB buffers
+
+
+def _workers_memory_allows() -> int:
+    """How many extraction processes fit in half the memory available now (at least one)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 1 << 16  # not Linux's /proc: the cores bound it
+    return max(1, (kib << 10) // 2 // WORKER_MEMORY)
 
 
 def _layer_job(pending: list[tuple[int, dict, str]], n: int, blob: Blob, in_place: bool,

@@ -1,0 +1,257 @@
+"""snap's own layers are applied several at once (restore/schedule.py): the tree is the one applying
+them one after the other gives, parent directories included; the journal records a layer only once
+every layer below it is applied, so that a restore killed anywhere (itself or one of its extraction
+processes) resumes to the same tree; and hostile layers are refused, or kept inside the root, as
+when applied alone."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import signal
+import stat
+import subprocess
+import sys
+
+from helpers import push_annotated, repo_for
+from support import member, snap, tar_bytes
+
+BUNDLES = 4
+MTIME = 1_600_000_000
+
+
+def bundle(i: int) -> dict:
+    return {"dev.snap.layer": "venv", "dev.snap.content": f"bundle {i}"}
+
+
+def venv_image(registry, request) -> str:
+    """A base layer, then BUNDLES snap layers of one venv: disjoint files, the same parent
+    directories, each with its own mode and mtime for venv/lib (the topmost's must win)."""
+    base = tar_bytes(member("venv/", "dir", mode=0o755), member("etc/", "dir"), member("etc/os", data=b"base\n"))
+    layers = [(base, {})]
+    for i in range(1, BUNDLES + 1):
+        files = [member(f"venv/lib/pkg{i}/mod{k}.py", data=f"# {i}.{k}\n".encode() * (k + 1), mtime=MTIME + k)
+                 for k in range(40)]
+        layers.append((tar_bytes(member("venv/", "dir", mode=0o755, mtime=MTIME),
+                                 member("venv/lib/", "dir", mode=0o700 + 0o10 * i, mtime=MTIME + 1000 * i),
+                                 member(f"venv/lib/pkg{i}/", "dir", mode=0o755, mtime=MTIME + i),
+                                 *files), bundle(i)))
+    return push_annotated(registry, repo_for(request), layers, zstd=True)
+
+
+def tree(root) -> dict:
+    """path -> (mode, links, owner, mtime, content digest or link target), the root itself left out."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            content = ""
+            if stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    content = hashlib.sha256(f.read()).hexdigest()
+            elif stat.S_ISLNK(st.st_mode):
+                content = os.readlink(p)
+            out[os.path.relpath(p, root)] = (oct(st.st_mode), st.st_nlink, st.st_uid, st.st_mtime_ns, content)
+    return out
+
+
+def stale_temps(root) -> list[str]:
+    return [os.path.join(d, n) for d, _, files in os.walk(root) for n in files if n.startswith(".snap-tmp-")]
+
+
+def restored_alone(ref: str, root) -> dict:
+    r = snap("restore", ref, "--root", str(root), "--jobs", "1")
+    assert r.returncode == 0, r.stderr
+    return tree(root)
+
+
+# `snap restore --jobs 2` whose extraction processes take a hook: the one given bundle 1 waits
+# until bundle BUNDLES is applied (a byte on the gate pipe), so that the topmost layer is done
+# before the lowest one starts writing; HOLD: it then tells the test its pid and holds still.
+_HOOKED = """
+import os, runpy, select, sys, threading
+from snapshotter.restore import applier
+
+apply_layer = applier.apply_layer
+
+def hooked(extractor, job, on_bytes):
+    if job.label.endswith("(bundle 1)"):
+        select.select([GATE_R], [], [], 120)  # a guard against a hang only: the test fails if it ran out
+        if HOLD:
+            os.write(TELL, b"%d\\n" % os.getpid())
+            threading.Event().wait()
+    result = apply_layer(extractor, job, on_bytes)
+    if job.label.endswith("(bundle %d)" % LAST):
+        os.write(GATE_W, b"x")
+    return result
+
+applier.apply_layer = hooked
+sys.argv = ["snap", *ARGS]
+runpy.run_module("snapshotter", run_name="__main__")
+"""
+
+
+def hooked_restore(ref: str, root, hold: bool) -> tuple[subprocess.Popen, int]:
+    """Start the hooked restore; with `hold`, return once bundle 1's process holds still (the others
+    done): (the restore, that extraction process's pid); else (the restore, 0)."""
+    gate_r, gate_w = os.pipe()
+    tell_r, tell_w = os.pipe()
+    args = ["restore", ref, "--root", str(root), "--jobs", "2"]
+    code = (f"GATE_R, GATE_W, TELL, HOLD, LAST, ARGS = {gate_r}, {gate_w}, {tell_w}, {hold}, {BUNDLES}, {args!r}\n"
+            + _HOOKED)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            pass_fds=(gate_r, gate_w, tell_w), start_new_session=True)
+    for fd in (gate_r, gate_w, tell_w):
+        os.close(fd)
+    try:
+        if not hold:
+            return proc, 0
+        ready, _, _ = select.select([tell_r], [], [], 120)
+        pid = int(os.read(tell_r, 32) or b"0") if ready else 0
+        if not pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            raise AssertionError(f"bundle 1 never started after bundle {BUNDLES}: {err}")
+        return proc, pid
+    finally:
+        os.close(tell_r)
+
+
+def journal_applied(state_dir) -> int:
+    [path] = (state_dir / "restore-journal").iterdir()
+    events = [json.loads(line) for line in path.read_text().splitlines()[1:] if line]
+    return max((e.get("applied", 0) for e in events), default=0)
+
+
+def test_layers_applied_at_once_give_the_tree_applied_one_by_one_gives(registry, request, tmp_path, state_dir):
+    """Bundle 1 writes its files (and sets venv/lib) after the topmost bundle is done: venv/lib
+    still ends with the topmost bundle's mode and mtime, every file and time as applied alone."""
+    ref = venv_image(registry, request)
+    want = restored_alone(ref, tmp_path / "alone")
+    assert want["venv/lib"][0] == oct(stat.S_IFDIR | 0o700 + 0o10 * BUNDLES)
+
+    root = tmp_path / "parallel"
+    proc, _ = hooked_restore(ref, root, hold=False)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert tree(root) == want
+    assert snap("verify", ref, "--root", str(root), "--jobs", "3").returncode == 0
+
+
+def test_a_killed_restore_records_only_a_prefix_and_resumes_to_the_same_tree(registry, request, tmp_path, state_dir):
+    """Killed (-9) while bundle 1 is mid-apply and the bundles above it are done: the journal
+    lists the base only (a layer is recorded once every layer below it is applied), the extraction
+    processes die with the restore, and the next run gives the tree applied one by one."""
+    ref = venv_image(registry, request)
+    want = restored_alone(ref, tmp_path / "alone")
+    root = tmp_path / "root"
+    proc, _ = hooked_restore(ref, root, hold=True)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    assert (root / f"venv/lib/pkg{BUNDLES}/mod0.py").exists(), "the topmost bundle is applied"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert journal_applied(state_dir) == 1, "only the base is recorded: bundle 1 is not done"
+    for pid in children:  # PR_SET_PDEATHSIG: they die with the restore
+        assert _gone(pid), f"extraction process {pid} outlived a killed restore"
+
+    r = snap("restore", ref, "--root", str(root), "--jobs", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed"] == 1
+    assert tree(root) == want and stale_temps(root) == []
+
+
+def test_a_killed_extraction_process_is_one_line_and_the_next_run_resumes(registry, request, tmp_path, state_dir):
+    ref = venv_image(registry, request)
+    want = restored_alone(ref, tmp_path / "alone")
+    root = tmp_path / "root"
+    proc, pid = hooked_restore(ref, root, hold=True)
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("snap: error:")]
+    assert len(lines) == 1 and "the extraction process died" in lines[0] and "bundle 1" in lines[0], err
+    assert journal_applied(state_dir) == 1
+    r = snap("restore", ref, "--root", str(root), "--jobs", "2")
+    assert r.returncode == 0, r.stderr
+    assert tree(root) == want and stale_temps(root) == []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], 30)[0])
+    finally:
+        os.close(fd)
+
+
+# ---- hostile layers, applied at once ----------------------------------------------------------------
+
+def _snap_layers(*tars: bytes) -> list[tuple[bytes, dict]]:
+    return [(t, bundle(i + 1)) for i, t in enumerate(tars)]
+
+
+def _many(prefix: str, n: int = 30) -> list:
+    return [member(f"{prefix}/", "dir"), *(member(f"{prefix}/f{k}", data=b"x" * 100) for k in range(n))]
+
+
+def test_a_directory_swapped_for_a_symlink_by_another_layer_writes_nothing_outside(registry, request, jail, state_dir):
+    """One layer writes many files into a/, another replaces a/ with a symlink out of the root: a
+    layer applied beside others never removes a directory (it is applied again alone), so no
+    write follows that symlink out."""
+    out = jail.through("a", "../..", str(jail.outside))
+    ref = push_annotated(registry, repo_for(request), _snap_layers(
+        tar_bytes(member("a/", "dir"), *_many("a")),
+        tar_bytes(member("a", "symlink", linkname=os.path.relpath(jail.outside, jail.root))),
+        tar_bytes(member("a/", "dir"), *_many("a", 60), member(f"{out}/evil", data=b"escaped\n")),
+        tar_bytes(*_many("b")),
+    ), zstd=True)
+    r = jail.restore(ref, "--jobs", "4")
+    if r.returncode == 0:
+        jail.ok(r)
+    else:
+        jail.refused(r)
+
+
+def test_a_hardlink_to_a_file_outside_is_refused_with_jobs(registry, request, jail, state_dir):
+    ref = push_annotated(registry, repo_for(request), _snap_layers(
+        tar_bytes(*_many("a")),
+        tar_bytes(member("b/link", "hardlink", linkname=str(jail.outside / "secret").lstrip("/"))),
+        tar_bytes(*_many("c")),
+    ), zstd=True)
+    line = jail.refused(jail.restore(ref, "--jobs", "3"))
+    assert "hardlink" in line
+
+
+def test_a_hardlink_to_a_file_of_a_layer_applied_meanwhile_is_made(registry, request, tmp_path, state_dir):
+    """A link to a lower layer's file (no image snap makes has one, but it is legal): applied again
+    alone once that layer is in, as one by one."""
+    ref = push_annotated(registry, repo_for(request), _snap_layers(
+        tar_bytes(member("a/", "dir"), member("a/target", data=b"t\n"), *_many("a")),
+        tar_bytes(member("b/", "dir"), member("b/link", "hardlink", linkname="a/target")),
+        tar_bytes(*_many("c")),
+    ), zstd=True)
+    want = restored_alone(ref, tmp_path / "alone")
+    r = snap("restore", ref, "--root", str(tmp_path / "root"), "--jobs", "3")
+    assert r.returncode == 0, r.stderr
+    assert tree(tmp_path / "root") == want and want["b/link"][1] == 2
+
+
+def test_a_whiteout_of_a_lower_layer_applies_in_order(registry, request, tmp_path, state_dir):
+    """A layer deleting what another wrote depends on their order: applied alone, in order."""
+    ref = push_annotated(registry, repo_for(request), _snap_layers(
+        tar_bytes(member("a/", "dir"), member("a/gone", data=b"g\n"), member("a/sub/", "dir"), *_many("a/sub")),
+        tar_bytes(member("a/", "dir"), member("a/.wh.gone"), member("a/.wh.sub"), *_many("b")),
+        tar_bytes(member("a/", "dir"), member("a/sub/", "dir"), member("a/sub/new", data=b"n\n")),
+    ), zstd=True)
+    want = restored_alone(ref, tmp_path / "alone")
+    assert "a/gone" not in want and list(k for k in want if k.startswith("a/sub/")) == ["a/sub/new"]
+    r = snap("restore", ref, "--root", str(tmp_path / "root"), "--jobs", "3")
+    assert r.returncode == 0, r.stderr
+    assert tree(tmp_path / "root") == want
