@@ -15,6 +15,7 @@ import time
 import pytest
 
 from snapshotter import restore_image
+from snapshotter.box import scan as scan_module
 from snapshotter.box.events import ChangeEvents
 from snapshotter.box.profile import load_profile
 from snapshotter.box.scan import ScanMemo, scan_box
@@ -235,3 +236,43 @@ def mutate(rnd, root, tag):
 def listing(scan):
     return ({p: (e.kind, e.mode, e.size, e.stamp, e.linkname) for p, e in scan.entries.items()},
             scan.skipped_secrets, scan.unreadable)
+
+
+@pytest.fixture
+def old_files(monkeypatch):
+    """The box's files count as older than the scan memo's racy window, as on a real box (here they
+    were written a moment ago, and their directories would be listed again whatever the events)."""
+    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)
+
+
+def linked_pair(box):
+    write_tree(box, {"opt/app/z/data.txt": "first\n"})
+    os.makedirs(os.path.join(box, "opt/app/a"))
+    os.link(os.path.join(box, "opt/app/z/data.txt"), os.path.join(box, "opt/app/a/data.txt"))
+
+
+@pytest.mark.parametrize("change", ["write", "link", "unlink"])
+def test_a_change_through_one_name_of_a_file_is_sent_for_all_its_names(registry, base_ref, box, tmp_path, old_files,
+                                                                        change):
+    # A write, a link or an unlink through one name notifies that name's directory only, yet the
+    # file's other names changed too (their content, link count and ctime).
+    if change == "link":
+        write_tree(box, {"opt/app/z/data.txt": "one file\n"})
+        os.makedirs(os.path.join(box, "opt/app/a"))
+    else:
+        linked_pair(box)
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, f"ev-{change}", lines, clock)
+    w.tick()
+    if change == "write":
+        with open(os.path.join(box, "opt/app/z/data.txt"), "a") as f:
+            f.write("second, longer than the first\n")
+    elif change == "link":
+        os.link(os.path.join(box, "opt/app/z/data.txt"), os.path.join(box, "opt/app/a/data.txt"))
+    else:
+        os.unlink(os.path.join(box, "opt/app/z/data.txt"))
+    clock.advance(1)
+    quiet_then_tick(w, clock)
+    assert len(snapshots(lines)) == 2, lines
+    assert not [line for line in lines if line.startswith("held back")], lines
+    assert_restores_to_box(registry, f"ev-{change}", box, tmp_path, "r")

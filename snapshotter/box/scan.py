@@ -183,6 +183,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     host_files: set[str] = set(previous.host_files) if partial else set()
     racy: set[str] = set()  # directories holding a path the memo does not keep (changed within its window)
     touched: set[str] = set()
+    linked: set[str] = set()  # inode numbers of files with other names, looked at in a scan of some directories
     walked: set[str] = set()
     new_venvs = False
     if partial:
@@ -201,6 +202,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
             unreadable.discard(p)
             host_files.discard(p)
             touched.add(p)
+            if e is not None and e.inode:
+                linked.add(_inode(e))
             if p.endswith("pyvenv.cfg"):
                 new_venvs = True
             if e is not None and e.kind == DIR:
@@ -223,6 +226,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         same = before.stamp if was_dir and rel not in dirty else None
         added = look(rel, dir_fd, name, walk, same)
         now = entries.get(rel)
+        if before is None or now is None or before.stamp != now.stamp:
+            linked.update(_inode(x) for x in (before, now) if x is not None and x.inode)
         if was_dir and not (now is not None and now.kind == DIR and _inode(now) == _inode(before)):
             for n in listed.pop(rel, ()):
                 forget(f"{rel}/{n}")
@@ -293,6 +298,11 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
                 else:
                     stack.append(top)
             walk_stack(root_fd, stack, listed, walked, unreadable, visit, progress, forget if partial else None)
+        if linked:
+            # A write, link or unlink through one name of a file notifies that name's directory
+            # alone, yet the lstat of every other name moved with it: those are looked at again.
+            for rel in [p for p, e in entries.items() if e.kind == FILE and p not in touched and _inode(e) in linked]:
+                _visit_at(root_fd, rel, visit, missing_ok=True)
     finally:
         os.close(root_fd)
     if memo is not None:
