@@ -10,14 +10,14 @@ import subprocess
 
 import pytest
 
-from snapshotter import CommitOptions, commit_box
+from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
 from snapshotter.layer import plan as plan_module
 from snapshotter.layer.units import units_of
 
 from helpers import SMALL_WEIGHTS, layer_tar, layers_by_name
-from support import make_box, write_tree
+from support import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -201,3 +201,23 @@ def test_natural_units():
     assert keys[paths[13]] == keys[paths[14]] == f"{NODES}/NodeA"
     assert keys[paths[15]] == keys[paths[16]] == "usr/share/doc/libfoo"
     assert keys[paths[17]] == "usr/lib/x86_64-linux-gnu"
+
+
+def test_odd_names_and_hardlinks_across_units_restore_as_the_box(registry, base_ref, base_rootfs, tmp_path,
+                                                                 small_bundles):
+    """Names that are not UTF-8, hold a newline or are long, in a venv cut into bundles by their
+    units' hashes; and two names of one file in two packages, kept in one bundle (Docker and podman
+    refuse a link to a lower layer's file)."""
+    box = venv_box(base_rootfs, str(tmp_path / "box"))
+    site = os.path.join(box, SITE)
+    os.makedirs(os.fsencode(os.path.join(site, "odd")) + b"/caf\xe9")
+    for name in (b"caf\xe9/m\xff.py", b"new\nline.py", b"l" * 250 + b".py"):
+        with open(os.fsencode(os.path.join(site, "odd")) + b"/" + name, "wb") as f:
+            f.write(os.urandom(20 * KiB))
+    with open(os.fsencode(site) + b"/\xfe\xfe.py", "wb") as f:
+        f.write(os.urandom(20 * KiB))
+    os.link(os.path.join(site, "pkg03", "core.py"), os.path.join(site, "pkg31", "same_as_pkg03.py"))
+    commit_box(f"{registry.host}/odd:v1", base_ref, CommitOptions(root=box))
+    out = tmp_path / "r"
+    restore_image(f"{registry.host}/odd:v1", str(out))
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)

@@ -471,7 +471,8 @@ def _chance(key: str, size: int, target: float) -> bool:
     target, by its key's hash. Nothing else decides it, so a unit added or removed moves only the
     cut next to it, and the same tree is cut the same way on any machine."""
     p = size / target
-    return p >= 1 or (p > 0 and int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 < p)
+    raw = key.encode("utf-8", "surrogateescape")  # a name's own bytes: names need not be UTF-8
+    return p >= 1 or (p > 0 and int.from_bytes(hashlib.sha256(raw).digest()[:8], "big") / 2**64 < p)
 
 
 def _bundles(plan: LayerPlan, entries: list[Entry], bundling: Bundling,
