@@ -276,3 +276,18 @@ def test_a_change_through_one_name_of_a_file_is_sent_for_all_its_names(registry,
     assert len(snapshots(lines)) == 2, lines
     assert not [line for line in lines if line.startswith("held back")], lines
     assert_restores_to_box(registry, f"ev-{change}", box, tmp_path, "r")
+
+
+def test_the_final_snapshot_scans_the_directories_no_notification_comes_from(registry, base_ref, box, tmp_path,
+                                                                              old_files):
+    # Past the watch limit, a change is found by the loop's full scans only: a signal that comes
+    # before the next one must not leave the change out of the final snapshot.
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-final-gap", lines, clock, max_watches=3)
+    w.tick()
+    unwatched = [p for p in ("opt/app", "etc", "usr", "root") if os.path.isdir(os.path.join(box, p))]
+    write_tree(box, {f"{p}/unwatched.txt": "written just before the signal" for p in unwatched})
+    clock.advance(1)
+    assert w.final("signal SIGTERM") == 0, lines
+    assert any(line.startswith("final snapshot ") for line in lines), lines[-3:]
+    assert_restores_to_box(registry, "ev-final-gap", box, tmp_path, "r")

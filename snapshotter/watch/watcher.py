@@ -258,13 +258,15 @@ class Watcher:
         self._trace("scan: the whole box" if dirty is None else f"scan: {len(dirty)} changed directories")
         return scan
 
-    def _commit_scan(self, profile) -> Scan:
+    def _commit_scan(self, profile, final: bool = False) -> Scan:
         """A commit's scan: of the directories changed since the last commit's, where notifications
-        say which (and the loop's scans saw nothing they missed: their changes are added)."""
+        say which (and the loop's scans saw nothing they missed: their changes are added). The final
+        snapshot's is whole where notifications miss some directories: no later full scan finds a
+        change made there since the loop's last."""
         self._drain()
         dirty = self._take_dirty("commit")
         previous = self.commit_scan
-        if dirty is None or previous is None:
+        if dirty is None or previous is None or (final and not self.events_complete):
             dirty = previous = None
         else:
             dirty = dirty | previous.racy_dirs
@@ -454,7 +456,7 @@ class Watcher:
         opts = self.opts.commit
 
         def changes(base_img: Image, index: dict[str, Entry]):
-            scan = self._commit_scan(opts.profile)
+            scan = self._commit_scan(opts.profile, final)
             return scan, changes_in(scan, self.root, opts.profile, index, opts.rehash)
 
         def hold(scan: Scan) -> dict[str, str]:
