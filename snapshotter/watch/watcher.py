@@ -550,6 +550,13 @@ class Watcher:
             else:
                 what = "left out"
             self.log(f"held back: {'/' + path!r} ({why}); {what}; the next snapshot takes it")
+        if held:
+            # A file unlike its scan may have changed with no notification (a link made and removed
+            # elsewhere moves its ctime): the next scans list its directory again.
+            with self.events_lock:
+                for d in (self.tick_dirty, self.commit_dirty):
+                    if d is not None:
+                        d.update(p.rpartition("/")[0] for p in held)
         self._trace(f"pushed {tag}")
         with self.lock:
             moved = seq > self.moved_seq
