@@ -177,3 +177,21 @@ def test_a_bad_jobs_setting_is_one_line_before_anything_is_read(registry, base_r
     r = snap("commit", f"{registry.host}/badjobs:v1", "--base", base_ref, "--root", box, "--jobs", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert digest_of(registry, "badjobs", "v1") is None
+
+
+def test_packers_load_this_snap_not_another_in_the_working_directory(registry, base_ref, box, tmp_path, monkeypatch):
+    """Run from a directory that holds another `snapshotter` (a checkout of another version): the
+    packers use the snap this commit runs, as `python -c` would otherwise import the one there."""
+    many_layers(box)
+    for k, v in packer_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(push_module, "PACK_APART_MIN", 0)
+    monkeypatch.setattr(layer_module, "after_read", NoteReader(str(tmp_path / "readers")))
+    other = tmp_path / "checkout"
+    (other / "snapshotter").mkdir(parents=True)
+    (other / "snapshotter" / "__init__.py").write_text("raise ImportError('another snapshotter')\n")
+    monkeypatch.chdir(other)
+    result = commit_box(f"{registry.host}/cwd:v1", base_ref, CommitOptions(root=box, profile=parse_profile(BUNDLED),
+                                                                           jobs=4))
+    assert len(readers(str(tmp_path / "readers")) - {os.getpid()}) > 1  # packed in packers
+    assert all(layer.status == "uploaded" for layer in result.layers), result.layers

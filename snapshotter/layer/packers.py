@@ -35,10 +35,24 @@ from .generate import BUILDING_PREFIX, LayerBlob, build_layer
 from .plan import LayerPlan
 
 PROGRESS_EVERY = 1 << 20  # bytes read between progress messages: a stop is noticed within one
-# The packer imports snap as this process did (same environment and working directory), else from
-# where this process found it (a program that put it on sys.path itself).
+# The packer loads snap from where this process found it, whatever lies on its path or in the
+# working directory (`python -c` puts that first: another `snapshotter` there was imported instead);
+# its other imports come from the same environment.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_START = "import sys; sys.path.append(sys.argv.pop(1)); from snapshotter.layer.packers import main; main()"
+_START = """
+import importlib.util, os, sys
+top = sys.argv.pop(1)
+sys.path = [p for p in sys.path if p]  # not the working directory
+init = os.path.join(top, "snapshotter", "__init__.py")
+if os.path.isfile(init):
+    spec = importlib.util.spec_from_file_location("snapshotter", init)
+    sys.modules["snapshotter"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+else:  # snap in a zip: found through the path
+    sys.path.append(top)
+from snapshotter.layer.packers import main
+main()
+"""
 
 
 @dataclass
