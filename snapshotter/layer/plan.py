@@ -353,6 +353,8 @@ def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dic
             topmost[d] = i
     for i, plan in enumerate(layers):
         own = {e.path for e in plan.entries}
+        planned = len(plan.entries)  # the layer's own paths: the parents are added after them
+        newest: Optional[dict[str, int]] = None
         added = False
         for d in sorted(below[i] - own):
             e = box.get(d)
@@ -361,14 +363,31 @@ def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dic
             mtime = e.mtime
             if d in changed and topmost[d] != i:
                 was = base.get(d)
-                mtime = was.mtime if was is not None and was.kind == DIR else \
-                    max((x.mtime for x in plan.entries if x.path.startswith(d + "/")), default=0)
+                if was is not None and was.kind == DIR:
+                    mtime = was.mtime
+                else:
+                    newest = newest if newest is not None else _newest_below(plan.entries[:planned])
+                    mtime = newest.get(d, 0)
             # No stamp: a directory's ctime moves with every file added to it, and the stat cache
             # keys on what the layer's bytes depend on (its mode, owner, xattrs and this mtime).
             plan.entries.append(replace(e, mtime=mtime, stamp="", inode=None, digest=None))
             added = True
         if added:
             plan.entries.sort(key=lambda x: x.path)
+
+
+def _newest_below(entries: list[Entry]) -> dict[str, int]:
+    """Each directory above `entries`' paths -> the newest mtime of those paths under it (one pass
+    up each path: a layer holds thousands of paths under hundreds of new directories)."""
+    newest: dict[str, int] = {}
+    for e in entries:
+        parent = e.path.rpartition("/")[0]
+        while parent:
+            if parent in newest and newest[parent] >= e.mtime:
+                break  # its parents have as new a path already
+            newest[parent] = e.mtime
+            parent = parent.rpartition("/")[0]
+    return newest
 
 
 def part_name(path: str, i: int, n: int) -> str:
