@@ -23,10 +23,10 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from snapshotter.box.diff import Diff
-from snapshotter.box.profile import LayerRule, Profile
+from snapshotter.box.profile import LayerRule, Profile, VenvRoots
 from snapshotter.box.scan import Scan
 from snapshotter.digests import chunks_digest
 from snapshotter.errors import UsageError
@@ -199,20 +199,43 @@ def _fingerprint_row(e: Entry) -> str:
 class PlanMemo:
     """What the last plan of the same box made, for the next one (`snap watch` keeps one, with one
     profile): each profile layer's split into image layers, reused when that layer holds the very
-    same entries (objects: the scan memo keeps an unchanged path's entry) and deletions as then; and
-    each entry's row of the stat cache's key. Entries are mutable but nothing changes the fields
-    a plan or a row reads once the scan made them. The memo holds the entries it names, so no new
-    object can take one of their ids. Each plan starts afresh and keeps only what it used."""
+    same entries (objects: the scan memo keeps an unchanged path's entry) and deletions as then;
+    each entry's profile layer, while the profile and the box's venv roots are as then; and each
+    entry's row of the stat cache's key. Entries are mutable but nothing changes the fields a plan
+    or a row reads once the scan made them. The memo holds the entries it names, so no new object
+    can take one of their ids. Each plan starts afresh and keeps only what it used."""
 
     def __init__(self):
         self.splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
         self._old_splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
         self.rows: dict[int, tuple[Entry, str]] = {}
         self._old_rows: dict[int, tuple[Entry, str]] = {}
+        self.layers: dict[int, tuple[Entry, str]] = {}
+        self._old_layers: dict[int, tuple[Entry, str]] = {}
+        self._classified_by: Optional[tuple[Profile, frozenset[str]]] = None
 
     def start(self) -> None:
         self._old_splits, self.splits = self.splits, {}
         self._old_rows, self.rows = self.rows, {}
+        self._old_layers, self.layers = self.layers, {}
+
+    def classifier(self, profile: Profile, venv_roots: VenvRoots) -> Callable[[Entry], str]:
+        """The profile layer of an entry (Profile.classify), or what it was at the last plan for the
+        same entry, profile and venv roots (a venv root that appears moves the paths under it)."""
+        context = (profile, frozenset(venv_roots.roots))
+        same = self._classified_by is not None and self._classified_by[0] is profile \
+            and self._classified_by[1] == context[1]
+        old, new = (self._old_layers if same else {}), self.layers
+        self._classified_by = context
+
+        def layer_of(e: Entry) -> str:
+            hit = old.get(id(e))
+            if hit is None or hit[0] is not e:
+                hit = (e, profile.classify(e.path, e.size, e.kind != DIR, venv_roots))
+            new[id(e)] = hit
+            return hit[1]
+
+        return layer_of
 
     def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int, bundling: Bundling) -> list[LayerPlan]:
         """split_plan(plan, ...), or copies of what it gave last time for the same input."""
@@ -253,6 +276,8 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
     split = memo.split if memo is not None else split_plan
     plans = {r.name: LayerPlan(r.name, _compression(r.compression, compression)) for r in profile.layers}
     changed = {e.path: e for e in d.changed}
+    layer_of = memo.classifier(profile, scan.venv_roots) if memo is not None else \
+        (lambda e: profile.classify(e.path, e.size, e.kind != DIR, scan.venv_roots))
     # Hardlinked files travel together, in the layer of their first path, so the links survive.
     groups: dict[str, list[Entry]] = {}
     for e in scan.entries.values():
@@ -263,14 +288,13 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         if any(m.path in changed for m in members):
             members.sort(key=lambda m: m.path)
             first = members[0]
-            group_layer[inode] = profile.classify(first.path, first.size, True, scan.venv_roots)
+            group_layer[inode] = layer_of(first)  # (a directory has no other names)
             for m in members:
                 changed[m.path] = m
     for path in sorted(changed):
         e = changed[path]
         name = group_layer.get(e.inode) if e.inode else None
-        name = name or profile.classify(path, e.size, e.kind != DIR, scan.venv_roots)
-        plans[name].entries.append(e)
+        plans[name or layer_of(e)].entries.append(e)
     for path in d.deleted:
         old = base[path]
         plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
