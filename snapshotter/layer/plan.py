@@ -154,10 +154,12 @@ class LayerPlan:
 
         The digest is of the JSON text of {"compression", "zstd_level", "entries": [a row per
         entry], "whiteouts", "slices", "part_links"} (compact separators), written here a row at a
-        time so that a `memo` can give the row of an entry it has seen (the same object)."""
+        time so that a `memo` can give the row of an entry it has seen (the same object), or the
+        digest of a layer of the very same entries."""
         if zstd_level in self._fingerprints:
             return self._fingerprints[zstd_level]
-        fp = self._fingerprints[zstd_level] = chunks_digest(s.encode() for s in self._key_text(zstd_level, memo))
+        fp = self._fingerprints[zstd_level] = memo.key(self, zstd_level) if memo is not None else \
+            chunks_digest(s.encode() for s in self._key_text(zstd_level, None))
         return fp
 
     def _key_text(self, zstd_level: int, memo: Optional["PlanMemo"]):
@@ -200,8 +202,10 @@ class PlanMemo:
     """What the last plan of the same box made, for the next one (`snap watch` keeps one, with one
     profile): each profile layer's split into image layers, reused when that layer holds the very
     same entries (objects: the scan memo keeps an unchanged path's entry) and deletions as then;
-    each entry's profile layer, while the profile and the box's venv roots are as then; and each
-    entry's row of the stat cache's key. Entries are mutable but nothing changes the fields a plan
+    each entry's profile layer, while the profile and the box's venv roots are as then; each
+    entry's row of the stat cache's key, and each image layer's key; and the copies of the parent
+    directories a layer carries (add_parent_dirs), so that an unchanged layer holds the same
+    objects. Entries are mutable but nothing changes the fields a plan
     or a row reads once the scan made them. The memo holds the entries it names, so no new object
     can take one of their ids. Each plan starts afresh and keeps only what it used."""
 
@@ -213,11 +217,17 @@ class PlanMemo:
         self.layers: dict[int, tuple[Entry, str]] = {}
         self._old_layers: dict[int, tuple[Entry, str]] = {}
         self._classified_by: Optional[tuple[Profile, frozenset[str]]] = None
+        self.keys: dict[tuple, tuple[list[Entry], str]] = {}
+        self._old_keys: dict[tuple, tuple[list[Entry], str]] = {}
+        self.parents: dict[tuple[int, int], tuple[Entry, Entry]] = {}
+        self._old_parents: dict[tuple[int, int], tuple[Entry, Entry]] = {}
 
     def start(self) -> None:
         self._old_splits, self.splits = self.splits, {}
         self._old_rows, self.rows = self.rows, {}
         self._old_layers, self.layers = self.layers, {}
+        self._old_keys, self.keys = self.keys, {}
+        self._old_parents, self.parents = self.parents, {}
 
     def classifier(self, profile: Profile, venv_roots: VenvRoots) -> Callable[[Entry], str]:
         """The profile layer of an entry (Profile.classify), or what it was at the last plan for the
@@ -245,6 +255,25 @@ class PlanMemo:
         # The key's ids stay unique while the entries live: the memo holds them (the third item).
         self.splits[rule.name] = (key, [_copy(p) for p in made], plan.entries)
         return [_copy(p) for p in made]
+
+    def key(self, plan: LayerPlan, zstd_level: int) -> str:
+        """plan.fingerprint(zstd_level): what it was for a layer of the same entries (objects),
+        whiteouts, slices and part links, else made from the rows this memo keeps."""
+        ident = (plan.compression, zstd_level, tuple(map(id, plan.entries)), tuple(plan.whiteouts),
+                 tuple(sorted(plan.slices.items())), tuple(plan.part_links))
+        hit = self.keys.get(ident) or self._old_keys.get(ident)
+        if hit is None:  # (the entries are held with the key: their ids stay theirs)
+            hit = (list(plan.entries), chunks_digest(s.encode() for s in plan._key_text(zstd_level, self)))
+        self.keys[ident] = hit
+        return hit[1]
+
+    def parent_copy(self, e: Entry, mtime: int) -> Entry:
+        """add_parent_dirs' copy of directory `e` with `mtime`: the one made last time for them."""
+        hit = self.parents.get((id(e), mtime)) or self._old_parents.get((id(e), mtime))
+        if hit is None or hit[0] is not e:
+            hit = (e, _parent_copy(e, mtime))
+        self.parents[(id(e), mtime)] = hit
+        return hit[1]
 
     def rows_of(self, entries: list[Entry]):
         for e in entries:
@@ -313,7 +342,7 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         if len(out) <= layer_budget(profile, base_layers):
             break
     _last_carries_changed_dirs(out, {r.name for r in profile.layers if r.weights}, changed)
-    add_parent_dirs(out, scan.entries, changed, base)
+    add_parent_dirs(out, scan.entries, changed, base, memo)
     return out
 
 
@@ -353,7 +382,7 @@ def _last_carries_changed_dirs(layers: list[LayerPlan], weights: set[str], chang
 
 
 def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry],
-                    base: dict[str, Entry]) -> None:
+                    base: dict[str, Entry], memo: Optional[PlanMemo] = None) -> None:
     """Give every layer each parent directory of its paths, as `docker commit` and buildkit do:
     Docker and podman create a parent a layer lacks as 0755 root:root, over the one below it.
 
@@ -392,12 +421,17 @@ def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dic
                 else:
                     newest = newest if newest is not None else _newest_below(plan.entries[:planned])
                     mtime = newest.get(d, 0)
-            # No stamp: a directory's ctime moves with every file added to it, and the stat cache
-            # keys on what the layer's bytes depend on (its mode, owner, xattrs and this mtime).
-            plan.entries.append(replace(e, mtime=mtime, stamp="", inode=None, digest=None))
+            plan.entries.append(memo.parent_copy(e, mtime) if memo is not None else _parent_copy(e, mtime))
             added = True
         if added:
             plan.entries.sort(key=lambda x: x.path)
+
+
+def _parent_copy(e: Entry, mtime: int) -> Entry:
+    """A parent directory as a layer carries it. No stamp: a directory's ctime moves with every file
+    added to it, and the stat cache keys on what the layer's bytes depend on (its mode, owner,
+    xattrs and this mtime)."""
+    return replace(e, mtime=mtime, stamp="", inode=None, digest=None)
 
 
 def _newest_below(entries: list[Entry]) -> dict[str, int]:
