@@ -7,6 +7,9 @@ import stat
 import subprocess
 import tarfile
 
+from snapshotter.index.entry import DIR, FILE, Entry
+from snapshotter.layer.plan import LayerPlan, add_parent_dirs
+
 from helpers import (BIG, LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, layer_tar,
                      layers_by_name, make_home_base, oci_validator, profile_excluding_nothing, push)
 from support import NOT_CAPTURED, MiB, assert_one_line_error, make_box, snap, snapshot_of_tree, tar_of_files, write_tree
@@ -278,3 +281,20 @@ def test_a_snapshot_past_the_engines_layer_limit_is_warned_of_naming_docker_and_
     warning = [line for line in r.stderr.splitlines() if line.startswith("warning: the image has 126 layers")]
     assert len(warning) == 1, r.stderr
     assert all(word in warning[0] for word in ("Docker", "125", "podman", "126 and 133", "snap restore")), warning
+
+
+def test_a_new_directory_below_its_topmost_layer_carries_the_newest_mtime_of_that_layers_paths_under_it():
+    """A directory the base lacks, in a layer below the topmost that carries it: its copy there has
+    the newest mtime of that layer's own paths under it (deeper ones too), not the box's."""
+    d = lambda path, mtime: Entry(path, DIR, 0o755, mtime=mtime)  # noqa: E731
+    f = lambda path, mtime: Entry(path, FILE, 0o644, size=1, mtime=mtime)  # noqa: E731
+    box = {e.path: e for e in [d("opt", 50), d("opt/new", 900), d("opt/new/a", 800), d("opt/new/b", 700),
+                               f("opt/new/a/x.py", 30), f("opt/new/a/deep/y.py", 40), f("opt/new/b/z.py", 20)]}
+    box["opt/new/a/deep"] = d("opt/new/a/deep", 600)
+    lower = LayerPlan("venv", "zstd", [box["opt/new/a/deep/y.py"], box["opt/new/a/x.py"], box["opt/new/b/z.py"]])
+    top = LayerPlan("rest", "zstd", [box["opt/new"], box["opt/new/a"], box["opt/new/a/deep"], box["opt/new/b"]])
+    changed = {p: e for p, e in box.items() if p != "opt"}
+    add_parent_dirs([lower, top], box, changed, {"opt": d("opt", 50)})
+    mtimes = {e.path: e.mtime for e in lower.entries if e.kind == DIR}
+    assert mtimes == {"opt": 50, "opt/new": 40, "opt/new/a": 40, "opt/new/a/deep": 40, "opt/new/b": 20}
+    assert [e.path for e in lower.entries] == sorted(e.path for e in lower.entries)

@@ -310,3 +310,89 @@ def test_a_directory_swapped_during_the_scan_is_not_walked(box, tmp_path, swap):
     got = scan_box(str(link), load_profile(), metadata_only=False, progress=swap_opt)
     assert swapped and "opt" in got.entries
     assert not any(p.startswith("opt/") for p in got.entries), sorted(got.entries)[:5]
+
+
+def sparse(path, size):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "ab") as f:
+        f.truncate(size)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_plan_with_memo_is_the_plan_without_through_a_series_of_changes(box, base_rootfs, seed):
+    """A watcher's plans, each from the last one's memos (scan and plan), against a plan made from
+    nothing, after each of a seeded series of changes: files added, deleted (whiteouts of the base's),
+    moved, grown past the weights' min_size, a new venv root (pyvenv.cfg) taking a tree into the venv
+    layer, an __init__.py that makes a namespace directory one unit. The venv is big enough (sparse
+    files) to be cut into bundles at units. Same layers, same paths, same stat-cache keys."""
+    rng = random.Random(seed)
+    profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
+    base = scan_box(base_rootfs, profile).entries
+    site = "opt/app/venv/lib/python3.11/site-packages"
+    for i in range(12):
+        sparse(os.path.join(box, f"{site}/pkg{i}/core.py"), 8 * 1024**2)
+    sparse(os.path.join(box, f"{site}/nvidia/cublas/lib.py"), 8 * 1024**2)
+    sparse(os.path.join(box, f"{site}/nvidia/cudnn/lib.py"), 8 * 1024**2)
+    write_tree(box, {"srv/tool/lib/a.py": "a\n", "srv/tool/lib/b.py": "b\n"})
+
+    def files():
+        return sorted(os.path.relpath(os.path.join(d, n), box) for d, _, names in os.walk(box) for n in names
+                      if not os.path.relpath(d, box).startswith("tmp"))
+
+    def add():
+        write_tree(box, {f"{rng.choice([site + '/pkg3', 'opt/app/custom_nodes/NodeC', 'srv/tool/lib'])}/n{rng.random()}.py": "x\n"})
+
+    def delete():
+        os.unlink(os.path.join(box, rng.choice(files())))
+
+    def move():
+        src = rng.choice(files())
+        dst = rng.choice(["opt/app/custom_nodes/NodeA", site + "/pkg5", "srv/tool", "etc"]) + "/" + os.path.basename(src)
+        if not os.path.exists(os.path.join(box, dst)):
+            os.rename(os.path.join(box, src), os.path.join(box, dst))
+
+    def grow():
+        sparse(os.path.join(box, rng.choice([site + "/pkg1/core.py", "srv/tool/lib/a.py", "etc/app.conf"])), 65 * 1024**2)
+
+    def venv_root():
+        write_tree(box, {rng.choice(["srv/tool", "opt/app/custom_nodes/NodeB"]) + "/pyvenv.cfg": "home = /usr/bin\n"})
+
+    def namespace():
+        write_tree(box, {f"{site}/nvidia/__init__.py": ""})
+
+    def plans(scan_memo=None, memo=None):
+        scan = scan_box(box, profile, memo=scan_memo)
+        d = changes_in(scan, box, profile, base)
+        return [(p.label, p.fingerprint(3, memo), [e.path for e in p.entries], p.whiteouts)
+                for p in plan_layers(d, scan, base, profile, memo=memo)]
+
+    with gc_paused():
+        first = plans(scan_memo, memo)
+        assert len([p for p in first if p[0].startswith("venv (bundle")]) > 1  # cut at units
+        assert first == plans()
+        changes = [add, delete, move, grow, venv_root, namespace] + [rng.choice([add, delete, move, grow])
+                                                                    for _ in range(6)]
+        rng.shuffle(changes)
+        for change in changes:
+            change()
+            assert plans(scan_memo, memo) == plans(), change.__name__
+
+
+def test_an_unchanged_entry_is_not_classified_again(box, monkeypatch):
+    """The plan memo keeps each entry's profile layer: after one file changed, the plan classifies
+    that file (and its directory, whose times moved), not the rest of the box."""
+    profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
+    classified = []
+    real = type(profile).classify
+    monkeypatch.setattr(type(profile), "classify", lambda self, path, *a: classified.append(path) or real(self, path, *a))
+
+    def plan():
+        scan = scan_box(box, profile, memo=scan_memo)
+        return plan_layers(changes_in(scan, box, profile, {}), scan, {}, profile, memo=memo)
+
+    plan()
+    assert "opt/app/custom_nodes/NodeB/__init__.py" in classified
+    classified.clear()
+    write_tree(box, {"opt/app/custom_nodes/NodeA/new.py": "z = 1\n"})
+    plan()
+    assert set(classified) == {"opt/app/custom_nodes/NodeA/new.py", "opt/app/custom_nodes/NodeA"}

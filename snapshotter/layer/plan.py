@@ -23,10 +23,10 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from snapshotter.box.diff import Diff
-from snapshotter.box.profile import LayerRule, Profile
+from snapshotter.box.profile import LayerRule, Profile, VenvRoots
 from snapshotter.box.scan import Scan
 from snapshotter.digests import chunks_digest
 from snapshotter.errors import UsageError
@@ -154,10 +154,12 @@ class LayerPlan:
 
         The digest is of the JSON text of {"compression", "zstd_level", "entries": [a row per
         entry], "whiteouts", "slices", "part_links"} (compact separators), written here a row at a
-        time so that a `memo` can give the row of an entry it has seen (the same object)."""
+        time so that a `memo` can give the row of an entry it has seen (the same object), or the
+        digest of a layer of the very same entries."""
         if zstd_level in self._fingerprints:
             return self._fingerprints[zstd_level]
-        fp = self._fingerprints[zstd_level] = chunks_digest(s.encode() for s in self._key_text(zstd_level, memo))
+        fp = self._fingerprints[zstd_level] = memo.key(self, zstd_level) if memo is not None else \
+            chunks_digest(s.encode() for s in self._key_text(zstd_level, None))
         return fp
 
     def _key_text(self, zstd_level: int, memo: Optional["PlanMemo"]):
@@ -199,20 +201,51 @@ def _fingerprint_row(e: Entry) -> str:
 class PlanMemo:
     """What the last plan of the same box made, for the next one (`snap watch` keeps one, with one
     profile): each profile layer's split into image layers, reused when that layer holds the very
-    same entries (objects: the scan memo keeps an unchanged path's entry) and deletions as then; and
-    each entry's row of the stat cache's key. Entries are mutable but nothing changes the fields
-    a plan or a row reads once the scan made them. The memo holds the entries it names, so no new
-    object can take one of their ids. Each plan starts afresh and keeps only what it used."""
+    same entries (objects: the scan memo keeps an unchanged path's entry) and deletions as then;
+    each entry's profile layer, while the profile and the box's venv roots are as then; each
+    entry's row of the stat cache's key, and each image layer's key; and the copies of the parent
+    directories a layer carries (add_parent_dirs), so that an unchanged layer holds the same
+    objects. Entries are mutable but nothing changes the fields a plan
+    or a row reads once the scan made them. The memo holds the entries it names, so no new object
+    can take one of their ids. Each plan starts afresh and keeps only what it used."""
 
     def __init__(self):
         self.splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
         self._old_splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
         self.rows: dict[int, tuple[Entry, str]] = {}
         self._old_rows: dict[int, tuple[Entry, str]] = {}
+        self.layers: dict[int, tuple[Entry, str]] = {}
+        self._old_layers: dict[int, tuple[Entry, str]] = {}
+        self._classified_by: Optional[tuple[Profile, frozenset[str]]] = None
+        self.keys: dict[tuple, tuple[list[Entry], str]] = {}
+        self._old_keys: dict[tuple, tuple[list[Entry], str]] = {}
+        self.parents: dict[tuple[int, int], tuple[Entry, Entry]] = {}
+        self._old_parents: dict[tuple[int, int], tuple[Entry, Entry]] = {}
 
     def start(self) -> None:
         self._old_splits, self.splits = self.splits, {}
         self._old_rows, self.rows = self.rows, {}
+        self._old_layers, self.layers = self.layers, {}
+        self._old_keys, self.keys = self.keys, {}
+        self._old_parents, self.parents = self.parents, {}
+
+    def classifier(self, profile: Profile, venv_roots: VenvRoots) -> Callable[[Entry], str]:
+        """The profile layer of an entry (Profile.classify), or what it was at the last plan for the
+        same entry, profile and venv roots (a venv root that appears moves the paths under it)."""
+        context = (profile, frozenset(venv_roots.roots))
+        same = self._classified_by is not None and self._classified_by[0] is profile \
+            and self._classified_by[1] == context[1]
+        old, new = (self._old_layers if same else {}), self.layers
+        self._classified_by = context
+
+        def layer_of(e: Entry) -> str:
+            hit = old.get(id(e))
+            if hit is None or hit[0] is not e:
+                hit = (e, profile.classify(e.path, e.size, e.kind != DIR, venv_roots))
+            new[id(e)] = hit
+            return hit[1]
+
+        return layer_of
 
     def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int, bundling: Bundling) -> list[LayerPlan]:
         """split_plan(plan, ...), or copies of what it gave last time for the same input."""
@@ -222,6 +255,25 @@ class PlanMemo:
         # The key's ids stay unique while the entries live: the memo holds them (the third item).
         self.splits[rule.name] = (key, [_copy(p) for p in made], plan.entries)
         return [_copy(p) for p in made]
+
+    def key(self, plan: LayerPlan, zstd_level: int) -> str:
+        """plan.fingerprint(zstd_level): what it was for a layer of the same entries (objects),
+        whiteouts, slices and part links, else made from the rows this memo keeps."""
+        ident = (plan.compression, zstd_level, tuple(map(id, plan.entries)), tuple(plan.whiteouts),
+                 tuple(sorted(plan.slices.items())), tuple(plan.part_links))
+        hit = self.keys.get(ident) or self._old_keys.get(ident)
+        if hit is None:  # (the entries are held with the key: their ids stay theirs)
+            hit = (list(plan.entries), chunks_digest(s.encode() for s in plan._key_text(zstd_level, self)))
+        self.keys[ident] = hit
+        return hit[1]
+
+    def parent_copy(self, e: Entry, mtime: int) -> Entry:
+        """add_parent_dirs' copy of directory `e` with `mtime`: the one made last time for them."""
+        hit = self.parents.get((id(e), mtime)) or self._old_parents.get((id(e), mtime))
+        if hit is None or hit[0] is not e:
+            hit = (e, _parent_copy(e, mtime))
+        self.parents[(id(e), mtime)] = hit
+        return hit[1]
 
     def rows_of(self, entries: list[Entry]):
         for e in entries:
@@ -253,6 +305,8 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
     split = memo.split if memo is not None else split_plan
     plans = {r.name: LayerPlan(r.name, _compression(r.compression, compression)) for r in profile.layers}
     changed = {e.path: e for e in d.changed}
+    layer_of = memo.classifier(profile, scan.venv_roots) if memo is not None else \
+        (lambda e: profile.classify(e.path, e.size, e.kind != DIR, scan.venv_roots))
     # Hardlinked files travel together, in the layer of their first path, so the links survive.
     groups: dict[str, list[Entry]] = {}
     for e in scan.entries.values():
@@ -263,14 +317,13 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         if any(m.path in changed for m in members):
             members.sort(key=lambda m: m.path)
             first = members[0]
-            group_layer[inode] = profile.classify(first.path, first.size, True, scan.venv_roots)
+            group_layer[inode] = layer_of(first)  # (a directory has no other names)
             for m in members:
                 changed[m.path] = m
     for path in sorted(changed):
         e = changed[path]
         name = group_layer.get(e.inode) if e.inode else None
-        name = name or profile.classify(path, e.size, e.kind != DIR, scan.venv_roots)
-        plans[name].entries.append(e)
+        plans[name or layer_of(e)].entries.append(e)
     for path in d.deleted:
         old = base[path]
         plans[profile.classify(path, old.size, old.kind != DIR, scan.venv_roots)].whiteouts.append(path)
@@ -289,7 +342,7 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         if len(out) <= layer_budget(profile, base_layers):
             break
     _last_carries_changed_dirs(out, {r.name for r in profile.layers if r.weights}, changed)
-    add_parent_dirs(out, scan.entries, changed, base)
+    add_parent_dirs(out, scan.entries, changed, base, memo)
     return out
 
 
@@ -329,7 +382,7 @@ def _last_carries_changed_dirs(layers: list[LayerPlan], weights: set[str], chang
 
 
 def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry],
-                    base: dict[str, Entry]) -> None:
+                    base: dict[str, Entry], memo: Optional[PlanMemo] = None) -> None:
     """Give every layer each parent directory of its paths, as `docker commit` and buildkit do:
     Docker and podman create a parent a layer lacks as 0755 root:root, over the one below it.
 
@@ -353,6 +406,8 @@ def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dic
             topmost[d] = i
     for i, plan in enumerate(layers):
         own = {e.path for e in plan.entries}
+        planned = len(plan.entries)  # the layer's own paths: the parents are added after them
+        newest: Optional[dict[str, int]] = None
         added = False
         for d in sorted(below[i] - own):
             e = box.get(d)
@@ -361,14 +416,36 @@ def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dic
             mtime = e.mtime
             if d in changed and topmost[d] != i:
                 was = base.get(d)
-                mtime = was.mtime if was is not None and was.kind == DIR else \
-                    max((x.mtime for x in plan.entries if x.path.startswith(d + "/")), default=0)
-            # No stamp: a directory's ctime moves with every file added to it, and the stat cache
-            # keys on what the layer's bytes depend on (its mode, owner, xattrs and this mtime).
-            plan.entries.append(replace(e, mtime=mtime, stamp="", inode=None, digest=None))
+                if was is not None and was.kind == DIR:
+                    mtime = was.mtime
+                else:
+                    newest = newest if newest is not None else _newest_below(plan.entries[:planned])
+                    mtime = newest.get(d, 0)
+            plan.entries.append(memo.parent_copy(e, mtime) if memo is not None else _parent_copy(e, mtime))
             added = True
         if added:
             plan.entries.sort(key=lambda x: x.path)
+
+
+def _parent_copy(e: Entry, mtime: int) -> Entry:
+    """A parent directory as a layer carries it. No stamp: a directory's ctime moves with every file
+    added to it, and the stat cache keys on what the layer's bytes depend on (its mode, owner,
+    xattrs and this mtime)."""
+    return replace(e, mtime=mtime, stamp="", inode=None, digest=None)
+
+
+def _newest_below(entries: list[Entry]) -> dict[str, int]:
+    """Each directory above `entries`' paths -> the newest mtime of those paths under it (one pass
+    up each path: a layer holds thousands of paths under hundreds of new directories)."""
+    newest: dict[str, int] = {}
+    for e in entries:
+        parent = e.path.rpartition("/")[0]
+        while parent:
+            if parent in newest and newest[parent] >= e.mtime:
+                break  # its parents have as new a path already
+            newest[parent] = e.mtime
+            parent = parent.rpartition("/")[0]
+    return newest
 
 
 def part_name(path: str, i: int, n: int) -> str:

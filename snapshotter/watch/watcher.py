@@ -89,11 +89,16 @@ def _token(e: Entry) -> tuple:
     return (e.kind, e.mode, e.uid, e.gid, e.size, e.stamp)
 
 
-def _tokens_as_snapshotted(scan: Scan, held: dict[str, str], last: dict[str, tuple], kept: set[str]) -> dict[str, tuple]:
-    """The box's tokens as a snapshot holds it: each path as scanned, but a held file as the last
-    snapshot had it where this one keeps that version (`kept`), else not at all (pending)."""
-    tokens = {p: _token(e) for p, e in scan.entries.items() if p not in held}
-    tokens.update({p: last[p] for p in held if p in last and p in kept})
+def _tokens_as_snapshotted(scanned: dict[str, tuple], held: dict[str, str], last: dict[str, tuple],
+                           kept: set[str]) -> dict[str, tuple]:
+    """The box's tokens as a snapshot holds it: each path as scanned (`scanned`: the scan's tokens,
+    made once per snapshot), but a held file as the last snapshot had it where this one keeps that
+    version (`kept`), else not at all (pending)."""
+    tokens = dict(scanned)
+    for p in held:
+        tokens.pop(p, None)
+        if p in last and p in kept:
+            tokens[p] = last[p]
     return tokens
 
 
@@ -527,7 +532,8 @@ class Watcher:
         held = cp.held
         self._trace(f"planned {len(cp.plans)} layer(s)")
         # A held file the last snapshot has stays as it was there: carried, or the base's version.
-        tokens = _tokens_as_snapshotted(cp.scan, held, last, set(held))
+        scanned = {p: _token(e) for p, e in cp.scan.entries.items()}
+        tokens = _tokens_as_snapshotted(scanned, held, last, set(held))
         if first and self._is_current(cp):
             self.current = self.current or "its snapshot made before this watcher started"
             self.log(f"{self.moving} already holds this box: nothing to send")
@@ -540,7 +546,7 @@ class Watcher:
         # The push may hold back more (files that tore while read) or read one after all: as pushed,
         # a held file is in this snapshot at the last one's version (kept), or pending until taken.
         kept = set(cp.carried) | (cp.unreadable - set(cp.left_unread))
-        tokens = _tokens_as_snapshotted(cp.scan, held, last, kept)
+        tokens = _tokens_as_snapshotted(scanned, held, last, kept)
         for path, why in sorted(held.items()):
             if path in kept:
                 what = "kept the last snapshot's version"
