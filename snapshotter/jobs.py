@@ -21,15 +21,17 @@ def cpu_count() -> int:
 
 def resolve_jobs(given: Optional[int] = None) -> int:
     """`given` (an option), else $SNAP_JOBS, else the cores this process may run on."""
+    source = f"--jobs {given}"
     if given is None:
         raw = os.environ.get(JOBS_ENV, "").strip()
         if not raw:
             return cpu_count()
+        source = f"{JOBS_ENV}={raw!r}"
         try:
             given = int(raw)
         except ValueError:
-            raise UsageError(f"{JOBS_ENV}={raw!r} is not a number",
+            raise UsageError(f"{source} is not a number",
                              f"set {JOBS_ENV} to how many jobs run at once, e.g. 4") from None
     if given < 1:
-        raise UsageError(f"--jobs {given}: at least 1 job runs", "pass --jobs 1 or more (1: all in this process)")
+        raise UsageError(f"{source}: at least 1 job runs", "pass 1 or more (1: all in this process)")
     return given

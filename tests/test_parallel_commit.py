@@ -176,6 +176,8 @@ def test_a_bad_jobs_setting_is_one_line_before_anything_is_read(registry, base_r
     assert_one_line_error(r, 2, "SNAP_JOBS='many'")
     r = snap("commit", f"{registry.host}/badjobs:v1", "--base", base_ref, "--root", box, "--jobs", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    r = snap("commit", f"{registry.host}/badjobs:v1", "--base", base_ref, "--root", box, env={"SNAP_JOBS": "0"})
+    assert_one_line_error(r, 2, "SNAP_JOBS='0'", "at least 1")
     assert digest_of(registry, "badjobs", "v1") is None
 
 
