@@ -255,3 +255,28 @@ def test_a_whiteout_of_a_lower_layer_applies_in_order(registry, request, tmp_pat
     r = snap("restore", ref, "--root", str(tmp_path / "root"), "--jobs", "3")
     assert r.returncode == 0, r.stderr
     assert tree(tmp_path / "root") == want
+
+
+# ---- two layers with the same path: the upper one's, whatever order they finish in -------------------
+
+def _upper_done_first(registry, request, tmp_path, lowest: list, topmost: list) -> None:
+    """Bundle 1 holds `lowest`, bundle BUNDLES `topmost`; bundle 1 starts writing only once the
+    topmost is applied: the tree is still the one applying them one by one gives."""
+    middle = [tar_bytes(*_many(f"m{i}")) for i in range(2, BUNDLES)]
+    ref = push_annotated(registry, repo_for(request), _snap_layers(
+        tar_bytes(*lowest, *_many("low")), *middle, tar_bytes(*topmost)), zstd=True)
+    want = restored_alone(ref, tmp_path / "alone")
+    root = tmp_path / "parallel"
+    proc, _ = hooked_restore(ref, root, hold=False)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert tree(root) == want and stale_temps(root) == []
+
+
+def test_a_directory_a_lower_layer_makes_where_an_upper_layer_has_a_file_is_the_file(registry, request, tmp_path,
+                                                                                    state_dir):
+    """A lower layer's directory (and files in it) where an upper layer puts a file or a symlink:
+    the upper one's, though the lower is applied last."""
+    _upper_done_first(registry, request, tmp_path,
+                      [member("d/", "dir"), member("d/f", data=b"lower\n"), member("e/", "dir"), member("e/g", data=b"g\n")],
+                      [member("d", data=b"upper file\n"), member("e", "symlink", linkname="d")])

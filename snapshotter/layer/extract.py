@@ -23,8 +23,8 @@
   is mounted at or below it, nor a file mounted over: a layer must not empty a mounted volume.
 - Several extractors may apply layers into one root at once (restore's parallel apply), each
   marked `parallel`: they share only parent directories, made by whichever comes first. A
-  parallel extractor never applies a whiteout, removes a directory, nor makes a hardlink to a file
-  it was not told of:
+  parallel extractor never applies a whiteout, removes a directory, replaces a non-directory with
+  one, nor makes a hardlink to a file it was not told of:
   it raises NeedsSerial, before changing anything, and the caller applies that layer again alone
   (another extractor may hold that directory resolved: removed, a symlink could take its place).
   Temp names carry the run's token (ExtractOptions.run_token): the sweep spares the other
@@ -87,8 +87,9 @@ class ExtractOptions:
 
 
 class NeedsSerial(Exception):
-    """A layer applied beside others holds a whiteout, would remove a directory, or links to a file
-    it was not told of: raised before that entry changes anything; the caller applies it again, alone."""
+    """A layer applied beside others holds a whiteout, would remove a directory or put one where a
+    non-directory is, or links to a file it was not told of: raised before that entry changes
+    anything; the caller applies it again, alone."""
 
 
 NAMES_KEPT = 1000  # names kept per kind for the report; the counts go on, so memory stays flat for any layer
@@ -278,6 +279,8 @@ class Extractor:
             if not create:
                 raise FileNotFoundError(path)
             # A non-directory stands where a directory is needed: the new layer replaces it.
+            if self.parallel:
+                raise NeedsSerial(here)  # perhaps an upper layer's, applied meanwhile
             self._note_parent(self._real(here.rpartition("/")[0]))
             os.unlink(path)
             os.mkdir(path, 0o755)
@@ -428,6 +431,8 @@ class Extractor:
 
         if m.isdir():
             if old is not None and not stat.S_ISDIR(old.st_mode):
+                if self.parallel:
+                    raise NeedsSerial(rel)  # perhaps an upper layer's, applied meanwhile
                 os.unlink(path)
                 old = None
             if old is None:
