@@ -273,6 +273,14 @@ def _upper_done_first(registry, request, tmp_path, lowest: list, topmost: list) 
     assert tree(root) == want and stale_temps(root) == []
 
 
+def test_a_file_two_layers_write_is_the_upper_layers(registry, request, tmp_path, state_dir):
+    """No image snap makes has one (each path is in one layer), but an OCI image may: an upper
+    layer's file replaces a lower one's, though the lower is applied last."""
+    _upper_done_first(registry, request, tmp_path,
+                      [member("a/", "dir"), member("a/x", data=b"lower\n"), member("a/s", "symlink", linkname="lower")],
+                      [member("a/", "dir"), member("a/x", data=b"upper\n"), member("a/s", "symlink", linkname="upper")])
+
+
 def test_a_directory_a_lower_layer_makes_where_an_upper_layer_has_a_file_is_the_file(registry, request, tmp_path,
                                                                                     state_dir):
     """A lower layer's directory (and files in it) where an upper layer puts a file or a symlink:
