@@ -72,15 +72,22 @@ def restored_alone(ref: str, root) -> dict:
 
 # `snap restore --jobs 2` whose extraction processes take a hook: the one given bundle 1 waits
 # until bundle BUNDLES is applied (a byte on the gate pipe), so that the topmost layer is done
-# before the lowest one starts writing; HOLD: it then tells the test its pid and holds still.
+# before the lowest one starts writing; HOLD: it then tells the test its pid and holds still. AT:
+# it waits instead once its file AT is written, before that file is renamed into place.
 _HOOKED = """
 import os, runpy, select, sys, threading
+from snapshotter.layer.extract import Extractor
 from snapshotter.restore import applier
 
-apply_layer = applier.apply_layer
+apply_layer, finish_held = applier.apply_layer, Extractor._finish_held
+
+def held(extractor):
+    if AT and extractor._held is not None and extractor._held[1].endswith("/" + AT):
+        select.select([GATE_R], [], [], 120)
+    finish_held(extractor)
 
 def hooked(extractor, job, on_bytes):
-    if job.label.endswith("(bundle 1)"):
+    if job.label.endswith("(bundle 1)") and not AT:
         select.select([GATE_R], [], [], 120)  # a guard against a hang only: the test fails if it ran out
         if HOLD:
             os.write(TELL, b"%d\\n" % os.getpid())
@@ -90,19 +97,20 @@ def hooked(extractor, job, on_bytes):
         os.write(GATE_W, b"x")
     return result
 
-applier.apply_layer = hooked
+applier.apply_layer, Extractor._finish_held = hooked, held
 sys.argv = ["snap", *ARGS]
 runpy.run_module("snapshotter", run_name="__main__")
 """
 
 
-def hooked_restore(ref: str, root, hold: bool) -> tuple[subprocess.Popen, int]:
+def hooked_restore(ref: str, root, hold: bool, at: str = "") -> tuple[subprocess.Popen, int]:
     """Start the hooked restore; with `hold`, return once bundle 1's process holds still (the others
     done): (the restore, that extraction process's pid); else (the restore, 0)."""
     gate_r, gate_w = os.pipe()
     tell_r, tell_w = os.pipe()
     args = ["restore", ref, "--root", str(root), "--jobs", "2"]
-    code = (f"GATE_R, GATE_W, TELL, HOLD, LAST, ARGS = {gate_r}, {gate_w}, {tell_w}, {hold}, {BUNDLES}, {args!r}\n"
+    code = (f"GATE_R, GATE_W, TELL, HOLD, LAST, AT, ARGS = {gate_r}, {gate_w}, {tell_w}, {hold}, {BUNDLES}, {at!r}, "
+            f"{args!r}\n"
             + _HOOKED)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             pass_fds=(gate_r, gate_w, tell_w), start_new_session=True)
@@ -261,15 +269,16 @@ def test_a_whiteout_of_a_lower_layer_applies_in_order(registry, request, tmp_pat
 
 # ---- two layers with the same path: the upper one's, whatever order they finish in -------------------
 
-def _upper_done_first(registry, request, tmp_path, lowest: list, topmost: list) -> None:
-    """Bundle 1 holds `lowest`, bundle BUNDLES `topmost`; bundle 1 starts writing only once the
-    topmost is applied: the tree is still the one applying them one by one gives."""
+def _upper_done_first(registry, request, tmp_path, lowest: list, topmost: list, at: str = "") -> None:
+    """Bundle 1 holds `lowest`, bundle BUNDLES `topmost`; bundle 1 starts writing (with `at`: renames
+    its file `at` into place) only once the topmost is applied: the tree is still the one applying
+    them one by one gives."""
     middle = [tar_bytes(*_many(f"m{i}")) for i in range(2, BUNDLES)]
     ref = push_annotated(registry, repo_for(request), _snap_layers(
         tar_bytes(*lowest, *_many("low")), *middle, tar_bytes(*topmost)), zstd=True)
     want = restored_alone(ref, tmp_path / "alone")
     root = tmp_path / "parallel"
-    proc, _ = hooked_restore(ref, root, hold=False)
+    proc, _ = hooked_restore(ref, root, hold=False, at=at)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert tree(root) == want and stale_temps(root) == []
@@ -299,3 +308,20 @@ def test_a_lower_layer_without_its_parent_entry_does_not_write_through_an_upper_
                                                                                                 tmp_path, state_dir):
     _upper_done_first(registry, request, tmp_path, [member("e/g", data=b"lower\n")],
                       [member("d/", "dir"), member("e", "symlink", linkname="d")])
+
+
+def test_a_file_a_lower_layer_renames_where_an_upper_layer_made_a_directory_meanwhile(registry, request, tmp_path,
+                                                                                     state_dir):
+    """The lower layer found no p, wrote its file, and the upper layer made the directory p before
+    the rename: applied again alone, in order, not a failed restore."""
+    _upper_done_first(registry, request, tmp_path, [member("p", data=b"lower\n"), member("q", data=b"q\n")],
+                      [member("p/", "dir"), member("p/f", data=b"upper\n")], at="p")
+
+
+def test_a_directory_a_lower_layer_makes_where_an_upper_layer_put_a_file_meanwhile(registry, request, tmp_path,
+                                                                                  state_dir):
+    """In r/, which the lower layer made, the upper layer put the file r/p before the lower one made
+    its directory r/p: applied again alone, in order, not a failed restore."""
+    _upper_done_first(registry, request, tmp_path,
+                      [member("r/", "dir"), member("r/o", data=b"o\n"), member("r/p/", "dir")],
+                      [member("r/", "dir"), member("r/p", data=b"upper\n")], at="o")
