@@ -15,6 +15,8 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from helpers import push_annotated, repo_for
 from support import member, snap, tar_bytes
 
@@ -70,15 +72,22 @@ def restored_alone(ref: str, root) -> dict:
 
 # `snap restore --jobs 2` whose extraction processes take a hook: the one given bundle 1 waits
 # until bundle BUNDLES is applied (a byte on the gate pipe), so that the topmost layer is done
-# before the lowest one starts writing; HOLD: it then tells the test its pid and holds still.
+# before the lowest one starts writing; HOLD: it then tells the test its pid and holds still. AT:
+# it waits instead once its file AT is written, before that file is renamed into place.
 _HOOKED = """
 import os, runpy, select, sys, threading
+from snapshotter.layer.extract import Extractor
 from snapshotter.restore import applier
 
-apply_layer = applier.apply_layer
+apply_layer, finish_held = applier.apply_layer, Extractor._finish_held
+
+def held(extractor):
+    if AT and extractor._held is not None and extractor._held[1].endswith("/" + AT):
+        select.select([GATE_R], [], [], 120)
+    finish_held(extractor)
 
 def hooked(extractor, job, on_bytes):
-    if job.label.endswith("(bundle 1)"):
+    if job.label.endswith("(bundle 1)") and not AT:
         select.select([GATE_R], [], [], 120)  # a guard against a hang only: the test fails if it ran out
         if HOLD:
             os.write(TELL, b"%d\\n" % os.getpid())
@@ -88,19 +97,20 @@ def hooked(extractor, job, on_bytes):
         os.write(GATE_W, b"x")
     return result
 
-applier.apply_layer = hooked
+applier.apply_layer, Extractor._finish_held = hooked, held
 sys.argv = ["snap", *ARGS]
 runpy.run_module("snapshotter", run_name="__main__")
 """
 
 
-def hooked_restore(ref: str, root, hold: bool) -> tuple[subprocess.Popen, int]:
+def hooked_restore(ref: str, root, hold: bool, at: str = "") -> tuple[subprocess.Popen, int]:
     """Start the hooked restore; with `hold`, return once bundle 1's process holds still (the others
     done): (the restore, that extraction process's pid); else (the restore, 0)."""
     gate_r, gate_w = os.pipe()
     tell_r, tell_w = os.pipe()
     args = ["restore", ref, "--root", str(root), "--jobs", "2"]
-    code = (f"GATE_R, GATE_W, TELL, HOLD, LAST, ARGS = {gate_r}, {gate_w}, {tell_w}, {hold}, {BUNDLES}, {args!r}\n"
+    code = (f"GATE_R, GATE_W, TELL, HOLD, LAST, AT, ARGS = {gate_r}, {gate_w}, {tell_w}, {hold}, {BUNDLES}, {at!r}, "
+            f"{args!r}\n"
             + _HOOKED)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             pass_fds=(gate_r, gate_w, tell_w), start_new_session=True)
@@ -255,3 +265,63 @@ def test_a_whiteout_of_a_lower_layer_applies_in_order(registry, request, tmp_pat
     r = snap("restore", ref, "--root", str(tmp_path / "root"), "--jobs", "3")
     assert r.returncode == 0, r.stderr
     assert tree(tmp_path / "root") == want
+
+
+# ---- two layers with the same path: the upper one's, whatever order they finish in -------------------
+
+def _upper_done_first(registry, request, tmp_path, lowest: list, topmost: list, at: str = "") -> None:
+    """Bundle 1 holds `lowest`, bundle BUNDLES `topmost`; bundle 1 starts writing (with `at`: renames
+    its file `at` into place) only once the topmost is applied: the tree is still the one applying
+    them one by one gives."""
+    middle = [tar_bytes(*_many(f"m{i}")) for i in range(2, BUNDLES)]
+    ref = push_annotated(registry, repo_for(request), _snap_layers(
+        tar_bytes(*lowest, *_many("low")), *middle, tar_bytes(*topmost)), zstd=True)
+    want = restored_alone(ref, tmp_path / "alone")
+    root = tmp_path / "parallel"
+    proc, _ = hooked_restore(ref, root, hold=False, at=at)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert tree(root) == want and stale_temps(root) == []
+
+
+def test_a_file_two_layers_write_is_the_upper_layers(registry, request, tmp_path, state_dir):
+    """No image snap makes has one (each path is in one layer), but an OCI image may: an upper
+    layer's file replaces a lower one's, though the lower is applied last."""
+    _upper_done_first(registry, request, tmp_path,
+                      [member("a/", "dir"), member("a/x", data=b"lower\n"), member("a/s", "symlink", linkname="lower")],
+                      [member("a/", "dir"), member("a/x", data=b"upper\n"), member("a/s", "symlink", linkname="upper")])
+
+
+def test_a_directory_a_lower_layer_makes_where_an_upper_layer_has_a_file_is_the_file(registry, request, tmp_path,
+                                                                                    state_dir):
+    """A lower layer's directory (and files in it) where an upper layer puts a file or a symlink:
+    the upper one's, though the lower is applied last."""
+    _upper_done_first(registry, request, tmp_path,
+                      [member("d/", "dir"), member("d/f", data=b"lower\n"), member("e/", "dir"), member("e/g", data=b"g\n")],
+                      [member("d", data=b"upper file\n"), member("e", "symlink", linkname="d")])
+
+
+@pytest.mark.xfail(strict=True, reason="a lower layer without its parent's directory entry (snap's layers always carry "
+                   "them) writes through an upper layer's symlink applied first: inside the root, but not the tree "
+                   "applied one by one gives")
+def test_a_lower_layer_without_its_parent_entry_does_not_write_through_an_upper_layers_symlink(registry, request,
+                                                                                                tmp_path, state_dir):
+    _upper_done_first(registry, request, tmp_path, [member("e/g", data=b"lower\n")],
+                      [member("d/", "dir"), member("e", "symlink", linkname="d")])
+
+
+def test_a_file_a_lower_layer_renames_where_an_upper_layer_made_a_directory_meanwhile(registry, request, tmp_path,
+                                                                                     state_dir):
+    """The lower layer found no p, wrote its file, and the upper layer made the directory p before
+    the rename: applied again alone, in order, not a failed restore."""
+    _upper_done_first(registry, request, tmp_path, [member("p", data=b"lower\n"), member("q", data=b"q\n")],
+                      [member("p/", "dir"), member("p/f", data=b"upper\n")], at="p")
+
+
+def test_a_directory_a_lower_layer_makes_where_an_upper_layer_put_a_file_meanwhile(registry, request, tmp_path,
+                                                                                  state_dir):
+    """In r/, which the lower layer made, the upper layer put the file r/p before the lower one made
+    its directory r/p: applied again alone, in order, not a failed restore."""
+    _upper_done_first(registry, request, tmp_path,
+                      [member("r/", "dir"), member("r/o", data=b"o\n"), member("r/p/", "dir")],
+                      [member("r/", "dir"), member("r/p", data=b"upper\n")], at="o")

@@ -23,8 +23,8 @@
   is mounted at or below it, nor a file mounted over: a layer must not empty a mounted volume.
 - Several extractors may apply layers into one root at once (restore's parallel apply), each
   marked `parallel`: they share only parent directories, made by whichever comes first. A
-  parallel extractor never applies a whiteout, removes a directory, nor makes a hardlink to a file
-  it was not told of:
+  parallel extractor never applies a whiteout, removes a directory, replaces a non-directory with
+  one, nor makes a hardlink to a file it was not told of:
   it raises NeedsSerial, before changing anything, and the caller applies that layer again alone
   (another extractor may hold that directory resolved: removed, a symlink could take its place).
   Temp names carry the run's token (ExtractOptions.run_token): the sweep spares the other
@@ -87,8 +87,9 @@ class ExtractOptions:
 
 
 class NeedsSerial(Exception):
-    """A layer applied beside others holds a whiteout, would remove a directory, or links to a file
-    it was not told of: raised before that entry changes anything; the caller applies it again, alone."""
+    """A layer applied beside others holds a whiteout, would remove a directory or put one where a
+    non-directory is (or finds one a layer applied meanwhile put there), or links to a file it was
+    not told of: raised before that entry changes anything; the caller applies it again, alone."""
 
 
 NAMES_KEPT = 1000  # names kept per kind for the report; the counts go on, so memory stays flat for any layer
@@ -278,6 +279,8 @@ class Extractor:
             if not create:
                 raise FileNotFoundError(path)
             # A non-directory stands where a directory is needed: the new layer replaces it.
+            if self.parallel:
+                raise NeedsSerial(here)  # perhaps an upper layer's, applied meanwhile
             self._note_parent(self._real(here.rpartition("/")[0]))
             os.unlink(path)
             os.mkdir(path, 0o755)
@@ -388,8 +391,17 @@ class Extractor:
         if self._held is not None:
             tmp, path = self._held
             if tmp is not None:
-                os.rename(tmp, path)
+                self._rename(tmp, path)
             self._held = None
+
+    def _rename(self, tmp: str, path: str) -> None:
+        """Put `tmp` in place at `path` (no directory: it was not one when this entry began)."""
+        try:
+            os.rename(tmp, path)
+        except IsADirectoryError:
+            if not self.parallel:
+                raise
+            raise NeedsSerial(path) from None  # a layer applied meanwhile made a directory there
 
     def _apply_member(self, reader: TarReader, m: tarfile.TarInfo) -> None:
         rel = check_name(m.name)
@@ -428,6 +440,8 @@ class Extractor:
 
         if m.isdir():
             if old is not None and not stat.S_ISDIR(old.st_mode):
+                if self.parallel:
+                    raise NeedsSerial(rel)  # perhaps an upper layer's, applied meanwhile
                 os.unlink(path)
                 old = None
             if old is None:
@@ -435,8 +449,10 @@ class Extractor:
                     os.mkdir(path, 0o700)
                     self._made_dir(path)
                 except FileExistsError:
-                    if not self.parallel or not stat.S_ISDIR(os.lstat(path).st_mode):
+                    if not self.parallel:
                         raise
+                    if not stat.S_ISDIR(os.lstat(path).st_mode):
+                        raise NeedsSerial(rel) from None  # a layer applied meanwhile put a non-directory there
                     # another extractor made it meanwhile: a parent directory both layers hold
             self._set_attrs(path, m, rel)
             self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
@@ -482,7 +498,7 @@ class Extractor:
                 # renamed by _finish_held, or removed by apply
                 self._held, renamed = (None if in_place else tmp, path), True
             else:
-                os.rename(tmp, path)
+                self._rename(tmp, path)
                 # A rename onto another link of the same inode does nothing and leaves tmp in place:
                 # only a hardlink can be that (when `path` already links to its target).
                 renamed = not m.islnk()

@@ -11,7 +11,9 @@ anything (layer/extract.py: NeedsSerial); it, and every layer above it already s
 applied again, alone and in order.
 
 The journal hears of layers in order: layer k is recorded once layers 1..k are done, so that a
-run killed at any point resumes after a prefix that is wholly applied. Before a layer applied
+run killed at any point resumes after a prefix that is wholly applied. A layer applied beside
+others that wrote a path a lower one of them wrote (no snap image has one; an OCI image may) is
+applied again, alone, before it is recorded: the upper layer's file wins whoever finished last. Before a layer applied
 beside others is recorded, its directories get the owner, mode and times the topmost layer done
 since the last lone layer gives them (Extractor.settle_dirs): the last word is the topmost
 layer's, as applied one after the other."""
@@ -93,6 +95,7 @@ class Scheduler:
         applied: list[str] = []
         headers: dict[str, str] = {}
         group_start = 0  # the first layer after the last one applied alone
+        group_files: set[str] = set()  # what the layers of the group recorded so far wrote
         for n, layer in enumerate(self.layers):
             at, digest = self.offset + n, layer.desc["digest"]
             if layer.skipped is not None:  # the root holds it: as if applied now
@@ -102,16 +105,24 @@ class Scheduler:
                 self._note_recorded(n + 1)
                 continue
             with self._cond:
-                while n not in self._done:
-                    if self._errors:
-                        raise min(self._errors, key=lambda e: e[0])[1]
-                    self._cond.wait()
-                done = self._done[n]
+                while True:
+                    while n not in self._done:
+                        if self._errors:
+                            raise min(self._errors, key=lambda e: e[0])[1]
+                        self._cond.wait()
+                    done = self._done[n]
+                    if not done.beside or group_files.isdisjoint(done.result.files):
+                        break
+                    # A lower layer of the group wrote one of its paths, perhaps after it did: the
+                    # upper one's must win, as applied one after the other.
+                    self._force_from(n)
                 group = {m: d for m, d in self._done.items() if m >= group_start and d.beside}
             if done.beside:
                 self._settle(n, group)
+                group_files.update(done.result.files)
             else:
                 group_start = n + 1
+                group_files.clear()
             if done.result.record is not None:
                 headers[digest] = done.result.record
             self.journal.record_applied(at + 1, done.result.files)
@@ -159,15 +170,22 @@ class Scheduler:
     def _alone(self, n: int) -> bool:
         return self.layers[n].alone or n in self._forced or len(self.workers) == 1
 
-    def _finished(self) -> bool:
-        return all(layer.skipped is not None or m in self._done for m, layer in enumerate(self.layers))
+    def _force_from(self, n: int) -> None:
+        """Layer n, and every layer above it already started, to apply again alone and in order.
+        Under the condition; n is not running."""
+        started = max((*self._running, *self._done, n))
+        for m in range(n, started + 1):
+            self._forced.add(m)
+            if m in self._done and self._done[m].beside:
+                del self._done[m]  # applied again, alone, after n
+        self._cond.notify_all()
 
     def _feed(self, i: int, worker: ExtractWorker) -> None:
         told = 0  # how much of _written this worker was told of
         while True:
             with self._cond:
                 while True:
-                    if self._stop or self._errors or self._finished():
+                    if self._stop or self._errors:  # not once all are done: _record_in_order may force one again
                         return
                     taken = self._startable(i)
                     if taken is not None:
@@ -181,12 +199,7 @@ class Scheduler:
             except NeedsSerial:
                 with self._cond:
                     del self._running[n]
-                    started = max((*self._running, *self._done, n))
-                    for m in range(n, started + 1):
-                        self._forced.add(m)
-                        if m in self._done and self._done[m].beside:
-                            del self._done[m]  # applied again, alone, after n
-                    self._cond.notify_all()
+                    self._force_from(n)
                 continue
             except BaseException as e:  # noqa: BLE001 - raised by the parent's thread, in run()
                 with self._cond:
