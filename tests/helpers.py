@@ -281,7 +281,8 @@ def part_image(registry, request, first: tuple[tarfile.TarInfo, bytes], anns=("1
     ])
 
 
-def _tree(path: str) -> dict:
+def tree_state(path: str) -> dict:
+    """path -> (mode, link count, owner, mtime in ns, content digest or link target), the root itself left out."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(path):
         for n in dirnames + filenames:
@@ -313,7 +314,7 @@ class Jail:
         # Above the test dir other test sessions may come and go: look only for the escape's mark.
         around = [os.path.join(p, n) for p in (self.base.parent, self.base.parent.parent, "/")
                   for n in os.listdir(p) if n.startswith(MARK)]
-        return _tree(str(self.outside)), sorted(n for n in os.listdir(self.base)), around
+        return tree_state(str(self.outside)), sorted(n for n in os.listdir(self.base)), around
 
     def through(self, link: str, via: str, target: str) -> str:
         """The member name that reaches `target` (outside the root) through symlink `link` -> `via`

@@ -17,7 +17,7 @@ from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.restore.applier import ExtractWorker
 from snapshotter.restore.restore import RestoreOptions, restore_image
 
-from helpers import _tree, digest_of, part_ann, push, push_annotated, repo_for
+from helpers import digest_of, part_ann, push, push_annotated, repo_for, tree_state
 from support import member, tar_bytes
 
 KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nthe box's own\n"
@@ -33,12 +33,12 @@ def plant_key(root) -> None:
 
 def test_a_hardlink_to_a_file_already_in_the_root_is_refused(registry, jail, request):
     plant_key(jail.root)
-    before = _tree(str(jail.root))  # type, mode, link count, owner, mtime, content of each path
+    before = tree_state(str(jail.root))  # type, mode, link count, owner, mtime, content of each path
     ref = push(registry, request, tar_bytes(member("data/", "dir"), member("data/k", "hardlink", linkname="root/.ssh/id_rsa")))
     line = jail.refused(jail.restore(ref))
     assert "'root/.ssh/id_rsa'" in line and "the image did not write" in line, line
     assert os.lstat(jail.root / "root/.ssh/id_rsa").st_nlink == 1, "a second name for the box's key"
-    after = _tree(str(jail.root))
+    after = tree_state(str(jail.root))
     assert {k: v for k, v in after.items() if k != "data"} == before  # only the layer's own directory came
     assert os.listdir(jail.root / "data") == []
 

@@ -6,7 +6,6 @@ when applied alone."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import select
@@ -17,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import push_annotated, repo_for
+from helpers import push_annotated, repo_for, tree_state
 from support import member, snap, tar_bytes
 
 BUNDLES = 4
@@ -43,23 +42,6 @@ def venv_image(registry, request) -> str:
     return push_annotated(registry, repo_for(request), layers, zstd=True)
 
 
-def tree(root) -> dict:
-    """path -> (mode, links, owner, mtime, content digest or link target), the root itself left out."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = os.path.join(dirpath, n)
-            st = os.lstat(p)
-            content = ""
-            if stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    content = hashlib.sha256(f.read()).hexdigest()
-            elif stat.S_ISLNK(st.st_mode):
-                content = os.readlink(p)
-            out[os.path.relpath(p, root)] = (oct(st.st_mode), st.st_nlink, st.st_uid, st.st_mtime_ns, content)
-    return out
-
-
 def stale_temps(root) -> list[str]:
     return [os.path.join(d, n) for d, _, files in os.walk(root) for n in files if n.startswith(".snap-tmp-")]
 
@@ -67,7 +49,7 @@ def stale_temps(root) -> list[str]:
 def restored_alone(ref: str, root) -> dict:
     r = snap("restore", ref, "--root", str(root), "--jobs", "1")
     assert r.returncode == 0, r.stderr
-    return tree(root)
+    return tree_state(root)
 
 
 # `snap restore --jobs 2` whose extraction processes take a hook: the one given bundle 1 waits
@@ -141,13 +123,13 @@ def test_layers_applied_at_once_give_the_tree_applied_one_by_one_gives(registry,
     still ends with the topmost bundle's mode and mtime, every file and time as applied alone."""
     ref = venv_image(registry, request)
     want = restored_alone(ref, tmp_path / "alone")
-    assert want["venv/lib"][0] == oct(stat.S_IFDIR | 0o700 + 0o10 * BUNDLES)
+    assert want["venv/lib"][0] == stat.S_IFDIR | 0o700 + 0o10 * BUNDLES
 
     root = tmp_path / "parallel"
     proc, _ = hooked_restore(ref, root, hold=False)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    assert tree(root) == want
+    assert tree_state(root) == want
     assert snap("verify", ref, "--root", str(root), "--jobs", "3").returncode == 0
 
 
@@ -171,7 +153,7 @@ def test_a_killed_restore_records_only_a_prefix_and_resumes_to_the_same_tree(reg
     r = snap("restore", ref, "--root", str(root), "--jobs", "2", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["resumed"] == 1
-    assert tree(root) == want and stale_temps(root) == []
+    assert tree_state(root) == want and stale_temps(root) == []
 
 
 def test_a_killed_extraction_process_is_one_line_and_the_next_run_resumes(registry, request, tmp_path, state_dir):
@@ -187,7 +169,7 @@ def test_a_killed_extraction_process_is_one_line_and_the_next_run_resumes(regist
     assert journal_applied(state_dir) == 1
     r = snap("restore", ref, "--root", str(root), "--jobs", "2")
     assert r.returncode == 0, r.stderr
-    assert tree(root) == want and stale_temps(root) == []
+    assert tree_state(root) == want and stale_temps(root) == []
 
 
 def _gone(pid: int) -> bool:
@@ -250,7 +232,7 @@ def test_a_hardlink_to_a_file_of_a_layer_applied_meanwhile_is_made(registry, req
     want = restored_alone(ref, tmp_path / "alone")
     r = snap("restore", ref, "--root", str(tmp_path / "root"), "--jobs", "3")
     assert r.returncode == 0, r.stderr
-    assert tree(tmp_path / "root") == want and want["b/link"][1] == 2
+    assert tree_state(tmp_path / "root") == want and want["b/link"][1] == 2
 
 
 def test_a_whiteout_of_a_lower_layer_applies_in_order(registry, request, tmp_path, state_dir):
@@ -264,7 +246,7 @@ def test_a_whiteout_of_a_lower_layer_applies_in_order(registry, request, tmp_pat
     assert "a/gone" not in want and list(k for k in want if k.startswith("a/sub/")) == ["a/sub/new"]
     r = snap("restore", ref, "--root", str(tmp_path / "root"), "--jobs", "3")
     assert r.returncode == 0, r.stderr
-    assert tree(tmp_path / "root") == want
+    assert tree_state(tmp_path / "root") == want
 
 
 # ---- two layers with the same path: the upper one's, whatever order they finish in -------------------
@@ -281,7 +263,7 @@ def _upper_done_first(registry, request, tmp_path, lowest: list, topmost: list, 
     proc, _ = hooked_restore(ref, root, hold=False, at=at)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    assert tree(root) == want and stale_temps(root) == []
+    assert tree_state(root) == want and stale_temps(root) == []
 
 
 def test_a_file_two_layers_write_is_the_upper_layers(registry, request, tmp_path, state_dir):
