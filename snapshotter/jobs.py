@@ -33,5 +33,5 @@ def resolve_jobs(given: Optional[int] = None) -> int:
             raise UsageError(f"{source} is not a number",
                              f"set {JOBS_ENV} to how many jobs run at once, e.g. 4") from None
     if given < 1:
-        raise UsageError(f"{source}: at least 1 job runs", "pass 1 or more (1: all in this process)")
+        raise UsageError(f"{source}: at least 1 job runs", "pass 1 or more; 1 runs everything in this process")
     return given
