@@ -10,6 +10,8 @@ import mmap
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -276,6 +278,37 @@ def test_a_change_through_one_name_of_a_file_is_sent_for_all_its_names(registry,
     assert len(snapshots(lines)) == 2, lines
     assert not [line for line in lines if line.startswith("held back")], lines
     assert_restores_to_box(registry, f"ev-{change}", box, tmp_path, "r")
+
+
+def test_the_final_snapshot_sees_a_write_through_a_map_still_held(registry, base_ref, box, tmp_path, old_files):
+    # A database keeps its file mapped: its writes send no notification and no full scan follows
+    # the final snapshot, which must look at the files mapped for writing itself.
+    write_tree(box, {"opt/app/db/state.bin": b"\0" * 4096})
+    lines, clock = [], FakeClock()
+    w = evented(registry, base_ref, box, "ev-final-map", lines, clock)
+    w.tick()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys\n"
+        f"f = open({os.path.join(box, 'opt/app/db/state.bin')!r}, 'r+b')\n"
+        "m = mmap.mmap(f.fileno(), 4096)\n"
+        "f.close()\n"  # the map alone holds the file: its close comes when it is unmapped
+        "m[:11] = b'through map'\n"
+        "m.flush()\n"
+        "print('written', flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "written\n"
+        w.events.drain()  # the open and close are notified; the write through the map is not
+        assert w.events.drain() == (set(), None)
+        clock.advance(60)  # the write is older than the stable time: it is sent, not held back
+        assert w.final("signal SIGTERM") == 0, lines
+    finally:
+        holder.communicate("")
+    assert any(line.startswith("final snapshot ") for line in lines), lines[-3:]
+    out = tmp_path / "r"
+    restore_image(f"{registry.host}/ev-final-map:v2", str(out))
+    with open(out / "opt/app/db/state.bin", "rb") as f:
+        assert f.read(11) == b"through map"
 
 
 def test_the_final_snapshot_scans_the_directories_no_notification_comes_from(registry, base_ref, box, tmp_path,

@@ -274,7 +274,7 @@ class Watcher:
         if dirty is None or previous is None or (final and not self.events_complete):
             dirty = previous = None
         else:
-            dirty = dirty | previous.racy_dirs
+            dirty = dirty | previous.racy_dirs | (self._mapped_dirs() if final else set())
         try:
             scan = scan_root(self.root, profile, self.commit_memo, previous, dirty)
         except BaseException:
@@ -580,12 +580,20 @@ class Watcher:
             self._prune()
         return tag
 
+    def _mapped_dirs(self) -> set[str]:
+        """The directories of the box's files some process holds open for writing or maps
+        shared-writable: a write through a mapping sends no notification, so the final snapshot,
+        which no later full scan follows, looks at them itself."""
+        return {p.rpartition("/")[0] for p in open_for_writing().under(self.root)}
+
     def _nothing_new(self) -> bool:
         """The box is as the last snapshot holds it, by the change notifications alone (no scan): the
         last commit scan is that snapshot's, nothing was held back from it, no notification came
-        since, none was lost, and no path of it changed within the memo's racy window."""
+        since, none was lost, no path of it changed within the memo's racy window, and no file of
+        it is mapped or open for writing (see _mapped_dirs)."""
         if not (self.events_complete and self.committed_whole and self.commit_scan is not None
-                and self.commit_scan is self.committed_scan and not self.commit_scan.racy_dirs):
+                and self.commit_scan is self.committed_scan and not self.commit_scan.racy_dirs
+                and not self._mapped_dirs()):
             return False
         self._drain()
         with self.events_lock:
