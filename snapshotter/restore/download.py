@@ -19,13 +19,14 @@ from typing import NamedTuple, Optional
 from snapshotter import progress
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError, StorageError, storage_error
+from snapshotter.jobs import cpu_count
 from snapshotter.layer.staging import SPLIT_SUFFIX, SplitLayer, StagingDirs, download_split
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART_FILE
 from snapshotter.registry.remote import Remote
 
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
 # process of their own beside them; more streams than cores only slowed the restore down.
-DOWNLOAD_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))
+DOWNLOAD_WORKERS = max(2, min(4, cpu_count()))
 WEIGHTS_NICE = 10  # the nice value of a thread downloading weights
 
 

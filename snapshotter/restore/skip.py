@@ -38,6 +38,7 @@ from typing import Callable, Optional
 from snapshotter import progress
 from snapshotter.box.profile import PathSet
 from snapshotter.errors import IntegrityError
+from snapshotter.jobs import cpu_count
 from snapshotter.layer.plan import parse_part_annotation, parse_part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE
 from snapshotter.snapshot.skeleton import Skeleton
@@ -45,7 +46,7 @@ from snapshotter.tar.reader import READ_BUFFER, ForwardStream, TarReader
 from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, member_xattrs,
                                    whiteout_target)
 
-HASH_WORKERS = max(1, min(16, len(os.sched_getaffinity(0))))  # layers hashed at once (a GPU box has 16+ cores)
+HASH_WORKERS = max(1, min(16, cpu_count()))  # layers hashed at once (a GPU box has 16+ cores)
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 _CAPABILITY = "security.capability"
 _WHITEOUT = "whiteout"  # a path kind in LayerCheck.paths beside stat's S_IFMT values
