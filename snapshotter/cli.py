@@ -15,6 +15,11 @@ from typing import List, Optional
 
 import typer
 
+try:
+    from typer import _click as click  # typer 0.2x vendors click; before, it depends on it
+except ImportError:  # pragma: no cover
+    import click
+
 from snapshotter.registry.credentials import Credentials
 from snapshotter.registry.transport import TransportOptions
 
@@ -632,7 +637,27 @@ def logout(registry: str = typer.Argument(..., help="The registry, e.g. ghcr.io,
 
 def main() -> None:
     _secret_env()  # before anything can start a process
-    app()
+    try:
+        code = app(standalone_mode=False)
+    except click.exceptions.ClickException as e:
+        sys.exit(_usage_error(e))
+    except typer.Abort:
+        _say("snap: interrupted")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_error(e) -> int:
+    """A command line click refuses (an unknown option, a missing argument, a bad value): one
+    `snap: error:` line, as any other bad input, instead of click's usage panel. `snap` alone
+    still shows the help."""
+    if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+        e.show()
+        return e.exit_code
+    ctx = getattr(e, "ctx", None)
+    command = f"snap {ctx.info_name}" if ctx is not None and ctx.parent is not None else "snap"
+    _say(f"snap: error: {e.format_message()} (see `{command} --help`)")
+    return e.exit_code
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 import pytest
 import requests
+import typer
 
 import snapshotter
+from snapshotter import cli
 
 from support import assert_one_line_error, free_port, snap
 
@@ -86,3 +88,26 @@ def test_dash_p_means_publish_only(cmd):
     assert r.returncode == 2 and "No such option: -p" in r.stderr, r.stderr
     assert "--profile" in snap(cmd, "--help").stdout
     assert "--publish" in snap("run", "--help").stdout and "-p" in snap("run", "--help").stdout
+
+
+
+COMMANDS = sorted(typer.main.get_command(cli.app).commands)
+REFUSED = ([([cmd, "--password", "x"], "No such option: --password") for cmd in COMMANDS]
+           + [(["--password"], "No such option: --password"), (["no-such-command"], "no-such-command"),
+              (["log"], "Missing argument"), (["commit", "r", "--jobs", "0"], "--jobs"),
+              (["verify", "r", "--root", "/", "-\x1b[2J"], "No such option: -\\x1b")])
+
+
+@pytest.mark.parametrize("args,said", REFUSED, ids=[" ".join(a).encode("unicode_escape").decode() for a, _ in REFUSED])
+def test_a_command_line_click_refuses_is_one_error_line(args, said):
+    """An unknown option (of every command), an unknown command, a missing argument, a bad value:
+    one `snap: error:` line naming what was wrong (escaped), exit 2; no usage panel."""
+    r = snap(*args)
+    assert_one_line_error(r, 2, said, "--help`")
+    assert r.stderr.count("\n") == 1 and r.stdout == "", r.stderr
+    assert not any(c in r.stderr for c in "╭│╰\x1b") and "Usage:" not in r.stderr, r.stderr
+
+
+def test_snap_alone_still_shows_the_help():
+    r = snap()
+    assert r.returncode == 2 and "Usage:" in r.stderr + r.stdout and "commit" in r.stderr + r.stdout
