@@ -519,7 +519,7 @@ def log_(
     layers new in each versus the one before (label and size)."""
     from snapshotter.commit.history import snapshot_log
 
-    snaps = snapshot_log(target, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin))
+    snaps = snapshot_log(target, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say)
     if as_json:
         _stdout(json.dumps([asdict(s) for s in snaps], indent=2))
         return

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, NotFound, RegistryError, UsageError
@@ -20,6 +20,8 @@ from snapshotter.snapshot.statcache import last_base
 
 from .commit import plan_commit
 from .model import CommitOptions
+
+MALFORMED_SHOWN, MALFORMED_SHOWN_CHARS = 5, 200  # a hostile list of thousands stays one short line
 
 
 @dataclass
@@ -40,14 +42,23 @@ class SnapshotInfo:
     new: list[LayerInfo] = field(default_factory=list)  # snap's layers the snapshot before did not have
 
 
-def snapshot_log(target: str, transport: Optional[TransportOptions] = None) -> list[SnapshotInfo]:
-    """The snapshots (images made by snap) in TARGET's repository, newest first."""
+def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
+                 log: Callable[[str], None] = lambda msg: None) -> list[SnapshotInfo]:
+    """The snapshots (images made by snap) in TARGET's repository, newest first. Names in the
+    registry's tag list that are no tags are never asked for (one could name another path of the
+    API): `log` names them, escaped, in one line."""
     ref = Reference.parse(target)
     remote = Remote(ref, transport)
     by_digest: dict[str, list[str]] = {}
-    for tag in remote.list_tags():
+    tags = remote.list_tags()
+    malformed = [t for t in tags if not is_tag(t)]
+    if malformed:
+        named = ", ".join(repr(t[:MALFORMED_SHOWN_CHARS]) for t in malformed[:MALFORMED_SHOWN])  # repr: escaped
+        more = f" and {len(malformed) - MALFORMED_SHOWN} more" if len(malformed) > MALFORMED_SHOWN else ""
+        log(f"warning: the registry lists {len(malformed)} name(s) in {ref.name} that are not tags, left out: {named}{more}")
+    for tag in tags:
         if not is_tag(tag):
-            raise RegistryError(f"the registry lists a malformed tag {tag!r} in {ref.name}")  # repr: escaped
+            continue
         digest = remote.manifest_digest(tag)
         if digest is not None and not (isinstance(digest, str) and DIGEST.fullmatch(digest)):
             raise RegistryError(f"the registry names {ref.name}:{tag} by a malformed digest {digest!r}")
