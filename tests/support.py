@@ -524,6 +524,14 @@ def assert_one_line_error(r, code: int, *words: str) -> None:
         assert w in lines[0], lines[0]
 
 
+def assert_clean(r) -> None:
+    """No raw control character (nor a name's undecodable byte) in snap's output but the newline
+    ending each line."""
+    for text in (r.stdout, r.stderr):
+        bad = [c for c in text if c != "\n" and not c.isprintable()]
+        assert not bad, (bad, text)
+
+
 def snapshot_of_tree(root: str, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
     """Everything a restore must reproduce, per path: type, mode, owner, mtime, content digest or
     link target, and which paths share an inode (hardlinks). Written independently of snap's code."""

@@ -19,18 +19,11 @@ from snapshotter.registry.answers import json_object
 from snapshotter.registry.destinations import check_destination, origin
 
 from helpers import PART, part_ann, push_annotated, repo_for
-from support import assert_one_line_error, member, snap, tar_bytes
+from support import assert_clean, assert_one_line_error, member, snap, tar_bytes
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 HOSTILE = {"esc": "\x1b[31mred\x1b[0m", "bel": "ring\x07", "cr": "over\rwritten", "csi": "c1\x9b2J",
            "newline": "x\nsnap: error: forged"}
-
-
-def assert_clean(r) -> None:
-    """No raw control character in snap's output but the newline ending each line."""
-    for text in (r.stdout, r.stderr):
-        bad = [c for c in text if c != "\n" and not c.isprintable()]
-        assert not bad, (bad, text)
 
 
 def assert_refused(r, code: int = 6, *words: str) -> None:
@@ -170,9 +163,6 @@ VERIFY_CASES = {
     "part-twice": (_parts(("1/2", "1/2")), True),
     "part-missing": (_parts(("1/2",)), True),
     "part-malformed": (_parts(("one/2", "2/2")), True),
-    "part-file-newline": ([(tar_bytes(member("m/", "dir")), {}),
-                           (tar_bytes(member(PART.format(1, 1), data=b"x")), part_ann("m/big\x1b\nsnap: error: x", "1/1"))],
-                          False),
     "hardlink-out-in-part-layer": (_parts(("1/2", "2/2"), member("m/evil", "hardlink", linkname="../outside/secret")),
                                    True),
     "hardlink-to-nothing-in-part-layer": (_parts(("1/2", "2/2"), member("m/evil", "hardlink", linkname="m/none")),
@@ -180,7 +170,6 @@ VERIFY_CASES = {
     "hardlink-to-dir": ([(tar_bytes(member("m/", "dir"), member("m/l", "hardlink", linkname="m")), {})], True),
     "name-too-long": ([(tar_bytes(member(f"d/{LONG}", data=b"x")), {})], False),
     "path-too-long": ([(tar_bytes(member("/".join(["b" * 200] * 21) + "/f", data=b"x")), {})], False),
-    "name-with-newline": ([(tar_bytes(member("d/a\x1b[2J\nsnap: error: forged", data=b"x")), {})], False),
 }
 
 

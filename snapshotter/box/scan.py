@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from snapshotter.errors import StorageError, UsageError
+from snapshotter.errors import StorageError, UsageError, quoted_path
 from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, clean_path, entry_from_stat, kind_of_mode,
                                      self_and_parents, stat_stamp)
 from snapshotter.index.paths import entry_links, resolve_in_root
-from snapshotter.tar.rules import SKIP_XATTRS
+from snapshotter.tar.rules import SKIP_XATTRS, WHITEOUT_PREFIX
 
 from .mounts import bind_mounted_files, pseudo_mounts
 from .openat import DIR_FLAGS, READ_FLAGS, NotTheScanned, open_beneath, open_leaf, open_root
@@ -240,6 +240,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         if rel in mounted:
             host_files.add(rel)
             return 0
+        if name.startswith(WHITEOUT_PREFIX):
+            _refuse_whiteout_name(rel)
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
@@ -324,6 +326,17 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     # of the box its snapshot (a reclaim gives no second try).
     return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files), sorted(unreadable),
                 listed=listed, racy_dirs=racy, touched=touched if partial else None)
+
+
+def _refuse_whiteout_name(rel: str) -> None:
+    """A box file named `.wh.NAME` is what a layer says to delete NAME: no layer can hold it as a
+    file, and a restore would delete its sibling instead. Refused before anything is read or sent
+    (every other name, newlines and bytes that are not UTF-8 included, is taken as it is)."""
+    parent, _, name = rel.rpartition("/")
+    hidden = f"{parent}/{name[len(WHITEOUT_PREFIX):]}" if parent else name[len(WHITEOUT_PREFIX):]
+    raise UsageError(f"{quoted_path(rel)} is named as an OCI whiteout ({WHITEOUT_PREFIX!r} first): no layer can "
+                     f"hold it, and a restore would delete {quoted_path(hidden)} instead",
+                     "rename it, or leave it out with the profile's exclude list")
 
 
 def walk_stack(root_fd: int, stack: list[str], listed: dict[str, list[str]], walked: set[str], unreadable: set[str],
