@@ -189,9 +189,15 @@ class Writer:
         self.proc.communicate("go\n", timeout=TIMEOUT)
 
 
-MAPPER = ("import mmap, os, sys\n"
-          "fd = os.open(sys.argv[1], os.O_RDWR); m = mmap.mmap(fd, 4096); os.close(fd)\n"
-          "m[:5] = b'hello'; print('mapped', flush=True); sys.stdin.readline()\n")
+# mmap(2) through ctypes: Python's mmap module keeps a duplicate of the descriptor open, which
+# /proc/PID/fd would show; this process keeps none, so only /proc/PID/maps tells.
+MAPPER = ("import ctypes, os, sys\n"
+          "libc = ctypes.CDLL(None, use_errno=True); libc.mmap.restype = ctypes.c_void_p\n"
+          "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+          "fd = os.open(sys.argv[1], os.O_RDWR); addr = libc.mmap(None, 4096, 3, 1, fd, 0); os.close(fd)\n"
+          "assert addr not in (None, ctypes.c_void_p(-1).value); ctypes.memmove(addr, b'hello', 5)\n"
+          "assert sys.argv[1] not in [os.path.realpath(f'/proc/self/fd/{n}') for n in os.listdir('/proc/self/fd')]\n"
+          "print('mapped', flush=True); sys.stdin.readline()\n")
 
 
 def test_the_files_other_processes_write_are_seen_open_or_mapped(tmp_path):
@@ -215,6 +221,23 @@ def test_the_files_other_processes_write_are_seen_open_or_mapped(tmp_path):
         mapping.communicate("\n", timeout=TIMEOUT)
         reading.communicate(b"\n", timeout=TIMEOUT)
     assert "written" not in open_for_writing().under(str(tmp_path))
+
+
+def test_a_mapped_file_whose_name_holds_a_newline_is_seen(tmp_path):
+    """/proc/PID/maps writes a newline in a name as \\012 (and a backslash as is): both names are
+    read back, as they are (issue 33: an odd name is a name like any other)."""
+    names = ["map\nped\x1b", "lit\\012eral"]
+    mappers = []
+    try:
+        for name in names:
+            (tmp_path / name).write_bytes(bytes(4096))
+            mappers.append(subprocess.Popen([sys.executable, "-c", MAPPER, str(tmp_path / name)], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True))
+            assert mappers[-1].stdout.readline() == "mapped\n"
+        assert set(names) <= open_for_writing().under(str(tmp_path))
+    finally:
+        for m in mappers:
+            m.communicate("\n", timeout=TIMEOUT)
 
 
 def test_a_file_being_written_keeps_its_last_snapshot_version_or_is_left_out(registry, base_ref, box, tmp_path):

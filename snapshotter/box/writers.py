@@ -111,6 +111,9 @@ def _shared_writable_maps(pid_dir: str, out: set[str]) -> None:
         for line in f:
             fields = line.split(None, 5)
             if len(fields) == 6 and fields[1][1:2] == b"w" and fields[1][3:4] == b"s":
-                path = fields[5].rstrip(b"\n").decode(errors="surrogateescape")
-                if path.startswith("/") and not path.endswith(_DELETED):
-                    out.add(path)
+                raw = fields[5].rstrip(b"\n")
+                # The kernel writes a newline in a name as \012, and a backslash as is: a name that
+                # holds "\012" itself reads the same, so both are kept (only box paths count).
+                for path in {raw.decode(errors="surrogateescape"), raw.replace(b"\\012", b"\n").decode(errors="surrogateescape")}:
+                    if path.startswith("/") and not path.endswith(_DELETED):
+                        out.add(path)
