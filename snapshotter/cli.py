@@ -491,7 +491,7 @@ def watch(
     progress.write_line = log_line  # its snapshots' progress lines in its log, with their time
     files = dmn.watch_files(root)
     lock = dmn.take_lock(files, root)
-    ready = dmn.detach(files) if daemon else (lambda: None)
+    ready = dmn.detach(files, keep=(lock,)) if daemon else (lambda: None)
     dmn.note_pid(files, lock, target, grace)
     notices = f"{opts.notices.provider} notices at {opts.notices.base_url}" if opts.notices else "no provider notices"
 

@@ -5,6 +5,7 @@ provider notices (emulated metadata services), --daemon/--stop, kill -9 at rando
 The loop is driven two ways, both without sleeps: in-process through Watcher.tick() with a clock the
 test moves, and as the real `snap watch` process, waited on through the lines it prints."""
 
+import json
 import os
 import random
 import re
@@ -439,17 +440,40 @@ def test_no_metadata_request_off_cloud(registry, base_ref, box, tmp_path):
         server.stop()
 
 
-def start_daemon(registry_host, base_ref, box, repo, stderr, env=None) -> subprocess.CompletedProcess:
-    """`snap watch --daemon` with its stderr on `stderr` (a file or a pipe: the detached watcher keeps
-    writing its lines there, as into a container's output, so no capture that waits for EOF)."""
+def start_daemon(registry_host, base_ref, box, repo, stderr, env=None, **kw) -> subprocess.CompletedProcess:
+    """`snap watch --daemon` with its stderr on `stderr` (a file or a pipe)."""
     return subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry_host}/{repo}:v2", "--base",
-                           base_ref, "--root", box, "--every", "1h", "--daemon"], stdout=subprocess.DEVNULL,
-                          stderr=stderr, env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})}, timeout=TIMEOUT)
+                           base_ref, "--root", box, "--every", "1h", "--daemon"], stdout=kw.pop("stdout", subprocess.DEVNULL),
+                          stderr=stderr, env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})}, timeout=TIMEOUT,
+                          **kw)
+
+
+def test_daemon_returns_to_a_caller_that_reads_its_output(registry, base_ref, box, state_dir):
+    """`out=$(snap watch ... --daemon)`: the call returns once the watcher runs (its end of file:
+    the detached watcher holds neither of the pipes, nor any other descriptor its caller left open)."""
+    r, w = os.pipe()  # a descriptor the caller leaves open to what it starts (a shell's, a supervisor's)
+    os.set_blocking(r, False)
+    try:
+        start = start_daemon(registry.host, base_ref, box, "daemon-capture", subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, pass_fds=(w,))
+        os.close(w)
+        assert start.returncode == 0, start.stderr
+        assert "watching " in start.stderr and "detached: pid file" in start.stderr
+        assert os.read(r, 1) == b""  # end of file now: no process holds its other end any more
+        pid = json.loads(next((state_dir / "watch").glob("*.pid")).read_text())["pid"]
+        held = {os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+        assert f"pipe:[{os.fstat(r).st_ino}]" not in held, held
+        assert os.devnull in held and str(next((state_dir / "watch").glob("*.log"))) in held, held
+    finally:
+        os.close(r)
+        stop = snap("watch", "--stop", "--root", box)
+    assert stop.returncode == 0, stop.stderr
 
 
 def test_daemon_one_per_root_and_stop(registry, base_ref, box, tmp_path, state_dir):
-    """The detached watcher's lines go to its log and to the stderr its starter had (a container's
-    output); --stop waits for the final snapshot; a second --stop tells the code it ended with."""
+    """The detached watcher's lines go to its log (to its starter too until it is ready, and no more:
+    it keeps no descriptor of its starter's); --stop waits for the final snapshot; a second --stop
+    tells the code it ended with."""
     out = tmp_path / "starter-stderr"
     with open(out, "w") as err:
         start = start_daemon(registry.host, base_ref, box, "daemon", err)
@@ -467,8 +491,7 @@ def test_daemon_one_per_root_and_stop(registry, base_ref, box, tmp_path, state_d
     logs = [f for f in os.listdir(state_dir / "watch") if f.endswith(".log")]
     log = (state_dir / "watch" / logs[0]).read_text()
     assert "signal SIGTERM: final snapshot" in log and "final snapshot v2-" in log
-    after = out.read_text().split("detached: pid file", 1)[1]  # written by the watcher after its starter left
-    assert "signal SIGTERM: final snapshot" in after and "final snapshot v2-" in after
+    assert out.read_text().splitlines()[-1].startswith("detached: pid file")  # nothing after its starter left
     assert_restores_to(f"{registry.host}/daemon:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
     ended = snap("watch", "--stop", "--root", box)  # nothing left to stop: says how the last one ended
     assert ended.returncode == 0 and ended.stderr.count("\n") == 1 and "had already ended with code 0" in ended.stderr

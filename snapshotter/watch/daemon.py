@@ -100,13 +100,14 @@ def note_exit(files: WatchFiles, code: int, error: str = "") -> None:
     write_versioned(files.exit, VERSION, {"pid": os.getpid(), "code": code, "error": error})
 
 
-def detach(files: WatchFiles) -> Callable[[], None]:
+def detach(files: WatchFiles, keep: tuple[int, ...] = ()) -> Callable[[], None]:
     """Double fork. The starting process waits for the watcher's readiness (printing what the
     watcher says until then) and exits; this returns only in the detached watcher, with the
-    function that signals readiness. The watcher's output goes to the log file, and its lines
-    also to the stderr the starter had: in a container that is the container's output, where
-    the provider shows it (a log file inside the box is lost with the box)."""
-    starters_stderr = os.dup(2)
+    function that signals readiness. The watcher keeps no descriptor it inherited but `keep` (the
+    watch lock): its stdin is /dev/null, its stdout and stderr its log file, so a caller that
+    reads the starter's output (`out=$(snap watch ... --daemon)`) gets its end of file once the
+    starter exits. Until ready, its stderr lines also go to the starter, which prints them (a
+    usage error is shown where it was typed)."""
     r, w = os.pipe()
     if os.fork() > 0:  # the starter
         os.close(w)
@@ -117,30 +118,37 @@ def detach(files: WatchFiles) -> Callable[[], None]:
         os._exit(0)  # the middle process: the watcher is now no session leader, reparented to init
     log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
     sys.stdout.flush()
     sys.stderr.flush()
+    os.dup2(null, 0)
     os.dup2(log, 1)
-    # Until ready, stderr goes to the starter too (a usage error is shown where it was typed).
-    tee = _Tee(w, log, starters_stderr)
+    os.dup2(log, 2)  # what is written to fd 2 directly (a helper program's stderr): the log
+    _close_all_but({0, 1, 2, log, w, *keep})
+    tee = _Tee(w, log)
     sys.stderr = tee
+    return tee.ready
 
-    def ready() -> None:
-        tee.ready()
-        os.dup2(log, 2)  # what is written to fd 2 directly (a helper program's stderr): the log alone
 
-    return ready
+def _close_all_but(keep: set[int]) -> None:
+    """Close every open descriptor of this process but `keep`: whatever the starter's caller left
+    open (a pipe it reads to its end, a socket) must not stay open for the watcher's life."""
+    for name in os.listdir("/proc/self/fd"):  # listed first: the listing's own descriptor is closed by then
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor
 
 
 class _Tee:
-    """stderr of the detached watcher: its log, and a copy to the starter (through the readiness
-    pipe until ready, which the starter prints), then to the stderr the starter had. A copy whose
-    reader is gone (a closed terminal: EIO; a closed pipe: EPIPE) is dropped: the log goes on."""
+    """stderr of the detached watcher: its log, and until ready a copy to the starter through the
+    readiness pipe (which the starter prints). A copy whose reader is gone is dropped."""
 
     encoding = "utf-8"
 
-    def __init__(self, pipe: int, log: int, starters_stderr: int):
-        self.log, self.copy, self.later = log, pipe, starters_stderr
+    def __init__(self, pipe: int, log: int):
+        self.log, self.copy = log, pipe
 
     def write(self, text: str) -> int:
         data = text.encode(errors="replace")
@@ -160,7 +168,7 @@ class _Tee:
         return False
 
     def ready(self) -> None:
-        pipe, self.copy = self.copy, self.later
+        pipe, self.copy = self.copy, -1
         if pipe >= 0:
             try:
                 os.write(pipe, READY.encode())
