@@ -235,6 +235,7 @@ def commit(
     from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.commit.commit import commit_box
     from snapshotter.commit.model import CommitOptions
+    from snapshotter.commit.push import grown_line
 
     prof = load_profile(profile)
     prof.include += tuple(include_path(p) for p in include or ())
@@ -267,6 +268,8 @@ def commit(
         _say(f"held back: {'/' + path!r} ({why}): never read half-written; {kept}; commit again once it is written")
     if len(result.held) > 20:
         _say(f"held back {len(result.held) - 20} more file(s) being written")
+    for path, size in sorted(result.grown.items()):
+        _say(grown_line(path, size))
     if as_json:
         doc = asdict(result)
         doc["ref"] = str(result.ref)

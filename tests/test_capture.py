@@ -22,6 +22,7 @@ from snapshotter.layer import generate as layer
 from snapshotter.layer.generate import build_layer, measure_layer, write_layer
 from snapshotter.layer.plan import LayerPlan
 
+from helpers import SMALL_WEIGHTS
 from support import have_wheels, pip_install_offline, snap, snap_layer_files, write_tree
 
 CUDA_DIR = "usr/lib/x86_64-linux-gnu"
@@ -254,6 +255,68 @@ def test_a_file_that_never_settles_is_held_back_in_one_line_naming_it(registry, 
     for p in versions:
         assert not (out / p).exists()
     assert (out / "etc/app.conf").read_text() == "threads = 8\n"  # the rest of the box is in
+
+
+# A writer of the box's: appends to its file ("grow") or rewrites its first bytes in place
+# ("rewrite") each time it is told, then says so; it holds the file open only while it writes.
+WRITER = ("import sys\n"
+          "for _ in sys.stdin:\n"
+          "    with open(sys.argv[1], 'ab' if sys.argv[2] == 'grow' else 'r+b') as f:\n"
+          "        f.write(b'another line\\n' if sys.argv[2] == 'grow' else b'REWRITTEN')\n"
+          "    print('done', flush=True)\n")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
+@pytest.mark.parametrize("how", ["grow", "rewrite"])
+def test_a_file_that_keeps_growing_while_sent_is_sent_as_first_seen_with_a_warning(registry, base_ref, box, tmp_path,
+                                                                                   monkeypatch, how, streamed):
+    """A weights layer (stored as is) is read twice: measured, then streamed to the registry. A log
+    growing all along, written by another process after the measure and again during the send, is
+    sent as first seen, with one warning line naming it (escaped). One rewritten in place is held
+    back as changed while read: never pushed as neither version, and the commit goes on."""
+    log, other = "opt/app/models/run\x1b[2J.log", "opt/app/models/zz.json"
+    first = b"line 1\n" * 20
+    write_tree(box, {log: first, other: b"{}"})
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, os.path.join(box, log), how], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    reads = {log: 0, other: 0}
+
+    def write_now():
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "done\n"
+
+    def after_read(rel, attempt):
+        if rel in reads:
+            reads[rel] += 1
+            if (rel, reads[rel]) in ((other, 1), (log, 2)):  # after its measure (the next file's), and while sent
+                write_now()
+
+    monkeypatch.setattr(layer, "after_read", after_read)
+    if streamed:
+        monkeypatch.setattr(layer, "BUFFERED_MAX", 64)  # the path of files too big to hold
+    try:
+        r = CliRunner().invoke(cli.app, ["commit", f"{registry.host}/growing-{how}-{int(streamed)}:v1", "--base", base_ref,
+                                         "--root", box, "--profile", str(prof)])
+    finally:
+        writer.communicate("", timeout=60)
+    monkeypatch.setattr(layer, "after_read", None)
+    assert r.exit_code == 0, r.output
+    assert "\x1b" not in r.output
+    said = [line for line in r.output.splitlines() if "run\\x1b[2J.log" in line]
+    out = tmp_path / "restored"
+    snap("restore", f"{registry.host}/growing-{how}-{int(streamed)}:v1", "--root", str(out), check=True)
+    if how == "grow":
+        assert said == [f"warning: '/{log.encode('unicode_escape').decode()}' kept growing while it was sent: the "
+                        f"snapshot has it as first seen ({len(first)} bytes); the next commit takes the rest"]
+        assert (out / log).read_bytes() == first and len(open(os.path.join(box, log), "rb").read()) > len(first)
+    else:
+        assert said == [f"held back: '/{log.encode('unicode_escape').decode()}' (changed while read): never read "
+                        "half-written; left out (the base's version, if any, stays); commit again once it is written"]
+        assert not (out / log).exists()
+    assert (out / other).read_bytes() == b"{}"
 
 
 def test_secret_globs_matched_by_last_name_give_the_verdicts_of_one_regex():

@@ -79,6 +79,7 @@ class CommitResult:
     carried: list[str] = field(default_factory=list)  # of those, kept at the last snapshot's version
     snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
     unreadable: list[str] = field(default_factory=list)  # paths of the box snap may not read: left out
+    grown: dict[str, int] = field(default_factory=dict)  # files that grew while sent: sent as first seen (size)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from snapshotter import progress
 from snapshotter.box.scan import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
 from snapshotter.digests import file_digest, sha256_digest
-from snapshotter.errors import SnapError
+from snapshotter.errors import IntegrityError, SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
 from snapshotter.jobs import cpu_count
@@ -63,6 +63,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
         remote.stopping = opts.stopping
     base_img = cp.base_img
     layers = _push_settled_layers(cp, remote, opts)
+    grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
     count = cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values())
     if count > MAX_ENGINE_LAYERS:
         opts.log(f"warning: the image has {count} layers: Docker cannot run an image of more than about "
@@ -107,7 +108,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
-                        snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows], unreadable=cp.scan.unreadable)
+                        snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows], unreadable=cp.scan.unreadable,
+                        grown=grown)
 
 
 def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
@@ -250,8 +252,7 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there
-                remote.upload_from(lambda out: write_layer(out, root, plan, zstd_level), blob.digest, blob.size, on_up)
-                return blob, "uploaded"
+                return blob, _upload_measured(remote, root, plan, blob, zstd_level, on_up)
             try:
                 if blob.not_whole:
                     return blob, NOT_SENT_TORN
@@ -295,6 +296,34 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                 f.cancel()
             raise
     return [results[i] for i in range(len(plans))]
+
+
+def _upload_measured(remote: Remote, root: str, plan: LayerPlan, blob: LayerBlob, zstd_level: int, on_up) -> str:
+    """Send a measured layer (stored as is: read again from the box as it is sent), each file's
+    header as measured and its bytes up to the size measured. A file that only grew since (a log, a
+    download) gives the bytes measured: it is sent as first seen, and named in blob.grown. One whose
+    bytes changed gives others, which the registry refuses: it is held back as torn (blob's
+    changed_while_read; the caller builds the layer again without it)."""
+    again: list[LayerBlob] = []
+
+    def produce(out) -> None:
+        again[:] = [write_layer(out, root, plan, zstd_level, as_seen=blob.seen)]
+
+    try:
+        remote.upload_from(produce, blob.digest, blob.size, on_up)
+    except IntegrityError:
+        if not (again and again[0].grown):
+            raise
+        blob.changed_while_read = sorted(again[0].grown)
+        return NOT_SENT_TORN
+    blob.grown = again[0].grown if again else {}
+    return "uploaded"
+
+
+def grown_line(path: str, size: int) -> str:
+    """The warning for a file that kept growing through a commit (LayerBlob.grown)."""
+    return (f"warning: {'/' + path!r} kept growing while it was sent: the snapshot has it as first seen "
+            f"({size} bytes); the next commit takes the rest")
 
 
 def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: BlobSources) -> None:

@@ -45,6 +45,12 @@ class LayerBlob:
     changed_while_read: list[str] = field(default_factory=list)  # never read whole and still (warned about)
     changed_since_scan: list[str] = field(default_factory=list)  # read whole and still, but not as the scan saw it
     unreadable: list[str] = field(default_factory=list)  # could not be opened (permissions): not read
+    # Measured (an uncompressed layer, streamed again to the registry): each file's header as
+    # written, member -> (size, mtime, PAX mtime or None, stat key), for write_layer to write again.
+    seen: dict[str, tuple] = field(default_factory=dict)
+    # Streamed again: the box files that were no longer as measured (a log that grew), sent as
+    # first seen: path -> its size then.
+    grown: dict[str, int] = field(default_factory=dict)
 
     @property
     def not_whole(self) -> bool:
@@ -64,6 +70,10 @@ class _Reads:
     stale: list[str] = field(default_factory=list)  # settled, but not as the scan saw it (size, mtime, ctime),
     # or no longer the scan's regular file (a symlink, a FIFO, another inode): not read
     unreadable: list[str] = field(default_factory=list)  # could not be opened: not read
+    record: bool = False  # keep `seen` (measure_layer)
+    seen: dict[str, tuple] = field(default_factory=dict)  # LayerBlob.seen, as the files are read
+    as_seen: Optional[dict[str, tuple]] = None  # LayerBlob.seen to write again: headers as measured
+    grown: dict[str, int] = field(default_factory=dict)  # LayerBlob.grown
     retry_streamed: bool = False  # a torn streamed file raises _Torn (the caller can start the layer again)
     on_header: Optional[Callable[[bytes, int], None]] = None  # each header as written, with its content size
 
@@ -106,6 +116,20 @@ def _read_exactly(fd: Optional[int], offset: int, size: int, put: Callable[[byte
     return whole
 
 
+def _open_scanned(box: Beneath, source: str, e: Entry, reads: _Reads) -> Optional[int]:
+    """The file `source` open for reading if it is the regular file the scan saw; else None, and
+    it is reported: deleted (torn), swapped (stale), or refused (unreadable)."""
+    try:
+        return box.open_scanned(source, int(e.stamp.split(":", 1)[0]) if e.stamp else None)
+    except FileNotFoundError:  # deleted while we committed
+        reads.torn.append(e.path)
+    except NotTheScanned:  # swapped since the scan: another file, a symlink, a directory, a FIFO...
+        reads.stale.append(e.path)
+    except OSError:  # unreadable, or a path the kernel refuses
+        reads.unreadable.append(e.path)
+    return None
+
+
 def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: Beneath, source: str, offset: int,
               fixed_size: bool, reads: _Reads, on_bytes: Optional[Callable[[int], None]]) -> None:
     """The header and content of one regular file, read so that it is not torn: the file is stat'ed
@@ -115,30 +139,20 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
     The file is opened below the root following no symlink, without blocking, and read only if it
     is the regular file the scan saw (box/openat.py): else, or if it cannot be opened, its bytes are
     zeros and it is reported (the layer is not sent; push holds the file back)."""
-    lost = None
-    try:
-        fd = box.open_scanned(source, int(e.stamp.split(":", 1)[0]) if e.stamp else None)
-    except FileNotFoundError:  # deleted while we committed
-        lost = reads.torn
-    except NotTheScanned:  # swapped since the scan: another file, a symlink, a directory, a FIFO...
-        lost = reads.stale
-    except OSError:  # unreadable, or a path the kernel refuses
-        lost = reads.unreadable
-    if lost is not None:  # not read: keep the archive well-formed, report it
-        lost.append(e.path)
+    fd = _open_scanned(box, source, e, reads)
+    if fd is None:  # not read: keep the archive well-formed (it is reported)
         _put_header(put, ti, reads, ti.size)
         _read_exactly(None, 0, ti.size, put, on_bytes)
         put(bytes(-ti.size % tarfile.BLOCKSIZE))
         return
+    first = reads.as_seen.get(e.path) if reads.as_seen is not None else None
     f = os.fdopen(fd, "rb", buffering=0)
     with f:
         fd = f.fileno()
-        for attempt in range(SETTLE_TRIES):
+        for attempt in range(SETTLE_TRIES if first is None else 1):  # as measured: read once, as it is
             before = os.fstat(fd)
             if not fixed_size:
-                ti.size, ti.mtime = before.st_size, int(before.st_mtime)
-                if e.mtime_ns is not None:
-                    ti.pax_headers = {**ti.pax_headers, "mtime": pax_mtime(before.st_mtime_ns)}
+                _size_and_time(ti, e, before, first)
             if ti.size <= BUFFERED_MAX:
                 chunks: list[bytes] = []
                 whole = _read_exactly(fd, offset, ti.size, chunks.append, None)
@@ -154,11 +168,16 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
                 break
             if settled:
                 break
-        if not settled:
+        if first is not None:
+            if not whole or _stat_key(os.fstat(fd)) != first[3]:
+                reads.grown[source] = first[3][0]  # the bytes sent are those measured if it only grew
+        elif not settled:
             reads.torn.append(e.path)
         elif e.stamp and (stat_stamp(before) != e.stamp
                           or not fixed_size and before.st_size != e.size):
             reads.stale.append(e.path)
+        elif reads.record:
+            reads.seen[e.path] = (ti.size, ti.mtime, ti.pax_headers.get("mtime"), _stat_key(before))
         if ti.size <= BUFFERED_MAX:
             _put_header(put, ti, reads, ti.size)
             for chunk in chunks:
@@ -166,6 +185,17 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
             if on_bytes:
                 on_bytes(ti.size)
     put(bytes(-ti.size % tarfile.BLOCKSIZE))
+
+
+def _size_and_time(ti: tarfile.TarInfo, e: Entry, before: os.stat_result, first: Optional[tuple]) -> None:
+    """A whole file's header size and mtime: as it is now, or as measured (`first`: LayerBlob.seen's)."""
+    if first is not None:
+        ti.size, ti.mtime, mtime_text, _ = first
+    else:
+        ti.size, ti.mtime = before.st_size, int(before.st_mtime)
+        mtime_text = pax_mtime(before.st_mtime_ns) if e.mtime_ns is not None else None
+    if mtime_text is not None:
+        ti.pax_headers = {**ti.pax_headers, "mtime": mtime_text}
 
 
 def _tarinfo(e: Entry, linkname_for_hardlink: Optional[str]) -> tarfile.TarInfo:
@@ -249,7 +279,8 @@ def _write_members(put: Callable[[bytes], None], box: Beneath, plan: LayerPlan, 
 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
           on_bytes: Optional[Callable[[int], None]], hashing: bool = True,
-          headers: Optional[HeaderSink] = None, zstd_threads: int = -1) -> LayerBlob:
+          headers: Optional[HeaderSink] = None, zstd_threads: int = -1,
+          as_seen: Optional[dict[str, tuple]] = None, record: bool = False) -> LayerBlob:
     """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere), and its headers
     to `headers`. A big file that changes while it is streamed makes the layer start again, where
     `out` can be rewound (a file, or nowhere), up to SETTLE_TRIES times; the last build is kept."""
@@ -263,13 +294,15 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
         comp = Compressor(out, plan.compression, zstd_level, hashing, zstd_threads)
         try:
             reads = write_tar(comp, root, plan, on_bytes, _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
-                                                                 on_header=headers.add if headers else None))
+                                                                 on_header=headers.add if headers else None,
+                                                                 as_seen=as_seen, record=record))
             break
         except _Torn:
             comp.finish()  # closed now: nothing of it may reach `out` after the rewind
             continue
     comp.finish()
-    report = {"changed_while_read": reads.torn, "changed_since_scan": reads.stale, "unreadable": reads.unreadable}
+    report = {"changed_while_read": reads.torn, "changed_since_scan": reads.stale, "unreadable": reads.unreadable,
+              "seen": reads.seen, "grown": reads.grown}
     if not hashing:
         return LayerBlob(plan.name, None, "", "", comp.blob.size, MEDIA_TYPE[plan.compression], **report)
     return LayerBlob(plan.name, None, comp.blob.digest, comp.tar.digest, comp.blob.size,
@@ -279,14 +312,16 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
 def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
                   on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None) -> LayerBlob:
     """Digests and size of a layer without keeping its bytes (stream it again with write_layer)."""
-    return _emit(None, root, plan, zstd_level, on_bytes, headers=headers)
+    return _emit(None, root, plan, zstd_level, on_bytes, headers=headers, record=True)
 
 
 def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
-                on_bytes: Optional[Callable[[int], None]] = None) -> LayerBlob:
+                on_bytes: Optional[Callable[[int], None]] = None, as_seen: Optional[dict[str, tuple]] = None) -> LayerBlob:
     """Write the layer blob's bytes to `out`: the upload stream of a measured layer, not hashed
-    again (the registry checks the bytes against the digest measured before)."""
-    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False)
+    again (the registry checks the bytes against the digest measured before). With `as_seen`
+    (the measured blob's `seen`) each file's header is written as measured and its bytes read up
+    to the size measured: a file that grew since is sent as first seen (and named in `grown`)."""
+    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False, as_seen=as_seen)
 
 
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,

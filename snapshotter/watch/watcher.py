@@ -26,7 +26,7 @@ from snapshotter.box.scan import Scan, ScanMemo, scan_box
 from snapshotter.box.writers import being_written, last_change, open_for_writing
 from snapshotter.commit.commit import changes_in, own_excludes, plan_commit, scan_root
 from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan
-from snapshotter.commit.push import NOT_SENT_TORN, push_commit, push_layers, target_remote
+from snapshotter.commit.push import NOT_SENT_TORN, grown_line, push_commit, push_layers, target_remote
 from snapshotter.errors import AuthError, SnapError, UsageError, printable
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.layer.plan import PlanMemo
@@ -504,6 +504,8 @@ class Watcher:
                 continue
             self.sent_ahead[path] = _token(cp.scan.entries[path])
             self.log(f"sent ahead: {plan.label!r} ({blob.size} bytes, {status})")
+            for grown, size in sorted(blob.grown.items()):
+                self.log(grown_line(grown, size))
 
     def _tag_name(self) -> str:
         stamp = datetime.fromtimestamp(self.opts.clock(), timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -556,6 +558,8 @@ class Watcher:
             else:
                 what = "left out"
             self.log(f"held back: {'/' + path!r} ({why}); {what}; the next snapshot takes it")
+        for path, size in sorted(result.grown.items()):
+            self.log(grown_line(path, size))
         if held:
             # A file unlike its scan may have changed with no notification (a link made and removed
             # elsewhere moves its ctime): the next scans list its directory again.
