@@ -1,6 +1,18 @@
 """Failures of the local machine (state dir, profile file, restore target) are one line, not a traceback."""
 
-from support import assert_one_line_error, snap
+import errno
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from snapshotter.errors import quoted_path
+
+from helpers import push
+from support import TIMEOUT, assert_clean, assert_one_line_error, member, snap, snapshot_of_tree, tar_bytes, write_tree
 
 
 def test_state_dir_that_cannot_be_created(registry, base_ref, box, tmp_path):
@@ -23,3 +35,102 @@ def test_restore_root_that_cannot_be_created(registry, base_ref, tmp_path):
     assert r.returncode in (2, 7), r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("snap: error:")
+
+
+# ---- an I/O error names the file (issue 33) -------------------------------------------------------
+
+BAD = "opt/app/bad\x1b[2J.bin"  # whose reads fail with EIO: open and stat work, its data does not
+BAD_KEY = "opt/app/server\n.key"  # the same, and a private-key candidate: the scan reads its head
+
+
+@pytest.fixture
+def eio_disk(tmp_path):
+    """A real ext4 (a loop device) holding BAD and BAD_KEY, whose extent index blocks are zeroed:
+    each opens and stats as a 40 KiB file, and every read of its data fails with EIO. Yields (its
+    mount point, the tree's files before, as snapshot_of_tree)."""
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("mkfs.ext4", "debugfs", "mount")):
+        pytest.skip("needs root, mkfs.ext4 and debugfs")
+    img, disk = tmp_path / "disk.img", tmp_path / "disk"
+    with open(img, "wb") as f:
+        f.truncate(8 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "1024", str(img)], check=True, capture_output=True)
+    disk.mkdir()
+    mount = ["mount", "-o", "loop,errors=continue", str(img), str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a loop device here")
+    try:
+        write_tree(str(disk), {"opt/app/good.txt": "good\n", "etc/app.conf": "threads = 8\n"})
+        # Written a block at a time beside another file: more extents than an inode holds, so the
+        # file's extents live in a block of their own.
+        fds = [os.open(disk / p, os.O_WRONLY | os.O_CREAT, 0o644) for p in (BAD, BAD_KEY, "opt/app/other.bin")]
+        for _ in range(40):
+            for fd, byte in zip(fds, b"AKB"):
+                os.write(fd, bytes([byte]) * 1024)
+                os.fsync(fd)
+        for fd in fds:
+            os.close(fd)
+        before = snapshot_of_tree(str(disk))
+        subprocess.run(["umount", str(disk)], check=True)
+        for bad in (BAD, BAD_KEY):
+            stat = subprocess.run(["debugfs", "-R", f"stat /{bad}", str(img)], capture_output=True, check=True).stdout
+            block = int(stat.split(b"(ETB0):")[1].split(b",")[0])
+            with open(img, "r+b") as f:
+                f.seek(block * 1024)
+                f.write(bytes(1024))
+        subprocess.run(mount, check=True)
+        for bad in (BAD, BAD_KEY):
+            with open(disk / bad, "rb") as f, pytest.raises(OSError) as e:
+                f.read()
+            assert e.value.errno == errno.EIO
+        yield str(disk), before
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_file_the_disk_cannot_read_is_held_back_by_name_and_the_rest_committed(registry, eio_disk, tmp_path):
+    disk, before = eio_disk
+    r = snap("commit", f"{registry.host}/eio:v1", "--base", "scratch", "--root", disk)
+    assert r.returncode == 0, r.stderr
+    assert_clean(r)
+    (line,) = [line for line in r.stderr.splitlines() if "bad" in line]
+    assert line.startswith(f"held back: {quoted_path(BAD)} (could not be read: Input/output error)"), line
+    (line,) = [line for line in r.stderr.splitlines() if "server" in line]  # its head, read by the scan
+    assert "may not read" in line and quoted_path(BAD_KEY) in line, line
+    out = tmp_path / "out"
+    snap("restore", f"{registry.host}/eio:v1", "--root", str(out), check=True)
+    got = snapshot_of_tree(str(out))
+    assert BAD not in got and BAD_KEY not in got and {p: got[p] for p in ("opt/app/good.txt", "opt/app/other.bin")} == \
+        {p: before[p] for p in ("opt/app/good.txt", "opt/app/other.bin")}
+
+
+def test_verify_names_a_file_the_disk_cannot_read_and_compares_the_rest(registry, request, eio_disk):
+    """One line for the file the disk cannot read (a difference of its own); the rest compared."""
+    disk, _ = eio_disk
+    data = {BAD: b"A" * 40960, "opt/app/other.bin": b"C" * 40960}
+    ref = push(registry, request, tar_bytes(member("opt/", "dir"), member("opt/app/", "dir"),
+                                            *(member(p, data=d, mode=0o644) for p, d in data.items())))
+    r = snap("verify", ref, "--root", disk)
+    assert_clean(r)
+    assert r.returncode == 9, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [f"{quoted_path(BAD)}: content differs: unreadable (Input/output error), "
+                                     f"expected sha256:{hashlib.sha256(data[BAD]).hexdigest()[:12]}",
+                                     f"/opt/app/other.bin: content differs: sha256:{hashlib.sha256(b'B' * 40960).hexdigest()[:12]}, "
+                                     f"expected sha256:{hashlib.sha256(data['opt/app/other.bin']).hexdigest()[:12]}"]
+
+
+def test_a_directory_snap_may_not_read_is_named_quoted_in_the_error(registry, tmp_path):
+    """Root without the capabilities that let it read anything: verify meets a directory it may not
+    enter; the one error line names the path, quoted and escaped."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop root's capabilities")
+    root = tmp_path / "root"
+    locked = "opt/locked\x1b[2J"
+    write_tree(str(root), {f"{locked}/f.txt": "hello\n"})
+    ref = f"{registry.host}/locked:v1"
+    snap("commit", ref, "--base", "scratch", "--root", str(root), check=True)
+    os.chmod(root / locked, 0)
+    cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",
+           sys.executable, "-m", "snapshotter", "verify", ref, "--root", str(root)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert_clean(r)
+    assert_one_line_error(r, 7, repr(str(root / locked / "f.txt")), "Permission denied")

@@ -256,7 +256,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
                 e = _new_entry(rel, dir_fd, name, st, profile, metadata_only)
             except FileNotFoundError:
                 return 0
-            except PermissionError:
+            except OSError:  # permissions, or a read the disk refused (EIO: a key candidate's head)
                 unreadable.add(rel)
                 return 0
             if e is _UNREADABLE:

@@ -42,7 +42,7 @@ PACK_APART_MIN = 64 << 20
 MAX_ENGINE_LAYERS = 125  # Docker refuses images of more layers; podman fails at run from 126 to 133
 TORN = "changed while read"
 CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
-UNREADABLE = "could not be read"  # refused at open (permissions): not read
+UNREADABLE = "could not be read"  # refused at open (permissions), or a read failed (then with why)
 NOT_SENT_TORN = "not sent: a file changed while read or since the scan"
 SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one before
 
@@ -123,7 +123,8 @@ def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) ->
         layers = push_layers(cp, remote, cp.plans)
         torn = {path: CHANGED_SINCE_SCAN for _, blob, _ in layers for path in blob.changed_since_scan}
         torn.update({path: TORN for _, blob, _ in layers for path in blob.changed_while_read})
-        torn.update({path: UNREADABLE for _, blob, _ in layers for path in blob.unreadable})
+        torn.update({path: f"{UNREADABLE}: {blob.read_errors[path]}" if path in blob.read_errors else UNREADABLE
+                     for _, blob, _ in layers for path in blob.unreadable})
         if not torn:
             return layers
         hold_back(cp, torn, opts)
@@ -312,9 +313,10 @@ def _upload_measured(remote: Remote, root: str, plan: LayerPlan, blob: LayerBlob
     try:
         remote.upload_from(produce, blob.digest, blob.size, on_up)
     except IntegrityError:
-        if not (again and again[0].grown):
+        if not (again and (again[0].grown or again[0].unreadable)):
             raise
-        blob.changed_while_read = sorted(again[0].grown)
+        blob.changed_while_read = sorted(set(again[0].grown) - set(again[0].unreadable))
+        blob.unreadable, blob.read_errors = again[0].unreadable, again[0].read_errors
         return NOT_SENT_TORN
     blob.grown = again[0].grown if again else {}
     return "uploaded"

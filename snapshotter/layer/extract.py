@@ -376,7 +376,7 @@ class Extractor:
         except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
             raise IntegrityError(f"{layer} does not decompress: {e}")  # checked before OSError: BadGzipFile is one
         except OSError as e:
-            raise storage_error(e, self.root, f" while writing {quoted_path(clean_path(name))}" if name else "") from e
+            raise storage_error(e, repr(self.root), f" while writing {quoted_path(clean_path(name))}" if name else "") from e
         finally:
             if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
                 tmp, path = self._held
@@ -523,7 +523,7 @@ class Extractor:
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
         if size > free:
-            raise StorageError(f"disk full in {self.root}: layer entry {quoted_path(rel)} needs {size} bytes, {free} are free: "
+            raise StorageError(f"disk full in {self.root!r}: layer entry {quoted_path(rel)} needs {size} bytes, {free} are free: "
                                "stopping before writing it (an image bigger than the disk, or a decompression bomb)",
                                "free space, or restore onto a bigger disk: the restore resumes")
         self._room = free - size

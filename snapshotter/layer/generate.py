@@ -44,7 +44,8 @@ class LayerBlob:
     media_type: str
     changed_while_read: list[str] = field(default_factory=list)  # never read whole and still (warned about)
     changed_since_scan: list[str] = field(default_factory=list)  # read whole and still, but not as the scan saw it
-    unreadable: list[str] = field(default_factory=list)  # could not be opened (permissions): not read
+    unreadable: list[str] = field(default_factory=list)  # could not be opened (permissions) or read: not whole
+    read_errors: dict[str, str] = field(default_factory=dict)  # of those, the ones a read failed: why (EIO...)
     # Measured (an uncompressed layer, streamed again to the registry): each file's header as
     # written, member -> (size, mtime, PAX mtime or None, stat key), for write_layer to write again.
     seen: dict[str, tuple] = field(default_factory=dict)
@@ -69,7 +70,8 @@ class _Reads:
     torn: list[str] = field(default_factory=list)  # changed during every read, or vanished: kept as last read
     stale: list[str] = field(default_factory=list)  # settled, but not as the scan saw it (size, mtime, ctime),
     # or no longer the scan's regular file (a symlink, a FIFO, another inode): not read
-    unreadable: list[str] = field(default_factory=list)  # could not be opened: not read
+    unreadable: list[str] = field(default_factory=list)  # could not be opened or read
+    read_errors: dict[str, str] = field(default_factory=dict)  # LayerBlob.read_errors
     record: bool = False  # keep `seen` (measure_layer)
     seen: dict[str, tuple] = field(default_factory=dict)  # LayerBlob.seen, as the files are read
     as_seen: Optional[dict[str, tuple]] = None  # LayerBlob.seen to write again: headers as measured
@@ -99,13 +101,20 @@ def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
 
 
 def _read_exactly(fd: Optional[int], offset: int, size: int, put: Callable[[bytes], None],
-                  on_bytes: Optional[Callable[[int], None]]) -> bool:
+                  on_bytes: Optional[Callable[[int], None]], failed: Optional[list[OSError]] = None) -> bool:
     """Pass `size` bytes of the file from `offset` to `put`, zeros where the file ends too soon (the
-    tar header promised that size) or for no file (None). False if it did end too soon."""
+    tar header promised that size), for no file (None), or from a read that failed (an I/O error of
+    the box's disk: added to `failed`). False if it did not give them all."""
     whole = fd is not None
     while size:
-        data = os.pread(fd, min(size, READ_SIZE), offset) if whole else b""
-        if not data:  # the end of the file, or no file
+        try:
+            data = os.pread(fd, min(size, READ_SIZE), offset) if whole else b""
+        except OSError as e:
+            if failed is None:
+                raise
+            failed.append(e)
+            data = b""
+        if not data:  # the end of the file, no file, or a failed read
             whole = False
             data = bytes(min(size, READ_SIZE))
         put(data)
@@ -137,8 +146,8 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
     "file changed as we read it". A whole file's header takes the size and mtime of the read kept
     (a part layer's size is fixed by its plan); the content is always exactly the header's size.
     The file is opened below the root following no symlink, without blocking, and read only if it
-    is the regular file the scan saw (box/openat.py): else, or if it cannot be opened, its bytes are
-    zeros and it is reported (the layer is not sent; push holds the file back)."""
+    is the regular file the scan saw (box/openat.py): else, if it cannot be opened, or if a read
+    fails, its bytes are zeros and it is reported (the layer is not sent; push holds the file back)."""
     fd = _open_scanned(box, source, e, reads)
     if fd is None:  # not read: keep the archive well-formed (it is reported)
         _put_header(put, ti, reads, ti.size)
@@ -146,21 +155,22 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
         put(bytes(-ti.size % tarfile.BLOCKSIZE))
         return
     first = reads.as_seen.get(e.path) if reads.as_seen is not None else None
-    f = os.fdopen(fd, "rb", buffering=0)
-    with f:
-        fd = f.fileno()
+    failed: list[OSError] = []  # a read the disk refused (EIO): the file is reported, never read again
+    with os.fdopen(fd, "rb", buffering=0):
         for attempt in range(SETTLE_TRIES if first is None else 1):  # as measured: read once, as it is
             before = os.fstat(fd)
             if not fixed_size:
                 _size_and_time(ti, e, before, first)
             if ti.size <= BUFFERED_MAX:
                 chunks: list[bytes] = []
-                whole = _read_exactly(fd, offset, ti.size, chunks.append, None)
+                whole = _read_exactly(fd, offset, ti.size, chunks.append, None, failed)
             else:  # too big to hold: streamed into the layer, which is built again if it tore
                 _put_header(put, ti, reads, ti.size)
-                whole = _read_exactly(fd, offset, ti.size, put, on_bytes)
+                whole = _read_exactly(fd, offset, ti.size, put, on_bytes, failed)
             if after_read:
                 after_read(e.path, attempt)
+            if failed:
+                break
             settled = whole and _stat_key(os.fstat(fd)) == _stat_key(before)
             if ti.size > BUFFERED_MAX:
                 if not settled and reads.retry_streamed:
@@ -168,7 +178,10 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
                 break
             if settled:
                 break
-        if first is not None:
+        if failed:
+            reads.unreadable.append(e.path)
+            reads.read_errors[e.path] = failed[0].strerror or str(failed[0])
+        elif first is not None:
             if not whole or _stat_key(os.fstat(fd)) != first[3]:
                 reads.grown[source] = first[3][0]  # the bytes sent are those measured if it only grew
         elif not settled:
@@ -302,7 +315,7 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
             continue
     comp.finish()
     report = {"changed_while_read": reads.torn, "changed_since_scan": reads.stale, "unreadable": reads.unreadable,
-              "seen": reads.seen, "grown": reads.grown}
+              "read_errors": reads.read_errors, "seen": reads.seen, "grown": reads.grown}
     if not hashing:
         return LayerBlob(plan.name, None, "", "", comp.blob.size, MEDIA_TYPE[plan.compression], **report)
     return LayerBlob(plan.name, None, comp.blob.digest, comp.tar.digest, comp.blob.size,
@@ -338,7 +351,7 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
     except OSError as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise StorageError(f"cannot write layer {plan.name} to {out_dir}: {e.strerror}",
+        raise StorageError(f"cannot write layer {plan.name} to {out_dir!r}: {e.strerror}",
                            "free disk space or set SNAP_STATE_DIR to a larger disk")
     except BaseException:
         if os.path.exists(tmp):

@@ -12,7 +12,7 @@ import os
 import shutil
 import stat
 
-from snapshotter.errors import IntegrityError, printable, storage_error
+from snapshotter.errors import IntegrityError, printable, quoted_path, storage_error
 from snapshotter.layer.extract import TMP_PREFIX, Extractor
 from snapshotter.layer.plan import parse_part_annotation, part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, layer_label
@@ -94,7 +94,7 @@ def join_parts(extractor: Extractor, files: dict[str, int], links: dict[str, lis
                 for name in links.get(rel, ()):
                     extractor.add_hardlink(name, rel)
             except OSError as e:
-                raise storage_error(e, extractor.root, f" while joining the parts of /{printable(rel)}") from e
+                raise storage_error(e, repr(extractor.root), f" while joining the parts of {quoted_path(rel)}") from e
     finally:
         extractor.put_back_dir_times()
 

@@ -96,7 +96,7 @@ def _state_sub(name: str) -> str:
     try:
         return sub(name)
     except OSError as e:
-        raise storage_error(e, f"snap's state dir {state_dir()}", hint="point SNAP_STATE_DIR at a writable directory") from e
+        raise storage_error(e, f"snap's state dir {state_dir()!r}", hint="point SNAP_STATE_DIR at a writable directory") from e
 
 
 # ---- restore ----------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
     try:
         return Extractor(root, opts)
     except OSError as e:
-        raise StorageError(f"cannot create the restore root {root}: {e.strerror or e}",
+        raise StorageError(f"cannot create the restore root {root!r}: {e.strerror or e}",
                            "restore into a directory on a writable filesystem") from e
 
 

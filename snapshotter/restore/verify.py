@@ -314,15 +314,18 @@ def _content_differences(contents: list[tuple[str, str, str]], jobs: int) -> lis
     read buffer."""
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         digests = pool.map(_content_digest, [full for _, full, _ in contents])
-        return [Difference(shown, "content", f"content differs: {digest[:19]}, expected {want[:19]}")
+        return [Difference(shown, "content", f"content differs: {digest[:19] if digest.startswith('sha256:') else digest}, "
+                                             f"expected {want[:19]}")
                 for (shown, _, want), digest in zip(contents, digests) if digest != want]
 
 
 def _content_digest(path: str) -> str:
+    """The file's digest, or why it could not be read (permissions, an I/O error of the disk):
+    a difference of its own path, and the others are compared all the same."""
     try:
         return file_digest(path)
-    except PermissionError:
-        return "unreadable"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
 
 
 def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyOptions,
