@@ -119,8 +119,10 @@ def _errors(fn):
         except OSError as e:  # the local machine failed us somewhere no closer handler knew
             if os.environ.get("SNAP_DEBUG"):
                 raise
-            where = "".join(f": {os.fsdecode(name)!r}" for name in (e.filename, e.filename2) if isinstance(name, (str, bytes)))
-            _say(f"snap: error: local I/O failed{where}: {e.strerror or e} (check the disk, the path and its permissions)")
+            where = "".join(f": {os.fsdecode(name)!r}" for name in (e.filename, e.filename2)
+                            if isinstance(name, (str, bytes)))
+            _say(f"snap: error: local I/O failed{where}: {e.strerror or e} "
+                 "(check the disk, the path and its permissions)")
             raise typer.Exit(StorageError.exit_code)
         except Exception as e:  # a bug: still one line, the traceback on demand
             if os.environ.get("SNAP_DEBUG"):

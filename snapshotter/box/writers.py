@@ -114,6 +114,7 @@ def _shared_writable_maps(pid_dir: str, out: set[str]) -> None:
                 raw = fields[5].rstrip(b"\n")
                 # The kernel writes a newline in a name as \012, and a backslash as is: a name that
                 # holds "\012" itself reads the same, so both are kept (only box paths count).
-                for path in {raw.decode(errors="surrogateescape"), raw.replace(b"\\012", b"\n").decode(errors="surrogateescape")}:
+                for name in {raw, raw.replace(b"\\012", b"\n")}:
+                    path = name.decode(errors="surrogateescape")
                     if path.startswith("/") and not path.endswith(_DELETED):
                         out.add(path)

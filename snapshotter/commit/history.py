@@ -55,7 +55,8 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
     if malformed:
         named = ", ".join(repr(t[:MALFORMED_SHOWN_CHARS]) for t in malformed[:MALFORMED_SHOWN])  # repr: escaped
         more = f" and {len(malformed) - MALFORMED_SHOWN} more" if len(malformed) > MALFORMED_SHOWN else ""
-        log(f"warning: the registry lists {len(malformed)} name(s) in {ref.name} that are not tags, left out: {named}{more}")
+        log(f"warning: the registry lists {len(malformed)} name(s) in {ref.name} that are not tags, "
+            f"left out: {named}{more}")
     for tag in tags:
         if not is_tag(tag):
             continue

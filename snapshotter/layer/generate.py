@@ -329,7 +329,8 @@ def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
 
 
 def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
-                on_bytes: Optional[Callable[[int], None]] = None, as_seen: Optional[dict[str, tuple]] = None) -> LayerBlob:
+                on_bytes: Optional[Callable[[int], None]] = None,
+                as_seen: Optional[dict[str, tuple]] = None) -> LayerBlob:
     """Write the layer blob's bytes to `out`: the upload stream of a measured layer, not hashed
     again (the registry checks the bytes against the digest measured before). With `as_seen`
     (the measured blob's `seen`) each file's header is written as measured and its bytes read up

@@ -314,9 +314,13 @@ def _content_differences(contents: list[tuple[str, str, str]], jobs: int) -> lis
     read buffer."""
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         digests = pool.map(_content_digest, [full for _, full, _ in contents])
-        return [Difference(shown, "content", f"content differs: {digest[:19] if digest.startswith('sha256:') else digest}, "
-                                             f"expected {want[:19]}")
+        return [Difference(shown, "content", f"content differs: {_short(digest)}, expected {want[:19]}")
                 for (shown, _, want), digest in zip(contents, digests) if digest != want]
+
+
+def _short(digest: str) -> str:
+    """A digest as the report shows it (its first 12 hex digits), or why there is none."""
+    return digest[:19] if digest.startswith("sha256:") else digest
 
 
 def _content_digest(path: str) -> str:
