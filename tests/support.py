@@ -196,6 +196,13 @@ class RegistryServer:
         return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """A test server's request handler. TCP_NODELAY: its headers and body go out as separate
+    writes, and Nagle would hold the body back until the client's delayed ACK (40 ms a request)."""
+
+    disable_nagle_algorithm = True
+
+
 class _ThreadedServer:
     """An HTTP server of the test process, run in a thread: `_httpd` is set by the subclass."""
 
@@ -203,13 +210,22 @@ class _ThreadedServer:
     _thread: Optional[threading.Thread] = None
 
     def start(self):
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
         return self
 
+    def _serve(self) -> None:
+        # Not serve_forever: its shutdown() waits for a 0.5 s poll (per test, with a proxy).
+        # Here stop() wakes the loop with a connection of its own.
+        self._httpd.timeout = None
+        while not self._stopping.is_set():
+            self._httpd.handle_request()
+
     def stop(self) -> None:
         if self._thread:
-            self._httpd.shutdown()
+            self._stopping.set()
+            socket.create_connection(self._httpd.server_address[:2]).close()
             self._thread.join()
             self._thread = None
         self._httpd.server_close()
@@ -263,7 +279,7 @@ class TokenServer(_ThreadedServer):
     def _handler(self):
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_Handler):
             def do_GET(self):
                 q = parse_qs(urlparse(self.path).query)
                 user = None
@@ -601,7 +617,10 @@ class FaultProxy(_ThreadedServer):
     - `hold_blob`: the digest of a blob whose downloads wait (setting `holding`) until `unhold` is set.
     - `wait_for(request)`: block until a logged (method, path, status) matches, instead of polling;
       a request the upstream refused (a registry that is down) is logged with status REFUSED and
-      its connection closed unanswered."""
+      its connection closed unanswered.
+    - `back`: an Event for a registry that restarts: once one request has been REFUSED, later
+      ones that find it down wait for `back` (set by the test once it is up again), so a client
+      that retries at once (SNAP_RETRY_SCALE=0) still meets it back, however long its restart."""
 
     REFUSED = -2
 
@@ -612,6 +631,7 @@ class FaultProxy(_ThreadedServer):
         self.lie = lambda method, path: None
         self.endless_blob: Optional[str] = None
         self.hold_blob: Optional[str] = None
+        self.back: Optional[threading.Event] = None
         self.holding, self.unhold = threading.Event(), threading.Event()
         self.cut_upload_after: Optional[int] = None
         self.stall_uploads_after: Optional[int] = None
@@ -654,7 +674,7 @@ class FaultProxy(_ThreadedServer):
         proxy = self
         import http.client
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_Handler):
             protocol_version = "HTTP/1.1"
 
             def _body(self):
@@ -721,9 +741,12 @@ class FaultProxy(_ThreadedServer):
                 try:
                     upstream.connect()
                 except ConnectionRefusedError:  # the registry is down: the client's request goes unanswered
-                    proxy._log(method, path, proxy.REFUSED)
-                    self.close_connection = True
-                    return
+                    if proxy.back is None or not proxy.wait_for(lambda *entry: entry[2] == proxy.REFUSED, 0):
+                        proxy._log(method, path, proxy.REFUSED)
+                        self.close_connection = True
+                        return
+                    proxy.back.wait(300)  # refused once already: this one waits for the registry's restart
+                    upstream.connect()
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")}
                 chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
                 try:
@@ -838,7 +861,7 @@ class HostileServer(_ThreadedServer):
     def _handler(self):
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_Handler):
             protocol_version = "HTTP/1.1"
 
             def _any(self):
@@ -908,7 +931,7 @@ class MetadataServer(_ThreadedServer):
     def _handler(self):
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_Handler):
             def _reply(self, code: int, body: bytes = b"", ctype: str = "text/plain") -> None:
                 if code >= 400 and code != 404:
                     server.refused.append((self.command, self.path))

@@ -139,11 +139,20 @@ def test_a_blob_longer_than_its_descriptor_is_refused_as_it_passes_its_size(regi
 
 
 def test_a_dripping_registry_meets_the_deadline(registry, proxy, jail, request, tmp_path):
-    ref = push(registry, request, tar_bytes(member("f", data=os.urandom(150_000))))
-    proxy.throttle = 2000  # bytes per second: 75 s for the layer
-    env = {"SNAP_MIN_THROUGHPUT": "100k"}  # its deadline: 10 s + 150 KB at 100 KiB/s
+    blob = tar_bytes(member("f", data=os.urandom(150_000)))
+    ref = push(registry, request, blob)
+    proxy.throttle = 20_000  # bytes per second: 7.5 s for the layer, which never stops arriving
+    env = {"SNAP_MIN_THROUGHPUT": "100k", "SNAP_DOWNLOAD_GRACE": "0"}  # its deadline: 150 KB at 100 KiB/s, 1.5 s
     for code, line, _ in both(jail, tmp_path, ref.replace(registry.host, proxy.host), env):
         assert code == 3 and "slower than" in line, line
+        assert f"of {len(blob)} bytes in {len(blob) / 102400:.0f} s" in line, line  # no grace added
+
+
+@pytest.mark.parametrize("grace", ["-1", "soon", "nan", "inf"])
+def test_a_download_grace_that_is_no_number_of_seconds_is_a_usage_error(registry, jail, request, tmp_path, grace):
+    ref = push(registry, request, tar_bytes(member("f", data=b"x")))
+    for code, line, _ in both(jail, tmp_path, ref, {"SNAP_DOWNLOAD_GRACE": grace}):
+        assert code == 2 and f"SNAP_DOWNLOAD_GRACE={grace!r}" in line, line
 
 
 # ---- error answers that lie ---------------------------------------------------------------------------

@@ -5,9 +5,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import zstandard
+
+from snapshotter.box.profile import load_profile
 
 from support import (NOT_CAPTURED, FaultProxy, RegistryServer, push_base_image, snap, snap_layer_files,
                      snapshot_of_tree, write_tree)
@@ -24,8 +27,11 @@ def write_big(path, size):
 
 
 def start_commit(host, box, tag, base_ref):
+    """A commit that retries at once (no backoff waits): these tests stop the registry, and say
+    by events when it is back (the proxy's `back`), not by how long the commit waits."""
     return subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{host}/{tag}", "--base", base_ref,
-                             "--root", box, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--root", box, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SNAP_RETRY_SCALE": "0"})
 
 
 def stalled_mid_upload(proxy, proc):
@@ -57,12 +63,18 @@ def stalling_proxy(own_registry):
     proxy.stall_uploads_after = STALL_AT
     yield proxy
     proxy.release.set()
+    if proxy.back:
+        proxy.back.set()
     proxy.stop()
 
 
 @pytest.fixture
 def big_box(box):
-    write_big(os.path.join(box, "opt/app/models/checkpoints/big.safetensors"), 256 * MiB)  # a layer of its own
+    """A box with a weight just big enough for a layer of its own (the default profile's
+    file_layer_min), whose upload stalls at STALL_AT."""
+    size = max(rule.file_layer_min or 0 for rule in load_profile().layers)
+    assert size > STALL_AT
+    write_big(os.path.join(box, "opt/app/models/checkpoints/big.safetensors"), size)
     return box
 
 
@@ -94,6 +106,7 @@ def test_killed_push_leaves_no_tag_and_the_next_commit_finishes(own_registry, st
 
 def test_registry_restarted_mid_upload(own_registry, stalling_proxy, big_box, tmp_path):
     reg, proxy = own_registry, stalling_proxy
+    proxy.back = threading.Event()  # retries after the first refused one wait for the restart
     proc = start_commit(proxy.host, big_box, "box:v2", f"{proxy.host}/base:1")
     stalled_mid_upload(proxy, proc)
     reg.stop()
@@ -101,6 +114,7 @@ def test_registry_restarted_mid_upload(own_registry, stalling_proxy, big_box, tm
     # Back only once the commit has found it down (a request refused), so it must wait for it.
     assert proxy.wait_for(lambda method, path, status: status == proxy.REFUSED), "the commit never retried"
     reg.start()  # same port, same storage
+    proxy.back.set()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "Traceback" not in err

@@ -37,12 +37,13 @@ ProgressFn = Optional[Callable[[int], None]]
 MAX_DOCUMENT_SIZE = 4 << 20  # manifests, indexes, configs: distribution's own cap on a manifest
 MAX_INDEX_DEPTH = 8  # an index that names an index ...: deeper chains are refused
 MAX_TAG_PAGES = 500  # of a tag list, 1000 tags each
-# Every download has an overall deadline: READ_GRACE_S plus its declared size at the minimum
-# throughput ($SNAP_MIN_THROUGHPUT, bytes per second, K/M/G suffixes allowed). Per-read timeouts
-# alone let a registry that drips a byte every few seconds keep a restore waiting forever.
+# Every download has an overall deadline: a grace ($SNAP_DOWNLOAD_GRACE seconds) plus its declared
+# size at the minimum throughput ($SNAP_MIN_THROUGHPUT, bytes per second, K/M/G suffixes allowed).
+# Per-read timeouts alone let a registry that drips a byte every few seconds keep a restore waiting forever.
 MIN_THROUGHPUT_ENV = "SNAP_MIN_THROUGHPUT"
 DEFAULT_MIN_THROUGHPUT = 64 << 10
-READ_GRACE_S = 10
+DOWNLOAD_GRACE_ENV = "SNAP_DOWNLOAD_GRACE"
+DEFAULT_DOWNLOAD_GRACE = 10.0
 BODY_PIECE = 1 << 20
 _RATE = re.compile(r"([0-9]+)\s*([kmg]?)(?:i?b)?(?:/s)?", re.I)
 
@@ -208,12 +209,13 @@ class Remote:
     def _body(self, r: requests.Response, what: str, limit: Optional[int],
               too_long: type[SnapError] = IntegrityError) -> Iterator[bytes]:
         """A response body in pieces of up to BODY_PIECE bytes. Refused (`too_long`) once it passes
-        `limit` bytes, and (RegistryUnreachable) once it takes longer than READ_GRACE_S plus `limit`
+        `limit` bytes, and (RegistryUnreachable) once it takes longer than the grace plus `limit`
         bytes at the minimum throughput. Each read takes what has arrived, so that a registry that
         drips bytes meets the deadline instead of filling a piece first."""
         registry = self.ref.registry
         rate = min_throughput()
-        deadline = time.monotonic() + READ_GRACE_S + (limit or 0) / rate if limit is not None else None
+        allowed = download_grace() + (limit or 0) / rate
+        deadline = time.monotonic() + allowed if limit is not None else None
         got = 0
         parts: list[bytes] = []
         pending = 0
@@ -229,8 +231,9 @@ class Remote:
                 raise too_long(f"{what} from {registry} is longer than the {limit} bytes it may have: refusing it")
             if deadline is not None and time.monotonic() > deadline:
                 raise RegistryUnreachable(f"download of {what} from {registry} is slower than {rate} bytes/s "
-                                          f"({got} of {limit} bytes in {READ_GRACE_S + limit / rate:.0f} s): giving up",
-                                          f"on a slow link, set {MIN_THROUGHPUT_ENV} lower (bytes per second)")
+                                          f"({got} of {limit} bytes in {allowed:.0f} s): giving up",
+                                          f"on a slow link, set {MIN_THROUGHPUT_ENV} lower (bytes per second) "
+                                          f"or {DOWNLOAD_GRACE_ENV} higher (seconds)")
             if data:
                 parts.append(data)
                 pending += len(data)
@@ -312,3 +315,17 @@ def min_throughput() -> int:
     if not m or int(m.group(1)) == 0:
         raise UsageError(f"{MIN_THROUGHPUT_ENV}={text!r} is not a rate", "write bytes per second, e.g. 100k or 2M")
     return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
+def download_grace() -> float:
+    """Seconds a download may take beyond its size at min_throughput: $SNAP_DOWNLOAD_GRACE (default 10)."""
+    text = os.environ.get(DOWNLOAD_GRACE_ENV, "").strip()
+    if not text:
+        return DEFAULT_DOWNLOAD_GRACE
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):  # NaN too
+        raise UsageError(f"{DOWNLOAD_GRACE_ENV}={text!r} is not a number of seconds", "write seconds, e.g. 30")
+    return seconds

@@ -187,7 +187,8 @@ class _StreamedUpload:
         except queue.Empty:
             pass
         self.queue.put(self._END)
-        self.thread.join(TIMEOUT[0])
+        if not self.stopping.is_set():  # a stop does not wait for a request stuck on a stalled link
+            self.thread.join(TIMEOUT[0])
 
     def _queue(self) -> None:
         piece = b"".join(self.parts)
