@@ -126,7 +126,7 @@ def test_a_directory_snap_may_not_read_is_named_quoted_in_the_error(registry, tm
     root = tmp_path / "root"
     locked = "opt/locked\x1b[2J"
     write_tree(str(root), {f"{locked}/f.txt": "hello\n"})
-    ref = f"{registry.host}/locked:v1"
+    ref = f"{registry.host}/locked-dir:v1"
     snap("commit", ref, "--base", "scratch", "--root", str(root), check=True)
     os.chmod(root / locked, 0)
     cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",

@@ -55,7 +55,7 @@ def run(*args, **kw):
 
 def test_odd_names_commit_restore_verify_byte_for_byte_and_print_escaped(registry, base_ref, box, tmp_path):
     prof = odd_box(box)["profile"]
-    ref = f"{registry.host}/odd:v1"
+    ref = f"{registry.host}/odd-names:v1"
     commit = ("commit", ref, "--base", base_ref, "--root", box, "--profile", prof, "--max-layer-size", "1MiB")
     r = run(*commit, env={"SNAP_QUIET": "", "SNAP_PROGRESS": "lines"})
     assert r.returncode == 0, r.stderr
