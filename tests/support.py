@@ -593,13 +593,16 @@ class FaultProxy(_ThreadedServer):
     - `hold_blob`: the digest of a blob whose downloads wait (setting `holding`) until `unhold` is set.
     - `wait_for(request)`: block until a logged (method, path, status) matches, instead of polling;
       a request the upstream refused (a registry that is down) is logged with status REFUSED and
-      its connection closed unanswered."""
+      its connection closed unanswered.
+    - `down`: while set, every request is refused so (an outage the test starts and ends at will,
+      the registry behind it kept as it is)."""
 
     REFUSED = -2
 
 
     def __init__(self, upstream: str):
         self.upstream = upstream
+        self.down = threading.Event()
         self.answer = lambda method, path: None
         self.lie = lambda method, path: None
         self.endless_blob: Optional[str] = None
@@ -711,6 +714,8 @@ class FaultProxy(_ThreadedServer):
                     return
                 upstream = http.client.HTTPConnection(proxy.upstream, timeout=300)
                 try:
+                    if proxy.down.is_set():
+                        raise ConnectionRefusedError()
                     upstream.connect()
                 except ConnectionRefusedError:  # the registry is down: the client's request goes unanswered
                     proxy._log(method, path, proxy.REFUSED)
