@@ -28,7 +28,9 @@ from snapshotter.box.writers import open_for_writing
 from snapshotter.commit import push as push_module
 from snapshotter.errors import SnapError, UsageError
 from snapshotter.layer import generate as layer_module
+from snapshotter.oci.reference import is_tag
 from snapshotter.restore.restore import RestoreOptions
+from snapshotter.snapshot import diverged
 
 from helpers import SMALL_WEIGHTS, FakeClock, WatchProcess, blobs_in, digest_of, diverged_tags, snap_layers, watcher
 from support import NOT_CAPTURED, TIMEOUT, snap, snapshot_of_tree, write_tree
@@ -152,6 +154,19 @@ def test_a_box_that_may_not_move_the_tag_saves_every_snapshot_to_a_tag_of_its_ow
     again.tick()
     assert diverged_tags(registry, "diverge") == [tag] and digest_of(registry, "diverge", "v2") == good
     assert _restored_tree(f"{registry.host}/diverge:{tag}", tmp_path / "out2") == snapshot_of_tree(str(bare), skip=NOT_CAPTURED)
+
+
+def test_a_diverged_tag_is_a_valid_oci_tag_whatever_the_length_of_the_tag():
+    """TAG-diverged-<UTC time>[-N] fits the OCI tag grammar (128 characters at most): a long TAG is cut,
+    with 8 hex digits of its hash, so that two long tags with one start keep their diverged tags apart."""
+    at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc).timestamp()
+    assert diverged.new_name("v2", at, []) == "v2-diverged-20260102T030405Z"
+    for tag in ("v2", "a" * 100, "b" * 128, "x" * 120 + "-1.0_y"):
+        first = diverged.new_name(tag, at, [])
+        second = diverged.new_name(tag, at, [first])
+        assert all(is_tag(t) and len(t) <= 128 for t in (first, second)), (first, second)
+        assert second == first + "-2" and diverged.names(tag, [second, "other", first]) == [first, second]
+    assert diverged.prefix("c" * 120 + "1") != diverged.prefix("c" * 120 + "2")
 
 
 def tags_of(registry, repo) -> list[str]:
