@@ -1,5 +1,5 @@
 """The `snap` command: a thin typer shell over the library (commit, restore, verify, run, watch,
-log, status, login, logout)."""
+log, status, tag, login, logout)."""
 
 from __future__ import annotations
 
@@ -210,6 +210,10 @@ PushForce = typer.Option(False, "--force", help="Push even what snap refuses: a 
                          "system directories (bin, etc, usr, ...) or most of its paths (a wrong --root does), or "
                          "moves a tag that names a snapshot this box neither came from (a finished `snap restore` "
                          "into this root) nor made.")
+Diverge = typer.Option(False, "--diverge", help="Where TARGET's tag names a snapshot this box neither came from nor "
+                       "made, push to a tag of the box's own instead of refusing: TAG-diverged-<UTC time> (its own "
+                       "from before, if it made one), which `snap log` and `snap status` list. For a cron line on a "
+                       "box whose restore may fail.")
 
 
 _fmt_size = progress.human_size
@@ -229,11 +233,13 @@ def commit(
     max_layer_size: str = typer.Option("9.5GB", "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); snap restore joins them."),
     jobs: Optional[int] = Jobs,
     force: bool = PushForce,
+    diverge: bool = Diverge,
     plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
-    The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made."""
+    The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made;
+    else the commit is refused (exit 2), or goes to TAG-diverged-<UTC time> with --diverge."""
     from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.commit.commit import commit_box
     from snapshotter.commit.model import CommitOptions
@@ -243,7 +249,7 @@ def commit(
     prof.include += tuple(include_path(p) for p in include or ())
     opts = CommitOptions(
         root=root, profile=prof, compression=compression, rehash=rehash,
-        max_layer_size=parse_size(max_layer_size), force=force, jobs=jobs,
+        max_layer_size=parse_size(max_layer_size), force=force, jobs=jobs, diverge=diverge,
         transport=_transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say,
     )
     if from_container:
@@ -454,7 +460,7 @@ def watch(
     base: Optional[str] = typer.Option(None, "--base", "-b", help="The image the box was started from (as for commit)."),
     root: str = typer.Option("/", "--root", help="Root of the box to watch."),
     every: str = typer.Option("5m", "--every", help="At most one snapshot per this interval (90s, 5m, 1h); a burst of writes is snapshotted as soon as it is over."),
-    keep: Optional[int] = typer.Option(None, "--keep", help="Keep this many TAG-<time> snapshots; older ones are deleted (where the registry allows deletes)."),
+    keep: Optional[int] = typer.Option(None, "--keep", help="Keep this many TAG-<time> snapshots, and this many TAG-diverged-<time> tags; older ones are deleted (where the registry allows deletes), never TAG."),
     grace: float = typer.Option(4.0, "--grace", help="Seconds the final snapshot may take after SIGTERM/SIGINT/SIGHUP or a reclaim notice (RunPod kills 5 s after SIGTERM)."),
     provider: str = typer.Option("auto", "--provider", help="Reclaim notices to poll: auto (the cloud the machine's DMI data names, else none), aws, gcp, azure or none."),
     metadata_url: Optional[str] = typer.Option(None, "--metadata-url", help="Base URL of the metadata service (default: the provider's; or SNAP_METADATA_URL)."),
@@ -471,7 +477,9 @@ def watch(
 ):
     """Keep the registry's snapshot of the box seconds old: commit when the box changed (big files go
     up as soon as they are complete), and one final snapshot on SIGTERM, SIGINT, SIGHUP or a provider's
-    reclaim notice (AWS, GCP, Azure). The moving tag only ever names a complete snapshot.
+    reclaim notice (AWS, GCP, Azure). The moving tag only ever names a complete snapshot. Where it
+    names a snapshot this box neither came from nor made, it is not moved: the snapshots go to a
+    tag of the box's own, TAG-diverged-<UTC time>, and each line says so.
     Exits 0 after the final snapshot; non-zero with one line if it could not finish within --grace."""
     from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.commit.model import CommitOptions
@@ -521,20 +529,31 @@ def log_(
     username: Optional[str] = Username, password_stdin: bool = PasswordStdin, as_json: bool = JsonOut,
 ):
     """List the snapshots of the repository, newest first: tags, UTC time, total size, base, and the
-    layers new in each versus the one before (label and size)."""
+    layers new in each versus the one before (label and size); then the diverged tags of TARGET's tag
+    (TAG-diverged-<time>: boxes that could not move it saved their work there)."""
     from snapshotter.commit.history import snapshot_log
+    from snapshotter.oci.reference import Reference
 
     snaps = snapshot_log(target, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin), log=_say)
     if as_json:
         _stdout(json.dumps([asdict(s) for s in snaps], indent=2))
         return
     for s in snaps:
-        _out(f"{', '.join(s.tags)}  {s.created.replace('T', ' ').replace('Z', ' UTC')}  {_fmt_size(s.size)}  "
-                   f"{s.digest[:19]}  base {s.base}")
+        _out(f"{', '.join(s.tags)}  {_utc(s.created)}  {_fmt_size(s.size)}  {s.digest[:19]}  base {s.base}")
         for layer in s.new:
             _out(f"    new: {layer.label}  {_fmt_size(layer.size)}")
         if not s.new:
             _out("    no new layers")
+    apart = sorted((tag, s) for s in snaps for tag in s.diverged)
+    if apart:
+        tag = Reference.parse(target).tag
+        _out(f"diverged from {tag} (boxes that could not move it saved their work there; docs/watch.md: look, adopt):")
+        for name, s in apart:
+            _out(f"    {name}  {_utc(s.created)}  {s.digest}")
+
+
+def _utc(created: str) -> str:
+    return created.replace("T", " ").replace("Z", " UTC")
 
 
 @app.command()
@@ -567,6 +586,34 @@ def status(
     changed = sum(1 for layer in st.layers if layer.changed)
     _out(f"{changed} of {len(st.layers)} layer(s) changed against base {st.base}, "
                f"{_fmt_size(st.to_send)} of files to send; {st.deleted} deleted path(s)")
+    if st.tags_error:
+        _out(f"tag {st.tag}: not looked up ({st.tags_error})")
+    elif st.tag:
+        whose = ("this box may move it" if st.movable else
+                 "a snapshot this box neither came from nor made: its snapshots go to a diverged tag")
+        _out(f"tag {st.tag}: {st.tag_digest or 'no such tag yet'} ({whose})")
+    for d in st.diverged:
+        _out(f"diverged: {d.tag}  {_utc(d.created)}  {d.digest}" + ("  (this box's)" if d.own else ""))
+
+
+@app.command("tag")
+@_errors
+def tag_(
+    source: str = typer.Argument(..., help="The snapshot, e.g. registry.example.com/me/box:v2-diverged-20260101T120000Z"),
+    dest: str = typer.Argument(..., help="The tag to put on it, in the same repository, e.g. v2"),
+    force: bool = typer.Option(False, "--force", help="Move DEST where it names another snapshot already."),
+    plain_http: bool = PlainHttp, ca_cert: Optional[str] = CaCert, insecure_tls: bool = Insecure,
+    username: Optional[str] = Username, password_stdin: bool = PasswordStdin,
+):
+    """Put a tag on the snapshot SOURCE names (the manifest as it is, nothing else pushed): adopt a
+    diverged tag onto the moving one. The line says what DEST named before and how to put it back."""
+    from snapshotter.commit.history import retag
+
+    dst, digest, before = retag(source, dest, _transport(plain_http, ca_cert, insecure_tls, username, password_stdin),
+                                force)
+    back = (f" (it named {before}: `snap tag {dst.name}@{before} {dst.tag} --force` puts it back)"
+            if before not in (None, digest) else "")
+    _out(f"{dst} names {digest}{back}")
 
 
 @app.command("profiles")

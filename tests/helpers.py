@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -54,6 +55,14 @@ def digest_of(registry, repo, tag):
     r = registry.session().head(f"{registry.url}/v2/{repo}/manifests/{tag}",
                                 headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
     return r.headers.get("Docker-Content-Digest") if r.status_code == 200 else None
+
+
+def diverged_tags(registry, repo, tag="v2") -> list[str]:
+    """The repository's tags TAG-diverged-<UTC time>[-N], oldest first (the test's own reading of the names)."""
+    found = registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or []
+    pat = re.escape(tag) + r"-diverged-(\d{8}T\d{6}Z)(?:-(\d+))?"
+    return sorted((t for t in found if re.fullmatch(pat, t)),
+                  key=lambda t: (re.fullmatch(pat, t).group(1), int(re.fullmatch(pat, t).group(2) or 1)))
 
 
 def blobs_in(registry) -> set[str]:

@@ -620,13 +620,15 @@ class FaultProxy(_ThreadedServer):
       its connection closed unanswered.
     - `back`: an Event for a registry that restarts: once one request has been REFUSED, later
       ones that find it down wait for `back` (set by the test once it is up again), so a client
-      that retries at once (SNAP_RETRY_SCALE=0) still meets it back, however long its restart."""
+      that retries at once (SNAP_RETRY_SCALE=0) still meets it back, however long its restart.
+    - `down`: while set, every request is refused so (an outage the test starts and ends at will,
+      the registry behind it kept as it is)."""
 
     REFUSED = -2
 
-
     def __init__(self, upstream: str):
         self.upstream = upstream
+        self.down = threading.Event()
         self.answer = lambda method, path: None
         self.lie = lambda method, path: None
         self.endless_blob: Optional[str] = None
@@ -739,6 +741,8 @@ class FaultProxy(_ThreadedServer):
                     return
                 upstream = http.client.HTTPConnection(proxy.upstream, timeout=300)
                 try:
+                    if proxy.down.is_set():
+                        raise ConnectionRefusedError()
                     upstream.connect()
                 except ConnectionRefusedError:  # the registry is down: the client's request goes unanswered
                     if proxy.back is None or not proxy.wait_for(lambda *entry: entry[2] == proxy.REFUSED, 0):

@@ -28,7 +28,7 @@ import pytest
 
 from snapshotter.engine.run import cannot_read_zstd
 
-from helpers import (LINKED, assert_content_written_once, commit_json, engine_api, hardlink_box, home_box, label,
+from helpers import (LINKED, assert_content_written_once, commit_json, diverged_tags, engine_api, hardlink_box, home_box, label,
                      layers_by_name, make_home_base)
 from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, HostileServer, RegistryServer,
                      assert_one_line_error, free_port, have_wheels, make_box, push_base_image, snap, snapshot_of_tree,
@@ -741,7 +741,8 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
     and the cycle is: first start (no snapshot yet), changes (a pip install, a custom node, a
     weight), `docker stop -t 5`, a new container with a new empty volume (the tree byte for byte,
     the app up), a restart with the volume kept (the weight not downloaded again), and a registry
-    outage at start (no watcher, the tag stays on the good snapshot)."""
+    outage at start (the watcher all the same: the tag stays on the good snapshot, the work goes to a
+    diverged tag of the box's own, which holds every file once `docker stop -t 5` is over)."""
     if not shutil.which("busybox") or not os.path.exists("/usr/bin/python3.11") or not os.path.isdir("/usr/share/python-wheels"):
         pytest.skip("needs busybox and Debian 12's python3.11 (with python3-venv's wheels) for the test base image")
     if not have_wheels("setuptools", "typer", "docker", "oras", "zstandard"):
@@ -847,20 +848,36 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
         b.stop(timeout=5)
         b.remove()
 
-        # 5. The registry down at start: restore's 3, asked again, then no watcher; the app is up.
+        # 5. The registry down at start: restore's 3, asked again, then the watcher all the same (and the
+        # app). Once the registry answers, the box, which is not the last one, saves its work to a
+        # diverged tag of its own; the tag stays on the good snapshot.
         good = tagged()
         snaps_registry.stop()
         c = new_box(tmp_path / "volume-c")
         out = wait_for_line(c, "app up")
-        outputs.append(out)
         assert out.count("registry unreachable: restoring again") == 3, out
-        assert "snap watch NOT started" in out and "exit code 3" in out, out
-        assert not any("snap watch" in " ".join(p) for p in c.top()["Processes"]), c.top()
+        assert "exit code 3" in out and "diverged tag" in out, out
         snaps_registry.start()
-        c.stop(timeout=5)
-        outputs.append(c.logs().decode(errors="replace"))
-        c.remove()
+        out = wait_for_line(c, "v2 not moved")  # its first snapshot: to the diverged tag
+        [diverged] = diverged_tags(snaps_registry, "box")
+        assert f"box:{diverged}" in out, out
+        res = c.exec_run(["/bin/sh", "-c", f"mkdir -p {site}/outage-1.0.dist-info && echo 'V = 2' > {site}/outage.py "
+                          f"&& printf 'Name: outage\nVersion: 1.0\n' > {site}/outage-1.0.dist-info/METADATA "
+                          "&& mkdir -p /workspace/ComfyUI/output && echo made > /workspace/ComfyUI/output/img-1.png"])
+        assert res.exit_code == 0, res.output
+        c.stop(timeout=5)  # docker stop -t 5
+        out = c.logs().decode(errors="replace")
+        outputs.append(out)
+        assert "signal SIGTERM: final snapshot" in out and "snap watch ended with exit code 0" in out, out
         assert tagged() == good and snap_layers() == good_layers
+        assert diverged_tags(snaps_registry, "box") == [diverged]
+        work = tree(c, tmp_path / "volume-c", "export-c")
+        got = tmp_path / "diverged"
+        snap("restore", f"{snaps_registry.host}/box:{diverged}", "--root", str(got), "--only-snapshot", env=env, check=True)
+        for path in (f"{site[1:]}/outage.py", f"{site[1:]}/outage-1.0.dist-info/METADATA"):
+            assert snapshot_of_tree(str(got))[path] == work["rootfs"][path], path
+        assert snapshot_of_tree(str(got / "workspace")) == work["volume"]  # every file of the volume
+        c.remove()
         assert all(password not in o for o in outputs)
     finally:
         proxy.stop()

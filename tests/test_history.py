@@ -2,7 +2,9 @@
 
 import json
 import os
+import subprocess
 
+from helpers import digest_of, diverged_tags
 from support import push_base_image, snap, write_tree
 
 MiB = 1024 * 1024
@@ -74,3 +76,33 @@ def test_status_says_what_a_commit_would_send_and_pushes_nothing(registry, base_
 def test_status_without_base_before_any_commit_is_one_line(box):
     r = snap("status", "--root", box)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--base is required" in r.stderr
+
+
+def test_log_and_status_list_the_diverged_tags_beside_the_main_one(registry, base_ref, box, base_rootfs, tmp_path):
+    """A box that may not move the tag saved its work to TAG-diverged-<time> (`snap commit --diverge`):
+    `snap log TARGET` lists it after the snapshots, and `snap status` on either box says what the tag
+    names, whether that box may move it, and the diverged tags, the box's own marked."""
+    target = f"{registry.host}/hist-diverged:v2"
+    snap("commit", target, "--base", base_ref, "--root", box, check=True)
+    bare = tmp_path / "bare"  # a box whose restore failed: the image alone, and its own work
+    subprocess.run(["cp", "-a", base_rootfs, str(bare)], check=True)
+    write_tree(str(bare), {"opt/app/work.txt": "done on the bare box\n"})
+    r = snap("commit", target, "--base", base_ref, "--root", str(bare), "--diverge", check=True)
+    [tag] = diverged_tags(registry, "hist-diverged")
+    digest = digest_of(registry, "hist-diverged", tag)
+    assert f"pushed {registry.host}/hist-diverged:{tag}@{digest}" in r.stdout, r.stdout
+
+    snaps = json.loads(snap("log", target, "--json", check=True).stdout)
+    assert [s["diverged"] for s in snaps if s["digest"] == digest] == [[tag]]
+    text = snap("log", target, check=True).stdout.splitlines()
+    at = next(i for i, line in enumerate(text) if line.startswith("diverged from v2 "))
+    assert text[at + 1].startswith(f"    {tag}  ") and text[at + 1].endswith(digest), text
+
+    st = json.loads(snap("status", "--root", str(bare), "--json", check=True).stdout)
+    assert (st["tag"], st["tag_digest"], st["movable"]) == (target, digest_of(registry, "hist-diverged", "v2"), False)
+    assert [(d["tag"], d["digest"], d["own"]) for d in st["diverged"]] == [(tag, digest, True)]
+    lines = snap("status", "--root", str(bare), check=True).stdout.splitlines()
+    assert any(line.startswith(f"tag {target}: ") and "neither came from nor made" in line for line in lines), lines
+    assert f"diverged: {tag}  " in lines[-1] and lines[-1].endswith("(this box's)"), lines
+    st = json.loads(snap("status", "--root", box, "--json", check=True).stdout)
+    assert st["movable"] is True and [(d["tag"], d["own"]) for d in st["diverged"]] == [(tag, False)]

@@ -22,7 +22,7 @@ from snapshotter.layer import generate as layer_module
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.watch.watcher import Watcher
 
-from helpers import FAST, SMALL_WEIGHTS, FakeClock, WatchProcess, digest_of, snap_layers, watcher
+from helpers import FAST, SMALL_WEIGHTS, FakeClock, WatchProcess, digest_of, diverged_tags, snap_layers, watcher
 from support import (NOT_CAPTURED, TIMEOUT, MetadataServer, RegistryServer, fake_dmi, push_base_image, snap,
                      snapshot_of_tree, write_tree)
 
@@ -304,6 +304,30 @@ def test_keep_deletes_the_oldest_snapshots(deletes, base_rootfs, box, tmp_path):
         assert_restores_to(f"{reg.host}/keep:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
     finally:
         reg.stop()
+
+
+def test_keep_prunes_the_oldest_diverged_tags_by_the_same_rule_never_the_tag(registry, base_ref, box, base_rootfs,
+                                                                            tmp_path):
+    """Two boxes that could not move the tag saved their work to diverged tags (`snap commit --diverge`);
+    the watcher's --keep 1 deletes the older one, as it does its own oldest snapshots, and never the tag."""
+    target = f"{registry.host}/keep-diverged:v2"
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "keep-diverged", lines, clock, every=0, keep=1)
+    w.tick()
+    for i in range(2):
+        bare = tmp_path / f"bare-{i}"
+        subprocess.run(["cp", "-a", base_rootfs, str(bare)], check=True)
+        write_tree(str(bare), {"opt/app/work.txt": f"box {i}\n"})
+        snap("commit", target, "--base", base_ref, "--root", str(bare), "--diverge", check=True)
+    older, newer = diverged_tags(registry, "keep-diverged")
+    kept = digest_of(registry, "keep-diverged", newer)
+    write_tree(box, {"opt/app/counter.txt": "1\n"})
+    clock.advance(1)
+    w.tick()
+    assert diverged_tags(registry, "keep-diverged") == [newer] and digest_of(registry, "keep-diverged", newer) == kept
+    assert f"deleted old snapshot {older}" in lines
+    assert len([t for t in tags(registry, "keep-diverged") if t not in ("v2", newer)]) == 1  # its own: the newest
+    assert_restores_to(target, snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
 
 
 def test_a_registry_outage_is_retried_and_never_stops_the_loop(base_rootfs, box, tmp_path):

@@ -35,6 +35,7 @@ from snapshotter.oci.image import Image
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
+from snapshotter.snapshot.diverged import Line
 from snapshotter.snapshot.files import last_snapshot_files
 from snapshotter.snapshot.lineage import check_forward
 from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
@@ -195,7 +196,13 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
     transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
     remote = Remote(target_ref, transport)
     root = os.path.realpath(opts.root)
-    current = check_forward(remote, target_ref, root, opts.force, opts.origins)
+    if opts.diverge:  # the tag if this box may move it, else a tag of its own
+        line = Line(target_ref, transport, root, opts.force, opts.origins, opts.log)
+        line.check()
+        target_ref, current = line.ref(line.tag), line.digest
+        opts = dataclasses.replace(opts, moving=opts.moving or str(line.main))
+    else:
+        current = check_forward(remote, target_ref, root, opts.force, opts.origins)
     if opts.previous is None:
         opts = dataclasses.replace(opts, previous=functools.cache(lambda: last_snapshot_files(remote, root, current)))
     cp = plan_commit(base, opts, transport, target_ref)

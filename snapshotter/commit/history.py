@@ -1,5 +1,6 @@
 """Git-like verbs over the snapshots: `snap log` (the snapshots of a repository, newest first, with
-what each added) and `snap status` (what a commit would send now, without pushing anything)."""
+what each added), `snap status` (what a commit would send now, without pushing anything, and where
+it would go) and `snap tag` (put a tag on the snapshot another names: adopt a diverged tag)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter.digests import DIGEST
-from snapshotter.errors import IntegrityError, NotFound, RegistryError, UsageError
+from snapshotter.errors import IntegrityError, NotFound, RegistryError, SnapError, UsageError
 from snapshotter.oci.image import (BASE_NAME, CREATED, SNAP_BASE_LAYERS, manifest_annotations, snap_label,
                                    snapshot_layers_of)
 from snapshotter.oci.mediatypes import MANIFEST_TYPES
 from snapshotter.oci.reference import Reference, is_tag
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
-from snapshotter.snapshot.statcache import last_base
+from snapshotter.snapshot.diverged import DivergedTag, listing, names
+from snapshotter.snapshot.lineage import movable
+from snapshotter.snapshot.statcache import last_base, last_target
 
 from .commit import plan_commit
 from .model import CommitOptions
@@ -40,6 +43,7 @@ class SnapshotInfo:
     base: str
     layers: list[LayerInfo]  # snap's layers
     new: list[LayerInfo] = field(default_factory=list)  # snap's layers the snapshot before did not have
+    diverged: list[str] = field(default_factory=list)  # of its tags, the diverged tags of TARGET's (snapshot/diverged.py)
 
 
 def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
@@ -57,6 +61,7 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
         more = f" and {len(malformed) - MALFORMED_SHOWN} more" if len(malformed) > MALFORMED_SHOWN else ""
         log(f"warning: the registry lists {len(malformed)} name(s) in {ref.name} that are not tags, "
             f"left out: {named}{more}")
+    of_target = set(names(ref.tag, tags))
     for tag in tags:
         if not is_tag(tag):
             continue
@@ -87,7 +92,8 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
         found.append(SnapshotInfo(
             sorted(tags, key=lambda t: (t == ref.tag, t)), digest, ann.get(CREATED, ""),
             sum(d.get("size", 0) for d in layers) + config.get("size", 0), ann.get(BASE_NAME, ""),
-            [LayerInfo(snap_label(d), d.get("size", 0), d.get("digest", "")) for d in ours]))
+            [LayerInfo(snap_label(d), d.get("size", 0), d.get("digest", "")) for d in ours],
+            diverged=sorted(t for t in tags if t in of_target)))
     if not found:
         raise NotFound(f"no snapshots in {ref.name}", "snap commit or snap watch pushes them")
     found.sort(key=lambda s: (s.created, s.tags[-1]), reverse=True)
@@ -115,6 +121,11 @@ class BoxStatus:
     layers: list[LayerStatus]
     deleted: int
     skipped_secrets: list[str]
+    tag: Optional[str] = None  # the tag the last commit or watch of the root was for
+    tag_digest: Optional[str] = None  # what it names now
+    movable: Optional[bool] = None  # whether this box may move it (snapshot/lineage.py); else it diverges
+    diverged: list[DivergedTag] = field(default_factory=list)  # its diverged tags, oldest first
+    tags_error: str = ""  # why the tags were not looked at (the registry unreachable)
 
     @property
     def to_send(self) -> int:
@@ -135,4 +146,42 @@ def box_status(base: Optional[str], opts: CommitOptions) -> BoxStatus:
         hit = cp.known(plan)
         layers.append(LayerStatus(plan.label, hit is None, hit["size"] if hit else plan.content_size,
                                   len(plan.entries) + len(plan.whiteouts)))
-    return BoxStatus(cp.root, base, layers, len(cp.diff.deleted), cp.scan.skipped_secrets)
+    st = BoxStatus(cp.root, base, layers, len(cp.diff.deleted), cp.scan.skipped_secrets, last_target(cp.root))
+    if st.tag:
+        _tag_status(st, opts)
+    return st
+
+
+def _tag_status(st: BoxStatus, opts: CommitOptions) -> None:
+    """What the root's tag names, whether this box may move it, and its diverged tags; a registry
+    that cannot say is one line in tags_error, not a failed status."""
+    try:
+        ref = Reference.parse(st.tag)
+        remote = Remote(ref, opts.transport)
+        st.tag_digest, st.movable = movable(remote, ref, st.root, opts.force, opts.origins)
+        st.diverged = listing(remote, ref.tag, st.root)
+    except SnapError as e:
+        st.tags_error = str(e)
+
+
+# ---- tag --------------------------------------------------------------------------------------
+
+
+def retag(source: str, dest: str, transport: Optional[TransportOptions] = None,
+          force: bool = False) -> tuple[Reference, str, Optional[str]]:
+    """Put DEST (a tag of SOURCE's repository, or a reference in it) on the snapshot SOURCE names,
+    the manifest's bytes as they are. (DEST, the digest, what DEST named before: None if new.)
+    A DEST that names another snapshot already is moved only with `force`."""
+    src = Reference.parse(source)
+    dst = Reference(src.registry, src.repository, dest) if is_tag(dest) else Reference.parse(dest)
+    if dst.digest or dst.name != src.name:
+        raise UsageError(f"snap tag puts a tag in the repository of {src.name}, not on {dest!r}",
+                         f"name a tag of it: snap tag {source} TAG")
+    remote = Remote(src, transport)
+    body, media, digest = remote.get_manifest(src.target)
+    before = remote.manifest_digest(dst.tag)
+    if before not in (None, digest) and not force:
+        raise UsageError(f"{dst} names {before[:19]} already: moving it would leave that snapshot without this tag",
+                         "pass --force to move it (the line then says how to put it back)")
+    remote.put_manifest(body, media, dst.tag)
+    return dst, digest, before

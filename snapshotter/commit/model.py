@@ -40,6 +40,10 @@ class CommitOptions:
     plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
     force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (box/deletions.py), a tag this box neither came from nor made (snapshot/lineage.py)
     origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides snapshot/lineage.py's (a container's image)
+    # Where the tag names a snapshot this box neither came from nor made: push to a tag of the box's own,
+    # TAG-diverged-<UTC time> (snapshot/diverged.py), instead of refusing.
+    diverge: bool = False
+    moving: Optional[str] = None  # the moving tag a push to another tag is for (a watcher's TAG-<time>, a diverged tag)
     # Files not to read now, with why (being written): given the scan, the paths to hold back. None: the
     # files some process is writing (box/writers.py) that changed in the last WRITING_QUIET_S seconds.
     hold: Optional[Callable[[Scan], dict[str, str]]] = None

@@ -95,7 +95,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     # The tag moves only now, after every blob is in.
     digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
     cp.cache.save()
-    note_last_commit(cp.root, cp.base_name, str(target_ref), digest)
+    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
     own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
     cp.sources.note(target_ref.api_host, target_ref.repository,
                     own + ([base_img.manifest["config"]["digest"]] if base_img else [])

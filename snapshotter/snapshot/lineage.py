@@ -25,13 +25,21 @@ def known_origins(root: str, also: Iterable[str] = ()) -> set[str]:
     return {*made_from(root), *([came] if came else []), *also}
 
 
+def movable(remote: Remote, ref: Reference, root: str, force: bool = False,
+            also: Iterable[str] = ()) -> tuple[Optional[str], bool]:
+    """The digest `ref`'s tag names now (None: no such tag yet), and whether this box may move it."""
+    current = remote.manifest_digest(ref.tag)
+    return current, current is None or force or current in known_origins(root, also)
+
+
 def check_forward(remote: Remote, ref: Reference, root: str, force: bool = False, also: Iterable[str] = ()) -> Optional[str]:
     """The digest `ref`'s tag names now (None: no such tag yet), if this box may move it; else a
     UsageError (exit 2) naming the ways on, before anything is written."""
-    current = remote.manifest_digest(ref.tag)
-    if current is None or force or current in known_origins(root, also):
+    current, ok = movable(remote, ref, root, force, also)
+    if ok:
         return current
     raise UsageError(
         f"{ref} names {current[:19]}, a snapshot that {root!r} neither came from (no finished `snap restore` of it "
         f"here) nor made: moving the tag would replace it with this box",
-        f"restore it first (snap restore {ref} --root {root}), pass --force to replace it, or push to another tag")
+        f"restore it first (snap restore {ref} --root {root}), pass --diverge to push this box to a tag of its own "
+        f"({ref.tag}-diverged-<UTC time>), --force to replace it, or push to another tag")

@@ -65,11 +65,23 @@ def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> in
 
 def forget_restore(root: str) -> None:
     """A restore that starts writing into `root` makes the last record untrue until it finishes:
-    a restore that fails or stops half-way must not look like a finished one (lineage.py)."""
+    a restore that fails or stops half-way must not look like a finished one (lineage.py). The
+    record becomes the mark of this start, which no image is read from: a box that diverged
+    (diverged.py) sees that a restore wrote into it since, even where none had finished before."""
     try:
-        os.unlink(_path(root))
-    except FileNotFoundError:
-        pass
+        write_versioned(_path(root), VERSION, {"root": os.path.realpath(root), "started_ns": time.time_ns()})
+    except OSError:
+        try:
+            os.unlink(_path(root))
+        except FileNotFoundError:
+            pass
+
+
+def restore_mark(root: str) -> tuple:
+    """What tells the restores into `root` apart: the last finished one's image and end, or the
+    start of one that has not finished (running, failed or stopped)."""
+    doc = _load(root) or {}
+    return doc.get("manifest"), doc.get("restored_at_ns"), doc.get("started_ns")
 
 
 def _load(root: str) -> Optional[dict]:

@@ -73,7 +73,8 @@ def _last_commit(root: str) -> dict:
 
 def note_last_commit(root: str, base: str, target: str, digest: str) -> None:
     """Remembered per root: the base, so that `snap status` needs no --base after a commit or a
-    watch; the manifest digests of the last snapshots made from it, so that a later commit may move
+    watch; the tag its snapshots are for (the moving one: `snap status` lists its diverged tags);
+    the manifest digests of the last snapshots made from it, so that a later commit may move
     a tag that names one of them (lineage.py)."""
     made = [d for d in made_from(root) if d != digest][-(MADE_KEPT - 1):] + [digest]
     write_versioned(_last_commit_path(root), LAST_COMMIT_VERSION, {"base": base, "target": target, "made": made})
@@ -82,6 +83,12 @@ def note_last_commit(root: str, base: str, target: str, digest: str) -> None:
 def last_base(root: str) -> Optional[str]:
     base = _last_commit(root).get("base")
     return base if isinstance(base, str) else None
+
+
+def last_target(root: str) -> Optional[str]:
+    """The tag the last commit or watch of `root` was for."""
+    target = _last_commit(root).get("target")
+    return target if isinstance(target, str) else None
 
 
 def made_from(root: str) -> list[str]:

@@ -6,7 +6,8 @@ SCAN_BUDGET of one core, commits with the commit package's library API when some
 most once per `every`, at once when a burst of writes is over), sends big files ahead as soon as
 they are stable, and ends with one final commit on a signal or a provider's reclaim notice. Each
 snapshot goes under an immutable tag `<tag>-<UTC time>` first; the moving tag is then put on the
-same manifest bytes, so it only ever names a complete snapshot."""
+same manifest bytes, so it only ever names a complete snapshot. A box that may not move the tag
+(snapshot/lineage.py) pushes its snapshots to a tag of its own instead (snapshot/diverged.py)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,10 @@ from snapshotter.errors import AuthError, SnapError, UsageError, printable
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.layer.plan import PlanMemo
 from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
-from snapshotter.oci.mediatypes import OCI_MANIFEST
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.files import file_layers, last_snapshot_files
-from snapshotter.snapshot.lineage import check_forward, known_origins
+from snapshotter.snapshot.diverged import Line, names, prune
 from snapshotter.snapshot.record import restored_at_ns
 from snapshotter.state import exclusive
 
@@ -170,10 +170,9 @@ class Watcher:
         self.lost_told = False
         self.committed_whole = False  # the last snapshot holds the box as its scan saw it (nothing held)
         self.committed_scan: Optional[Scan] = None  # the commit scan the last snapshot was made from
-        # The snapshot the moving tag names, once checked (snapshot/lineage.py): its digest, and its layers of
-        # one file each, which keep a file being written at that version (hold.hold_back).
-        self.lineage_checked = False
-        self.tag_digest: Optional[str] = None
+        # Where the snapshots go (the moving tag, or a diverged tag of this box's own), and the layers of one
+        # file each of the snapshot that tag names, which keep a file being written at that version (hold.hold_back).
+        self.line = Line(self.moving, self.transport, self.root, opts.commit.force, opts.commit.origins, self.log, opts.clock)
         self.previous_files: dict[str, list[tuple[dict, str]]] = {}
         self.restored_at = restored_at_ns(self.root)  # files a restore wrote are not being written
         # One commit at a time: the final snapshot waits for the loop's (and stops it first), so the two
@@ -387,7 +386,7 @@ class Watcher:
         # last ones added about a fifth, and an idle watcher went over its 0.5% of a core.
         if self.final_started.is_set():
             return  # the final snapshot has the CPU to itself (a 2-core box, a 4 s grace)
-        if not self.lineage_checked:
+        if not self.line.checked:
             self._check_lineage()
         if not self.events_tried:
             self._start_events()
@@ -522,10 +521,11 @@ class Watcher:
         """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
         name, or None when the box matched the moving tag's snapshot already (first, final).
         `stopping` set: the commit gives up at its next chunk (the final snapshot wants the lock)."""
+        if self.line.diverged:
+            self._check_lineage()  # the moving tag again, or (after a restore here) a new diverged tag
         with self.lock:  # the worker's and the final snapshot's may overlap
             self.seq += 1
-            seq = self.seq
-            tag = self._tag_name()
+            seq, tag = self.seq, self.line.diverged or self._tag_name()
         now = self.opts.clock()
         last = self.committed or {}
         if final and self._nothing_new():
@@ -538,13 +538,13 @@ class Watcher:
         tokens = _tokens_as_snapshotted(scanned, held, last, set(held))
         if first and self._is_current(cp):
             self.current = self.current or "its snapshot made before this watcher started"
-            self.log(f"{self.moving} already holds this box: nothing to send")
+            self.log(f"{self.line.ref(self.line.tag)} already holds this box: nothing to send")
             self._committed(tokens, now, cp)
             return None
         if final and tokens == self.committed:
             return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
-        ref = Reference(self.moving.registry, self.moving.repository, tag)
-        result = push_commit(cp, ref, self.transport, dataclasses.replace(opts, stopping=stopping))
+        ref = self.line.ref(tag)
+        result = push_commit(cp, ref, self.transport, dataclasses.replace(opts, stopping=stopping, moving=str(self.moving)))
         # The push may hold back more (files that tore while read) or read one after all: as pushed,
         # a held file is in this snapshot at the last one's version (kept), or pending until taken.
         kept = set(cp.carried) | (cp.unreadable - set(cp.left_unread))
@@ -571,15 +571,22 @@ class Watcher:
         with self.lock:
             moved = seq > self.moved_seq
             if moved:
-                self._move_tag(result.manifest_digest)
+                if tag == self.line.diverged:
+                    self.line.digest = result.manifest_digest
+                else:
+                    self.line.move(result.manifest_digest)
                 self.moved_seq, self.current = seq, tag
-                self._trace(f"moved {self.moving.tag} to {tag}")
+                self._trace(f"moved {self.line.tag} to {tag}")
         self._committed(tokens, now, cp)
         self.previous_files = file_layers(result.snap_layers)
         self.snapshots += 1
         sent = [layer for layer in result.layers if layer.status == "uploaded"]
+        if self.line.diverged:
+            said = f"; {self.line.note()}" + (f"; {self.line.diverged} names it" if tag != self.line.diverged else "")
+        else:
+            said = f"; {self.moving.tag} moved to it" if moved else ""
         self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent, "
-                 f"{sum(layer.size for layer in sent)} bytes)" + (f"; {self.moving.tag} moved to it" if moved else ""))
+                 f"{sum(layer.size for layer in sent)} bytes){said}")
         if self.opts.keep:
             self._prune()
         return tag
@@ -604,27 +611,12 @@ class Watcher:
             return self.commit_dirty == set() and self.events_complete
 
     def _check_lineage(self) -> None:
-        """Before the first snapshot: the moving tag must name a snapshot this box came from or made
-        (snapshot/lineage.py), or nothing yet; its layers of one file each are what a file being written is
-        kept at."""
-        remote = Remote(self.moving, self.transport)
-        digest = check_forward(remote, self.moving, self.root, self.opts.commit.force, self.opts.commit.origins)
-        self.previous_files = last_snapshot_files(remote, self.root, digest)
-        self.tag_digest, self.lineage_checked = digest, True
-
-    def _move_tag(self, digest: str) -> None:
-        """Put the moving tag on the snapshot `digest`, unless someone else moved it since this watcher
-        last did (another box racing for the tag): then stop, as snapshot/lineage.py refuses a commit."""
-        remote = Remote(self.moving, self.transport)
-        now = remote.manifest_digest(self.moving.tag)
-        if (now not in (self.tag_digest, digest) and not self.opts.commit.force
-                and now not in known_origins(self.root, self.opts.commit.origins)):  # e.g. a `snap commit` of this box
-            raise UsageError(f"{self.moving} was moved to {str(now)[:19]} by someone else while this watcher kept it "
-                             f"(it named {str(self.tag_digest)[:19]}); the new snapshot stays under its own tag",
-                             "two boxes must not watch one tag: give each its own, or pass --force")
-        body, _, _ = remote.get_manifest(digest)
-        remote.put_manifest(body, OCI_MANIFEST, self.moving.tag)
-        self.tag_digest = digest
+        """Where the snapshots go (snapshot/diverged.py's Line: the moving tag while this box came from or
+        made what it names, else a diverged tag of its own); when that changed, the layers of one file
+        each of the snapshot the target tag names are what a file being written is kept at."""
+        if self.line.check():
+            self.previous_files = last_snapshot_files(self.line.remote(), self.root, self.line.digest)
+            self.restored_at = restored_at_ns(self.root)
 
     def _trace(self, msg: str) -> None:
         """Progress markers for tests that kill the watcher at chosen moments (SNAP_WATCH_TRACE=1)."""
@@ -648,7 +640,7 @@ class Watcher:
         if any(k is None for k in known):
             return False
         remote = Remote(self.moving, self.transport)
-        digest = remote.manifest_digest(self.moving.tag)
+        digest = remote.manifest_digest(self.line.tag)
         if digest is None:
             return False
         img = remote.resolve(digest)
@@ -666,26 +658,17 @@ class Watcher:
         return [t for _, _, t in sorted(found)]
 
     def _prune(self) -> None:
-        """Delete the oldest immutable snapshots beyond --keep (never one a kept tag names)."""
+        """Delete the oldest immutable snapshots beyond --keep, and the oldest diverged tags beyond it
+        (snapshot/diverged.py), never one that the moving tag, a kept tag or this box's target names."""
         if self.prune_refused:
             return
         remote = Remote(self.moving, self.transport)
         tags = remote.list_tags()
-        ours = self.snapshot_tags(tags)
-        drop, keep = ours[:-self.opts.keep], ours[-self.opts.keep:]
-        if not drop:
-            return
-        protected = {remote.manifest_digest(t) for t in keep + [self.moving.tag]}
-        for tag in drop:
-            digest = remote.manifest_digest(tag)
-            if digest is None or digest in protected:
-                continue
-            if not remote.delete_manifest(digest):
-                self.prune_refused = True
-                self.log(f"--keep: registry {self.moving.registry} does not allow deleting manifests "
-                         "(storage.delete.enabled in its config); older snapshots stay")
-                return
-            self.log(f"deleted old snapshot {tag}")
+        series = [self.snapshot_tags(tags), names(self.moving.tag, tags)]
+        if not prune(remote, series, self.opts.keep, [self.moving.tag, self.line.tag], self.log):
+            self.prune_refused = True
+            self.log(f"--keep: registry {self.moving.registry} does not allow deleting manifests "
+                     "(storage.delete.enabled in its config); older snapshots stay")
 
     # ---- the end -------------------------------------------------------------------------------
 
@@ -703,7 +686,7 @@ class Watcher:
                     if self.inflight is not None:
                         self.inflight.set()
                 with self.commit_lock, exclusive(self.log):
-                    if not self.lineage_checked:
+                    if not self.line.checked:
                         self._check_lineage()
                     box["tag"] = self._snapshot(final=True)
             except BaseException as e:  # handed to the waiting thread
@@ -712,7 +695,8 @@ class Watcher:
                 done.set()
 
         threading.Thread(target=work, name="final snapshot", daemon=True).start()
-        current = f"{self.moving.tag} still names {self.current}" if self.current else f"{self.moving.tag} was not moved"
+        target, last = self.line.tag, "its last snapshot" if self.current == self.line.tag else self.current
+        current = f"{target} still names {last}" if self.current else f"{target} was not moved"
         if not done.wait(self.opts.grace):
             self._error(f"the final snapshot did not finish within the {self.opts.grace:g}s grace ({current})")
             return 1
@@ -720,10 +704,11 @@ class Watcher:
             e = box["error"]
             self._error(f"the final snapshot failed: {e} ({current})")
             return e.exit_code if isinstance(e, SnapError) else 1
+        where, note = self.line.ref(self.line.tag), f" ({self.line.note()})" if self.line.diverged else ""
         if box["tag"] is None:
-            self.log(f"nothing changed since {self.current or 'the last snapshot'}: {self.moving} is current")
+            self.log(f"nothing changed since {self.current or 'the last snapshot'}: {where} is current{note}")
         else:
-            self.log(f"final snapshot {box['tag']} pushed; {self.moving} names it")
+            self.log(f"final snapshot {box['tag']} pushed; {where} names it{note}")
         return 0
 
     def _error(self, msg: str) -> None:
