@@ -230,8 +230,9 @@ def test_empty_docker_config_dir_is_not_the_users(tmp_path, monkeypatch):
 
 
 def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_path):
-    """Without $DOCKER_CONFIG and with no ~/.docker/config.json nor ~/.dockercfg, no credentials,
-    and the docker SDK is not even imported (importing it slows every restore's start)."""
+    """Without $DOCKER_CONFIG and with no ~/.docker/config.json nor ~/.dockercfg, no credentials;
+    the legacy ~/.dockercfg is read when it is the only one. The docker SDK is never imported for
+    credentials (importing it slows every restore's start; snap reads the file and runs the helpers)."""
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_CONFIG"}
     env["HOME"] = str(tmp_path)
     code = ("import sys; from snapshotter.registry.credentials import docker_credentials\n"
@@ -240,7 +241,7 @@ def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_
     assert out.split() == ["None", "False"]
     (tmp_path / ".dockercfg").write_text(json.dumps({"ghcr.io": basic("me", "legacy")}))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["('me',", "'legacy')", "True"]
+    assert out.split() == ["('me',", "'legacy')", "False"]
 
 
 def test_broken_credential_helper_is_one_line(secure_registry, box, tmp_path):
