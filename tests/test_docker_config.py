@@ -329,3 +329,13 @@ def test_root_writes_no_credentials_where_another_user_could_swap_the_file(tmp_p
     written = tmp_path / "root-own" / "config.json"
     assert json.loads(written.read_text()) == {"auths": {"ghcr.io": basic(USER, PASSWORD)}}
     assert os.stat(written).st_mode & 0o777 == 0o600 and os.listdir(written.parent) == ["config.json"]
+
+
+@needs_root
+def test_login_into_another_user_s_directory_is_refused_before_the_registry_is_asked(tmp_path):
+    """The refusal comes first: an unreachable registry (exit 3) is never even tried, nothing is made."""
+    theirs = _another_users_dir(tmp_path)
+    r = bounded_snap("login", "127.0.0.1:1", "-u", USER, "--password-stdin", input=PASSWORD + "\n",
+                     env={"DOCKER_CONFIG": str(theirs)})
+    assert_one_line_error(r, 4, f"directory {str(theirs)!r} belongs to uid {ANOTHER_USER}", "not writing credentials")
+    assert os.listdir(theirs) == [] and PASSWORD not in r.stderr

@@ -88,6 +88,12 @@ def save_docker_credentials(registry: str, username: str, password: str) -> str:
     return where
 
 
+def check_docker_config() -> None:
+    """Refuse (one line) a config snap could not read or write, before a login asks the registry."""
+    docker_config.load(config_path())
+    docker_config.writable_target()
+
+
 def erase_docker_credentials(registry: str) -> bool:
     """Forget `registry`'s credentials: its entries in config.json (under every key snap would read
     them from) and the helper's. False if there were none."""

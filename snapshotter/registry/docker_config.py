@@ -21,7 +21,7 @@ from .credential_helper import FIX, is_program_name
 
 CONFIG_LIMIT = 4 << 20  # bytes: Docker's own configs are a few KiB
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
+          stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
 
 
 def config_path() -> str:
@@ -150,32 +150,36 @@ def helper_for(config: dict, key: str) -> Optional[str]:
 def save(config: dict) -> None:
     """Write `config` whole or not at all (a temp file renamed over it), 0600, in a 0700 directory
     made if missing; written where a symlink of ours points, as Docker does."""
+    directory = os.path.dirname(config_path())
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise storage_error(e, directory, " (Docker's config)") from None
     target = writable_target()
     try:
         replace_file(target, lambda f: f.write(json.dumps(config, indent="\t") + "\n"), durable=True)
     except OSError as e:
-        raise storage_error(e, os.path.dirname(target), " (Docker's config)")
+        raise storage_error(e, os.path.dirname(target), " (Docker's config)") from None
 
 
 def writable_target() -> str:
     """Where the config may be written: refused (one line) when its directory, or its symlink, or
     the directory the symlink leads to belongs to another user (neither us nor root): they could
-    swap in a symlink that has us write over a file of ours. Called before anything is stored."""
+    swap in a symlink that has us write over a file of ours. Checked before anything is stored,
+    and again when it is written."""
     path = config_path()
-    directory = os.path.dirname(path)
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        _refuse_another_users(directory, "directory")
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return path
-    except OSError as e:
-        raise storage_error(e, directory, " (Docker's config)")
-    if stat.S_ISLNK(st.st_mode):
-        if another_users(st.st_uid):
-            raise _not_writing(path, "symlink", st.st_uid)
-        path = os.path.realpath(path)
         _refuse_another_users(os.path.dirname(path), "directory")
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            if another_users(st.st_uid):
+                raise _not_writing(path, "symlink", st.st_uid)
+            path = os.path.realpath(path)
+            _refuse_another_users(os.path.dirname(path), "directory")
+    except FileNotFoundError:
+        return path  # no directory yet (save makes it, ours), no file, or a symlink to nowhere: replaced
+    except OSError as e:
+        raise storage_error(e, os.path.dirname(path), " (Docker's config)") from None
     return path
 
 
