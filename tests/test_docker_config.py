@@ -10,6 +10,7 @@ import base64
 import json
 import os
 import resource
+import select
 import subprocess
 import sys
 import threading
@@ -115,7 +116,9 @@ def test_a_failing_helper_s_output_never_reaches_snap_s(registry, tmp_path):
 
 
 BLOCK_ON_FIFO = """
-open(os.environ["HELPER_PID"], "w").write(str(os.getpid()))
+import subprocess
+child = subprocess.Popen(["cat", os.environ["HELPER_FIFO"]])  # what a helper starts (a keyring's client)
+open(os.environ["HELPER_PID"], "w").write(f"{os.getpid()} {child.pid}")
 sys.stdout.write("x" * int(os.environ.get("HELPER_OUTPUT", "0")))
 sys.stdout.flush()
 open(os.environ["HELPER_FIFO"]).read()  # no writer: waits until killed
@@ -139,24 +142,32 @@ def _release(env: dict) -> None:
 
 
 def _gone(pid_file: str) -> bool:
-    pid = int(open(pid_file).read())
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    """Whether the helper and the child it started have both ended (a SIGKILL takes effect a moment
+    after it is sent: each pid's pidfd is waited on, RUN_LIMIT_S at most, an event, not a sleep)."""
+    def ended(pid: int) -> bool:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return True
+        try:
+            return bool(select.select([fd], [], [], RUN_LIMIT_S / 6)[0])
+        finally:
+            os.close(fd)
+
+    return all(ended(int(pid)) for pid in open(pid_file).read().split())
 
 
 def test_a_helper_that_does_not_answer_is_killed_after_the_wait(registry, tmp_path):
-    """A helper waiting on a FIFO (as one waits for a keyring's prompt): killed when
-    $SNAP_CREDENTIAL_HELPER_TIMEOUT has passed, one line that names it and the wait."""
+    """A helper waiting on a FIFO (as one waits for a keyring's prompt): killed, with the child it
+    started, when $SNAP_CREDENTIAL_HELPER_TIMEOUT has passed; one line that names it and the wait."""
     env = _blocking_helper(tmp_path)
     try:
         r = bounded_snap("log", f"{registry.host}/box", env={**env, "SNAP_CREDENTIAL_HELPER_TIMEOUT": "0.5"})
+        gone = _gone(env["HELPER_PID"])  # before the FIFO lets a survivor go
     finally:
         _release(env)
     assert_one_line_error(r, 4, "docker-credential-stuck", "did not get within 0.5 s", "SNAP_CREDENTIAL_HELPER_TIMEOUT")
-    assert _gone(env["HELPER_PID"])
+    assert gone
 
 
 def test_a_helper_that_answers_too_much_is_killed_past_1_mib(registry, tmp_path):
@@ -165,10 +176,18 @@ def test_a_helper_that_answers_too_much_is_killed_past_1_mib(registry, tmp_path)
     env = _blocking_helper(tmp_path, output=3 << 20)
     try:
         r = bounded_snap("log", f"{registry.host}/box", env=env)
+        gone = _gone(env["HELPER_PID"])  # before the FIFO lets a survivor go
     finally:
         _release(env)
     assert_one_line_error(r, 4, "docker-credential-stuck", "more than 1 MiB")
-    assert _gone(env["HELPER_PID"])
+    assert gone
+
+
+def test_a_helper_wait_that_is_no_number_of_seconds_is_a_usage_error(tmp_path):
+    env = {**_blocking_helper(tmp_path), "SNAP_CREDENTIAL_HELPER_TIMEOUT": "soon"}
+    r = bounded_snap("logout", "ghcr.io", env=env)  # logout asks the credsStore helper
+    assert_one_line_error(r, 2, "SNAP_CREDENTIAL_HELPER_TIMEOUT='soon'", "not a number of seconds")
+    assert not os.path.exists(env["HELPER_PID"])  # never started
 
 
 def test_a_helper_still_gives_credentials(registry, tmp_path):
