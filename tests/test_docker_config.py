@@ -20,7 +20,7 @@ import pytest
 from snapshotter.errors import AuthError
 from snapshotter.registry.credentials import docker_credentials, save_docker_credentials
 
-from helpers import basic, credential_helper, docker_config
+from helpers import basic
 from support import RegistryServer, assert_one_line_error
 
 USER, PASSWORD = "snapuser", "Leaky-Pa55-7c1e"
@@ -188,16 +188,6 @@ def test_a_helper_wait_that_is_no_number_of_seconds_is_a_usage_error(tmp_path):
     r = bounded_snap("logout", "ghcr.io", env=env)  # logout asks the credsStore helper
     assert_one_line_error(r, 2, "SNAP_CREDENTIAL_HELPER_TIMEOUT='soon'", "not a number of seconds")
     assert not os.path.exists(env["HELPER_PID"])  # never started
-
-
-def test_a_helper_still_gives_credentials(registry, tmp_path):
-    """The bounds cost a well-behaved helper nothing: its credentials reach the registry."""
-    path, log = credential_helper(tmp_path, "good", {registry.host: (USER, PASSWORD)})
-    env = {"DOCKER_CONFIG": config_dir(tmp_path, {"credsStore": "good"}), "PATH": path,
-           "SNAP_CREDENTIAL_HELPER_TIMEOUT": "20"}
-    r = bounded_snap("log", f"{registry.host}/box", env=env)
-    assert r.returncode == 5 and "credentials" not in r.stderr, r.stderr  # in: box has no tags
-    assert open(log).read().splitlines() == [f"get {registry.host}"]
 
 
 # ---- 3. config.json is input like any other ----------------------------------------------------------
