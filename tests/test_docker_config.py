@@ -285,7 +285,8 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user
 @needs_root
 def test_a_symlink_in_another_user_s_directory_is_not_followed(tmp_path, monkeypatch):
     """Their config.json a symlink to root's own config: not followed (one line); a regular config
-    there is read; root's own symlink in root's own directory is followed, as Docker does."""
+    there is read; root's own symlink in root's own directory is followed, as Docker does, but not
+    one that belongs to them."""
     mine = tmp_path / "root-config.json"
     mine.write_text(json.dumps({"auths": {"ghcr.io": basic("root", "Root-Pa55")}}))
     theirs = _another_users_dir(tmp_path)
@@ -304,6 +305,9 @@ def test_a_symlink_in_another_user_s_directory_is_not_followed(tmp_path, monkeyp
     (ours / "config.json").symlink_to(mine)
     monkeypatch.setenv("DOCKER_CONFIG", str(ours))
     assert docker_credentials("ghcr.io") == ("root", "Root-Pa55")
+    os.lchown(ours / "config.json", ANOTHER_USER, ANOTHER_USER)  # their symlink, even in our directory
+    with pytest.raises(AuthError, match=f"is a symlink uid {ANOTHER_USER} owns: not following it"):
+        docker_credentials("ghcr.io")
 
 
 @needs_root
@@ -328,9 +332,10 @@ def test_root_writes_no_credentials_where_another_user_could_swap_the_file(tmp_p
         if how == "their-symlink":
             os.lchown(cfg / "config.json", ANOTHER_USER, ANOTHER_USER)
     monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
-    with pytest.raises(AuthError, match=f"belongs to uid {ANOTHER_USER}.*not writing credentials there"):
+    refused = "not following it" if how == "their-symlink" else "not writing credentials there"  # read first
+    with pytest.raises(AuthError, match=f"uid {ANOTHER_USER}.*{refused}"):
         save_docker_credentials("ghcr.io", USER, PASSWORD)
-    assert_one_line_error(bounded_snap("logout", "ghcr.io"), 4, f"uid {ANOTHER_USER}", "not writing credentials")
+    assert_one_line_error(bounded_snap("logout", "ghcr.io"), 4, f"uid {ANOTHER_USER}", refused)
     assert target.read_text() == before
     assert sorted(os.listdir(cfg)) == ["config.json"] and not [n for n in os.listdir(target.parent) if ".tmp." in n]
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "root-own"))

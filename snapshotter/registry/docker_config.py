@@ -1,6 +1,6 @@
 """Docker's config file (config.json, where `docker login` and `snap login` keep credentials), read
 as input like any other: opened without blocking (a FIFO, a device or a directory refused), never
-through a symlink in a directory another user owns, at most 4 MiB, every entry snap uses checked
+through a symlink another user owns or one in a directory they own, at most 4 MiB, every entry snap uses checked
 for its type (a malformed one is one line, exit 4, as Docker refuses the file). Written whole or
 not at all, 0600, and never into a directory another user owns nor through their symlink."""
 
@@ -72,17 +72,11 @@ def _read(path: str) -> Optional[bytes]:
         return None
     except OSError as e:
         raise AuthError(f"cannot read Docker's config {path!r}: {e.strerror or e}", FIX) from None
-    owner = os.fstat(dfd).st_uid
     try:
-        # O_NONBLOCK: a FIFO is opened at once (and refused below), never waited on.
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-        fd = os.open(name, flags | (os.O_NOFOLLOW if another_users(owner) else 0), dir_fd=dfd)
+        fd = _open_below(dfd, name, path)
     except FileNotFoundError:
         return None  # also a dangling symlink: no config, as Docker reads it
     except OSError as e:
-        if e.errno == errno.ELOOP and another_users(owner):
-            raise AuthError(f"Docker's config {path!r} is a symlink in a directory uid {owner} owns: "
-                            "not following it", FIX) from None
         raise AuthError(f"cannot read Docker's config {path!r}: {e.strerror or e}", FIX) from None
     finally:
         os.close(dfd)
@@ -98,6 +92,26 @@ def _read(path: str) -> Optional[bytes]:
     if st.st_size > CONFIG_LIMIT or len(data) > CONFIG_LIMIT:
         raise AuthError(f"Docker's config {path!r} is larger than {CONFIG_LIMIT >> 20} MiB: not reading it", FIX)
     return data
+
+
+def _open_below(dfd: int, name: str, path: str) -> int:
+    """`name` in the directory `dfd`, opened for reading without blocking (a FIFO is opened at once,
+    then refused, never waited on); not followed if it is a symlink another user owns or one in a
+    directory another user owns (they may point it anywhere): refused, one line."""
+    owner = os.fstat(dfd).st_uid
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    if another_users(owner):
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dfd)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise AuthError(f"Docker's config {path!r} is a symlink in a directory uid {owner} owns: "
+                            "not following it", FIX) from None
+    link = os.lstat(name, dir_fd=dfd)  # the directory is ours or root's: no one else can swap it after this
+    if stat.S_ISLNK(link.st_mode) and another_users(link.st_uid):
+        raise AuthError(f"Docker's config {path!r} is a symlink uid {link.st_uid} owns: not following it", FIX)
+    return os.open(name, flags, dir_fd=dfd)
 
 
 def check(config: dict, path: str) -> None:
