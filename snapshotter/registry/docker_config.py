@@ -1,8 +1,9 @@
 """Docker's config file (config.json, where `docker login` and `snap login` keep credentials), read
 as input like any other: opened without blocking (a FIFO, a device or a directory refused), never
-through a symlink another user owns or one in a directory they own, at most 4 MiB, every entry snap uses checked
-for its type (a malformed one is one line, exit 4, as Docker refuses the file). Written whole or
-not at all, 0600, and never into a directory another user owns nor through their symlink."""
+through a symlink another user owns or one in a directory they own, at most 4 MiB, every entry
+snap uses checked for its type (a malformed one is one line, exit 4, as Docker refuses the file).
+Written whole or not at all, 0600, and never into a directory another user owns nor through their
+symlink."""
 
 from __future__ import annotations
 
