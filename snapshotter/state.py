@@ -94,6 +94,14 @@ def private(top: str) -> str:
     return os.path.realpath(top)
 
 
+def another_users(uid: int) -> bool:
+    """Whether `uid` is neither ours nor root's. Whoever owns a directory may swap any name in it
+    (for a symlink to a file of ours, a FIFO) between our check and our use: in such a directory
+    snap follows no symlink and, as root, writes nothing of its own (private() asks more of its own
+    state dir: that it be ours alone)."""
+    return uid not in (os.geteuid(), 0)
+
+
 def open_own(path: str, mode: str = "r") -> IO:
     """open() for a file in the state dir: never through a symlink; made 0600."""
     return open(path, mode, opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))

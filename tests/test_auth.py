@@ -11,6 +11,7 @@ import pytest
 
 from snapshotter.registry.credentials import docker_credentials
 
+from helpers import basic, credential_helper, docker_config
 from support import (NOT_CAPTURED, RegistryServer, TokenRegistryServer, assert_one_line_error, push_base_image, snap,
                      snapshot_of_tree)
 
@@ -176,51 +177,6 @@ def test_explicit_credentials_not_sent_to_another_registry(given, tmp_path_facto
         other.stop()
 
 
-def docker_config(tmp_path, auths: dict, **more) -> str:
-    """A Docker config dir holding `auths` (host -> {"auth": base64 user:password}) and `more` keys
-    (credHelpers, credsStore); for DOCKER_CONFIG."""
-    cfg_dir = tmp_path / "docker-config"
-    cfg_dir.mkdir(exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps({"auths": auths, **more}))
-    return str(cfg_dir)
-
-
-def basic(user: str, password: str) -> dict:
-    return {"auth": base64.b64encode(f"{user}:{password}".encode()).decode()}
-
-
-def credential_helper(tmp_path, name: str, secrets: dict) -> tuple[str, str]:
-    """A real `docker-credential-NAME` program (as docker-credential-pass or -ecr-login are) that
-    keeps credentials in a JSON file, seeded with `secrets` (server -> (user, password)), speaks the
-    helper protocol (get, store, erase) and logs each call as "ACTION SERVER". Returns (PATH with it
-    first, the log file); the store is the log's name with .json."""
-    bin_dir = tmp_path / "helper-bin"
-    bin_dir.mkdir(exist_ok=True)
-    log = tmp_path / f"{name}.log"
-    store = tmp_path / f"{name}.log.json"
-    store.write_text(json.dumps({k: {"Username": u, "Secret": p} for k, (u, p) in secrets.items()}))
-    prog = bin_dir / f"docker-credential-{name}"
-    prog.write_text(f"""#!{sys.executable}
-import json, sys
-action, data = sys.argv[1], sys.stdin.read()
-table = json.load(open({str(store)!r}))
-server = json.loads(data)["ServerURL"] if action == "store" else data.strip()
-open({str(log)!r}, "a").write(action + " " + server + "\\n")
-if action == "store":
-    table[server] = {{k: v for k, v in json.loads(data).items() if k != "ServerURL"}}
-elif action == "get" and server in table:
-    print(json.dumps(dict(table[server], ServerURL=server)))
-elif action == "erase" and server in table:
-    del table[server]
-else:
-    print("credentials not found in native keychain")
-    sys.exit(1)
-json.dump(table, open({str(store)!r}, "w"))
-""")
-    prog.chmod(0o755)
-    return f"{bin_dir}:{os.environ['PATH']}", str(log)
-
-
 def _docker_config(tmp_path, monkeypatch, auths: dict, **more) -> None:
     monkeypatch.setenv("DOCKER_CONFIG", docker_config(tmp_path, auths, **more))
 
@@ -274,8 +230,9 @@ def test_empty_docker_config_dir_is_not_the_users(tmp_path, monkeypatch):
 
 
 def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_path):
-    """Without $DOCKER_CONFIG and with no ~/.docker/config.json nor ~/.dockercfg, no credentials,
-    and the docker SDK is not even imported (importing it slows every restore's start)."""
+    """Without $DOCKER_CONFIG and with no ~/.docker/config.json nor ~/.dockercfg, no credentials;
+    the legacy ~/.dockercfg is read when it is the only one. The docker SDK is never imported for
+    credentials (importing it slows every restore's start; snap reads the file and runs the helpers)."""
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_CONFIG"}
     env["HOME"] = str(tmp_path)
     code = ("import sys; from snapshotter.registry.credentials import docker_credentials\n"
@@ -284,7 +241,7 @@ def test_no_docker_config_anywhere_is_no_credentials_without_the_docker_sdk(tmp_
     assert out.split() == ["None", "False"]
     (tmp_path / ".dockercfg").write_text(json.dumps({"ghcr.io": basic("me", "legacy")}))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["('me',", "'legacy')", "True"]
+    assert out.split() == ["('me',", "'legacy')", "False"]
 
 
 def test_broken_credential_helper_is_one_line(secure_registry, box, tmp_path):

@@ -10,7 +10,7 @@ import dataclasses
 from snapshotter.oci.reference import parse_registry
 
 from .auth import CredentialsRefused
-from .credentials import Credentials, erase_docker_credentials, save_docker_credentials
+from .credentials import Credentials, check_docker_config, erase_docker_credentials, save_docker_credentials
 from .transport import Transport, TransportOptions
 
 
@@ -18,6 +18,7 @@ def login(registry: str, username: str, password: str, options: TransportOptions
     """Check (username, password) with `registry`, then keep them. Returns where they went.
     Nothing is written if the registry refuses them or cannot be reached."""
     registry = parse_registry(registry)
+    check_docker_config()  # a config that would be refused is said before the registry is asked
     options = dataclasses.replace(options, credentials=Credentials(username, password), credentials_registry=None)
     transport = Transport(registry, "", options)
     try:
