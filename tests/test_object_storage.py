@@ -13,7 +13,7 @@ import time
 import pytest
 
 from helpers import FakeClock, watcher
-from support import (NOT_CAPTURED, TIMEOUT, RegistryServer, free_port, push_base_image, snap, snapshot_of_tree,
+from support import (NOT_CAPTURED, TIMEOUT, FaultProxy, RegistryServer, free_port, push_base_image, snap, snapshot_of_tree,
                      stop_process, write_tree)
 
 boto3 = pytest.importorskip("boto3", reason="moto[server] (the test extras) is not installed: no S3 API server to run")
@@ -106,36 +106,46 @@ def test_commit_and_restore_byte_for_byte_on_object_storage(s3, s3_registry, box
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
-def test_a_second_repository_mounts_the_blobs_instead_of_uploading(s3, s3_registry, box):
-    reg = s3_registry
-    first = json.loads(snap("commit", f"{reg.host}/team/a:v1", "--base", f"{reg.host}/base:1", "--root", box, "--json",
-                            check=True).stdout)
-    stored = s3.stored_bytes("team")
-    second = json.loads(snap("commit", f"{reg.host}/team/b:v1", "--base", f"{reg.host}/base:1", "--root", box,
-                             "--json", check=True).stdout)
+@pytest.fixture
+def s3_proxy(s3_registry):
+    """A FaultProxy in front of the registry on S3, counting what snap sends it."""
+    p = FaultProxy(s3_registry.host).start()
+    yield p
+    p.stop()
+
+
+def test_a_second_repository_mounts_the_blobs_instead_of_uploading(s3, s3_registry, s3_proxy, box):
+    reg, via = s3_registry, s3_proxy.host
+    base = f"{via}/base:1"
+    first = json.loads(snap("commit", f"{via}/team/a:v1", "--base", base, "--root", box, "--json", check=True).stdout)
+    stored, sent, manifests = s3.stored_bytes("team"), s3_proxy.upload_bytes(), s3_proxy.body_bytes["PUT manifest"]
+    second = json.loads(snap("commit", f"{via}/team/b:v1", "--base", base, "--root", box, "--json", check=True).stdout)
     assert [layer["digest"] for layer in second["layers"]] == [layer["digest"] for layer in first["layers"]]
     assert all(layer["status"].startswith("mounted from team/a") for layer in second["layers"]), second["layers"]
-    for d in reg.manifest("team/b", "v1")["layers"]:
+    manifest = reg.manifest("team/b", "v1")
+    for d in manifest["layers"]:
         assert reg.has_blob("team/b", d["digest"])
-    # The bucket gained the new manifest and config only: a mount copies nothing.
-    manifest = reg.session().get(f"{reg.url}/v2/team/b/manifests/v1",
-                                 headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}).content
-    assert s3.stored_bytes("team") - stored <= len(manifest) + reg.manifest("team/b", "v1")["config"]["size"]
+    # Only the new config went up, and the bucket gained at most it and the manifests: a mount copies nothing.
+    assert s3_proxy.upload_bytes() - sent == manifest["config"]["size"]
+    new_manifests = s3_proxy.body_bytes["PUT manifest"] - manifests
+    assert 0 < s3.stored_bytes("team") - stored <= manifest["config"]["size"] + new_manifests
 
 
-def test_the_watcher_pushes_a_change_to_object_storage(s3, s3_registry, box, tmp_path):
-    """Driven in process with a clock the test moves (no sleeps): a first snapshot, one change, a second."""
+def test_the_watcher_pushes_a_change_to_object_storage(s3_registry, s3_proxy, box, tmp_path):
+    """Driven in process with a clock the test moves (no sleeps): a first snapshot, one change, a second
+    that sends the changed layer only."""
     reg = s3_registry
     lines, clock = [], FakeClock()
-    w = watcher(reg, f"{reg.host}/base:1", box, "s3-watched", lines, clock, every=0)
+    w = watcher(s3_proxy, f"{s3_proxy.host}/base:1", box, "s3-watched", lines, clock, every=0)
     w.tick()
-    stored = s3.stored_bytes("team")
+    sent = s3_proxy.upload_bytes()
+    assert sent > 2 * MiB  # the first snapshot: the whole box
     write_tree(box, {"opt/app/notes.txt": "edited on the box\n"})
     clock.advance(1)
     w.tick()
     tags = reg.session().get(f"{reg.url}/v2/s3-watched/tags/list").json()["tags"]
     assert len([t for t in tags if t.startswith("v2-")]) == 2, tags
-    assert s3.stored_bytes("team") - stored < 256 * 1024  # the changed layer and its metadata, not the box again
+    assert s3_proxy.upload_bytes() - sent < 64 * 1024  # the changed layer and its metadata, not the box again
     out = tmp_path / "restored"
     snap("restore", f"{reg.host}/s3-watched:v2", "--root", str(out), check=True)
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
