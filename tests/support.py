@@ -56,12 +56,14 @@ def free_port() -> int:
 
 class RegistryServer:
     """docker-registry (distribution v2) with its own config, port and storage dir.
-    Optionally with htpasswd auth and TLS (a self-signed certificate made here)."""
+    Optionally with htpasswd auth and TLS (a self-signed certificate made here), or with its S3
+    driver's parameters (`s3`, e.g. an S3 API server on loopback) instead of the storage dir."""
 
     def __init__(self, workdir: str, auth: Optional[tuple[str, str]] = None, tls: bool = False,
-                 port: Optional[int] = None, delete: bool = True):
+                 port: Optional[int] = None, delete: bool = True, s3: Optional[dict] = None):
         self.workdir = workdir
         self.delete = delete  # storage.delete.enabled: whether manifests may be deleted
+        self.s3 = s3
         self.port = port or free_port()
         self.auth = auth
         self.tls = tls
@@ -86,7 +88,7 @@ class RegistryServer:
             "version: 0.1",
             "log: {level: info, accesslog: {disabled: true}}",  # info: its "listening on" line, see start()
             "storage:",
-            f"  filesystem: {{rootdirectory: {self.storage}}}",
+            f"  s3: {json.dumps(self.s3)}" if self.s3 else f"  filesystem: {{rootdirectory: {self.storage}}}",
             f"  delete: {{enabled: {'true' if self.delete else 'false'}}}",
             "http:",
             f"  addr: 127.0.0.1:{self.port}",
@@ -108,8 +110,11 @@ class RegistryServer:
 
     def start(self) -> "RegistryServer":
         """Start it; return once it logs that it listens (an event, not a poll of its port)."""
+        # Its S3 driver reads the AWS_* settings too (AWS_CA_BUNDLE makes it panic on a plain-http
+        # endpoint): the config alone says where its storage is and who it is there.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self.proc = subprocess.Popen([REGISTRY_BIN, "serve", self.config], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+                                     stderr=subprocess.PIPE, env=env)
         said, listening = threading.Event(), []
         threading.Thread(target=self._copy_log, args=(self.proc.stderr, said, listening), daemon=True).start()
         if not said.wait(60) or not listening:
@@ -141,7 +146,8 @@ class RegistryServer:
         return s
 
     def has_blob(self, repo: str, digest: str) -> bool:
-        return self.session().head(f"{self.url}/v2/{repo}/blobs/{digest}").status_code == 200
+        # allow_redirects: a registry on object storage answers with a redirect to the bucket
+        return self.session().head(f"{self.url}/v2/{repo}/blobs/{digest}", allow_redirects=True).status_code == 200
 
     def manifest(self, repo: str, ref: str) -> dict:
         r = self.session().get(f"{self.url}/v2/{repo}/manifests/{ref}",
