@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff
 from snapshotter.box.profile import Profile, load_profile
+from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
 from snapshotter.index.entry import Entry
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
@@ -130,4 +131,7 @@ def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: Commi
                        base_layers: int) -> list[LayerPlan]:
     """The layers of a diff with the commit's options (planned once, and again whenever files are
     left out: hold_back, push_commit)."""
-    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo, base_layers)
+    records = opts.plan_memo.records if opts.plan_memo is not None else None
+    owners = owners_of(opts.root, scan.entries, records)
+    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo, base_layers,
+                       owners)
