@@ -16,6 +16,7 @@ from snapshotter.box.scan import Scan
 from snapshotter.index.entry import Entry
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
 from snapshotter.oci.image import Image
+from snapshotter.progress import human_size
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
@@ -81,6 +82,15 @@ class CommitResult:
     snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
     unreadable: list[str] = field(default_factory=list)  # paths of the box snap may not read: left out
     grown: dict[str, int] = field(default_factory=dict)  # files that grew while sent: sent as first seen (size)
+    uploaded_bytes: int = 0  # every byte this commit put into the registry: layers, headers, config, manifests
+    uploaded: dict[str, int] = field(default_factory=dict)  # the same by what they were ("layers", "headers", ...)
+
+    def sent(self) -> str:
+        """What the commit put into the registry, in one phrase: "sent 1.2 MiB (layers 1.1 MiB, ...)"."""
+        order = ("layers", "base layers", "headers", "base index", "config", "manifests")
+        parts = sorted(self.uploaded.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
+        return f"sent {human_size(self.uploaded_bytes)} (" + ", ".join(f"{what} {human_size(n)}" for what, n in parts
+                                                                       if n) + ")"
 
 
 @dataclass

@@ -578,8 +578,8 @@ class Watcher:
         self.previous_files = file_layers(result.snap_layers)
         self.snapshots += 1
         sent = [layer for layer in result.layers if layer.status == "uploaded"]
-        self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent, "
-                 f"{sum(layer.size for layer in sent)} bytes)" + (f"; {self.moving.tag} moved to it" if moved else ""))
+        self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent; "
+                 f"{result.sent()})" + (f"; {self.moving.tag} moved to it" if moved else ""))
         if self.opts.keep:
             self._prune()
         return tag
