@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.setup.stamp  # inside the venv: removing the venv redoes the setup
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench dist clean
 
 $(SETUP_STAMP): .ci/setup pyproject.toml
 	bash .ci/setup
@@ -22,5 +22,12 @@ test: $(SETUP_STAMP)
 bench: $(SETUP_STAMP)
 	$(PYTHON) bench/bench.py $(ARGS)
 
+# The sdist and the wheel a user installs (`pipx install dist/boxsnap-*.whl`), built offline from the
+# venv's setuptools and checked as the package index would render them.
+dist: $(SETUP_STAMP)
+	rm -rf dist
+	$(PYTHON) -m build --no-isolation --outdir dist .
+	$(PYTHON) -m twine check --strict dist/*
+
 clean:
-	rm -rf $(VENV) .ci/wheels .demo bench/out .pytest_cache build *.egg-info
+	rm -rf $(VENV) .ci/wheels .demo bench/out .pytest_cache build dist *.egg-info

@@ -289,6 +289,7 @@ def commit(
         _out(f"{layer.name}: {layer.status}  [{_fmt_size(layer.size)}, {kind}, {layer.entries} entries, {layer.digest[:19]}]")
     if not result.layers:
         _out("no changes against the base: the snapshot is the base image")
+    _out(result.sent())
     _out(f"pushed {result.ref}")
 
 

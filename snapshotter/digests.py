@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import BinaryIO, Iterable, Union
+from typing import BinaryIO, Callable, Iterable, Optional, Union
 
 # A sha256 digest as an image may name one. Only this form is accepted, which also makes a digest
 # safe as a file name (a restore's staging dir names blobs by theirs).
@@ -24,12 +24,13 @@ def sha256_digest(data: bytes) -> str:
     return hasher_digest(hashlib.sha256(data))
 
 
-def file_digest(file: Union[str, BinaryIO]) -> str:
-    """The sha256 of a file, by path or of a binary file object read to its end."""
+def file_digest(file: Union[str, BinaryIO], on_bytes: Optional[Callable[[int], None]] = None) -> str:
+    """The sha256 of a file, by path or of a binary file object read to its end; `on_bytes` is told
+    each read's size (progress)."""
     if isinstance(file, str):
         with open(file, "rb") as f:
-            return file_digest(f)
-    if hasattr(hashlib, "file_digest"):  # Python 3.11+
+            return file_digest(f, on_bytes)
+    if on_bytes is None and hasattr(hashlib, "file_digest"):  # Python 3.11+
         return hasher_digest(hashlib.file_digest(file, "sha256"))
     h = hashlib.sha256()
     buf = bytearray(2 ** 18)  # hashlib.file_digest's buffer size, reused for every read
@@ -39,6 +40,8 @@ def file_digest(file: Union[str, BinaryIO]) -> str:
         if not n:
             return hasher_digest(h)
         h.update(view[:n])
+        if on_bytes is not None:
+            on_bytes(n)
 
 
 def chunks_digest(chunks: Iterable[bytes]) -> str:

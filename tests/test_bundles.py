@@ -221,3 +221,70 @@ def test_odd_names_and_hardlinks_across_units_restore_as_the_box(registry, base_
     out = tmp_path / "r"
     restore_image(f"{registry.host}/odd:v1", str(out))
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def pyyaml(version: str, rng: random.Random) -> dict:
+    """A distribution whose packages are not named as it is (PyYAML installs yaml/ and _yaml/), its
+    RECORD listing them, a script in the venv's bin/ and its own dist-info."""
+    info = f"PyYAML-{version}.dist-info"
+    files = {f"{SITE}/yaml/__init__.py": f"__version__ = {version!r}\n", f"{SITE}/yaml/core.py": os.urandom(60 * KiB),
+             f"{SITE}/_yaml/__init__.py": os.urandom(30 * KiB), f"{SITE}/{info}/METADATA": f"Name: PyYAML\n{version}\n"}
+    record = [f"{p[len(SITE) + 1:]},sha256=x,1" for p in files] + [f"{info}/RECORD,,",
+                                                                   "../../../bin/yamlcheck,,", "/etc/shadow,,"]
+    files[f"{SITE}/{info}/RECORD"] = "\n".join(record) + "\n"
+    files["opt/app/venv/bin/yamlcheck"] = "#!/bin/sh\n"
+    return files
+
+
+def test_a_distribution_is_one_unit_as_its_record_says(registry, base_ref, base_rootfs, tmp_path, small_bundles):
+    """yaml/, _yaml/ and PyYAML-*.dist-info are one unit because PyYAML's RECORD lists them (by their
+    names they are three): an upgrade of it changes one bundle, which holds all of it."""
+    box = venv_box(base_rootfs, str(tmp_path / "box"))
+    write_tree(box, pyyaml("6.0.1", random.Random(3)))
+    v1 = commit_box(f"{registry.host}/record:v1", base_ref, CommitOptions(root=box))
+    assert holding(registry, "record", "v1", "venv", "yaml") == 1
+
+    shutil.rmtree(os.path.join(box, SITE, "PyYAML-6.0.1.dist-info"))
+    write_tree(box, pyyaml("6.0.2", random.Random(4)), mtime=1_700_000_005)
+    v2 = commit_box(f"{registry.host}/record:v2", base_ref, CommitOptions(root=box))
+    gone, new = changed(bundles(v1, "venv"), bundles(v2, "venv"))
+    assert len(gone) == 1 and len(new) == 1, (gone, new)
+    assert holding(registry, "record", "v2", "venv", "yaml") == 1
+
+
+def test_owners_from_records(tmp_path):
+    """Who owns a path: the RECORD that lists it; a file no RECORD lists (byte code compiled later),
+    the owner of its nearest directory holding listed files of one distribution only; a path two
+    RECORDs list (a namespace's __init__.py), the first dist-info by name. A RECORD that is not a
+    regular file or is too big is not read; paths leaving the root are dropped."""
+    from snapshotter.box import records
+    from snapshotter.index.entry import FILE, Entry
+
+    site = "venv/lib/python3.11/site-packages"
+    tree = {f"{site}/PyYAML-6.0.1.dist-info/RECORD": "yaml/__init__.py,,\n_yaml/x.so,,\n../../../bin/y,,\n"
+                                                     "../../../../../../../etc/passwd,,\nnvidia/__init__.py,,\n",
+            f"{site}/nvidia_cublas-12.dist-info/RECORD": "nvidia/__init__.py,,\nnvidia/cublas/lib/a.so,,\n",
+            f"{site}/huge-1.dist-info/RECORD": "huge/a.py,,\n" + "x" * 2000,
+            f"{site}/yaml/__pycache__/__init__.cpython-311.pyc": "", "venv/bin/other": ""}
+    write_tree(str(tmp_path), tree)
+    os.mkfifo(tmp_path / site / "nvidia_cublas-12.dist-info" / "RECORD.fifo")
+    entries = {p: Entry(p, FILE, 0o644, size=os.path.getsize(tmp_path / p), stamp="1:2:3") for p in tree}
+    entries[f"{site}/x-1.dist-info/RECORD"] = Entry(f"{site}/x-1.dist-info/RECORD", FILE, 0o644, stamp="1:2:3")
+    os.makedirs(tmp_path / site / "x-1.dist-info")
+    os.mkfifo(tmp_path / site / "x-1.dist-info" / "RECORD")  # swapped for a FIFO since the scan: not read
+    old_max, records.RECORD_MAX = records.RECORD_MAX, 1000
+    try:
+        owners = records.owners_of(str(tmp_path), entries)
+    finally:
+        records.RECORD_MAX = old_max
+    yaml, cublas = f"{site}/PyYAML-6.0.1.dist-info", f"{site}/nvidia_cublas-12.dist-info"
+    assert owners.owner_of(f"{site}/yaml/__init__.py") == owners.owner_of(f"{site}/_yaml/x.so") == yaml
+    assert owners.owner_of(f"{site}/yaml/__pycache__/__init__.cpython-311.pyc") == yaml
+    assert owners.owner_of("venv/bin/y") == yaml and owners.owner_of("venv/bin/other") is None
+    assert owners.owner_of(f"{site}/nvidia/__init__.py") == yaml  # "PyYAML..." sorts before "nvidia..."
+    assert owners.owner_of(f"{site}/nvidia/cublas/lib/a.so") == cublas
+    assert owners.owner_of(f"{site}/nvidia/cudnn/lib/b.so") is None  # nvidia/ has two owners
+    assert owners.owner_of(f"{site}/huge/a.py") is None and owners.owner_of("etc/passwd") is None
+    keys = dict(zip([f"{site}/yaml/core.py", f"{site}/PyYAML-6.0.1.dist-info/METADATA"],
+                    units_of([f"{site}/yaml/core.py", f"{site}/PyYAML-6.0.1.dist-info/METADATA"], owners)))
+    assert len(set(keys.values())) == 1

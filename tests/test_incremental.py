@@ -12,7 +12,7 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
 
-from helpers import WEIGHTS_PROFILE
+from helpers import WEIGHTS_PROFILE, commit_json
 from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
@@ -283,3 +283,43 @@ def test_a_restore_record_of_another_layout_is_ignored(registry, base_ref, model
     second = commit_box(f"{registry.host}/recfmt:v2", base_ref, CommitOptions(root=str(out)))
     assert all(s == "exists, skipped" for s in statuses(second).values()), statuses(second)  # read, not trusted
     assert [layer.digest for layer in second.layers] == [layer.digest for layer in first.layers]
+
+
+def stored_blobs(registry) -> dict[str, int]:
+    """The registry's blobs as its storage holds them (manifests are blobs there too): {path: size}."""
+    top = os.path.join(registry.storage, "docker/registry/v2/blobs")
+    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(top) for f in files}
+
+
+def is_manifest(path: str) -> bool:
+    with open(path, "rb") as f:
+        data = f.read(1 << 20)
+    try:
+        return "schemaVersion" in json.loads(data)
+    except (ValueError, TypeError):
+        return False
+
+
+def test_every_byte_a_commit_pushes_is_counted(registry, base_ref, model_box):
+    """--json's uploaded_bytes and the 'sent' line count every byte put into the registry: layers,
+    the headers blob, the base index, the config and the manifests, each by what it is. What the
+    registry's storage gained matches: its new blobs byte for byte, and its new manifests at most what
+    was counted as manifests (an artifact manifest put again unchanged is stored once)."""
+    ref = f"{registry.host}/counted:v1"
+    for step in ("first", "one small change", "nothing changed"):
+        if step == "one small change":
+            write_tree(model_box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: pass  # v2\n"}, mtime=1_700_000_100)
+        before = stored_blobs(registry)
+        doc = commit_json(ref, base_ref, model_box)
+        new = {p: n for p, n in stored_blobs(registry).items() if p not in before}
+        blobs = sum(n for p, n in new.items() if not is_manifest(p))
+        manifests = sum(n for p, n in new.items() if is_manifest(p))
+        counted = doc["uploaded"]
+        assert doc["uploaded_bytes"] == sum(counted.values()) > 0, (step, doc["uploaded_bytes"], counted)
+        assert sum(n for what, n in counted.items() if what != "manifests") == blobs, (step, counted, blobs)
+        assert 0 < manifests <= counted["manifests"], (step, counted, manifests)
+        sent_layers = sum(layer["size"] for layer in doc["layers"] if layer["status"] == "uploaded")
+        assert counted.get("layers", 0) == sent_layers, (step, counted, sent_layers)
+    r = snap("commit", ref, "--base", base_ref, "--root", model_box, check=True)
+    line = next(line for line in r.stdout.splitlines() if line.startswith("sent "))
+    assert "manifests" in line and "layers" not in line, line  # nothing changed: no layer sent

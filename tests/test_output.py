@@ -112,6 +112,16 @@ def test_commit_and_restore_into_a_log_say_what_and_how_much(registry, base_ref,
     quiet = snap("restore", ref, "--root", str(tmp_path / "quiet"), check=True)  # SNAP_QUIET=1, as the suite runs
     assert not any(line.startswith(("downloading", "extracting")) for line in quiet.stderr.splitlines())
 
+    # verify says what it does through the whole run: reading the layers, comparing the paths, then
+    # hashing the files (it was silent for that half), each to its end.
+    r = snap("verify", ref, "--root", str(tmp_path / "out"), env=every_update, check=True)
+    assert_plain(r.stderr)
+    lines = r.stderr.splitlines()
+    for what in ("comparing paths", "checking contents"):
+        said = [line for line in lines if line.startswith(f"{what}: ")]
+        assert said[0].startswith(f"{what}: started (") and said[-1].startswith(f"{what}: done, "), (what, r.stderr)
+        assert any(" of " in line for line in said[1:-1]), said
+
 
 def run_with_stdout_closed(*args: str) -> subprocess.CompletedProcess:
     """snap with stdout a pipe whose reader is gone before snap writes (`snap log | head -1`, once

@@ -11,10 +11,12 @@ from typing import Callable, Optional
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff
 from snapshotter.box.profile import Profile, load_profile
+from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
 from snapshotter.index.entry import Entry
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
 from snapshotter.oci.image import Image
+from snapshotter.progress import human_size
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
@@ -84,6 +86,15 @@ class CommitResult:
     snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
     unreadable: list[str] = field(default_factory=list)  # paths of the box snap may not read: left out
     grown: dict[str, int] = field(default_factory=dict)  # files that grew while sent: sent as first seen (size)
+    uploaded_bytes: int = 0  # every byte this commit put into the registry: layers, headers, config, manifests
+    uploaded: dict[str, int] = field(default_factory=dict)  # the same by what they were ("layers", "headers", ...)
+
+    def sent(self) -> str:
+        """What the commit put into the registry, in one phrase: "sent 1.2 MiB (layers 1.1 MiB, ...)"."""
+        order = ("layers", "base layers", "headers", "base index", "config", "manifests")
+        parts = sorted(self.uploaded.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
+        return f"sent {human_size(self.uploaded_bytes)} (" + ", ".join(f"{what} {human_size(n)}" for what, n in parts
+                                                                       if n) + ")"
 
 
 @dataclass
@@ -134,4 +145,7 @@ def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: Commi
                        base_layers: int) -> list[LayerPlan]:
     """The layers of a diff with the commit's options (planned once, and again whenever files are
     left out: hold_back, push_commit)."""
-    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo, base_layers)
+    records = opts.plan_memo.records if opts.plan_memo is not None else None
+    owners = owners_of(opts.root, scan.entries, records)
+    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo, base_layers,
+                       owners)

@@ -91,7 +91,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
                                  created, extra)
     config_digest = sha256_digest(config)
     if not remote.blob_exists(config_digest):
-        remote.upload_from(lambda out: out.write(config), config_digest, len(config))
+        remote.upload_from(lambda out: out.write(config), config_digest, len(config), what="config")
     # The tag moves only now, after every blob is in.
     digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
     cp.cache.save()
@@ -109,7 +109,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
                         snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows], unreadable=cp.scan.unreadable,
-                        grown=grown)
+                        grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed))
 
 
 def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
@@ -259,7 +259,7 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                     return blob, NOT_SENT_TORN
                 if there := in_registry(remote, blob.digest, sources):
                     return blob, there
-                remote.upload_blob(blob.path, blob.digest, blob.size, on_up)
+                remote.upload_blob(blob.path, blob.digest, blob.size, on_up, what="layers")
                 return blob, "uploaded"
             finally:
                 os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
@@ -311,7 +311,7 @@ def _upload_measured(remote: Remote, root: str, plan: LayerPlan, blob: LayerBlob
         again[:] = [write_layer(out, root, plan, zstd_level, as_seen=blob.seen)]
 
     try:
-        remote.upload_from(produce, blob.digest, blob.size, on_up)
+        remote.upload_from(produce, blob.digest, blob.size, on_up, what="layers")
     except IntegrityError:
         if not (again and (again[0].grown or again[0].unreadable)):
             raise
@@ -349,5 +349,5 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: Bl
             path = os.path.join(tmp_dir, d["digest"].split(":", 1)[1])
             if not (os.path.exists(path) and file_digest(path) == d["digest"]):  # a killed run's: checked first
                 source.download_blob(d["digest"], path, size=d["size"])
-            target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b))
+            target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b), what="base layers")
             os.unlink(path)  # only a stop on the way to the other registry

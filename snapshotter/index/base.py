@@ -53,18 +53,19 @@ def push(remote: Remote, base_manifest_digest: str, sources: BlobSources) -> Opt
         return None
     digest = sha256_digest(data)
     push_artifact(remote, data, digest, BASE_INDEX, BASE_INDEX_ARTIFACT, artifact_tag(base_manifest_digest),
-                  {"org.opencontainers.image.base.digest": base_manifest_digest}, sources)
+                  {"org.opencontainers.image.base.digest": base_manifest_digest}, sources, "base index")
     return digest
 
 
 def push_artifact(remote: Remote, data: bytes, digest: str, media_type: str, artifact_type: str, tag: str,
-                  annotations: dict, sources: BlobSources) -> None:
-    """Push a small blob that a snapshot names by annotation, with a layer-less artifact manifest
-    tagged `tag` that lists it: a registry's garbage collection deletes a blob no manifest lists."""
+                  annotations: dict, sources: BlobSources, what: str) -> None:
+    """Push a small blob that a snapshot names by annotation (counted as `what`), with a layer-less
+    artifact manifest tagged `tag` that lists it: a registry's garbage collection deletes a blob no
+    manifest lists."""
     empty = EMPTY_CONFIG_DIGEST
     for blob, d in ((data, digest), (_EMPTY_CONFIG, empty)):
         if not in_registry(remote, d, sources):
-            remote.upload_from(lambda out, b=blob: out.write(b), d, len(blob))
+            remote.upload_from(lambda out, b=blob: out.write(b), d, len(blob), what=what)
     manifest = canonical({
         "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
         "config": descriptor(OCI_EMPTY, empty, len(_EMPTY_CONFIG)),

@@ -27,12 +27,13 @@ from typing import Callable, Optional
 
 from snapshotter.box.diff import Diff
 from snapshotter.box.profile import LayerRule, Profile, VenvRoots
+from snapshotter.box.records import RecordMemo
 from snapshotter.box.scan import Scan
 from snapshotter.digests import chunks_digest
 from snapshotter.errors import UsageError
 from snapshotter.index.entry import DIR, FILE, Entry
 
-from .units import units_of
+from .units import Owners, units_of
 
 DEFAULT_MAX_LAYER_SIZE = int(9.5 * 1000**3)  # some registries reject layers over 10 GB
 PART_SUFFIX = ".snap-part-"  # "<path>.snap-part-0001-of-0003"
@@ -210,6 +211,7 @@ class PlanMemo:
     can take one of their ids. Each plan starts afresh and keeps only what it used."""
 
     def __init__(self):
+        self.records = RecordMemo()  # the box's RECORDs as read for the last plan
         self.splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
         self._old_splits: dict[str, tuple[tuple, list[LayerPlan], list[Entry]]] = {}
         self.rows: dict[int, tuple[Entry, str]] = {}
@@ -247,11 +249,15 @@ class PlanMemo:
 
         return layer_of
 
-    def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int, bundling: Bundling) -> list[LayerPlan]:
-        """split_plan(plan, ...), or copies of what it gave last time for the same input."""
-        key = (rule, max_layer_size, bundling, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts))
+    def split(self, plan: LayerPlan, rule: LayerRule, max_layer_size: int, bundling: Bundling,
+              owners: Optional[Owners] = None) -> list[LayerPlan]:
+        """split_plan(plan, ...), or copies of what it gave last time for the same input (`owners`
+        compared as the object: owners_of gives the same one while no RECORD changed)."""
+        key = (rule, max_layer_size, bundling, plan.compression, tuple(map(id, plan.entries)), tuple(plan.whiteouts),
+               owners)
         last = self._old_splits.get(rule.name)
-        made = last[1] if last is not None and last[0] == key else split_plan(plan, rule, max_layer_size, bundling)
+        made = last[1] if last is not None and last[0] == key else \
+            split_plan(plan, rule, max_layer_size, bundling, owners)
         # The key's ids stay unique while the entries live: the memo holds them (the third item).
         self.splits[rule.name] = (key, [_copy(p) for p in made], plan.entries)
         return [_copy(p) for p in made]
@@ -293,13 +299,14 @@ def _copy(plan: LayerPlan) -> LayerPlan:
 def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
                 compression: Optional[str] = None,
                 max_layer_size: int = DEFAULT_MAX_LAYER_SIZE, memo: Optional[PlanMemo] = None,
-                base_layers: int = 0) -> list[LayerPlan]:
+                base_layers: int = 0, owners: Optional[Owners] = None) -> list[LayerPlan]:
     """Assign every changed and deleted path to a profile layer, then split each into bundles sized
     (sizing()) so that the image, its `base_layers` included, keeps to LAYER_BUDGET layers.
     Returns the non-empty plans in profile order, except that the weights layers come last: a
     restore can start the app once the layers before them are applied (`snap restore --then`).
     Each path is in one layer only, so no whiteout of an earlier layer concerns a later one.
-    A `memo` (PlanMemo) reuses the last plan's split of a profile layer whose paths did not change."""
+    A `memo` (PlanMemo) reuses the last plan's split of a profile layer whose paths did not change.
+    `owners` (box/records.py) says which distribution owns a path, for the units of bundles."""
     if memo is not None:
         memo.start()
     split = memo.split if memo is not None else split_plan
@@ -334,7 +341,7 @@ def plan_layers(d: Diff, scan: Scan, base: dict[str, Entry], profile: Profile,
         bundlings = sizing(plans, profile, max_layer_size, base_layers, doublings)
         made: list[LayerPlan] = []
         for rule in sorted(profile.layers, key=lambda r: r.weights):  # stable: profile order otherwise
-            made.extend(split(plans[rule.name], rule, max_layer_size, bundlings[rule.name]))
+            made.extend(split(plans[rule.name], rule, max_layer_size, bundlings[rule.name], owners))
         made = [p for p in made if not p.empty]
         if out and len(made) >= len(out):
             break
@@ -480,7 +487,7 @@ def _compression(layer_default: str, override: Optional[str]) -> str:
 
 
 def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int,
-               bundling: Optional[Bundling] = None) -> list[LayerPlan]:
+               bundling: Optional[Bundling] = None, owners: Optional[Owners] = None) -> list[LayerPlan]:
     """Cut one profile layer into image layers: single-file layers, part layers, bundles, and the
     small last layer of directories and deletions (a weights layer always; another when it has
     several bundles). `bundling` says how (sizing() gives it); None: as the rule alone says."""
@@ -512,7 +519,7 @@ def split_plan(plan: LayerPlan, rule: LayerRule, max_layer_size: int,
             dirs.append(e)
         else:
             rest.append(e)
-    bundles = _bundles(plan, rest, bundling, others)
+    bundles = _bundles(plan, rest, bundling, others, owners)
     if weights or len(bundles) > 1:
         meta.entries, meta.whiteouts = dirs, list(plan.whiteouts)
         return bundles + singles + [meta]
@@ -553,14 +560,14 @@ def _chance(key: str, size: int, target: float) -> bool:
 
 
 def _bundles(plan: LayerPlan, entries: list[Entry], bundling: Bundling,
-             other_names: dict[str, list[Entry]]) -> list[LayerPlan]:
+             other_names: dict[str, list[Entry]], owners: Optional[Owners] = None) -> list[LayerPlan]:
     """Entries, in order of their unit (units_of) and then of path, cut into bundles of bundling.target
     content on average and bundling.cap at most (but for one entry bigger than it). A cut falls
     only after a whole unit, by the unit's key; a unit of at least the target has bundles of its
     own, cut after its files by their paths. The other names of an inode go into the bundle of its
     first name (they add no content)."""
     paths = [e.path for e in entries]
-    keys = units_of(paths) if bundling.units else paths
+    keys = units_of(paths, owners) if bundling.units else paths
     # Paths are unique: the entries themselves are never compared.
     items = sorted(zip(keys, paths, entries))
     target, cap = bundling.target, bundling.cap

@@ -2,6 +2,8 @@
 removes together. Bundles are cut only between units (layer/plan.py), so a change to one package
 changes only the bundles that hold its files.
 
+  - A path an installed distribution's RECORD lists (box/records.py) is that distribution's
+    (`yaml/` with `PyYAML-*.dist-info`). The name rules below hold for the rest:
   - In a site-packages or dist-packages directory, a unit is a distribution's top-level name with
     its `<name>-<version>.dist-info` (or .egg-info, .data), `<name>.libs`, `<name>.py`, `<name>.pth`,
     its extension module `<name>.cpython-*.so` and its `__pycache__/<name>.*.pyc`, compared by the
@@ -15,6 +17,7 @@ changes only the bundles that hold its files.
 from __future__ import annotations
 
 import re
+from typing import Optional, Protocol
 
 PACKAGE_DIRS = ("site-packages", "dist-packages")
 NODES_DIR = "custom_nodes"
@@ -44,13 +47,26 @@ def top_name(first: str, is_dir: bool) -> str:
     return normalize(first)
 
 
-def units_of(paths: list[str]) -> list[str]:
-    """The unit key of each of `paths` (root-relative, all of one layer). The key is made of the
-    paths alone, so the same tree gives the same keys wherever it lies."""
+class Owners(Protocol):
+    def owner_of(self, path: str) -> Optional[str]:
+        """The dist-info directory of the installed distribution that owns `path` (box/records.py)."""
+
+
+def units_of(paths: list[str], owners: Optional[Owners] = None) -> list[str]:
+    """The unit key of each of `paths` (root-relative, all of one layer): its distribution's as
+    `owners` (the box's RECORDs) says, else by the rules above. The key is made of the tree alone
+    (paths, RECORDs), so the same tree gives the same keys wherever it lies."""
     present = set(paths)
     by_dir: dict[str, str] = {}  # a directory's files share its unit, but for a few (_unit says)
     keys = []
+    of_owner: dict[str, str] = {}  # a dist-info directory: its unit key (the name rule's for it)
     for p in paths:
+        owner = owners.owner_of(p) if owners is not None else None
+        if owner is not None:
+            if owner not in of_owner:
+                of_owner[owner] = _unit(owner + "/RECORD", present)[0]
+            keys.append(of_owner[owner])
+            continue
         parent = p.rpartition("/")[0]
         key = by_dir.get(parent)
         if key is None:

@@ -61,6 +61,8 @@ class Remote:
         self.transport = Transport(ref.registry, ref.repository, options)
         # Set by the caller on an error or Ctrl-C: uploads in flight give up, even one whose socket hangs.
         self.stopping = threading.Event()
+        self.pushed: dict[str, int] = {}  # bytes this client put into the registry, by what they were
+        self._pushed_lock = threading.Lock()  # uploads run in threads
 
     # ---- manifests -------------------------------------------------------------------------
 
@@ -119,9 +121,15 @@ class Remote:
 
     def put_manifest(self, body: bytes, media_type: str, target: str) -> str:
         """PUT the exact bytes (never re-serialised, so the digest is what we computed)."""
-        r = self.transport.request("PUT", self.transport.url(f"manifests/{target}"), data=body, headers={"Content-Type": media_type})
+        r = self.transport.request("PUT", self.transport.url(f"manifests/{target}"), data=body,
+                                   headers={"Content-Type": media_type})
         check(r, f"push manifest to {self.ref.name}:{target}")
+        self._count("manifests", len(body))
         return sha256_digest(body)
+
+    def _count(self, what: str, n: int) -> None:
+        with self._pushed_lock:
+            self.pushed[what] = self.pushed.get(what, 0) + n
 
     def manifest_digest(self, tag: str) -> Optional[str]:
         """The digest a tag points at (HEAD, nothing downloaded); None if there is no such tag."""
@@ -276,22 +284,24 @@ class Remote:
             self.transport.request("DELETE", self.transport.location(r, "a mount"))
         return False
 
-    def upload_blob(self, path: str, digest: str, size: int, progress: ProgressFn = None) -> None:
-        """Upload a file as a blob."""
+    def upload_blob(self, path: str, digest: str, size: int, progress: ProgressFn = None, what: str = "blobs") -> None:
+        """Upload a file as a blob (counted in `pushed[what]`)."""
 
         def copy(out) -> None:
             with open(path, "rb") as f:
                 while chunk := f.read(PIECE_SIZE):
                     out.write(chunk)
 
-        self.upload_from(copy, digest, size, progress)
+        self.upload_from(copy, digest, size, progress, what)
 
-    def upload_from(self, produce: Callable[[object], None], digest: str, size: int, progress: ProgressFn = None) -> None:
-        """Upload a blob whose bytes `produce(out)` writes to `out`, streamed in bounded memory.
-        `produce` must give the same bytes each time it is called: an upload that breaks resumes
-        by running it again (upload.py)."""
+    def upload_from(self, produce: Callable[[object], None], digest: str, size: int, progress: ProgressFn = None,
+                    what: str = "blobs") -> None:
+        """Upload a blob whose bytes `produce(out)` writes to `out`, streamed in bounded memory
+        (counted in `pushed[what]`). `produce` must give the same bytes each time it is called: an
+        upload that breaks resumes by running it again (upload.py)."""
         upload(self.transport, produce, digest, size, exists=lambda: self.blob_exists(digest),
                stopping=self.stopping, progress=progress)
+        self._count(what, size)
 
 
 def _json(body: bytes, what: str, error: type[SnapError] = RegistryError) -> dict:

@@ -219,7 +219,7 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
     covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
     real_dirs: dict[str, bool] = {"": True}
     checked = 0
-    contents: list[tuple[str, str, str]] = []  # (shown path, path, expected digest): hashed at the end, several at once
+    contents: list[tuple[str, str, str, int]] = []  # (shown, path, digest, size): hashed at the end, several at once
 
     def under_covered(rel: str) -> bool:
         parent = rel.rpartition("/")[0]
@@ -242,34 +242,36 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
             real_dirs[rel] = ok
         return real_dirs[rel]
 
-    for rel in sorted(index):
-        e = index[rel]
-        if excluded(rel) or under_covered(rel):
-            continue
-        if e.kind in (CHAR, BLOCK, FIFO) and not opts.allow_devices:
-            continue  # restore skips device nodes unless asked
-        if e.kind != DIR:
-            covered.add(rel)  # nothing below a non-directory is reachable
-        checked += 1
-        shown = "/" + rel
-        if not is_real_dir(rel.rpartition("/")[0]):
-            diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
-            covered.add(rel)
-            continue
-        full = os.path.join(root, rel)
-        try:
-            st = os.lstat(full)
-            have = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
-        except FileNotFoundError:
-            diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
-            covered.add(rel)
-            continue
-        kind = have.kind if have else "socket"
-        if kind != e.kind:
-            diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
-            covered.add(rel)
-            continue
-        diffs.extend(_compare_entry(shown, full, have, e, opts.allow_setuid, contents))
+    with progress.bar("comparing paths", len(index), unit="paths") as bar:
+        for rel in sorted(index):
+            bar.update(1)
+            e = index[rel]
+            if excluded(rel) or under_covered(rel):
+                continue
+            if e.kind in (CHAR, BLOCK, FIFO) and not opts.allow_devices:
+                continue  # restore skips device nodes unless asked
+            if e.kind != DIR:
+                covered.add(rel)  # nothing below a non-directory is reachable
+            checked += 1
+            shown = "/" + rel
+            if not is_real_dir(rel.rpartition("/")[0]):
+                diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
+                covered.add(rel)
+                continue
+            full = os.path.join(root, rel)
+            try:
+                st = os.lstat(full)
+                have = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
+            except FileNotFoundError:
+                diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
+                covered.add(rel)
+                continue
+            kind = have.kind if have else "socket"
+            if kind != e.kind:
+                diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
+                covered.add(rel)
+                continue
+            diffs.extend(_compare_entry(shown, full, have, e, opts.allow_setuid, contents))
     diffs.extend(_content_differences(contents, opts.jobs))
 
     for rel in sorted(deleted):
@@ -286,7 +288,7 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
 
 
 def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid: bool,
-                   contents: list[tuple[str, str, str]]) -> list[Difference]:
+                   contents: list[tuple[str, str, str, int]]) -> list[Difference]:
     """The differences of one path but its content's, whose check is added to `contents`."""
     out: list[Difference] = []
     if want.kind != SYMLINK and have.mode != want.mode:
@@ -304,18 +306,20 @@ def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid
         if have.size != want.size:
             out.append(Difference(shown, "content", f"content differs: {have.size} bytes, expected {want.size}"))
         elif want.digest:
-            contents.append((shown, full, want.digest))
+            contents.append((shown, full, want.digest, want.size))
     return out
 
 
-def _content_differences(contents: list[tuple[str, str, str]], jobs: int) -> list[Difference]:
-    """Hash the files of `contents` (shown path, path, expected digest), `jobs` at once: threads,
-    as hashlib and file reads let go of Python's lock (measured: bench.py's verify), each holding one
-    read buffer."""
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        digests = pool.map(_content_digest, [full for _, full, _ in contents])
-        return [Difference(shown, "content", f"content differs: {_short(digest)}, expected {want[:19]}")
-                for (shown, _, want), digest in zip(contents, digests) if digest != want]
+def _content_differences(contents: list[tuple[str, str, str, int]], jobs: int) -> list[Difference]:
+    """Hash the files of `contents` (shown path, path, expected digest, size), `jobs` at once:
+    threads, as hashlib and file reads let go of Python's lock (measured: bench.py's verify), each
+    holding one read buffer."""
+    with progress.bar("checking contents", sum(c[3] for c in contents)) as bar, \
+            ThreadPoolExecutor(max(1, jobs)) as pool:
+        update = progress.safe_update(bar)
+        digests = list(pool.map(lambda full: _content_digest(full, update), [c[1] for c in contents]))
+    return [Difference(shown, "content", f"content differs: {_short(digest)}, expected {want[:19]}")
+            for (shown, _, want, _), digest in zip(contents, digests) if digest != want]
 
 
 def _short(digest: str) -> str:
@@ -323,11 +327,11 @@ def _short(digest: str) -> str:
     return digest[:19] if digest.startswith("sha256:") else digest
 
 
-def _content_digest(path: str) -> str:
+def _content_digest(path: str, on_bytes: Callable[[int], None]) -> str:
     """The file's digest, or why it could not be read (permissions, an I/O error of the disk):
     a difference of its own path, and the others are compared all the same."""
     try:
-        return file_digest(path)
+        return file_digest(path, on_bytes)
     except OSError as e:
         return f"unreadable ({e.strerror or e})"
 

@@ -103,7 +103,7 @@ def push(remote: Remote, layers: list[tuple[LayerPlan, str]], sources: BlobSourc
     # One tag per repository, moved by each commit: `snap watch` commits under a new tag every few
     # minutes, and a tag per snapshot would pile up. An older snapshot's skeletons that a garbage
     # collection then deletes only make its restores download every layer.
-    push_artifact(remote, data, digest, SKELETON, SKELETON_ARTIFACT, ARTIFACT_TAG, {}, sources)
+    push_artifact(remote, data, digest, SKELETON, SKELETON_ARTIFACT, ARTIFACT_TAG, {}, sources, "headers")
     return digest
 
 

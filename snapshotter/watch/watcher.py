@@ -585,8 +585,8 @@ class Watcher:
             said = f"; {self.line.note()}" + (f"; {self.line.diverged} names it" if tag != self.line.diverged else "")
         else:
             said = f"; {self.moving.tag} moved to it" if moved else ""
-        self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent, "
-                 f"{sum(layer.size for layer in sent)} bytes){said}")
+        self.log(f"snapshot {ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent; "
+                 f"{result.sent()}){said}")
         if self.opts.keep:
             self._prune()
         return tag
