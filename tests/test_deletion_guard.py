@@ -178,3 +178,23 @@ def test_a_link_a_layer_plants_cannot_carry_a_counted_whiteout_elsewhere(registr
     r = snap("restore", ref, "--root", root, "--only-snapshot")
     assert_one_line_error(r, 6, "'/x/.wh.bin'", "'/usr/bin'")
     assert {p: v for p, v in snapshot_of_tree(root).items() if p.startswith("usr/bin")} == bins
+
+
+@pytest.mark.parametrize("marker", [".wh.bin", "bin/.wh..wh..opq", "bin/.wh.tool5"], ids=["link", "through-link", "one-file"])
+def test_a_merged_usr_root_is_judged_where_its_links_lead(marker, registry, tmp_path):
+    """/bin -> usr/bin: deleting the link deletes /bin; an opaque bin/ empties /usr/bin; one file through it is one file."""
+    tar = tar_bytes(whiteout(marker))
+    ref = push_snapshot(registry, f"guard33/merged-{marker.replace('.', '-').replace('/', '-').strip('-')}", [tar],
+                        [skeleton_of(tar)])
+    root = live_root(tmp_path)
+    os.rename(os.path.join(root, "bin/sh"), os.path.join(root, "usr/bin/sh"))
+    os.rmdir(os.path.join(root, "bin"))
+    os.symlink("usr/bin", os.path.join(root, "bin"))
+    before = snapshot_of_tree(root)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    if marker.endswith("tool5"):
+        assert r.returncode == 0, r.stderr
+        assert set(before) - set(snapshot_of_tree(root)) == {"usr/bin/tool5"}
+        return
+    assert_one_line_error(r, 6, "'/bin'" if marker == ".wh.bin" else "'/usr/bin' 61 paths", "--force")
+    assert snapshot_of_tree(root) == before

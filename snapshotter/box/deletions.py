@@ -38,13 +38,13 @@ BIG_SYSTEM_DIR = 100  # paths: a directory under a system top-level directory ho
 SYSTEM_DEPTH = 3  # components: usr/lib/x86_64-linux-gnu, and no deeper
 
 
-def system_dir(rel: str, holds: int) -> bool:
-    """Is deleting (or emptying) directory `rel`, holding `holds` paths, deleting a system
-    directory (rule 2 of the module doc; top-level directories are rule 1)?"""
+def system_dir(rel: str, paths: int) -> bool:
+    """Is deleting (or emptying) directory `rel`, which holds paths, `paths` of them deleted,
+    deleting a system directory (rule 2 of the module doc; top-level directories are rule 1)?"""
     parts = rel.split("/")
-    if holds <= 0 or len(parts) < 2 or parts[0] not in SYSTEM_TOPS:
+    if len(parts) < 2 or parts[0] not in SYSTEM_TOPS:
         return False
-    return (len(parts) == 2 and parts[0] == "usr") or (len(parts) <= SYSTEM_DEPTH and holds > BIG_SYSTEM_DIR)
+    return (len(parts) == 2 and parts[0] == "usr") or (len(parts) <= SYSTEM_DEPTH and paths > BIG_SYSTEM_DIR)
 
 
 @dataclass
@@ -92,7 +92,7 @@ def count(index: dict[str, Entry], deleted: list[str]) -> Deletions:
     gone = [rel for rel in deleted if rel in index]
     dirs = {rel: below(rel) for rel in gone if index[rel].kind == DIR}
     top = sorted(rel for rel, n in dirs.items() if "/" not in rel and n)
-    system = sorted(rel for rel, n in dirs.items() if system_dir(rel, n))
+    system = sorted(rel for rel, n in dirs.items() if n and system_dir(rel, 1 + n))
     return Deletions(sum(1 + below(rel) for rel in gone), len(index), top, system,
                      {rel: 1 + dirs[rel] for rel in (*top, *system)})
 
@@ -195,7 +195,7 @@ def count_live(live: LiveRoot, deleting: Iterable[Deleting], written: set[str]) 
             units[target] = units.get(target, True) and not d.name
         else:  # an opaque marker at the root: each top-level path is deleted
             units.update((child, False) for child in live.children("") if not live.never(child))
-    deleted: dict[str, int] = {}
+    deleted: dict[str, tuple[int, int]] = {}  # path -> (paths deleted there, of them below it)
     for rel in sorted(units):
         if _inside_counted(rel, deleted):
             continue
@@ -203,29 +203,27 @@ def count_live(live: LiveRoot, deleting: Iterable[Deleting], written: set[str]) 
         if st is None:
             continue
         below = sum(1 for p in live.walk(rel) if p not in written) if stat.S_ISDIR(st.st_mode) else 0
-        deleted[rel] = below + (0 if units[rel] or rel in written else 1)
+        deleted[rel] = (below + (0 if units[rel] or rel in written else 1), below)
     return _judge(live, deleted), where
 
 
-def _inside_counted(rel: str, counted: dict[str, int]) -> bool:
+def _inside_counted(rel: str, counted: dict) -> bool:
     """Is `rel` inside a deleted tree already counted (sorted: a parent comes before its children)?"""
     parts = rel.split("/")
     return any("/".join(parts[:k]) in counted for k in range(1, len(parts)))
 
 
-def _judge(live: LiveRoot, deleted: dict[str, int]) -> Deletions:
-    paths = sum(deleted.values())
+def _judge(live: LiveRoot, deleted: dict[str, tuple[int, int]]) -> Deletions:
+    paths = sum(n for n, _ in deleted.values())
     top, system = [], []
-    for rel, n in deleted.items():
-        st = live.lstat(rel)
-        is_dir = st is not None and stat.S_ISDIR(st.st_mode)
-        if "/" not in rel and n and (is_dir or _links_to_full_dir(live, rel)):
+    for rel, (n, below) in deleted.items():
+        if "/" not in rel and (below or _links_to_full_dir(live, rel)):
             top.append(rel)
-        elif is_dir and system_dir(rel, n):
+        elif below and system_dir(rel, n):
             system.append(rel)
     limit = 2 * paths + 1
     of = sum(1 for _ in live.walk("", limit, skip_never=True)) if paths else 0
-    return Deletions(paths, of, sorted(top), sorted(system), {rel: deleted[rel] for rel in (*top, *system)},
+    return Deletions(paths, of, sorted(top), sorted(system), {rel: deleted[rel][0] for rel in (*top, *system)},
                      exact=of < limit)
 
 

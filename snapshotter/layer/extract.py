@@ -467,8 +467,7 @@ class Extractor:
 
         if old is not None and stat.S_ISDIR(old.st_mode):
             if self.deletions is not None and self.deletions.get(rel) != landed and os.listdir(path):
-                raise IntegrityError(f"a layer's {quoted_path(rel)} would replace the directory {quoted_path(landed)} of "
-                                     f"{self.root!r}, a deletion its counted headers did not hold: refusing a hostile layer")
+                self._uncounted(f"{quoted_path(rel)} would replace the directory {quoted_path(landed)}")
             self._remove_tree(path)  # a non-directory replaces a whole lower tree
 
         # A short name: the member's own name may already be NAME_MAX bytes long.
@@ -603,8 +602,7 @@ class Extractor:
 
     def _whiteout(self, rel: str, parent: str, base: str) -> None:
         if self.deletions is not None and rel not in self.deletions:
-            raise IntegrityError(f"a layer's whiteout {quoted_path(rel)} is not among the deletions counted before "
-                                 f"the restore onto {self.root!r} began: refusing a hostile layer")
+            self._uncounted(f"whiteout {quoted_path(rel)} deletes")
         try:
             pdir = self._resolve_dir(parent, create=False)
         except FileNotFoundError:
@@ -616,9 +614,7 @@ class Extractor:
         if self.deletions is not None:
             lands = self._rel(pdir) if base == OPAQUE else f"{self._rel(pdir)}/{whiteout_target(base)}".lstrip("/")
             if self.deletions[rel] != lands:
-                raise IntegrityError(f"a layer's whiteout {quoted_path(rel)} would delete {quoted_path(lands)} of "
-                                     f"{self.root!r}, not the path counted before the restore began: refusing a "
-                                     "hostile layer")
+                self._uncounted(f"whiteout {quoted_path(rel)} would delete {quoted_path(lands)}")
         if base == OPAQUE:
             for name in os.listdir(pdir):
                 path = os.path.join(pdir, name)
@@ -634,6 +630,12 @@ class Extractor:
             return  # a whiteout never deletes from its own layer
         self._note_parent(pdir)
         self._remove_any(path)  # the final component is removed, never followed
+
+    def _uncounted(self, what: str) -> None:
+        """Refuse a deletion that is not one counted before the restore onto a live root began."""
+        raise IntegrityError(f"a layer's {what} in {self.root!r}, which holds a live system, and that is not a "
+                             "deletion counted from its headers before the restore began: refusing a hostile layer",
+                             "its bytes are not the headers its snapshot's skeleton gives; pass --force to apply it anyway")
 
     def _remove_any(self, path: str) -> None:
         """Remove a path of any type; the final component is never followed."""
