@@ -198,3 +198,19 @@ def test_a_merged_usr_root_is_judged_where_its_links_lead(marker, registry, tmp_
         return
     assert_one_line_error(r, 6, "'/bin'" if marker == ".wh.bin" else "'/usr/bin' 61 paths", "--force")
     assert snapshot_of_tree(root) == before
+
+
+def test_the_count_walks_only_the_deleted_trees(tmp_path):
+    """A few deletions on a root of thousands of paths: the rest of the root is looked at only until
+    it is more than twice what is deleted (enough for the half rule), never walked whole."""
+    from snapshotter.box.deletions import Deleting, LiveRoot, count_live
+
+    root = live_root(tmp_path)
+    write_tree(root, {f"data/set{i // 100}/f{i}": "x" for i in range(3000)})
+    looked: list[str] = []
+    live = LiveRoot(root, lambda rel: looked.append(rel) or False)
+    d, where = count_live(live, [Deleting("usr/bin/.wh.tool3", "usr/bin", "tool3"),
+                                 Deleting("usr/share/doc/.wh.pkg7", "usr/share/doc", "pkg7")], set())
+    assert (d.paths, d.deletes_system, d.exact) == (3, False, False) and d.of == 7
+    assert len(looked) < 20, len(looked)
+    assert where == {"usr/bin/.wh.tool3": "usr/bin/tool3", "usr/share/doc/.wh.pkg7": "usr/share/doc/pkg7"}
