@@ -27,6 +27,7 @@ whatever the image holds."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 from contextlib import ExitStack
@@ -131,9 +132,9 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     # whiteouts of /bin, /etc, /usr), counted from the layers before anything is written. A full
     # restore onto one is refused above, or forced.
     live = holds_system(root) if base_layers == 0 and not opts.force else None
-    # For the guard, and for skip.py: nothing to skip in an empty root.
-    skeletons = _skeletons(remote, image, opts.log) if live or (os.path.isdir(root) and not _empty(root)) else {}
-    claims = guard_live_root(remote, image, todo, skeletons, root, live, PathSet(never_write), opts.log) if live else None
+    # Fetched once, when the guard or skip.py first needs them.
+    skeletons = functools.cache(lambda: _skeletons(remote, image, opts.log))
+    claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(never_write), opts.log) if live else None
     # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
     extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write,
                                                      run_token=secrets.token_hex(4)))
@@ -202,13 +203,13 @@ def _skeletons(remote: Remote, image: Image, log: Callable[[str], None]) -> dict
     return skeleton.fetch(remote, digest, log)
 
 
-def _skips(image: Image, skeletons: dict[str, skeleton.Skeleton], todo: list[tuple[int, dict, str]], resumed: int,
-           base_layers: int, links: dict[str, list[str]], extractor: Extractor) -> SkipPlan:
+def _skips(image: Image, skeletons: Callable[[], dict[str, skeleton.Skeleton]], todo: list[tuple[int, dict, str]],
+           resumed: int, base_layers: int, links: dict[str, list[str]], extractor: Extractor) -> SkipPlan:
     """The pending layers the root already holds (skip.py), by the skeletons the snapshot carries.
     None while base layers are still to apply: what they write is not known (a full restore goes
     into a root without a system, refuse_live_system, where little is in place anyway)."""
     ann = image.manifest.get("annotations") or {}
-    if resumed < base_layers or not skeletons or _empty(extractor.root):
+    if resumed < base_layers or _empty(extractor.root) or not skeletons():
         return SkipPlan({})
     try:
         max_layer: Optional[int] = int(ann.get(SNAP_MAX_LAYER, ""))
@@ -218,7 +219,7 @@ def _skips(image: Image, skeletons: dict[str, skeleton.Skeleton], todo: list[tup
     rules = RootRules(extractor.root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
                       max_layer, links)
     root = extractor.root
-    return plan_skips(todo, resumed, skeletons, rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
+    return plan_skips(todo, resumed, skeletons(), rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
 
 
 def _empty(root: str) -> bool:
