@@ -29,10 +29,12 @@
   (another extractor may hold that directory resolved: removed, a symlink could take its place).
   Temp names carry the run's token (ExtractOptions.run_token): the sweep spares the other
   extractors' temp files.
-- Onto a root that holds a live system (ExtractOptions.live_system), a whiteout or opaque marker
-  that would delete one of its top-level directories (or a top-level link to one) that holds
-  anything is refused before it deletes: the net under box/deletions.py's check of the manifest, for
-  images that carry no record of what they delete.
+- Onto a root that holds a live system, the caller counted what the layer deletes before anything
+  was written (restore/deletion_guard.py) and says which deletions it may make (`deletions`: each
+  whiteout or opaque marker, and each non-directory that replaces a directory holding anything,
+  with where it was counted to delete): any other, or one that now lands elsewhere, is refused
+  (exit 6) before it deletes. A layer whose bytes are not the headers that were counted deletes
+  no more than was counted.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import zstandard
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.box.profile import PathSet
 from snapshotter.digests import file_digest, hasher_digest
-from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_path, storage_error
+from snapshotter.errors import IntegrityError, StorageError, quoted_path, storage_error
 from snapshotter.index.entry import clean_path
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.paths import resolve_in_root
@@ -82,7 +84,6 @@ class ExtractOptions:
     # Globs (the profile's `exclude`: /etc/hostname, /etc/resolv.conf, /proc, /tmp, ...) of paths the
     # machine owns: never written, replaced or deleted, whatever the layers hold.
     never_write: tuple[str, ...] = ()
-    live_system: Optional[str] = None  # what shows the root holds a running system: its top-level dirs are not deleted
     run_token: str = ""  # in this run's temp names: the sweep spares them (other extractors of the run write them)
 
 
@@ -161,6 +162,8 @@ class Extractor:
         self._image_files: set[str] = set()
         self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
         self.parallel = False  # other extractors write into the root meanwhile (see NeedsSerial)
+        # {member path: where it was counted to delete}: the only deletions the next layer may make; None: any
+        self.deletions: Optional[dict[str, Optional[str]]] = None
         # Of the last layer applied: the directories it set ([(path relative to the root, its header)])
         # and those it only wrote into ({path relative to the root: their times before}), for settle_dirs.
         self.layer_dir_headers: list[tuple[str, tarfile.TarInfo]] = []
@@ -412,7 +415,7 @@ class Extractor:
             if self.parallel:
                 raise NeedsSerial(rel)  # what it deletes depends on the layers below it being all in
             self._dir_cache.clear()
-            self._whiteout(parent, base)
+            self._whiteout(rel, parent, base)
             return
         if self._never.match(rel) and self._leave_alone(rel, m):
             self.stats.left_alone += 1
@@ -463,6 +466,8 @@ class Extractor:
             return
 
         if old is not None and stat.S_ISDIR(old.st_mode):
+            if self.deletions is not None and self.deletions.get(rel) != landed and os.listdir(path):
+                self._uncounted(f"{quoted_path(rel)} would replace the directory {quoted_path(landed)}")
             self._remove_tree(path)  # a non-directory replaces a whole lower tree
 
         # A short name: the member's own name may already be NAME_MAX bytes long.
@@ -595,7 +600,9 @@ class Extractor:
             return True
         return os.path.lexists(self._locate(rel)[1])
 
-    def _whiteout(self, parent: str, base: str) -> None:
+    def _whiteout(self, rel: str, parent: str, base: str) -> None:
+        if self.deletions is not None and rel not in self.deletions:
+            self._uncounted(f"whiteout {quoted_path(rel)} deletes")
         try:
             pdir = self._resolve_dir(parent, create=False)
         except FileNotFoundError:
@@ -604,14 +611,10 @@ class Extractor:
         if hidden and self._never.match(hidden):
             self.stats.left_alone += 1
             return
-        if self.opts.live_system:
-            if base != OPAQUE:
-                top = [os.path.join(pdir, whiteout_target(base))] if pdir == self.root else []
-            elif pdir == self.root:
-                top = [os.path.join(pdir, name) for name in os.listdir(pdir)]
-            else:  # an opaque /etc, or /bin (a link to usr/bin) empties it
-                top = [pdir] if "/" not in parent or os.path.dirname(pdir) == self.root else []
-            self._spare_system(top, base)
+        if self.deletions is not None:
+            lands = self._rel(pdir) if base == OPAQUE else f"{self._rel(pdir)}/{whiteout_target(base)}".lstrip("/")
+            if self.deletions[rel] != lands:
+                self._uncounted(f"whiteout {quoted_path(rel)} would delete {quoted_path(lands)}")
         if base == OPAQUE:
             for name in os.listdir(pdir):
                 path = os.path.join(pdir, name)
@@ -628,21 +631,11 @@ class Extractor:
         self._note_parent(pdir)
         self._remove_any(path)  # the final component is removed, never followed
 
-    def _spare_system(self, paths: list[str], marker: str) -> None:
-        """Refuse a whiteout (`marker`) that would delete or empty one of `paths`, top-level paths
-        of a live root, where it is (or links to) a directory holding anything: /bin, /etc, /usr."""
-        for path in paths:
-            if path in self._written:
-                continue  # this layer's own
-            rel = os.path.relpath(path, self.root)
-            try:
-                holds = bool(os.listdir(self._resolve_dir(rel, create=False)))
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # not a directory (or gone): nothing of the system
-            if holds:
-                raise UsageError(f"a layer's whiteout {marker!r} would delete {'/' + rel!r} of {self.root!r}, which "
-                                 f"holds a live system ({self.opts.live_system}): refusing to apply it",
-                                 "was the image committed from a wrong --root? pass --force to apply it anyway")
+    def _uncounted(self, what: str) -> None:
+        """Refuse a deletion that is not one counted before the restore onto a live root began."""
+        raise IntegrityError(f"a layer's {what} in {self.root!r}, which holds a live system, and that is not a "
+                             "deletion counted from its headers before the restore began: refusing a hostile layer",
+                             "its bytes are not the headers its snapshot's skeleton gives; pass --force to apply it anyway")
 
     def _remove_any(self, path: str) -> None:
         """Remove a path of any type; the final component is never followed."""

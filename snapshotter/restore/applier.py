@@ -45,6 +45,9 @@ class LayerJob:
     in_place: bool = False  # nothing reads the root yet: new files written at their paths (Extractor.apply)
     parallel: bool = False  # other workers apply layers meanwhile (Extractor.parallel): NeedsSerial may come back
     also_written: tuple[str, ...] = ()  # files other workers wrote since this one's last job: hardlinks may name them
+    # Onto a live root: the deletions this layer may make, each with where it was counted to delete
+    # (restore/deletion_guard.py); None: any.
+    deletions: Optional[dict[str, Optional[str]]] = None
 
 
 @dataclass
@@ -61,6 +64,7 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
     extractor.forget_dirs()  # other workers changed the tree since this one's last layer
     extractor.count_as_written(job.also_written)
     extractor.parallel = job.parallel
+    extractor.deletions = job.deletions
     extractor.record = HeadersDigest() if job.record else None
     if job.base_layer is None or job.base_layer == 0:
         extractor.indexer = ImageIndexer() if job.base_layer == 0 else None

@@ -17,21 +17,23 @@ the snap layers are noted for the next commit of the root (snapshot/record.py). 
 image that carries no index of its base indexes the base's layers as it applies them (the base
 index: docs/commit.md), so that the next commit here does not download them again.
 
-A restore writes over what is there, so two things guard a live machine: a full image (base layers
+A restore writes over what is there, so three things guard a live machine: a full image (base layers
 and all) is refused onto a root that already holds an operating system, unless this restore
-started there (its journal) or the caller forces it; and the profile's excludes (/etc/hostname,
-/etc/resolv.conf, /proc, /tmp, ...) are never written, whatever the image holds."""
+started there (its journal) or the caller forces it; the snapshot layers applied onto one may not
+delete its system, counted from their headers before anything is written (deletion_guard.py);
+and the profile's excludes (/etc/hostname, /etc/resolv.conf, /proc, /tmp, ...) are never written,
+whatever the image holds."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from snapshotter.box import deletions
 from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, storage_error
@@ -52,6 +54,7 @@ from snapshotter.state import exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
 
 from .applier import ExtractWorker, LayerJob
+from .deletion_guard import Claims, guard_live_root
 from .download import Blob, Downloads
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
@@ -122,22 +125,24 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
     if base_layers > 0 and not opts.force and not journal.started_here():
         refuse_live_system(root, image, base_layers)
-    # Snapshot layers onto a live system: never its deletion (a snapshot of a wrong --root holds
-    # whiteouts of /bin, /etc, /usr). A full restore onto one is refused above, or forced.
-    live = holds_system(root) if base_layers == 0 and not opts.force else None
-    if live:
-        deletions.refuse_restore(root, str(image.ref), live, deletions.recorded(image.manifest.get("annotations")))
     profile = restore_profile(image, opts.profile)
     # A layer never writes into a staging dir: it holds the verified blobs of the layers after it.
     never_write = (*profile.exclude.patterns, f"{STAGING_PREFIX}*")
+    # Snapshot layers onto a live system: never its deletion (a snapshot of a wrong --root holds
+    # whiteouts of /bin, /etc, /usr), counted from the layers before anything is written. A full
+    # restore onto one is refused above, or forced.
+    live = holds_system(root) if base_layers == 0 and not opts.force else None
+    # Fetched once, when the guard or skip.py first needs them.
+    skeletons = functools.cache(lambda: _skeletons(remote, image, opts.log))
+    claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(never_write), opts.log) if live else None
     # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
-    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write, live_system=live,
+    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write,
                                                      run_token=secrets.token_hex(4)))
     journal.load(opts.log)
     resumed = journal.applied
     if resumed:
         opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
-    skips = _skips(remote, image, todo, resumed, base_layers, links, extractor, opts)
+    skips = _skips(image, skeletons, todo, resumed, base_layers, links, extractor)
     if skips.skipped:
         opts.log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
                  f"{root}: not downloaded")
@@ -162,7 +167,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         index_to = _base_index_to_build(image, base_layers) if not resumed else None
         applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer,
                                                 (base_layers, index_to) if index_to else None, ready_at,
-                                                frozenset(weights), skips.skipped)
+                                                frozenset(weights), skips.skipped, claims)
         staging.remove()  # the layers are applied: the root holds nothing of ours
         if parts:
             join_parts(extractor, parts, links, opts.extract.fsync, journal)
@@ -190,17 +195,21 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
                          len(skips.skipped), skips.skipped_bytes, skips.hashed_bytes)
 
 
-def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resumed: int, base_layers: int,
-           links: dict[str, list[str]], extractor: Extractor, opts: RestoreOptions) -> SkipPlan:
+def _skeletons(remote: Remote, image: Image, log: Callable[[str], None]) -> dict[str, skeleton.Skeleton]:
+    """The skeletons of the snapshot's layers, by diff_id (snapshot/skeleton.py); {} for an image without."""
+    digest = (image.manifest.get("annotations") or {}).get(skeleton.SNAP_SKELETON)
+    if not (isinstance(digest, str) and DIGEST.fullmatch(digest)):
+        return {}
+    return skeleton.fetch(remote, digest, log)
+
+
+def _skips(image: Image, skeletons: Callable[[], dict[str, skeleton.Skeleton]], todo: list[tuple[int, dict, str]],
+           resumed: int, base_layers: int, links: dict[str, list[str]], extractor: Extractor) -> SkipPlan:
     """The pending layers the root already holds (skip.py), by the skeletons the snapshot carries.
     None while base layers are still to apply: what they write is not known (a full restore goes
     into a root without a system, refuse_live_system, where little is in place anyway)."""
     ann = image.manifest.get("annotations") or {}
-    digest = ann.get(skeleton.SNAP_SKELETON)
-    if resumed < base_layers or not (isinstance(digest, str) and DIGEST.fullmatch(digest)) or _empty(extractor.root):
-        return SkipPlan({})
-    skeletons = skeleton.fetch(remote, digest, opts.log)
-    if not skeletons:
+    if resumed < base_layers or _empty(extractor.root) or not skeletons():
         return SkipPlan({})
     try:
         max_layer: Optional[int] = int(ann.get(SNAP_MAX_LAYER, ""))
@@ -210,7 +219,7 @@ def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resu
     rules = RootRules(extractor.root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
                       max_layer, links)
     root = extractor.root
-    return plan_skips(todo, resumed, skeletons, rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
+    return plan_skips(todo, resumed, skeletons(), rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
 
 
 def _empty(root: str) -> bool:
@@ -234,7 +243,8 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
                   staging: StagingDirs, opts: RestoreOptions,
                   after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
                   ready_at: int = 0, weights: frozenset[str] = frozenset(),
-                  skipped: Optional[dict[int, str]] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  skipped: Optional[dict[int, str]] = None,
+                  claims: Optional[Claims] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Apply the layers the journal does not list as applied, each as soon as its blob is downloaded
     and verified while the later ones still download (download.py), snap's own several at once
     (schedule.py), noting them in the journal in order (and telling `after_layer` how many are applied). `index_base` (n, path), for a restore
@@ -244,7 +254,7 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
     starts it once they are applied) download before any other (AppFirst), and those that are not
     `weights` layers write their new files in place. The layers `skipped` ({index in todo: digest of
     its tar headers}: the root holds them, skip.py) are neither downloaded nor applied, and count as
-    applied."""
+    applied. `claims`, onto a live root: what each layer may delete (deletion_guard.py), None: anything."""
     resumed, skipped = journal.applied, skipped or {}
     pending = todo[resumed:]
     fetched = [(n, desc, diff_id) for n, (_, desc, diff_id) in enumerate(pending) if resumed + n not in skipped]
@@ -257,7 +267,10 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
         # them): their new files are written in place. Weights always land whole (one may come
         # before the app's last layer, or all before the joins of part files).
         in_place = resumed + n < ready_at and weight_file(pending[n][1], weights) is None
-        return _layer_job(pending, n, blob, in_place, index_base)
+        job = _layer_job(pending, n, blob, in_place, index_base)
+        if claims is not None:
+            job.deletions = claims.get(pending[n][1]["digest"], {})
+        return job
 
     layers = [Layer(desc, alone=not snap_label(desc) or downloads.kept_split(desc["digest"])
                     or (index_base is not None and n < index_base[0]), skipped=skipped.get(resumed + n))

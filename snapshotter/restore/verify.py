@@ -121,7 +121,7 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
                     def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
                         deleted.update(_apply_part_layer(index, stream, joins, links, label))
 
-                    _read_blob(remote, desc, diff_id, label, log, consume)
+                    read_blob(remote, desc, diff_id, label, log, consume)
                 else:
                     indexer = ImageIndexer(index)
                     for m, digest in got:
@@ -136,7 +136,7 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
     return index, deleted
 
 
-def _read_blob(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
+def read_blob(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
                consume: Callable) -> None:
     """Stream a layer's blob through check_layer (digest and diff_id checked) into `consume`."""
     def note(msg: str) -> None:
@@ -157,7 +157,7 @@ def _read_layer(remote: Remote, desc: dict, diff_id: str, label: str,
         for reader, m in iter_members(stream, f"layer {label}"):
             out.append((m, chunks_digest(data_chunks(reader)) if m.isreg() else None))
 
-    _read_blob(remote, desc, diff_id, label, log, consume)
+    read_blob(remote, desc, diff_id, label, log, consume)
     return out
 
 

@@ -1,0 +1,216 @@
+"""A restore onto a live root counts what the layers delete, from their tar headers, before
+anything is written (issue 33, class 1): hostile snapshots whose whiteouts, opaque markers or
+replacing files delete usr/bin, usr/lib, usr/share or etc/passwd are refused (exit 6, one line,
+the root unchanged) whatever the manifest's `dev.snap.deletes` says, with or without a skeleton,
+and a skeleton that lies cannot let a layer delete more than was counted. `--force` applies them;
+an honest snapshot that deletes a few files restores as before."""
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+from helpers import push_annotated
+from snapshotter.snapshot.skeleton import PieceWriter
+from support import assert_one_line_error, member, snap, snapshot_of_tree, tar_bytes, write_tree
+
+APP = {"dev.snap.layer": "app"}  # a snap layer's annotation
+
+
+def live_root(tmp_path) -> str:
+    """A live system (etc/os-release): 4 + 60 + 60 + 40 + 80 files in bin, etc, usr/bin, usr/lib, usr/share."""
+    root = str(tmp_path / "live")
+    files = {"bin/sh": "#!", "etc/os-release": "NAME=live\n", "etc/passwd": "root:x:0:0::/root:/bin/sh\n",
+             "etc/group": "root:x:0:\n", "opt/app/main.py": "print('app')\n"}
+    files.update({f"usr/bin/tool{i}": f"tool {i}\n" for i in range(60)})
+    files.update({f"usr/lib/lib{i}.so": f"lib {i}\n" for i in range(60)})
+    files.update({f"usr/share/doc/pkg{i}/README": f"doc {i}\n" for i in range(40)})
+    files.update({f"etc/ssl/certs/ca{i}.pem": f"ca {i}\n" for i in range(120)})
+    files.update({f"etc/nginx/site{i}.conf": f"site {i}\n" for i in range(5)})
+    write_tree(root, files)
+    return root
+
+
+def diff_id(tar: bytes) -> str:
+    return "sha256:" + hashlib.sha256(tar).hexdigest()
+
+
+def skeleton_of(tar: bytes, key: bytes | None = None) -> bytes:
+    """The skeleton piece snap commit writes for a layer tar (its exact headers), keyed by the diff_id
+    of `key` (another tar: a skeleton that lies about the layer it names) or of the tar itself."""
+    piece = PieceWriter()
+    piece.start()
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        for m in t.getmembers():
+            piece.add(tar[m.offset:m.offset_data], m.size if m.isreg() else 0)
+    return piece.finish(diff_id(key if key is not None else tar))
+
+
+def push_snapshot(registry, repo: str, tars: list[bytes], skeletons: list[bytes] | None = None,
+                  annotations: dict | None = None, layer_annotations: dict | None = APP, zstd: bool = False) -> str:
+    """A snapshot of `tars` (all its layers snap's: --only-snapshot applies them all), with the
+    skeleton blob `skeletons` (pieces) names, and more manifest annotations."""
+    ann = {"dev.snap.base-layers": "0", **(annotations or {})}
+    if skeletons:
+        ann["dev.snap.skeleton"] = registry.push_blob(repo, b"".join(skeletons))
+    return push_annotated(registry, repo, [(t, layer_annotations) for t in tars], ann, zstd=zstd)
+
+
+def whiteout(name: str):
+    return member(name)  # an empty regular file, as OCI whiteouts are
+
+
+HOSTILE_WHITEOUTS = tar_bytes(whiteout("etc/.wh.passwd"), whiteout("usr/.wh.bin"), whiteout("usr/.wh.lib"),
+                              whiteout("usr/.wh.share"), member("opt/app/new.py", data=b"new\n"))
+HOSTILE_OPAQUE = tar_bytes(member("usr/bin/", "dir"), whiteout("usr/bin/.wh..wh..opq"),
+                           member("usr/lib/", "dir"), whiteout("usr/lib/.wh..wh..opq"),
+                           member("usr/share/", "dir"), whiteout("usr/share/.wh..wh..opq"),
+                           member("usr/bin/tool0", data=b"mine\n"))
+HONEST = tar_bytes(whiteout("usr/bin/.wh.tool3"), whiteout("usr/share/doc/pkg7/.wh.README"),
+                   whiteout("etc/.wh.nginx"), member("opt/app/new.py", data=b"new\n"))
+
+
+def hostile(registry, which: str) -> str:
+    """Each way a snapshot tried to delete the live root's system past the old guard."""
+    repo = f"guard33/{which}"
+    if which == "whiteouts":
+        return push_snapshot(registry, repo, [HOSTILE_WHITEOUTS], [skeleton_of(HOSTILE_WHITEOUTS)])
+    if which == "opaque":
+        return push_snapshot(registry, repo, [HOSTILE_OPAQUE], [skeleton_of(HOSTILE_OPAQUE)])
+    if which == "forged-record":  # the manifest says it deletes nothing
+        forged = {"dev.snap.deletes": json.dumps({"paths": 0, "of": 251, "top": []})}
+        return push_snapshot(registry, repo, [HOSTILE_WHITEOUTS], [skeleton_of(HOSTILE_WHITEOUTS)], forged)
+    if which == "no-skeleton":  # a foreign layer: no skeleton, no snap annotation
+        return push_snapshot(registry, repo, [HOSTILE_WHITEOUTS], None, layer_annotations=None)
+    if which == "skeleton-without-it":  # the skeleton has the other layer only
+        other = tar_bytes(member("opt/app/other.py", data=b"other\n"))
+        return push_snapshot(registry, repo, [other, HOSTILE_OPAQUE], [skeleton_of(other)])
+    if which == "lying-skeleton":  # the skeleton under its diff_id holds no deletion
+        decoy = tar_bytes(member("opt/app/decoy.py", data=b"decoy\n"))
+        return push_snapshot(registry, repo, [HOSTILE_WHITEOUTS], [skeleton_of(decoy, key=HOSTILE_WHITEOUTS)])
+    if which == "lying-skeleton-parallel":  # the same, among layers applied at once (zstd)
+        decoy = tar_bytes(member("opt/app/decoy.py", data=b"decoy\n"))
+        others = [tar_bytes(member(f"opt/app/m{i}.py", data=b"m\n")) for i in range(3)]
+        return push_snapshot(registry, repo, [*others, HOSTILE_WHITEOUTS],
+                             [*(skeleton_of(t) for t in others), skeleton_of(decoy, key=HOSTILE_WHITEOUTS)], zstd=True)
+    if which == "file-over-dir":  # a regular file where usr/lib is: the extractor removes the tree
+        tar = tar_bytes(member("usr/lib", data=b"not a directory\n"))
+        return push_snapshot(registry, repo, [tar], [skeleton_of(tar)])
+    if which == "big-system-dir":  # etc/ssl holds 121 paths
+        tar = tar_bytes(whiteout("etc/.wh.ssl"))
+        return push_snapshot(registry, repo, [tar], [skeleton_of(tar)])
+    raise AssertionError(which)
+
+
+KINDS = ["whiteouts", "opaque", "forged-record", "no-skeleton", "skeleton-without-it", "lying-skeleton",
+         "file-over-dir", "big-system-dir"]
+
+
+@pytest.mark.parametrize("which", KINDS)
+def test_a_snapshot_that_deletes_the_live_system_is_refused_and_the_root_is_unchanged(which, registry, tmp_path):
+    ref = hostile(registry, which)
+    root = live_root(tmp_path)
+    before = snapshot_of_tree(root)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    assert_one_line_error(r, 6, repr(root), "live system", "--force")
+    line = next(line for line in r.stderr.splitlines() if line.startswith("snap: error:"))
+    if which == "lying-skeleton":  # counted as deleting nothing: the extractor refuses its first whiteout
+        assert "'/etc/.wh.passwd'" in line, line
+    else:  # counted: the directories named, each with the paths it deletes (a re-added one not)
+        shown = {"big-system-dir": ["'/etc/ssl' 122 paths"], "opaque": ["'/usr/bin' 59 paths", "'/usr/lib' 60 paths"],
+                 "skeleton-without-it": ["'/usr/bin' 59 paths"], "file-over-dir": ["'/usr/lib' 60 paths"]
+                 }.get(which, ["'/usr/bin' 61 paths", "'/usr/lib' 61 paths"])
+        assert all(s in line for s in shown), line
+    assert snapshot_of_tree(root) == before  # nothing written, nothing deleted
+    assert not [n for n in os.listdir(root) if n.startswith(".snap-")]
+
+
+def test_a_lying_skeleton_among_layers_applied_at_once_deletes_nothing(registry, tmp_path):
+    """The parallel applier's workers get the counted deletions too: the system stays."""
+    ref = hostile(registry, "lying-skeleton-parallel")
+    root = live_root(tmp_path)
+    system = {p: v for p, v in snapshot_of_tree(root).items() if p.startswith(("usr", "etc"))}
+    r = snap("restore", ref, "--root", root, "--only-snapshot", "--jobs", "4")
+    assert_one_line_error(r, 6, "'/etc/.wh.passwd'", "live system", "--force")
+    assert {p: v for p, v in snapshot_of_tree(root).items() if p.startswith(("usr", "etc"))} == system
+
+
+@pytest.mark.parametrize("which", ["whiteouts", "opaque", "no-skeleton", "lying-skeleton", "lying-skeleton-parallel",
+                                   "file-over-dir"])
+def test_force_applies_them(which, registry, tmp_path):
+    ref = hostile(registry, which)
+    root = live_root(tmp_path)
+    snap("restore", ref, "--root", root, "--only-snapshot", "--force", check=True)
+    lib = os.path.join(root, "usr/lib")
+    if which == "file-over-dir":
+        assert os.path.isfile(lib)
+    elif which == "opaque":
+        assert os.listdir(os.path.join(root, "usr/bin")) == ["tool0"] and os.listdir(lib) == []
+    else:
+        assert not os.path.exists(lib) and not os.path.exists(os.path.join(root, "etc/passwd"))
+
+
+@pytest.mark.parametrize("with_skeleton", [True, False], ids=["skeleton", "streamed"])
+def test_an_honest_snapshot_that_deletes_a_few_files_restores(with_skeleton, registry, tmp_path):
+    """Deleting two files and a package's small directory of /etc (5 paths) is not the system."""
+    ref = push_snapshot(registry, f"guard33/honest-{str(with_skeleton).lower()}", [HONEST],
+                        [skeleton_of(HONEST)] if with_skeleton else None)
+    root = live_root(tmp_path)
+    before = snapshot_of_tree(root)
+    snap("restore", ref, "--root", root, "--only-snapshot", check=True)
+    after = snapshot_of_tree(root)
+    gone = {"usr/bin/tool3", "usr/share/doc/pkg7/README", "etc/nginx", *(f"etc/nginx/site{i}.conf" for i in range(5))}
+    assert set(before) - set(after) == gone
+    assert set(after) - set(before) == {"opt/app/new.py"}
+    assert {p: v for p, v in after.items() if not p.startswith(("opt", "usr/bin", "usr/share/doc/pkg7", "etc"))} == \
+        {p: v for p, v in before.items() if not p.startswith(("opt", "usr/bin", "usr/share/doc/pkg7", "etc")) and p not in gone}
+
+
+def test_a_link_a_layer_plants_cannot_carry_a_counted_whiteout_elsewhere(registry, tmp_path):
+    """x -> usr, then x/.wh.bin: counted as /x/bin (nothing there), it would delete /usr/bin."""
+    tar = tar_bytes(member("x", "symlink", linkname="usr"), whiteout("x/.wh.bin"))
+    ref = push_snapshot(registry, "guard33/planted-link", [tar], [skeleton_of(tar)])
+    root = live_root(tmp_path)
+    bins = {p: v for p, v in snapshot_of_tree(root).items() if p.startswith("usr/bin")}
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    assert_one_line_error(r, 6, "'/x/.wh.bin'", "'/usr/bin'")
+    assert {p: v for p, v in snapshot_of_tree(root).items() if p.startswith("usr/bin")} == bins
+
+
+@pytest.mark.parametrize("marker", [".wh.bin", "bin/.wh..wh..opq", "bin/.wh.tool5"], ids=["link", "through-link", "one-file"])
+def test_a_merged_usr_root_is_judged_where_its_links_lead(marker, registry, tmp_path):
+    """/bin -> usr/bin: deleting the link deletes /bin; an opaque bin/ empties /usr/bin; one file through it is one file."""
+    tar = tar_bytes(whiteout(marker))
+    ref = push_snapshot(registry, f"guard33/merged-{marker.replace('.', '-').replace('/', '-').strip('-')}", [tar],
+                        [skeleton_of(tar)])
+    root = live_root(tmp_path)
+    os.rename(os.path.join(root, "bin/sh"), os.path.join(root, "usr/bin/sh"))
+    os.rmdir(os.path.join(root, "bin"))
+    os.symlink("usr/bin", os.path.join(root, "bin"))
+    before = snapshot_of_tree(root)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    if marker.endswith("tool5"):
+        assert r.returncode == 0, r.stderr
+        assert set(before) - set(snapshot_of_tree(root)) == {"usr/bin/tool5"}
+        return
+    assert_one_line_error(r, 6, "'/bin'" if marker == ".wh.bin" else "'/usr/bin' 61 paths", "--force")
+    assert snapshot_of_tree(root) == before
+
+
+def test_the_count_walks_only_the_deleted_trees(tmp_path):
+    """A few deletions on a root of thousands of paths: the rest of the root is looked at only until
+    it is more than twice what is deleted (enough for the half rule), never walked whole."""
+    from snapshotter.box.deletions import Deleting, LiveRoot, count_live
+
+    root = live_root(tmp_path)
+    write_tree(root, {f"data/set{i // 100}/f{i}": "x" for i in range(3000)})
+    looked: list[str] = []
+    live = LiveRoot(root, lambda rel: looked.append(rel) or False)
+    d, where = count_live(live, [Deleting("usr/bin/.wh.tool3", "usr/bin", "tool3"),
+                                 Deleting("usr/share/doc/.wh.pkg7", "usr/share/doc", "pkg7")], set())
+    assert (d.paths, d.deletes_system, d.exact) == (3, False, False) and d.of == 7
+    assert len(looked) < 20, len(looked)
+    assert where == {"usr/bin/.wh.tool3": "usr/bin/tool3", "usr/share/doc/.wh.pkg7": "usr/share/doc/pkg7"}
