@@ -47,7 +47,8 @@ from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
-from snapshotter.snapshot.record import applied_at, forget_restore, note_restore
+from snapshotter.box.clock import stamp
+from snapshotter.snapshot.record import applied_since, forget_restore, note_restore
 from snapshotter.state import exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
 
@@ -154,6 +155,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
             opts.on_app_ready()
 
     forget_restore(root)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
+    started = stamp()
     staging = StagingDirs(root, image.manifest_digest, opts.log)
     try:
         if resumed >= ready_at:
@@ -177,7 +179,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
-    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {})  # first: the root came from it
+    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {}, started)  # first: the root came from it
     _note_sources(reference, image)
     _keep_base_index(remote, image, opts.log)
     progress.finish(ok=True)
@@ -210,7 +212,7 @@ def _skips(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], resu
     rules = RootRules(extractor.root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
                       max_layer, links)
     root = extractor.root
-    return plan_skips(todo, resumed, skeletons, rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
+    return plan_skips(todo, resumed, skeletons, rules, lambda desc, headers: applied_since(root, desc["digest"], headers))
 
 
 def _empty(root: str) -> bool:
