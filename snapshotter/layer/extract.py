@@ -134,6 +134,17 @@ class ExtractStats:
 
 
 
+SYMLINK_SHAPE, LINK_SHAPE, OTHER_SHAPE = -1, -2, -3  # shape_of a non-directory that is not a file of a known size
+
+
+def shape_of(m: tarfile.TarInfo) -> int:
+    """What a non-directory member leaves at its path: a regular file's size; a symlink; a hardlink
+    (a regular file, of its target's size); a device node or FIFO."""
+    if m.isreg():
+        return m.size
+    return SYMLINK_SHAPE if m.issym() else LINK_SHAPE if m.islnk() else OTHER_SHAPE
+
+
 class Extractor:
     def __init__(self, root: str, options: Optional[ExtractOptions] = None):
         os.makedirs(root, exist_ok=True)
@@ -160,6 +171,8 @@ class Extractor:
         # image can write there again.
         self._image_files: set[str] = set()
         self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
+        self.layer_shapes: list[int] = []  # what each of them is (shape_of), for a resumed restore's check
+        self.layer_gone: list[str] = []  # what its whiteouts hid (relative to the root; an opaque directory's ends in /)
         self.parallel = False  # other extractors write into the root meanwhile (see NeedsSerial)
         # Of the last layer applied: the directories it set ([(path relative to the root, its header)])
         # and those it only wrote into ({path relative to the root: their times before}), for settle_dirs.
@@ -349,7 +362,7 @@ class Extractor:
         Killed midway, such a file is half-written at its path, and the layer (not recorded as
         applied) is applied again over it. The layer's last file is still removed if check_end fails."""
         self._reset_dir_times()
-        self.layer_files = []
+        self.layer_files, self.layer_shapes, self.layer_gone = [], [], []
         self.layer_dir_headers = []
         self._take = take
         self._in_place = in_place
@@ -508,6 +521,7 @@ class Extractor:
         self._written.add(path)
         self._image_files.add(path)
         self.layer_files.append(path[len(self.root):].lstrip("/"))
+        self.layer_shapes.append(shape_of(m))
 
     def _devices_allowed(self, m: tarfile.TarInfo) -> bool:
         """Device nodes with --allow-devices as root; FIFOs (which a reader can block on) with
@@ -604,6 +618,8 @@ class Extractor:
         if hidden and self._never.match(hidden):
             self.stats.left_alone += 1
             return
+        gone = pdir if base == OPAQUE else os.path.join(pdir, whiteout_target(base))
+        self.layer_gone.append(self._rel(gone) + "/" if base == OPAQUE else self._rel(gone))
         if self.opts.live_system:
             if base != OPAQUE:
                 top = [os.path.join(pdir, whiteout_target(base))] if pdir == self.root else []

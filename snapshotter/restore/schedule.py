@@ -125,7 +125,7 @@ class Scheduler:
                 group_files.clear()
             if done.result.record is not None:
                 headers[digest] = done.result.record
-            self.journal.record_applied(at + 1, done.result.files)
+            self.journal.record_applied(at + 1, done.result.files, done.result.shapes, done.result.gone)
             applied.append(done.label)
             self.after_layer(at + 1, layer.desc)
             self.blobs.used(digest)
