@@ -58,7 +58,7 @@ from snapshotter.errors import IntegrityError, StorageError, UsageError, quoted_
 from snapshotter.index.entry import clean_path
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.paths import resolve_in_root
-from snapshotter.tar.reader import TarReader
+from snapshotter.tar.reader import EntryCount, TarReader
 from snapshotter.tar.rules import (OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest, check_name,
                                    header_key, member_mtime_ns, whiteout_target)
 
@@ -173,6 +173,7 @@ class Extractor:
         self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
         self.layer_shapes: list[int] = []  # what each of them is (shape_of), for a resumed restore's check
         self.layer_gone: list[str] = []  # what its whiteouts hid (relative to the root; an opaque directory's ends in /)
+        self.entries = EntryCount()  # members of the layers this extractor applied: _image_files and the like grow with them
         self.parallel = False  # other extractors write into the root meanwhile (see NeedsSerial)
         # Of the last layer applied: the directories it set ([(path relative to the root, its header)])
         # and those it only wrote into ({path relative to the root: their times before}), for settle_dirs.
@@ -367,8 +368,9 @@ class Extractor:
         self._take = take
         self._in_place = in_place
         name = ""
+        counted, done = self.entries.total, False
         try:
-            reader = TarReader(tar_stream, layer)
+            reader = TarReader(tar_stream, layer, self.entries)
             indexing = _Indexing(self.indexer, reader, take) if self.indexer is not None else None
             if indexing is not None:
                 reader, self._take = indexing, indexing.take  # the data hashed as it is written
@@ -386,11 +388,14 @@ class Extractor:
             self._finish_held()
             if indexing is not None:
                 self.indexer = indexing.end_layer()
+            done = True
         except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
             raise IntegrityError(f"{layer} does not decompress: {e}")  # checked before OSError: BadGzipFile is one
         except OSError as e:
             raise storage_error(e, self.root, f" while writing {quoted_path(clean_path(name))}" if name else "") from e
         finally:
+            if not done:  # not applied: applied again (NeedsSerial, a resumed run), it counts once
+                self.entries.total = counted
             if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
                 tmp, path = self._held
                 _remove(tmp if tmp is not None else path)

@@ -44,7 +44,7 @@ from snapshotter.layer.plan import parse_part_annotation, parse_part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE
 from snapshotter.snapshot.record import Since
 from snapshotter.snapshot.skeleton import Skeleton
-from snapshotter.tar.reader import READ_BUFFER, ForwardStream, TarReader
+from snapshotter.tar.reader import READ_BUFFER, EntryCount, ForwardStream, TarReader
 from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, member_xattrs,
                                    whiteout_target)
 
@@ -138,11 +138,12 @@ def _trailer(length: int) -> int:
     return 2 * tarfile.BLOCKSIZE + (-end % tarfile.RECORDSIZE)
 
 
-def members_of(skeleton: Skeleton, label: str) -> list[tarfile.TarInfo]:
+def members_of(skeleton: Skeleton, label: str, entries: Optional[EntryCount] = None) -> list[tarfile.TarInfo]:
     """The members of a skeleton, read by the extractor's own tar reader (the same meaning as when
     the layer is applied); IntegrityError unless each skeleton entry is exactly one member whose
-    content size is the one the skeleton gives."""
-    reader = TarReader(ForwardStream(_VirtualTar(skeleton)), f"the skeleton of layer {label}")
+    content size is the one the skeleton gives. `entries`: the image's count (past its cap, the
+    skeletons are not used: the layers are downloaded, and the extractor refuses them)."""
+    reader = TarReader(ForwardStream(_VirtualTar(skeleton)), f"the skeleton of layer {label}", entries)
     out: list[tarfile.TarInfo] = []
     at = 0
     for m in reader:
@@ -417,12 +418,13 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     pending = todo[start:]
     parsed: dict[int, tuple[Skeleton, list[tarfile.TarInfo]]] = {}
     reasons: dict[int, str] = {}
+    entries = EntryCount()  # the members parsed are kept: bounded as the extractor bounds the image
     for n, (i, desc, diff_id) in enumerate(pending, start):
         skeleton = skeletons.get(diff_id)
         if skeleton is None:
             continue
         try:
-            parsed[n] = (skeleton, members_of(skeleton, f"{desc['digest'][:19]}"))
+            parsed[n] = (skeleton, members_of(skeleton, f"{desc['digest'][:19]}", entries))
         except IntegrityError as e:
             reasons[n] = f"its skeleton is not usable ({e})"
     # Which layer decides each directory's mtime: the last that carries it.
