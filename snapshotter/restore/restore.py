@@ -278,7 +278,8 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
         # Started before the download threads (a fork copies only the thread that forks), and stopped
         # first: after an error or a Ctrl-C they must not go on writing while running downloads finish.
         # A layer's hardlink may name what earlier runs wrote.
-        workers = [ExtractWorker(extractor, journal.written) for _ in range(count)]
+        written = journal.written
+        workers = [ExtractWorker(extractor, written) for _ in range(count)]
         stack.enter_context(downloads)
         for worker in workers:
             stack.enter_context(worker)
