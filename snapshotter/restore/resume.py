@@ -2,16 +2,15 @@
 
 A journal (journal.py) that says layers are applied is believed only as far as the root bears it
 out: someone may have deleted files between the runs, or the disk lost them. The rule, bounded by
-the files the applied layers wrote (at most the image's entry cap, layer/extract.py) and reading no
-byte: every non-directory the journal lists as written, and not removed or replaced by a later
-applied layer (a whiteout, an opaque directory, a file or symlink at it or at a parent, a file
-written beneath it), is
-lstat'ed, and must be what the layer left (a regular file of its size, a symlink, a hardlink's
-regular file, a node). A joined file stands for its parts. The first layer that fails is where
-the restore goes back to (Journal.rewind): it and every layer after it are applied again.
-Directories are not checked (a layer's files need them, and those files are checked), nor layers
-an earlier run found in place and skipped (skip.py checked them then; the journal lists no files
-for them)."""
+the files the applied layers wrote (at most the image's entry cap, tar/reader.py's EntryCount) and
+reading no byte: every non-directory the journal lists as written, and not removed or replaced by
+a later applied layer (a whiteout, an opaque directory, a file or symlink at it or at a parent, a
+file written beneath it), is lstat'ed, and must be what the layer left (a regular file of its
+size, a symlink, a hardlink's regular file, a node). A joined file stands for its parts. The first
+layer that fails is where the restore goes back to (Journal.rewind): it and every layer after it
+are applied again. Not checked: directories (a layer's files need them, and those files are
+checked), the bytes of a file of the right size, and layers an earlier run found in place and
+skipped (skip.py checked them then; the journal lists no files for them)."""
 
 from __future__ import annotations
 
