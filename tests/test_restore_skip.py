@@ -250,3 +250,23 @@ def test_a_malformed_or_lying_skeleton_is_never_trusted(committed, registry, pro
     assert got & set(weights) == {d for d, names in weights.items() if A in names or SMALL[0] in names}
     assert json.loads(r.stdout)["skipped_layers"] >= len(weights) - 2  # the other weights
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_skeleton_of_more_entries_than_the_cap_is_not_parsed_on(committed, registry, proxy, base_rootfs, tmp_path):
+    """A skeleton listing more members than SNAP_MAX_ENTRIES (what is kept per member would grow
+    with them) is not used: the layers are downloaded, where the same cap holds."""
+    import struct
+
+    from snapshotter.snapshot import skeleton
+
+    box, root = committed
+    diff_id = json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"][-1]
+    header = tarfile.TarInfo("x").tobuf(tarfile.PAX_FORMAT)
+    piece = skeleton.MAGIC + (struct.pack(">I", len(header)) + header + struct.pack(">Q", 0)) * 3000
+    _repoint_skeleton(registry, "many", gzip.compress(piece + struct.pack(">I", 0) + diff_id.encode()))
+    _pod_restart(base_rootfs, str(root))
+    r = snap("restore", f"{registry.host}/skip:many", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(tmp_path / "s1"), "SNAP_MAX_ENTRIES": "1000"}, check=True)
+    assert json.loads(r.stdout)["skipped_layers"] == 0
+    assert "more than 1000 entries" in r.stderr and "are not usable" in r.stderr
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
