@@ -12,6 +12,7 @@ import zlib
 import pytest
 
 from helpers import GZIP, MARK, PEAK_LIMIT_KIB, push, raw_header, repo_for, run_snap
+from support import assert_one_line_error
 
 
 def refused_by_both(jail, tmp_path, ref: str) -> list[str]:
@@ -145,6 +146,15 @@ def test_an_image_of_more_extended_header_bytes_than_the_cap_is_refused(registry
         gz.add(pax_member({b"comment": b"c" * (1 << 20)}, name=b"f%02d" % i))
     lines = refused_by_both(jail, tmp_path, gz.add(END).push(registry, request))
     assert all("extended headers" in line and "layer 1" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("command", ["restore", "verify"])
+def test_a_misspelt_entry_cap_is_one_line(registry, jail, request, tmp_path, monkeypatch, command):
+    monkeypatch.setenv("SNAP_MAX_ENTRIES", "lots")
+    ref = push_layers(registry, request, [empty_entries(3)])
+    jail.root.mkdir(exist_ok=True)
+    r, _ = run_snap(tmp_path, command, ref, "--root", str(jail.root))
+    assert_one_line_error(r, 2, "SNAP_MAX_ENTRIES", "'lots'")
 
 
 def test_the_default_entry_cap_lets_a_real_box_through_in_bounded_memory(registry, jail, request, tmp_path):
