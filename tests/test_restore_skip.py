@@ -185,15 +185,17 @@ def test_a_restore_record_ending_in_the_future_is_not_trusted(committed, registr
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
-@pytest.mark.parametrize("field, value", [("boot_id", "another-boot"), ("offset_ns", 10**18)])
+@pytest.mark.parametrize("field, value", [("boot_id", "another-boot"), ("offset_ns", 10**18),
+                                          ("restored_at_ns", 2 * 10**18)])
 def test_a_restore_record_the_clock_cannot_vouch_for_is_not_trusted(committed, registry, proxy, base_rootfs,
                                                                     tmp_path, state_dir, field, value):
     """A record written in another boot, or before a step back of the wall clock (its offset from
-    the boot clock was larger then), says nothing about ctimes since: the layers are hashed."""
+    the boot clock was larger then), or whose end lies ahead, says nothing about ctimes since: the
+    layers are hashed."""
     _, root = committed
     record = next((state_dir / "restored").glob("*.json"))
     doc = json.loads(record.read_text())
-    doc["ended"][field] = value
+    (doc if field == "restored_at_ns" else doc["ended"])[field] = value
     record.write_text(json.dumps(doc))
     assert _restore_at(proxy, root, state_dir, "0")["hashed_bytes"] >= 3 * MiB
 

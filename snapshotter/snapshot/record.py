@@ -60,9 +60,10 @@ def note_restore(root: str, image: Image, applied_headers: dict[str, str], start
         if label and headers is not None:
             layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
                              "media_type": desc["mediaType"], "headers": headers}
+    ended = stamp(clock)
     doc = {"root": os.path.realpath(root), "manifest": image.manifest_digest,
            "base": ann.get(BASE_DIGEST), "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer,
-           "started": started.to_json(), "ended": stamp(clock).to_json(), "layers": layers}
+           "started": started.to_json(), "ended": ended.to_json(), "restored_at_ns": ended.wall_ns, "layers": layers}
     try:
         write_versioned(_path(root), VERSION, doc)
     except OSError:
@@ -112,6 +113,8 @@ def _since(doc: Optional[dict], clock: Clock) -> Optional[Since]:
         return None
     start, end = Stamp.from_json(doc.get("started")), Stamp.from_json(doc.get("ended"))
     if start is None or end is None or consistent(start, end) or stepped_back_since(end, clock):
+        return None
+    if doc.get("restored_at_ns") != end.wall_ns:  # the plain end time (what older readers know) says otherwise
         return None
     return Since(doc["root"], end.wall_ns, tuple(remote_mounts(doc["root"])))
 
