@@ -395,7 +395,7 @@ class Extractor:
             raise storage_error(e, self.root, f" while writing {quoted_path(clean_path(name))}" if name else "") from e
         finally:
             if not done:  # not applied: applied again (NeedsSerial, a resumed run), it counts once
-                self.entries.total = counted
+                self.entries.rewind(counted, layer)
             if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
                 tmp, path = self._held
                 _remove(tmp if tmp is not None else path)

@@ -37,7 +37,7 @@ from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.state import open_own, replace_file, sub
-from snapshotter.tar.reader import META_PER_ENTRY, max_entries
+from snapshotter.tar.reader import LAYER_MAX_ENTRIES, META_PER_ENTRY, max_entries
 from snapshotter.tar.rules import header_bytes
 
 SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation: the digest of the snapshot's skeleton blob
@@ -144,6 +144,8 @@ def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None) -> d
         end = len(data) - len(d.unused_data)
         diff_id, skeleton = _parse_piece(raw)
         entries += len(skeleton)
+        if len(skeleton) > min(cap, LAYER_MAX_ENTRIES):
+            raise ValueError(f"a layer's skeleton lists more than {min(cap, LAYER_MAX_ENTRIES)} entries")
         if entries > cap:
             raise ValueError(f"the skeletons list more than {cap} entries (SNAP_MAX_ENTRIES)")
         out[diff_id] = skeleton

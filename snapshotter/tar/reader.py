@@ -13,11 +13,12 @@ blow up memory or mislead an extractor:
 - GNU sparse entries (old and PAX forms) are refused: OCI layers do not use them;
 - mtimes must be finite and fit a timestamp, owners and device numbers a 32-bit id;
 - NUL bytes in names, link targets and xattr names are refused;
-- an image of more members than SNAP_MAX_ENTRIES, or of more extended header bytes than 2 KiB per
-  entry of that cap (EntryCount), is refused: what its readers keep per entry (verify's expected
-  tree, the extractor's written paths, the restore journal, the skeletons' headers) stays bounded,
-  and a layer of millions of empty files (a few hundred MB of headers that compress to almost
-  nothing) is refused once that many headers are read, in time proportional to them.
+- a layer of more than LAYER_MAX_ENTRIES members, an image of more than SNAP_MAX_ENTRIES, or of
+  more extended header bytes than 2 KiB per entry a layer may hold (EntryCount), is refused: what
+  its readers keep per entry (verify's expected tree, the extractor's written paths, the restore
+  journal, the skeletons' headers) stays bounded, and a layer of millions of empty files (a few
+  hundred MB of headers that compress to almost nothing) is refused once a layer's worth of
+  headers is read, in time proportional to them.
 Members are TarInfo objects (the attributes of tarfile's), made one at a time and dropped.
 """
 
@@ -38,11 +39,15 @@ MAX_META = 4 << 20  # PAX records, GNU long names and links: snap's are a few hu
 MAX_SIZE = (1 << 63) - 1  # what a file offset can hold
 MAX_ID = 0xFFFFFFFE  # uid, gid, device numbers: 32-bit, not -1
 MAX_MTIME = 1 << 33  # seconds either side of 1970 (year 2242): as nanoseconds it still fits 64 bits
-# Members (files, directories, links, whiteouts) of one image: real GPU boxes hold 76k to 200k.
-# Restore and verify keep about 0.6 KiB per entry at their peak (the expected tree or the base's
+# Members (files, directories, links, whiteouts) of one layer: what one hostile layer can make restore
+# and verify keep. They keep about 0.6 KiB per entry at their peak (the expected tree or the base's
 # index, the paths written, the journal) over about 80 MiB: measured, 190 MiB at 200k entries and
-# 248 MiB at 300k, so this keeps them under 256 MiB with room.
-DEFAULT_MAX_ENTRIES = 250_000
+# 248 MiB at 300k, so a layer of millions of headers is refused under 256 MiB. snap's own layers
+# are bundles far smaller; a base image's biggest layer holds a few tens of thousands.
+LAYER_MAX_ENTRIES = 250_000
+# Members of one image, its layers together: real GPU boxes hold 76k to 200k, a VM's whole OS and
+# its venvs more; at the cap restore and verify keep about 700 MiB.
+DEFAULT_MAX_ENTRIES = 1_000_000
 MAX_ENTRIES_ENV = "SNAP_MAX_ENTRIES"
 # PAX records and GNU long names, on average over an image's cap: snap's are about 100 bytes (an
 # mtime in ns, a long path's name), a path of PATH_MAX 4 KiB.
@@ -142,21 +147,32 @@ class EntryCount:
 
     def __init__(self, cap: Optional[int] = None):
         self.cap = max_entries() if cap is None else cap
+        self.layer_cap = min(self.cap, LAYER_MAX_ENTRIES)
         self.total = 0
         self.meta = 0
+        self.by_layer: dict[str, int] = {}
+
+    def rewind(self, total: int, layer: str) -> None:
+        """Back to `total`, `layer` not counted: a layer not applied, to be applied again."""
+        self.total = total
+        self.by_layer.pop(layer, None)
 
     def add(self, n: int, layer: str) -> None:
         self.total += n
+        here = self.by_layer[layer] = self.by_layer.get(layer, 0) + n
+        if here > self.layer_cap:
+            raise IntegrityError(f"{layer} holds more than {self.layer_cap} entries (files, directories, links, "
+                                 f"whiteouts; a layer may hold {LAYER_MAX_ENTRIES} at most, {MAX_ENTRIES_ENV} lowers "
+                                 "it): refusing a hostile layer")
         if self.total > self.cap:
             raise IntegrityError(f"{layer} brings the image past {self.cap} entries (files, directories, links, "
                                  f"whiteouts; {MAX_ENTRIES_ENV} raises the cap): refusing a hostile layer")
 
     def add_meta(self, size: int, layer: str) -> None:
         self.meta += size
-        if self.meta > self.cap * META_PER_ENTRY:
-            raise IntegrityError(f"{layer} brings the image past {self.cap * META_PER_ENTRY} bytes of extended headers "
-                                 f"({META_PER_ENTRY} per entry of the cap; {MAX_ENTRIES_ENV} raises it): "
-                                 "refusing a hostile layer")
+        if self.meta > self.layer_cap * META_PER_ENTRY:
+            raise IntegrityError(f"{layer} brings the image past {self.layer_cap * META_PER_ENTRY} bytes of extended "
+                                 f"headers ({META_PER_ENTRY} per entry a layer may hold): refusing a hostile layer")
 
 
 class TarReader:
