@@ -153,7 +153,8 @@ def test_the_journal_grows_by_one_line_per_layer(registry, jail, request, tmp_pa
     (journal,) = list((state_dir / "restore-journal").iterdir())
     lines = journal.read_text().splitlines()
     assert json.loads(lines[0])["layers"] and [json.loads(line) for line in lines[1:]] == [
-        {"applied": 1, "wrote": ["f0"]}, {"applied": 2, "wrote": ["f1"]}]  # what a later layer's hardlink may name
+        {"applied": 1, "wrote": ["f0"], "shapes": [1]},  # what a later layer's hardlink may name, and its size
+        {"applied": 2, "wrote": ["f1"], "shapes": [1]}]  # (a resumed run checks the file is still there: resume.py)
 
 
 # ---- the diff_id check ---------------------------------------------------------------------------------

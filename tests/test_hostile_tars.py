@@ -12,6 +12,7 @@ import zlib
 import pytest
 
 from helpers import GZIP, MARK, PEAK_LIMIT_KIB, push, raw_header, repo_for, run_snap
+from support import assert_one_line_error
 
 
 def refused_by_both(jail, tmp_path, ref: str) -> list[str]:
@@ -98,6 +99,74 @@ def test_huge_extended_header_stays_within_memory(registry, jail, request, tmp_p
     gz.add(b"\n").add(raw_header(b"f", b"2")).add(END)
     lines = refused_by_both(jail, tmp_path, gz.push(registry, request))
     assert all("extended header" in line for line in lines), lines
+
+
+# ---- many entries: a few hundred MB of headers that compress to almost nothing ----------------------
+
+def empty_entries(count: int, whiteouts: bool = False, per_dir: int = 1000) -> GzipLayer:
+    """A layer of `count` empty files (or whiteouts), `per_dir` to a directory: headers only,
+    streamed (never the whole tar in memory)."""
+    gz = GzipLayer()
+    for d in range(-(-count // per_dir)):
+        gz.add(raw_header(b"d%04d/" % d, b"5"))
+        for i in range(min(per_dir, count - d * per_dir)):
+            gz.add(raw_header(b"d%04d/%sf%07d" % (d, b".wh." if whiteouts else b"", i)))
+    return gz.add(END)
+
+
+def push_layers(registry, request, layers: list[GzipLayer]) -> str:
+    blobs = [b"".join(g.out) + g.z.flush() for g in layers]
+    repo = repo_for(request)
+    registry.push_image(repo, "v1", blobs, layer_media_type=GZIP, diff_ids=["sha256:" + g.sha.hexdigest() for g in layers])
+    return f"{registry.host}/{repo}:v1"
+
+
+@pytest.mark.parametrize("shape", ["files", "whiteouts", "layers"])
+def test_an_image_of_more_entries_than_the_cap_is_refused_in_bounded_memory(registry, jail, request, tmp_path,
+                                                                            monkeypatch, shape):
+    """A layer past its cap (250,000, or SNAP_MAX_ENTRIES if lower), or an image past SNAP_MAX_ENTRIES
+    members over all its layers, is refused by restore and verify, naming the layer that went past
+    it (here the cap lowered, to keep the test short: the default is sized by the next test)."""
+    monkeypatch.setenv("SNAP_MAX_ENTRIES", "20000")
+    if shape == "layers":  # each layer under the cap, the image over it: the third goes past
+        layers, past, said = [empty_entries(8000) for _ in range(3)], "layer 3", "past 20000 entries"
+    else:
+        layers, past = [empty_entries(50_000, whiteouts=shape == "whiteouts")], "layer 1"
+        said = "holds more than 20000 entries"
+    lines = refused_by_both(jail, tmp_path, push_layers(registry, request, layers))
+    assert all(said in line and past in line and "SNAP_MAX_ENTRIES" in line for line in lines), lines
+
+
+def test_an_image_of_more_extended_header_bytes_than_the_cap_is_refused(registry, jail, request, tmp_path,
+                                                                        monkeypatch):
+    """Few entries, each under the extended header cap (4 MiB) but all together far past 2 KiB per
+    entry of SNAP_MAX_ENTRIES: refused, not read on for as long as the blob inflates."""
+    monkeypatch.setenv("SNAP_MAX_ENTRIES", "100")
+    gz = GzipLayer()
+    for i in range(50):  # 50 x 1 MiB of PAX comment: 50 MiB, against 200 KiB
+        gz.add(pax_member({b"comment": b"c" * (1 << 20)}, name=b"f%02d" % i))
+    lines = refused_by_both(jail, tmp_path, gz.add(END).push(registry, request))
+    assert all("extended headers" in line and "layer 1" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("command", ["restore", "verify"])
+def test_a_misspelt_entry_cap_is_one_line(registry, jail, request, tmp_path, monkeypatch, command):
+    monkeypatch.setenv("SNAP_MAX_ENTRIES", "lots")
+    ref = push_layers(registry, request, [empty_entries(3)])
+    jail.root.mkdir(exist_ok=True)
+    r, _ = run_snap(tmp_path, command, ref, "--root", str(jail.root))
+    assert_one_line_error(r, 2, "SNAP_MAX_ENTRIES", "'lots'")
+
+
+def test_the_default_entry_cap_lets_a_real_box_through_in_bounded_memory(registry, jail, request, tmp_path):
+    """A box of 200k files (the most a real GPU box holds: 76k to 200k) restores and verifies
+    under the default cap, each under 256 MiB."""
+    ref = push_layers(registry, request, [empty_entries(200_000)])
+    for command in ("restore", "verify"):
+        r, peak = run_snap(tmp_path, command, ref, "--root", str(jail.root))
+        jail.ok(r)
+        assert peak < PEAK_LIMIT_KIB, f"{command} peaked at {peak // 1024} MiB"
+    assert len(os.listdir(jail.root / "d0199")) == 1000
 
 
 # ---- disk --------------------------------------------------------------------------------------------

@@ -347,6 +347,45 @@ def test_interrupted_only_snapshot_then_full_restore_applies_layers_in_order(reg
     assert "starting over" in r.stderr
 
 
+LOST = {"keep/deep.bin": os.urandom(50_000), "keep/link": None, "old.txt": None}
+
+
+@pytest.mark.parametrize("lost", [None, *LOST])
+def test_a_resumed_restore_applies_again_from_the_first_layer_whose_files_are_gone(registry, tmp_path, state_dir,
+                                                                                   monkeypatch,
+                                                                                   lost):
+    """Files an applied layer wrote, deleted between an interrupted run and the next: that layer and
+    all after it are applied again, and the root ends byte for byte as the image says. Files a
+    later layer replaced (another size) or whited out do not count as lost."""
+    first = tar_bytes(member("keep/", "dir"), member("keep/deep.bin", data=LOST["keep/deep.bin"]),
+                      member("keep/link", "symlink", linkname="deep.bin"), member("old.txt", data=b"old\n"),
+                      member("gone.txt", data=b"g\n"), member("was-file", data=b"f\n"))
+    second = tar_bytes(member("old.txt", data=b"newer, longer\n"), member(".wh.gone.txt"),
+                       member("was-file/", "dir"), member("was-file/x", data=b"x\n"))
+    third = layer({"c.txt": b"c\n"})
+    registry.push_image("lost", "v1", [first, second, third], layer_media_type=TAR)
+    ref, root = f"{registry.host}/lost:v1", tmp_path / "root"
+    put_back = _interrupt_apply_after(monkeypatch, 2)
+    with pytest.raises(Interrupted):
+        restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
+    put_back()
+    if lost:
+        os.unlink(root / lost)
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    if lost is None:
+        assert doc["resumed"] == 2 and doc["applied"] == ["base layer 3"], r.stderr
+    else:
+        at = 2 if lost == "old.txt" else 1
+        assert doc["resumed"] == at - 1 and len(doc["applied"]) == 4 - at, doc
+        assert f"applying layers {at} to 3 again" in r.stderr and repr(lost)[1:-1] in r.stderr
+    assert (root / "keep/deep.bin").read_bytes() == LOST["keep/deep.bin"]
+    assert os.readlink(root / "keep/link") == "deep.bin"
+    assert (root / "old.txt").read_bytes() == b"newer, longer\n" and not (root / "gone.txt").exists()
+    assert (root / "was-file/x").read_bytes() == b"x\n" and (root / "c.txt").read_bytes() == b"c\n"
+
+
 def test_a_layer_listed_twice_is_downloaded_once_and_applied_twice(registry, tmp_path, state_dir):
     one, two = layer({"f.txt": b"one\n"}), layer({"f.txt": b"two\n", "g.txt": b"g\n"})
     registry.push_image("twice", "v1", [one, two, one, two, one], layer_media_type=TAR)

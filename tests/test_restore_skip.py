@@ -162,6 +162,44 @@ def test_with_the_restore_record_nothing_is_hashed(committed, registry, proxy, b
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
+def _restore_at(proxy, root, state_dir, offset_s: str) -> dict:
+    """_restore with the wall clock set `offset_s` seconds ahead (SNAP_CLOCK_OFFSET, box/clock.py)."""
+    r = snap("restore", f"{proxy.host}/skip:v1", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(state_dir), "SNAP_CLOCK_OFFSET": offset_s}, check=True)
+    return json.loads(r.stdout)
+
+
+def test_a_restore_record_ending_in_the_future_is_not_trusted(committed, registry, proxy, base_rootfs, tmp_path,
+                                                              state_dir):
+    """The clock stepped back after a restore: its record's end lies ahead, and a file changed
+    meanwhile can have a ctime before it. The layers are hashed (not trusted), and a file changed
+    with the clock set back is found and restored."""
+    box, root = committed
+    assert _restore_at(proxy, root, state_dir, "3600")["hashed_bytes"] == 0  # the record now ends an hour ahead
+    with open(root / SMALL[3], "r+b") as f:  # changed after the step back: its ctime is before the record's end
+        f.write(b"x")
+    os.utime(root / SMALL[3], (1_600_000_000, 1_600_000_000))
+    doc = _restore_at(proxy, root, state_dir, "0")
+    assert doc["hashed_bytes"] >= 3 * MiB  # every weight layer hashed
+    assert len(doc["applied"]) == 2 and doc["applied"][0].startswith("models (bundle ")
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+@pytest.mark.parametrize("field, value", [("boot_id", "another-boot"), ("offset_ns", 10**18),
+                                          ("restored_at_ns", 2 * 10**18)])
+def test_a_restore_record_the_clock_cannot_vouch_for_is_not_trusted(committed, registry, proxy, base_rootfs,
+                                                                    tmp_path, state_dir, field, value):
+    """A record written in another boot, or before a step back of the wall clock (its offset from
+    the boot clock was larger then), or whose end lies ahead, says nothing about ctimes since: the
+    layers are hashed."""
+    _, root = committed
+    record = next((state_dir / "restored").glob("*.json"))
+    doc = json.loads(record.read_text())
+    (doc if field == "restored_at_ns" else doc["ended"])[field] = value
+    record.write_text(json.dumps(doc))
+    assert _restore_at(proxy, root, state_dir, "0")["hashed_bytes"] >= 3 * MiB
+
+
 def test_a_layer_after_an_applied_one_that_writes_its_paths_is_applied(committed, registry, proxy, base_rootfs,
                                                                        tmp_path):
     """A changed weight's layer (applied) carries its directory with an older mtime than the box's;
@@ -213,4 +251,24 @@ def test_a_malformed_or_lying_skeleton_is_never_trusted(committed, registry, pro
     got = {path.rsplit("/", 1)[1] for method, path, _ in proxy.log[start:] if method == "GET" and "/blobs/" in path}
     assert got & set(weights) == {d for d, names in weights.items() if A in names or SMALL[0] in names}
     assert json.loads(r.stdout)["skipped_layers"] >= len(weights) - 2  # the other weights
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_skeleton_of_more_entries_than_the_cap_is_not_parsed_on(committed, registry, proxy, base_rootfs, tmp_path):
+    """A skeleton listing more members than SNAP_MAX_ENTRIES (what is kept per member would grow
+    with them) is not used: the layers are downloaded, where the same cap holds."""
+    import struct
+
+    from snapshotter.snapshot import skeleton
+
+    box, root = committed
+    diff_id = json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"][-1]
+    header = tarfile.TarInfo("x").tobuf(tarfile.PAX_FORMAT)
+    piece = skeleton.MAGIC + (struct.pack(">I", len(header)) + header + struct.pack(">Q", 0)) * 3000
+    _repoint_skeleton(registry, "many", gzip.compress(piece + struct.pack(">I", 0) + diff_id.encode()))
+    _pod_restart(base_rootfs, str(root))
+    r = snap("restore", f"{registry.host}/skip:many", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(tmp_path / "s1"), "SNAP_MAX_ENTRIES": "1000"}, check=True)
+    assert json.loads(r.stdout)["skipped_layers"] == 0
+    assert "more than 1000 entries" in r.stderr and "are not usable" in r.stderr
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)

@@ -15,6 +15,7 @@ from typing import Optional
 
 from snapshotter.index.entry import FILE, Entry
 
+from .clock import changed_since
 from .scan import Scan
 
 WRITING_QUIET_S = 5.0  # a file held open for writing counts as being written until left alone this long
@@ -63,9 +64,9 @@ def open_for_writing(proc: str = "/proc") -> Writers:
 def last_change(e: Entry, restored_at: Optional[int] = None) -> float:
     """When a box file last changed, in seconds: the later of mtime and ctime (a rename into place
     changes only the ctime), except that a ctime from before a restore's end (`restored_at`, ns, the
-    restore record's) is the restore writing the file, not the box: then the mtime alone."""
+    restore record's, when trusted) is the restore writing the file, not the box: then the mtime alone."""
     _, mtime_ns, ctime_ns = e.stamp.split(":")
-    if restored_at is not None and int(ctime_ns) <= restored_at:
+    if restored_at is not None and not changed_since(int(ctime_ns), restored_at):
         return int(mtime_ns) / 1e9
     return max(int(mtime_ns), int(ctime_ns)) / 1e9
 

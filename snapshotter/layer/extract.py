@@ -60,7 +60,7 @@ from snapshotter.errors import IntegrityError, StorageError, quoted_path, storag
 from snapshotter.index.entry import clean_path
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.paths import resolve_in_root
-from snapshotter.tar.reader import TarReader
+from snapshotter.tar.reader import EntryCount, TarReader
 from snapshotter.tar.rules import (OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest, check_name,
                                    header_key, member_mtime_ns, whiteout_target)
 
@@ -135,6 +135,17 @@ class ExtractStats:
 
 
 
+SYMLINK_SHAPE, LINK_SHAPE, OTHER_SHAPE = -1, -2, -3  # shape_of a non-directory that is not a file of a known size
+
+
+def shape_of(m: tarfile.TarInfo) -> int:
+    """What a non-directory member leaves at its path: a regular file's size; a symlink; a hardlink
+    (a regular file, of its target's size); a device node or FIFO."""
+    if m.isreg():
+        return m.size
+    return SYMLINK_SHAPE if m.issym() else LINK_SHAPE if m.islnk() else OTHER_SHAPE
+
+
 class Extractor:
     def __init__(self, root: str, options: Optional[ExtractOptions] = None):
         os.makedirs(root, exist_ok=True)
@@ -161,6 +172,9 @@ class Extractor:
         # image can write there again.
         self._image_files: set[str] = set()
         self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
+        self.layer_shapes: list[int] = []  # what each of them is (shape_of), for a resumed restore's check
+        self.layer_gone: list[str] = []  # what its whiteouts hid (relative to the root; an opaque directory's ends in /)
+        self.entries = EntryCount()  # members of the layers this extractor applied: _image_files and the like grow with them
         self.parallel = False  # other extractors write into the root meanwhile (see NeedsSerial)
         # {member path: where it was counted to delete}: the only deletions the next layer may make; None: any
         self.deletions: Optional[dict[str, Optional[str]]] = None
@@ -352,13 +366,14 @@ class Extractor:
         Killed midway, such a file is half-written at its path, and the layer (not recorded as
         applied) is applied again over it. The layer's last file is still removed if check_end fails."""
         self._reset_dir_times()
-        self.layer_files = []
+        self.layer_files, self.layer_shapes, self.layer_gone = [], [], []
         self.layer_dir_headers = []
         self._take = take
         self._in_place = in_place
         name = ""
+        counted, done = self.entries.total, False
         try:
-            reader = TarReader(tar_stream, layer)
+            reader = TarReader(tar_stream, layer, self.entries)
             indexing = _Indexing(self.indexer, reader, take) if self.indexer is not None else None
             if indexing is not None:
                 reader, self._take = indexing, indexing.take  # the data hashed as it is written
@@ -376,11 +391,14 @@ class Extractor:
             self._finish_held()
             if indexing is not None:
                 self.indexer = indexing.end_layer()
+            done = True
         except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as e:
             raise IntegrityError(f"{layer} does not decompress: {e}")  # checked before OSError: BadGzipFile is one
         except OSError as e:
             raise storage_error(e, repr(self.root), f" while writing {quoted_path(clean_path(name))}" if name else "") from e
         finally:
+            if not done:  # not applied: applied again (NeedsSerial, a resumed run), it counts once
+                self.entries.rewind(counted, layer)
             if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
                 tmp, path = self._held
                 _remove(tmp if tmp is not None else path)
@@ -513,6 +531,7 @@ class Extractor:
         self._written.add(path)
         self._image_files.add(path)
         self.layer_files.append(path[len(self.root):].lstrip("/"))
+        self.layer_shapes.append(shape_of(m))
 
     def _devices_allowed(self, m: tarfile.TarInfo) -> bool:
         """Device nodes with --allow-devices as root; FIFOs (which a reader can block on) with
@@ -611,6 +630,8 @@ class Extractor:
         if hidden and self._never.match(hidden):
             self.stats.left_alone += 1
             return
+        gone = pdir if base == OPAQUE else os.path.join(pdir, whiteout_target(base))
+        self.layer_gone.append(self._rel(gone) + "/" if base == OPAQUE else self._rel(gone))
         if self.deletions is not None:
             lands = self._rel(pdir) if base == OPAQUE else f"{self._rel(pdir)}/{whiteout_target(base)}".lstrip("/")
             if self.deletions[rel] != lands:

@@ -55,6 +55,8 @@ class LayerResult:
     """What applying a layer gave back to the parent."""
     record: Optional[str]  # the digest of its tar headers, if the job asked for it
     files: list[str]  # what it wrote (Extractor.layer_files)
+    shapes: list[int]  # what each of those is (Extractor.layer_shapes)
+    gone: list[str]  # what its whiteouts hid (Extractor.layer_gone)
     dir_headers: dict[str, tarfile.TarInfo]  # with job.parallel: the directories it set (Extractor.settle_dirs)
     touched_dirs: dict[str, tuple[int, int]]  # with job.parallel: those it only wrote into, their times before
 
@@ -189,7 +191,8 @@ def _serve(conn, extractor: Extractor) -> None:
         if pending:
             conn.send(("progress", pending))
             pending = 0
-        conn.send(("done", (extractor.stats, LayerResult(record, extractor.layer_files, dict(extractor.layer_dir_headers),
+        conn.send(("done", (extractor.stats, LayerResult(record, extractor.layer_files, extractor.layer_shapes,
+                                                         extractor.layer_gone, dict(extractor.layer_dir_headers),
                                                          extractor.layer_touched_dirs))))
 
 

@@ -2,21 +2,34 @@
 
 One file per restore root in the state dir: {manifest digest, the digests of this run's layer
 list}, then how many of them are applied (always a prefix), with the files each layer wrote (a
-layer's hardlink may only name those: layer/extract.py), and the files joined from part layers,
-a line each. Resuming
-needs the same manifest and the same list: an interrupted `--only-snapshot` run says nothing about
-a full one. A journal of another format version, or another image, means starting over."""
+layer's hardlink may only name those: layer/extract.py), what each of them is (a file's size, a
+symlink, ...) and what its whiteouts hid, and the files joined from part layers, a line each.
+Resuming needs the same manifest and the same list: an interrupted `--only-snapshot` run says
+nothing about a full one; and a root that still holds what the applied layers wrote (resume.py),
+else the restore goes back to the first layer whose files are not all there (`rewind`). A journal
+of another format version, or another image, means starting over."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from snapshotter.errors import storage_error
 from snapshotter.state import open_own, replace_file, root_key, versioned
 
-VERSION = 4  # a header line, then one line per event (3 did not list the files written)
+VERSION = 5  # a header line, then one line per event (4 did not say what the files are; 3 did not list them)
+
+
+@dataclass
+class Applied:
+    """What applying one layer left, as the journal says: the files it wrote and what each is
+    (Extractor.layer_shapes), the paths its whiteouts hid (an opaque directory's end in /)."""
+
+    wrote: list[str] = field(default_factory=list)
+    shapes: list[int] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
 
 
 class Journal:
@@ -24,16 +37,26 @@ class Journal:
     `directory`. `load` reads what an earlier run left; `applied` and `joined` say how far it got.
 
     One JSON line with the manifest and the list, then one line per event ({"applied": n,
-    "wrote": [path, ...]} or {"joined": path}) appended as it happens: linear in the layers (a whole rewrite after each of
-    5,000 layers was quadratic). A torn last line (a kill while appending) is ignored."""
+    "wrote": [path, ...], "shapes": [...], "gone": [...]}, {"joined": path} or {"rewound": n})
+    appended as it happens: linear in the layers (a whole rewrite after each of 5,000 layers was
+    quadratic). A torn last line (a kill while appending) is ignored."""
 
     def __init__(self, directory: str, root: str, manifest_digest: str, layers: list[str], fsync: bool):
         self.path = os.path.join(directory, root_key(root) + ".json")  # JSON lines
         self.root, self.manifest, self.layers, self.fsync = root, manifest_digest, layers, fsync
-        self.applied = 0
         self.joined: list[str] = []
-        self.written: set[str] = set()  # files the applied layers wrote, relative to the root
+        self.done: dict[int, Applied] = {}  # layer n (from 1) of the list -> what applying it left
         self._started = False  # the file holds this run's first line
+
+    @property
+    def applied(self) -> int:
+        """How many layers of the list are applied (a prefix)."""
+        return max(self.done, default=0)
+
+    @property
+    def written(self) -> set[str]:
+        """Files the applied layers wrote, relative to the root (hardlinks may name them)."""
+        return {rel for done in self.done.values() for rel in done.wrote}
 
     def _read(self) -> tuple[bool, object, list[bytes]]:
         """(whether there is a journal, its first line (None if unreadable), its event lines if
@@ -67,21 +90,44 @@ class Journal:
         self._started = True
         for line in events:
             event = _json_line(line)
-            if not isinstance(event, dict):
-                continue  # a torn last line
-            n, rel = event.get("applied"), event.get("joined")
-            if type(n) is int and 0 <= n <= len(self.layers):
-                self.applied = max(self.applied, n)
-                wrote = event.get("wrote")
-                if isinstance(wrote, list):
-                    self.written.update(p for p in wrote if isinstance(p, str))
-            elif isinstance(rel, str):
-                self.joined.append(rel)
+            if isinstance(event, dict):  # else a torn last line
+                self._replay(event)
 
-    def record_applied(self, count: int, wrote: Sequence[str] = ()) -> None:
-        """The first `count` layers of the list are applied, the last of them writing `wrote`."""
-        self.applied = count
-        self._append({"applied": count, "wrote": list(wrote)} if wrote else {"applied": count})
+    def _replay(self, event: dict) -> None:
+        n, rel, back = event.get("applied"), event.get("joined"), event.get("rewound")
+        if type(n) is int and 0 < n <= len(self.layers):
+            wrote, shapes, gone = event.get("wrote", []), event.get("shapes", []), event.get("gone", [])
+            if (_strings(wrote) and _strings(gone) and isinstance(shapes, list) and len(shapes) == len(wrote)
+                    and all(type(s) is int for s in shapes)):
+                self.done[n] = Applied(wrote, shapes, gone)
+            else:  # not as this version writes it: what that layer left is not known
+                self._forget_from(n)
+        elif isinstance(rel, str):
+            self.joined.append(rel)
+        elif type(back) is int and back >= 0:
+            self._forget_from(back + 1)
+
+    def _forget_from(self, n: int) -> None:
+        self.done = {k: v for k, v in self.done.items() if k < n}
+        self.joined = []  # files are joined once every layer is applied
+
+    def record_applied(self, count: int, wrote: Sequence[str] = (), shapes: Sequence[int] = (),
+                       gone: Sequence[str] = ()) -> None:
+        """The first `count` layers of the list are applied, the last of them writing `wrote` (what
+        each is: `shapes`) and hiding `gone` with its whiteouts."""
+        self.done[count] = Applied(list(wrote), list(shapes), list(gone))
+        event: dict = {"applied": count}
+        if wrote:
+            event.update(wrote=list(wrote), shapes=list(shapes))
+        if gone:
+            event["gone"] = list(gone)
+        self._append(event)
+
+    def rewind(self, count: int) -> None:
+        """Only the first `count` layers are applied after all (the root lacks what a later one wrote:
+        resume.py): the rest, and the joins, are done again."""
+        self._forget_from(count + 1)
+        self._append({"rewound": count})
 
     def record_joined(self, rel: str) -> None:
         """/rel is whole again (its part layers joined): said before its parts are removed."""
@@ -126,6 +172,10 @@ class Journal:
         except OSError as e:
             raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}",
                                 " while removing the restore journal") from e
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def _json_line(line: bytes):

@@ -12,7 +12,8 @@ its last entry, if a regular file, is renamed into place (layer/extract.py; a sp
 checked at download, is its diff_id). Before any download, the snap layers the root already holds,
 file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
 kept the weights). A journal (journal.py) records how many layers
-of this run's list are applied, so a restore that was interrupted resumes where it stopped. Then files cut into part layers are joined (parts.py), and
+of this run's list are applied, so a restore that was interrupted resumes where it stopped (from
+the first applied layer whose files are no longer all there: resume.py). Then files cut into part layers are joined (parts.py), and
 the snap layers are noted for the next commit of the root (snapshot/record.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base
 index: docs/commit.md), so that the next commit here does not download them again.
@@ -34,9 +35,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from snapshotter.box.clock import stamp
 from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.digests import DIGEST
-from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, storage_error
+from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, printable, storage_error
 from snapshotter.index import base as baseindex
 from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
@@ -49,7 +51,7 @@ from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
-from snapshotter.snapshot.record import applied_at, forget_restore, note_restore
+from snapshotter.snapshot.record import applied_since, forget_restore, note_restore
 from snapshotter.state import exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
 
@@ -59,6 +61,7 @@ from .download import Blob, Downloads
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
+from .resume import first_missing
 from .schedule import Layer, Scheduler
 from .skip import RootRules, SkipPlan, plan_skips, skipped_part_files
 
@@ -139,6 +142,11 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write,
                                                      run_token=secrets.token_hex(4)))
     journal.load(opts.log)
+    lost = first_missing(root, journal) if journal.applied else None
+    if lost is not None:
+        opts.log(f"an earlier restore applied layer {lost[0]}, but /{printable(lost[1])} is not in {root} as it left it: "
+                 f"applying layers {lost[0]} to {len(todo)} again")
+        journal.rewind(lost[0] - 1)
     resumed = journal.applied
     if resumed:
         opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
@@ -159,6 +167,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
             opts.on_app_ready()
 
     forget_restore(root)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
+    started = stamp()
     staging = StagingDirs(root, image.manifest_digest, opts.log)
     try:
         if resumed >= ready_at:
@@ -182,7 +191,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     journal.remove()
-    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {})  # first: the root came from it
+    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {}, started)  # first: the root came from it
     _note_sources(reference, image)
     _keep_base_index(remote, image, opts.log)
     progress.finish(ok=True)
@@ -219,7 +228,7 @@ def _skips(image: Image, skeletons: Callable[[], dict[str, skeleton.Skeleton]], 
     rules = RootRules(extractor.root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
                       max_layer, links)
     root = extractor.root
-    return plan_skips(todo, resumed, skeletons(), rules, lambda desc, headers: applied_at(root, desc["digest"], headers))
+    return plan_skips(todo, resumed, skeletons(), rules, lambda desc, headers: applied_since(root, desc["digest"], headers))
 
 
 def _empty(root: str) -> bool:
@@ -282,7 +291,8 @@ def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Jo
         # Started before the download threads (a fork copies only the thread that forks), and stopped
         # first: after an error or a Ctrl-C they must not go on writing while running downloads finish.
         # A layer's hardlink may name what earlier runs wrote.
-        workers = [ExtractWorker(extractor, journal.written) for _ in range(count)]
+        written = journal.written
+        workers = [ExtractWorker(extractor, written) for _ in range(count)]
         stack.enter_context(downloads)
         for worker in workers:
             stack.enter_context(worker)

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Protocol
 
 from snapshotter import progress
 from snapshotter.layer.extract import Extractor, NeedsSerial
+from snapshotter.tar.reader import EntryCount
 
 from .applier import ExtractWorker, LayerJob, LayerResult
 from .download import Blob
@@ -75,6 +76,8 @@ class Scheduler:
         self._written: list[str] = []  # files of the layers done, in the order they were done
         self._stop = False
         self._recorded = 0  # layers the journal lists (their directories settled)
+        # What the journal keeps per file, over all the layers (each extraction process bounds only its own).
+        self._entries = EntryCount()
 
     # ---- the parent's thread: the journal, in order ----------------------------------------------
 
@@ -125,7 +128,8 @@ class Scheduler:
                 group_files.clear()
             if done.result.record is not None:
                 headers[digest] = done.result.record
-            self.journal.record_applied(at + 1, done.result.files)
+            self._entries.add(len(done.result.files) + len(done.result.gone), f"layer {done.label}")
+            self.journal.record_applied(at + 1, done.result.files, done.result.shapes, done.result.gone)
             applied.append(done.label)
             self.after_layer(at + 1, layer.desc)
             self.blobs.used(digest)

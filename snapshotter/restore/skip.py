@@ -14,8 +14,9 @@ is checked against the root:
 2. The layer's tar rebuilt from its headers and the bytes on disk, hashed: equal to its diff_id
    means applying it writes exactly what is there. A file that differs never passes: its bytes
    differ (the hash) or its stat data does (the stat pass). Where this state dir's restore record
-   (snapshot/record.py) says the root got this very layer and no file of it changed since (ctime),
-   the hash is not needed.
+   (snapshot/record.py) says the root got this very layer, its times can be trusted (this boot, no
+   clock set back since) and no file of it changed since (ctime, with its filesystem's granularity;
+   none on a network filesystem), the hash is not needed.
 3. Order: a layer passes only if no earlier layer that is applied writes one of its paths or a
    parent of them (it would overwrite what was checked), save a directory written with the same
    mode, owner and xattrs whose mtime a later layer decides; the parts of a file pass together or
@@ -41,8 +42,9 @@ from snapshotter.errors import IntegrityError
 from snapshotter.jobs import cpu_count
 from snapshotter.layer.plan import parse_part_annotation, parse_part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE
+from snapshotter.snapshot.record import Since
 from snapshotter.snapshot.skeleton import Skeleton
-from snapshotter.tar.reader import READ_BUFFER, ForwardStream, TarReader
+from snapshotter.tar.reader import READ_BUFFER, EntryCount, ForwardStream, TarReader
 from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, member_xattrs,
                                    whiteout_target)
 
@@ -136,11 +138,12 @@ def _trailer(length: int) -> int:
     return 2 * tarfile.BLOCKSIZE + (-end % tarfile.RECORDSIZE)
 
 
-def members_of(skeleton: Skeleton, label: str) -> list[tarfile.TarInfo]:
+def members_of(skeleton: Skeleton, label: str, entries: Optional[EntryCount] = None) -> list[tarfile.TarInfo]:
     """The members of a skeleton, read by the extractor's own tar reader (the same meaning as when
     the layer is applied); IntegrityError unless each skeleton entry is exactly one member whose
-    content size is the one the skeleton gives."""
-    reader = TarReader(ForwardStream(_VirtualTar(skeleton)), f"the skeleton of layer {label}")
+    content size is the one the skeleton gives. `entries`: the image's count (past its cap, the
+    skeletons are not used: the layers are downloaded, and the extractor refuses them)."""
+    reader = TarReader(ForwardStream(_VirtualTar(skeleton)), f"the skeleton of layer {label}", entries)
     out: list[tarfile.TarInfo] = []
     at = 0
     for m in reader:
@@ -407,20 +410,21 @@ def _hash_content(h, path: str, source: _Source, on_bytes: Callable[[int], None]
 
 
 def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[str, Skeleton], rules: RootRules,
-               unchanged_since: Callable[[dict, str], Optional[int]]) -> SkipPlan:
+               unchanged_since: Callable[[dict, str], Optional[Since]]) -> SkipPlan:
     """Which of todo[start:] (the restore's layers not applied yet) the root already holds.
-    `unchanged_since(desc, headers digest)`: the end of this root's last restore, in ns, if it
-    applied this very layer (the restore record); None otherwise."""
+    `unchanged_since(desc, headers digest)`: the end of this root's last restore, if it applied
+    this very layer and its times can be trusted (the restore record); None otherwise."""
     root = _Root(rules.root)
     pending = todo[start:]
     parsed: dict[int, tuple[Skeleton, list[tarfile.TarInfo]]] = {}
     reasons: dict[int, str] = {}
+    entries = EntryCount()  # the members parsed are kept: bounded as the extractor bounds the image
     for n, (i, desc, diff_id) in enumerate(pending, start):
         skeleton = skeletons.get(diff_id)
         if skeleton is None:
             continue
         try:
-            parsed[n] = (skeleton, members_of(skeleton, f"{desc['digest'][:19]}"))
+            parsed[n] = (skeleton, members_of(skeleton, f"{desc['digest'][:19]}", entries))
         except IntegrityError as e:
             reasons[n] = f"its skeleton is not usable ({e})"
     # Which layer decides each directory's mtime: the last that carries it.
@@ -448,7 +452,7 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     to_hash = []
     for n in sorted(passed):
         since = unchanged_since(pending[n - start][1], checks[n].headers)
-        if since is None or any(s is not None and s.st.st_ctime_ns >= since for s in checks[n].sources):
+        if since is None or not all(since.unchanged(s.path, s.st.st_ctime_ns) for s in checks[n].sources if s is not None):
             to_hash.append(n)
     hashed = _hash_layers(to_hash, parsed, checks, pending, start, rules.root, reasons)
     passed -= hashed.failed

@@ -21,6 +21,7 @@ import hashlib
 import os
 import stat
 import tarfile
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -41,12 +42,13 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.tar.compress import IterReader, check_layer
-from snapshotter.tar.reader import data_chunks, iter_members
+from snapshotter.tar.reader import EntryCount, data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 
 from .parts import part_files, part_links
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
+HASH_BATCH = 1024  # files whose content is compared at once: what is kept per file stays bounded
 NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits (limits.h), in bytes
 
 
@@ -104,32 +106,46 @@ def image_index(remote: Remote, image: Image, only_snapshot: bool,
     for rel in (*part_files(layers), *links, *(n for names in links.values() for n in names)):
         _check_fits(rel)  # the part annotations restore refuses are refused here too
 
+    entries = EntryCount()  # the image's members: the layers read ahead and the index are bounded by it
+
     def read(layer: tuple[int, dict, str]) -> Optional[list[tuple[tarfile.TarInfo, Optional[str]]]]:
         """Layer's members with their content digests; None for a part layer, read in order below."""
         i, desc, diff_id = layer
         if SNAP_PART_FILE in desc.get("annotations", {}):
             return None
-        return _read_layer(remote, desc, diff_id, layer_label(desc, i), log)
+        return _read_layer(remote, desc, diff_id, layer_label(desc, i), log, entries)
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        read_ahead = [pool.submit(read, layer) for layer in layers]
+        waiting = iter(layers)
+        ahead: deque = deque()  # (layer, its future): `jobs` read at once, each dropped once indexed
+
+        def read_ahead() -> None:
+            while len(ahead) < max(1, jobs) and (layer := next(waiting, None)) is not None:
+                ahead.append((layer, pool.submit(read, layer)))
+
+        read_ahead()
         try:
-            for (i, desc, diff_id), members in zip(layers, read_ahead):
+            while ahead:
+                (i, desc, diff_id), members = ahead.popleft()
                 label = layer_label(desc, i)
                 got = members.result()
+                members = None
+                read_ahead()
                 if got is None:
                     def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
-                        deleted.update(_apply_part_layer(index, stream, joins, links, label))
+                        deleted.update(_apply_part_layer(index, stream, joins, links, label, entries))
 
                     read_blob(remote, desc, diff_id, label, log, consume)
                 else:
                     indexer = ImageIndexer(index)
-                    for m, digest in got:
+                    got.reverse()
+                    while got:  # each member dropped as it is indexed
+                        m, digest = got.pop()
                         indexer.add(m, lambda digest=digest: digest)
                     deleted.update(indexer.end_layer())
                 deleted -= index.keys()
         finally:
-            for f in read_ahead:
+            for _, f in ahead:
                 f.cancel()
     for rel in (*index, *deleted):
         _check_fits(rel)
@@ -147,14 +163,14 @@ def read_blob(remote: Remote, desc: dict, diff_id: str, label: str, log: Callabl
         check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
 
 
-def _read_layer(remote: Remote, desc: dict, diff_id: str, label: str,
-                log: Callable[[str], None]) -> list[tuple[tarfile.TarInfo, Optional[str]]]:
+def _read_layer(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
+                entries: EntryCount) -> list[tuple[tarfile.TarInfo, Optional[str]]]:
     """A layer's members, each regular file's with the digest of its data (ImageIndexer.add wants
     it only for those)."""
     out: list[tuple[tarfile.TarInfo, Optional[str]]] = []
 
     def consume(stream, check) -> None:
-        for reader, m in iter_members(stream, f"layer {label}"):
+        for reader, m in iter_members(stream, f"layer {label}", entries):
             out.append((m, chunks_digest(data_chunks(reader)) if m.isreg() else None))
 
     read_blob(remote, desc, diff_id, label, log, consume)
@@ -172,13 +188,13 @@ def _check_fits(rel: str) -> None:
 
 
 def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[str, list[str]],
-                      label: str) -> set[str]:
+                      label: str, entries: EntryCount) -> set[str]:
     """A layer holding one part of a file cut at the layer size cap: hash it into the joined file,
     which is what restore leaves at the path once the last part is in (and at its other names).
     Its other members are indexed with the indexer's checks (hardlinks, whiteouts, symlinks), as in
     any layer. Returns the paths it removed."""
     indexer = ImageIndexer(index)
-    for reader, m in iter_members(stream, f"layer {label}"):
+    for reader, m in iter_members(stream, f"layer {label}", entries):
         rel = check_name(m.name)
         part = parse_part_name(rel) if m.isreg() else None
         if part is None:
@@ -242,7 +258,10 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
             real_dirs[rel] = ok
         return real_dirs[rel]
 
-    with progress.bar("comparing paths", len(index), unit="paths") as bar:
+    content_bytes = sum(e.size for e in index.values() if e.kind == FILE and e.digest)
+    with progress.bar("comparing paths", len(index), unit="paths") as bar, \
+            progress.bar("checking contents", content_bytes) as hashed:
+        update = progress.safe_update(hashed)
         for rel in sorted(index):
             bar.update(1)
             e = index[rel]
@@ -272,7 +291,10 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
                 covered.add(rel)
                 continue
             diffs.extend(_compare_entry(shown, full, have, e, opts.allow_setuid, contents))
-    diffs.extend(_content_differences(contents, opts.jobs))
+            if len(contents) >= HASH_BATCH:
+                diffs.extend(_content_differences(contents, opts.jobs, update))
+                contents.clear()
+        diffs.extend(_content_differences(contents, opts.jobs, update))
 
     for rel in sorted(deleted):
         if excluded(rel) or under_covered(rel) or rel.rpartition("/")[0] in deleted:
@@ -310,14 +332,13 @@ def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid
     return out
 
 
-def _content_differences(contents: list[tuple[str, str, str, int]], jobs: int) -> list[Difference]:
+def _content_differences(contents: list[tuple[str, str, str, int]], jobs: int,
+                         on_bytes: Callable[[int], None]) -> list[Difference]:
     """Hash the files of `contents` (shown path, path, expected digest, size), `jobs` at once:
     threads, as hashlib and file reads let go of Python's lock (measured: bench.py's verify), each
-    holding one read buffer."""
-    with progress.bar("checking contents", sum(c[3] for c in contents)) as bar, \
-            ThreadPoolExecutor(max(1, jobs)) as pool:
-        update = progress.safe_update(bar)
-        digests = list(pool.map(lambda full: _content_digest(full, update), [c[1] for c in contents]))
+    holding one read buffer; `on_bytes` is told what is read (progress)."""
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        digests = list(pool.map(lambda full: _content_digest(full, on_bytes), [c[1] for c in contents]))
     return [Difference(shown, "content", f"content differs: {_short(digest)}, expected {want[:19]}")
             for (shown, _, want, _), digest in zip(contents, digests) if digest != want]
 

@@ -1,10 +1,18 @@
 """The restore record: what `snap restore` leaves for the next commit of its root.
 
 After a restore, the image's snap layers are noted per root (their digests and the digest of the
-tar headers extracted, restore/applier.py), with the time the restore ended. The next commit of that root
-takes a planned layer from here without reading it when its tar headers are the extracted ones
-and none of its files changed since (ctime): a reclaim's commit right after a restore reads no
-model bytes. The stat cache then learns those layers as usual (statcache.py).
+tar headers extracted, restore/applier.py), with when the restore began and ended (box/clock.py's
+stamps). The next commit of that root takes a planned layer from here without reading it when its
+tar headers are the extracted ones and none of its files changed since (ctime): a reclaim's commit
+right after a restore reads no model bytes. The stat cache then learns those layers as usual
+(statcache.py); the next restore skips such a layer without hashing it (restore/skip.py).
+
+A ctime says "unchanged since the end" only if the clock ran forward since, so the times are
+trusted (`Since`) only when the record was written in this boot, its start and end agree, its end
+does not lie ahead of the clock, and the wall clock was not stepped back since (box/clock.py);
+a file's ctime is read with its filesystem's granularity, and one on a network or FUSE filesystem
+(whose ctimes come from another machine's clock) is never taken as unchanged. Otherwise the
+files are read or hashed, as with no record.
 
 The file names its format version: one of another version, or whose layers are not laid out as
 this version writes them, is not used."""
@@ -12,9 +20,11 @@ this version writes them, is not used."""
 from __future__ import annotations
 
 import os
-import time
+from dataclasses import dataclass
 from typing import Optional
 
+from snapshotter.box.clock import SYSTEM, Clock, Stamp, changed_since, consistent, stamp, stepped_back_since
+from snapshotter.box.mounts import remote_mounts
 from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
 from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, snap_label
@@ -25,19 +35,17 @@ from snapshotter.tar.rules import header_key, headers_digest
 from .statcache import blob_entry
 
 VERSION = 1
-# Written files get a ctime from the kernel's coarse clock, which lags the fine one by up to a tick
-# (10 ms at HZ=100): a restore waits this long after noting its end, so that any later write gets
-# a ctime past it.
-CLOCK_TICK_S = 0.02
 
 
 def _path(root: str) -> str:
     return os.path.join(sub("restored"), root_key(root) + ".json")
 
 
-def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> int:
+def note_restore(root: str, image: Image, applied_headers: dict[str, str], started: Stamp,
+                 clock: Clock = SYSTEM) -> int:
     """Note that `image` was restored into `root`, whole (lineage.py: the box came from it), and its
-    snap layers just extracted (`applied_headers`: layer digest -> digest of its tar headers).
+    snap layers just extracted (`applied_headers`: layer digest -> digest of its tar headers), by a
+    restore that began at `started` and ends now (its last write done).
     Returns how many layers; 0 if the record could not be written (the next commit then reads the
     layers instead, and cannot move the image's tag without --force)."""
     ann = image.manifest.get("annotations") or {}
@@ -52,14 +60,14 @@ def note_restore(root: str, image: Image, applied_headers: dict[str, str]) -> in
         if label and headers is not None:
             layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
                              "media_type": desc["mediaType"], "headers": headers}
+    ended = stamp(clock)
     doc = {"root": os.path.realpath(root), "manifest": image.manifest_digest,
-           "base": ann.get(BASE_DIGEST),
-           "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer, "restored_at_ns": time.time_ns(), "layers": layers}
+           "base": ann.get(BASE_DIGEST), "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer,
+           "started": started.to_json(), "ended": ended.to_json(), "restored_at_ns": ended.wall_ns, "layers": layers}
     try:
         write_versioned(_path(root), VERSION, doc)
     except OSError:
         return 0
-    time.sleep(CLOCK_TICK_S)  # later writes get ctimes past restored_at_ns
     return len(layers)
 
 
@@ -96,52 +104,85 @@ def restored_from(root: str) -> Optional[str]:
     return digest if isinstance(digest, str) else None
 
 
-def restored_at_ns(root: str) -> Optional[int]:
-    """When the last finished restore into `root` ended: a file whose ctime is older was last
-    changed by that restore (or before it), never since."""
-    doc = _load(root)
-    at = doc.get("restored_at_ns") if doc else None
-    return at if type(at) is int else None
+@dataclass(frozen=True)
+class Since:
+    """The end of the last restore into a root, as far as its times can be trusted (see the module's doc)."""
+
+    root: str
+    end_ns: int
+    remote: tuple[str, ...]  # network and FUSE mount points in the root: their ctimes come from another clock
+
+    def unchanged(self, rel: str, ctime_ns: int) -> bool:
+        """Was the file at /rel, with this ctime, last changed before the restore ended (by it, or before it)?"""
+        if any(rel == m or rel.startswith(m + "/") or not m for m in self.remote):
+            return False
+        return not changed_since(ctime_ns, self.end_ns)
+
+
+def _since(doc: Optional[dict], clock: Clock) -> Optional[Since]:
+    """The record's end, if its times can be trusted; else None (box/clock.py says why)."""
+    if doc is None:
+        return None
+    start, end = Stamp.from_json(doc.get("started")), Stamp.from_json(doc.get("ended"))
+    if start is None or end is None or consistent(start, end) or stepped_back_since(end, clock):
+        return None
+    if doc.get("restored_at_ns") != end.wall_ns:  # the plain end time (what older readers know) says otherwise
+        return None
+    return Since(doc["root"], end.wall_ns, tuple(remote_mounts(doc["root"])))
+
+
+def restored_since(root: str, clock: Clock = SYSTEM) -> Optional[Since]:
+    """When the last finished restore into `root` ended: a file `unchanged` by that measure was last
+    changed by that restore (or before it), never since. None when there is no such restore, or
+    when its times cannot be trusted."""
+    return _since(_load(root), clock)
+
+
+def restored_at_ns(root: str, clock: Clock = SYSTEM) -> Optional[int]:
+    """restored_since's end, in ns."""
+    since = restored_since(root, clock)
+    return since.end_ns if since is not None else None
 
 
 class RestoreRecord:
     """The record of the last restore into a root, as the next commit reads it."""
 
-    def __init__(self, doc: dict):
+    def __init__(self, doc: dict, since: Since):
         self.layers: dict = doc["layers"]
-        self.restored_at_ns: int = doc["restored_at_ns"]
+        self.since = since
 
     @classmethod
-    def load(cls, root: str, base_digest: Optional[str], profile: str, max_layer_size: int) -> Optional["RestoreRecord"]:
+    def load(cls, root: str, base_digest: Optional[str], profile: str, max_layer_size: int,
+             clock: Clock = SYSTEM) -> Optional["RestoreRecord"]:
         """The record of the last restore into `root`, if it fits this commit (same base image,
-        profile and part-layer cap); else None."""
+        profile and part-layer cap) and its times can be trusted; else None."""
         doc = _load(root)
         fits = (doc is not None and doc.get("base") == base_digest and doc.get("profile") == profile
-                and doc.get("max_layer") == max_layer_size and type(doc.get("restored_at_ns")) is int
-                and isinstance(doc.get("layers"), dict))
-        return cls(doc) if fits else None
+                and doc.get("max_layer") == max_layer_size and isinstance(doc.get("layers"), dict))
+        since = _since(doc, clock) if fits else None
+        return cls(doc, since) if since is not None else None
 
     def blob_for(self, plan: LayerPlan) -> Optional[dict]:
         """The blob of `plan` if the restore extracted exactly its tar headers and none of its
-        files changed since (their ctime is older than the restore's end)."""
+        files changed since (Since.unchanged)."""
         layer = self.layers.get(plan.label)
         if not isinstance(layer, dict) or layer.get("media_type") != MEDIA_TYPE[plan.compression]:
             return None
-        if any(e.ctime_ns > self.restored_at_ns for e in plan.entries if e.stamp):  # parent copies: no stamp
+        if not all(self.since.unchanged(e.path, e.ctime_ns) for e in plan.entries if e.stamp):  # parent copies: no stamp
             return None
         if layer.get("headers") != headers_digest([header_key(ti) for ti, _ in tar_headers(plan)]):
             return None
         return blob_entry(layer)
 
 
-def applied_at(root: str, digest: str, headers: str) -> Optional[int]:
-    """When the last restore into `root` ended (ns), if it applied (or found in place) the layer
-    blob `digest` with exactly these tar headers; else None. A restore uses it to trust, without
-    hashing them, the files of such a layer that did not change since (restore/skip.py)."""
+def applied_since(root: str, digest: str, headers: str, clock: Clock = SYSTEM) -> Optional[Since]:
+    """When the last restore into `root` ended, if it applied (or found in place) the layer blob
+    `digest` with exactly these tar headers and its times can be trusted; else None. A restore
+    uses it to trust, without hashing them, the files of such a layer unchanged since (restore/skip.py)."""
     doc = _load(root)
-    if not (doc is not None and type(doc.get("restored_at_ns")) is int and isinstance(doc.get("layers"), dict)):
+    if doc is None or not isinstance(doc.get("layers"), dict):
         return None
     for layer in doc["layers"].values():
         if isinstance(layer, dict) and layer.get("digest") == digest and layer.get("headers") == headers:
-            return doc["restored_at_ns"]
+            return _since(doc, clock)
     return None

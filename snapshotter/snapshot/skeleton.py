@@ -15,8 +15,9 @@ Format: gzip members, one per layer, each holding MAGIC, then per member its hea
 header bytes and content size (u64), then a zero length and the diff_id (71 ASCII bytes, last: a
 commit knows it once the layer is written). A commit takes each built layer's headers as
 layer.write_tar writes them (the very bytes, even of a file that changed since the scan).
-A restore reads it digest-checked and size-capped; anything malformed is ignored (the restore then
-downloads). The state dir keeps each layer's gzip member by diff_id (built, or restored), so a
+A restore reads it digest-checked and size-capped, its members capped as the image's are
+(SNAP_MAX_ENTRIES, with their header bytes: tar/reader.py); anything malformed or past a cap is
+ignored (the restore then downloads, where the same caps hold). The state dir keeps each layer's gzip member by diff_id (built, or restored), so a
 commit makes one from the plan only for a layer it reuses and has none of."""
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.state import open_own, replace_file, sub
+from snapshotter.tar.reader import LAYER_MAX_ENTRIES, META_PER_ENTRY, max_entries
 from snapshotter.tar.rules import header_bytes
 
 SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation: the digest of the snapshot's skeleton blob
@@ -129,15 +131,23 @@ def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None) -> d
     """The skeletons of a blob; ValueError (or zlib.error, struct.error) for anything not as
     `layer_piece` writes it. `keep(diff_id, piece)` is given each layer's gzip member."""
     out: dict[str, Skeleton] = {}
-    pos, total = 0, 0
+    pos, total, entries = 0, 0, 0
+    # What is kept grows with the members: bounded as the image's layers are (tar/reader.py's EntryCount).
+    cap = max_entries()
+    max_total = min(MAX_TOTAL, cap * (tarfile.BLOCKSIZE + META_PER_ENTRY))
     while pos < len(data):
         d = zlib.decompressobj(wbits=31)
-        raw = d.decompress(data[pos:], MAX_TOTAL - total + 1)
+        raw = d.decompress(data[pos:], max_total - total + 1)
         total += len(raw)
-        if total > MAX_TOTAL or not d.eof:
+        if total > max_total or not d.eof:
             raise ValueError("a skeleton is too big or truncated")
         end = len(data) - len(d.unused_data)
         diff_id, skeleton = _parse_piece(raw)
+        entries += len(skeleton)
+        if len(skeleton) > min(cap, LAYER_MAX_ENTRIES):
+            raise ValueError(f"a layer's skeleton lists more than {min(cap, LAYER_MAX_ENTRIES)} entries")
+        if entries > cap:
+            raise ValueError(f"the skeletons list more than {cap} entries (SNAP_MAX_ENTRIES)")
         out[diff_id] = skeleton
         if keep is not None:
             keep(diff_id, data[pos:end])

@@ -12,18 +12,25 @@ blow up memory or mislead an extractor:
 - PAX and GNU long name/link data is capped (MAX_META) and PAX records are parsed in one pass;
 - GNU sparse entries (old and PAX forms) are refused: OCI layers do not use them;
 - mtimes must be finite and fit a timestamp, owners and device numbers a 32-bit id;
-- NUL bytes in names, link targets and xattr names are refused.
+- NUL bytes in names, link targets and xattr names are refused;
+- a layer of more than LAYER_MAX_ENTRIES members, an image of more than SNAP_MAX_ENTRIES, or of
+  more extended header bytes than 2 KiB per entry a layer may hold (EntryCount), is refused: what
+  its readers keep per entry (verify's expected tree, the extractor's written paths, the restore
+  journal, the skeletons' headers) stays bounded, and a layer of millions of empty files (a few
+  hundred MB of headers that compress to almost nothing) is refused once a layer's worth of
+  headers is read, in time proportional to them.
 Members are TarInfo objects (the attributes of tarfile's), made one at a time and dropped.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import tarfile
 from typing import BinaryIO, Iterator, Optional
 
-from snapshotter.errors import IntegrityError
+from snapshotter.errors import IntegrityError, UsageError
 
 from .rules import XATTR_PAX
 
@@ -32,6 +39,19 @@ MAX_META = 4 << 20  # PAX records, GNU long names and links: snap's are a few hu
 MAX_SIZE = (1 << 63) - 1  # what a file offset can hold
 MAX_ID = 0xFFFFFFFE  # uid, gid, device numbers: 32-bit, not -1
 MAX_MTIME = 1 << 33  # seconds either side of 1970 (year 2242): as nanoseconds it still fits 64 bits
+# Members (files, directories, links, whiteouts) of one layer: what one hostile layer can make restore
+# and verify keep. They keep about 0.6 KiB per entry at their peak (the expected tree or the base's
+# index, the paths written, the journal) over about 80 MiB: measured, 190 MiB at 200k entries and
+# 248 MiB at 300k, so a layer of millions of headers is refused under 256 MiB. snap's own layers
+# are bundles far smaller; a base image's biggest layer holds a few tens of thousands.
+LAYER_MAX_ENTRIES = 250_000
+# Members of one image, its layers together: real GPU boxes hold 76k to 200k, a VM's whole OS and
+# its venvs more; at the cap restore and verify keep about 700 MiB.
+DEFAULT_MAX_ENTRIES = 1_000_000
+MAX_ENTRIES_ENV = "SNAP_MAX_ENTRIES"
+# PAX records and GNU long names, on average over an image's cap: snap's are about 100 bytes (an
+# mtime in ns, a long path's name), a path of PATH_MAX 4 KiB.
+META_PER_ENTRY = 2048
 _OCTAL = re.compile(rb" *[0-7]* *")
 _DECIMAL = re.compile(r"-?[0-9]+(?:\.[0-9]*)?")
 _PAX_LENGTH_DIGITS = 20
@@ -109,13 +129,60 @@ class ForwardStream:
             pass
 
 
+def max_entries() -> int:
+    """The most members an image may hold (SNAP_MAX_ENTRIES, else DEFAULT_MAX_ENTRIES)."""
+    text = os.environ.get(MAX_ENTRIES_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_ENTRIES
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{MAX_ENTRIES_ENV}={text!r} is not a positive number of entries")
+    return int(text)
+
+
+class EntryCount:
+    """The members read of one image so far, over its layers, and the bytes of their extended
+    headers (PAX, GNU long names: META_PER_ENTRY per entry of the cap, on average): past either cap,
+    IntegrityError naming the layer that went past it. Shared by the readers of one image's layers
+    (threads may race on the counts: off by a little at most)."""
+
+    def __init__(self, cap: Optional[int] = None):
+        self.cap = max_entries() if cap is None else cap
+        self.layer_cap = min(self.cap, LAYER_MAX_ENTRIES)
+        self.total = 0
+        self.meta = 0
+        self.by_layer: dict[str, int] = {}
+
+    def rewind(self, total: int, layer: str) -> None:
+        """Back to `total`, `layer` not counted: a layer not applied, to be applied again."""
+        self.total = total
+        self.by_layer.pop(layer, None)
+
+    def add(self, n: int, layer: str) -> None:
+        self.total += n
+        here = self.by_layer[layer] = self.by_layer.get(layer, 0) + n
+        if here > self.layer_cap:
+            raise IntegrityError(f"{layer} holds more than {self.layer_cap} entries (files, directories, links, "
+                                 f"whiteouts; a layer may hold {LAYER_MAX_ENTRIES} at most, {MAX_ENTRIES_ENV} lowers "
+                                 "it): refusing a hostile layer")
+        if self.total > self.cap:
+            raise IntegrityError(f"{layer} brings the image past {self.cap} entries (files, directories, links, "
+                                 f"whiteouts; {MAX_ENTRIES_ENV} raises the cap): refusing a hostile layer")
+
+    def add_meta(self, size: int, layer: str) -> None:
+        self.meta += size
+        if self.meta > self.layer_cap * META_PER_ENTRY:
+            raise IntegrityError(f"{layer} brings the image past {self.layer_cap * META_PER_ENTRY} bytes of extended "
+                                 f"headers ({META_PER_ENTRY} per entry a layer may hold): refusing a hostile layer")
+
+
 class TarReader:
     """Iterates over the members of a tar stream. Between two members, `read_data` reads the
     current member's content; what is left of it is skipped when the next member is asked for."""
 
-    def __init__(self, src: BinaryIO, layer: str = "layer"):
+    def __init__(self, src: BinaryIO, layer: str = "layer", entries: Optional[EntryCount] = None):
         self.stream = src if isinstance(src, ForwardStream) else ForwardStream(src)
         self.layer = layer  # for messages
+        self.entries = entries if entries is not None else EntryCount()  # this layer's alone, unless shared
         self._data_left = 0  # content of the current member not read yet
         self._pad = 0
         self._globals: dict[str, str] = {}
@@ -130,6 +197,7 @@ class TarReader:
             m = self._next()
             if m is None:
                 return
+            self.entries.add(1, self.layer)
             yield m
 
     def read_data(self, n: int) -> bytes:
@@ -183,6 +251,7 @@ class TarReader:
                 meta_size += size
                 if meta_size > MAX_META:
                     raise self._bad(f"an extended header of {size} bytes (at most {MAX_META} are read)")
+                self.entries.add_meta(size, self.layer)
                 data = self.stream.read_exact(size)
                 if len(data) < size:
                     raise self._bad("it ends inside an extended header (truncated)")
@@ -360,9 +429,11 @@ def _nts(b: bytes) -> str:
     return (b[:p] if p >= 0 else b).decode("utf-8", "surrogateescape")
 
 
-def iter_members(src: BinaryIO, layer: str = "layer") -> Iterator[tuple[TarReader, tarfile.TarInfo]]:
-    """(reader, member) for each member of a tar stream, then the stream read to its end."""
-    reader = TarReader(src, layer)
+def iter_members(src: BinaryIO, layer: str = "layer",
+                 entries: Optional[EntryCount] = None) -> Iterator[tuple[TarReader, tarfile.TarInfo]]:
+    """(reader, member) for each member of a tar stream, then the stream read to its end. `entries`:
+    the image's count (EntryCount), else the layer's alone."""
+    reader = TarReader(src, layer, entries)
     for m in reader:
         yield reader, m
     reader.stream.drain()

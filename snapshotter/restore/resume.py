@@ -1,0 +1,74 @@
+"""Before resuming: does the root still hold what the journal says the applied layers wrote?
+
+A journal (journal.py) that says layers are applied is believed only as far as the root bears it
+out: someone may have deleted files between the runs, or the disk lost them. The rule, bounded by
+the files the applied layers wrote (at most the image's entry cap, tar/reader.py's EntryCount) and
+reading no byte: every non-directory the journal lists as written, and not removed or replaced by
+a later applied layer (a whiteout, an opaque directory, a file or symlink at it or at a parent, a
+file written beneath it), is lstat'ed, and must be what the layer left (a regular file of its
+size, a symlink, a hardlink's regular file, a node). A joined file stands for its parts. The first
+layer that fails is where the restore goes back to (Journal.rewind): it and every layer after it
+are applied again. Not checked: directories (a layer's files need them, and those files are
+checked), the bytes of a file of the right size, and layers an earlier run found in place and
+skipped (skip.py checked them then; the journal lists no files for them)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Optional
+
+from snapshotter.index.entry import self_and_parents
+from snapshotter.layer.extract import LINK_SHAPE, OTHER_SHAPE, SYMLINK_SHAPE
+from snapshotter.layer.plan import parse_part_name
+
+from .journal import Journal
+
+
+def _expected(journal: Journal) -> dict[str, tuple[int, int]]:
+    """{path: (layer n, shape)} of what the applied layers left, the last layer first: a path a
+    later layer wrote or hid is that layer's, or gone."""
+    out: dict[str, tuple[int, int]] = {}
+    covered: set[str] = set()  # written or hidden by a later layer, with everything under it
+    below: set[str] = set()  # opaque directories of a later layer: everything under them is hidden
+    dirs: set[str] = set()  # directories a later layer wrote into: no longer an earlier layer's file
+    for n in sorted(journal.done, reverse=True):
+        done = journal.done[n]
+        for rel, shape in zip(done.wrote, done.shapes):
+            if rel not in out and rel not in dirs and not _hidden(rel, covered, below):
+                out[rel] = (n, shape)
+        covered.update(done.wrote)
+        dirs.update(p for rel in done.wrote for p in self_and_parents(os.path.dirname(rel)))
+        for rel in done.gone:
+            (below if rel.endswith("/") else covered).add(rel.rstrip("/"))
+    for rel in list(out):
+        part = parse_part_name(rel)
+        if part is not None and part[0] in journal.joined:  # joined: its parts are removed
+            layer = out.pop(rel)[0]
+            out.setdefault(part[0], (layer, LINK_SHAPE))
+    return out
+
+
+def _hidden(rel: str, covered: set[str], below: set[str]) -> bool:
+    return rel in covered or any(p in covered or p in below for p in self_and_parents(os.path.dirname(rel)))
+
+
+def _there(path: str, shape: int) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if shape == SYMLINK_SHAPE:
+        return stat.S_ISLNK(st.st_mode)
+    if shape == OTHER_SHAPE:
+        return not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode)
+    return stat.S_ISREG(st.st_mode) and (shape == LINK_SHAPE or st.st_size == shape)
+
+
+def first_missing(root: str, journal: Journal) -> Optional[tuple[int, str]]:
+    """(the first applied layer n whose files are not all in `root`, one such path), or None."""
+    worst: Optional[tuple[int, str]] = None
+    for rel, (n, shape) in _expected(journal).items():
+        if (worst is None or n < worst[0]) and not _there(os.path.join(root, rel), shape):
+            worst = (n, rel)
+    return worst
