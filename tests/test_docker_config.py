@@ -356,3 +356,65 @@ def test_login_into_another_user_s_directory_is_refused_before_the_registry_is_a
                      env={"DOCKER_CONFIG": str(theirs)})
     assert_one_line_error(r, 4, f"directory {str(theirs)!r} belongs to uid {ANOTHER_USER}", "not writing credentials")
     assert os.listdir(theirs) == [] and PASSWORD not in r.stderr
+
+
+@needs_root
+@pytest.mark.parametrize("owner", ["their-symlink", "root-s-symlink-in-their-directory"])
+@pytest.mark.parametrize("below", ["", "docker"])
+def test_docker_config_through_another_user_s_symlink_is_neither_read_nor_written(tmp_path, monkeypatch,
+                                                                                   owner, below):
+    """DOCKER_CONFIG (or a directory on its way) a symlink they own (even in root's directory), or
+    root's in their directory (they may swap it), pointing at root's directory that holds another program's config.json: every name
+    on the way is looked at, not only where it leads. Nothing read, nothing made, nothing written."""
+    theirs = _another_users_dir(tmp_path)
+    victim = tmp_path / "etc-someapp"  # root's directory
+    (victim / "docker").mkdir(parents=True)
+    for config in (victim / "config.json", victim / "docker" / "config.json"):
+        config.write_text(json.dumps({"auths": {"ghcr.io": basic("root", "Root-Pa55")}, "setting": 1}))
+        config.chmod(0o644)
+    before = _tree(victim)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    link = (ours if owner == "their-symlink" else theirs) / "dc"
+    link.symlink_to(victim)
+    if owner == "their-symlink":
+        os.lchown(link, ANOTHER_USER, ANOTHER_USER)
+    monkeypatch.setenv("DOCKER_CONFIG", str(link / below))
+    refused = f"{str(link)!r} is a symlink {'' if owner == 'their-symlink' else 'in a directory '}uid {ANOTHER_USER}"
+    with pytest.raises(AuthError, match=f"{refused}.*not following it"):
+        docker_credentials("ghcr.io")
+    with pytest.raises(AuthError, match=f"{refused}.*not following it"):
+        save_docker_credentials("ghcr.io", USER, PASSWORD)
+    assert_one_line_error(bounded_snap("logout", "ghcr.io"), 4, refused, "not following it")
+    assert _tree(victim) == before
+
+
+def _tree(top) -> dict:
+    """Every name below `top` with its mode and, for a file, its text."""
+    return {p: (p.stat().st_mode, p.is_file() and p.read_text()) for p in top.rglob("*")}
+
+
+@needs_root
+@pytest.mark.parametrize("sub", ["missing", "root-s"])
+def test_root_makes_and_writes_nothing_below_another_user_s_directory(tmp_path, monkeypatch, sub):
+    """DOCKER_CONFIG a directory in theirs: missing (snap would make it there, then write in it) or
+    root's own (they may rename it and put a symlink in its place): refused in one line before
+    anything is made. Below root's own directories a missing path is made one name at a time, 0700,
+    also through a symlink of root's."""
+    theirs = _another_users_dir(tmp_path)
+    if sub == "root-s":
+        (theirs / "sub").mkdir()
+    monkeypatch.setenv("DOCKER_CONFIG", str(theirs / "sub"))
+    with pytest.raises(AuthError, match=f"directory {str(theirs)!r} belongs to uid {ANOTHER_USER}"):
+        save_docker_credentials("ghcr.io", USER, PASSWORD)
+    r = bounded_snap("login", "127.0.0.1:1", "-u", USER, "--password-stdin", input=PASSWORD + "\n")
+    assert_one_line_error(r, 4, f"directory {str(theirs)!r} belongs to uid {ANOTHER_USER}", "not writing credentials")
+    assert os.listdir(theirs) == ([] if sub == "missing" else ["sub"])
+    assert sub == "missing" or os.listdir(theirs / "sub") == []
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "ours")
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "link" / "a" / "b"))
+    save_docker_credentials("ghcr.io", USER, PASSWORD)
+    written = tmp_path / "ours" / "a" / "b" / "config.json"
+    assert json.loads(written.read_text()) == {"auths": {"ghcr.io": basic(USER, PASSWORD)}}
+    assert [os.stat(p).st_mode & 0o777 for p in (written.parent.parent, written.parent, written)] == [0o700, 0o700, 0o600]

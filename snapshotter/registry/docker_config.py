@@ -2,13 +2,14 @@
 as input like any other: opened without blocking (a FIFO, a device or a directory refused), never
 through a symlink another user owns or one in a directory they own, at most 4 MiB, every entry
 snap uses checked for its type (a malformed one is one line, exit 4, as Docker refuses the file).
-Written whole or not at all, 0600, and never into a directory another user owns nor through their
-symlink."""
+Written whole or not at all, 0600, and never below a directory another user owns nor through a
+symlink of theirs or one in their directory, anywhere on the path (each name on it is checked)."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import errno
 import json
 import os
@@ -64,20 +65,21 @@ def load(path: str, legacy: bool = False) -> Optional[dict]:
 
 
 def _read(path: str) -> Optional[bytes]:
-    """The bytes of `path`; None if it does not exist. Its directory is opened first and the file
-    below that handle, so that the owner checked is the directory's the file is in."""
-    directory, name = os.path.split(path)
+    """The bytes of `path`; None if it does not exist. Its directory is walked to (see _walk) and the
+    file opened below that handle, never followed: what _walk checked is what is opened."""
     try:
-        dfd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise AuthError(f"cannot read Docker's config {path!r}: {e.strerror or e}", FIX) from None
-    try:
-        fd = _open_below(dfd, name, path)
+        dfd, directory, name = _walk(path, write=False)
     except FileNotFoundError:
         return None  # also a dangling symlink: no config, as Docker reads it
     except OSError as e:
+        raise AuthError(f"cannot read Docker's config {path!r}: {e.strerror or e}", FIX) from None
+    try:  # without blocking: a FIFO is opened at once, then refused, never waited on
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # made a symlink since _walk looked: only the directory's owner could
+            raise _not_following(os.path.join(directory, name), "in a directory", os.fstat(dfd).st_uid) from None
         raise AuthError(f"cannot read Docker's config {path!r}: {e.strerror or e}", FIX) from None
     finally:
         os.close(dfd)
@@ -95,24 +97,79 @@ def _read(path: str) -> Optional[bytes]:
     return data
 
 
-def _open_below(dfd: int, name: str, path: str) -> int:
-    """`name` in the directory `dfd`, opened for reading without blocking (a FIFO is opened at once,
-    then refused, never waited on); not followed if it is a symlink another user owns or one in a
-    directory another user owns (they may point it anywhere): refused, one line."""
+def _walk(path: str, write: bool, make: bool = False, leaf: bool = True) -> tuple[int, str, str]:
+    """(a handle of the directory `path`'s last name is in, that directory's real path, the name),
+    walked one name at a time from / without the kernel following anything: a symlink is followed
+    here, and only if neither it nor the directory it is in belongs to another user (they could
+    point it anywhere, or swap it after we looked). For a `write`, no directory on the way, nor the
+    file, may be theirs at all: they could swap what is in it. Whether the last name exists is the
+    caller's to find out (`leaf`=False: it is a directory too, opened; name ""); a missing
+    directory on the way is FileNotFoundError, or made 0700 (`make`) and then checked as found."""
+    todo = [n for n in reversed(os.path.join(os.getcwd(), path).split("/")) if n not in ("", ".")]
+    dfd, real, links = os.open("/", _DIRECTORY), "/", 0
+    try:
+        _check_directory(dfd, real, write)
+        while todo:
+            name = todo.pop()
+            last = leaf and not todo
+            try:
+                st = os.lstat(name, dir_fd=dfd)
+            except FileNotFoundError:
+                if last:
+                    return dfd, real, name
+                if not make:
+                    raise
+                with contextlib.suppress(FileExistsError):  # made meanwhile: checked as found
+                    os.mkdir(name, 0o700, dir_fd=dfd)
+                st = os.lstat(name, dir_fd=dfd)
+            shown = os.path.join(real, name)
+            if stat.S_ISLNK(st.st_mode):
+                _check_symlink(st.st_uid, os.fstat(dfd).st_uid, shown)
+                links += 1
+                if links > 40:  # the kernel's own bound
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                target = os.readlink(name, dir_fd=dfd)
+                if target.startswith("/"):
+                    os.close(dfd)
+                    dfd, real = os.open("/", _DIRECTORY), "/"
+                todo.extend(n for n in reversed(target.split("/")) if n not in ("", "."))
+                continue
+            if last:
+                if write and another_users(st.st_uid):
+                    raise _not_writing(shown, "file", st.st_uid)
+                return dfd, real, name
+            next_fd = os.open(name, _DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            os.close(dfd)
+            dfd, real = next_fd, os.path.dirname(real) if name == ".." else shown
+            _check_directory(dfd, real, write)
+        return dfd, real, ""
+    except BaseException:
+        os.close(dfd)
+        raise
+
+
+# O_PATH: a directory we may only search (0711) is walked through as the kernel would
+_DIRECTORY = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _check_directory(dfd: int, real: str, write: bool) -> None:
+    """For a write, refuse a directory another user owns (by its handle: what was opened)."""
     owner = os.fstat(dfd).st_uid
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    if write and another_users(owner):
+        raise _not_writing(real, "directory", owner)
+
+
+def _check_symlink(owner: int, directory_owner: int, shown: str) -> None:
+    """Refuse (one line) to follow a symlink another user owns, or one in a directory they own."""
+    if another_users(directory_owner):
+        raise _not_following(shown, "in a directory", directory_owner)
     if another_users(owner):
-        try:
-            return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dfd)
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise AuthError(f"Docker's config {path!r} is a symlink in a directory uid {owner} owns: "
-                            "not following it", FIX) from None
-    link = os.lstat(name, dir_fd=dfd)  # the directory is ours or root's: no one else can swap it after this
-    if stat.S_ISLNK(link.st_mode) and another_users(link.st_uid):
-        raise AuthError(f"Docker's config {path!r} is a symlink uid {link.st_uid} owns: not following it", FIX)
-    return os.open(name, flags, dir_fd=dfd)
+        raise _not_following(shown, "", owner)
+
+
+def _not_following(path: str, where: str, owner: int) -> AuthError:
+    where = f" {where}" if where else ""
+    return AuthError(f"Docker's config {path!r} is a symlink{where} uid {owner} owns: not following it", FIX)
 
 
 def check(config: dict, path: str) -> None:
@@ -164,10 +221,11 @@ def helper_for(config: dict, key: str) -> Optional[str]:
 
 def save(config: dict) -> None:
     """Write `config` whole or not at all (a temp file renamed over it), 0600, in a 0700 directory
-    made if missing; written where a symlink of ours points, as Docker does."""
+    made if missing (one name at a time, each checked as writable_target checks what it finds);
+    written where a symlink of ours points, as Docker does."""
     directory = os.path.dirname(config_path())
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.close(_walk(directory, write=True, make=True, leaf=False)[0])
     except OSError as e:
         raise storage_error(e, directory, " (Docker's config)") from None
     target = writable_target()
@@ -178,30 +236,20 @@ def save(config: dict) -> None:
 
 
 def writable_target() -> str:
-    """Where the config may be written: refused (one line) when its directory, or its symlink, or
-    the directory the symlink leads to belongs to another user (neither us nor root): they could
-    swap in a symlink that has us write over a file of ours. Checked before anything is stored,
-    and again when it is written."""
+    """Where the config may be written: refused (one line) when any directory on its way, the file,
+    or a symlink on its way or the directory that symlink is in belongs to another user (neither us
+    nor root): they could swap in a symlink that has us write over a file of ours. Every directory
+    the returned path goes through is then ours or root's. Checked before anything is stored, and
+    again when it is written."""
     path = config_path()
     try:
-        _refuse_another_users(os.path.dirname(path), "directory")
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            if another_users(st.st_uid):
-                raise _not_writing(path, "symlink", st.st_uid)
-            path = os.path.realpath(path)
-            _refuse_another_users(os.path.dirname(path), "directory")
+        dfd, directory, name = _walk(path, write=True)
     except FileNotFoundError:
-        return path  # no directory yet (save makes it, ours), no file, or a symlink to nowhere: replaced
+        return path  # no directory yet (save makes it, ours), or a symlink into none: replaced, as Docker
     except OSError as e:
         raise storage_error(e, os.path.dirname(path), " (Docker's config)") from None
-    return path
-
-
-def _refuse_another_users(directory: str, what: str) -> None:
-    owner = os.stat(directory).st_uid
-    if another_users(owner):
-        raise _not_writing(directory, what, owner)
+    os.close(dfd)
+    return os.path.join(directory, name)
 
 
 def _not_writing(path: str, what: str, owner: int) -> AuthError:
