@@ -3,8 +3,8 @@ against the base (a wrong --root: an empty directory diffs as the whole base del
 restore onto a live root against the paths that root holds, from the deletions the layers carry
 (restore/deletion_guard.py), before anything is written.
 
-One rule for both. A snapshot deletes the system when it deletes, or empties, a directory that
-holds paths and that is
+One rule for both. A snapshot deletes the system when it deletes, or empties (it stays, each of
+its paths deleted: a whiteout per file), a directory that holds paths and that is
   1. a top-level directory (bin, etc, usr, workspace; an empty /srv or /mnt does not count:
      deleting it loses nothing), or a top-level link to one (/bin -> usr/bin), or
   2. a system directory: a direct child of usr/ (usr/bin, usr/lib, usr/share, usr/local), or a

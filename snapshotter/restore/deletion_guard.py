@@ -1,8 +1,13 @@
 """The deletion guard of a restore onto a live root (restore.py's holds_system), unless --force.
 
 Before anything is written, what each layer deletes is read from its tar headers: whiteouts
-(`.wh.NAME`) and opaque markers (`.wh..wh..opq`) at any depth, and non-directories that would
-replace a directory the root holds (the extractor removes that tree). The headers come from the
+(`.wh.NAME`) and opaque markers (`.wh..wh..opq`) at any depth, non-directories that would
+replace a directory the root holds (the extractor removes that tree), and any member, a directory
+too, that would replace a link to a directory holding anything (/bin -> usr/bin; the same link
+written again is no deletion). A path counts as written again only where the extractor makes it
+(extract.creates: no device node without --allow-devices, no never-write path), by the deleting
+layer or a later one. Files joined from part layers (parts.py) and their other names must not
+land on a directory or a link to one. The headers come from the
 snapshot's skeleton blob (snapshot/skeleton.py) where it has the layer's diff_id, without a
 download; any other layer (a foreign one, a skeleton missing, malformed or too big) is streamed
 from the registry, its digest and diff_id checked, its headers read and its contents dropped
