@@ -32,8 +32,8 @@
 - Onto a root that holds a live system, the caller counted what the layer deletes before anything
   was written (restore/deletion_guard.py) and says which deletions it may make (`deletions`: each
   whiteout or opaque marker, each non-directory that replaces a directory holding anything, and
-  each member that replaces a link to such a directory, with where it was counted to delete): any other, or one that now lands elsewhere, is refused
-  (exit 6) before it deletes. A layer whose bytes are not the headers that were counted deletes
+  each member that replaces a link to such a directory, with where it was counted to delete): any
+  other, or one that now lands elsewhere, is refused (exit 6) before it deletes. A layer whose bytes are not the headers that were counted deletes
   no more than was counted.
 """
 
