@@ -311,6 +311,22 @@ def test_commit_judges_a_directory_emptied_one_file_at_a_time():
     d = count(index, [f"usr/bin/tool{i}" for i in range(60)])
     assert d.deletes_system and d.system == ["usr/bin"] and d.paths == 60
     assert not count(index, [f"usr/bin/tool{i}" for i in range(59)]).deletes_system
+    # A top-level directory that is not the system's, emptied (the base's files in /workspace or
+    # /root deleted), is a box's own business; deleted whole, it still counts.
+    index.update({rel: Entry(rel, DIR, 0o755) for rel in ("workspace", "root")})
+    index.update({rel: Entry(rel, "file", 0o644) for rel in ("workspace/README.md", "root/.bashrc", "root/.profile")})
+    assert not count(index, ["workspace/README.md", "root/.bashrc", "root/.profile"]).deletes_system
+    assert count(index, ["workspace"]).top == ["workspace"]
+
+
+def test_emptying_a_directory_that_is_not_the_system_restores(registry, tmp_path):
+    """The base's files in /workspace and /root deleted one by one: not the system, restored."""
+    tar = tar_bytes(whiteout("workspace/.wh.README.md"), whiteout("root/.wh..bashrc"), whiteout("root/.wh..profile"))
+    ref = push_snapshot(registry, "guard33/emptying-own", [tar], [skeleton_of(tar)])
+    root = live_root(tmp_path)
+    write_tree(root, {"workspace/README.md": "hi\n", "root/.bashrc": "x\n", "root/.profile": "y\n"})
+    snap("restore", ref, "--root", root, "--only-snapshot", check=True)
+    assert os.listdir(os.path.join(root, "workspace")) == [] and os.listdir(os.path.join(root, "root")) == []
 
 
 def part_snapshot(registry, repo: str, path: str, links: list[str], first: bytes = b"") -> str:

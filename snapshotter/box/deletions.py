@@ -3,10 +3,12 @@ against the base (a wrong --root: an empty directory diffs as the whole base del
 restore onto a live root against the paths that root holds, from the deletions the layers carry
 (restore/deletion_guard.py), before anything is written.
 
-One rule for both. A snapshot deletes the system when it deletes, or empties (it stays, each of
-its paths deleted: a whiteout per file), a directory that holds paths and that is
+One rule for both. A snapshot deletes the system when it deletes a directory that holds paths,
+or empties a system one (it stays, each of its paths deleted: a whiteout per file), that is
   1. a top-level directory (bin, etc, usr, workspace; an empty /srv or /mnt does not count:
-     deleting it loses nothing), or a top-level link to one (/bin -> usr/bin), or
+     deleting it loses nothing), or a top-level link to one (/bin -> usr/bin); emptied, only a
+     system one (SYSTEM_TOPS: a box that deletes the files the base put in /workspace or /root
+     keeps its system), or
   2. a system directory: a direct child of usr/ (usr/bin, usr/lib, usr/share, usr/local), or a
      directory at most three levels deep under a system top-level directory (SYSTEM_TOPS: bin,
      boot, etc, lib*, sbin, usr) that holds more than BIG_SYSTEM_DIR paths (etc/ssl,
@@ -97,7 +99,7 @@ def count(index: dict[str, Entry], deleted: list[str]) -> Deletions:
     dirs = {rel: below(rel) for rel in gone if index[rel].kind == DIR}
     for parent in {rel.rpartition("/")[0] for rel in gone if "/" in rel}:
         n = below(parent)
-        if parent in index and index[parent].kind == DIR and \
+        if parent in index and index[parent].kind == DIR and ("/" in parent or parent in SYSTEM_TOPS) and \
                 sums[bisect.bisect_left(gone, parent + "0")] - sums[bisect.bisect_left(gone, parent + "/")] == n:
             dirs[parent] = n  # emptied: all its paths deleted, the directory left
     top = sorted(rel for rel, n in dirs.items() if "/" not in rel and n)
@@ -247,7 +249,7 @@ def _judge(live: LiveRoot, deleted: dict[str, tuple[int, int, bool]], emptied: d
     sizes.update(emptied)
     top, system = [], []
     for rel, (n, below, _) in [*deleted.items(), *((rel, (n, n, True)) for rel, n in emptied.items())]:
-        if "/" not in rel and (below or _links_to_full_dir(live, rel)):
+        if "/" not in rel and (below or _links_to_full_dir(live, rel)) and (rel in SYSTEM_TOPS or rel not in emptied):
             top.append(rel)
         elif below and system_dir(rel, n):
             system.append(rel)
