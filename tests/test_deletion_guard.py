@@ -3,7 +3,10 @@ anything is written (issue 33, class 1): hostile snapshots whose whiteouts, opaq
 replacing files delete usr/bin, usr/lib, usr/share or etc/passwd are refused (exit 6, one line,
 the root unchanged) whatever the manifest's `dev.snap.deletes` says, with or without a skeleton,
 and a skeleton that lies cannot let a layer delete more than was counted. `--force` applies them;
-an honest snapshot that deletes a few files restores as before."""
+an honest snapshot that deletes a few files restores as before. A member over a link to a
+directory (/bin -> usr/bin) deletes the link; members the extractor does not make re-add nothing;
+a directory emptied one whiteout at a time is a deleted one; a file joined from part layers, or
+one of its names, never replaces a directory."""
 
 import hashlib
 import io
@@ -13,7 +16,7 @@ import tarfile
 
 import pytest
 
-from helpers import push_annotated
+from helpers import part_ann, push_annotated
 from snapshotter.snapshot.skeleton import PieceWriter
 from support import assert_one_line_error, member, snap, snapshot_of_tree, tar_bytes, write_tree
 
@@ -214,3 +217,154 @@ def test_the_count_walks_only_the_deleted_trees(tmp_path):
     assert (d.paths, d.deletes_system, d.exact) == (3, False, False) and d.of == 7
     assert len(looked) < 20, len(looked)
     assert where == {"usr/bin/.wh.tool3": "usr/bin/tool3", "usr/share/doc/.wh.pkg7": "usr/share/doc/pkg7"}
+
+
+def merged_usr(root: str) -> str:
+    """The live root made merged-usr: /bin -> usr/bin, /lib64 -> usr/lib64 (which holds ld.so)."""
+    os.rename(os.path.join(root, "bin/sh"), os.path.join(root, "usr/bin/sh"))
+    os.rmdir(os.path.join(root, "bin"))
+    os.symlink("usr/bin", os.path.join(root, "bin"))
+    write_tree(root, {"usr/lib64/ld.so": "ld\n"})
+    os.symlink("usr/lib64", os.path.join(root, "lib64"))
+    return root
+
+
+OVER_LINKS = {"dir-over-bin": tar_bytes(member("bin/", "dir")),
+              "file-over-bin": tar_bytes(member("bin", data=b"not a link\n")),
+              "symlink-over-lib64": tar_bytes(member("lib64", "symlink", linkname="/nonexistent"))}
+
+
+@pytest.mark.parametrize("which", [*OVER_LINKS, "lying-skeleton"])
+def test_a_member_over_a_top_level_link_deletes_the_link(which, registry, tmp_path):
+    """On a merged-usr root, any member landing on /bin or /lib64 (a directory too) replaces the link."""
+    tar = OVER_LINKS["dir-over-bin" if which == "lying-skeleton" else which]
+    decoy = tar_bytes(member("opt/app/decoy.py", data=b"decoy\n"))
+    ref = push_snapshot(registry, f"guard33/over-{which}", [tar],
+                        [skeleton_of(decoy, key=tar) if which == "lying-skeleton" else skeleton_of(tar)])
+    root = merged_usr(live_root(tmp_path))
+    before = snapshot_of_tree(root)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    shown = "'/lib64'" if "lib64" in which else "'/bin'"
+    assert_one_line_error(r, 6, shown, "live system", "--force")
+    assert snapshot_of_tree(root) == before
+    snap("restore", ref, "--root", root, "--only-snapshot", "--force", check=True)
+    replaced = os.path.join(root, shown.strip("'/"))
+    assert not os.path.islink(replaced) or os.readlink(replaced) == "/nonexistent"
+
+
+def test_a_layer_that_writes_a_top_level_link_again_restores(registry, tmp_path):
+    """The same link (a commit that saw /bin's times change) deletes nothing."""
+    tar = tar_bytes(member("bin", "symlink", linkname="usr/bin"), member("opt/app/new.py", data=b"new\n"))
+    ref = push_snapshot(registry, "guard33/same-link", [tar], [skeleton_of(tar)])
+    root = merged_usr(live_root(tmp_path))
+    snap("restore", ref, "--root", root, "--only-snapshot", check=True)
+    assert os.readlink(os.path.join(root, "bin")) == "usr/bin" and len(os.listdir(os.path.join(root, "bin"))) == 61
+
+
+def unmade_then_deleted(registry, which: str) -> str:
+    """usr/bin and usr/lib deleted, their files written again only by what the deletion does not spare."""
+    names = [f"usr/bin/tool{i}" for i in range(60)] + [f"usr/lib/lib{i}.so" for i in range(60)]
+    gone = [whiteout("usr/.wh.bin"), whiteout("usr/.wh.lib")]
+    if which == "devices":  # device nodes: not made without --allow-devices
+        tars = [tar_bytes(*(member(n, "char", dev=(1, 3)) for n in names), *gone)]
+    else:  # written by an earlier layer: the later one deletes them
+        tars = [tar_bytes(*(member(n, data=b"again\n") for n in names)), tar_bytes(*gone)]
+    return push_snapshot(registry, f"guard33/unmade-{which}", tars, [skeleton_of(t) for t in tars])
+
+
+@pytest.mark.parametrize("which", ["devices", "earlier-layer"])
+def test_members_that_do_not_outlive_the_deletion_hide_nothing(which, registry, tmp_path):
+    ref = unmade_then_deleted(registry, which)
+    root = live_root(tmp_path)
+    before = snapshot_of_tree(root)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    assert_one_line_error(r, 6, "'/usr/bin' 61 paths", "'/usr/lib' 61 paths", "live system")
+    assert snapshot_of_tree(root) == before
+    snap("restore", ref, "--root", root, "--only-snapshot", "--force", check=True)
+    assert not os.path.exists(os.path.join(root, "usr/bin"))
+
+
+EMPTYING = [f"usr/bin/.wh.tool{i}" for i in range(60)] + [f"usr/lib/.wh.lib{i}.so" for i in range(60)] + ["bin/.wh.sh"]
+
+
+def test_a_directory_emptied_one_file_at_a_time_is_a_deleted_one(registry, tmp_path):
+    tar = tar_bytes(*(whiteout(n) for n in EMPTYING))
+    ref = push_snapshot(registry, "guard33/emptying", [tar], [skeleton_of(tar)])
+    root = live_root(tmp_path)
+    write_tree(root, {f"data/f{i}": "x" for i in range(400)})  # under the half rule
+    before = snapshot_of_tree(root)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    assert_one_line_error(r, 6, "'/bin' 1 paths", "'/usr/bin' 60 paths", "'/usr/lib' 60 paths", "live system")
+    assert snapshot_of_tree(root) == before
+    snap("restore", ref, "--root", root, "--only-snapshot", "--force", check=True)
+    assert os.listdir(os.path.join(root, "usr/bin")) == [] and os.listdir(os.path.join(root, "bin")) == []
+
+
+def test_commit_judges_a_directory_emptied_one_file_at_a_time():
+    """The same rule at commit: the base's usr/bin loses each of its files, one by one."""
+    from snapshotter.box.deletions import count
+    from snapshotter.index.entry import DIR, Entry
+
+    index = {rel: Entry(rel, DIR, 0o755) for rel in ("usr", "usr/bin", "usr/share", "etc")}
+    index.update({rel: Entry(rel, "file", 0o644) for rel in
+                  [f"usr/bin/tool{i}" for i in range(60)] + [f"usr/share/f{i}" for i in range(200)] + ["etc/passwd"]})
+    d = count(index, [f"usr/bin/tool{i}" for i in range(60)])
+    assert d.deletes_system and d.system == ["usr/bin"] and d.paths == 60
+    assert not count(index, [f"usr/bin/tool{i}" for i in range(59)]).deletes_system
+    # A top-level directory that is not the system's, emptied (the base's files in /workspace or
+    # /root deleted), is a box's own business; deleted whole, it still counts.
+    index.update({rel: Entry(rel, DIR, 0o755) for rel in ("workspace", "root")})
+    index.update({rel: Entry(rel, "file", 0o644) for rel in ("workspace/README.md", "root/.bashrc", "root/.profile")})
+    assert not count(index, ["workspace/README.md", "root/.bashrc", "root/.profile"]).deletes_system
+    assert count(index, ["workspace"]).top == ["workspace"]
+
+
+def test_emptying_a_directory_that_is_not_the_system_restores(registry, tmp_path):
+    """The base's files in /workspace and /root deleted one by one: not the system, restored."""
+    tar = tar_bytes(whiteout("workspace/.wh.README.md"), whiteout("root/.wh..bashrc"), whiteout("root/.wh..profile"))
+    ref = push_snapshot(registry, "guard33/emptying-own", [tar], [skeleton_of(tar)])
+    root = live_root(tmp_path)
+    write_tree(root, {"workspace/README.md": "hi\n", "root/.bashrc": "x\n", "root/.profile": "y\n"})
+    snap("restore", ref, "--root", root, "--only-snapshot", check=True)
+    assert os.listdir(os.path.join(root, "workspace")) == [] and os.listdir(os.path.join(root, "root")) == []
+
+
+def part_snapshot(registry, repo: str, path: str, links: list[str], first: bytes = b"") -> str:
+    """A file cut into two part layers, with other names (dev.snap.part-links) on the last, after a layer `first`."""
+    def part(k: int) -> bytes:
+        return tar_bytes(member(f"{path}.snap-part-{k:04d}-of-0002", data=b"part %d\n" % k))
+
+    last = {**part_ann(path, "2/2"), "dev.snap.part-links": json.dumps(links)}
+    layers = ([(first, APP)] if first else []) + [(part(1), part_ann(path, "1/2")), (part(2), last)]
+    return push_annotated(registry, repo, layers, {"dev.snap.base-layers": "0"})
+
+
+@pytest.mark.parametrize("which", ["links", "file-named-bin"])
+def test_a_joined_file_never_replaces_a_directory(which, registry, tmp_path):
+    """Forged part annotations name /usr/lib, /usr/bin, /etc, or the /bin link, as what the join makes."""
+    if which == "links":
+        ref = part_snapshot(registry, "guard33/part-links", "opt/big", ["usr/lib", "usr/bin", "etc"])
+    else:
+        ref = part_snapshot(registry, "guard33/part-bin", "bin", [])
+    root = live_root(tmp_path)
+    if which == "file-named-bin":
+        merged_usr(root)
+    before = snapshot_of_tree(root)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    assert_one_line_error(r, 6, "'/usr/lib'" if which == "links" else "'/bin'", "hostile image")
+    assert snapshot_of_tree(root) == before
+    # Not a deletion to allow: refused when joining (the parts applied), the system kept.
+    r = snap("restore", ref, "--root", root, "--only-snapshot", "--force")
+    assert_one_line_error(r, 6, "hostile image")
+    after = snapshot_of_tree(root)
+    assert {p: after.get(p) for p in before} == before
+
+
+def test_a_joined_file_never_replaces_a_directory_its_layers_made(registry, tmp_path):
+    """Checked again when joining: a directory the image's own layers put where a name of the file goes."""
+    made = tar_bytes(member("opt/made/", "dir"), member("opt/made/keep", data=b"keep\n"))
+    ref = part_snapshot(registry, "guard33/part-over-made", "opt/big", ["opt/made"], first=made)
+    root = live_root(tmp_path)
+    r = snap("restore", ref, "--root", root, "--only-snapshot")
+    assert_one_line_error(r, 6, "'/opt/made'", "hostile image")
+    assert os.listdir(os.path.join(root, "opt/made")) == ["keep"]

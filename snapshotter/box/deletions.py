@@ -3,10 +3,12 @@ against the base (a wrong --root: an empty directory diffs as the whole base del
 restore onto a live root against the paths that root holds, from the deletions the layers carry
 (restore/deletion_guard.py), before anything is written.
 
-One rule for both. A snapshot deletes the system when it deletes, or empties, a directory that
-holds paths and that is
+One rule for both. A snapshot deletes the system when it deletes a directory that holds paths,
+or empties a system one (it stays, each of its paths deleted: a whiteout per file), that is
   1. a top-level directory (bin, etc, usr, workspace; an empty /srv or /mnt does not count:
-     deleting it loses nothing), or a top-level link to one (/bin -> usr/bin), or
+     deleting it loses nothing), or a top-level link to one (/bin -> usr/bin); emptied, only a
+     system one (SYSTEM_TOPS: a box that deletes the files the base put in /workspace or /root
+     keeps its system), or
   2. a system directory: a direct child of usr/ (usr/bin, usr/lib, usr/share, usr/local), or a
      directory at most three levels deep under a system top-level directory (SYSTEM_TOPS: bin,
      boot, etc, lib*, sbin, usr) that holds more than BIG_SYSTEM_DIR paths (etc/ssl,
@@ -81,7 +83,8 @@ class Deletions:
 def count(index: dict[str, Entry], deleted: list[str]) -> Deletions:
     """What deleting `deleted` (the top-most paths of each deleted tree: box/diff.py's Diff) does to the
     base `index`. The paths below a path are one run of the sorted paths (those between 'p/' and
-    'p0', '0' following '/'): no pass over a 200k-path base per deleted path."""
+    'p0', '0' following '/'): no pass over a 200k-path base per deleted path. A directory that
+    stays but loses every path below it (one whiteout per file) is judged as a deleted one."""
     if not deleted:
         return Deletions(0, len(index), [])
     paths = sorted(index)
@@ -89,12 +92,19 @@ def count(index: dict[str, Entry], deleted: list[str]) -> Deletions:
     def below(rel: str) -> int:
         return bisect.bisect_left(paths, rel + "0") - bisect.bisect_left(paths, rel + "/")
 
-    gone = [rel for rel in deleted if rel in index]
+    gone = sorted(rel for rel in deleted if rel in index)
+    sums = [0]  # sums[i]: the paths the first i of `gone` delete
+    for rel in gone:
+        sums.append(sums[-1] + 1 + below(rel))
     dirs = {rel: below(rel) for rel in gone if index[rel].kind == DIR}
+    for parent in {rel.rpartition("/")[0] for rel in gone if "/" in rel}:
+        n = below(parent)
+        if parent in index and index[parent].kind == DIR and ("/" in parent or parent in SYSTEM_TOPS) and \
+                sums[bisect.bisect_left(gone, parent + "0")] - sums[bisect.bisect_left(gone, parent + "/")] == n:
+            dirs[parent] = n  # emptied: all its paths deleted, the directory left
     top = sorted(rel for rel, n in dirs.items() if "/" not in rel and n)
     system = sorted(rel for rel, n in dirs.items() if n and system_dir(rel, 1 + n))
-    return Deletions(sum(1 + below(rel) for rel in gone), len(index), top, system,
-                     {rel: 1 + dirs[rel] for rel in (*top, *system)})
+    return Deletions(sums[-1], len(index), top, system, {rel: 1 + dirs[rel] for rel in (*top, *system)})
 
 
 def refuse_commit(root: str, d: Deletions) -> None:
@@ -114,6 +124,7 @@ class Deleting:
     member: str  # the member's path: a whiteout ('usr/.wh.bin'), an opaque marker, or a non-directory
     parent: str  # the directory it deletes in, as named (resolved in the root when counted)
     name: str  # what it deletes there; "" for an opaque marker: all of it (but what the layer writes)
+    layer: int = 0  # the layer's place among those applied: what an earlier one wrote, it deletes
 
 
 class LiveRoot:
@@ -179,32 +190,41 @@ class LiveRoot:
                     stack.append(path)
 
 
-def count_live(live: LiveRoot, deleting: Iterable[Deleting], written: set[str]) -> tuple[Deletions, dict[str, Optional[str]]]:
+def count_live(live: LiveRoot, deleting: Iterable[Deleting], written: dict[str, int]) -> tuple[Deletions, dict[str, Optional[str]]]:
     """What `deleting` (every layer's) does to the live root: (the count, {member: where it deletes,
     for the extractor to check}). A deleted directory counts each path in it; an opaque marker each
-    path of its directory; neither counts a path some layer writes again (`written`). Only the
-    deleted trees are walked, and the root's other paths only until they are more than twice the
-    deleted ones (enough to tell the half rule)."""
+    path of its directory; neither counts a path a layer creates again (`written`: {path: the last
+    layer that creates it}), from the layer that deletes it or a later one. A directory left with
+    no child (a whiteout for each) is judged as a deleted one. Only the deleted trees are walked,
+    and the root's other paths only until they are more than twice the deleted ones (enough to
+    tell the half rule)."""
     where: dict[str, Optional[str]] = {}
-    units: dict[str, bool] = {}  # deleted path -> only its contents (an opaque marker's directory)
+    units: dict[str, tuple[bool, int]] = {}  # deleted path -> (only its contents: an opaque marker's, last layer deleting it)
     for d in deleting:
         where[d.member] = target = live.target(d)
         if target is None or (target and live.never(target)):
             continue  # a loop (the extractor refuses it), or the machine's own path: never deleted
-        if d.name or target:
-            units[target] = units.get(target, True) and not d.name
-        else:  # an opaque marker at the root: each top-level path is deleted
-            units.update((child, False) for child in live.children("") if not live.never(child))
-    deleted: dict[str, tuple[int, int]] = {}  # path -> (paths deleted there, of them below it)
+        for rel in [target] if d.name or target else [c for c in live.children("") if not live.never(c)]:
+            only, layer = units.get(rel, (True, -1))  # an opaque marker at the root deletes each top-level path
+            units[rel] = (only and bool(target) and not d.name, max(layer, d.layer))
+
+    def created_again(rel: str) -> bool:  # by a layer no earlier than each that deletes it or a directory above it
+        parts = rel.split("/")
+        ups = ("/".join(parts[:k]) for k in range(1, len(parts) + 1))
+        return rel in written and all(written[rel] >= units[up][1] for up in ups if up in units)
+
+    deleted: dict[str, tuple[int, int, bool]] = {}  # path -> (paths deleted there, of them below it, whether it stays)
     for rel in sorted(units):
         if _inside_counted(rel, deleted):
             continue
         st = live.lstat(rel)
         if st is None:
             continue
-        below = sum(1 for p in live.walk(rel) if p not in written) if stat.S_ISDIR(st.st_mode) else 0
-        deleted[rel] = (below + (0 if units[rel] or rel in written else 1), below)
-    return _judge(live, deleted), where
+        below = sum(1 for p in live.walk(rel) if not created_again(p)) if stat.S_ISDIR(st.st_mode) else 0
+        # A link replaced is gone whatever takes its name.
+        stays = units[rel][0] or (created_again(rel) and not stat.S_ISLNK(st.st_mode))
+        deleted[rel] = (below + (0 if stays else 1), below, stays)
+    return _judge(live, deleted, _emptied(live, deleted)), where
 
 
 def _inside_counted(rel: str, counted: dict) -> bool:
@@ -213,17 +233,29 @@ def _inside_counted(rel: str, counted: dict) -> bool:
     return any("/".join(parts[:k]) in counted for k in range(1, len(parts)))
 
 
-def _judge(live: LiveRoot, deleted: dict[str, tuple[int, int]]) -> Deletions:
-    paths = sum(n for n, _ in deleted.values())
+def _emptied(live: LiveRoot, deleted: dict[str, tuple[int, int, bool]]) -> dict[str, int]:
+    """The directories that stay but lose every child (one whiteout for each): {directory: paths deleted in it}."""
+    out = {}
+    for parent in {rel.rpartition("/")[0] for rel in deleted if "/" in rel}:
+        children = [f"{parent}/{name}" for name in live.children(parent)]
+        if children and all(c in deleted and not deleted[c][2] for c in children):
+            out[parent] = sum(deleted[c][0] for c in children)
+    return out
+
+
+def _judge(live: LiveRoot, deleted: dict[str, tuple[int, int, bool]], emptied: dict[str, int]) -> Deletions:
+    paths = sum(n for n, _, _ in deleted.values())
+    sizes = {rel: n for rel, (n, _, _) in deleted.items()}
+    sizes.update(emptied)
     top, system = [], []
-    for rel, (n, below) in deleted.items():
-        if "/" not in rel and (below or _links_to_full_dir(live, rel)):
+    for rel, (n, below, _) in [*deleted.items(), *((rel, (n, n, True)) for rel, n in emptied.items())]:
+        if "/" not in rel and (below or _links_to_full_dir(live, rel)) and (rel in SYSTEM_TOPS or rel not in emptied):
             top.append(rel)
         elif below and system_dir(rel, n):
             system.append(rel)
     limit = 2 * paths + 1
     of = sum(1 for _ in live.walk("", limit, skip_never=True)) if paths else 0
-    return Deletions(paths, of, sorted(top), sorted(system), {rel: deleted[rel][0] for rel in (*top, *system)},
+    return Deletions(paths, of, sorted(top), sorted(system), {rel: sizes[rel] for rel in (*top, *system)},
                      exact=of < limit)
 
 

@@ -31,9 +31,9 @@
   extractors' temp files.
 - Onto a root that holds a live system, the caller counted what the layer deletes before anything
   was written (restore/deletion_guard.py) and says which deletions it may make (`deletions`: each
-  whiteout or opaque marker, and each non-directory that replaces a directory holding anything,
-  with where it was counted to delete): any other, or one that now lands elsewhere, is refused
-  (exit 6) before it deletes. A layer whose bytes are not the headers that were counted deletes
+  whiteout or opaque marker, each non-directory that replaces a directory holding anything, and
+  each member that replaces a link to such a directory, with where it was counted to delete): any
+  other, or one that now lands elsewhere, is refused (exit 6) before it deletes. A layer whose bytes are not the headers that were counted deletes
   no more than was counted.
 """
 
@@ -255,6 +255,13 @@ class Extractor:
         parent, _, base = rel.rpartition("/")
         self._image_files.add(_join(self._resolve_dir(parent, create=False), base))
 
+    def dir_at(self, rel: str) -> Optional[str]:
+        """The real directory /rel is, or leads to (a link to one), resolved inside the root; else None."""
+        try:
+            return self._resolve_dir(rel, create=False)
+        except (FileNotFoundError, NotADirectoryError, IntegrityError):
+            return None
+
     def add_hardlink(self, rel: str, target: str) -> None:
         """Link /rel to /target as a layer's hardlink entry is made (inside the root, never over a
         directory, only to a file this extractor wrote or was told of: note_written)."""
@@ -438,12 +445,10 @@ class Extractor:
         if self._never.match(rel) and self._leave_alone(rel, m):
             self.stats.left_alone += 1
             return
-        if m.type not in _PLAIN_TYPES:
-            if m.type not in _DEVICE_TYPES:
-                return  # other tar types (GNU sparse etc.) carry nothing a rootfs needs
-            if not self._devices_allowed(m):
+        if not creates(m, self.opts.allow_devices):
+            if m.type in _DEVICE_TYPES:
                 self.stats.skipped_device("/" + rel)
-                return  # skipped before anything is touched: the path keeps what lower layers put there
+            return  # skipped before anything is touched: the path keeps what lower layers put there
         pdir, path = self._locate(rel)
         landed = path[len(self._root_prefix):]
         if landed != rel and self._never.match(landed) and self._leave_alone(landed, m):
@@ -458,6 +463,11 @@ class Extractor:
             old = None
         if old is not None and (stat.S_ISLNK(old.st_mode) or (stat.S_ISDIR(old.st_mode) and not m.isdir())):
             self._dir_cache.clear()  # a symlink or a directory is about to be replaced
+        if old is not None and stat.S_ISLNK(old.st_mode) and self.deletions is not None and \
+                self.deletions.get(rel) != landed and not (m.issym() and m.linkname == os.readlink(path)):
+            there = self.dir_at(landed)  # replaced by whatever the member is (a directory too): /bin -> usr/bin
+            if there is not None and os.listdir(there):
+                self._uncounted(f"{quoted_path(rel)} would replace the link {quoted_path(landed)} to a directory")
 
         if m.isdir():
             if old is not None and not stat.S_ISDIR(old.st_mode):
@@ -532,11 +542,6 @@ class Extractor:
         self._image_files.add(path)
         self.layer_files.append(path[len(self.root):].lstrip("/"))
         self.layer_shapes.append(shape_of(m))
-
-    def _devices_allowed(self, m: tarfile.TarInfo) -> bool:
-        """Device nodes with --allow-devices as root; FIFOs (which a reader can block on) with
-        --allow-devices."""
-        return self.opts.allow_devices and (m.isfifo() or os.geteuid() == 0)
 
     def _reserve(self, size: int, rel: str) -> None:
         """Stop before a file the disk cannot hold (a decompression bomb, or an image bigger than
@@ -787,6 +792,15 @@ class _Indexing:
         while self.read_data(READ_BUFFER):
             pass
         return hasher_digest(self._hash)
+
+
+def creates(m: tarfile.TarInfo, allow_devices: bool) -> bool:
+    """Does the extractor make something for member `m` (not a whiteout)? A plain type; a device node
+    with --allow-devices as root; a FIFO (which a reader can block on) with --allow-devices. Other
+    tar types (GNU sparse etc.) carry nothing a rootfs needs."""
+    if m.type in _PLAIN_TYPES:
+        return True
+    return m.type in _DEVICE_TYPES and allow_devices and (m.isfifo() or os.geteuid() == 0)
 
 
 def _join(directory: str, name: str) -> str:

@@ -1,8 +1,13 @@
 """The deletion guard of a restore onto a live root (restore.py's holds_system), unless --force.
 
 Before anything is written, what each layer deletes is read from its tar headers: whiteouts
-(`.wh.NAME`) and opaque markers (`.wh..wh..opq`) at any depth, and non-directories that would
-replace a directory the root holds (the extractor removes that tree). The headers come from the
+(`.wh.NAME`) and opaque markers (`.wh..wh..opq`) at any depth, non-directories that would
+replace a directory the root holds (the extractor removes that tree), and any member, a directory
+too, that would replace a link to a directory holding anything (/bin -> usr/bin; the same link
+written again is no deletion). A path counts as written again only where the extractor makes it
+(extract.creates: no device node without --allow-devices, no never-write path), by the deleting
+layer or a later one. Files joined from part layers (parts.py) and their other names must not
+land on a directory or a link to one. The headers come from the
 snapshot's skeleton blob (snapshot/skeleton.py) where it has the layer's diff_id, without a
 download; any other layer (a foreign one, a skeleton missing, malformed or too big) is streamed
 from the registry, its digest and diff_id checked, its headers read and its contents dropped
@@ -18,6 +23,7 @@ was checked. Layers the root already holds (skip.py) are not applied, so delete 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tarfile
 from dataclasses import dataclass, field
@@ -26,12 +32,14 @@ from typing import Callable, Iterable, Optional
 from snapshotter.box.deletions import Deleting, LiveRoot, count_live, refuse_live
 from snapshotter.box.profile import PathSet
 from snapshotter.errors import IntegrityError
+from snapshotter.layer.extract import creates
 from snapshotter.oci.image import Image, layer_label
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.skeleton import Skeleton
 from snapshotter.tar.reader import iter_members
 from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, check_name, whiteout_target
 
+from .parts import refuse_join_over_dir
 from .skip import members_of
 from .verify import read_blob
 
@@ -43,11 +51,11 @@ Claims = dict[str, dict[str, Optional[str]]]
 class LayerDeletions:
     """What a layer's headers delete, and what they write."""
     deleting: list[Deleting] = field(default_factory=list)  # its whiteouts and opaque markers
-    nondirs: list[Deleting] = field(default_factory=list)  # its non-directories: they replace a directory there
-    written: set[str] = field(default_factory=set)  # the paths it writes
+    writing: list[tuple[Deleting, tarfile.TarInfo]] = field(default_factory=list)  # its members: they replace what is there
+    created: set[str] = field(default_factory=set)  # the paths the extractor makes for it (extract.creates)
 
 
-def read_deletions(members: Iterable[tarfile.TarInfo]) -> LayerDeletions:
+def read_deletions(members: Iterable[tarfile.TarInfo], allow_devices: bool = False) -> LayerDeletions:
     """The deletions of a layer's members, in the extractor's terms (layer/extract.py)."""
     out = LayerDeletions()
     for m in members:
@@ -60,64 +68,102 @@ def read_deletions(members: Iterable[tarfile.TarInfo]) -> LayerDeletions:
         elif base.startswith(WHITEOUT_PREFIX):
             out.deleting.append(Deleting(rel, parent, whiteout_target(base)))
         else:
-            out.written.add(rel)
-            if not m.isdir():
-                out.nondirs.append(Deleting(rel, parent, base))
+            out.writing.append((Deleting(rel, parent, base), m))
+            if creates(m, allow_devices) and not (m.islnk() and check_name(m.linkname) not in out.created):
+                out.created.add(rel)  # a hardlink to a file not written before it is refused, not made
     return out
 
 
 def guard_live_root(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], skeletons: dict[str, Skeleton],
-                    root: str, sign: str, never_write: PathSet, log: Callable[[str], None]) -> Claims:
+                    root: str, sign: str, never_write: PathSet, allow_devices: bool, joins: dict[str, list[str]],
+                    log: Callable[[str], None]) -> Claims:
     """Refuse (IntegrityError) the layers `todo` when what they delete of the live `root` is its
-    system; else what each may delete (Claims). Nothing is written to the root either way."""
+    system, or when a file joined from part layers, or one of its names (`joins`: restore/parts.py),
+    would replace a directory there; else what each may delete (Claims). Nothing is written to the
+    root either way."""
     layers: dict[str, LayerDeletions] = {}
     for i, desc, diff_id in todo:
         if desc["digest"] not in layers:
             layers[desc["digest"]] = _layer_deletions(remote, desc, diff_id, layer_label(desc, i),
-                                                      skeletons.get(diff_id), log)
+                                                      skeletons.get(diff_id), allow_devices, log)
     live = LiveRoot(root, never_write.match)
-    replacing = {digest: _replacing(live, ld.nondirs) for digest, ld in layers.items()}
-    written = set().union(*(ld.written for ld in layers.values()))
-    deleting = [d for digest, ld in layers.items() for d in (*ld.deleting, *replacing[digest])]
+    replacing = {digest: _replacing(live, ld.writing) for digest, ld in layers.items()}
+    deleting, written = [], {}
+    for n, (_, desc, _) in enumerate(todo):  # in order: a layer deletes what those before it wrote
+        ld = layers[desc["digest"]]
+        deleting += [dataclasses.replace(d, layer=n) for d in (*ld.deleting, *replacing[desc["digest"]])]
+        written.update((rel, n) for rel in ld.created if not live.never(rel))
     counted, where = count_live(live, deleting, written)
     refuse_live(root, str(image.ref), sign, counted)
+    _refuse_joins_over_dirs(live, joins, set(where.values()))
     return {digest: {d.member: where[d.member] for d in (*ld.deleting, *replacing[digest])}
             for digest, ld in layers.items()}
 
 
+def _refuse_joins_over_dirs(live: LiveRoot, joins: dict[str, list[str]], deleted: set[Optional[str]]) -> None:
+    """A joined file or one of its names never replaces a directory, or a link to one (parts.py
+    refuses it when joining): refused here too, before anything is written, unless a layer deletes
+    what is there first."""
+    for rel, names in joins.items():
+        for name in (rel, *names):
+            parent, _, base = name.rpartition("/")
+            there = live.target(Deleting(name, parent, base))
+            if there is None or any(there == d or there.startswith(f"{d}/") for d in deleted if d is not None):
+                continue
+            to = live.resolve(there)
+            if to is not None and os.path.isdir(os.path.join(live.root, to)):
+                refuse_join_over_dir(rel, name)
+
+
 def _layer_deletions(remote: Remote, desc: dict, diff_id: str, label: str, skeleton: Optional[Skeleton],
-                     log: Callable[[str], None]) -> LayerDeletions:
+                     allow_devices: bool, log: Callable[[str], None]) -> LayerDeletions:
     """From the skeleton when there is one that reads; else from the layer, streamed and checked."""
     if skeleton is not None:
         try:
-            return read_deletions(members_of(skeleton, label))
+            return read_deletions(members_of(skeleton, label), allow_devices)
         except IntegrityError as e:
             log(f"warning: {e}: reading the layer's own headers")
     got: list[LayerDeletions] = []
 
     def consume(stream, check) -> None:
-        got.append(read_deletions(m for _, m in iter_members(stream, f"layer {label}")))
+        got.append(read_deletions((m for _, m in iter_members(stream, f"layer {label}")), allow_devices))
 
     read_blob(remote, desc, diff_id, label, log, consume)
     return got[0]
 
 
-def _replacing(live: LiveRoot, nondirs: list[Deleting]) -> list[Deleting]:
-    """The non-directories that land where the root holds a directory (each directory read once)."""
-    names: dict[str, Optional[set[str]]] = {}  # parent as named -> the names of directories in it on the root
+def _replacing(live: LiveRoot, writing: list[tuple[Deleting, tarfile.TarInfo]]) -> list[Deleting]:
+    """The members that delete what they land on: a non-directory where the root holds a directory,
+    any member (a directory too) where it holds a link to a directory that holds anything, but the
+    same link (each directory read once)."""
+    entries: dict[str, dict[str, Optional[str]]] = {}  # parent as named -> {name: None for a directory, a link's target}
     out = []
-    for d in nondirs:
-        if d.parent not in names:
+    for d, m in writing:
+        if d.parent not in entries:
             there = live.resolve(d.parent)
-            names[d.parent] = _dir_names(os.path.join(live.root, there)) if there is not None else None
-        if names[d.parent] and d.name in names[d.parent]:
+            entries[d.parent] = _replaceable(live, there) if there is not None else {}
+        if d.name not in entries[d.parent]:
+            continue
+        link = entries[d.parent][d.name]
+        if (link is None and not m.isdir()) or (link is not None and not (m.issym() and m.linkname == link)):
             out.append(d)
     return out
 
 
-def _dir_names(path: str) -> set[str]:
+def _replaceable(live: LiveRoot, there: str) -> dict[str, Optional[str]]:
+    """In directory `there`: {name: None} for its directories, {name: target} for its links to a
+    directory that holds anything."""
+    out: dict[str, Optional[str]] = {}
     try:
-        with os.scandir(path) as it:
-            return {e.name for e in it if e.is_dir(follow_symlinks=False)}
+        with os.scandir(os.path.join(live.root, there)) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    out[e.name] = None
+                elif e.is_symlink():
+                    rel = f"{there}/{e.name}".strip("/")
+                    to = live.resolve(rel)
+                    if to is not None and to != rel and live.children(to):
+                        out[e.name] = os.readlink(e.path)
     except OSError:
-        return set()
+        pass
+    return out

@@ -84,19 +84,31 @@ def join_parts(extractor: Extractor, files: dict[str, int], links: dict[str, lis
     symlinks, relative to their directory, and must be regular files: a hostile image cannot make
     a "part" of a host file. A file whose parts are all gone was joined by an earlier run; one with
     only some of them is refused. The file's other names (`links`) are then hardlinked to it, as
-    a layer's hardlink is made (scoped to the root, never replacing a directory), only once this
-    restore (this run, or an earlier one: the journal) joined it: never to a file already there."""
+    a layer's hardlink is made (scoped to the root), only once this restore (this run, or an
+    earlier one: the journal) joined it: never to a file already there. Neither the file nor a
+    name replaces a directory or a link to one: commit never cuts such a thing, a hostile image's
+    annotations can name /usr/lib (refused, as restore/deletion_guard.py does before anything is
+    written onto a live root)."""
     try:
         for rel, count in files.items():
             try:
                 if _join_file(extractor, rel, count, fsync, journal) and rel in links:
                     extractor.note_written(rel)
                 for name in links.get(rel, ()):
+                    if extractor.dir_at(name) is not None:
+                        refuse_join_over_dir(rel, name)
                     extractor.add_hardlink(name, rel)
             except OSError as e:
                 raise storage_error(e, repr(extractor.root), f" while joining the parts of {quoted_path(rel)}") from e
     finally:
         extractor.put_back_dir_times()
+
+
+def refuse_join_over_dir(rel: str, name: str) -> None:
+    """A file joined from part layers (/rel), or one of its names, lands on a directory or a link to one."""
+    what = "the file joined" if name == rel else f"a name of the file /{printable(rel)} joined"
+    raise IntegrityError(f"{what} from part layers would replace the directory (or link to one) {quoted_path(name)}: "
+                         "refusing a hostile image")
 
 
 def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal: Journal) -> bool:
@@ -123,6 +135,8 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
             raise IntegrityError(f"/{printable(rel)} is cut into {count} part layers, but {present.count(False)} of its parts "
                                  f"(part {first} first) are missing from the restored tree: refusing to join an incomplete file",
                                  "restore again into an empty directory")
+        if extractor.dir_at(rel) is not None:
+            refuse_join_over_dir(rel, rel)
         extractor.will_change(pdir)
         tmp = f"{TMP_PREFIX}join-{os.getpid()}"
         out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)

@@ -137,7 +137,9 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     live = holds_system(root) if base_layers == 0 and not opts.force else None
     # Fetched once, when the guard or skip.py first needs them.
     skeletons = functools.cache(lambda: _skeletons(remote, image, opts.log))
-    claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(never_write), opts.log) if live else None
+    joins = {rel: links.get(rel, []) for rel in parts}
+    claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(never_write),
+                             opts.extract.allow_devices, joins, opts.log) if live else None
     # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
     extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write,
                                                      run_token=secrets.token_hex(4)))
