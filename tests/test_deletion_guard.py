@@ -17,7 +17,7 @@ import tarfile
 import pytest
 
 from helpers import part_ann, push_annotated
-from snapshotter.snapshot.skeleton import PieceWriter
+from snapshotter.snapshot.skeleton import PieceWriter, parse
 from support import assert_one_line_error, member, snap, snapshot_of_tree, tar_bytes, write_tree
 
 APP = {"dev.snap.layer": "app"}  # a snap layer's annotation
@@ -53,13 +53,23 @@ def skeleton_of(tar: bytes, key: bytes | None = None) -> bytes:
 
 
 def push_snapshot(registry, repo: str, tars: list[bytes], skeletons: list[bytes] | None = None,
-                  annotations: dict | None = None, layer_annotations: dict | None = APP, zstd: bool = False) -> str:
+                  annotations: dict | None = None, layer_annotations: dict | None = APP, zstd: bool = False,
+                  one_blob: bool = False) -> str:
     """A snapshot of `tars` (all its layers snap's: --only-snapshot applies them all), with the
-    skeleton blob `skeletons` (pieces) names, and more manifest annotations."""
+    skeleton pieces `skeletons` as snap commit names them: each as the headers blob of the layer
+    whose diff_id it names (dev.snap.headers), or with `one_blob` as an older snapshot's one
+    skeleton blob (dev.snap.skeleton); and more manifest annotations."""
     ann = {"dev.snap.base-layers": "0", **(annotations or {})}
-    if skeletons:
+    per_layer = [dict(layer_annotations) if layer_annotations else None for _ in tars]
+    if skeletons and one_blob:
         ann["dev.snap.skeleton"] = registry.push_blob(repo, b"".join(skeletons))
-    return push_annotated(registry, repo, [(t, layer_annotations) for t in tars], ann, zstd=zstd)
+    elif skeletons:
+        ids = [diff_id(t) for t in tars]
+        for piece in skeletons:
+            (named,) = parse(piece)
+            i = ids.index(named)
+            per_layer[i] = {**(per_layer[i] or {}), "dev.snap.headers": registry.push_blob(repo, piece)}
+    return push_annotated(registry, repo, list(zip(tars, per_layer)), ann, zstd=zstd)
 
 
 def whiteout(name: str):
@@ -94,6 +104,10 @@ def hostile(registry, which: str) -> str:
     if which == "lying-skeleton":  # the skeleton under its diff_id holds no deletion
         decoy = tar_bytes(member("opt/app/decoy.py", data=b"decoy\n"))
         return push_snapshot(registry, repo, [HOSTILE_WHITEOUTS], [skeleton_of(decoy, key=HOSTILE_WHITEOUTS)])
+    if which == "lying-skeleton-one-blob":  # the same in an older snapshot's one skeleton blob
+        decoy = tar_bytes(member("opt/app/decoy.py", data=b"decoy\n"))
+        return push_snapshot(registry, repo, [HOSTILE_WHITEOUTS], [skeleton_of(decoy, key=HOSTILE_WHITEOUTS)],
+                             one_blob=True)
     if which == "lying-skeleton-parallel":  # the same, among layers applied at once (zstd)
         decoy = tar_bytes(member("opt/app/decoy.py", data=b"decoy\n"))
         others = [tar_bytes(member(f"opt/app/m{i}.py", data=b"m\n")) for i in range(3)]
@@ -109,7 +123,7 @@ def hostile(registry, which: str) -> str:
 
 
 KINDS = ["whiteouts", "opaque", "forged-record", "no-skeleton", "skeleton-without-it", "lying-skeleton",
-         "file-over-dir", "big-system-dir"]
+         "lying-skeleton-one-blob", "file-over-dir", "big-system-dir"]
 
 
 @pytest.mark.parametrize("which", KINDS)
@@ -120,7 +134,7 @@ def test_a_snapshot_that_deletes_the_live_system_is_refused_and_the_root_is_unch
     r = snap("restore", ref, "--root", root, "--only-snapshot")
     assert_one_line_error(r, 6, repr(root), "live system", "--force")
     line = next(line for line in r.stderr.splitlines() if line.startswith("snap: error:"))
-    if which == "lying-skeleton":  # counted as deleting nothing: the extractor refuses its first whiteout
+    if which.startswith("lying-skeleton"):  # counted as deleting nothing: the extractor refuses its first whiteout
         assert "'/etc/.wh.passwd'" in line, line
     else:  # counted: the directories named, each with the paths it deletes (a re-added one not)
         shown = {"big-system-dir": ["'/etc/ssl' 122 paths"], "opaque": ["'/usr/bin' 59 paths", "'/usr/lib' 60 paths"],

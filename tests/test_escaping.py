@@ -96,7 +96,8 @@ MANIFEST_KEYS = ["dev.snap.base-layers", "org.opencontainers.image.created", "or
                  "org.opencontainers.image.base.digest", "dev.snap.profile", "dev.snap.max-layer-size",
                  "dev.snap.left-out.secrets", "dev.snap.left-out.secrets-count", "dev.snap.deletes",
                  "dev.snap.skeleton", "dev.snap.base-index"]
-LAYER_KEYS = ["dev.snap.layer", "dev.snap.content", "dev.snap.part", "dev.snap.part-file", "dev.snap.part-links"]
+LAYER_KEYS = ["dev.snap.layer", "dev.snap.content", "dev.snap.part", "dev.snap.part-file", "dev.snap.part-links",
+              "dev.snap.headers"]
 WRONG = [5, ["a", "list"], {"an": "object"}, None, True]
 CASES = ([("manifest", k, WRONG[i % len(WRONG)]) for i, k in enumerate(MANIFEST_KEYS)]
          + [("layer", k, WRONG[(i + 1) % len(WRONG)]) for i, k in enumerate(LAYER_KEYS)]

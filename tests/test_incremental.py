@@ -13,7 +13,7 @@ from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
 
 from helpers import WEIGHTS_PROFILE, commit_json
-from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, RegistryServer, snap, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 
@@ -300,12 +300,16 @@ def is_manifest(path: str) -> bool:
         return False
 
 
-def test_every_byte_a_commit_pushes_is_counted(registry, base_ref, model_box):
+def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
     """--json's uploaded_bytes and the 'sent' line count every byte put into the registry: layers,
-    the headers blob, the base index, the config and the manifests, each by what it is. What the
-    registry's storage gained matches: its new blobs byte for byte, and its new manifests at most what
-    was counted as manifests (an artifact manifest put again unchanged is stored once)."""
+    the base's layers (copied from its own registry), the headers blobs, the base index, the config
+    and the manifests, each by what it is. What the registry's storage gained matches: its new blobs
+    byte for byte, and its new manifests at most what was counted as manifests (an artifact manifest
+    put again unchanged is stored once). A registry of its own: storage holds each blob once for all
+    repositories, so one another test pushed would be sent here but not stored again."""
+    registry = RegistryServer(str(tmp_path / "own-registry")).start()
     ref = f"{registry.host}/counted:v1"
+    headers = {}
     for step in ("first", "one small change", "nothing changed"):
         if step == "one small change":
             write_tree(model_box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: pass  # v2\n"}, mtime=1_700_000_100)
@@ -320,6 +324,10 @@ def test_every_byte_a_commit_pushes_is_counted(registry, base_ref, model_box):
         assert 0 < manifests <= counted["manifests"], (step, counted, manifests)
         sent_layers = sum(layer["size"] for layer in doc["layers"] if layer["status"] == "uploaded")
         assert counted.get("layers", 0) == sent_layers, (step, counted, sent_layers)
+        headers[step] = counted.get("headers", 0)
+    # Each layer's headers are a blob of their own: a commit sends those of the layers it changed.
+    assert 0 < headers["one small change"] < headers["first"] / 2 and headers["nothing changed"] == 0, headers
     r = snap("commit", ref, "--base", base_ref, "--root", model_box, check=True)
     line = next(line for line in r.stdout.splitlines() if line.startswith("sent "))
     assert "manifests" in line and "layers" not in line, line  # nothing changed: no layer sent
+    registry.stop()

@@ -149,8 +149,7 @@ def test_with_the_restore_record_nothing_is_hashed(committed, registry, proxy, b
     doc, got, _ = _restore(proxy, root, state_dir)  # the state dir of the first restore: its record
     assert doc["applied"] == [] and doc["skipped_layers"] == len(registry.manifest("skip", "v1")["layers"]) - 2
     assert doc["hashed_bytes"] == 0
-    assert not got - {registry.manifest("skip", "v1")["annotations"]["dev.snap.skeleton"],
-                      registry.manifest("skip", "v1")["config"]["digest"]}
+    assert not got - set(_headers(registry).values()) - {registry.manifest("skip", "v1")["config"]["digest"]}
     # A file changed since that restore (its ctime is newer) is hashed again, and its layer downloaded.
     with open(root / SMALL[3], "r+b") as f:
         f.write(b"x")
@@ -216,34 +215,46 @@ def test_a_layer_after_an_applied_one_that_writes_its_paths_is_applied(committed
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
-def _repoint_skeleton(registry, tag, blob):
-    """The snapshot pushed again as `tag`, naming `blob` as its skeletons."""
+def _headers(registry) -> dict[str, str]:
+    """{diff_id: digest of its headers blob} of the snapshot's layers (dev.snap.headers)."""
     manifest = registry.manifest("skip", "v1")
-    manifest["annotations"]["dev.snap.skeleton"] = registry.push_blob("skip", blob)
+    diff_ids = json.loads(registry.blob("skip", manifest["config"]["digest"]))["rootfs"]["diff_ids"]
+    return {diff_id: d["annotations"]["dev.snap.headers"] for d, diff_id in zip(manifest["layers"], diff_ids)
+            if "dev.snap.headers" in d.get("annotations", {})}
+
+
+def _repoint_headers(registry, tag, blobs: dict[str, bytes] | None = None, one_blob: bytes | None = None):
+    """The snapshot pushed again as `tag`: each layer naming the headers blob `blobs` has for its
+    diff_id; or, with `one_blob`, none, and the manifest naming it as an older snapshot's skeleton."""
+    manifest = registry.manifest("skip", "v1")
+    diff_ids = json.loads(registry.blob("skip", manifest["config"]["digest"]))["rootfs"]["diff_ids"]
+    for d, diff_id in zip(manifest["layers"], diff_ids):
+        ann = d.get("annotations", {})
+        ann.pop("dev.snap.headers", None)
+        if blobs is not None and diff_id in blobs:
+            ann["dev.snap.headers"] = registry.push_blob("skip", blobs[diff_id])
+    if one_blob is not None:
+        manifest["annotations"]["dev.snap.skeleton"] = registry.push_blob("skip", one_blob)
     r = registry.session().put(f"{registry.url}/v2/skip/manifests/{tag}", data=json.dumps(manifest),
                                headers={"Content-Type": manifest["mediaType"]})
     r.raise_for_status()
 
 
 def test_a_malformed_or_lying_skeleton_is_never_trusted(committed, registry, proxy, base_rootfs, tmp_path):
-    from snapshotter.snapshot import skeleton
-
     box, root = committed
     weights = _weight_layers(registry)
     _pod_restart(base_rootfs, str(root))
-    _repoint_skeleton(registry, "garbage", b"not a skeleton")
+    _repoint_headers(registry, "garbage", {diff_id: b"not a skeleton" for diff_id in _headers(registry)})
     r = snap("restore", f"{registry.host}/skip:garbage", "--root", str(root), "--only-snapshot", "--json",
              env={"SNAP_STATE_DIR": str(tmp_path / "s1")}, check=True)
     assert json.loads(r.stdout)["skipped_layers"] == 0 and "are not usable" in r.stderr
     # The skeletons of two weights swapped: each layer's own headers say what is on disk, but not its bytes.
-    real = registry.blob("skip", registry.manifest("skip", "v1")["annotations"]["dev.snap.skeleton"])
-    pieces = {}
-    skeleton.parse(real, lambda diff_id, piece: pieces.__setitem__(diff_id, gzip.decompress(piece)))
+    pieces = {diff_id: gzip.decompress(registry.blob("skip", d)) for diff_id, d in _headers(registry).items()}
     diff_ids = dict(zip((d["digest"] for d in registry.manifest("skip", "v1")["layers"]),
                         json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"]))
     a, b = [diff_ids[d] for d, names in weights.items() if A in names or SMALL[0] in names]
     pieces[a], pieces[b] = pieces[b].replace(b.encode(), a.encode()), pieces[a].replace(a.encode(), b.encode())
-    _repoint_skeleton(registry, "lying", b"".join(gzip.compress(p) for p in pieces.values()))
+    _repoint_headers(registry, "lying", {diff_id: gzip.compress(p) for diff_id, p in pieces.items()})
     _pod_restart(base_rootfs, str(root))
     start = len(proxy.log)
     r = snap("restore", f"{proxy.host}/skip:lying", "--root", str(root), "--only-snapshot", "--json",
@@ -265,10 +276,26 @@ def test_a_skeleton_of_more_entries_than_the_cap_is_not_parsed_on(committed, reg
     diff_id = json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"][-1]
     header = tarfile.TarInfo("x").tobuf(tarfile.PAX_FORMAT)
     piece = skeleton.MAGIC + (struct.pack(">I", len(header)) + header + struct.pack(">Q", 0)) * 3000
-    _repoint_skeleton(registry, "many", gzip.compress(piece + struct.pack(">I", 0) + diff_id.encode()))
+    _repoint_headers(registry, "many", {diff_id: gzip.compress(piece + struct.pack(">I", 0) + diff_id.encode())})
     _pod_restart(base_rootfs, str(root))
     r = snap("restore", f"{registry.host}/skip:many", "--root", str(root), "--only-snapshot", "--json",
              env={"SNAP_STATE_DIR": str(tmp_path / "s1"), "SNAP_MAX_ENTRIES": "1000"}, check=True)
     assert json.loads(r.stdout)["skipped_layers"] == 0
     assert "more than 1000 entries" in r.stderr and "are not usable" in r.stderr
+    assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_an_older_snapshot_with_one_skeleton_blob_still_skips_what_the_root_holds(committed, registry, proxy,
+                                                                                  base_rootfs, tmp_path):
+    """Snapshots made before each layer had a headers blob of its own name one blob of them all
+    (dev.snap.skeleton): a restore reads it as before."""
+    box, root = committed
+    weights = _weight_layers(registry)
+    _repoint_headers(registry, "one-blob", one_blob=b"".join(registry.blob("skip", d) for d in _headers(registry).values()))
+    _pod_restart(base_rootfs, str(root))
+    start = len(proxy.log)
+    r = snap("restore", f"{proxy.host}/skip:one-blob", "--root", str(root), "--only-snapshot", "--json",
+             env={"SNAP_STATE_DIR": str(tmp_path / "fresh")}, check=True)
+    got = {path.rsplit("/", 1)[1] for method, path, _ in proxy.log[start:] if method == "GET" and "/blobs/" in path}
+    assert not got & set(weights) and json.loads(r.stdout)["skipped_layers"] >= len(weights)
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)

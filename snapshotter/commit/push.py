@@ -72,8 +72,10 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
 
     created = now_rfc3339()
     base_config = base_img.config if base_img else scratch_config(*host_platform())
-    rows = [(p.label, b.diff_id, descriptor(b.media_type, b.digest, b.size, _annotations(p)), status,
-             len(p.entries) + len(p.whiteouts)) for p, b, status in layers]
+    # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
+    headers = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
+    rows = [(p.label, b.diff_id, descriptor(b.media_type, b.digest, b.size, _annotations(p, headers.get(b.diff_id))),
+             status, len(p.entries) + len(p.whiteouts)) for p, b, status in layers]
     _insert_carried(rows, cp)
     config = snapshot_config(base_config, [(label, diff_id) for label, diff_id, *_ in rows], created)
     layer_descs = [desc for _, _, desc, *_ in rows]
@@ -83,10 +85,6 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
     if index_digest:
         extra[baseindex.SNAP_BASE_INDEX] = index_digest
-    # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
-    skeleton_digest = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
-    if skeleton_digest:
-        extra[skeleton.SNAP_SKELETON] = skeleton_digest
     manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
                                  created, extra)
     config_digest = sha256_digest(config)
@@ -100,7 +98,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     cp.sources.note(target_ref.api_host, target_ref.repository,
                     own + ([base_img.manifest["config"]["digest"]] if base_img else [])
                     + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else [])
-                    + ([skeleton_digest, baseindex.EMPTY_CONFIG_DIGEST] if skeleton_digest else []))
+                    + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []))
     cp.sources.save()
 
     reports = [LayerReport(label, desc["digest"], desc["size"], desc["mediaType"], entries, status)
@@ -145,8 +143,10 @@ def _insert_carried(rows: list, cp: CommitPlan) -> None:
     rows[at:at] = carried
 
 
-def _annotations(plan: LayerPlan) -> dict:
+def _annotations(plan: LayerPlan, headers: Optional[str]) -> dict:
     ann = {SNAP_LAYER: plan.name}
+    if headers:
+        ann[skeleton.SNAP_HEADERS] = headers
     if plan.detail:
         ann[SNAP_CONTENT] = plan.detail
     if plan.part_of:

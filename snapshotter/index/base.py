@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from snapshotter.digests import sha256_digest
@@ -52,24 +53,30 @@ def push(remote: Remote, base_manifest_digest: str, sources: BlobSources) -> Opt
     if len(data) > MAX_INDEX_SIZE:
         return None
     digest = sha256_digest(data)
-    push_artifact(remote, data, digest, BASE_INDEX, BASE_INDEX_ARTIFACT, artifact_tag(base_manifest_digest),
+    push_artifact(remote, [(data, digest)], BASE_INDEX, BASE_INDEX_ARTIFACT, artifact_tag(base_manifest_digest),
                   {"org.opencontainers.image.base.digest": base_manifest_digest}, sources, "base index")
     return digest
 
 
-def push_artifact(remote: Remote, data: bytes, digest: str, media_type: str, artifact_type: str, tag: str,
-                  annotations: dict, sources: BlobSources, what: str) -> None:
-    """Push a small blob that a snapshot names by annotation (counted as `what`), with a layer-less
-    artifact manifest tagged `tag` that lists it: a registry's garbage collection deletes a blob no
-    manifest lists."""
+def push_artifact(remote: Remote, blobs: list[tuple[bytes, str]], media_type: str, artifact_type: str, tag: str,
+                  annotations: dict, sources: BlobSources, what: str, jobs: int = 1) -> None:
+    """Push small blobs ([(data, digest)]) that snapshots name by annotation (counted as `what`;
+    `jobs` at once: each a round trip or two), with an artifact manifest tagged `tag` that lists
+    them: a registry's garbage collection deletes a blob no manifest lists."""
     empty = EMPTY_CONFIG_DIGEST
-    for blob, d in ((data, digest), (_EMPTY_CONFIG, empty)):
+    unique = list({d: (data, d) for data, d in blobs}.values())
+
+    def put(item: tuple[bytes, str]) -> None:
+        data, d = item
         if not in_registry(remote, d, sources):
-            remote.upload_from(lambda out, b=blob: out.write(b), d, len(blob), what=what)
+            remote.upload_from(lambda out: out.write(data), d, len(data), what=what)
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(put, unique + [(_EMPTY_CONFIG, empty)]))
     manifest = canonical({
         "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
         "config": descriptor(OCI_EMPTY, empty, len(_EMPTY_CONFIG)),
-        "layers": [descriptor(media_type, digest, len(data))],
+        "layers": [descriptor(media_type, d, len(data)) for data, d in unique],
         **({"annotations": annotations} if annotations else {}),
     })
     remote.put_manifest(manifest, OCI_MANIFEST, tag)

@@ -207,11 +207,25 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
 
 
 def _skeletons(remote: Remote, image: Image, log: Callable[[str], None]) -> dict[str, skeleton.Skeleton]:
-    """The skeletons of the snapshot's layers, by diff_id (snapshot/skeleton.py); {} for an image without."""
+    """The skeletons of the snapshot's layers, by diff_id (snapshot/skeleton.py): from each layer's
+    headers blob, or an older snapshot's one skeleton blob; {} for an image without."""
+    named = _headers_blobs(image)
+    if named:
+        return skeleton.fetch_headers(remote, named, log)
     digest = (image.manifest.get("annotations") or {}).get(skeleton.SNAP_SKELETON)
     if not (isinstance(digest, str) and DIGEST.fullmatch(digest)):
         return {}
     return skeleton.fetch(remote, digest, log)
+
+
+def _headers_blobs(image: Image) -> dict[str, str]:
+    """{diff_id: headers blob digest} of the image's layers that name one (dev.snap.headers)."""
+    named = {}
+    for _, desc, diff_id in select_layers(image, False):
+        digest = (desc.get("annotations") or {}).get(skeleton.SNAP_HEADERS)
+        if isinstance(digest, str) and DIGEST.fullmatch(digest):
+            named[diff_id] = digest
+    return named
 
 
 def _skips(image: Image, skeletons: Callable[[], dict[str, skeleton.Skeleton]], todo: list[tuple[int, dict, str]],
@@ -377,6 +391,7 @@ def _note_sources(reference: Reference, image: Image) -> None:
     of the registry mounts them from here instead of uploading them (registry/blobsources.py)."""
     ann = image.manifest.get("annotations") or {}
     travelled = [d for d in (ann.get(baseindex.SNAP_BASE_INDEX), ann.get(skeleton.SNAP_SKELETON)) if isinstance(d, str)]
+    travelled += list(_headers_blobs(image).values())
     travelled += [baseindex.EMPTY_CONFIG_DIGEST] if travelled else []
     sources = BlobSources()
     sources.note(reference.api_host, reference.repository,

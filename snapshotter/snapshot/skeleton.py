@@ -5,13 +5,16 @@ A snap layer is a reproducible tar (layer/generate.py): its header blocks exactl
 file's content padded to 512 bytes, then the end-of-archive blocks. Its skeleton is that tar with
 the contents left out: each member's header bytes and its content size, made from the plan
 (layer.tar_headers) without reading a file, so a layer reused from the stat cache gets one too.
-The snapshot's skeleton blob holds the skeletons of its snap layers, each keyed by the layer's
-diff_id (the sha256 of the whole tar, which a restore recomputes from the headers and the bytes on
-disk). It is pushed into the snapshot's repository, named by the manifest annotation
-dev.snap.skeleton and kept referenced by an artifact manifest tagged snap-skeletons (the last
-commit's: index/base.py's push_artifact).
+Each snap layer's skeleton is a blob of its own (a "headers" blob), named by the layer descriptor's
+annotation dev.snap.headers and naming the layer's diff_id (the sha256 of the whole tar, which a
+restore recomputes from the headers and the bytes on disk): an unchanged layer's headers blob is
+the same blob, never sent again, so a commit sends the headers of the layers it changed and no
+more. The blobs are pushed into the snapshot's repository and kept referenced by an artifact
+manifest tagged snap-skeletons (the last commit's: index/base.py's push_artifact). Snapshots made
+before held all their layers' skeletons in one blob, named by the manifest annotation
+dev.snap.skeleton: a restore still reads that.
 
-Format: gzip members, one per layer, each holding MAGIC, then per member its header length (u32),
+Format: gzip members (one per blob; the old one-blob form, one per layer), each holding MAGIC, then per member its header length (u32),
 header bytes and content size (u64), then a zero length and the diff_id (71 ASCII bytes, last: a
 commit knows it once the layer is written). A commit takes each built layer's headers as
 layer.write_tar writes them (the very bytes, even of a file that changed since the scan).
@@ -26,6 +29,7 @@ import os
 import struct
 import tarfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from snapshotter.digests import DIGEST_BYTES, sha256_digest
@@ -40,10 +44,12 @@ from snapshotter.state import open_own, replace_file, sub
 from snapshotter.tar.reader import LAYER_MAX_ENTRIES, META_PER_ENTRY, max_entries
 from snapshotter.tar.rules import header_bytes
 
-SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation: the digest of the snapshot's skeleton blob
+SNAP_HEADERS = "dev.snap.headers"  # layer annotation: the digest of that layer's headers blob
+SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation of older snapshots: one blob of every layer's headers
 ARTIFACT_TAG = "snap-skeletons"  # the tag of the artifact manifest that keeps the last commit's skeletons referenced
 MAGIC = b"snap-skeleton-v1\n"
 MAX_BLOB = 256 << 20  # compressed: a 200k-file box's headers compress to a few MB
+FETCHES = 8  # headers blobs fetched at once: each a round trip
 MAX_TOTAL = 2 << 30  # uncompressed: a gzip bomb stops here
 MAX_HEADER = 8 << 20  # one member's header bytes (PAX records included)
 _U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
@@ -94,37 +100,69 @@ def _cached_piece(plan: LayerPlan, diff_id: str) -> bytes:
     return piece
 
 
-def push(remote: Remote, layers: list[tuple[LayerPlan, str]], sources: BlobSources) -> Optional[str]:
-    """Push the skeleton blob of a snapshot's layers ([(plan, diff_id)] in order) into `remote`'s
-    repository, with an artifact manifest that keeps it referenced. Returns its digest (for the
-    manifest's annotation); None if it would be too big."""
-    data = b"".join(_cached_piece(plan, diff_id) for plan, diff_id in layers)
-    if not data or len(data) > MAX_BLOB:
-        return None
-    digest = sha256_digest(data)
+def push(remote: Remote, layers: list[tuple[LayerPlan, str]], sources: BlobSources) -> dict[str, str]:
+    """Push the headers blob of each of a snapshot's layers ([(plan, diff_id)]) that the registry
+    lacks into `remote`'s repository, with an artifact manifest that keeps them referenced.
+    Returns {diff_id: headers blob digest}, for the layers' annotations (a layer whose blob would
+    be too big has none: a restore then downloads it)."""
+    pieces = {diff_id: piece for plan, diff_id in layers if len(piece := _cached_piece(plan, diff_id)) <= MAX_BLOB}
+    if not pieces:
+        return {}
+    named = {diff_id: sha256_digest(piece) for diff_id, piece in pieces.items()}
     # One tag per repository, moved by each commit: `snap watch` commits under a new tag every few
-    # minutes, and a tag per snapshot would pile up. An older snapshot's skeletons that a garbage
-    # collection then deletes only make its restores download every layer.
-    push_artifact(remote, data, digest, SKELETON, SKELETON_ARTIFACT, ARTIFACT_TAG, {}, sources, "headers")
-    return digest
+    # minutes, and a tag per snapshot would pile up. An older snapshot's headers that a garbage
+    # collection then deletes only make its restores download those layers.
+    push_artifact(remote, [(pieces[diff_id], digest) for diff_id, digest in named.items()], SKELETON,
+                  SKELETON_ARTIFACT, ARTIFACT_TAG, {}, sources, "headers", jobs=FETCHES)
+    return named
+
+
+def fetch_headers(remote: Remote, named: dict[str, str], log: Callable[[str], None]) -> dict[str, Skeleton]:
+    """{diff_id: skeleton} from the headers blobs `named` ({diff_id: digest}), FETCHES at once, each
+    digest-checked, size-capped and naming its own layer; a blob missing or not usable is left out
+    (never trusted: that layer then downloads), with one warning line for them all."""
+    def one(item: tuple[str, str]) -> tuple[str, Optional[Skeleton], str]:
+        diff_id, digest = item
+        try:
+            got = parse(_read(remote, digest), keep)
+            if list(got) != [diff_id]:
+                raise ValueError(f"it names another layer than {diff_id[:19]}")
+            return diff_id, got[diff_id], ""
+        except NotFound:
+            return diff_id, None, "missing"
+        except (SnapError, ValueError, struct.error, OSError, zlib.error, EOFError) as e:
+            return diff_id, None, str(e)
+
+    with ThreadPoolExecutor(FETCHES) as pool:
+        results = list(pool.map(one, named.items()))
+    bad = [why for _, skel, why in results if skel is None and why != "missing"]
+    if bad:
+        log(f"warning: {len(bad)} layer header blob(s) in {remote.ref.name} are not usable ({bad[0]}): "
+            "downloading those layers")
+    return {diff_id: skel for diff_id, skel, _ in results if skel is not None}
 
 
 def fetch(remote: Remote, digest: str, log: Callable[[str], None]) -> dict[str, Skeleton]:
-    """{diff_id: skeleton} from the skeleton blob `digest`, digest-checked and size-capped; {} when
-    it is missing or malformed (never trusted: the layers then download)."""
+    """{diff_id: skeleton} from an older snapshot's one skeleton blob `digest`, digest-checked and
+    size-capped; {} when it is missing or malformed (never trusted: the layers then download)."""
     try:
-        got, size = [], 0
-        for chunk in remote.iter_blob(digest):
-            size += len(chunk)
-            if size > MAX_BLOB:
-                raise IntegrityError(f"the skeleton blob {digest[:19]} is bigger than {MAX_BLOB} bytes")
-            got.append(chunk)
-        return parse(b"".join(got), keep)
+        return parse(_read(remote, digest), keep)
     except NotFound:
         return {}
     except (SnapError, ValueError, struct.error, OSError, zlib.error, EOFError) as e:
         log(f"warning: the layer skeletons in {remote.ref.name} are not usable ({e}): downloading every layer")
         return {}
+
+
+def _read(remote: Remote, digest: str) -> bytes:
+    """A headers or skeleton blob, whole, up to MAX_BLOB (iter_blob checks its digest)."""
+    got, size = [], 0
+    for chunk in remote.iter_blob(digest):
+        size += len(chunk)
+        if size > MAX_BLOB:
+            raise IntegrityError(f"the skeleton blob {digest[:19]} is bigger than {MAX_BLOB} bytes")
+        got.append(chunk)
+    return b"".join(got)
 
 
 def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None) -> dict[str, Skeleton]:
