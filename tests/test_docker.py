@@ -740,7 +740,8 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
     SNAP_PASSWORD (a password-protected snapshot registry, htpasswd over plain http on loopback),
     and the cycle is: first start (no snapshot yet), changes (a pip install, a custom node, a
     weight), `docker stop -t 5`, a new container with a new empty volume (the tree byte for byte,
-    the app up), a restart with the volume kept (the weight not downloaded again), and a registry
+    the app up), a restart with the volume kept (the weight not downloaded again), the app crashing (the
+    watcher's final snapshot all the same, the app's exit code), and a registry
     outage at start (the watcher all the same: the tag stays on the good snapshot, the work goes to a
     diverged tag of the box's own, which holds every file once `docker stop -t 5` is over)."""
     if not shutil.which("busybox") or not os.path.exists("/usr/bin/python3.11") or not os.path.isdir("/usr/share/python-wheels"):
@@ -763,7 +764,7 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
     box_repo, image = f"{proxy.host}/box", f"{registry.host}/recipe-box-base"
     box_ref = f"{box_repo}:v2"
     app = ("/bin/sh -c 'echo app up; cat /workspace/ComfyUI/custom_nodes/NodeX/nodes.py 2>/dev/null; "
-           "exec sleep 1000'")
+           "echo $$ > /tmp/app.pid; exec sleep 1000'")
     ctx = tmp_path / "context"
     ctx.mkdir()
     snap_wheel(str(ctx))
@@ -845,7 +846,13 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
         outputs.append(out)
         assert out.count(f"restored {box_ref}@sha256:") == 2, out
         assert downloads() == 1, f"the weight was downloaded again: {downloads()} downloads"
-        b.stop(timeout=5)
+        # The app crashes (killed): the watcher's final snapshot still runs, and the container ends
+        # with the app's code (before, PID 1 exited and the watcher was killed without it).
+        wait_for_line(b, "watching '/'", 2)  # this start's watcher has its signal handlers
+        assert b.exec_run(["/bin/sh", "-c", "kill $(cat /tmp/app.pid)"]).exit_code == 0
+        assert b.wait(timeout=120)["StatusCode"] == 143
+        out = b.logs().decode(errors="replace").split("the app ended with exit code 143")
+        assert len(out) == 2 and "final snapshot" in out[1] and "snap watch ended with exit code 0" in out[1], out
         b.remove()
 
         # 5. The registry down at start: restore's 3, asked again, then the watcher all the same (and the

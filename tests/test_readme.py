@@ -200,3 +200,25 @@ def test_relative_links_resolve(page):
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {os.path.normpath(t.partition("#")[0]) for _, t in links("README.md")}
     assert not [p for p in PAGES[1:] if p not in linked]
+
+
+def unit_block(page: str, name: str) -> dict[str, str]:
+    """The settings of the systemd unit `name` in a page's indented blocks (`# /etc/systemd/system/NAME`)."""
+    lines = read(page).split("\n")
+    at = next(i for i, line in enumerate(lines) if line.strip() == f"# /etc/systemd/system/{name}")
+    settings = {}
+    for line in lines[at + 1:]:
+        if (line and not line.startswith("    ")) or line.strip().startswith("# /etc/"):
+            break
+        key, eq, value = line.strip().partition("=")
+        if eq and not key.startswith("#"):
+            settings[key] = value
+    return settings
+
+
+def test_the_vm_recipe_starts_a_watcher_that_died_again():
+    """A watcher that died (killed, out of memory, a bug) left the VM unprotected until the next boot:
+    systemd starts it again, and the restore's failure never keeps it from starting (Wants=)."""
+    watch = unit_block(os.path.join("docs", "providers.md"), "snap-watch.service")
+    assert watch.get("Restart") == "on-failure" and float(watch.get("RestartSec", "0")) > 0, watch
+    assert "snap-restore.service" in watch.get("Wants", "") and "Requires" not in watch, watch

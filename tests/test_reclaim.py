@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from snapshotter.restore.restore import RestoreOptions
 from snapshotter.snapshot import diverged
 
 from helpers import SMALL_WEIGHTS, FakeClock, WatchProcess, blobs_in, digest_of, diverged_tags, snap_layers, watcher
-from support import NOT_CAPTURED, TIMEOUT, snap, snapshot_of_tree, write_tree
+from support import NOT_CAPTURED, TIMEOUT, make_base_rootfs, make_box, push_base_image, snap, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 WEIGHT = "opt/app/models/checkpoints/model.safetensors"
@@ -154,6 +155,51 @@ def test_a_box_that_may_not_move_the_tag_saves_every_snapshot_to_a_tag_of_its_ow
     again.tick()
     assert diverged_tags(registry, "diverge") == [tag] and digest_of(registry, "diverge", "v2") == good
     assert _restored_tree(f"{registry.host}/diverge:{tag}", tmp_path / "out2") == snapshot_of_tree(str(bare), skip=NOT_CAPTURED)
+
+
+def test_a_snapshot_that_deletes_the_bases_system_is_saved_to_a_diverged_tag_and_the_loop_goes_on(registry, tmp_path):
+    """`rm -rf /usr/share/doc` (a system directory of more than 100 paths: box/deletions.py) on a
+    watched box: the commit's refusal stopped the watcher (exit 2) and the work after it was saved
+    nowhere. Now such a snapshot goes to the box's diverged tag, never the main tag, each snapshot
+    line says why; once the directory is back the main tag moves again, and the final snapshot of a
+    box that deletes it again goes on in the same diverged tag."""
+    base = str(tmp_path / "base")
+    os.makedirs(base)
+    make_base_rootfs(base)
+    write_tree(base, {f"usr/share/doc/pkg{i}/copyright": "c\n" for i in range(120)})
+    push_base_image(registry, "doc-base", "1", base)
+    box = make_box(base, str(tmp_path / "box"))
+    lines, clock = [], FakeClock()
+    w = watcher(registry, f"{registry.host}/doc-base:1", box, "doc-clean", lines, clock, every=0)
+    w.tick()
+    good = digest_of(registry, "doc-clean", "v2")
+    shutil.rmtree(os.path.join(box, "usr/share/doc"))  # a common cleanup
+    write_tree(box, {"opt/app/work.txt": "hours of work\n"})
+    for i in range(2):
+        clock.advance(10)
+        w.tick()
+        write_tree(box, {"opt/app/more.txt": f"{i}\n"})
+    [tag] = diverged_tags(registry, "doc-clean")
+    assert digest_of(registry, "doc-clean", "v2") == good
+    snaps = [line for line in lines if line.startswith("snapshot ")][1:]
+    assert len(snaps) == 2 and all(f"doc-clean:{tag} " in line and "v2 not moved (the box deletes 1 of the base's "
+                                   "system directories (/usr/share/doc)" in line for line in snaps), lines
+    clock.advance(10)
+    w.tick()
+    assert _restored_tree(f"{registry.host}/doc-clean:{tag}", tmp_path / "out") == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+    shutil.copytree(os.path.join(base, "usr/share/doc"), os.path.join(box, "usr/share/doc"))
+    clock.advance(10)
+    w.tick()
+    assert digest_of(registry, "doc-clean", "v2") != good and diverged_tags(registry, "doc-clean") == [tag]
+    assert any("moving it again" in line and f"doc-clean:{tag} keeps the work" in line for line in lines), lines
+    shutil.rmtree(os.path.join(box, "usr/share/doc"))
+    write_tree(box, {"opt/app/last.txt": "just before the reclaim\n"})
+    main = digest_of(registry, "doc-clean", "v2")
+    assert w.final("signal SIGTERM") == 0, lines
+    assert f"doc-clean:{tag} names it (v2 not moved (the box deletes" in lines[-1], lines
+    assert digest_of(registry, "doc-clean", "v2") == main and diverged_tags(registry, "doc-clean") == [tag]
+    assert _restored_tree(f"{registry.host}/doc-clean:{tag}", tmp_path / "out2") == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
 def test_a_diverged_tag_is_a_valid_oci_tag_whatever_the_length_of_the_tag():

@@ -15,12 +15,14 @@ import sys
 
 import pytest
 
-from snapshotter import restore_image
-from snapshotter.box.profile import parse_profile
+from snapshotter import CommitOptions, restore_image
+from snapshotter.box.profile import load_profile, parse_profile
 from snapshotter.commit import push as push_module
+from snapshotter.errors import SnapError
 from snapshotter.layer import generate as layer_module
+from snapshotter.restore.restore import RestoreOptions
 from snapshotter.watch.notices import detect_provider, notice_watcher
-from snapshotter.watch.watcher import Watcher
+from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
 
 from helpers import FAST, SMALL_WEIGHTS, FakeClock, WatchProcess, digest_of, diverged_tags, snap_layers, watcher
 from support import (NOT_CAPTURED, TIMEOUT, MetadataServer, RegistryServer, fake_dmi, push_base_image, snap,
@@ -306,28 +308,42 @@ def test_keep_deletes_the_oldest_snapshots(deletes, base_rootfs, box, tmp_path):
         reg.stop()
 
 
-def test_keep_prunes_the_oldest_diverged_tags_by_the_same_rule_never_the_tag(registry, base_ref, box, base_rootfs,
-                                                                            tmp_path):
-    """Two boxes that could not move the tag saved their work to diverged tags (`snap commit --diverge`);
-    the watcher's --keep 1 deletes the older one, as it does its own oldest snapshots, and never the tag."""
+def test_keep_prunes_only_the_diverged_tags_this_box_made_never_another_boxs(registry, proxy, base_ref, box,
+                                                                            base_rootfs, tmp_path, monkeypatch):
+    """Another box's diverged tag holds that box's work, however old it is (a box diverged for weeks
+    has the oldest): --keep 1 deleted it. A box prunes only the diverged tags it made (its stat cache's
+    made_from), the oldest beyond N, never another box's, never the tag."""
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
     target = f"{registry.host}/keep-diverged:v2"
+    snap("commit", target, "--base", base_ref, "--root", box, check=True)
+    good = digest_of(registry, "keep-diverged", "v2")
+    other = tmp_path / "other"  # a box diverged long ago, still working
+    subprocess.run(["cp", "-a", base_rootfs, str(other)], check=True)
+    write_tree(str(other), {"opt/app/work.txt": "the other box's\n"})
+    snap("commit", target, "--base", base_ref, "--root", str(other), "--diverge", check=True)
+    [theirs] = diverged_tags(registry, "keep-diverged")
+    their_work = digest_of(registry, "keep-diverged", theirs)
+    root = tmp_path / "root"
+    subprocess.run(["cp", "-a", base_rootfs, str(root)], check=True)
     lines, clock = [], FakeClock()
-    w = watcher(registry, base_ref, box, "keep-diverged", lines, clock, every=0, keep=1)
+    clock.advance(1)  # after theirs
+    w = watcher(registry, base_ref, str(root), "keep-diverged", lines, clock, every=0, keep=1)
+    write_tree(str(root), {"opt/app/mine.txt": "work\n"})
     w.tick()
-    for i in range(2):
-        bare = tmp_path / f"bare-{i}"
-        subprocess.run(["cp", "-a", base_rootfs, str(bare)], check=True)
-        write_tree(str(bare), {"opt/app/work.txt": f"box {i}\n"})
-        snap("commit", target, "--base", base_ref, "--root", str(bare), "--diverge", check=True)
-    older, newer = diverged_tags(registry, "keep-diverged")
-    kept = digest_of(registry, "keep-diverged", newer)
-    write_tree(box, {"opt/app/counter.txt": "1\n"})
+    [_, first] = diverged_tags(registry, "keep-diverged")
+    layers = {d["digest"] for d in snap_layers(registry.manifest("keep-diverged", "v2")).values()}
+    proxy.answer = lambda method, path: (503, {}) if method == "GET" and path.rsplit("/", 1)[-1] in layers else None
+    with pytest.raises(SnapError):  # a restore that fails half-way: the next snapshots go to a new diverged tag
+        restore_image(f"{proxy.host}/keep-diverged:v2", str(root), RestoreOptions(only_snapshot=True))
+    write_tree(str(root), {"opt/app/after.txt": "after the failed restore\n"})
     clock.advance(1)
     w.tick()
-    assert diverged_tags(registry, "keep-diverged") == [newer] and digest_of(registry, "keep-diverged", newer) == kept
-    assert f"deleted old snapshot {older}" in lines
-    assert len([t for t in tags(registry, "keep-diverged") if t not in ("v2", newer)]) == 1  # its own: the newest
-    assert_restores_to(target, snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+    second = diverged_tags(registry, "keep-diverged")[-1]
+    assert diverged_tags(registry, "keep-diverged") == [theirs, second] and second != first, lines
+    assert f"deleted old snapshot {first}" in lines and not any(theirs in line for line in lines), lines
+    assert digest_of(registry, "keep-diverged", theirs) == their_work and digest_of(registry, "keep-diverged", "v2") == good
+    assert_restores_to(f"{registry.host}/keep-diverged:{second}", snapshot_of_tree(str(root), skip=NOT_CAPTURED),
+                       tmp_path, "r")
 
 
 def test_a_registry_outage_is_retried_and_never_stops_the_loop(base_rootfs, box, tmp_path):
@@ -354,6 +370,67 @@ def test_a_registry_outage_is_retried_and_never_stops_the_loop(base_rootfs, box,
         assert_restores_to(f"{reg.host}/outage:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
     finally:
         reg.stop()
+
+
+def test_credentials_that_fail_once_are_retried_and_never_stop_the_loop(base_rootfs, box, tmp_path, monkeypatch):
+    """A credential helper that fails once (ecr-login's STS call, a locked keyring) stopped the loop
+    for good (exit 4) and the box ran unprotected; it is retried with the outage's backoff, one line."""
+    reg = RegistryServer(str(tmp_path / "reg"), auth=("u", "p")).start()
+    try:
+        helpers, failing = tmp_path / "bin", tmp_path / "helper-fails"
+        helpers.mkdir()
+        helper = helpers / "docker-credential-flaky"
+        helper.write_text(f"#!{sys.executable}\nimport json, os, sys\nsys.stdin.read()\n"
+                          f"if os.path.exists({str(failing)!r}):\n    sys.exit(1)\n"
+                          "print(json.dumps({'Username': 'u', 'Secret': 'p'}))\n")
+        helper.chmod(0o755)
+        (tmp_path / "config.json").write_text(json.dumps({"credHelpers": {reg.host: "flaky"}}))
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+        monkeypatch.setenv("PATH", f"{helpers}:{os.environ['PATH']}")
+        push_base_image(reg, "base", "1", base_rootfs)
+        lines, clock = [], FakeClock()
+        w = watcher(reg, f"{reg.host}/base:1", box, "flaky", lines, clock, every=0)
+        w.tick()
+        before = digest_of(reg, "flaky", "v2")
+        failing.write_text("")
+        write_tree(box, {"opt/app/work.txt": "work\n"})
+        clock.advance(10)
+        w.tick()
+        assert "trying again in 1s" in lines[-1] and "SNAP_USERNAME" in lines[-1], lines[-1]
+        failing.unlink()
+        clock.advance(1)
+        w.tick()
+        assert digest_of(reg, "flaky", "v2") != before
+        assert_restores_to(f"{reg.host}/flaky:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+    finally:
+        reg.stop()
+
+
+def test_a_loop_that_fails_still_makes_the_final_snapshot_before_the_exit(registry, base_ref, box, tmp_path,
+                                                                          monkeypatch):
+    """A bug (or a usage error) that stops the loop: `snap watch` exited at once, and what the box did
+    since its last snapshot was lost. The final snapshot still runs first; the code says why (1: a bug)."""
+    real_step, steps = Watcher._step, []
+
+    def step(self, now):
+        steps.append(now)
+        if len(steps) > 1:
+            write_tree(box, {"opt/app/work.txt": "done since the last snapshot\n"})
+            raise RuntimeError("a bug")
+        real_step(self, now)
+
+    monkeypatch.setattr(Watcher, "_step", step)
+    lines = []
+    opts = WatchOptions(commit=CommitOptions(root=box, profile=load_profile()), every=0, log=lines.append)
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}  # watch() sets its own: pytest's come back
+    try:
+        code = watch(f"{registry.host}/loop-bug:v2", base_ref, opts)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert code == 1 and "snap: internal error: RuntimeError: a bug" in lines, lines
+    assert "the watch loop stopped: final snapshot" in lines[-3] and lines[-1].startswith("final snapshot "), lines
+    assert_restores_to(f"{registry.host}/loop-bug:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
 
 
 # ---- the real process: signals, notices, daemon, kill -9 ------------------------------------------

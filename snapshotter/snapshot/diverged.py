@@ -9,7 +9,8 @@ restarted watcher goes on in it). Before each diverged snapshot the moving tag i
 once this box may move it (a `snap restore` of it finished here, or it was put on a snapshot this
 box made: adopted), the snapshots go back to it. A restore into the root while diverged leaves the
 diverged tag as it was and opens a new one: a half-restored box never replaces the work. A
-diverged tag is never deleted by the box that moves it, only by --keep, as the oldest beyond N."""
+diverged tag is never deleted by the box that moves it, only by --keep, as the oldest beyond N of
+those the pruning box made (never another box's)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from snapshotter.oci.image import CREATED, manifest_annotations
 from snapshotter.oci.mediatypes import OCI_MANIFEST
@@ -62,14 +63,25 @@ def new_name(tag: str, at: float, taken: Iterable[str]) -> str:
     return name
 
 
-def own(remote: Remote, tag: str, root: str, tags: list[str]) -> Optional[tuple[str, str]]:
-    """(tag, digest) of the newest diverged tag of `tag` that names a snapshot `root` made, if any."""
+def _made(remote: Remote, tag: str, root: str, tags: list[str]) -> Iterator[tuple[str, str]]:
+    """(tag, digest) of each diverged tag of `tag` that names a snapshot `root` made (statcache's
+    made_from), newest first."""
     made = set(made_from(root))
     for name in reversed(names(tag, tags)):
         digest = remote.manifest_digest(name)
         if digest in made:
-            return name, digest
-    return None
+            yield name, digest
+
+
+def own(remote: Remote, tag: str, root: str, tags: list[str]) -> Optional[tuple[str, str]]:
+    """(tag, digest) of the newest diverged tag of `tag` that names a snapshot `root` made, if any."""
+    return next(_made(remote, tag, root, tags), None)
+
+
+def own_names(remote: Remote, tag: str, root: str, tags: list[str]) -> list[str]:
+    """The diverged tags of `tag` that name a snapshot `root` made, oldest first: the only ones its
+    --keep prunes (another box's, however old, holds that box's work)."""
+    return [name for name, _ in _made(remote, tag, root, tags)][::-1]
 
 
 @dataclass
@@ -129,6 +141,9 @@ class Line:
         self.diverged: Optional[str] = None  # the diverged tag, while the snapshots go there
         self.digest: Optional[str] = None  # what the target tag names, as this box last saw or moved it
         self.record: tuple = ()  # the root's restore mark (record.py) when it diverged
+        # Why the box's snapshot may not go on the moving tag whatever its lineage (it deletes the
+        # base's system: box/deletions.py), while that holds; the snapshot goes to the diverged tag.
+        self.refused: Optional[str] = None
 
     @property
     def tag(self) -> str:
@@ -147,12 +162,12 @@ class Line:
         first, remote = not self.checked, self.remote()
         current, ok = movable(remote, self.main, self.root, self.force, self.origins)
         self.checked = True
-        if ok:
+        if ok and self.refused is None:
             was, self.diverged, self.digest = self.diverged, None, current
             if was:
-                self.log(f"{self.main} names {str(current)[:19]}, which {self.root!r} now came from (a finished "
-                         f"`snap restore`) or made: moving it again; {self.main.name}:{was} keeps the work made "
-                         "before (docs/watch.md: adopt it)")
+                self.log(f"{self.main} names {str(current)[:19]}, which {self.root!r} came from (a finished "
+                         f"`snap restore`) or made, and its snapshot no longer deletes the base's system: moving it "
+                         f"again; {self.main.name}:{was} keeps the work made before (docs/watch.md: adopt it)")
             return first or was is not None
         if self.diverged is None:
             self._diverge(remote, f"{self.main} names {current[:19]}, a snapshot {self.root!r} neither came from "
@@ -176,8 +191,25 @@ class Line:
         self.log(f"{why}: {self.main.tag} is not moved; this box's snapshots go to {self.main.name}:{self.diverged}, "
                  f"{how} (`snap log {self.main}` lists it; docs/watch.md says how to adopt it)")
 
+    def refuse(self, why: str) -> bool:
+        """The box's snapshot may not go on the moving tag (`why`: it deletes the base's system): it
+        goes to the diverged tag, until allow(). True when the target tag changed."""
+        self.refused = why
+        if self.diverged is not None:
+            return False
+        self._diverge(self.remote(), why)
+        return True
+
+    def allow(self) -> bool:
+        """The box's snapshot may go on the moving tag again, as far as what it deletes goes. True when it
+        was refused: check() then says where the next snapshot goes."""
+        was, self.refused = self.refused, None
+        return was is not None
+
     def note(self) -> str:
-        """What a line about a snapshot adds while diverged."""
+        """What a line about a snapshot adds while diverged: why the moving tag is not moved."""
+        if self.refused:
+            return f"{self.main.tag} not moved ({self.refused}; such a snapshot goes on it only with --force)"
         return f"{self.main.tag} not moved (it names a snapshot this box neither came from nor made)"
 
     def move(self, digest: str) -> None:

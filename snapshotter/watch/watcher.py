@@ -35,7 +35,7 @@ from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.files import file_layers, last_snapshot_files
-from snapshotter.snapshot.diverged import Line, names, prune
+from snapshotter.snapshot.diverged import Line, own_names, prune
 from snapshotter.snapshot.record import restored_at_ns
 from snapshotter.state import exclusive
 
@@ -374,9 +374,9 @@ class Watcher:
         try:
             self._step(now)
             self.backoff = 0.0
-        except (UsageError, AuthError):
+        except UsageError:
             raise  # the user must act: retrying cannot help
-        except SnapError as e:
+        except SnapError as e:  # an outage, a registry error, or credentials that failed (a helper's hiccup)
             self.backoff = min(max(self.backoff * 2, 1.0), max(self.opts.every, 60.0))
             self.retry_at = now + self.backoff
             self.log(f"{e}; trying again in {self.backoff:g}s (the last snapshot stays current)")
@@ -470,7 +470,8 @@ class Watcher:
                                       restored_at=restored_at_ns(self.root)))
             return held
 
-        opts = dataclasses.replace(opts, changes=changes, log=self.log, plan_memo=self.plan_memo, hold=hold,
+        # force: the plan is not refused for what it deletes; _judge_deletions sends such a snapshot to a diverged tag.
+        opts = dataclasses.replace(opts, force=True, changes=changes, log=self.log, plan_memo=self.plan_memo, hold=hold,
                                    previous=lambda: self.previous_files, old_entries=self.committed_changed)
         return opts, plan_commit(self.base, opts, self.transport)
 
@@ -525,12 +526,15 @@ class Watcher:
             self._check_lineage()  # the moving tag again, or (after a restore here) a new diverged tag
         with self.lock:  # the worker's and the final snapshot's may overlap
             self.seq += 1
-            seq, tag = self.seq, self.line.diverged or self._tag_name()
+            seq = self.seq
         now = self.opts.clock()
         last = self.committed or {}
         if final and self._nothing_new():
             return None
         opts, cp = self._plan(now, final)
+        self._judge_deletions(cp)
+        with self.lock:
+            tag = self.line.diverged or self._tag_name()
         held = cp.held
         self._trace(f"planned {len(cp.plans)} layer(s)")
         # A held file the last snapshot has stays as it was there: carried, or the base's version.
@@ -590,6 +594,16 @@ class Watcher:
         if self.opts.keep:
             self._prune()
         return tag
+
+    def _judge_deletions(self, cp: CommitPlan) -> None:
+        """A snapshot that deletes the base's system (box/deletions.py: `rm -rf /usr/share/doc`, or a wrong
+        --root) is still saved, but to the box's diverged tag, never the moving tag (unless --force);
+        once the box no longer deletes it, the moving tag is the target again where this box may move it."""
+        d = cp.deletes
+        if d is not None and d.deletes_system and not self.opts.commit.force:
+            self.line.refuse(f"the box deletes {d.describe()}")
+        elif self.line.allow():
+            self._check_lineage()
 
     def _mapped_dirs(self) -> set[str]:
         """The directories of the box's files some process holds open for writing or maps
@@ -658,13 +672,14 @@ class Watcher:
         return [t for _, _, t in sorted(found)]
 
     def _prune(self) -> None:
-        """Delete the oldest immutable snapshots beyond --keep, and the oldest diverged tags beyond it
-        (snapshot/diverged.py), never one that the moving tag, a kept tag or this box's target names."""
+        """Delete the oldest immutable snapshots beyond --keep, and the oldest of the diverged tags this
+        box made beyond it (snapshot/diverged.py), never one that the moving tag, a kept tag or this
+        box's target names."""
         if self.prune_refused:
             return
         remote = Remote(self.moving, self.transport)
         tags = remote.list_tags()
-        series = [self.snapshot_tags(tags), names(self.moving.tag, tags)]
+        series = [self.snapshot_tags(tags), own_names(remote, self.moving.tag, self.root, tags)]
         if not prune(remote, series, self.opts.keep, [self.moving.tag, self.line.tag], self.log):
             self.prune_refused = True
             self.log(f"--keep: registry {self.moving.registry} does not allow deleting manifests "
@@ -750,7 +765,9 @@ def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], Non
                 reason.append(f"reclaim notice: {found}")
                 stop.set()
 
-    try:  # refused before it says it is ready: `--daemon` exits 2 with the line, not 0
+    # Refused before it says it is ready (`--daemon` exits 2 or 4 with the line, not 0): a usage error, or
+    # no credentials at all. Later, credentials that fail are retried (tick): the box stays protected.
+    try:
         watcher._check_lineage()
     except (UsageError, AuthError):
         raise
@@ -761,8 +778,11 @@ def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], Non
     while not stop.wait(1.0):
         pass
     if failed and not reason:
+        # The loop cannot go on (a usage error, or a bug): the box's work is still saved, where it may go,
+        # before the exit, whose code says why the loop stopped.
         e = failed[0]
         opts.log(f"snap: error: {e}" if isinstance(e, SnapError) else f"snap: internal error: {type(e).__name__}: {e}")
+        watcher.final("the watch loop stopped")
         return e.exit_code if isinstance(e, SnapError) else 1
     return watcher.final(reason[0] if reason else "stopped")
 
