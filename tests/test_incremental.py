@@ -321,7 +321,7 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
         counted = doc["uploaded"]
         assert doc["uploaded_bytes"] == sum(counted.values()) > 0, (step, doc["uploaded_bytes"], counted)
         assert sum(n for what, n in counted.items() if what != "manifests") == blobs, (step, counted, blobs)
-        assert 0 < manifests <= counted["manifests"], (step, counted, manifests)
+        assert 0 <= manifests <= counted["manifests"] > 0, (step, counted, manifests)  # the same manifest is stored once
         sent_layers = sum(layer["size"] for layer in doc["layers"] if layer["status"] == "uploaded")
         assert counted.get("layers", 0) == sent_layers, (step, counted, sent_layers)
         headers[step] = counted.get("headers", 0)

@@ -182,8 +182,8 @@ def test_a_snapshot_that_deletes_the_bases_system_is_saved_to_a_diverged_tag_and
     [tag] = diverged_tags(registry, "doc-clean")
     assert digest_of(registry, "doc-clean", "v2") == good
     snaps = [line for line in lines if line.startswith("snapshot ")][1:]
-    assert len(snaps) == 2 and all(f"doc-clean:{tag} " in line and "v2 not moved (the box deletes 1 of the base's "
-                                   "system directories (/usr/share/doc)" in line for line in snaps), lines
+    assert len(snaps) == 2 and all(f"doc-clean:{tag} " in line and "v2 not moved (the box deletes " in line
+                                   and "/usr/share/doc" in line for line in snaps), lines
     clock.advance(10)
     w.tick()
     assert _restored_tree(f"{registry.host}/doc-clean:{tag}", tmp_path / "out") == snapshot_of_tree(box, skip=NOT_CAPTURED)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
+from snapshotter.box.deletions import SYSTEM_TOPS, refuse_commit
 from snapshotter.box.events import ChangeEvents, EventsUnavailable
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
 from snapshotter.box.writers import being_written, last_change, open_for_writing
@@ -596,11 +597,15 @@ class Watcher:
         return tag
 
     def _judge_deletions(self, cp: CommitPlan) -> None:
-        """A snapshot that deletes the base's system (box/deletions.py: `rm -rf /usr/share/doc`, or a wrong
-        --root) is still saved, but to the box's diverged tag, never the moving tag (unless --force);
-        once the box no longer deletes it, the moving tag is the target again where this box may move it."""
+        """A snapshot that deletes a system directory of the base (box/deletions.py: `rm -rf
+        /usr/share/doc`) is still saved, but to the box's diverged tag, never the moving tag (unless
+        --force); once the box no longer deletes it, the moving tag is the target again where this box
+        may move it. One without the base's /bin, /etc or /usr is a wrong --root, not a box: refused
+        (exit 2), as commit does."""
         d = cp.deletes
         if d is not None and d.deletes_system and not self.opts.commit.force:
+            if any(t in SYSTEM_TOPS for t in d.top):
+                refuse_commit(self.root, d)
             self.line.refuse(f"the box deletes {d.describe()}")
         elif self.line.allow():
             self._check_lineage()
@@ -782,7 +787,8 @@ def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], Non
         # before the exit, whose code says why the loop stopped.
         e = failed[0]
         opts.log(f"snap: error: {e}" if isinstance(e, SnapError) else f"snap: internal error: {type(e).__name__}: {e}")
-        watcher.final("the watch loop stopped")
+        if not isinstance(e, UsageError):  # a usage error (a wrong --root, a name no layer holds) would end it too
+            watcher.final("the watch loop stopped")
         return e.exit_code if isinstance(e, SnapError) else 1
     return watcher.final(reason[0] if reason else "stopped")
 
