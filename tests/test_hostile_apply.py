@@ -15,7 +15,7 @@ import tarfile
 import pytest
 
 from helpers import GZIP, MARK, PART, TAR, part_image, push, raw_header, repo_for, run_snap
-from support import assert_one_line_error, gzip_bytes, member, tar_bytes
+from support import gzip_bytes, member, tar_bytes
 
 
 def fifo(name: str) -> tuple[tarfile.TarInfo, bytes]:

@@ -27,7 +27,7 @@ from snapshotter import CommitOptions, commit_box, progress, restore_image
 from snapshotter.box.profile import parse_profile
 from snapshotter.box.writers import open_for_writing
 from snapshotter.commit import push as push_module
-from snapshotter.errors import SnapError, UsageError
+from snapshotter.errors import SnapError
 from snapshotter.layer import generate as layer_module
 from snapshotter.oci.reference import is_tag
 from snapshotter.restore.restore import RestoreOptions

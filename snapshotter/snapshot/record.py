@@ -20,6 +20,7 @@ this version writes them, is not used."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
