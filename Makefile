@@ -15,8 +15,12 @@ setup: $(SETUP_STAMP)
 demo: $(SETUP_STAMP)
 	$(PYTHON) tests/demo.py
 
+# The lint first (seconds), then the suite's files on 3 workers (pytest-xdist, a file's tests on
+# one worker: its module fixtures, the dockerd of test_docker.py, start once): most tests wait on
+# registries and processes, so 3 fit 2 cores.
 test: $(SETUP_STAMP)
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m ruff check snapshotter tests
+	$(PYTHON) -m pytest -q -n 3 --dist loadfile tests
 
 # `make bench ARGS=--small` for a quick run, `make bench ARGS=--scale` for a real GPU box's sizes (not in CI).
 bench: $(SETUP_STAMP)
