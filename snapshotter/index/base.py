@@ -79,7 +79,8 @@ def push_artifact(remote: Remote, blobs: list[tuple[bytes, str]], media_type: st
         "layers": [descriptor(media_type, d, len(data)) for data, d in unique],
         **({"annotations": annotations} if annotations else {}),
     })
-    remote.put_manifest(manifest, OCI_MANIFEST, tag)
+    if remote.manifest_digest(tag) != sha256_digest(manifest):  # the same again would only cost its bytes
+        remote.put_manifest(manifest, OCI_MANIFEST, tag)
 
 
 def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],
