@@ -44,6 +44,7 @@ MIN_THROUGHPUT_ENV = "SNAP_MIN_THROUGHPUT"
 DEFAULT_MIN_THROUGHPUT = 64 << 10
 DOWNLOAD_GRACE_ENV = "SNAP_DOWNLOAD_GRACE"
 DEFAULT_DOWNLOAD_GRACE = 10.0
+MIN_DEADLINE = 1.0  # seconds: a small blob's size at the minimum throughput is a few ms, less than a round trip
 BODY_PIECE = 1 << 20
 _RATE = re.compile(r"([0-9]+)\s*([kmg]?)(?:i?b)?(?:/s)?", re.I)
 
@@ -222,7 +223,7 @@ class Remote:
         drips bytes meets the deadline instead of filling a piece first."""
         registry = self.ref.registry
         rate = min_throughput()
-        allowed = download_grace() + (limit or 0) / rate
+        allowed = max(MIN_DEADLINE, download_grace() + (limit or 0) / rate)
         deadline = time.monotonic() + allowed if limit is not None else None
         got = 0
         parts: list[bytes] = []
@@ -237,7 +238,7 @@ class Remote:
             got += len(data)
             if limit is not None and got > limit:
                 raise too_long(f"{what} from {registry} is longer than the {limit} bytes it may have: refusing it")
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and got < (limit or 0) and time.monotonic() > deadline:  # (all in: it made it)
                 raise RegistryUnreachable(f"download of {what} from {registry} is slower than {rate} bytes/s "
                                           f"({got} of {limit} bytes in {allowed:.0f} s): giving up",
                                           f"on a slow link, set {MIN_THROUGHPUT_ENV} lower (bytes per second) "
