@@ -206,13 +206,32 @@ def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
             _held -= 1
 
 
+def _writer_alive(name: str) -> bool:
+    """Whether a replace_file temp name ("NAME.tmp.PID.THREAD") names a process that is still running."""
+    _, _, rest = name.rpartition(".tmp.")
+    pid = rest.split(".", 1)[0]
+    if ".tmp." not in name or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True  # another thread's, writing now
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def is_leftover(name: str) -> bool:
     """A name snap gives only to what it is still making: built layers, downloads, temp files."""
     return name.startswith(".building-") or name.endswith(".part") or ".tmp." in name
 
 
 def sweep_leftovers(root: str) -> int:
-    """Remove what killed runs left half-made in the state dir. Returns how many entries."""
+    """Remove what killed runs left half-made in the state dir. Returns how many entries. A temp
+    file of a process still running is its own (a watcher writes its files without the state lock:
+    its exit code, while a restore that took the lock sweeps) and stays."""
     removed = 0
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [n for n in dirnames if is_leftover(n)]:
@@ -220,7 +239,7 @@ def sweep_leftovers(root: str) -> int:
             dirnames.remove(name)
             removed += 1
         for name in filenames:
-            if is_leftover(name):
+            if is_leftover(name) and not _writer_alive(name):
                 try:
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1

@@ -89,8 +89,16 @@ def test_a_second_snap_process_waits_for_the_first(registry, base_ref, box, stat
 def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, proxy, base_ref, box, state_dir):
     base = registry.manifest("base", "1")
     layer = base["layers"][0]["digest"]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
     leftovers = [state_dir / "layers" / ".building-venv-123-456", state_dir / "blobs" / "0123abcd.part",
-                 state_dir / "stat-cache" / "x.json.tmp.999"]
+                 state_dir / "stat-cache" / f"x.json.tmp.{dead.pid}.1"]
+    # A temp file of a process still running (a watcher writing its exit code, without the state
+    # lock) is its own: a commit that takes the lock leaves it alone.
+    writer = subprocess.Popen(["sleep", "600"])
+    live = state_dir / "watch" / f"0123.exit.tmp.{writer.pid}.1"
+    live.parent.mkdir(parents=True, exist_ok=True)
+    live.write_bytes(b"being written")
     for p in leftovers:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"half-made")
@@ -104,7 +112,9 @@ def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, p
     commit_box(f"{proxy.host}/swept:v1", base_ref, CommitOptions(root=box))
     for p in leftovers + [state_dir / "blobs" / "deadbeef.split.part"]:
         assert not p.exists(), p
-    assert keep.exists()
+    assert keep.exists() and live.exists()
+    writer.kill()
+    writer.wait()
     assert hashlib.sha256(registry.blob("swept", layer)).hexdigest() == layer.split(":", 1)[1]
 
 
