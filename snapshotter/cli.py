@@ -24,14 +24,12 @@ from snapshotter.registry.credentials import Credentials
 from snapshotter.registry.transport import TransportOptions
 
 from . import progress
-from .errors import SnapError, StorageError, UsageError, printable
+from .errors import INTERRUPTED, TERMINATED, SnapError, StorageError, UsageError, exit_codes, printable
 from .version import __version__
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
-    "Exit codes: 0 ok, 1 unexpected, 2 bad input, 3 registry unreachable, 4 auth, 5 not found, "
-    "6 integrity (digest mismatch or hostile layer), 7 local disk, 8 no Docker engine, 9 verify found "
-    "differences, 10 registry error, 11 `restore --wait` timed out, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).\n\n"
+    "Exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in exit_codes()) + ".\n\n"
     "Registry credentials: --username with --password-stdin, else SNAP_USERNAME with SNAP_PASSWORD, else Docker's "
     "config as `snap login REGISTRY` (or `docker login`) wrote it, its credential helpers included.",
     no_args_is_help=True,
@@ -111,7 +109,7 @@ def _errors(fn):
             _say(f"snap: error: {e}")
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt as e:
-            how, code = ("terminated", 143) if isinstance(e, _Terminated) else ("interrupted", 130)
+            how, code = ("terminated", TERMINATED) if isinstance(e, _Terminated) else ("interrupted", INTERRUPTED)
             _say(f"snap: {how} (run the command again: a commit re-sends only what is missing, a restore resumes)")
             raise typer.Exit(code)
         except _TYPER_WAYS_OUT:
@@ -696,7 +694,7 @@ def main() -> None:
         sys.exit(_usage_error(e))
     except typer.Abort:
         _say("snap: interrupted")
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -7,6 +7,7 @@ class SnapError(Exception):
     """Base class: the message is one line that names the cause and what to do."""
 
     exit_code = 1
+    meaning = 'unexpected'
 
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
@@ -21,10 +22,12 @@ class UsageError(SnapError):
     """Bad input: a missing root, a malformed reference, a bad profile."""
 
     exit_code = 2
+    meaning = 'bad input'
 
 
 class RegistryUnreachable(SnapError):
     exit_code = 3
+    meaning = 'registry unreachable'
 
 
 # Every auth error names them: a box started by a provider has no `docker login`, but secret env vars.
@@ -34,6 +37,7 @@ CREDENTIAL_WAYS = ("credentials come from --username with --password-stdin, SNAP
 
 class AuthError(SnapError):
     exit_code = 4
+    meaning = 'auth'
 
     def __str__(self) -> str:
         return f"{super().__str__()}; {CREDENTIAL_WAYS}"
@@ -43,42 +47,62 @@ class NotFound(SnapError):
     """An image, tag or blob the registry does not have."""
 
     exit_code = 5
+    meaning = 'not found'
 
 
 class IntegrityError(SnapError):
     """A digest mismatch, or a hostile or corrupt layer: refused."""
 
     exit_code = 6
+    meaning = "integrity (digest mismatch, hostile layer, or a snapshot that deletes a live root's system)"
 
 
 class StorageError(SnapError):
     """The local disk failed us: full, read-only, unreadable file."""
 
     exit_code = 7
+    meaning = 'local disk'
 
 
 class EngineUnavailable(SnapError):
     """No Docker engine to talk to."""
 
     exit_code = 8
+    meaning = 'no Docker engine'
 
 
 class VerifyFailed(SnapError):
     """`snap verify` found files that differ from the snapshot."""
 
     exit_code = 9
+    meaning = 'verify found differences'
 
 
 class RegistryError(SnapError):
     """The registry answered, but with an error we cannot recover from."""
 
     exit_code = 10
+    meaning = 'registry error'
 
 
 class WaitTimeout(SnapError):
     """`snap restore --wait` gave up: the file had not landed in time."""
 
     exit_code = 11
+    meaning = '`restore --wait` timed out'
+
+
+INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it
+TERMINATED = 143  # SIGTERM
+
+
+def exit_codes() -> list[tuple[int, str]]:
+    """Every exit code snap ends with and what it means, in order: the one table the help text and
+    the README's are made from or checked against."""
+    kinds = (SnapError, UsageError, RegistryUnreachable, AuthError, NotFound, IntegrityError, StorageError,
+             EngineUnavailable, VerifyFailed, RegistryError, WaitTimeout)
+    return sorted([(0, "ok"), *((k.exit_code, k.meaning) for k in kinds),
+                   (INTERRUPTED, "interrupted (Ctrl-C)"), (TERMINATED, "terminated (SIGTERM)")])
 
 
 def quoted_path(rel: str) -> str:

@@ -1,5 +1,7 @@
 """Bad input ends in one line on stderr naming the cause, a distinct exit code, and no traceback."""
 
+import os
+
 import pytest
 import requests
 import typer
@@ -71,6 +73,22 @@ def test_help_explains_each_command():
         assert "--root" in r.stdout
     r = snap("--help")
     assert "Exit codes" in r.stdout
+
+
+def test_the_exit_codes_of_the_help_and_the_readme_are_errors_py_s():
+    """One table (errors.exit_codes): the help text is made from it, the README's lists the same codes
+    with the same meanings (its own words may add detail after them)."""
+    from snapshotter.errors import exit_codes
+
+    shown = " ".join(snap("--help").stdout.split())  # the help panel wraps lines
+    for code, meaning in exit_codes():
+        assert f"{code} {meaning}" in shown, (code, meaning)
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    table = readme.split("## Exit codes", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(code) for code, _ in rows] == [code for code, _ in exit_codes()], rows
+    for (_, said), (_, meaning) in zip(rows, exit_codes()):
+        assert meaning.replace("`", "").split()[0].lower() in said.replace("`", "").lower(), (said, meaning)
 
 
 def test_version_is_one_line_and_exit_0():
