@@ -121,6 +121,9 @@ def test_commit_and_restore_into_a_log_say_what_and_how_much(registry, base_ref,
         said = [line for line in lines if line.startswith(f"{what}: ")]
         assert said[0].startswith(f"{what}: started (") and said[-1].startswith(f"{what}: done, "), (what, r.stderr)
         assert any(" of " in line for line in said[1:-1]), said
+    # The total announced is what was read: the image's files the profile does not leave out.
+    said = [line for line in lines if line.startswith("checking contents: ")]
+    assert said[0].split("(", 1)[1].split(")")[0] == said[-1].split("done, ", 1)[1].split(" in ")[0], said
 
 
 def run_with_stdout_closed(*args: str) -> subprocess.CompletedProcess:

@@ -258,7 +258,8 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
             real_dirs[rel] = ok
         return real_dirs[rel]
 
-    content_bytes = sum(e.size for e in index.values() if e.kind == FILE and e.digest)
+    # What the contents' check reads, as far as the image tells: its files the profile does not leave out.
+    content_bytes = sum(e.size for rel, e in index.items() if e.kind == FILE and e.digest and not excluded(rel))
     with progress.bar("comparing paths", len(index), unit="paths") as bar, \
             progress.bar("checking contents", content_bytes) as hashed:
         update = progress.safe_update(hashed)
