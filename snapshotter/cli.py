@@ -24,7 +24,7 @@ from snapshotter.registry.credentials import Credentials
 from snapshotter.registry.transport import TransportOptions
 
 from . import progress
-from .errors import INTERRUPTED, TERMINATED, SnapError, StorageError, UsageError, exit_codes, printable
+from .errors import INTERRUPTED, SnapError, StorageError, UsageError, exit_code_of, exit_codes, printable
 from .version import __version__
 
 app = typer.Typer(
@@ -82,6 +82,8 @@ def _stdout(text: str) -> None:
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, stopped as Ctrl-C is: transfers in flight given up, the journal left as it was; exit 143."""
 
+    terminated = True  # errors.exit_code_of: 143, not 130
+
 
 @contextlib.contextmanager
 def _sigterm_stops():
@@ -109,7 +111,7 @@ def _errors(fn):
             _say(f"snap: error: {e}")
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt as e:
-            how, code = ("terminated", TERMINATED) if isinstance(e, _Terminated) else ("interrupted", INTERRUPTED)
+            how, code = "terminated" if isinstance(e, _Terminated) else "interrupted", exit_code_of(e)
             _say(f"snap: {how} (run the command again: a commit re-sends only what is missing, a restore resumes)")
             raise typer.Exit(code)
         except _TYPER_WAYS_OUT:

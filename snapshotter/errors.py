@@ -105,6 +105,18 @@ def exit_codes() -> list[tuple[int, str]]:
                    (INTERRUPTED, "interrupted (Ctrl-C)"), (TERMINATED, "terminated (SIGTERM)")])
 
 
+def exit_code_of(error: BaseException) -> int:
+    """The one mapping from an exception to the exit code snap ends with: a SnapError's own code,
+    130/143 for an interrupt, 7 for a local I/O failure no closer handler knew, 1 for a bug."""
+    if isinstance(error, SnapError):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return TERMINATED if getattr(error, "terminated", False) else INTERRUPTED
+    if isinstance(error, OSError):
+        return StorageError.exit_code
+    return 1
+
+
 def quoted_path(rel: str) -> str:
     """A root-relative path from an image or a tree, for a message: '/a/b', quoted and escaped like
     repr, so that a newline or a control character in a name cannot forge lines of output."""

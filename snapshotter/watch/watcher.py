@@ -29,7 +29,7 @@ from snapshotter.box.writers import being_written, last_change, open_for_writing
 from snapshotter.commit.commit import changes_in, own_excludes, plan_commit, scan_root
 from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan
 from snapshotter.commit.push import NOT_SENT_TORN, grown_line, push_commit, push_layers, target_remote
-from snapshotter.errors import AuthError, SnapError, UsageError, printable
+from snapshotter.errors import AuthError, SnapError, UsageError, exit_code_of, printable
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.layer.plan import PlanMemo
 from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
@@ -723,7 +723,7 @@ class Watcher:
         if "error" in box:
             e = box["error"]
             self._error(f"the final snapshot failed: {e} ({current})")
-            return e.exit_code if isinstance(e, SnapError) else 1
+            return exit_code_of(e)
         where, note = self.line.ref(self.line.tag), f" ({self.line.note()})" if self.line.diverged else ""
         if box["tag"] is None:
             self.log(f"nothing changed since {self.current or 'the last snapshot'}: {where} is current{note}")
@@ -789,7 +789,7 @@ def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], Non
         opts.log(f"snap: error: {e}" if isinstance(e, SnapError) else f"snap: internal error: {type(e).__name__}: {e}")
         if not isinstance(e, UsageError):  # a usage error (a wrong --root, a name no layer holds) would end it too
             watcher.final("the watch loop stopped")
-        return e.exit_code if isinstance(e, SnapError) else 1
+        return exit_code_of(e)
     return watcher.final(reason[0] if reason else "stopped")
 
 
