@@ -190,7 +190,8 @@ class LiveRoot:
                     stack.append(path)
 
 
-def count_live(live: LiveRoot, deleting: Iterable[Deleting], written: dict[str, int]) -> tuple[Deletions, dict[str, Optional[str]]]:
+def count_live(live: LiveRoot, deleting: Iterable[Deleting],
+               written: dict[str, int]) -> tuple[Deletions, dict[str, Optional[str]]]:
     """What `deleting` (every layer's) does to the live root: (the count, {member: where it deletes,
     for the extractor to check}). A deleted directory counts each path in it; an opaque marker each
     path of its directory; neither counts a path a layer creates again (`written`: {path: the last
@@ -199,7 +200,8 @@ def count_live(live: LiveRoot, deleting: Iterable[Deleting], written: dict[str, 
     and the root's other paths only until they are more than twice the deleted ones (enough to
     tell the half rule)."""
     where: dict[str, Optional[str]] = {}
-    units: dict[str, tuple[bool, int]] = {}  # deleted path -> (only its contents: an opaque marker's, last layer deleting it)
+    # deleted path -> (only its contents: an opaque marker's, last layer deleting it)
+    units: dict[str, tuple[bool, int]] = {}
     for d in deleting:
         where[d.member] = target = live.target(d)
         if target is None or (target and live.never(target)):

@@ -121,7 +121,8 @@ def open_leaf(dir_fd: int, name: str, ino: Optional[int], dev: Optional[int] = N
         raise _changed(e, name) from e
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino) or (dev is not None and st.st_dev != dev):
+        if not stat.S_ISREG(st.st_mode) or (ino is not None and st.st_ino != ino) \
+                or (dev is not None and st.st_dev != dev):
             raise NotTheScanned(name)
     except BaseException:
         os.close(fd)

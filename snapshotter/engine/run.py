@@ -61,7 +61,8 @@ def parse_port(spec: str) -> tuple[str, object]:
     host = parts[-2] if len(parts) > 1 else ""
     if (proto or "tcp") not in ("tcp", "udp", "sctp") or len(parts) > 3 or not parts[-1].isdigit() \
             or (host and not host.isdigit()):
-        raise UsageError(f"port {spec!r} is not valid", "write it as [IP:]HOST_PORT:CONTAINER_PORT[/udp], e.g. 8188:8188")
+        raise UsageError(f"port {spec!r} is not valid",
+                         "write it as [IP:]HOST_PORT:CONTAINER_PORT[/udp], e.g. 8188:8188")
     key = f"{parts[-1]}/{proto or 'tcp'}"
     host_port = int(host) if host else None
     if len(parts) == 1:
@@ -74,7 +75,8 @@ def parse_volume(spec: str) -> str:
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not parts[0] or not parts[1].startswith("/") or \
             (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-        raise UsageError(f"volume {spec!r} is not valid", "write it as HOST_PATH:CONTAINER_PATH[:ro], e.g. /data:/workspace")
+        raise UsageError(f"volume {spec!r} is not valid",
+                         "write it as HOST_PATH:CONTAINER_PATH[:ro], e.g. /data:/workspace")
     host = parts[0]
     if host.startswith((".", "/", "~")):
         host = os.path.abspath(os.path.expanduser(host))
@@ -209,7 +211,9 @@ def pull(client, reference: Reference, transport: Optional[TransportOptions], lo
     target = reference.target
     image = f"{reference.name}{'@' if reference.digest else ':'}{target}"
     creds = transport.credentials if transport else None
-    auth = {"username": creds.username, "password": creds.password or ""} if creds and creds.username is not None else None
+    auth = None
+    if creds and creds.username is not None:
+        auth = {"username": creds.username, "password": creds.password or ""}
     log(f"pulling {image}")
     try:
         # The high-level images.pull drops errors reported inside the stream: read it ourselves.

@@ -13,8 +13,9 @@ data of the member the tar reader parsed (same offset, same size), so a tar the 
 differently (a hostile one) is extracted by copying, from the same verified bytes.
 
 A restore downloads its layers into a staging directory inside the restore root (`StagingDirs`),
-at the top of the filesystem each lands on, not into snap's state dir: the weights are renamed into place on the same filesystem, and the
-restore needs room for what it restores once, on the target, whatever the state dir's disk holds.
+at the top of the filesystem each lands on, not into snap's state dir: the weights are renamed into place
+on the same filesystem, and the restore needs room for what it restores once, on the target, whatever the
+state dir's disk holds.
 A staging dir is written through only if it is this restore's: a directory (not a symlink) of its
 user's, mode 0700, which only that user can change. One that is not (planted by an image, or by
 another user of a shared root) is replaced, never written through.
@@ -40,7 +41,8 @@ from snapshotter.tar.reader import MAX_META, header_number, pax_records
 STAGE_MIN = 1 << 20  # smaller contents stay in the skeleton: a rename saves nothing on them
 SPLIT_SUFFIX = ".split"
 SEGMENTS_VERSION = 1  # of segments.json: a split layer of another version is downloaded again
-STAGING_PREFIX = ".snap-staging-"  # + 16 hex digits of the manifest digest, at the top of a filesystem in a restore root
+# + 16 hex digits of the manifest digest, at the top of a filesystem in a restore root
+STAGING_PREFIX = ".snap-staging-"
 _STAGING = re.compile(r"\.snap-staging-[0-9a-f]{16}")
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _META = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
@@ -231,7 +233,8 @@ class SplitLayer(io.RawIOBase):
         """The path of the content file holding exactly the member data at `offset` (`size`
         bytes), now the caller's to rename; None if there is none (the data is read instead)."""
         hit = self.contents.get(offset)
-        if hit is None or hit[1] != size or offset < self.pos or hit[0] in self.taken or not os.path.exists(os.path.join(self.dir, hit[0])):
+        if hit is None or hit[1] != size or offset < self.pos or hit[0] in self.taken \
+                or not os.path.exists(os.path.join(self.dir, hit[0])):
             return None
         path = os.path.join(self.dir, hit[0])
         # Still readable after its rename through this handle: tarfile reads the byte before
@@ -351,7 +354,8 @@ def staging_dirs(root: str) -> list[str]:
     for top in _mount_points(root):
         try:
             with os.scandir(top) as it:
-                found += [os.path.relpath(de.path, root) for de in it if is_staging_name(de.name) and de.is_dir(follow_symlinks=False)]
+                found += [os.path.relpath(de.path, root) for de in it
+                          if is_staging_name(de.name) and de.is_dir(follow_symlinks=False)]
         except OSError:
             pass
     return found

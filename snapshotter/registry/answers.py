@@ -80,7 +80,8 @@ def _error_body(r: requests.Response) -> bytes:
     got, deadline = 0, time.monotonic() + ERROR_READ_S
     try:
         while got < ERROR_BODY_LIMIT and time.monotonic() < deadline:
-            data = r.raw.read1(ERROR_BODY_LIMIT - got, decode_content=True)  # what has arrived, without waiting for more
+            # what has arrived, without waiting for more
+            data = r.raw.read1(ERROR_BODY_LIMIT - got, decode_content=True)
             if not data:
                 break
             pieces.append(data)

@@ -144,7 +144,8 @@ class Transport:
         try:
             return urllib.parse.urljoin(f"{self.scheme}://{self.host}/", location)
         except ValueError:  # e.g. "https://[x"
-            raise RegistryError(f"registry {self.host!r} sent a location that is not a URL: {location[:200]!r}") from None
+            raise RegistryError(f"registry {self.host!r} sent a location that is not a URL: "
+                                f"{location[:200]!r}") from None
 
     def location(self, r: requests.Response, what: str) -> str:
         """The absolute URL of an answer's Location header; a RegistryError if it has none."""

@@ -1,6 +1,6 @@
-"""The rules of a layer tar that generation (layer/generate.py) and reading (layer/extract.py, index/indexer.py, restore/verify.py)
-share, kept apart from both (as umoci keeps its utils apart from extract and generate): entry
-order, whiteout names, xattr records, a header's bytes, and what of a header identifies a layer's bytes."""
+"""The rules of a layer tar that generation and reading (extraction, indexing, verifying) share, kept
+apart from both (as umoci keeps its utils apart from extract and generate): entry order, whiteout
+names, xattr records, a header's bytes, and what of a header identifies a layer's bytes."""
 
 from __future__ import annotations
 
