@@ -43,6 +43,8 @@ def keydir(tmp_path_factory):
     openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(d / "ec.pem"))
     openssl("ec", "-in", str(d / "ec.pem"), "-pubout", "-out", str(d / "ec.pub"))
     openssl("ec", "-in", str(d / "ec.pem"), "-out", str(d / "ec-sec1.pem"))
+    openssl("req", "-new", "-x509", "-key", str(d / "ec.pem"), "-subj", "/CN=snap", "-days", "2",
+            "-out", str(d / "ec.crt"))
     (d / "pw").write_text("correct horse\n")
     openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-aes256",
             "-pass", f"file:{d / 'pw'}", "-out", str(d / "locked.pem"))
@@ -147,6 +149,29 @@ def test_a_layer_snap_encrypted_is_decrypted_by_skopeo(keydir, tmp_path, recipie
         assert not any(k.startswith("org.opencontainers.image.enc.") for k in desc.get("annotations", {}))
         assert blob == gz and desc["digest"] == sha(gz)
         assert sha(gzip.decompress(blob)) == diff_ids[0]
+
+
+def test_recipients_added_later_are_comma_joined_and_skopeo_reads_them(keydir, tmp_path):
+    """ocicrypt's form for recipients added to an encrypted layer: a second JWE after a comma, the blob
+    unchanged. The recipient added (from an X.509 certificate) decrypts with this module and with
+    skopeo; a key that is in neither JWE still gets KeyMismatch."""
+    need("skopeo")
+    gz, tar = a_layer()
+    done, blob = encrypted(keydir, gz)
+    cert = keys.load_public_key(str(keydir / "ec.crt"))
+    assert cert.public_numbers() == keys.load_public_key(str(keydir / "ec.pub")).public_numbers()
+    annotations = layer.add_recipients(done.annotations, [private(keydir, "rsa")], [cert])
+    assert annotations[layer.KEYS_JWE].startswith(done.annotations[layer.KEYS_JWE] + ",")
+    assert annotations[layer.PUBOPTS] == done.annotations[layer.PUBOPTS]
+    opened = layer.open_layer(annotations, [private(keydir, "ec")])
+    assert layer.decrypt_layer(io.BytesIO(blob), io.BytesIO(), opened) == sha(gz)
+    assert opened.key.symkey.hex() not in repr(opened) and opened.key.nonce.hex() not in repr(opened.key)
+    with pytest.raises(KeyMismatch):
+        layer.open_layer(annotations, [private(keydir, "other")])
+    write_layout(tmp_path / "enc", blob, layer.encrypted_media_type("application/vnd.oci.image.layer.v1.tar+gzip"),
+                 sha(tar), annotations)
+    skopeo_copy(tmp_path, tmp_path / "enc", tmp_path / "dec", "--decryption-key", str(keydir / "ec.pem"))
+    assert read_layout(tmp_path / "dec")[1] == gz
 
 
 def encrypted(keydir, gz, key=None):
