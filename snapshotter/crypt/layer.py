@@ -62,6 +62,7 @@ class Opened:
     key: LayerKey = field(repr=False)
     hmac: bytes
     plain_digest: str
+    private_options: bytes = field(repr=False)  # as unwrapped: what add_recipients wraps again
 
 
 def random_key() -> LayerKey:
@@ -171,12 +172,23 @@ def open_layer(annotations: dict, keys: Iterable[PrivateKey]) -> Opened:
         raise KeyMismatch("the layer is encrypted and no decryption key was given")
     for part in wrapped.split(","):
         try:
-            private = parse_options(jwe.decrypt(decode_b64(part, "JWE key annotation"), keys), "private")
+            data = jwe.decrypt(decode_b64(part, "JWE key annotation"), keys)
         except KeyMismatch as e:
             mismatch = e
             continue
-        return Opened(layer_key(private), decode_b64(public.get("hmac") or "", "HMAC"), str(private.get("digest", "")))
+        private = parse_options(data, "private")
+        mac = decode_b64(public.get("hmac") or "", "HMAC")
+        return Opened(layer_key(private), mac, str(private.get("digest", "")), data)
     raise mismatch
+
+
+def add_recipients(annotations: dict, keys: Iterable[PrivateKey], recipients: Iterable[PublicKey]) -> dict:
+    """A layer's annotations with its key also wrapped for `recipients`, the blob unchanged: as ocicrypt
+    does for an encrypted layer, the options one of `keys` opens are wrapped in a new JWE, appended
+    after a comma."""
+    opened = open_layer(annotations, keys)
+    added = b64(jwe.encrypt(opened.private_options, list(recipients)))
+    return {**annotations, KEYS_JWE: f"{annotations[KEYS_JWE]},{added}"}
 
 
 def parse_options(data: bytes, what: str) -> dict:
