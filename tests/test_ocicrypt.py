@@ -2,6 +2,7 @@
 encrypted and decrypted by skopeo (`--encryption-key jwe:`, `--decryption-key`) between OCI layout
 directories. Nothing is mocked; no registry is needed (skopeo copies oci: to oci:)."""
 
+import base64
 import gzip
 import hashlib
 import io
@@ -217,6 +218,30 @@ def test_a_wrong_key_is_a_clear_error_that_shows_no_key(keydir):
     with pytest.raises(KeyMismatch) as caught:
         keys.load_private_key(str(keydir / "locked.pem"), str(keydir / "wrong-pw"))
     assert "not it" not in str(caught.value) and exit_code_of(caught.value) == 4
+
+
+def forged_jwe(doc: dict) -> str:
+    return base64.b64encode(json.dumps(doc).encode()).decode()
+
+
+@pytest.mark.parametrize("forge", [
+    lambda a: {**a, layer.PUBOPTS: "not base64!"},
+    lambda a: {**a, layer.PUBOPTS: base64.b64encode(b'{"cipher":"AES_256_CTR_HMAC_SHA256","hmac":7}').decode()},
+    lambda a: {**a, layer.PUBOPTS: base64.b64encode(b'{"cipher":"ROT13"}').decode()},
+    lambda a: {**a, layer.KEYS_JWE: base64.b64encode(b"[1, 2]").decode()},
+    lambda a: {**a, layer.KEYS_JWE: forged_jwe({"protected": "e30", "recipients": [7]})},
+    lambda a: {layer.PUBOPTS: a[layer.PUBOPTS]},
+], ids=["pubopts-not-base64", "hmac-not-a-string", "other-cipher", "jwe-not-an-object", "recipient-not-an-object",
+        "no-keys-annotation"])
+def test_forged_annotations_are_one_line_integrity_errors(keydir, forge):
+    """Annotations an attacker wrote (malformed base64, JSON of the wrong shape, another cipher, no
+    wrapped key) are refused with one line and exit 6, never a traceback from deep in the parsing."""
+    gz, _ = a_layer(1000)
+    done, blob = encrypted(keydir, gz)
+    with pytest.raises(IntegrityError) as caught:
+        opened = layer.open_layer(forge(done.annotations), [private(keydir, "rsa"), private(keydir, "ec")])
+        layer.decrypt_layer(io.BytesIO(blob), io.BytesIO(), opened)
+    assert exit_code_of(caught.value) == 6 and "\n" not in str(caught.value)
 
 
 def test_a_private_key_others_can_read_gets_a_warning(keydir, tmp_path):

@@ -107,7 +107,7 @@ def unwrap_cek(header: dict, encrypted_key: bytes, key: PrivateKey) -> Optional[
             x, y = (int.from_bytes(unb64url(epk.get(c)), "big") for c in ("x", "y"))
             public = ec.EllipticCurvePublicNumbers(x, y, curve()).public_key()
             return aes_key_unwrap(ecdh_kek(key, public, alg), encrypted_key)
-    except (ValueError, InvalidUnwrap, binascii.Error):
+    except (ValueError, TypeError, AttributeError, InvalidUnwrap, binascii.Error):
         return None  # not this key's (OAEP's padding and AES-KW's check fail for any other key)
     return None
 

@@ -153,7 +153,7 @@ def encrypt_layer(src: BinaryIO, dst: BinaryIO, recipients: Iterable[PublicKey],
 def decode_b64(text: str, what: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError, TypeError):
         raise IntegrityError(f"the layer's {what} is not base64") from None
 
 
@@ -203,7 +203,8 @@ def parse_options(data: bytes, what: str) -> dict:
 
 def layer_key(private: dict) -> LayerKey:
     symkey = decode_b64(private.get("symkey") or "", "symmetric key")
-    nonce = decode_b64((private.get("cipheroptions") or {}).get("nonce") or "", "nonce")
+    options = private.get("cipheroptions")
+    nonce = decode_b64((options if isinstance(options, dict) else {}).get("nonce") or "", "nonce")
     if len(symkey) != 32 or len(nonce) != 16:
         raise IntegrityError("the layer's key or nonce has the wrong length for AES-256-CTR")
     return LayerKey(symkey, nonce)
