@@ -15,7 +15,7 @@ FLOORS = [
     {"errors", "version"},
     {"digests", "jobs", "progress", "state"},
     {"oci"},  # the image model: no I/O
-    {"tar"},
+    {"tar", "crypt"},  # crypt: ocicrypt's layer encryption, over the image model
     {"registry"},
     {"engine", "index"},
     {"box"},

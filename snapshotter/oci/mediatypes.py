@@ -20,6 +20,9 @@ DOCKER_LAYER_ZSTD = "application/vnd.docker.image.rootfs.diff.tar.zstd"  # conta
 # Foreign (non-distributable) variants carry the same bytes.
 NONDISTRIBUTABLE_TAR = "application/vnd.oci.image.layer.nondistributable.v1.tar"
 
+# ocicrypt's encrypted layers (crypt/layer.py): a plain OCI layer type with this suffix.
+ENCRYPTED_SUFFIX = "+encrypted"
+
 # The layer media type snap writes for each --compression.
 MEDIA_TYPE = {"none": LAYER_TAR, "gzip": LAYER_GZIP, "zstd": LAYER_ZSTD}
 
