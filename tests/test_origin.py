@@ -15,7 +15,7 @@ import pytest
 
 from hubserver import HubServer, Repo, sha256_hex
 from snapshotter.errors import (IntegrityError, NotFound, OriginAuthError, RegistryError, RegistryUnreachable,
-                                exit_code_of)
+                                UsageError, exit_code_of)
 from snapshotter.origin.fetch import PART_SUFFIX, Origin, fetch, fetch_all
 from snapshotter.origin.hubcache import default_candidates, recognise
 from snapshotter.origin.layout import cache_layout, complete_layout
@@ -140,6 +140,25 @@ def test_a_tampered_or_unnamed_blob_stays_in_the_layers(box, hub, tmp_path):
     assert left[f"{CACHE}/models--acme--tiny/blobs/{sha256_hex(orphan)}"] == "no snapshot names it"
 
 
+def test_every_token_file_is_a_secret(box, hub, tmp_path):
+    root = copy_box(box, str(tmp_path / "box"))
+    for path in (f"{HF_HOME}/stored_tokens", "etc/hf/token-file"):
+        os.makedirs(os.path.dirname(os.path.join(root, path)), exist_ok=True)
+        with open(os.path.join(root, path), "w") as f:
+            f.write(TOKEN)
+    found = recognise(root, default_candidates(root), endpoint=hub.url, token_path="/etc/hf/token-file")
+    assert sorted(found.secrets) == sorted([f"{HF_HOME}/token", f"{HF_HOME}/stored_tokens", "etc/hf/token-file"])
+
+
+def test_the_origin_comes_from_the_environment(hub):
+    assert Origin.from_env({}) == Origin("https://huggingface.co", None)
+    configured = Origin.from_env({"HF_ENDPOINT": hub.url + "/", "HF_TOKEN": TOKEN})
+    assert (configured.endpoint, configured.token) == (hub.url, TOKEN) and TOKEN not in repr(configured)
+    for bad in ("ftp://mirror.example", "http://169.254.169.254", "not a url"):
+        with pytest.raises(UsageError):
+            Origin.from_env({"HF_ENDPOINT": bad})
+
+
 def test_the_reference_list_round_trips_and_refuses_a_hostile_one(box, hub):
     doc = recognise(box, default_candidates(box), endpoint=hub.url).document()
     data = doc.to_json()
@@ -251,7 +270,7 @@ def test_a_gated_file_needs_the_token_and_the_token_never_reaches_the_cdn(box, h
     assert "'w.bin'" in str(e.value) and hub.url in str(e.value) and "HF_TOKEN" in str(e.value)
     assert not os.path.exists(os.path.join(tmp_path, ref.blob_path))
     seen = len(hub.seen_all)
-    assert fetch(str(tmp_path), ref, Origin(hub.url, TOKEN)) is True
+    assert fetch(str(tmp_path), ref, Origin.from_env({"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN})) is True
     asked = hub.seen_all[seen:]
     assert [s.headers.get("authorization") for s in asked if s.server == "hub"] == [f"Bearer {TOKEN}"]
     assert [s.headers.get("authorization") for s in asked if s.server == "cdn"] == [None]

@@ -12,7 +12,9 @@ Every path is opened beneath the root, following no symlink (box/openat.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import stat
@@ -154,11 +156,9 @@ def _has_blob(blobs_fd: int, ref: Reference) -> bool:
 def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: Origin, on_bytes: OnBytes) -> None:
     """Fetch into the part file (resumed where one is left), verify, then rename it to the blob."""
     part = ref.sha256 + PART_SUFFIX
-    try:
-        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=blobs_fd)
-    except OSError as e:
-        raise storage_error(e, repr(ref.blob_path)) from None
-    with os.fdopen(fd, "r+b", buffering=0) as f:  # unbuffered: what arrived is in the part if we are killed
+    with _locked_part(blobs_fd, ref) as f:
+        if f is None:
+            return  # another fetch put the blob in place while we waited for its part
         hasher = _resume(f, ref)
         if f.tell() < ref.size:
             hasher = _receive(session, f, hasher, ref, source, on_bytes)
@@ -167,8 +167,33 @@ def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: 
             raise IntegrityError(f"{_what(ref, source)}: its content does not hash to the sha256 it is referenced by",
                                  "the origin serves other bytes than the box had: nothing was put in place")
         _settle(f, ref)
-    os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)
+        os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)  # still locked: no one appends now
     os.fsync(blobs_fd)
+
+
+@contextlib.contextmanager
+def _locked_part(blobs_fd: int, ref: Reference):
+    """The part file, opened unbuffered (what arrived is in it if we are killed) and locked (flock):
+    two fetches of one blob (two restores of a root) take turns. None if, once ours, the name is no
+    longer the file we locked and the blob is in place: the other fetch finished it."""
+    part = ref.sha256 + PART_SUFFIX
+    while True:
+        try:
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=blobs_fd)
+        except OSError as e:
+            raise storage_error(e, repr(ref.blob_path)) from None
+        with os.fdopen(fd, "r+b", buffering=0) as f:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(part, dir_fd=blobs_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                yield f
+                return
+        if _has_blob(blobs_fd, ref):
+            yield None
+            return
 
 
 def _resume(f, ref: Reference):

@@ -61,7 +61,7 @@ def recognise(root: str, candidates: Iterable[str], endpoint: str = DEFAULT_ENDP
     """The hub caches found in or at the root-relative folders `candidates` (a hub cache, or a folder
     above one), as references recorded with `endpoint` (the box's HF_ENDPOINT). `token_path`: the box's
     HF_TOKEN_PATH, absolute in the box. Each candidate blob is hashed, `workers` at a time."""
-    found = Recognition()
+    found, candidates = Recognition(), list(candidates)
     root_fd = open_root(root)
     try:
         repos: dict[str, None] = {}
@@ -149,11 +149,13 @@ def _read_repo(root: str, repo: str, found: Recognition) -> list[tuple[Reference
 
 
 def _small_text(path: str) -> str:
+    """The first bytes of a regular file, not through a symlink (which could lead anywhere)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(100).decode("ascii", "replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return ""
+    with os.fdopen(fd, "rb") as f:
+        return f.read(100).decode("ascii", "replace") if stat.S_ISREG(os.fstat(fd).st_mode) else ""
 
 
 def _blob_named(root: str, repo: str, link: str) -> str:

@@ -110,8 +110,8 @@ def _bad_reference_field(r: Reference) -> str:
         return "a hash that is not a sha256"
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in (r.size, r.mode, r.uid, r.gid, r.mtime_ns)):
         return "a size or file attribute that is not a number"
-    if r.mode > 0o7777 or not r.endpoint.startswith(("https://", "http://")):
-        return "an odd mode or endpoint"
+    if r.mode > 0o777 or not r.endpoint.startswith(("https://", "http://")):
+        return "a mode with special bits (a hub blob has none), or an odd endpoint"
     return ""
 
 
