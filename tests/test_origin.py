@@ -168,7 +168,8 @@ def test_the_reference_list_round_trips_and_refuses_a_hostile_one(box, hub):
     assert doc.descriptor()["mediaType"] == "application/vnd.boxsnap.origin.references.v1+json"
     raw = json.loads(data)
     for field, value in (("path", "../../../etc/passwd"), ("cache", "/etc"), ("sha256", "0" * 63),
-                         ("repo_type", "bucket"), ("size", "12"), ("repo_id", "a--b")):
+                         ("repo_type", "bucket"), ("size", "12"), ("repo_id", "a--b"),
+                         ("mode", 0o4755), ("endpoint", "file:///etc")):
         hostile = json.loads(data)
         hostile["references"][0][field] = value
         with pytest.raises(IntegrityError):
