@@ -71,9 +71,10 @@ def recognise(root: str, candidates: Iterable[str], endpoint: str = DEFAULT_ENDP
                 repos.update(dict.fromkeys(_repo_folders(root, candidate)))
         linked = []
         for repo in repos:
-            linked.extend(_read_repo(root, repo, found))
+            _read_refs(root, repo, found)
+            linked.extend(_read_links(root, repo))
         _left_unnamed(root, repos, _keep_verified(root_fd, linked, endpoint, found, workers), found)
-        found.secrets = _token_files(root, root_fd, [*candidates, *(posixpath.dirname(r) for r in repos)], token_path)
+        found.secrets = _token_files(root, [*candidates, *(posixpath.dirname(r) for r in repos)], token_path)
     finally:
         os.close(root_fd)
     return found
@@ -119,19 +120,23 @@ def _repo_kind(rel: str) -> Optional[tuple[str, str]]:
     return (TYPE_OF_PREFIX[prefix], repo_id) if rest.count("--") <= 1 and REPO_ID.fullmatch(repo_id) else None
 
 
-def _read_repo(root: str, repo: str, found: Recognition) -> list[tuple[Reference, str]]:
-    """A repository folder's refs (into `found`) and its snapshot symlinks that name a sha256 blob
-    as the hub writes them: (reference without hash check or file attributes, blob path)."""
+def _read_refs(root: str, repo: str, found: Recognition) -> None:
+    """A repository folder's refs/NAME files that hold a commit hash, into `found`."""
     repo_type, repo_id = _repo_kind(repo)
-    cache = posixpath.dirname(repo)
     refs_dir = os.path.join(root, repo, "refs")
-    for folder, dirs, files in os.walk(refs_dir):
+    for folder, _, files in os.walk(refs_dir):
         for name in sorted(files):
             path = os.path.join(folder, name)
             commit = _small_text(path)
             if COMMIT_HASH.fullmatch(commit):
                 ref = os.path.relpath(path, refs_dir).replace(os.sep, "/")
-                found.refs.append(RefName(cache, repo_type, repo_id, ref, commit))
+                found.refs.append(RefName(posixpath.dirname(repo), repo_type, repo_id, ref, commit))
+
+
+def _read_links(root: str, repo: str) -> list[tuple[Reference, str]]:
+    """A repository folder's snapshot symlinks that name a sha256 blob as the hub writes them:
+    (reference without hash check or file attributes, blob name)."""
+    repo_type, repo_id = _repo_kind(repo)
     linked = []
     for revision in _names(os.path.join(root, repo, "snapshots")):
         if not COMMIT_HASH.fullmatch(revision):
@@ -144,7 +149,8 @@ def _read_repo(root: str, repo: str, found: Recognition) -> list[tuple[Reference
                 blob = _blob_named(root, repo, link)
                 if blob:
                     path = os.path.relpath(link, top).replace(os.sep, "/")
-                    linked.append((Reference(cache, repo_type, repo_id, revision, path, blob, 0, ""), blob))
+                    ref = Reference(posixpath.dirname(repo), repo_type, repo_id, revision, path, blob, 0, "")
+                    linked.append((ref, blob))
     return linked
 
 
@@ -213,7 +219,7 @@ def _verified_blob(root_fd: int, blob: str):
     return st
 
 
-def _token_files(root: str, root_fd: int, folders: list[str], token_path: Optional[str]) -> list[str]:
+def _token_files(root: str, folders: list[str], token_path: Optional[str]) -> list[str]:
     """The token files in each Hugging Face home (a hub cache's parent, a candidate) and at HF_TOKEN_PATH."""
     paths = [posixpath.join(f.strip("/"), n) for f in folders for n in TOKEN_FILES]
     if token_path and token_path.startswith("/"):
