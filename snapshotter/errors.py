@@ -43,6 +43,14 @@ class AuthError(SnapError):
         return f"{super().__str__()}; {CREDENTIAL_WAYS}"
 
 
+class OriginAuthError(AuthError):
+    """The origin of weights (Hugging Face) refused a gated or private file: HF_TOKEN is what it
+    takes, not a registry's credentials."""
+
+    def __str__(self) -> str:
+        return SnapError.__str__(self)
+
+
 class NotFound(SnapError):
     """An image, tag or blob the registry does not have."""
 

@@ -19,7 +19,7 @@ FLOORS = [
     {"registry"},
     {"engine", "index"},
     {"box"},
-    {"layer"},
+    {"layer", "origin"},  # origin: weights fetched from Hugging Face, over the registry's destination checks
     {"snapshot"},  # what commit and restore share of a root's snapshots
     {"commit", "restore"},
     {"watch"},
