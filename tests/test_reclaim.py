@@ -27,6 +27,7 @@ from snapshotter import CommitOptions, commit_box, progress, restore_image
 from snapshotter.box.profile import parse_profile
 from snapshotter.box.writers import open_for_writing
 from snapshotter.commit import push as push_module
+from snapshotter.commit.model import CommitHooks
 from snapshotter.errors import SnapError
 from snapshotter.layer import generate as layer_module
 from snapshotter.oci.reference import is_tag
@@ -557,12 +558,13 @@ def test_a_file_written_between_the_scan_and_its_read_is_held_back(registry, bas
     image = "opt/app/output/chunked.png"
     write_tree(box, {image: b"\x89PNG" + os.urandom(50_000)})
 
-    def after_the_scan(scan):  # commit's hook, called between the scan and the reads
-        with open(os.path.join(box, image), "ab") as f:
-            f.write(os.urandom(50_000))
-        return {}
+    class AfterTheScan(CommitHooks):
+        def hold(self, scan, root):  # commit's point between the scan and the reads
+            with open(os.path.join(box, image), "ab") as f:
+                f.write(os.urandom(50_000))
+            return {}
 
-    result = commit_box(f"{registry.host}/midsave:v1", base_ref, CommitOptions(root=box, hold=after_the_scan))
+    result = commit_box(f"{registry.host}/midsave:v1", base_ref, CommitOptions(root=box), AfterTheScan())
     assert result.held == {image: "changed since the scan"}
     out = tmp_path / "out"
     restore_image(f"{registry.host}/midsave:v1", str(out))

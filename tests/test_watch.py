@@ -219,7 +219,7 @@ def test_a_big_file_rewritten_at_snapshot_time_keeps_its_last_snapshotted_versio
     w, clock, lines, reads = train(registry, base_ref, box, "w-carry", SMALL_WEIGHTS, ckpt, v1, monkeypatch)
     # While new, in no snapshot yet: left out; once stable, sent ahead and in the snapshot.
     assert any(f"held back: '/{ckpt}' (still being written); left out;" in line for line in lines), lines
-    held_snapshot = w.snapshot_tags(tags(registry, "w-carry"))[1]
+    held_snapshot = w.tags.snapshot_tags(tags(registry, "w-carry"))[1]
     assert ckpt not in snap_layers(registry.manifest("w-carry", held_snapshot))
     first = snap_layers(registry.manifest("w-carry", "v2"))[ckpt]
 
@@ -273,7 +273,7 @@ def test_the_final_snapshot_leaves_out_a_big_file_that_would_not_fit_in_the_grac
     write_tree(box, {"opt/app/models/checkpoints/late.safetensors": os.urandom(2 * MiB),
                      "opt/app/notes.txt": "small, made it\n"})
     clock.advance(10)  # complete and stable, but never sent ahead (no tick since)
-    w.throughput = 100_000  # bytes/s measured so far: 2 MiB would take 20 s
+    w.big.throughput = 100_000  # bytes/s measured so far: 2 MiB would take 20 s
     assert w.final("test notice") == 0
     assert any("held back: '/opt/app/models/checkpoints/late.safetensors' (not sent yet, would not fit in the 4s grace)"
                in line for line in lines), lines

@@ -161,10 +161,10 @@ def test_a_write_through_mmap_is_caught_by_the_safety_scan(registry, base_ref, b
     w.tick()  # what changed within the memo's racy window of the first scan is looked at again: nothing
     with open(path, "r+b") as f:
         m = mmap.mmap(f.fileno(), 4096)
-    w.events.drain()  # the open and close for writing are notified, not the writes through the map
+    w.changes.events.drain()  # the open and close for writing are notified, not the writes through the map
     m[:11] = b"through map"  # (a database keeps its map: the close when it is unmapped comes much later)
     m.flush()
-    assert w.events.drain() == (set(), None)
+    assert w.changes.events.drain() == (set(), None)
     clock.advance(1)
     quiet_then_tick(w, clock)
     assert len(snapshots(lines)) == 1  # not seen yet
@@ -298,8 +298,8 @@ def test_the_final_snapshot_sees_a_write_through_a_map_still_held(registry, base
         "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "written\n"
-        w.events.drain()  # the open and close are notified; the write through the map is not
-        assert w.events.drain() == (set(), None)
+        w.changes.events.drain()  # the open and close are notified; the write through the map is not
+        assert w.changes.events.drain() == (set(), None)
         clock.advance(60)  # the write is older than the stable time: it is sent, not held back
         assert w.final("signal SIGTERM") == 0, lines
     finally:
