@@ -54,8 +54,10 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
     index = load_index(cache, diff_ids)
     if index is not None:
         return index
-    if travelled is not None and (index := baseindex.fetch(travelled, image.manifest_digest, log, diff_ids=diff_ids)) is not None:
-        return index
+    if travelled is not None:
+        index = baseindex.fetch(travelled, image.manifest_digest, log, diff_ids=diff_ids)
+        if index is not None:
+            return index
     index = {}
     total = sum(layer["size"] for layer in image.layers)
     log(f"indexing base image {image.ref} ({len(image.layers)} layers)")
@@ -136,7 +138,8 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
         base_img = base_remote.resolve()
         travelled = None
         if target is not None:
-            travelled = base_remote if target.name == base_ref.name else _optional_remote(target, transport or opts.transport)
+            travelled = (base_remote if target.name == base_ref.name
+                         else _optional_remote(target, transport or opts.transport))
         index = base_index(base_remote, base_img, opts.log, travelled)
     scan_started_ns = time.time_ns()
     with gc_paused():
@@ -189,7 +192,8 @@ def _commit_box(target: str, base: str, opts: CommitOptions, hooks: CommitHooks)
     _check_options(opts)
     target_ref = Reference.parse(target)
     if target_ref.digest:
-        raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
+        raise UsageError("commit needs a tag to push to",
+                         f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
     transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
     remote = Remote(target_ref, transport)
     root = os.path.realpath(opts.root)

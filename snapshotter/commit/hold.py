@@ -11,9 +11,9 @@ from .model import CommitOptions, CommitPlan, plan_commit_layers
 def hold_back(cp: CommitPlan, held: dict[str, str], opts: CommitOptions) -> None:
     """Keep files that are being written (`held`: path -> why) out of the layers to read, and plan
     again: each keeps the last snapshot's version where that is its own layer (carried as is, never
-    read), or where its old entry's layer is in the stat cache (CommitHooks.old_entry: snap watch); else it is left out, and
-    the snapshot has the base's version, if any. Never read: it would tear. Other names of a held
-    file's inode are held with it (they travel in one layer)."""
+    read), or where its old entry's layer is in the stat cache (CommitHooks.old_entry: snap watch);
+    else it is left out, and the snapshot has the base's version, if any. Never read: it would tear.
+    Other names of a held file's inode are held with it (they travel in one layer)."""
     held = {p: why for p, why in held.items() if p not in cp.held}
     inodes = {cp.scan.entries[p].inode for p in held if p in cp.scan.entries and cp.scan.entries[p].inode}
     if inodes:

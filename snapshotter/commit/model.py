@@ -38,8 +38,11 @@ class CommitOptions:
     max_layer_size: int = DEFAULT_MAX_LAYER_SIZE  # bigger files are cut into part layers
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
-    force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (box/deletions.py), a tag this box neither came from nor made (snapshot/lineage.py)
-    origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides snapshot/lineage.py's (a container's image)
+    # Push even what snap refuses: a snapshot that deletes the base's system (box/deletions.py), a tag
+    # this box neither came from nor made (snapshot/lineage.py).
+    force: bool = False
+    # Manifest digests the box is known to come from besides snapshot/lineage.py's (a container's image).
+    origins: tuple[str, ...] = ()
     # Where the tag names a snapshot this box neither came from nor made: push to a tag of the box's own,
     # TAG-diverged-<UTC time> (snapshot/diverged.py), instead of refusing.
     diverge: bool = False
@@ -112,7 +115,8 @@ class CommitResult:
     skipped_secrets: list[str]
     changed_while_read: list[str]
     deleted: int
-    host_files: list[str] = field(default_factory=list)  # bind-mounted from the host (GPU driver files), and links to them
+    # bind-mounted from the host (GPU driver files), and links to them
+    host_files: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read because they were being written, with why
     carried: list[str] = field(default_factory=list)  # of those, kept at the last snapshot's version
     snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
@@ -124,7 +128,8 @@ class CommitResult:
     def sent(self) -> str:
         """What the commit put into the registry, in one phrase: "sent 1.2 MiB (layers 1.1 MiB, ...)"."""
         order = ("layers", "base layers", "headers", "base index", "config", "manifests")
-        parts = sorted(self.uploaded.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
+        parts = sorted(self.uploaded.items(),
+                       key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
         return f"sent {human_size(self.uploaded_bytes)} (" + ", ".join(f"{what} {human_size(n)}" for what, n in parts
                                                                        if n) + ")"
 
@@ -154,7 +159,8 @@ class CommitPlan:
     unreadable: set[str] = field(default_factory=set)
     left_unread: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read (being written), with why
-    carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
+    # held files kept as the last snapshot's layers
+    carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)
     deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
     jobs: int = 1  # layers packed at once (CommitOptions.jobs, resolved)
     hooks: CommitHooks = field(default_factory=CommitHooks)  # what the commit asks its caller

@@ -51,7 +51,8 @@ class WatchOptions:
     scan_budget: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_BUDGET", 0.005))
     notice_poll: float = field(default_factory=lambda: _env_seconds("SNAP_NOTICE_POLL", 5.0))
     events: bool = field(default_factory=lambda: os.environ.get("SNAP_WATCH_EVENTS", "1") != "0")  # inotify
-    max_watches: Optional[int] = field(default_factory=lambda: _env_int("SNAP_WATCH_MAX_WATCHES"))  # tests: the kernel's
+    # tests: as the kernel's limit
+    max_watches: Optional[int] = field(default_factory=lambda: _env_int("SNAP_WATCH_MAX_WATCHES"))
     log: Callable[[str], None] = lambda msg: None
     clock: Callable[[], float] = time.time  # wall clock (compared with file times); injectable for tests
     # CPU, not wall: on a busy machine a check waits, and waiting costs nothing
