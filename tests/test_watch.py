@@ -20,6 +20,7 @@ from snapshotter.box.profile import load_profile, parse_profile
 from snapshotter.commit import push as push_module
 from snapshotter.errors import SnapError
 from snapshotter.layer import generate as layer_module
+from snapshotter.registry.remote import Remote
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
@@ -86,6 +87,29 @@ def test_the_scan_pace_budgets_the_whole_check_not_only_the_scan(registry, base_
     monkeypatch.setattr(w, "_observe", costly_observe)
     w.tick()  # nothing changed: a check only
     assert w.next_interval() == pytest.approx(3.0 / 0.01)
+
+
+def test_the_watcher_looks_at_its_repository_through_one_connection(registry, base_ref, box, monkeypatch):
+    """The lineage checks, the tag moves, the first snapshot's comparison and --keep's pruning share
+    one connection to the moving tag's repository, made once (each made its own: a ping, a token).
+    The pushes' own are commit/push.py's."""
+    made = []
+    real_init = Remote.__init__
+
+    def counting_init(self, ref, options=None):
+        if ref.repository == "w-one-remote":
+            made.append(sys._getframe(1).f_globals["__name__"])
+        real_init(self, ref, options)
+
+    monkeypatch.setattr(Remote, "__init__", counting_init)
+    clock = FakeClock()
+    w = watcher(registry, base_ref, box, "w-one-remote", [], clock, every=0, quiet=10**6, keep=1)
+    w.tick()
+    write_tree(box, {"opt/app/notes.txt": "a second snapshot\n"})
+    clock.advance(60)
+    w.tick()
+    assert len(w.tags.snapshot_tags(tags(registry, "w-one-remote"))) == 1  # pruned: the second went in
+    assert [m for m in made if m != "snapshotter.commit.push"] == ["snapshotter.snapshot.diverged"]
 
 
 def test_after_a_restore_the_watcher_adds_no_snapshot_until_something_changes(registry, base_ref, box, tmp_path):
