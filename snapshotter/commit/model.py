@@ -77,7 +77,7 @@ class CommitHooks:
         self._previous: Optional[dict[str, list[tuple[dict, str]]]] = None
 
     def pushing_to(self, remote: Remote, root: str, digest: Optional[str]) -> None:
-        self._target = (remote, root, digest)
+        self._target, self._previous = (remote, root, digest), None
 
     def changes(self, base_img: Optional[Image], index: dict[str, Entry]) -> Optional[tuple[Scan, Diff]]:
         return None
