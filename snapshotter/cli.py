@@ -486,7 +486,8 @@ def watch(
     from snapshotter.commit.model import CommitOptions
     from snapshotter.watch import daemon as dmn
     from snapshotter.watch.notices import notice_watcher
-    from snapshotter.watch.watcher import WatchOptions, exit_now, log_line, parse_duration
+    from snapshotter.watch.options import WatchOptions, parse_duration
+    from snapshotter.watch.watcher import exit_now, log_line
     from snapshotter.watch.watcher import watch as do_watch
 
     if stop:

@@ -213,11 +213,13 @@ SCRIPT = """
 import os, sys
 sys.path.insert(0, {tests!r})
 from snapshotter import CommitOptions, commit_box
+from snapshotter.commit.model import CommitHooks
 box, rel = {box!r}, {rel!r}
-def lock(scan):
-    os.chmod(os.path.join(box, rel), 0)
-    return {{}}
-r = commit_box({target!r}, {base!r}, CommitOptions(root=box, hold=lock))
+class Lock(CommitHooks):
+    def hold(self, scan, root):
+        os.chmod(os.path.join(box, rel), 0)
+        return {{}}
+r = commit_box({target!r}, {base!r}, CommitOptions(root=box), Lock())
 print(repr(r.held))
 """
 

@@ -125,7 +125,7 @@ def test_the_watchers_final_snapshot_sees_a_file_added_where_nothing_looked_chan
     assert w.commit_memo.seen == {}  # every file is younger than the racy window by the watcher's clock
     clock.advance(60)
     w.tick()  # nothing changed, no commit; then one that is due keeps a memo
-    w.last_commit_at = float("-inf")
+    w.pacing.last_commit_at = float("-inf")
     write_tree(box, {"opt/app/notes.txt": "edited\n"})
     clock.advance(60)
     w.tick()

@@ -84,7 +84,8 @@ def test_a_directory_made_and_filled_in_a_burst_is_captured_whole(registry, base
     w.tick()
     # Written before the watcher reads a single notification: the new directories' own files come
     # before their watches exist.
-    write_tree(box, {f"opt/app/custom_nodes/node/{d}/f{i}.py": str(i) for d in ("a", "a/b", "a/b/c", "e") for i in range(20)})
+    write_tree(box, {f"opt/app/custom_nodes/node/{d}/f{i}.py": str(i)
+                     for d in ("a", "a/b", "a/b/c", "e") for i in range(20)})
     clock.advance(1)
     quiet_then_tick(w, clock)
     write_tree(box, {"opt/app/custom_nodes/node/a/b/c/later.py": "after the watch"})  # the new watch works
@@ -161,10 +162,10 @@ def test_a_write_through_mmap_is_caught_by_the_safety_scan(registry, base_ref, b
     w.tick()  # what changed within the memo's racy window of the first scan is looked at again: nothing
     with open(path, "r+b") as f:
         m = mmap.mmap(f.fileno(), 4096)
-    w.events.drain()  # the open and close for writing are notified, not the writes through the map
+    w.changes.events.drain()  # the open and close for writing are notified, not the writes through the map
     m[:11] = b"through map"  # (a database keeps its map: the close when it is unmapped comes much later)
     m.flush()
-    assert w.events.drain() == (set(), None)
+    assert w.changes.events.drain() == (set(), None)
     clock.advance(1)
     quiet_then_tick(w, clock)
     assert len(snapshots(lines)) == 1  # not seen yet
@@ -298,8 +299,8 @@ def test_the_final_snapshot_sees_a_write_through_a_map_still_held(registry, base
         "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "written\n"
-        w.events.drain()  # the open and close are notified; the write through the map is not
-        assert w.events.drain() == (set(), None)
+        w.changes.events.drain()  # the open and close are notified; the write through the map is not
+        assert w.changes.events.drain() == (set(), None)
         clock.advance(60)  # the write is older than the stable time: it is sent, not held back
         assert w.final("signal SIGTERM") == 0, lines
     finally:

@@ -8,7 +8,6 @@ layer; its config is the host's platform."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import tarfile
 import time
@@ -22,7 +21,6 @@ from snapshotter.box import deletions
 from snapshotter.box.diff import Diff, diff
 from snapshotter.box.profile import Profile
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
-from snapshotter.box.writers import WRITING_QUIET_S, being_written
 from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE, Entry, gc_paused
@@ -36,15 +34,14 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.diverged import Line
-from snapshotter.snapshot.files import last_snapshot_files
 from snapshotter.snapshot.lineage import check_forward
-from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
+from snapshotter.snapshot.record import RestoreRecord
 from snapshotter.snapshot.statcache import StatCache
 from snapshotter.state import exclusive, state_dir
 from snapshotter.tar.compress import IterReader, decompressing_reader
 
 from .hold import hold_back
-from .model import SCRATCH, CommitOptions, CommitPlan, CommitResult, plan_commit_layers
+from .model import SCRATCH, CommitHooks, CommitOptions, CommitPlan, CommitResult, plan_commit_layers
 from .push import push_commit
 
 
@@ -57,8 +54,10 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
     index = load_index(cache, diff_ids)
     if index is not None:
         return index
-    if travelled is not None and (index := baseindex.fetch(travelled, image.manifest_digest, log, diff_ids=diff_ids)) is not None:
-        return index
+    if travelled is not None:
+        index = baseindex.fetch(travelled, image.manifest_digest, log, diff_ids=diff_ids)
+        if index is not None:
+            return index
     index = {}
     total = sum(layer["size"] for layer in image.layers)
     log(f"indexing base image {image.ref} ({len(image.layers)} layers)")
@@ -120,11 +119,13 @@ def _check_options(opts: CommitOptions) -> None:
 
 
 def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOptions] = None,
-                target: Optional[Reference] = None) -> CommitPlan:
+                target: Optional[Reference] = None, hooks: Optional[CommitHooks] = None) -> CommitPlan:
     """Read the base, walk the box, diff and plan the layers: everything a commit does before it
     reads a file's bytes or pushes anything (`snap status` stops here). The base index comes
-    from the `target` repository when the state dir lacks it (an earlier snapshot pushed it)."""
+    from the `target` repository when the state dir lacks it (an earlier snapshot pushed it).
+    `hooks`: what the caller answers at the commit's named points (model.CommitHooks)."""
     _check_options(opts)
+    hooks = hooks or CommitHooks()
     scratch = base == SCRATCH
     if opts.profile.include and not scratch:
         raise UsageError("--include (or the profile's include list) needs --base scratch",
@@ -137,16 +138,16 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
         base_img = base_remote.resolve()
         travelled = None
         if target is not None:
-            travelled = base_remote if target.name == base_ref.name else _optional_remote(target, transport or opts.transport)
+            travelled = (base_remote if target.name == base_ref.name
+                         else _optional_remote(target, transport or opts.transport))
         index = base_index(base_remote, base_img, opts.log, travelled)
     scan_started_ns = time.time_ns()
     with gc_paused():
-        scan, d, plans = _scan_and_plan(root, base_img, index, opts)
+        scan, d, plans = _scan_and_plan(root, base_img, index, opts, hooks)
         deleted = deletions.count(index, d.deleted) if base_img else None
     if deleted is not None and not opts.force:
         deletions.refuse_commit(root, deleted)  # before anything is read or pushed
-    hold = opts.hold or (lambda sc: being_written(sc, root, WRITING_QUIET_S, restored_at=restored_at_ns(root)))
-    held = hold(scan)
+    held = hooks.hold(scan, root)
     if scratch and not opts.profile.include:
         files = [e for e in scan.entries.values() if e.kind == FILE]
         opts.log(f"--base scratch without --include: capturing all of {root} but the profile's excludes: "
@@ -156,21 +157,18 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
-                    opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs))
+                    opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs), hooks=hooks)
     hold_back(cp, held, opts)
     return cp
 
 
-def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry],
-                   opts: CommitOptions) -> tuple[Scan, Diff, list[LayerPlan]]:
-    """Walk (or ask opts.changes), diff, plan, and compute the layers' stat-cache keys."""
-    if opts.changes is not None:
-        scan, d = opts.changes(base_img, index)
-    else:
-        scan, d = box_changes(root, opts.profile, index, opts.rehash)
-    plans = plan_commit_layers(d, scan, index, opts, len(base_img.layers) if base_img else 0)
+def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry], opts: CommitOptions,
+                   hooks: CommitHooks) -> tuple[Scan, Diff, list[LayerPlan]]:
+    """Walk (or take hooks.changes), diff, plan, and compute the layers' stat-cache keys."""
+    scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash)
+    plans = plan_commit_layers(d, scan, index, opts, len(base_img.layers) if base_img else 0, hooks.plan_memo)
     for plan in plans:
-        plan.fingerprint(opts.profile.zstd_level, opts.plan_memo)
+        plan.fingerprint(opts.profile.zstd_level, hooks.plan_memo)
     return scan, d, plans
 
 
@@ -181,18 +179,21 @@ def _optional_remote(ref: Reference, transport: TransportOptions) -> Optional[Re
         return None  # only a shortcut: the push to it says what is wrong
 
 
-def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None) -> CommitResult:
-    """Commit the box to `target`, holding the state dir's lock (state.exclusive)."""
+def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None,
+               hooks: Optional[CommitHooks] = None) -> CommitResult:
+    """Commit the box to `target`, holding the state dir's lock (state.exclusive). `hooks`: what the
+    caller answers at the commit's named points (model.CommitHooks; None: snap commit's own)."""
     opts = opts or CommitOptions()
     with exclusive(opts.log):
-        return _commit_box(target, base, opts)
+        return _commit_box(target, base, opts, hooks or CommitHooks())
 
 
-def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
+def _commit_box(target: str, base: str, opts: CommitOptions, hooks: CommitHooks) -> CommitResult:
     _check_options(opts)
     target_ref = Reference.parse(target)
     if target_ref.digest:
-        raise UsageError("commit needs a tag to push to", f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
+        raise UsageError("commit needs a tag to push to",
+                         f"drop the @sha256 part: {target_ref.name}:{target_ref.tag or 'TAG'}")
     transport = opts.transport.credentials_only_for(target_ref.registry)  # --username is for the target's registry
     remote = Remote(target_ref, transport)
     root = os.path.realpath(opts.root)
@@ -203,7 +204,6 @@ def _commit_box(target: str, base: str, opts: CommitOptions) -> CommitResult:
         opts = dataclasses.replace(opts, moving=opts.moving or str(line.main))
     else:
         current = check_forward(remote, target_ref, root, opts.force, opts.origins)
-    if opts.previous is None:
-        opts = dataclasses.replace(opts, previous=functools.cache(lambda: last_snapshot_files(remote, root, current)))
-    cp = plan_commit(base, opts, transport, target_ref)
+    hooks.pushing_to(remote, root, current)  # a held file keeps the version its snapshot has
+    cp = plan_commit(base, opts, transport, target_ref, hooks)
     return push_commit(cp, target_ref, transport, opts)

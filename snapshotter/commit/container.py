@@ -34,7 +34,7 @@ from snapshotter.state import sub
 from snapshotter.tar.compress import IterReader
 
 from .commit import commit_box
-from .model import SCRATCH, CommitOptions, CommitResult
+from .model import SCRATCH, CommitHooks, CommitOptions, CommitResult
 
 ADDED, DELETED = 1, 2
 _GO_MODE_DIR = 1 << 31  # os.ModeDir in the archive API's stat header
@@ -60,11 +60,21 @@ def commit_from_container(container: str, target: str, base: Optional[str], opts
     shutil.rmtree(mirror, ignore_errors=True)
     os.makedirs(mirror)
     try:
-        return commit_box(target, base, replace(
-            opts, root=mirror, origins=opts.origins + origins,
-            changes=lambda img, index: container_changes(ct, img, index, mirror, opts.profile, opts.log)))
+        return commit_box(target, base, replace(opts, root=mirror, origins=opts.origins + origins),
+                          _ContainerChanges(ct, mirror, opts))
     finally:
         shutil.rmtree(mirror, ignore_errors=True)
+
+
+class _ContainerChanges(CommitHooks):
+    """The commit's changes are the container's diff (container_changes), read into `mirror`."""
+
+    def __init__(self, ct, mirror: str, opts: CommitOptions):
+        super().__init__()
+        self.ct, self.mirror, self.opts = ct, mirror, opts
+
+    def changes(self, base_img, index):
+        return container_changes(self.ct, base_img, index, self.mirror, self.opts.profile, self.opts.log)
 
 
 def base_of(ct) -> str:

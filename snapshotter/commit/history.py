@@ -43,7 +43,8 @@ class SnapshotInfo:
     base: str
     layers: list[LayerInfo]  # snap's layers
     new: list[LayerInfo] = field(default_factory=list)  # snap's layers the snapshot before did not have
-    diverged: list[str] = field(default_factory=list)  # of its tags, the diverged tags of TARGET's (snapshot/diverged.py)
+    # of its tags, the diverged tags of TARGET's (snapshot/diverged.py)
+    diverged: list[str] = field(default_factory=list)
 
 
 def snapshot_log(target: str, transport: Optional[TransportOptions] = None,

@@ -13,6 +13,7 @@ from snapshotter.box.diff import Diff
 from snapshotter.box.profile import Profile, load_profile
 from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
+from snapshotter.box.writers import WRITING_QUIET_S, being_written
 from snapshotter.index.entry import Entry
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
 from snapshotter.oci.image import Image
@@ -21,7 +22,8 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
-from snapshotter.snapshot.record import RestoreRecord
+from snapshotter.snapshot.files import last_snapshot_files
+from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
 from snapshotter.snapshot.statcache import StatCache
 
 SCRATCH = "scratch"  # --base scratch: no base image
@@ -36,29 +38,62 @@ class CommitOptions:
     max_layer_size: int = DEFAULT_MAX_LAYER_SIZE  # bigger files are cut into part layers
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
-    # Where the changes come from instead of a walk of `root`, e.g. a container's diff (container.py):
-    # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
-    changes: Optional[Callable] = None
-    plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
-    force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (box/deletions.py), a tag this box neither came from nor made (snapshot/lineage.py)
-    origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides snapshot/lineage.py's (a container's image)
+    # Push even what snap refuses: a snapshot that deletes the base's system (box/deletions.py), a tag
+    # this box neither came from nor made (snapshot/lineage.py).
+    force: bool = False
+    # Manifest digests the box is known to come from besides snapshot/lineage.py's (a container's image).
+    origins: tuple[str, ...] = ()
     # Where the tag names a snapshot this box neither came from nor made: push to a tag of the box's own,
     # TAG-diverged-<UTC time> (snapshot/diverged.py), instead of refusing.
     diverge: bool = False
     moving: Optional[str] = None  # the moving tag a push to another tag is for (a watcher's TAG-<time>, a diverged tag)
-    # Files not to read now, with why (being written): given the scan, the paths to hold back. None: the
-    # files some process is writing (box/writers.py) that changed in the last WRITING_QUIET_S seconds.
-    hold: Optional[Callable[[Scan], dict[str, str]]] = None
-    # Where a held file's last snapshot version is: the last snapshot's own layers of each file
-    # (file_layers), asked only when a file is held. None: the target tag's snapshot (snap commit).
-    previous: Optional[Callable[[], dict[str, list[tuple[dict, str]]]]] = None
-    # The last snapshot's entries of changed paths (snap watch): a held file in a bundle is carried at
-    # that version when the stat cache still has its layer.
-    old_entries: dict[str, Entry] = field(default_factory=dict)
-    stopping: Optional[threading.Event] = None  # set by another thread: the push gives up at its next chunk
     # Layers packed at once, in worker processes when there is enough to compress (commit/push.py);
     # None: SNAP_JOBS, else one per core. 1: everything in this process.
     jobs: Optional[int] = None
+
+
+class CommitHooks:
+    """What a commit asks its caller at named points. `snap commit`'s answers are these defaults;
+    `snap watch` gives its own (watch/hooks.py), a container's commit says where its changes come
+    from (container.py). The points, in the order a commit reaches them:
+
+    - pushing_to(remote, root, digest): commit_box names the snapshot its target tag names (None:
+      none), before anything is planned;
+    - changes(base_img, index): the box's (Scan, Diff) against its base index; None: walk the root;
+    - hold(scan, root): the files not to read now (being written), path -> why, once the box is scanned;
+    - previous_files(): the last snapshot's own layers of each file (snapshot/files.py), asked only
+      when a file is held (at planning, or when one tears while pushed): it keeps that version;
+    - old_entry(path): the last snapshot's entry of a changed path, whose layer the stat cache may
+      still have (snap watch): a held file in a bundle keeps that version; None: no such entry.
+
+    Two attributes travel with a plan (CommitPlan.hooks): plan_memo, the last plan's splits and rows
+    (layer/plan.py's PlanMemo) kept between the plans of one watcher, and stopping, an event another
+    thread sets: the push gives up at its next chunk (the watcher's final snapshot wants the lock)."""
+
+    def __init__(self) -> None:
+        self.plan_memo: Optional[PlanMemo] = None
+        self.stopping: Optional[threading.Event] = None
+        self._target: Optional[tuple[Remote, str, Optional[str]]] = None
+        self._previous: Optional[dict[str, list[tuple[dict, str]]]] = None
+
+    def pushing_to(self, remote: Remote, root: str, digest: Optional[str]) -> None:
+        self._target, self._previous = (remote, root, digest), None
+
+    def changes(self, base_img: Optional[Image], index: dict[str, Entry]) -> Optional[tuple[Scan, Diff]]:
+        return None
+
+    def hold(self, scan: Scan, root: str) -> dict[str, str]:
+        """The files some process is writing (box/writers.py) that changed in the last WRITING_QUIET_S seconds."""
+        return being_written(scan, root, WRITING_QUIET_S, restored_at=restored_at_ns(root))
+
+    def previous_files(self) -> dict[str, list[tuple[dict, str]]]:
+        """The target tag's snapshot's (read once, when first asked); none without a target."""
+        if self._previous is None:
+            self._previous = last_snapshot_files(*self._target) if self._target else {}
+        return self._previous
+
+    def old_entry(self, path: str) -> Optional[Entry]:
+        return None
 
 
 @dataclass
@@ -80,7 +115,8 @@ class CommitResult:
     skipped_secrets: list[str]
     changed_while_read: list[str]
     deleted: int
-    host_files: list[str] = field(default_factory=list)  # bind-mounted from the host (GPU driver files), and links to them
+    # bind-mounted from the host (GPU driver files), and links to them
+    host_files: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read because they were being written, with why
     carried: list[str] = field(default_factory=list)  # of those, kept at the last snapshot's version
     snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
@@ -92,7 +128,8 @@ class CommitResult:
     def sent(self) -> str:
         """What the commit put into the registry, in one phrase: "sent 1.2 MiB (layers 1.1 MiB, ...)"."""
         order = ("layers", "base layers", "headers", "base index", "config", "manifests")
-        parts = sorted(self.uploaded.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
+        parts = sorted(self.uploaded.items(),
+                       key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))
         return f"sent {human_size(self.uploaded_bytes)} (" + ", ".join(f"{what} {human_size(n)}" for what, n in parts
                                                                        if n) + ")"
 
@@ -122,9 +159,11 @@ class CommitPlan:
     unreadable: set[str] = field(default_factory=set)
     left_unread: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read (being written), with why
-    carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
+    # held files kept as the last snapshot's layers
+    carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)
     deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
     jobs: int = 1  # layers packed at once (CommitOptions.jobs, resolved)
+    hooks: CommitHooks = field(default_factory=CommitHooks)  # what the commit asks its caller
 
     @property
     def base_name(self) -> str:
@@ -142,10 +181,9 @@ class CommitPlan:
 
 
 def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions,
-                       base_layers: int) -> list[LayerPlan]:
+                       base_layers: int, memo: Optional[PlanMemo] = None) -> list[LayerPlan]:
     """The layers of a diff with the commit's options (planned once, and again whenever files are
-    left out: hold_back, push_commit)."""
-    records = opts.plan_memo.records if opts.plan_memo is not None else None
+    left out: hold_back, push_commit); `memo`: CommitHooks.plan_memo."""
+    records = memo.records if memo is not None else None
     owners = owners_of(opts.root, scan.entries, records)
-    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo, base_layers,
-                       owners)
+    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, memo, base_layers, owners)

@@ -59,8 +59,8 @@ def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOpt
 def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
     """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
     remote = target_remote(cp, target_ref, transport)
-    if opts.stopping is not None:
-        remote.stopping = opts.stopping
+    if cp.hooks.stopping is not None:
+        remote.stopping = cp.hooks.stopping
     base_img = cp.base_img
     layers = _push_settled_layers(cp, remote, opts)
     grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
@@ -199,7 +199,7 @@ def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -
         cp.left_unread.extend(sorted(stuck - read_now))
         cp.diff.changed = sorted([e for e in cp.diff.changed if e.path not in stuck]
                                  + [cp.scan.entries[p] for p in read_now], key=lambda e: e.path)
-        cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts, cp.base_layers)
+        cp.plans = plan_commit_layers(cp.diff, cp.scan, cp.index, opts, cp.base_layers, cp.hooks.plan_memo)
 
 
 def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:

@@ -137,6 +137,7 @@ class Line:
                  clock: Callable[[], float] = time.time):
         self.main, self.transport, self.root, self.force, self.origins = main, transport, root, force, origins
         self.log, self.clock = log, clock
+        self._remote: Optional[Remote] = None
         self.checked = False
         self.diverged: Optional[str] = None  # the diverged tag, while the snapshots go there
         self.digest: Optional[str] = None  # what the target tag names, as this box last saw or moved it
@@ -154,7 +155,11 @@ class Line:
         return Reference(self.main.registry, self.main.repository, tag)
 
     def remote(self) -> Remote:
-        return Remote(self.main, self.transport)
+        """The one connection to the moving tag's repository (a watcher's every look at it), made at
+        first use: the registry may not be up yet when the line is made."""
+        if self._remote is None:
+            self._remote = Remote(self.main, self.transport)
+        return self._remote
 
     def check(self) -> bool:
         """Decide the target tag (the rule above). True on the first check and whenever the target

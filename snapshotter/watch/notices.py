@@ -104,7 +104,8 @@ class NoticeWatcher:
         r.raise_for_status()
         for event in json.loads(r.text).get("Events") or []:
             if isinstance(event, dict) and event.get("EventType") == "Preempt":
-                return f"Azure scheduled event Preempt {event.get('EventId', '')!r} not before {event.get('NotBefore', '?')!r}"
+                return (f"Azure scheduled event Preempt {event.get('EventId', '')!r} "
+                        f"not before {event.get('NotBefore', '?')!r}")
         return None
 
 

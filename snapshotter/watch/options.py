@@ -1,0 +1,74 @@
+"""`snap watch`'s options: the user's (--every, --keep, --grace) and the tuning that tests make tiny
+through the environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from snapshotter.commit.model import CommitOptions
+from snapshotter.errors import UsageError
+
+from .notices import NoticeWatcher
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '5m', '1h', '1.5m' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|ms)?\s*", str(text))
+    if not m:
+        raise UsageError(f"duration {text!r} is not valid", "write it as 90s, 5m or 1h")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+@dataclass
+class WatchOptions:
+    commit: CommitOptions = field(default_factory=CommitOptions)
+    every: float = 300.0  # at most one snapshot per this many seconds (a burst of writes excepted)
+    keep: Optional[int] = None  # immutable snapshot tags kept (oldest deleted); None: all
+    grace: float = 4.0  # the final commit's time limit after a signal or notice
+    notices: Optional[NoticeWatcher] = None
+    # Tuning (environment variables so that tests can make them tiny):
+    # a burst is over after this
+    quiet: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_QUIET", 10.0))
+    # a big file is complete after this
+    stable: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_STABLE", 5.0))
+    # seconds between scans, at least
+    min_scan: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_MIN_SCAN", 2.0))
+    # of one core, for checks
+    scan_budget: float = field(default_factory=lambda: _env_seconds("SNAP_WATCH_BUDGET", 0.005))
+    notice_poll: float = field(default_factory=lambda: _env_seconds("SNAP_NOTICE_POLL", 5.0))
+    events: bool = field(default_factory=lambda: os.environ.get("SNAP_WATCH_EVENTS", "1") != "0")  # inotify
+    # tests: as the kernel's limit
+    max_watches: Optional[int] = field(default_factory=lambda: _env_int("SNAP_WATCH_MAX_WATCHES"))
+    log: Callable[[str], None] = lambda msg: None
+    clock: Callable[[], float] = time.time  # wall clock (compared with file times); injectable for tests
+    # CPU, not wall: on a busy machine a check waits, and waiting costs nothing
+    cpu_clock: Callable[[], float] = time.thread_time
+
+    def check(self) -> None:
+        """Refuse values the watcher cannot work with (before anything is read)."""
+        if self.keep is not None and self.keep < 1:
+            raise UsageError("--keep must be at least 1")
+        if self.every < 0 or self.grace <= 0:
+            raise UsageError("--every must be >= 0 and --grace > 0")
+        if not os.path.isdir(self.commit.root):
+            raise UsageError(f"root {self.commit.root!r} does not exist or is not a directory")
+
+
+def trace(log: Callable[[str], None], msg: str) -> None:
+    """Progress markers for tests that kill the watcher at chosen moments (SNAP_WATCH_TRACE=1)."""
+    if os.environ.get("SNAP_WATCH_TRACE"):
+        log(f"trace: {msg}")
