@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from snapshotter import CommitOptions, commit_box
-from snapshotter.box.profile import load_profile
 from snapshotter.box.scan import scan_box
+from snapshotter.profile import load_profile
 
 from helpers import layer_tar
 from support import write_tree

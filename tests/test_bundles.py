@@ -11,10 +11,10 @@ import subprocess
 import pytest
 
 from snapshotter import CommitOptions, commit_box, restore_image
-from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
 from snapshotter.layer import plan as plan_module
 from snapshotter.layer.units import units_of
+from snapshotter.profile import parse_profile
 
 from helpers import SMALL_WEIGHTS, layer_tar, layers_by_name
 from support import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree

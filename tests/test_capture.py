@@ -16,11 +16,11 @@ import zstandard
 from typer.testing import CliRunner
 
 from snapshotter import cli
-from snapshotter.box.profile import holds_private_key
 from snapshotter.index.entry import entry_from_stat
 from snapshotter.layer import generate as layer
 from snapshotter.layer.generate import build_layer, measure_layer, write_layer
 from snapshotter.layer.plan import LayerPlan
+from snapshotter.profile import holds_private_key
 
 from helpers import SMALL_WEIGHTS
 from support import have_wheels, pip_install_offline, snap, snap_layer_files, write_tree
@@ -324,7 +324,7 @@ def test_secret_globs_matched_by_last_name_give_the_verdicts_of_one_regex():
     same verdict as the one regex of all its globs over the whole path."""
     import re
 
-    from snapshotter.box.profile import PathSet, glob_regex
+    from snapshotter.profile import PathSet, glob_regex
     patterns = ["*.pem", ".env", "id_rsa", "/etc/ssh/ssh_host_*_key", "**/.docker/config.json", "a/**/c", "/x/*",
                 "**/y/z?", "q/", "/r/**", "t", "**/.cache/huggingface/token", "a**/b", "run-**/key.json", "****/m"]
     paths = ["a.pem", "d/a.pem", "d/a.pem/x", ".env", "v/.env", "v/.envrc", "etc/ssh/ssh_host_rsa_key",

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from snapshotter import CommitOptions, commit_box
-from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
+from snapshotter.profile import parse_profile
 
 from helpers import WEIGHTS_PROFILE, commit_json
 from support import NOT_CAPTURED, RegistryServer, snap, snapshot_of_tree, write_tree

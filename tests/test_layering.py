@@ -18,6 +18,7 @@ FLOORS = [
     {"tar"},
     {"registry"},
     {"engine", "index"},
+    {"profile"},  # layer profiles: which path goes to which layer (configuration, read by the box and up)
     {"box"},
     {"layer"},
     {"snapshot"},  # what commit and restore share of a root's snapshots

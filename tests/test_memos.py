@@ -18,12 +18,12 @@ import pytest
 
 from snapshotter import restore_image
 from snapshotter.box import scan as box_scan
-from snapshotter.box.profile import load_profile
 from snapshotter.box.scan import ScanMemo, scan_box
 from snapshotter.commit.commit import changes_in
 from snapshotter.index.entry import Entry, gc_paused
 from snapshotter.layer import plan as plan_module
 from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
+from snapshotter.profile import load_profile
 
 from helpers import FakeClock, watcher
 from support import NOT_CAPTURED, snapshot_of_tree, write_tree
@@ -279,7 +279,7 @@ def test_the_cycle_collector_is_left_as_it_was_found():
 
 
 def test_a_venv_is_found_at_any_depth():
-    from snapshotter.box.profile import VenvRoots
+    from snapshotter.profile import VenvRoots
     deep = "/".join(["d"] * 2000)
     roots = VenvRoots([deep[:999]])
     assert roots.contains(deep + "/f") and roots.contains(deep[:999] + "/x")

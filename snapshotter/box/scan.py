@@ -15,11 +15,11 @@ from snapshotter.errors import StorageError, UsageError, quoted_path
 from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, clean_path, entry_from_stat, kind_of_mode,
                                      self_and_parents, stat_stamp)
 from snapshotter.index.paths import entry_links, resolve_in_root
+from snapshotter.profile import Profile, VenvRoots
 from snapshotter.tar.rules import SKIP_XATTRS, WHITEOUT_PREFIX
 
 from .mounts import bind_mounted_files, pseudo_mounts
 from .openat import DIR_FLAGS, READ_FLAGS, NotTheScanned, open_beneath, open_leaf, open_root
-from .profile import Profile, VenvRoots
 
 
 def file_head(path: str, n: int) -> bytes:

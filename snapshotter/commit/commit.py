@@ -20,7 +20,6 @@ import zstandard
 from snapshotter import progress
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff, diff
-from snapshotter.box.profile import Profile
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
 from snapshotter.box.writers import WRITING_QUIET_S, being_written
 from snapshotter.errors import IntegrityError, SnapError, UsageError
@@ -33,6 +32,7 @@ from snapshotter.layer.plan import LayerPlan
 from snapshotter.layer.staging import staging_dirs
 from snapshotter.oci.image import Image
 from snapshotter.oci.reference import Reference
+from snapshotter.profile import Profile
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.diverged import Line

@@ -22,7 +22,6 @@ from typing import Callable, Optional
 
 from snapshotter import progress
 from snapshotter.box.diff import Diff, diff
-from snapshotter.box.profile import Profile, VenvRoots
 from snapshotter.box.scan import Scan, file_head
 from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.engine.run import connect
@@ -30,6 +29,7 @@ from snapshotter.errors import NotFound, SnapError, UsageError
 from snapshotter.index.entry import DIR, FILE, Entry, clean_path, entry_from_stat
 from snapshotter.layer.extract import ExtractOptions, Extractor
 from snapshotter.oci.image import Image
+from snapshotter.profile import Profile, VenvRoots
 from snapshotter.state import sub
 from snapshotter.tar.compress import IterReader
 

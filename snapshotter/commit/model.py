@@ -10,12 +10,12 @@ from typing import Callable, Optional
 
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff
-from snapshotter.box.profile import Profile, load_profile
 from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
 from snapshotter.index.entry import Entry
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
 from snapshotter.oci.image import Image
+from snapshotter.profile import Profile, load_profile
 from snapshotter.progress import human_size
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources

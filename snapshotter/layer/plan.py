@@ -26,12 +26,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from snapshotter.box.diff import Diff
-from snapshotter.box.profile import LayerRule, Profile, VenvRoots
 from snapshotter.box.records import RecordMemo
 from snapshotter.box.scan import Scan
 from snapshotter.digests import chunks_digest
 from snapshotter.errors import UsageError
 from snapshotter.index.entry import DIR, FILE, Entry
+from snapshotter.profile import LayerRule, Profile, VenvRoots
 
 from .units import Owners, units_of
 
