@@ -12,7 +12,7 @@ import pytest
 
 from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import push as push_module
-from snapshotter.layer import plan as plan_module
+from snapshotter.layer import bundling
 from snapshotter.layer.units import units_of
 from snapshotter.profile import parse_profile
 
@@ -29,7 +29,7 @@ NODES = "opt/app/custom_nodes"
 def small_bundles(monkeypatch):
     """Bundles sized for a box of a few MB (the real floor, 16 MiB, would make this one bundle). The
     target is then the box's own: its code content over the budget, as on a real box."""
-    monkeypatch.setattr(plan_module, "MIN_BUNDLE", 32 * KiB, raising=False)
+    monkeypatch.setattr(bundling, "MIN_BUNDLE", 32 * KiB, raising=False)
     # Files written within RACY_WINDOW_NS before a scan are not trusted to the stat cache; a real
     # box's files are older than that: here the window is closed instead.
     monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
@@ -169,7 +169,7 @@ def test_many_weights_and_files_keep_to_the_layer_budget(registry, base_ref, bas
                                                          monkeypatch):
     """64 weights of a layer of their own each and 6 MB of code in bundles, under a budget of 40
     layers: the smaller weights fold into bundles, the code's bundles grow, and the image fits."""
-    monkeypatch.setattr(plan_module, "LAYER_BUDGET", 40, raising=False)
+    monkeypatch.setattr(bundling, "LAYER_BUDGET", 40, raising=False)
     box = venv_box(base_rootfs, str(tmp_path / "box"))
     write_tree(box, {f"opt/app/models/loras/l{i:02d}.safetensors": os.urandom(MiB + i * KiB) for i in range(60)})
     write_tree(box, {f"opt/app/models/checkpoints/c{i}.safetensors": os.urandom(3 * MiB) for i in range(4)})

@@ -8,7 +8,8 @@ import subprocess
 import tarfile
 
 from snapshotter.index.entry import DIR, FILE, Entry
-from snapshotter.layer.plan import LayerPlan, add_parent_dirs
+from snapshotter.layer.parents import add_parent_dirs
+from snapshotter.layer.plan import LayerPlan
 
 from helpers import (BIG, LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, layer_tar,
                      layers_by_name, make_home_base, oci_validator, profile_excluding_nothing, push)

@@ -6,7 +6,7 @@ directory whose times were put back, a chmod, an xattr, a private key written ov
 size and mtime put back, a secret appearing, a symlink retargeted. The oracle is a scan without
 memo: a scan with one must give the same entries and secrets.
 
-The plan memo (plan.PlanMemo): a profile layer whose paths did not change is not split again, and
+The plan memo (memo.PlanMemo): a profile layer whose paths did not change is not split again, and
 the plans (and their stat-cache keys) are those a plan without memo makes."""
 
 import hashlib
@@ -21,8 +21,11 @@ from snapshotter.box import scan as box_scan
 from snapshotter.box.scan import ScanMemo, scan_box
 from snapshotter.commit.commit import changes_in
 from snapshotter.index.entry import Entry, gc_paused
+from snapshotter.layer import memo as memo_module
 from snapshotter.layer import plan as plan_module
-from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
+from snapshotter.layer.memo import PlanMemo
+from snapshotter.layer.plan import LayerPlan
+from snapshotter.layer.planning import plan_layers
 from snapshotter.profile import load_profile
 
 from helpers import FakeClock, watcher
@@ -184,14 +187,14 @@ def test_every_row_of_the_stat_cache_key_is_the_json_of_its_fields():
     for e in entries:
         want = json.dumps([e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
                            sorted(e.xattrs.items()) if e.xattrs else []], separators=(",", ":"))
-        assert plan_module._fingerprint_row(e) == want, e
+        assert plan_module.fingerprint_row(e) == want, e
 
 
 def test_an_unchanged_layer_is_not_split_again_and_the_plans_are_the_same(box, monkeypatch):
     profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
     splits = []
-    real = plan_module.split_plan
-    monkeypatch.setattr(plan_module, "split_plan", lambda p, rule, *a: splits.append(rule.name) or real(p, rule, *a))
+    real = memo_module.split_plan
+    monkeypatch.setattr(memo_module, "split_plan", lambda p, rule, *a: splits.append(rule.name) or real(p, rule, *a))
 
     def plans(memo=None, scan_memo=None):
         scan = scan_box(box, profile, memo=scan_memo)

@@ -13,7 +13,9 @@ from snapshotter.box.diff import Diff
 from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
 from snapshotter.index.entry import Entry
-from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
+from snapshotter.layer.memo import PlanMemo
+from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
+from snapshotter.layer.planning import plan_layers
 from snapshotter.oci.image import Image
 from snapshotter.profile import Profile, load_profile
 from snapshotter.progress import human_size
@@ -39,7 +41,7 @@ class CommitOptions:
     # Where the changes come from instead of a walk of `root`, e.g. a container's diff (container.py):
     # called with (base image, base index), returns (Scan, Diff); file bytes are still read from `root`.
     changes: Optional[Callable] = None
-    plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (plan.PlanMemo)
+    plan_memo: Optional[PlanMemo] = None  # the last plan's splits and rows, kept by `snap watch` (memo.PlanMemo)
     force: bool = False  # push even what snap refuses: a snapshot that deletes the base's system (box/deletions.py), a tag this box neither came from nor made (snapshot/lineage.py)
     origins: tuple[str, ...] = ()  # manifest digests the box is known to come from besides snapshot/lineage.py's (a container's image)
     # Where the tag names a snapshot this box neither came from nor made: push to a tag of the box's own,

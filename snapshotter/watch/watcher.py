@@ -31,7 +31,7 @@ from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan
 from snapshotter.commit.push import NOT_SENT_TORN, grown_line, push_commit, push_layers, target_remote
 from snapshotter.errors import AuthError, SnapError, UsageError, exit_code_of, printable
 from snapshotter.index.entry import FILE, Entry, gc_paused
-from snapshotter.layer.plan import PlanMemo
+from snapshotter.layer.memo import PlanMemo
 from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
