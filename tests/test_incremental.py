@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from snapshotter import CommitOptions, commit_box
+from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import push as push_module
 from snapshotter.profile import parse_profile
 
@@ -335,3 +335,33 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
     line = next(line for line in r.stdout.splitlines() if line.startswith("sent "))
     assert "manifests" in line and "layers" not in line, line  # nothing changed: no layer sent
     registry.stop()
+
+
+def test_a_second_commit_reads_again_only_what_changed_since_the_first(registry, base_ref, box, monkeypatch,
+                                                                       tmp_path):
+    """The last commit's walk and RECORDs are kept in the state dir (snapshot/kept.py): a commit
+    after it reads no xattrs, symlink target or RECORD of a path whose lstat is as then, and one
+    path changed (chmod: its ctime moves) is read again, and committed as it is now."""
+    from snapshotter.box import records as records_module
+    from snapshotter.box import scan as scan_module
+
+    write_tree(box, {"opt/app/venv/lib/python3.11/site-packages/pkg/__init__.py": "x = 1\n",
+                     "opt/app/venv/lib/python3.11/site-packages/pkg-1.0.dist-info/RECORD": "pkg/__init__.py,,\n"})
+    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)  # a real box's files are older than the window
+    xattr_reads, record_reads = [], []
+    real_listxattr, real_read = os.listxattr, records_module._read
+    monkeypatch.setattr(os, "listxattr", lambda p, **kw: xattr_reads.append(p) or real_listxattr(p, **kw))
+    monkeypatch.setattr(records_module, "_read", lambda fd, p: record_reads.append(p) or real_read(fd, p))
+    first = commit_box(f"{registry.host}/kept:v1", base_ref, CommitOptions(root=box))
+    assert xattr_reads and record_reads
+    xattr_reads.clear(), record_reads.clear()
+    second = commit_box(f"{registry.host}/kept:v2", base_ref, CommitOptions(root=box))
+    assert xattr_reads == [] and record_reads == []
+    assert [x.digest for x in second.layers] == [x.digest for x in first.layers]
+    changed = os.path.join(box, "opt/app/main.py")
+    os.chmod(changed, 0o700)
+    third = commit_box(f"{registry.host}/kept:v3", base_ref, CommitOptions(root=box))
+    assert [p.rpartition("/")[2] for p in xattr_reads] == ["main.py"] and record_reads == []
+    assert [x.digest for x in third.layers] != [x.digest for x in second.layers]
+    restore_image(f"{registry.host}/kept:v3", str(tmp_path / "out"))
+    assert snapshot_of_tree(str(tmp_path / "out"), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)

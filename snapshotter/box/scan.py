@@ -73,6 +73,7 @@ class Scan:
     listed: dict[str, list[str]] = field(default_factory=dict)
     racy_dirs: set[str] = field(default_factory=set)
     touched: Optional[set[str]] = None  # a scan of some directories: the paths it looked at, gone ones too
+    kept_as: Optional[str] = None  # the digest of the stored walk that holds every entry (snapshot/kept.py)
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
@@ -150,6 +151,12 @@ class ScanMemo:
         self._last = (context, seen)
 
 
+def scan_context(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
+                 metadata_only: bool = False) -> tuple:
+    """What a ScanMemo is made for: a scan of another root, profile, excludes or depth does not use it."""
+    return (os.path.realpath(root), profile, frozenset(clean_path(e) for e in extra_excludes), metadata_only)
+
+
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
              memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
@@ -167,9 +174,8 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     with all below it. The full scan is the same walk with every directory dirty."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
-    root = os.path.realpath(root)
-    extra = frozenset(clean_path(e) for e in extra_excludes)
-    context = (root, profile, extra, metadata_only)
+    context = scan_context(root, profile, extra_excludes, metadata_only)
+    root, _, extra, _ = context
     old, _, settled_ns = (memo or ScanMemo()).start(context)
     partial = previous is not None and dirty is not None and memo is not None and bool(old) and not profile.include
     walk = _Walk(root, profile, extra, metadata_only, old, settled_ns if memo is not None else None,

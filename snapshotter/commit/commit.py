@@ -40,6 +40,7 @@ from snapshotter.snapshot.files import last_snapshot_files
 from snapshotter.snapshot.lineage import check_forward
 from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
 from snapshotter.snapshot.statcache import StatCache
+from snapshotter.snapshot.kept import StoredWalk
 from snapshotter.state import exclusive, state_dir
 from snapshotter.tar.compress import IterReader, decompressing_reader
 
@@ -87,10 +88,16 @@ def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, prev
               dirty: Optional[set[str]] = None) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
     `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
-    the directories changed since that walk (a watcher's change notifications)."""
+    the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
+    last commit's, kept in the state dir (snapshot/kept.py)."""
+    extra = own_excludes(root)
+    stored = StoredWalk(root, profile, extra) if memo is None else None
     with progress.bar("scanning box", unit="files") as b:
-        return scan_box(root, profile, own_excludes(root), progress.safe_update(b), memo=memo, previous=previous,
-                        dirty=dirty)
+        scan = scan_box(root, profile, extra, progress.safe_update(b), memo=stored.memo() if stored else memo,
+                        previous=previous, dirty=dirty)
+    if stored is not None:
+        stored.save(scan)
+    return scan
 
 
 def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> Diff:

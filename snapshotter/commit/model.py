@@ -23,6 +23,7 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
+from snapshotter.snapshot.kept import StoredPlan, StoredRecords
 from snapshotter.snapshot.record import RestoreRecord
 from snapshotter.snapshot.statcache import StatCache
 
@@ -147,7 +148,18 @@ def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: Commi
                        base_layers: int) -> list[LayerPlan]:
     """The layers of a diff with the commit's options (planned once, and again whenever files are
     left out: hold_back, push_commit)."""
-    records = opts.plan_memo.records if opts.plan_memo is not None else None
-    owners = owners_of(opts.root, scan.entries, records)
-    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo, base_layers,
-                       owners)
+    if opts.plan_memo is not None:  # a watcher's: in memory
+        owners = owners_of(opts.root, scan.entries, opts.plan_memo.records)
+        return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo,
+                           base_layers, owners)
+    records = StoredRecords(opts.root)  # the last commit's RECORDs and plan, kept in the state dir
+    owners = owners_of(opts.root, scan.entries, records.memo())
+    records.save()
+    kept = StoredPlan(opts.root, scan, d, index, opts.profile, (opts.compression, opts.max_layer_size, base_layers),
+                      records.memo_now())
+    plans = kept.plans(opts.profile.zstd_level)
+    if plans is None:
+        plans = plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, None, base_layers,
+                            owners)
+        kept.save(plans, opts.profile.zstd_level)
+    return plans

@@ -71,6 +71,10 @@ class LayerPlan:
             chunks_digest(s.encode() for s in self.key_text(zstd_level, None))
         return fp
 
+    def keep_fingerprint(self, zstd_level: int, fingerprint: str) -> None:
+        """Take fingerprint(zstd_level) as known: a kept plan of the very same input had it (snapshot/kept.py)."""
+        self._fingerprints[zstd_level] = fingerprint
+
     def key_text(self, zstd_level: int, memo: Optional[KeyMemo]):
         """fingerprint()'s JSON in pieces (ASCII: json escapes the rest), hashed as they come: the
         whole text of a 200k-file layer would be tens of MB at the commit's peak of memory."""
