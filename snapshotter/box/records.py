@@ -55,8 +55,7 @@ def owners_of(root: str, entries: dict[str, Entry], memo: Optional[RecordMemo] =
     """Who owns each path (Owners), from the RECORDs among `entries`. `memo` keeps each RECORD's
     parse for the next call while its stamp (inode, mtime, ctime) is the same."""
     memo = memo if memo is not None else RecordMemo()
-    records = sorted((p, e) for p, e in entries.items() if p.endswith("/RECORD") and _RECORD.search(p)
-                     and e.kind == FILE and e.size <= RECORD_MAX)
+    records = _records_in(entries)
     seen = tuple((p, e.stamp) for p, e in records)
     if memo.last is not None and memo.last[0] == seen:
         return memo.last[1]  # no RECORD changed
@@ -81,6 +80,18 @@ def owners_of(root: str, entries: dict[str, Entry], memo: Optional[RecordMemo] =
     owners = Owners(found)
     memo.last = (seen, owners) if all(stamp for _, stamp in seen) else None
     return owners
+
+
+def _records_in(entries: dict[str, Entry]) -> list[tuple[str, Entry]]:
+    return sorted((p, e) for p, e in entries.items() if p.endswith("/RECORD") and _RECORD.search(p)
+                  and e.kind == FILE and e.size <= RECORD_MAX)
+
+
+def record_stamps(entries: dict[str, Entry]) -> Optional[tuple]:
+    """The RECORDs among `entries` with their stamps: what owners_of() gives depends on nothing
+    else. None if one has no stamp (not a box's)."""
+    seen = tuple((p, e.stamp) for p, e in _records_in(entries))
+    return seen if all(stamp for _, stamp in seen) else None
 
 
 def _read(root_fd: int, path: str) -> list[str]:

@@ -152,13 +152,13 @@ def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: Commi
         owners = owners_of(opts.root, scan.entries, opts.plan_memo.records)
         return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, opts.plan_memo,
                            base_layers, owners)
-    records = StoredRecords(opts.root)  # the last commit's RECORDs and plan, kept in the state dir
-    owners = owners_of(opts.root, scan.entries, records.memo())
-    records.save()
-    kept = StoredPlan(opts.root, scan, d, index, opts.profile, (opts.compression, opts.max_layer_size, base_layers),
-                      records.memo_now())
+    # The last commit's plan and RECORDs, kept in the state dir.
+    kept = StoredPlan(opts.root, scan, d, index, opts.profile, (opts.compression, opts.max_layer_size, base_layers))
     plans = kept.plans(opts.profile.zstd_level)
     if plans is None:
+        records = StoredRecords(opts.root)
+        owners = owners_of(opts.root, scan.entries, records.memo())
+        records.save()
         plans = plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, None, base_layers,
                             owners)
         kept.save(plans, opts.profile.zstd_level)

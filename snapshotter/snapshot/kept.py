@@ -22,7 +22,7 @@ import marshal
 import os
 from typing import Optional
 
-from snapshotter.box.records import RecordMemo
+from snapshotter.box.records import RecordMemo, record_stamps
 from snapshotter.box.diff import Diff
 from snapshotter.box.scan import Scan, ScanMemo, scan_context
 from snapshotter.index.entry import Entry
@@ -120,9 +120,6 @@ class StoredRecords:
             self._memo = RecordMemo()
         return self._memo
 
-    def memo_now(self) -> RecordMemo:
-        return self._memo
-
     def save(self) -> None:
         """Keep what the memo holds now, unless it is what was loaded."""
         state = self._memo.state()
@@ -135,12 +132,13 @@ class StoredPlan:
     directory's copy with its mtime), and their stat-cache keys."""
 
     def __init__(self, root: str, scan: Scan, d: Diff, index: dict[str, Entry], profile: Profile,
-                 options: tuple, records: RecordMemo):
+                 options: tuple):
         self.path = os.path.join(sub("plan-memo"), root_key(root) + ".bin")
         self.by_path = {**scan.entries, **{e.path: e for e in d.changed}}
-        self.key = None if scan.kept_as is None or records.last is None else _key(
+        records = record_stamps(scan.entries)  # what the units of bundles depend on (box/records.py)
+        self.key = None if scan.kept_as is None or records is None else _key(
             scan.kept_as, sorted(scan.host_files), scan.unreadable, sorted(scan.pseudo_mounts), scan.skipped_secrets,
-            _profile_rules(profile), list(options), records.last[0], _paths_digest(e.path for e in d.changed),
+            _profile_rules(profile), list(options), records, _paths_digest(e.path for e in d.changed),
             d.deleted, [(p, index[p].kind, index[p].mtime, index[p].size) for p in _in_base(d, index)])
 
     def plans(self, zstd_level: int) -> Optional[list[LayerPlan]]:
