@@ -240,10 +240,10 @@ def commit(
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
     The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made;
     else the commit is refused (exit 2), or goes to TAG-diverged-<UTC time> with --diverge."""
-    from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.commit.commit import commit_box
     from snapshotter.commit.model import CommitOptions
     from snapshotter.commit.push import grown_line
+    from snapshotter.profile import include_path, load_profile, parse_size
 
     prof = load_profile(profile)
     prof.include += tuple(include_path(p) for p in include or ())
@@ -415,8 +415,8 @@ def verify(
     """Compare a directory with the image, file by file: one line per path that differs (type, content,
     mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
     Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0."""
-    from snapshotter.box.profile import load_profile
     from snapshotter.jobs import resolve_jobs
+    from snapshotter.profile import load_profile
     from snapshotter.restore.verify import VerifyOptions
     from snapshotter.restore.verify import verify as do_verify
 
@@ -482,8 +482,8 @@ def watch(
     names a snapshot this box neither came from nor made, it is not moved: the snapshots go to a
     tag of the box's own, TAG-diverged-<UTC time>, and each line says so.
     Exits 0 after the final snapshot; non-zero with one line if it could not finish within --grace."""
-    from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.commit.model import CommitOptions
+    from snapshotter.profile import include_path, load_profile, parse_size
     from snapshotter.watch import daemon as dmn
     from snapshotter.watch.notices import notice_watcher
     from snapshotter.watch.options import WatchOptions, parse_duration
@@ -571,9 +571,9 @@ def status(
 ):
     """What a commit would send now: the layers that changed since the last commit (with the size of
     their files) and those it would skip. Reads only file metadata; pushes nothing."""
-    from snapshotter.box.profile import load_profile, parse_size
     from snapshotter.commit.history import box_status
     from snapshotter.commit.model import CommitOptions
+    from snapshotter.profile import load_profile, parse_size
 
     opts = CommitOptions(root=root, profile=load_profile(profile), compression=compression,
                          max_layer_size=parse_size(max_layer_size),
@@ -622,7 +622,7 @@ def tag_(
 @_errors
 def list_profiles():
     """List the layer profiles shipped in layers/."""
-    from snapshotter.box.profile import available_profiles, load_profile
+    from snapshotter.profile import available_profiles, load_profile
 
     for name in available_profiles():
         p = load_profile(name)

@@ -29,7 +29,7 @@ import referencing.jsonschema
 import zstandard
 
 from snapshotter import CommitOptions
-from snapshotter.box.profile import load_profile
+from snapshotter.profile import load_profile
 from snapshotter.watch.watcher import Watcher, WatchOptions
 
 from support import (TIMEOUT, MiB, gzip_bytes, make_base_rootfs, make_box, member, push_base_image, snap, tar_bytes,

@@ -11,10 +11,10 @@ import subprocess
 import pytest
 
 from snapshotter import CommitOptions, commit_box, restore_image
-from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
-from snapshotter.layer import plan as plan_module
+from snapshotter.layer import bundling
 from snapshotter.layer.units import units_of
+from snapshotter.profile import parse_profile
 
 from helpers import SMALL_WEIGHTS, layer_tar, layers_by_name
 from support import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
@@ -29,7 +29,7 @@ NODES = "opt/app/custom_nodes"
 def small_bundles(monkeypatch):
     """Bundles sized for a box of a few MB (the real floor, 16 MiB, would make this one bundle). The
     target is then the box's own: its code content over the budget, as on a real box."""
-    monkeypatch.setattr(plan_module, "MIN_BUNDLE", 32 * KiB, raising=False)
+    monkeypatch.setattr(bundling, "MIN_BUNDLE", 32 * KiB, raising=False)
     # Files written within RACY_WINDOW_NS before a scan are not trusted to the stat cache; a real
     # box's files are older than that: here the window is closed instead.
     monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
@@ -99,7 +99,8 @@ def test_a_package_added_upgraded_or_removed_changes_only_its_bundle(registry, b
     assert len(venv1) >= 12 and len(nodes1) >= 3, (len(venv1), len(nodes1))
     names = [layer.name for layer in v1.layers]
     # Directories and deletions last of each layer: a new package's site-packages/ mtime goes there.
-    assert names.index("venv (directories and deletions)") == max(i for i, n in enumerate(names) if n.startswith("venv"))
+    last_venv = max(i for i, n in enumerate(names) if n.startswith("venv"))
+    assert names.index("venv (directories and deletions)") == last_venv
     assert names.index("venv (directories and deletions)") < names.index("custom_nodes (bundle 1)")
 
     # A 10 KB package added: the bundle it lands in changes, and at most a neighbour splits off it.
@@ -169,7 +170,7 @@ def test_many_weights_and_files_keep_to_the_layer_budget(registry, base_ref, bas
                                                          monkeypatch):
     """64 weights of a layer of their own each and 6 MB of code in bundles, under a budget of 40
     layers: the smaller weights fold into bundles, the code's bundles grow, and the image fits."""
-    monkeypatch.setattr(plan_module, "LAYER_BUDGET", 40, raising=False)
+    monkeypatch.setattr(bundling, "LAYER_BUDGET", 40, raising=False)
     box = venv_box(base_rootfs, str(tmp_path / "box"))
     write_tree(box, {f"opt/app/models/loras/l{i:02d}.safetensors": os.urandom(MiB + i * KiB) for i in range(60)})
     write_tree(box, {f"opt/app/models/checkpoints/c{i}.safetensors": os.urandom(3 * MiB) for i in range(4)})
@@ -178,7 +179,8 @@ def test_many_weights_and_files_keep_to_the_layer_budget(registry, base_ref, bas
     manifest = registry.manifest("budget", "v1")
     names = list(layers_by_name(manifest))
     assert len(manifest["layers"]) <= 40, names
-    assert any(n.startswith("venv (bundle") for n in names) and any(n.startswith("models (bundle") for n in names), names
+    assert any(n.startswith("venv (bundle") for n in names), names
+    assert any(n.startswith("models (bundle") for n in names), names
     # The biggest keep a layer of their own.
     assert sorted(n for n in names if n.startswith("models (opt/")) == \
         [f"models (opt/app/models/checkpoints/c{i}.safetensors)" for i in range(4)]

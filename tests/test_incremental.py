@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from snapshotter import CommitOptions, commit_box
-from snapshotter.box.profile import parse_profile
+from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import push as push_module
+from snapshotter.profile import parse_profile
 
 from helpers import WEIGHTS_PROFILE, commit_json
 from support import NOT_CAPTURED, RegistryServer, snap, snapshot_of_tree, write_tree
@@ -114,7 +114,8 @@ def test_weight_layers_are_stable_when_a_model_is_added_or_removed(registry, bas
     assert len(bundles) > 3  # 360 KB of small files in bundles of at most 64 KiB
     assert all(v1[n].media_type == "application/vnd.oci.image.layer.v1.tar" for n in singles + bundles)
     # The cap is on content; a tar adds a 512-byte header a file, padding, and a 10 KiB record at most.
-    assert all(v1[n].size <= 64 * 1024 + 1024 * v1[n].entries + 10240 for n in bundles), [(v1[n].size, v1[n].entries) for n in bundles]
+    assert all(v1[n].size <= 64 * 1024 + 1024 * v1[n].entries + 10240 for n in bundles), \
+        [(v1[n].size, v1[n].entries) for n in bundles]
 
     meta = "models (directories and deletions)"
     assert [n for n in v1 if n.startswith("models")][-1] == meta  # last of its layers: its dir mtimes are final
@@ -145,7 +146,8 @@ def test_files_over_the_layer_cap_are_split_and_joined_back(registry, base_ref, 
     r = snap("commit", f"{registry.host}/parts:v1", "--base", base_ref, "--root", box, "--max-layer-size", "1MiB",
              "--json", check=True)
     parts = [layer for layer in json.loads(r.stdout)["layers"] if "part" in layer["name"] and "huge" in layer["name"]]
-    assert [p["name"] for p in parts] == [f"models (part {i}/4 of opt/app/models/huge.safetensors)" for i in range(1, 5)]
+    assert [p["name"] for p in parts] == [f"models (part {i}/4 of opt/app/models/huge.safetensors)"
+                                          for i in range(1, 5)]
     manifest = registry.manifest("parts", "v1")
     assert max(d["size"] for d in manifest["layers"]) < 1 * MiB + 16384  # content cap + tar header and record padding
     out = tmp_path / "out"
@@ -205,7 +207,8 @@ def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_b
     commit_box(f"{registry.host}/seedchg:v1", base_ref, CommitOptions(root=model_box))
     fresh_state = tmp_path / "new-machine-state"
     out = tmp_path / "restored"
-    snap("restore", f"{registry.host}/seedchg:v1", "--root", str(out), env={"SNAP_STATE_DIR": str(fresh_state)}, check=True)
+    snap("restore", f"{registry.host}/seedchg:v1", "--root", str(out), env={"SNAP_STATE_DIR": str(fresh_state)},
+         check=True)
     big = out / "opt/app/models/checkpoints/big.safetensors"
     st = os.stat(big)
     with open(big, "r+b") as f:
@@ -250,7 +253,8 @@ def test_a_base_index_cache_of_another_format_is_rebuilt(registry, base_ref, box
         f.writelines(json.dumps(line) + "\n" for line in lines)
 
     second = commit_box(f"{registry.host}/{repo}:v2", base_ref, CommitOptions(root=box))
-    assert [(layer.name, layer.digest) for layer in second.layers] == [(layer.name, layer.digest) for layer in first.layers]
+    assert [(layer.name, layer.digest) for layer in second.layers] == \
+        [(layer.name, layer.digest) for layer in first.layers]
     assert second.deleted == first.deleted
     with gzip.open(cache, "rt") as f:
         assert json.loads(f.readline()) == current  # rebuilt in this version's format
@@ -321,7 +325,8 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
         counted = doc["uploaded"]
         assert doc["uploaded_bytes"] == sum(counted.values()) > 0, (step, doc["uploaded_bytes"], counted)
         assert sum(n for what, n in counted.items() if what != "manifests") == blobs, (step, counted, blobs)
-        assert 0 <= manifests <= counted["manifests"] > 0, (step, counted, manifests)  # the same manifest is stored once
+        # The same manifest is stored once.
+        assert 0 <= manifests <= counted["manifests"] > 0, (step, counted, manifests)
         sent_layers = sum(layer["size"] for layer in doc["layers"] if layer["status"] == "uploaded")
         assert counted.get("layers", 0) == sent_layers, (step, counted, sent_layers)
         headers[step] = counted.get("headers", 0)
@@ -335,3 +340,79 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
     line = next(line for line in r.stdout.splitlines() if line.startswith("sent "))
     assert "manifests" in line and "layers" not in line, line  # nothing changed: no layer sent
     registry.stop()
+
+
+def test_a_second_commit_reads_again_only_what_changed_since_the_first(registry, base_ref, box, monkeypatch,
+                                                                       tmp_path):
+    """The last commit's walk and RECORDs are kept in the state dir (snapshot/kept.py): a commit
+    after it reads no xattrs, symlink target or RECORD of a path whose lstat is as then, and one
+    path changed (chmod: its ctime moves) is read again, and committed as it is now."""
+    from snapshotter.box import records as records_module
+    from snapshotter.box import scan as scan_module
+
+    write_tree(box, {"opt/app/venv/lib/python3.11/site-packages/pkg/__init__.py": "x = 1\n",
+                     "opt/app/venv/lib/python3.11/site-packages/pkg-1.0.dist-info/RECORD": "pkg/__init__.py,,\n"})
+    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)  # a real box's files are older than the window
+    xattr_reads, record_reads = [], []
+    real_listxattr, real_read = os.listxattr, records_module._read
+    monkeypatch.setattr(os, "listxattr", lambda p, **kw: xattr_reads.append(p) or real_listxattr(p, **kw))
+    monkeypatch.setattr(records_module, "_read", lambda fd, p: record_reads.append(p) or real_read(fd, p))
+    first = commit_box(f"{registry.host}/kept:v1", base_ref, CommitOptions(root=box))
+    assert xattr_reads and record_reads
+    xattr_reads.clear(), record_reads.clear()
+    second = commit_box(f"{registry.host}/kept:v2", base_ref, CommitOptions(root=box))
+    assert xattr_reads == [] and record_reads == []
+    assert [x.digest for x in second.layers] == [x.digest for x in first.layers]
+    changed = os.path.join(box, "opt/app/main.py")
+    os.chmod(changed, 0o700)
+    third = commit_box(f"{registry.host}/kept:v3", base_ref, CommitOptions(root=box))
+    assert [p.rpartition("/")[2] for p in xattr_reads] == ["main.py"] and record_reads == []
+    assert [x.digest for x in third.layers] != [x.digest for x in second.layers]
+    restore_image(f"{registry.host}/kept:v3", str(tmp_path / "out"))
+    assert snapshot_of_tree(str(tmp_path / "out"), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_commit_with_nothing_changed_reuses_the_last_plan(registry, base_ref, box, monkeypatch, tmp_path):
+    """The plan is kept with the walk (snapshot/kept.py): while every entry is as the kept walk has
+    it and the diff, base, RECORDs, profile and options are the same, the next commit reuses the plan
+    and its keys (the same layers); a new file, or a path changed within the racy window, plans again."""
+    from snapshotter.box import scan as scan_module
+    from snapshotter.commit import model as model_module
+
+    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)
+    planned = []
+    real = model_module.plan_layers
+    monkeypatch.setattr(model_module, "plan_layers", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+
+    def layers(tag):
+        return [x["digest"] for x in registry.manifest("reuse", tag)["layers"]]
+
+    commit_box(f"{registry.host}/reuse:v1", base_ref, CommitOptions(root=box))
+    commit_box(f"{registry.host}/reuse:v2", base_ref, CommitOptions(root=box))
+    assert len(planned) == 1 and layers("v2") == layers("v1")
+    write_tree(box, {"opt/app/added.py": "print('new')\n"})
+    commit_box(f"{registry.host}/reuse:v3", base_ref, CommitOptions(root=box))
+    assert len(planned) == 2 and layers("v3") != layers("v2")
+    restore_image(f"{registry.host}/reuse:v3", str(tmp_path / "out"))
+    assert snapshot_of_tree(str(tmp_path / "out"), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 3600 * 10**9)  # every path changed just now: not trusted
+    commit_box(f"{registry.host}/reuse:v4", base_ref, CommitOptions(root=box))
+    commit_box(f"{registry.host}/reuse:v5", base_ref, CommitOptions(root=box))
+    assert len(planned) == 4 and layers("v5") == layers("v3")
+
+
+def test_a_nothing_changed_commit_asks_about_no_artifact_blob(registry, base_ref, box, monkeypatch):
+    """The base index and the layers' headers go up as artifacts (index/base.py's push_artifact):
+    where the artifact's tag already names the very manifest, the registry holds its blobs (a
+    manifest keeps what it lists), and a nothing-changed commit asks about none of them."""
+    from snapshotter.index import base as base_module
+
+    asked = []
+    real = base_module.in_registry
+    monkeypatch.setattr(base_module, "in_registry",
+                        lambda remote, d, sources: asked.append(d) or real(remote, d, sources))
+    commit_box(f"{registry.host}/artifacts:v1", base_ref, CommitOptions(root=box))
+    assert asked
+    asked.clear()
+    commit_box(f"{registry.host}/artifacts:v2", base_ref, CommitOptions(root=box))
+    assert asked == []

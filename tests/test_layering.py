@@ -18,6 +18,7 @@ FLOORS = [
     {"tar", "crypt"},  # crypt: ocicrypt's layer encryption, over the image model
     {"registry"},
     {"engine", "index"},
+    {"profile"},  # layer profiles: which path goes to which layer (configuration, read by the box and up)
     {"box"},
     {"layer", "origin"},  # origin: weights fetched from Hugging Face, over the registry's destination checks
     {"snapshot"},  # what commit and restore share of a root's snapshots

@@ -6,7 +6,7 @@ directory whose times were put back, a chmod, an xattr, a private key written ov
 size and mtime put back, a secret appearing, a symlink retargeted. The oracle is a scan without
 memo: a scan with one must give the same entries and secrets.
 
-The plan memo (plan.PlanMemo): a profile layer whose paths did not change is not split again, and
+The plan memo (memo.PlanMemo): a profile layer whose paths did not change is not split again, and
 the plans (and their stat-cache keys) are those a plan without memo makes."""
 
 import hashlib
@@ -18,12 +18,15 @@ import pytest
 
 from snapshotter import restore_image
 from snapshotter.box import scan as box_scan
-from snapshotter.box.profile import load_profile
 from snapshotter.box.scan import ScanMemo, scan_box
 from snapshotter.commit.commit import changes_in
 from snapshotter.index.entry import Entry, gc_paused
+from snapshotter.layer import memo as memo_module
 from snapshotter.layer import plan as plan_module
-from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
+from snapshotter.layer.memo import PlanMemo
+from snapshotter.layer.plan import LayerPlan
+from snapshotter.layer.planning import plan_layers
+from snapshotter.profile import load_profile
 
 from helpers import FakeClock, watcher
 from support import NOT_CAPTURED, snapshot_of_tree, write_tree
@@ -180,18 +183,19 @@ def test_every_row_of_the_stat_cache_key_is_the_json_of_its_fields():
                              inode=rng.choice([None, f"{i}:{i + 1}"]), stamp=text(12),
                              xattrs=rng.choice([None, {}, {text(8): text(8), "user.a": "\udcff"}])))
     # Fields of types a scan never makes: the encoder's text all the same.
-    entries += [Entry("x", "file", 0o644, mtime=1.5), Entry("y", "file", True), Entry("z", "file", 0o644, linkname=None)]
+    entries += [Entry("x", "file", 0o644, mtime=1.5), Entry("y", "file", True),
+                Entry("z", "file", 0o644, linkname=None)]
     for e in entries:
         want = json.dumps([e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
                            sorted(e.xattrs.items()) if e.xattrs else []], separators=(",", ":"))
-        assert plan_module._fingerprint_row(e) == want, e
+        assert plan_module.fingerprint_row(e) == want, e
 
 
 def test_an_unchanged_layer_is_not_split_again_and_the_plans_are_the_same(box, monkeypatch):
     profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
     splits = []
-    real = plan_module.split_plan
-    monkeypatch.setattr(plan_module, "split_plan", lambda p, rule, *a: splits.append(rule.name) or real(p, rule, *a))
+    real = memo_module.split_plan
+    monkeypatch.setattr(memo_module, "split_plan", lambda p, rule, *a: splits.append(rule.name) or real(p, rule, *a))
 
     def plans(memo=None, scan_memo=None):
         scan = scan_box(box, profile, memo=scan_memo)
@@ -241,7 +245,8 @@ def test_a_chmod_or_chown_is_seen_where_the_ctime_does_not_move(box, monkeypatch
             return st
         names = ("st_atime", "st_mtime", "st_ctime")
         return os.stat_result([*st[:7], *(int(getattr(before, n)) for n in names)],
-                              {**{n: getattr(before, n) for n in names}, **{n + "_ns": getattr(before, n + "_ns") for n in names}})
+                              {**{n: getattr(before, n) for n in names},
+                               **{n + "_ns": getattr(before, n + "_ns") for n in names}})
 
     monkeypatch.setattr(box_scan.os, "lstat", lstat_times_unmoved)
     entry = scan(box, profile, memo).entries["opt/app/main.py"]
@@ -279,7 +284,7 @@ def test_the_cycle_collector_is_left_as_it_was_found():
 
 
 def test_a_venv_is_found_at_any_depth():
-    from snapshotter.box.profile import VenvRoots
+    from snapshotter.profile import VenvRoots
     deep = "/".join(["d"] * 2000)
     roots = VenvRoots([deep[:999]])
     assert roots.contains(deep + "/f") and roots.contains(deep[:999] + "/x")
@@ -340,19 +345,22 @@ def test_a_plan_with_memo_is_the_plan_without_through_a_series_of_changes(box, b
                       if not os.path.relpath(d, box).startswith("tmp"))
 
     def add():
-        write_tree(box, {f"{rng.choice([site + '/pkg3', 'opt/app/custom_nodes/NodeC', 'srv/tool/lib'])}/n{rng.random()}.py": "x\n"})
+        where = rng.choice([site + '/pkg3', 'opt/app/custom_nodes/NodeC', 'srv/tool/lib'])
+        write_tree(box, {f"{where}/n{rng.random()}.py": "x\n"})
 
     def delete():
         os.unlink(os.path.join(box, rng.choice(files())))
 
     def move():
         src = rng.choice(files())
-        dst = rng.choice(["opt/app/custom_nodes/NodeA", site + "/pkg5", "srv/tool", "etc"]) + "/" + os.path.basename(src)
+        dst = rng.choice(["opt/app/custom_nodes/NodeA", site + "/pkg5", "srv/tool", "etc"]) + "/" + \
+            os.path.basename(src)
         if not os.path.exists(os.path.join(box, dst)):
             os.rename(os.path.join(box, src), os.path.join(box, dst))
 
     def grow():
-        sparse(os.path.join(box, rng.choice([site + "/pkg1/core.py", "srv/tool/lib/a.py", "etc/app.conf"])), 65 * 1024**2)
+        sparse(os.path.join(box, rng.choice([site + "/pkg1/core.py", "srv/tool/lib/a.py", "etc/app.conf"])),
+               65 * 1024**2)
 
     def venv_root():
         write_tree(box, {rng.choice(["srv/tool", "opt/app/custom_nodes/NodeB"]) + "/pyvenv.cfg": "home = /usr/bin\n"})
@@ -384,7 +392,8 @@ def test_an_unchanged_entry_is_not_classified_again(box, monkeypatch):
     profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
     classified = []
     real = type(profile).classify
-    monkeypatch.setattr(type(profile), "classify", lambda self, path, *a: classified.append(path) or real(self, path, *a))
+    monkeypatch.setattr(type(profile), "classify",
+                        lambda self, path, *a: classified.append(path) or real(self, path, *a))
 
     def plan():
         scan = scan_box(box, profile, memo=scan_memo)

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 from snapshotter import CommitOptions, commit_box, restore_image
-from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
+from snapshotter.profile import parse_profile
 
 from helpers import SMALL_WEIGHTS, BlockOnRead, NoteReader, RewriteOnRead, digest_of, packer_env
 from support import TIMEOUT, assert_one_line_error, snap, write_tree

@@ -10,7 +10,7 @@ import threading
 import pytest
 import zstandard
 
-from snapshotter.box.profile import load_profile
+from snapshotter.profile import load_profile
 
 from support import (NOT_CAPTURED, FaultProxy, RegistryServer, push_base_image, snap, snap_layer_files,
                      snapshot_of_tree, write_tree)

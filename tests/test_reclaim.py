@@ -24,13 +24,13 @@ from datetime import datetime, timezone
 import pytest
 
 from snapshotter import CommitOptions, commit_box, progress, restore_image
-from snapshotter.box.profile import parse_profile
 from snapshotter.box.writers import open_for_writing
 from snapshotter.commit import push as push_module
 from snapshotter.commit.model import CommitHooks
 from snapshotter.errors import SnapError
 from snapshotter.layer import generate as layer_module
 from snapshotter.oci.reference import is_tag
+from snapshotter.profile import parse_profile
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.snapshot import diverged
 

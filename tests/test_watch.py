@@ -16,10 +16,10 @@ import sys
 import pytest
 
 from snapshotter import CommitOptions, restore_image
-from snapshotter.box.profile import load_profile, parse_profile
 from snapshotter.commit import push as push_module
 from snapshotter.errors import SnapError
 from snapshotter.layer import generate as layer_module
+from snapshotter.profile import load_profile, parse_profile
 from snapshotter.registry.remote import Remote
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.watch.notices import detect_provider, notice_watcher

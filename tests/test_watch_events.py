@@ -19,8 +19,8 @@ import pytest
 from snapshotter import restore_image
 from snapshotter.box import scan as scan_module
 from snapshotter.box.events import ChangeEvents
-from snapshotter.box.profile import load_profile
 from snapshotter.box.scan import ScanMemo, scan_box
+from snapshotter.profile import load_profile
 
 from helpers import FakeClock, watcher
 from support import NOT_CAPTURED, snapshot_of_tree, write_tree

@@ -31,21 +31,22 @@ class Owners:
     into itself) the one that owns every listed file below the path's nearest directory that has
     listed files."""
 
-    def __init__(self, files: dict[str, str]):
+    def __init__(self, files: dict[str, str], dirs: Optional[dict[str, Optional[str]]] = None):
         self.files = files
-        self._dirs: dict[str, Optional[str]] = {}  # a directory below site-packages: its one owner, or None
-        for path, key in sorted(files.items()):
+        # A directory below site-packages: its one owner, or None (`dirs`: as made for these files before).
+        self.dirs: dict[str, Optional[str]] = {} if dirs is None else dirs
+        for path, key in sorted(files.items()) if dirs is None else ():
             parent = path.rpartition("/")[0]
             while _SITE_DIR.search(parent):
-                self._dirs[parent] = key if self._dirs.get(parent, key) == key else None
+                self.dirs[parent] = key if self.dirs.get(parent, key) == key else None
                 parent = parent.rpartition("/")[0]
 
     def owner_of(self, path: str) -> Optional[str]:
         key = self.files.get(path)
         parent = path.rpartition("/")[0]
         while key is None and _SITE_DIR.search(parent):
-            if parent in self._dirs:
-                return self._dirs[parent]  # the nearest directory with listed files decides
+            if parent in self.dirs:
+                return self.dirs[parent]  # the nearest directory with listed files decides
             parent = parent.rpartition("/")[0]
         return key
 
@@ -54,8 +55,7 @@ def owners_of(root: str, entries: dict[str, Entry], memo: Optional[RecordMemo] =
     """Who owns each path (Owners), from the RECORDs among `entries`. `memo` keeps each RECORD's
     parse for the next call while its stamp (inode, mtime, ctime) is the same."""
     memo = memo if memo is not None else RecordMemo()
-    records = sorted((p, e) for p, e in entries.items() if p.endswith("/RECORD") and _RECORD.search(p)
-                     and e.kind == FILE and e.size <= RECORD_MAX)
+    records = _records_in(entries)
     seen = tuple((p, e.stamp) for p, e in records)
     if memo.last is not None and memo.last[0] == seen:
         return memo.last[1]  # no RECORD changed
@@ -80,6 +80,18 @@ def owners_of(root: str, entries: dict[str, Entry], memo: Optional[RecordMemo] =
     owners = Owners(found)
     memo.last = (seen, owners) if all(stamp for _, stamp in seen) else None
     return owners
+
+
+def _records_in(entries: dict[str, Entry]) -> list[tuple[str, Entry]]:
+    return sorted((p, e) for p, e in entries.items() if p.endswith("/RECORD") and _RECORD.search(p)
+                  and e.kind == FILE and e.size <= RECORD_MAX)
+
+
+def record_stamps(entries: dict[str, Entry]) -> Optional[tuple]:
+    """The RECORDs among `entries` with their stamps: what owners_of() gives depends on nothing
+    else. None if one has no stamp (not a box's)."""
+    seen = tuple((p, e.stamp) for p, e in _records_in(entries))
+    return seen if all(stamp for _, stamp in seen) else None
 
 
 def _read(root_fd: int, path: str) -> list[str]:
@@ -127,6 +139,18 @@ class RecordMemo:
 
     def start(self) -> None:
         self._old, self._now = self._now, {}
+
+    def state(self) -> tuple:
+        """What this memo holds, as plain data (snapshot/kept.py keeps it between commits)."""
+        last = (self.last[0], self.last[1].files, self.last[1].dirs) if self.last is not None else None
+        return last, self._now
+
+    @classmethod
+    def from_state(cls, state: tuple) -> RecordMemo:
+        memo = cls()
+        last, memo._now = state
+        memo.last = (last[0], Owners(last[1], last[2])) if last is not None else None
+        return memo
 
     def get(self, path: str, stamp: str) -> Optional[list[str]]:
         hit = self._old.get(path)

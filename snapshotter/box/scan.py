@@ -15,11 +15,11 @@ from snapshotter.errors import StorageError, UsageError, quoted_path
 from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, clean_path, entry_from_stat, kind_of_mode,
                                      self_and_parents, stat_stamp)
 from snapshotter.index.paths import entry_links, resolve_in_root
+from snapshotter.profile import Profile, VenvRoots
 from snapshotter.tar.rules import SKIP_XATTRS, WHITEOUT_PREFIX
 
 from .mounts import bind_mounted_files, pseudo_mounts
 from .openat import DIR_FLAGS, READ_FLAGS, NotTheScanned, open_beneath, open_leaf, open_root
-from .profile import Profile, VenvRoots
 
 
 def file_head(path: str, n: int) -> bytes:
@@ -73,6 +73,7 @@ class Scan:
     listed: dict[str, list[str]] = field(default_factory=dict)
     racy_dirs: set[str] = field(default_factory=set)
     touched: Optional[set[str]] = None  # a scan of some directories: the paths it looked at, gone ones too
+    kept_as: Optional[str] = None  # the digest of the stored walk that holds every entry (snapshot/kept.py)
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
@@ -113,8 +114,9 @@ def _unchanged(last, st: os.stat_result) -> bool:
     if isinstance(last, str):
         return last == _memo_stamp(st)
     mode = st.st_mode
-    return (last.stamp == stat_stamp(st) and last.mode == mode & 0o7777 and last.uid == st.st_uid and last.gid == st.st_gid
-            and last.kind == kind_of_mode(mode) and (last.kind != FILE or last.size == st.st_size))
+    return (last.stamp == stat_stamp(st) and last.mode == mode & 0o7777 and last.uid == st.st_uid
+            and last.gid == st.st_gid and last.kind == kind_of_mode(mode)
+            and (last.kind != FILE or last.size == st.st_size))
 
 
 class ScanMemo:
@@ -149,6 +151,12 @@ class ScanMemo:
         self._last = (context, seen)
 
 
+def scan_context(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
+                 metadata_only: bool = False) -> tuple:
+    """What a ScanMemo is made for: a scan of another root, profile, excludes or depth does not use it."""
+    return (os.path.realpath(root), profile, frozenset(clean_path(e) for e in extra_excludes), metadata_only)
+
+
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
              memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
@@ -156,9 +164,9 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
     left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
     `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
-    a change of those changes the ctime. With the profile's `include` (root-relative paths) only those are walked, and their parent
-    directories are entries of their own. With a `memo` (ScanMemo) what an unchanged path held at
-    the last scan is taken from it.
+    a change of those changes the ctime. With the profile's `include` (root-relative paths) only
+    those are walked, and their parent directories are entries of their own. With a `memo`
+    (ScanMemo) what an unchanged path held at the last scan is taken from it.
 
     With `previous` (this root's last scan, with the same memo) and `dirty`, only the directories in
     `dirty` are listed again (a watcher's change notifications, box/events.py): the rest of the box
@@ -166,79 +174,134 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     with all below it. The full scan is the same walk with every directory dirty."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
-    root = os.path.realpath(root)
-    skip_mounts = pseudo_mounts(root)
-    mounted = bind_mounted_files(root)
-    extra = {clean_path(e) for e in extra_excludes}
-    context = (root, profile, frozenset(extra), metadata_only)
-    old, new, settled_ns = (memo or ScanMemo()).start(context)
-    if memo is None:
-        settled_ns = -1  # nothing to keep
+    context = scan_context(root, profile, extra_excludes, metadata_only)
+    root, _, extra, _ = context
+    old, _, settled_ns = (memo or ScanMemo()).start(context)
     partial = previous is not None and dirty is not None and memo is not None and bool(old) and not profile.include
-    entries: dict[str, Entry] = dict(previous.entries) if partial else {}
-    listed: dict[str, list[str]] = dict(previous.listed) if partial else {}
-    venvs = previous.venv_roots if partial else VenvRoots()
-    secrets: set[str] = set(previous.skipped_secrets) if partial else set()
-    unreadable: set[str] = set(previous.unreadable) if partial else set()
-    host_files: set[str] = set(previous.host_files) if partial else set()
-    racy: set[str] = set()  # directories holding a path the memo does not keep (changed within its window)
-    touched: set[str] = set()
-    linked: set[str] = set()  # inode numbers of files with other names, looked at in a scan of some directories
-    walked: set[str] = set()
-    new_venvs = False
-    if partial:
-        new = dict(old)
-    stack: list[str] = []
+    walk = _Walk(root, profile, extra, metadata_only, old, settled_ns if memo is not None else None,
+                 previous if partial else None)
+    root_fd = open_root(root)  # (the root itself may be a symlink: --root names it)
+    try:
+        if profile.include:
+            walk.included(root_fd, progress)
+        elif partial:
+            walk.dirty(root_fd, progress, dirty)
+        else:
+            walk.stack.append("")
+            walk_stack(root_fd, walk, progress)
+    finally:
+        os.close(root_fd)
+    if memo is not None:
+        memo.finish(context, walk.new)
+    return walk.scan()
 
-    def forget(rel: str) -> None:
+
+class _Walk:
+    """One scan's state, and what it does at each path. A scan of some directories (`previous`
+    given) starts from the last scan's findings and forgets what it finds gone."""
+
+    def __init__(self, root: str, profile: Profile, extra: frozenset[str], metadata_only: bool,
+                 old: dict[str, Entry | str], settled_ns: Optional[int], previous: Optional[Scan]):
+        self.root, self.profile, self.extra, self.metadata_only = root, profile, extra, metadata_only
+        self.skip_mounts = pseudo_mounts(root)
+        self.mounted = bind_mounted_files(root)
+        self.old = old  # the last scan's paths (ScanMemo)
+        self.keeping = settled_ns is not None  # a memo to fill
+        self.settled_ns = settled_ns if settled_ns is not None else -1  # paths changed before this are kept
+        self.previous = previous
+        self.entries: dict[str, Entry] = dict(previous.entries) if previous else {}
+        self.listed: dict[str, list[str]] = dict(previous.listed) if previous else {}
+        self.venvs = previous.venv_roots if previous else VenvRoots()
+        self.secrets: set[str] = set(previous.skipped_secrets) if previous else set()
+        self.unreadable: set[str] = set(previous.unreadable) if previous else set()
+        self.host_files: set[str] = set(previous.host_files) if previous else set()
+        self.new: dict[str, Entry | str] = dict(old) if previous else {}  # this scan's paths, for the memo
+        self.racy: set[str] = set()  # directories holding a path the memo does not keep (changed within its window)
+        self.touched: set[str] = set()
+        self.linked: set[str] = set()  # inode numbers of files with other names, looked at in a partial scan
+        self.walked: set[str] = set()
+        self.new_venvs = False
+        self.dirty_dirs: set[str] = set()
+        self.stack: list[str] = []
+
+    def included(self, root_fd: int, progress: Optional[Callable[[int], None]]) -> None:
+        """The profile's `include` paths, each with its parents as entries of their own."""
+        for rel in self.profile.include:
+            _check_include(self.root, rel, self.profile)
+            for parent in reversed(list(self_and_parents(rel))[1:]):
+                if parent not in self.entries:
+                    _visit_at(root_fd, parent, self.visit, walk=False)
+            _visit_at(root_fd, rel, self.visit)
+        if progress:
+            progress(len(self.entries))
+        walk_stack(root_fd, self, progress)
+
+    def dirty(self, root_fd: int, progress: Optional[Callable[[int], None]], dirty: set[str]) -> None:
+        """A scan of the `dirty` directories alone, then of the other names of files changed in them."""
+        self.dirty_dirs = dirty
+        for top in sorted(dirty):
+            if top in self.listed and top not in self.walked:
+                # Its own entry (times, mode) is in its parent's listing: looked at again first.
+                if top:
+                    _visit_at(root_fd, top, self.visit, missing_ok=True)
+                else:
+                    self.stack.append(top)
+            walk_stack(root_fd, self, progress)
+        if self.linked:
+            # A write, link or unlink through one name of a file notifies that name's directory
+            # alone, yet the lstat of every other name moved with it: those are looked at again.
+            for rel in [p for p, e in self.entries.items()
+                        if e.kind == FILE and p not in self.touched and _inode(e) in self.linked]:
+                _visit_at(root_fd, rel, self.visit, missing_ok=True)
+
+    def forget(self, rel: str) -> None:
         """`rel` as the last scan knew it, and all below it, dropped (it is looked at again, or gone)."""
-        nonlocal new_venvs
         todo = [rel]
         while todo:
             p = todo.pop()
-            e = entries.pop(p, None)
-            new.pop(p, None)
-            secrets.discard(p)
-            unreadable.discard(p)
-            host_files.discard(p)
-            touched.add(p)
+            e = self.entries.pop(p, None)
+            self.new.pop(p, None)
+            self._drop_verdicts(p)
             if e is not None and e.inode:
-                linked.add(_inode(e))
+                self.linked.add(_inode(e))
             if p.endswith("pyvenv.cfg"):
-                new_venvs = True
+                self.new_venvs = True
             if e is not None and e.kind == DIR:
-                names = listed.pop(p, ())
-                todo.extend(f"{p}/{n}" for n in names)
+                todo.extend(f"{p}/{n}" for n in self.listed.pop(p, ()))
 
-    def visit(rel: str, dir_fd: int, name: str, walk: bool = True) -> int:
+    def _drop_verdicts(self, rel: str) -> None:
+        self.secrets.discard(rel)
+        self.unreadable.discard(rel)
+        self.host_files.discard(rel)
+        self.touched.add(rel)
+
+    def visit(self, rel: str, dir_fd: int, name: str, walk: bool = True) -> int:
         """Add the entry of `rel` (`name` in the open directory `dir_fd`), unless the profile leaves
         it out; a directory is walked if `walk`. The number of entries added (0 or 1). In a scan of
         some directories, a directory known from the last scan is listed again if it is dirty or its
         stamp moved, and what lay below it is forgotten only if it is another directory now."""
-        if not partial:
-            return look(rel, dir_fd, name, walk, None)
-        before = entries.pop(rel, None)
-        secrets.discard(rel)
-        unreadable.discard(rel)
-        host_files.discard(rel)
-        touched.add(rel)
-        was_dir = before is not None and before.kind == DIR and rel in listed
-        same = before.stamp if was_dir and rel not in dirty else None
-        added = look(rel, dir_fd, name, walk, same)
-        now = entries.get(rel)
+        if self.previous is None:
+            return self.look(rel, dir_fd, name, walk, None)
+        before = self.entries.pop(rel, None)
+        self._drop_verdicts(rel)
+        was_dir = before is not None and before.kind == DIR and rel in self.listed
+        same = before.stamp if was_dir and rel not in self.dirty_dirs else None
+        added = self.look(rel, dir_fd, name, walk, same)
+        now = self.entries.get(rel)
         if before is None or now is None or before.stamp != now.stamp:
-            linked.update(_inode(x) for x in (before, now) if x is not None and x.inode)
+            self.linked.update(_inode(x) for x in (before, now) if x is not None and x.inode)
         if was_dir and not (now is not None and now.kind == DIR and _inode(now) == _inode(before)):
-            for n in listed.pop(rel, ()):
-                forget(f"{rel}/{n}")
+            for n in self.listed.pop(rel, ()):
+                self.forget(f"{rel}/{n}")
         return added
 
-    def look(rel: str, dir_fd: int, name: str, walk: bool, same: Optional[str]) -> int:
-        last = old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
-        if rel in extra or rel in skip_mounts or (last is None and profile.exclude.match(rel)):
+    def look(self, rel: str, dir_fd: int, name: str, walk: bool, same: Optional[str]) -> int:
+        """visit() for any scan: lstat `rel`, take its entry from the memo or make it, and note it."""
+        last = self.old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
+        if rel in self.extra or rel in self.skip_mounts or (last is None and self.profile.exclude.match(rel)):
             return 0
-        if rel in mounted:
-            host_files.add(rel)
+        if rel in self.mounted:
+            self.host_files.add(rel)
             return 0
         if name.startswith(WHITEOUT_PREFIX):
             _refuse_whiteout_name(rel)
@@ -247,85 +310,63 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
         except (FileNotFoundError, NotADirectoryError):
             return 0
         except PermissionError:
-            unreadable.add(rel)
+            self.unreadable.add(rel)
             return 0
         if last is not None and _unchanged(last, st):
             e = None if isinstance(last, str) else last
         else:
-            try:
-                e = _new_entry(rel, dir_fd, name, st, profile, metadata_only)
-            except FileNotFoundError:
-                return 0
-            except OSError:  # permissions, or a read the disk refused (EIO: a key candidate's head)
-                unreadable.add(rel)
-                return 0
-            if e is _UNREADABLE:
-                unreadable.add(rel)
-                return 0
+            e = self._read(rel, dir_fd, name, st)
             if e is _NOT_CONTENT:
                 return 0
-        if st.st_ctime_ns < settled_ns:
-            new[rel] = e if e is not None else _memo_stamp(st)
-        elif memo is not None:
-            new.pop(rel, None)
-            racy.add(rel.rpartition("/")[0])
+        if st.st_ctime_ns < self.settled_ns:
+            self.new[rel] = e if e is not None else _memo_stamp(st)
+        elif self.keeping:
+            self.new.pop(rel, None)
+            self.racy.add(rel.rpartition("/")[0])
         if e is None:
-            secrets.add(rel)
+            self.secrets.add(rel)
             return 0
-        entries[rel] = e
+        self.entries[rel] = e
         if e.kind == DIR and walk and e.stamp != same:
-            stack.append(rel)
+            self.stack.append(rel)
         elif e.kind == FILE and rel.rpartition("/")[2] == "pyvenv.cfg":
-            venvs.add(rel.rpartition("/")[0])
+            self.venvs.add(rel.rpartition("/")[0])
         return 1
 
-    root_fd = open_root(root)  # (the root itself may be a symlink: --root names it)
-    try:
-        if profile.include:
-            for rel in profile.include:
-                _check_include(root, rel, profile)
-                for parent in reversed(list(self_and_parents(rel))[1:]):
-                    if parent not in entries:
-                        _visit_at(root_fd, parent, visit, walk=False)
-                _visit_at(root_fd, rel, visit)
-            if progress:
-                progress(len(entries))
-        elif not partial:
-            stack.append("")
-        for top in sorted(dirty) if partial else [None]:
-            if top is not None and top in listed and top not in walked:
-                # Its own entry (times, mode) is in its parent's listing: looked at again first.
-                if top:
-                    _visit_at(root_fd, top, visit, missing_ok=True)
-                else:
-                    stack.append(top)
-            walk_stack(root_fd, stack, listed, walked, unreadable, visit, progress, forget if partial else None)
-        if linked:
-            # A write, link or unlink through one name of a file notifies that name's directory
-            # alone, yet the lstat of every other name moved with it: those are looked at again.
-            for rel in [p for p, e in entries.items() if e.kind == FILE and p not in touched and _inode(e) in linked]:
-                _visit_at(root_fd, rel, visit, missing_ok=True)
-    finally:
-        os.close(root_fd)
-    if memo is not None:
-        memo.finish(context, new)
-    if partial:
-        if new_venvs:
-            venvs = VenvRoots(p.rpartition("/")[0] for p, e in entries.items()
-                              if e.kind == FILE and p.rpartition("/")[2] == "pyvenv.cfg")
-        fresh = {p: entries[p] for p in touched if p in entries and entries[p].kind == SYMLINK}
-        links = links_to(entries, mounted) if fresh and mounted else []
-    else:
-        links = links_to(entries, mounted)
-    host_files.update(links)
-    for rel in host_files:
-        entries.pop(rel, None)
-    if "/" in unreadable:  # the root itself: there is no box to commit
-        raise StorageError(f"cannot read the box root {root!r}", "run snap as root")
-    # Any other path snap may not read is left out, and named: one such path must not cost the rest
-    # of the box its snapshot (a reclaim gives no second try).
-    return Scan(entries, venvs, sorted(secrets), skip_mounts, sorted(host_files), sorted(unreadable),
-                listed=listed, racy_dirs=racy, touched=touched if partial else None)
+    def _read(self, rel: str, dir_fd: int, name: str, st: os.stat_result):
+        """_new_entry(), with a path snap may not read noted as such (and _NOT_CONTENT returned)."""
+        try:
+            e = _new_entry(rel, dir_fd, name, st, self.profile, self.metadata_only)
+        except FileNotFoundError:
+            return _NOT_CONTENT
+        except OSError:  # permissions, or a read the disk refused (EIO: a key candidate's head)
+            e = _UNREADABLE
+        if e is _UNREADABLE:
+            self.unreadable.add(rel)
+            return _NOT_CONTENT
+        return e
+
+    def scan(self) -> Scan:
+        """The Scan this walk found: host files (and links to them) left out, the root readable."""
+        entries, venvs = self.entries, self.venvs
+        if self.previous is not None:
+            if self.new_venvs:
+                venvs = VenvRoots(p.rpartition("/")[0] for p, e in entries.items()
+                                  if e.kind == FILE and p.rpartition("/")[2] == "pyvenv.cfg")
+            fresh = any(p in entries and entries[p].kind == SYMLINK for p in self.touched)
+            links = links_to(entries, self.mounted) if fresh and self.mounted else []
+        else:
+            links = links_to(entries, self.mounted)
+        self.host_files.update(links)
+        for rel in self.host_files:
+            entries.pop(rel, None)
+        if "/" in self.unreadable:  # the root itself: there is no box to commit
+            raise StorageError(f"cannot read the box root {self.root!r}", "run snap as root")
+        # Any other path snap may not read is left out, and named: one such path must not cost the
+        # rest of the box its snapshot (a reclaim gives no second try).
+        return Scan(entries, venvs, sorted(self.secrets), self.skip_mounts, sorted(self.host_files),
+                    sorted(self.unreadable), listed=self.listed, racy_dirs=self.racy,
+                    touched=self.touched if self.previous is not None else None)
 
 
 def _refuse_whiteout_name(rel: str) -> None:
@@ -339,12 +380,12 @@ def _refuse_whiteout_name(rel: str) -> None:
                      "rename it, or leave it out with the profile's exclude list")
 
 
-def walk_stack(root_fd: int, stack: list[str], listed: dict[str, list[str]], walked: set[str], unreadable: set[str],
-               visit: Callable[..., int], progress: Optional[Callable[[int], None]],
-               forget: Optional[Callable[[str], None]]) -> None:
-    """List each directory on `stack` and visit its names (visit() pushes the directories to walk).
-    With `forget` (a scan of some directories), the names a directory held at the last scan and no
+def walk_stack(root_fd: int, walk: _Walk, progress: Optional[Callable[[int], None]]) -> None:
+    """List each directory on the walk's stack and visit its names (visit() pushes the directories
+    to walk). In a scan of some directories, the names a directory held at the last scan and no
     longer holds are forgotten."""
+    stack, listed, unreadable, visit = walk.stack, walk.listed, walk.unreadable, walk.visit
+    forget = walk.forget if walk.previous is not None else None
     while stack:
         rel_dir = stack.pop()
         try:
@@ -375,7 +416,7 @@ def walk_stack(root_fd: int, stack: list[str], listed: dict[str, list[str]], wal
                 for gone in [n for n in listed.get(rel_dir, ()) if n not in now]:
                     forget(prefix + gone)
             listed[rel_dir] = names
-            walked.add(rel_dir)
+            walk.walked.add(rel_dir)
             added = sum(visit(prefix + name, fd, name) for name in names)
         finally:
             os.close(fd)

@@ -19,7 +19,6 @@ import zstandard
 from snapshotter import progress
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff, diff
-from snapshotter.box.profile import Profile
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
 from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.index import base as baseindex
@@ -31,12 +30,14 @@ from snapshotter.layer.plan import LayerPlan
 from snapshotter.layer.staging import staging_dirs
 from snapshotter.oci.image import Image
 from snapshotter.oci.reference import Reference
+from snapshotter.profile import Profile
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.diverged import Line
 from snapshotter.snapshot.lineage import check_forward
 from snapshotter.snapshot.record import RestoreRecord
 from snapshotter.snapshot.statcache import StatCache
+from snapshotter.snapshot.kept import StoredWalk
 from snapshotter.state import exclusive, state_dir
 from snapshotter.tar.compress import IterReader, decompressing_reader
 
@@ -86,10 +87,16 @@ def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, prev
               dirty: Optional[set[str]] = None) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
     `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
-    the directories changed since that walk (a watcher's change notifications)."""
+    the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
+    last commit's, kept in the state dir (snapshot/kept.py)."""
+    extra = own_excludes(root)
+    stored = StoredWalk(root, profile, extra) if memo is None else None
     with progress.bar("scanning box", unit="files") as b:
-        return scan_box(root, profile, own_excludes(root), progress.safe_update(b), memo=memo, previous=previous,
-                        dirty=dirty)
+        scan = scan_box(root, profile, extra, progress.safe_update(b), memo=stored.memo() if stored else memo,
+                        previous=previous, dirty=dirty)
+    if stored is not None:
+        stored.save(scan)
+    return scan
 
 
 def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> Diff:

@@ -22,7 +22,6 @@ from typing import Callable, Optional
 
 from snapshotter import progress
 from snapshotter.box.diff import Diff, diff
-from snapshotter.box.profile import Profile, VenvRoots
 from snapshotter.box.scan import Scan, file_head
 from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.engine.run import connect
@@ -30,6 +29,7 @@ from snapshotter.errors import NotFound, SnapError, UsageError
 from snapshotter.index.entry import DIR, FILE, Entry, clean_path, entry_from_stat
 from snapshotter.layer.extract import ExtractOptions, Extractor
 from snapshotter.oci.image import Image
+from snapshotter.profile import Profile, VenvRoots
 from snapshotter.state import sub
 from snapshotter.tar.compress import IterReader
 
@@ -44,7 +44,8 @@ def commit_from_container(container: str, target: str, base: Optional[str], opts
     """Commit the changes of a (running or stopped) container. `base` defaults to the registry image the
     container was started from."""
     if base == SCRATCH:
-        raise UsageError("--base scratch captures a root, not a container's changes", "pass --root instead of --from-container")
+        raise UsageError("--base scratch captures a root, not a container's changes",
+                         "pass --root instead of --from-container")
     client = connect()
     import docker  # importable: connect() checked
 
@@ -81,8 +82,8 @@ def base_of(ct) -> str:
     """The registry reference (pinned by digest) of the image a container was started from."""
     digests = _repo_digests(ct)
     if not digests:
-        raise UsageError(f"the image of container {ct.name} did not come from a registry, so snap cannot read its layers",
-                         "push it to a registry and pass it as --base")
+        raise UsageError(f"the image of container {ct.name} did not come from a registry, "
+                         "so snap cannot read its layers", "push it to a registry and pass it as --base")
     wanted = _repo(ct.attrs["Config"]["Image"])
     chosen = next((d for d in digests if _repo(d) == wanted), digests[0])
     return _with_registry(chosen)
@@ -117,53 +118,20 @@ def container_changes(ct, base_img: Image, index: dict[str, Entry], mirror: str,
     the container (the base index overlaid with the changes) and its diff against the base."""
     image_id = ct.attrs["Image"]
     if image_id not in (sha256_digest(base_img.config_bytes), base_img.manifest_digest):
-        raise UsageError(f"container {ct.name} was started from image {image_id[:19]}, not from the base {base_img.ref}",
+        raise UsageError(f"container {ct.name} was started from image {image_id[:19]}, "
+                         f"not from the base {base_img.ref}",
                          "pass the image it was started from as --base, or leave --base out")
-
     skipped = profile.leaves_out
-
     changes = {rel: c["Kind"] for c in ct.diff() or [] if (rel := clean_path(c["Path"]))}
     secrets = sorted(p for p in changes if not profile.exclude.match(p) and skipped(p) and not skipped(_parent(p)))
-    # An added directory is copied whole, unless something under it must be left out.
-    blocked: set[str] = set()
-    for p in changes:
-        if skipped(p):
-            while (p := _parent(p)) and p not in blocked:
-                blocked.add(p)
-
     log(f"container {ct.name}: {len(changes)} changed path(s) in the engine's diff")
-    exported: list[str] = []
-    whole = None  # the added directory being copied whole: its listed children come with it
-    with progress.bar("copying from the container", len(changes), unit="paths") as b:
-        for rel in sorted(changes, key=lambda p: p.split("/")):  # parents before children
-            b.update(1)
-            if (whole and rel.startswith(whole + "/")) or skipped(rel):
-                continue
-            take_all = changes[rel] == ADDED and rel not in blocked
-            got = _export(ct, rel, mirror, take_all)
-            exported.extend(got)
-            if got and take_all:
-                whole = rel
-
+    exported = _export_changes(ct, changes, mirror, skipped)
     view = dict(index)
     keys = sorted(view)
     for rel, kind in changes.items():
         if kind == DELETED:
             _drop_tree(view, keys, rel, keep_self=False)
-    entries: dict[str, Entry] = {}
-    for rel in exported:
-        full = os.path.join(mirror, rel)
-        st = os.lstat(full)
-        e = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
-        if e is None or skipped(rel):
-            continue
-        if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(file_head, full)):
-            secrets.append(rel)  # a secret file, told by its kind and content: the base's copy stays
-            continue
-        old = view.get(rel)
-        if old is not None and old.kind == DIR and e.kind != DIR:
-            _drop_tree(view, keys, rel, keep_self=True)  # a file replaced a whole directory
-        view[rel] = entries[rel] = e
+    entries = _overlay(view, keys, exported, mirror, profile, secrets)
     venvs = VenvRoots(_parent(p) for p, e in view.items() if p.rpartition("/")[2] == "pyvenv.cfg" and e.kind == FILE)
     scan = Scan(view, venvs, sorted(secrets))
     d = diff(index, scan, skipped)
@@ -177,6 +145,50 @@ def container_changes(ct, base_img: Image, index: dict[str, Entry], mirror: str,
                 d.changed.append(e)
     d.changed.sort(key=lambda e: e.path)
     return scan, d
+
+
+def _export_changes(ct, changes: dict[str, int], mirror: str, skipped: Callable[[str], bool]) -> list[str]:
+    """Copy the changed paths out of the container into `mirror`: the paths it wrote there."""
+    # An added directory is copied whole, unless something under it must be left out.
+    blocked: set[str] = set()
+    for p in changes:
+        if skipped(p):
+            while (p := _parent(p)) and p not in blocked:
+                blocked.add(p)
+    exported: list[str] = []
+    whole = None  # the added directory being copied whole: its listed children come with it
+    with progress.bar("copying from the container", len(changes), unit="paths") as b:
+        for rel in sorted(changes, key=lambda p: p.split("/")):  # parents before children
+            b.update(1)
+            if (whole and rel.startswith(whole + "/")) or skipped(rel):
+                continue
+            take_all = changes[rel] == ADDED and rel not in blocked
+            got = _export(ct, rel, mirror, take_all)
+            exported.extend(got)
+            if got and take_all:
+                whole = rel
+    return exported
+
+
+def _overlay(view: dict[str, Entry], keys: list[str], exported: list[str], mirror: str, profile: Profile,
+             secrets: list[str]) -> dict[str, Entry]:
+    """Put the exported paths' entries over the base's in `view` (secrets noted in `secrets`, and
+    left as the base has them): the entries put."""
+    entries: dict[str, Entry] = {}
+    for rel in exported:
+        full = os.path.join(mirror, rel)
+        st = os.lstat(full)
+        e = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
+        if e is None or profile.leaves_out(rel):
+            continue
+        if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(file_head, full)):
+            secrets.append(rel)  # a secret file, told by its kind and content: the base's copy stays
+            continue
+        old = view.get(rel)
+        if old is not None and old.kind == DIR and e.kind != DIR:
+            _drop_tree(view, keys, rel, keep_self=True)  # a file replaced a whole directory
+        view[rel] = entries[rel] = e
+    return entries
 
 
 def _parent(path: str) -> str:

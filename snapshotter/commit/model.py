@@ -10,19 +10,22 @@ from typing import Callable, Optional
 
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff
-from snapshotter.box.profile import Profile, load_profile
 from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
 from snapshotter.box.writers import WRITING_QUIET_S, being_written
 from snapshotter.index.entry import Entry
-from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
+from snapshotter.layer.memo import PlanMemo
+from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
+from snapshotter.layer.planning import plan_layers
 from snapshotter.oci.image import Image
+from snapshotter.profile import Profile, load_profile
 from snapshotter.progress import human_size
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.files import last_snapshot_files
+from snapshotter.snapshot.kept import StoredPlan, StoredRecords
 from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
 from snapshotter.snapshot.statcache import StatCache
 
@@ -183,7 +186,19 @@ class CommitPlan:
 def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions,
                        base_layers: int, memo: Optional[PlanMemo] = None) -> list[LayerPlan]:
     """The layers of a diff with the commit's options (planned once, and again whenever files are
-    left out: hold_back, push_commit); `memo`: CommitHooks.plan_memo."""
-    records = memo.records if memo is not None else None
-    owners = owners_of(opts.root, scan.entries, records)
-    return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, memo, base_layers, owners)
+    left out: hold_back, push_commit); `memo`: CommitHooks.plan_memo, a watcher's, in memory."""
+    if memo is not None:
+        owners = owners_of(opts.root, scan.entries, memo.records)
+        return plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, memo,
+                           base_layers, owners)
+    # The last commit's plan and RECORDs, kept in the state dir.
+    kept = StoredPlan(opts.root, scan, d, index, opts.profile, (opts.compression, opts.max_layer_size, base_layers))
+    plans = kept.plans(opts.profile.zstd_level)
+    if plans is None:
+        records = StoredRecords(opts.root)
+        owners = owners_of(opts.root, scan.entries, records.memo())
+        records.save()
+        plans = plan_layers(d, scan, index, opts.profile, opts.compression, opts.max_layer_size, None, base_layers,
+                            owners)
+        kept.save(plans, opts.profile.zstd_level)
+    return plans

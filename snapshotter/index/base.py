@@ -65,6 +65,14 @@ def push_artifact(remote: Remote, blobs: list[tuple[bytes, str]], media_type: st
     them: a registry's garbage collection deletes a blob no manifest lists."""
     empty = EMPTY_CONFIG_DIGEST
     unique = list({d: (data, d) for data, d in blobs}.values())
+    manifest = canonical({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
+        "config": descriptor(OCI_EMPTY, empty, len(_EMPTY_CONFIG)),
+        "layers": [descriptor(media_type, d, len(data)) for data, d in unique],
+        **({"annotations": annotations} if annotations else {}),
+    })
+    if remote.manifest_digest(tag) == sha256_digest(manifest):
+        return  # the tag names this very artifact, and the registry keeps the blobs a manifest lists
 
     def put(item: tuple[bytes, str]) -> None:
         data, d = item
@@ -73,14 +81,7 @@ def push_artifact(remote: Remote, blobs: list[tuple[bytes, str]], media_type: st
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         list(pool.map(put, unique + [(_EMPTY_CONFIG, empty)]))
-    manifest = canonical({
-        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": artifact_type,
-        "config": descriptor(OCI_EMPTY, empty, len(_EMPTY_CONFIG)),
-        "layers": [descriptor(media_type, d, len(data)) for data, d in unique],
-        **({"annotations": annotations} if annotations else {}),
-    })
-    if remote.manifest_digest(tag) != sha256_digest(manifest):  # the same again would only cost its bytes
-        remote.put_manifest(manifest, OCI_MANIFEST, tag)
+    remote.put_manifest(manifest, OCI_MANIFEST, tag)
 
 
 def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],

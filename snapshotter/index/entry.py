@@ -47,7 +47,8 @@ class Entry:
         return int(self.stamp.rsplit(":", 1)[1])
 
     def same_as(self, other: "Entry", compare_content: bool = False) -> bool:
-        if (self.kind, self.mode, self.uid, self.gid, self.mtime) != (other.kind, other.mode, other.uid, other.gid, other.mtime):
+        mine = (self.kind, self.mode, self.uid, self.gid, self.mtime)
+        if mine != (other.kind, other.mode, other.uid, other.gid, other.mtime):
             return False
         if (self.xattrs or None) != (other.xattrs or None):
             return False

@@ -54,12 +54,12 @@ from typing import BinaryIO, Callable, Iterable, Optional
 import zstandard
 
 from snapshotter.box.mounts import inside, read_mounts
-from snapshotter.box.profile import PathSet
 from snapshotter.digests import file_digest, hasher_digest
 from snapshotter.errors import IntegrityError, StorageError, quoted_path, storage_error
 from snapshotter.index.entry import clean_path
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.paths import resolve_in_root
+from snapshotter.profile import PathSet
 from snapshotter.tar.reader import EntryCount, TarReader
 from snapshotter.tar.rules import (OPAQUE, SKIP_XATTRS, WHITEOUT_PREFIX, XATTR_PAX, HeadersDigest, check_name,
                                    header_key, member_mtime_ns, whiteout_target)

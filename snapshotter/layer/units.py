@@ -1,5 +1,5 @@
 """Natural units of a box's tree: what one `pip install` or one custom node adds, upgrades or
-removes together. Bundles are cut only between units (layer/plan.py), so a change to one package
+removes together. Bundles are cut only between units (layer/bundling.py), so a change to one package
 changes only the bundles that hold its files.
 
   - A path an installed distribution's RECORD lists (box/records.py) is that distribution's

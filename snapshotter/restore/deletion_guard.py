@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 from snapshotter.box.deletions import Deleting, LiveRoot, count_live, refuse_live
-from snapshotter.box.profile import PathSet
 from snapshotter.errors import IntegrityError
 from snapshotter.layer.extract import creates
 from snapshotter.oci.image import Image, layer_label
+from snapshotter.profile import PathSet
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.skeleton import Skeleton
 from snapshotter.tar.reader import iter_members

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter.box.clock import stamp
-from snapshotter.box.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, printable, storage_error
 from snapshotter.index import base as baseindex
@@ -46,6 +45,7 @@ from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, Image, layer_label,
                                    select_layers, snap_label, snapshot_layer_count)
 from snapshotter.oci.reference import Reference
+from snapshotter.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.progress import human_size
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter import progress
-from snapshotter.box.profile import PathSet
 from snapshotter.errors import IntegrityError
 from snapshotter.jobs import cpu_count
 from snapshotter.layer.plan import parse_part_annotation, parse_part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE
+from snapshotter.profile import PathSet
 from snapshotter.snapshot.record import Since
 from snapshotter.snapshot.skeleton import Skeleton
 from snapshotter.tar.reader import READ_BUFFER, EntryCount, ForwardStream, TarReader

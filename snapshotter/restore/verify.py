@@ -28,7 +28,6 @@ from typing import Callable, Optional
 
 from snapshotter import progress
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
-from snapshotter.box.profile import Profile, load_profile
 from snapshotter.box.scan import file_head
 from snapshotter.digests import chunks_digest, file_digest, hasher_digest
 from snapshotter.errors import IntegrityError, UsageError, quoted_path
@@ -38,6 +37,7 @@ from snapshotter.index.indexer import ImageIndexer
 from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.plan import parse_part_name
 from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
+from snapshotter.profile import Profile, load_profile
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions

@@ -13,7 +13,7 @@ from snapshotter.box.writers import being_written, open_for_writing
 from snapshotter.commit.commit import changes_in
 from snapshotter.commit.model import CommitHooks
 from snapshotter.index.entry import Entry
-from snapshotter.layer.plan import PlanMemo
+from snapshotter.layer.memo import PlanMemo
 from snapshotter.oci.image import Image
 from snapshotter.snapshot.record import restored_at_ns
 

@@ -9,7 +9,7 @@ import threading
 from typing import Callable, Optional
 
 from snapshotter.box.events import ChangeEvents, EventsUnavailable
-from snapshotter.box.profile import Profile
+from snapshotter.profile import Profile
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
 from snapshotter.box.writers import open_for_writing
 from snapshotter.commit.commit import own_excludes, scan_root

@@ -24,7 +24,7 @@ from snapshotter.commit.commit import plan_commit
 from snapshotter.commit.model import SCRATCH, CommitPlan, CommitResult
 from snapshotter.commit.push import grown_line, push_commit
 from snapshotter.errors import AuthError, SnapError, UsageError, exit_code_of, printable
-from snapshotter.layer.plan import PlanMemo
+from snapshotter.layer.memo import PlanMemo
 from snapshotter.oci.reference import Reference
 from snapshotter.snapshot.files import file_layers
 from snapshotter.snapshot.record import restored_at_ns

@@ -300,8 +300,8 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         raise UsageError(f"profile {source} is not valid YAML{where}")
     if not isinstance(doc, dict):
         raise UsageError(f"profile {source} must be a YAML mapping with a 'layers' list")
-    unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "private_keys", "include_secrets",
-                          "zstd_level", "include"}
+    unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "private_keys",
+                          "include_secrets", "zstd_level", "include"}
     if unknown:
         raise UsageError(f"profile {source}: unknown key(s) {', '.join(sorted(unknown))}")
     base: dict = {}
@@ -320,9 +320,10 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         raise UsageError(f"profile {source}: layer names must be unique")
     if REST not in names:
         rules.append(LayerRule(REST))
-    exclude = _str_list(base.get("exclude", []), source, "exclude") + _str_list(doc.get("exclude", []), source, "exclude")
-    secrets = _str_list(base.get("secrets", []), source, "secrets") + _str_list(doc.get("secrets", []), source, "secrets")
-    keys = _str_list(base.get("private_keys", []), source, "private_keys") + _str_list(doc.get("private_keys", []), source, "private_keys")
+    def both(key: str) -> list[str]:  # the base's list, then this profile's
+        return _str_list(base.get(key, []), source, key) + _str_list(doc.get(key, []), source, key)
+
+    exclude, secrets, keys = both("exclude"), both("secrets"), both("private_keys")
     level = doc.get("zstd_level", base.get("zstd_level", 3))
     if not isinstance(level, int) or not 1 <= level <= 19:
         raise UsageError(f"profile {source}: zstd_level must be an integer from 1 to 19")
@@ -333,7 +334,8 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         secrets=SecretRules(secrets, keys),
         include_secrets=bool(doc.get("include_secrets", False)),
         zstd_level=level,
-        include=tuple(include_path(p, f"profile {source}: include") for p in _str_list(doc.get("include", []), source, "include")),
+        include=tuple(include_path(p, f"profile {source}: include")
+                      for p in _str_list(doc.get("include", []), source, "include")),
     )
 
 
@@ -341,14 +343,16 @@ def include_path(path: str, where: str = "--include") -> str:
     """An included path (/home/ubuntu/ComfyUI, as on the box) as a root-relative path."""
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if not parts or ".." in parts or "\0" in path:
-        raise UsageError(f"{where} {path!r} is not a path inside the root", "write it as on the box, e.g. /home/ubuntu/ComfyUI")
+        raise UsageError(f"{where} {path!r} is not a path inside the root",
+                         "write it as on the box, e.g. /home/ubuntu/ComfyUI")
     return "/".join(parts)
 
 
 def _parse_rule(item, where: str) -> LayerRule:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise UsageError(f"profile {where}: each layer needs a 'name'")
-    unknown = set(item) - {"name", "paths", "venv", "min_size", "extensions", "compression", "file_layer_min", "bundle_max"}
+    unknown = set(item) - {"name", "paths", "venv", "min_size", "extensions", "compression", "file_layer_min",
+                           "bundle_max"}
     if unknown:
         raise UsageError(f"profile {where}: unknown key(s) {', '.join(sorted(unknown))}")
     name = item["name"]
@@ -357,7 +361,8 @@ def _parse_rule(item, where: str) -> LayerRule:
     compression = item.get("compression", "zstd")
     if compression not in COMPRESSIONS:
         raise UsageError(f"profile {where}: compression must be one of {', '.join(COMPRESSIONS)}")
-    exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in _str_list(item.get("extensions", []), where, "extensions"))
+    exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}"
+                 for e in _str_list(item.get("extensions", []), where, "extensions"))
     return LayerRule(
         name=name,
         paths=PathSet(_str_list(item.get("paths", []), where, "paths")),

@@ -1,0 +1,202 @@
+"""What the last commit of a root learnt, kept in the state dir for the next commit of that root
+(`snap watch` keeps the same memos in memory instead):
+  - its walk (box/scan.py's ScanMemo): a path whose lstat is as then keeps its entry, symlink
+    target, xattrs and secret verdict, none of which is read again. The rule is the scan memo's
+    own: the ctime moves with every change and cannot be set back, and a path changed within the
+    memo's racy window is not kept;
+  - its RECORDs (box/records.py's RecordMemo): one whose stamp is as then is not read again, and
+    while none changed, the owners they gave are reused;
+  - its plan (layer/planning.py) and the layers' stat-cache keys, reused while everything the plan
+    is made from is as then: the walk (every entry kept in it), the diff's paths, the base's entries
+    of those, the RECORDs, the profile and the options.
+
+One file of each per root, for one context (the profile's scan rules, snap's version): another's is
+not used. A file is marshal's form of its rows with the sha256 of those bytes ahead of them: it is
+read only if whole (the state dir is ours alone), and written only when what it holds changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import marshal
+import os
+from typing import Optional
+
+from snapshotter.box.records import RecordMemo, record_stamps
+from snapshotter.box.diff import Diff
+from snapshotter.box.scan import Scan, ScanMemo, scan_context
+from snapshotter.index.entry import Entry
+from snapshotter.layer.parents import parent_copy
+from snapshotter.layer.plan import LayerPlan
+from snapshotter.profile import Profile
+from snapshotter.state import open_own, replace_file, root_key, sub
+from snapshotter.version import __version__
+
+VERSION = 1
+_FIELDS = ("path", "kind", "mode", "uid", "gid", "size", "mtime", "linkname", "rdev", "digest", "inode", "stamp",
+           "xattrs", "mtime_ns")  # an Entry's, in the order Entry() takes them
+_DIGEST_LEN = 64
+
+
+def _key(*context) -> str:
+    return hashlib.sha256(json.dumps([VERSION, __version__, *context]).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _read(path: str, key: str) -> tuple[object, Optional[str]]:
+    """The data stored at `path` for `key`, and the digest of the file; (None, None) if there is none,
+    it is damaged, or it is for another key."""
+    try:
+        with open_own(path, "rb") as f:
+            data = f.read()
+        body = data[_DIGEST_LEN:]
+        digest = hashlib.sha256(body).hexdigest()
+        if digest.encode() != data[:_DIGEST_LEN]:
+            return None, None  # damaged or cut short
+        stored_key, value = marshal.loads(body)
+        return (value, digest) if stored_key == key else (None, None)
+    except (OSError, ValueError, EOFError, TypeError):
+        return None, None
+
+
+def _write(path: str, key: str, value) -> str:
+    """Store `value` for `key` at `path`; the digest of what was written."""
+    body = marshal.dumps((key, value))
+    digest = hashlib.sha256(body).hexdigest()
+    replace_file(path, lambda f: f.write(digest.encode() + body), opener=open_own, mode="wb")
+    return digest
+
+
+class StoredWalk:
+    """A root's ScanMemo as the state dir keeps it, for one scan context."""
+
+    def __init__(self, root: str, profile: Profile, extra_excludes: tuple[str, ...] = ()):
+        self.context = scan_context(root, profile, extra_excludes)
+        root, _, extra, metadata_only = self.context
+        self.key = _key(root, sorted(extra), metadata_only, profile.exclude.patterns, profile.secrets.names,
+                        profile.secrets.private_keys, profile.include_secrets, list(profile.include))
+        self.path = os.path.join(sub("walk-memo"), root_key(root) + ".bin")
+        self.loaded: dict[str, Entry | str] = {}
+        self.digest: Optional[str] = None  # of the stored walk
+        self._memo = ScanMemo()
+
+    def memo(self) -> ScanMemo:
+        """A ScanMemo holding what the stored walk kept (nothing if there is none for this context)."""
+        self.loaded = {}
+        stored, self.digest = _read(self.path, self.key)
+        try:
+            if stored is not None:
+                paths, rows = stored
+                self.loaded = {p: r if isinstance(r, str) else Entry(*r) for p, r in zip(paths, rows, strict=True)}
+        except (TypeError, ValueError):
+            self.loaded = {}
+        self._memo = ScanMemo()
+        self._memo.finish(self.context, self.loaded)
+        return self._memo
+
+    def save(self, scan: Scan) -> None:
+        """Keep what the memo's last scan (`scan`) kept, unless it is what was loaded. The scan's
+        kept_as names the stored walk if it holds every entry of the scan."""
+        seen = self._memo.seen
+        if not (len(seen) == len(self.loaded) and all(_same(seen.get(p), v) for p, v in self.loaded.items())):
+            rows = [v if isinstance(v, str) else tuple(getattr(v, f) for f in _FIELDS) for v in seen.values()]
+            self.digest = _write(self.path, self.key, (list(seen), rows))
+        scan.kept_as = self.digest if not scan.racy_dirs else None
+
+
+class StoredRecords:
+    """A root's RecordMemo as the state dir keeps it."""
+
+    def __init__(self, root: str):
+        self.key = _key(os.path.realpath(root))
+        self.path = os.path.join(sub("record-memo"), root_key(root) + ".bin")
+        self.loaded = None
+        self._memo = RecordMemo()
+
+    def memo(self) -> RecordMemo:
+        self.loaded, _ = _read(self.path, self.key)
+        try:
+            self._memo = RecordMemo.from_state(self.loaded) if self.loaded is not None else RecordMemo()
+        except (TypeError, ValueError, IndexError):
+            self._memo = RecordMemo()
+        return self._memo
+
+    def save(self) -> None:
+        """Keep what the memo holds now, unless it is what was loaded."""
+        state = self._memo.state()
+        if state != self.loaded:
+            _write(self.path, self.key, state)
+
+
+class StoredPlan:
+    """A root's last plan as the state dir keeps it: its layers, each entry by path (a parent
+    directory's copy with its mtime), and their stat-cache keys."""
+
+    def __init__(self, root: str, scan: Scan, d: Diff, index: dict[str, Entry], profile: Profile,
+                 options: tuple):
+        self.path = os.path.join(sub("plan-memo"), root_key(root) + ".bin")
+        self.by_path = {**scan.entries, **{e.path: e for e in d.changed}}
+        records = record_stamps(scan.entries)  # what the units of bundles depend on (box/records.py)
+        self.key = None if scan.kept_as is None or records is None else _key(
+            scan.kept_as, sorted(scan.host_files), scan.unreadable, sorted(scan.pseudo_mounts), scan.skipped_secrets,
+            _profile_rules(profile), list(options), records, _paths_digest(e.path for e in d.changed),
+            d.deleted, [(p, index[p].kind, index[p].mtime, index[p].size) for p in _in_base(d, index)])
+
+    def plans(self, zstd_level: int) -> Optional[list[LayerPlan]]:
+        """The kept plan, if it was made from the same input; None if there is none."""
+        if self.key is None:
+            return None
+        stored, _ = _read(self.path, self.key)
+        try:
+            return None if stored is None else [self._plan(row, zstd_level) for row in stored]
+        except (TypeError, ValueError, KeyError):
+            return None
+
+    def save(self, plans: list[LayerPlan], zstd_level: int) -> None:
+        """Keep `plans` (with their keys at `zstd_level`, computed here) for the next commit's input."""
+        if self.key is None:
+            return
+        rows = []
+        for p in plans:
+            entries = []
+            for e in p.entries:
+                src = self.by_path.get(e.path)
+                if src is None or (e is not src and e != parent_copy(src, e.mtime)):
+                    return  # an entry made another way (a part of a big file): not kept
+                entries.append((e.path, None if e is src else e.mtime))
+            rows.append((p.name, p.compression, p.detail, p.whiteouts, sorted(p.slices.items()), p.part_of,
+                         p.part_links, entries, zstd_level, p.fingerprint(zstd_level)))
+        _write(self.path, self.key, rows)
+
+    def _plan(self, row: tuple, zstd_level: int) -> LayerPlan:
+        name, compression, detail, whiteouts, slices, part_of, part_links, entries, level, fingerprint = row
+        by_path = self.by_path
+        own = [by_path[p] if m is None else parent_copy(by_path[p], m) for p, m in entries]
+        plan = LayerPlan(name, compression, own, list(whiteouts), detail, {k: tuple(v) for k, v in slices},
+                         tuple(part_of) if part_of else None, list(part_links))
+        if level == zstd_level:
+            plan.keep_fingerprint(level, fingerprint)
+        return plan
+
+
+def _profile_rules(profile: Profile) -> list:
+    """Everything of a profile that decides a plan, as plain data."""
+    return [profile.name, profile.zstd_level, profile.exclude.patterns, profile.secrets.names,
+            profile.secrets.private_keys, profile.include_secrets, list(profile.include),
+            [(r.name, r.paths.patterns, r.venv, r.min_size, list(r.extensions), r.compression, r.file_layer_min,
+              r.bundle_max) for r in profile.layers]]
+
+
+def _paths_digest(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.encode("utf-8", "surrogateescape") + b"\0")
+    return h.hexdigest()
+
+
+def _in_base(d: Diff, index: dict[str, Entry]) -> list[str]:
+    """The paths of the diff the base has: the plan reads their base entries."""
+    return [p for p in [*(e.path for e in d.changed), *d.deleted] if p in index]
+
+
+def _same(now: Optional[Entry | str], then: Entry | str) -> bool:
+    return now is then or (isinstance(then, str) and now == then)
