@@ -14,6 +14,7 @@ import pytest
 
 from snapshotter import CommitOptions, commit_box
 from snapshotter.box.scan import scan_box
+from snapshotter.commit.model import CommitHooks
 from snapshotter.profile import load_profile
 
 from helpers import layer_tar
@@ -83,6 +84,17 @@ def commit_bounded(*args, **kw):
     return t, got
 
 
+class Swapping(CommitHooks):
+    """Hooks whose hold() runs `swap` once the box is scanned: the box changing under the commit."""
+
+    def __init__(self, swap):
+        super().__init__()
+        self.swap = swap
+
+    def hold(self, scan, root):
+        return self.swap(scan)
+
+
 def unblock(fifo):
     """Let a reader stuck opening `fifo` go (after a failed hang guard)."""
     try:
@@ -110,7 +122,7 @@ def test_a_file_swapped_for_a_symlink_out_of_the_root_is_not_read(registry, base
         os.symlink(str(outside / "leak.txt"), os.path.join(box, rel))
         return {}
 
-    t, got = commit_bounded(f"{registry.host}/swap-out:v1", base_ref, CommitOptions(root=box, hold=swap))
+    t, got = commit_bounded(f"{registry.host}/swap-out:v1", base_ref, CommitOptions(root=box), Swapping(swap))
     assert not t.is_alive() and "error" not in got, got
     assert not watch["w"].any(), "the file outside the root was opened"
     assert got["result"].held == {rel: "changed since the scan"}
@@ -130,7 +142,7 @@ def test_a_file_swapped_for_a_symlink_to_the_boxs_own_secret_is_not_read(registr
         os.symlink("../../root/.ssh/id_rsa", os.path.join(box, rel))  # the box's secret, under another name
         return {}
 
-    t, got = commit_bounded(f"{registry.host}/swap-secret:v1", base_ref, CommitOptions(root=box, hold=swap))
+    t, got = commit_bounded(f"{registry.host}/swap-secret:v1", base_ref, CommitOptions(root=box), Swapping(swap))
     assert not t.is_alive() and "error" not in got, got
     assert not watch["w"].any(), "the box's secret was opened"
     assert rel in got["result"].held
@@ -149,7 +161,7 @@ def test_a_directory_on_the_way_swapped_for_a_symlink_is_not_followed(registry, 
         os.symlink(str(outside), data)
         return {}
 
-    t, got = commit_bounded(f"{registry.host}/swap-dir:v1", base_ref, CommitOptions(root=box, hold=swap))
+    t, got = commit_bounded(f"{registry.host}/swap-dir:v1", base_ref, CommitOptions(root=box), Swapping(swap))
     assert not t.is_alive() and "error" not in got, got
     assert not watch["w"].any(), "a file outside the root was opened"
     assert set(got["result"].held) == {"opt/app/data/leak.txt", "opt/app/data/other.txt"}
@@ -166,7 +178,7 @@ def test_a_file_swapped_for_a_fifo_does_not_block_the_commit(registry, base_ref,
         os.mkfifo(fifo)
         return {}
 
-    t, got = commit_bounded(f"{registry.host}/swap-fifo:v1", base_ref, CommitOptions(root=box, hold=swap))
+    t, got = commit_bounded(f"{registry.host}/swap-fifo:v1", base_ref, CommitOptions(root=box), Swapping(swap))
     if t.is_alive():
         unblock(fifo)
         pytest.fail("the commit blocked on a FIFO swapped in")

@@ -91,8 +91,9 @@ def test_the_scan_pace_budgets_the_whole_check_not_only_the_scan(registry, base_
 
 def test_the_watcher_looks_at_its_repository_through_one_connection(registry, base_ref, box, monkeypatch):
     """The lineage checks, the tag moves, the first snapshot's comparison and --keep's pruning share
-    one connection to the moving tag's repository, made once (each made its own: a ping, a token).
-    The pushes' own are commit/push.py's."""
+    one connection to the moving tag's repository per round (each made its own: a ping, a token);
+    a new round makes a new one (a ping again, the credentials read again). The pushes' own are
+    commit/push.py's."""
     made = []
     real_init = Remote.__init__
 
@@ -109,7 +110,7 @@ def test_the_watcher_looks_at_its_repository_through_one_connection(registry, ba
     clock.advance(60)
     w.tick()
     assert len(w.tags.snapshot_tags(tags(registry, "w-one-remote"))) == 1  # pruned: the second went in
-    assert [m for m in made if m != "snapshotter.commit.push"] == ["snapshotter.snapshot.diverged"]
+    assert [m for m in made if m != "snapshotter.commit.push"] == ["snapshotter.snapshot.diverged"] * 2
 
 
 def test_after_a_restore_the_watcher_adds_no_snapshot_until_something_changes(registry, base_ref, box, tmp_path):

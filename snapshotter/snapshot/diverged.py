@@ -155,11 +155,17 @@ class Line:
         return Reference(self.main.registry, self.main.repository, tag)
 
     def remote(self) -> Remote:
-        """The one connection to the moving tag's repository (a watcher's every look at it), made at
-        first use: the registry may not be up yet when the line is made."""
+        """The one connection to the moving tag's repository for this round of looks (the lineage
+        check, the tag move, the comparison, the pruning), made at first use."""
         if self._remote is None:
             self._remote = Remote(self.main, self.transport)
         return self._remote
+
+    def reconnect(self) -> None:
+        """The next look makes a new connection: a ping again (a registry that answered wrong while
+        it started), the credentials read again (rotated tokens, a new `snap login`), no socket left
+        idle for the NAT to drop. A watcher calls it at each round."""
+        self._remote = None
 
     def check(self) -> bool:
         """Decide the target tag (the rule above). True on the first check and whenever the target

@@ -65,6 +65,7 @@ def final_snapshot(w: Snapshots, reason: str) -> int:
         try:
             w.handover.take_over()
             with w.handover.commit_lock, exclusive(w.log):
+                line.reconnect()  # not the loop's connection: it may have sat idle for --every
                 if not line.checked:
                     w.check_lineage()
                 box["tag"] = w.snapshot(final=True)

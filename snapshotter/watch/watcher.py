@@ -96,6 +96,7 @@ class Watcher:
     def _step(self, now: float) -> None:
         if self.handover.final_started.is_set():
             return  # the final snapshot has the CPU to itself (a 2-core box, a 4 s grace)
+        self.tags.line.reconnect()
         if not self.tags.line.checked:
             self.check_lineage()
         if not self.changes.events_tried:
