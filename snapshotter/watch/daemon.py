@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from snapshotter.errors import NotFound, StorageError, UsageError
+from snapshotter.errors import NotFound, StorageError, UsageError, WaitTimeout
 from snapshotter.state import open_own, read_versioned, root_key, sub, write_versioned
 
 VERSION = 1  # of the pid and exit files
@@ -193,7 +193,8 @@ def _relay_until_ready(r: int, files: WatchFiles) -> None:
 
 
 def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] = lambda m: None) -> int:
-    """Send the watcher of `root` the notice (SIGTERM) and wait for its final snapshot. Its exit code."""
+    """Send the watcher of `root` the notice (SIGTERM) and wait for its final snapshot. Its exit code;
+    WaitTimeout (11) if it has not ended after its grace and 30 s more (`timeout`)."""
     files = watch_files(root)
     info = _read_json(files.pid)
     if not isinstance(info.get("pid"), int):
@@ -213,7 +214,7 @@ def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] 
     deadline = time.monotonic() + (timeout if timeout is not None else grace + 30)
     while lock_held(files):  # the lock goes when the watcher's process is gone
         if time.monotonic() > deadline:
-            raise UsageError(f"snap watch (pid {pid}) did not stop in time", f"see its log {files.log}")
+            raise WaitTimeout(f"snap watch (pid {pid}) did not stop in time", f"see its log {files.log}")
         time.sleep(0.05)
     done = _read_json(files.exit)
     code = done.get("code", 1) if done.get("pid") == pid else 1
