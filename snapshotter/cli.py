@@ -502,7 +502,6 @@ def watch(
         every=parse_duration(every), keep=keep, grace=grace,
         notices=notice_watcher(provider, metadata_url), log=log_line,
     )
-    progress.write_line = log_line  # its snapshots' progress lines in its log, with their time
     files = dmn.watch_files(root)
     lock = dmn.take_lock(files, root)
     ready = dmn.detach(files, keep=(lock,)) if daemon else (lambda: None)

@@ -125,6 +125,7 @@ class CommitPlan:
     carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
     deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
     jobs: int = 1  # layers packed at once (CommitOptions.jobs, resolved)
+    log: Callable[[str], None] = lambda msg: None  # CommitOptions.log: its progress lines go there too
 
     @property
     def base_name(self) -> str:

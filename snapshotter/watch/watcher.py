@@ -276,7 +276,7 @@ class Watcher:
         else:
             dirty = dirty | previous.racy_dirs | (self._mapped_dirs() if final else set())
         try:
-            scan = scan_root(self.root, profile, self.commit_memo, previous, dirty)
+            scan = scan_root(self.root, profile, self.commit_memo, previous, dirty, sink=self.log)
         except BaseException:
             with self.events_lock:
                 self.commit_dirty = None
