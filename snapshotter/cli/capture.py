@@ -7,11 +7,11 @@ from typing import Annotated, List, Optional
 import typer
 
 from snapshotter.errors import UsageError
-from snapshotter.registry.options import registry_options
+from snapshotter.registry.options import RegistryOptions
 
 from . import output
 from .app import sigterm_stops
-from .options import CaCert, InsecureTls, Jobs, JsonOut, PasswordStdin, PlainHttp, PushForce, Username
+from .options import Jobs, JsonOut, PushForce, with_registry
 from .output import say
 
 _AS_FOR_COMMIT = "(as for commit)"
@@ -27,6 +27,7 @@ MaxLayerSize = Annotated[str, typer.Option(
     "snap restore joins them.")]
 
 
+@with_registry
 def commit(
     target: Annotated[str, typer.Argument(help="Where to push the snapshot, e.g. registry.example.com/me/box:v2")],
     base: Annotated[Optional[str], typer.Option(
@@ -47,17 +48,15 @@ def commit(
         "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat "
         "cache.")] = False,
     max_layer_size: MaxLayerSize = "9.5GB", jobs: Jobs = None, force: PushForce = False, diverge: Diverge = False,
-    plain_http: PlainHttp = False, ca_cert: CaCert = None, insecure_tls: InsecureTls = False,
-    username: Username = None, password_stdin: PasswordStdin = False, as_json: JsonOut = False,
+    as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
     The tag moves only from a snapshot this box came from (a finished `snap restore` here) or made;
     else the commit is refused (exit 2), or goes to TAG-diverged-<UTC time> with --diverge."""
     from snapshotter.commit.commit import commit_box
 
-    opts = _commit_options(root, profile, include, compression, max_layer_size, rehash=rehash, force=force,
-                           jobs=jobs, diverge=diverge, log=say,
-                           transport=registry_options(plain_http, ca_cert, insecure_tls, username, password_stdin))
+    opts = _commit_options(root, profile, include, compression, max_layer_size, registry, rehash=rehash,
+                           force=force, jobs=jobs, diverge=diverge, log=say)
     if from_container:
         from snapshotter.commit.container import commit_from_container
         result = commit_from_container(from_container, target, base, opts)
@@ -75,7 +74,7 @@ def commit(
 
 
 def _commit_options(root: str, profile: str, include: Optional[List[str]], compression: Optional[str],
-                    max_layer_size: str, **more):
+                    max_layer_size: str, registry: RegistryOptions, **more):
     """CommitOptions for the flags commit, watch and status share; `more` as CommitOptions takes it."""
     from snapshotter.box.profile import include_path, load_profile, parse_size
     from snapshotter.commit.model import CommitOptions
@@ -83,7 +82,7 @@ def _commit_options(root: str, profile: str, include: Optional[List[str]], compr
     prof = load_profile(profile)
     prof.include += tuple(include_path(p) for p in include or ())
     return CommitOptions(root=root, profile=prof, compression=compression, max_layer_size=parse_size(max_layer_size),
-                         **more)
+                         transport=registry.transport(), **more)
 Every = Annotated[str, typer.Option(
     "--every", help="At most one snapshot per this interval (90s, 5m, 1h); a burst of writes is snapshotted as soon "
     "as it is over.")]
@@ -98,6 +97,7 @@ Provider = Annotated[str, typer.Option(
     "azure or none.")]
 
 
+@with_registry
 def watch(
     target: Annotated[Optional[str], typer.Argument(
         help="The moving tag, e.g. registry.example.com/me/box:v2; each snapshot also gets TAG-yyyymmddThhmmssZ "
@@ -124,8 +124,7 @@ def watch(
     max_layer_size: Annotated[str, typer.Option(
         "--max-layer-size", help=f"Cut files bigger than this into part layers {_AS_FOR_COMMIT}.")] = "9.5GB",
     jobs: Jobs = None, force: PushForce = False,
-    plain_http: PlainHttp = False, ca_cert: CaCert = None, insecure_tls: InsecureTls = False,
-    username: Username = None, password_stdin: PasswordStdin = False,
+    registry: RegistryOptions = RegistryOptions(),
 ):
     """Keep the registry's snapshot of the box seconds old: commit when the box changed (big files go
     up as soon as they are complete), and one final snapshot on SIGTERM, SIGINT, SIGHUP or a provider's
@@ -142,15 +141,15 @@ def watch(
     if target is None or base is None:
         raise UsageError("watch needs TARGET and --base",
                          "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
-    commit_opts = _commit_options(root, profile, include, compression, max_layer_size, force=force, jobs=jobs,
-                                  transport=registry_options(plain_http, ca_cert, insecure_tls, username,
-                                                             password_stdin))
+    commit_opts = _commit_options(root, profile, include, compression, max_layer_size, registry, force=force,
+                                  jobs=jobs)
     # log_line: its lines, its snapshots' progress lines included, with their time
     opts = WatchOptions(commit=commit_opts, every=parse_duration(every), keep=keep, grace=grace,
                         notices=notice_watcher(provider, metadata_url), log=log_line)
     dmn.serve(target, base, opts, detached=daemon)
 
 
+@with_registry
 def status(
     base: Annotated[Optional[str], typer.Option(
         "--base", "-b", help="The image the box was started from (default: the base of the last commit or watch of "
@@ -161,13 +160,11 @@ def status(
         "--compression", help=f"zstd (default) or gzip {_AS_FOR_COMMIT}.")] = None,
     max_layer_size: Annotated[str, typer.Option(
         "--max-layer-size", help=f"Part-layer cap {_AS_FOR_COMMIT}.")] = "9.5GB",
-    plain_http: PlainHttp = False, ca_cert: CaCert = None, insecure_tls: InsecureTls = False,
-    username: Username = None, password_stdin: PasswordStdin = False, as_json: JsonOut = False,
+    as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """What a commit would send now: the layers that changed since the last commit (with the size of
     their files) and those it would skip. Reads only file metadata; pushes nothing."""
     from snapshotter.commit.history import box_status
 
-    opts = _commit_options(root, profile, None, compression, max_layer_size, log=say,
-                           transport=registry_options(plain_http, ca_cert, insecure_tls, username, password_stdin))
+    opts = _commit_options(root, profile, None, compression, max_layer_size, registry, log=say)
     output.box_status(box_status(base, opts), as_json)

@@ -7,11 +7,11 @@ from typing import Annotated, List, Optional
 import typer
 
 from snapshotter.errors import UsageError, VerifyFailed
-from snapshotter.registry.options import registry_options
+from snapshotter.registry.options import RegistryOptions
 
 from . import output
 from .app import sigterm_stops
-from .options import CaCert, InsecureTls, Jobs, JsonOut, PasswordStdin, PlainHttp, Username
+from .options import Jobs, JsonOut, PasswordStdin, Username, with_registry
 from .output import say
 
 Ref = Annotated[str, typer.Argument(help="The snapshot image, e.g. registry.example.com/me/box:v2")]
@@ -31,6 +31,7 @@ RestoreProfile = Annotated[Optional[str], typer.Option(
     "...) are never written. Default: the one the snapshot was committed with, if snap ships it, else default.")]
 
 
+@with_registry
 def restore(
     ref: Annotated[Optional[str], typer.Argument(
         help="The snapshot image, e.g. registry.example.com/me/box:v2 (not with --wait).")] = None,
@@ -53,8 +54,7 @@ def restore(
     force: RestoreForce = False,
     profile: RestoreProfile = None,
     jobs: Jobs = None,
-    plain_http: PlainHttp = False, ca_cert: CaCert = None, insecure_tls: InsecureTls = False,
-    username: Username = None, password_stdin: PasswordStdin = False, as_json: JsonOut = False,
+    as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Extract mode: pull the image's layers, verify every digest, and write them at their original paths.
     Needs no Docker. An interrupted restore leaves no half-written file and resumes when run again.
@@ -76,7 +76,7 @@ def restore(
         only_snapshot=only_snapshot, force=force, profile=profile, jobs=resolve_jobs(jobs),
         on_app_ready=(lambda: _started(start_then(then), then)) if then is not None else None,
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
-        transport=registry_options(plain_http, ca_cert, insecure_tls, username, password_stdin), log=say,
+        transport=registry.transport(), log=say,
     )
     with sigterm_stops():
         result = restore_image(ref, root, opts)
@@ -109,7 +109,7 @@ def run_image(
     `snap run REF -- CMD ARGS...` replaces the command. No engine? Use `snap restore` (extract mode)."""
     from snapshotter.engine.run import run as do_run
 
-    transport = registry_options(username=username, password_stdin=password_stdin)
+    transport = RegistryOptions(username=username, password_stdin=password_stdin).transport()
     result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
                     env=env or [], name=name, detach=detach, transport=transport, log=say)
     if detach:
@@ -118,6 +118,7 @@ def run_image(
     raise typer.Exit(result.exit_code or 0)
 
 
+@with_registry
 def verify(
     ref: Ref,
     root: Annotated[str, typer.Option(
@@ -133,8 +134,7 @@ def verify(
     profile: Annotated[str, typer.Option(
         "--profile", help="Profile whose exclude list is not compared.")] = "default",
     jobs: Jobs = None,
-    plain_http: PlainHttp = False, ca_cert: CaCert = None, insecure_tls: InsecureTls = False,
-    username: Username = None, password_stdin: PasswordStdin = False, as_json: JsonOut = False,
+    as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Compare a directory with the image, file by file: one line per path that differs (type, content,
     mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
@@ -146,8 +146,7 @@ def verify(
 
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
-        profile=load_profile(profile), log=say, jobs=resolve_jobs(jobs),
-        transport=registry_options(plain_http, ca_cert, insecure_tls, username, password_stdin),
+        profile=load_profile(profile), transport=registry.transport(), log=say, jobs=resolve_jobs(jobs),
     )
     result = do_verify(ref, root, opts)
     output.verified(result, root, as_json)

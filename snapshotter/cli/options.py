@@ -3,11 +3,15 @@ so a command's signature names it in one short line, and its flag and help are t
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Annotated, Optional
 
 import typer
 
-# How to reach the registry and who we are to it: registry/options.py turns them into TransportOptions.
+from snapshotter.registry.options import RegistryOptions
+
+# How to reach the registry and who we are to it: with_registry gathers them into RegistryOptions.
 PlainHttp = Annotated[bool, typer.Option(
     "--plain-http", help="Talk to the registry over http (no TLS). Loopback registries try http first, then https.")]
 CaCert = Annotated[Optional[str], typer.Option(
@@ -30,3 +34,26 @@ PushForce = Annotated[bool, typer.Option(
     "--force", help="Push even what snap refuses: a snapshot that deletes the base's system directories (bin, etc, "
     "usr, ...) or most of its paths (a wrong --root does), or moves a tag that names a snapshot this box neither "
     "came from (a finished `snap restore` into this root) nor made.")]
+
+
+_REGISTRY_FLAGS = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=kind)
+                   for name, kind, default in (("plain_http", PlainHttp, False), ("ca_cert", CaCert, None),
+                                               ("insecure_tls", InsecureTls, False), ("username", Username, None),
+                                               ("password_stdin", PasswordStdin, False))]
+
+
+def with_registry(command):
+    """`command`, which takes `registry: RegistryOptions`, as typer sees it: with the five registry
+    options in its place (before --json, where the help lists them), gathered into one object."""
+    shown = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "registry"]
+    at = next((i for i, p in enumerate(shown) if p.name == "as_json"), len(shown))
+    shown[at:at] = _REGISTRY_FLAGS
+
+    @functools.wraps(command)
+    def gathered(*args, plain_http, ca_cert, insecure_tls, username, password_stdin, **kwargs):
+        registry = RegistryOptions(plain_http, ca_cert, insecure_tls, username, password_stdin)
+        return command(*args, registry=registry, **kwargs)
+
+    gathered.__signature__ = inspect.Signature(shown)
+    gathered.__annotations__ = {p.name: p.annotation for p in shown}
+    return gathered

@@ -6,20 +6,20 @@ from typing import Annotated, Optional
 
 import typer
 
-from snapshotter.registry.options import reach, registry_options
+from snapshotter.registry.options import RegistryOptions, reach
 
 from . import output
-from .options import CaCert, InsecureTls, JsonOut, PasswordStdin, PlainHttp, Username
+from .options import CaCert, InsecureTls, JsonOut, PlainHttp, with_registry
 from .output import out, say
 
 Registry = Annotated[str, typer.Argument(help="The registry, e.g. ghcr.io, 127.0.0.1:5000 or docker.io")]
 
 
+@with_registry
 def log_(
     target: Annotated[str, typer.Argument(
         help="The repository (any tag of it), e.g. registry.example.com/me/box:v2")],
-    plain_http: PlainHttp = False, ca_cert: CaCert = None, insecure_tls: InsecureTls = False,
-    username: Username = None, password_stdin: PasswordStdin = False, as_json: JsonOut = False,
+    as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """List the snapshots of the repository, newest first: tags, UTC time, total size, base, and the
     layers new in each versus the one before (label and size); then the diverged tags of TARGET's tag
@@ -27,25 +27,25 @@ def log_(
     from snapshotter.commit.history import snapshot_log
     from snapshotter.oci.reference import Reference
 
-    snaps = snapshot_log(target, registry_options(plain_http, ca_cert, insecure_tls, username, password_stdin),
+    snaps = snapshot_log(target, registry.transport(),
                          log=say)
     output.snapshots(snaps, Reference.parse(target).tag, as_json)
 
 
+@with_registry
 def tag_(
     source: Annotated[str, typer.Argument(
         help="The snapshot, e.g. registry.example.com/me/box:v2-diverged-20260101T120000Z")],
     dest: Annotated[str, typer.Argument(help="The tag to put on it, in the same repository, e.g. v2")],
     force: Annotated[bool, typer.Option(
         "--force", help="Move DEST where it names another snapshot already.")] = False,
-    plain_http: PlainHttp = False, ca_cert: CaCert = None, insecure_tls: InsecureTls = False,
-    username: Username = None, password_stdin: PasswordStdin = False,
+    registry: RegistryOptions = RegistryOptions(),
 ):
     """Put a tag on the snapshot SOURCE names (the manifest as it is, nothing else pushed): adopt a
     diverged tag onto the moving one. The line says what DEST named before and how to put it back."""
     from snapshotter.commit.history import retag
 
-    transport = registry_options(plain_http, ca_cert, insecure_tls, username, password_stdin)
+    transport = registry.transport()
     dst, digest, before = retag(source, dest, transport, force)
     back = (f" (it named {before}: `snap tag {dst.name}@{before} {dst.tag} --force` puts it back)"
             if before not in (None, digest) else "")

@@ -1,11 +1,12 @@
-"""How a command reaches registries, built in one place from what its command line says (as
-containers/image's SystemContext): plain http or TLS (a CA bundle, or no verification) and who we
-are (credentials.py: the given credentials, else Docker's config per registry). The result is the
-transport's TransportOptions, which every registry call takes."""
+"""How a command reaches registries, as its command line says it (containers/image's SystemContext):
+plain http or TLS (a CA bundle, or no verification) and who we are. RegistryOptions holds the flags;
+its transport() is the one place they become the TransportOptions every registry call takes, the
+credentials resolved then (credentials.py: the given ones, else Docker's config per registry)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional, TextIO
 
 from snapshotter.errors import UsageError
@@ -14,14 +15,20 @@ from .credentials import Credentials, given_credentials
 from .transport import TransportOptions
 
 
-def registry_options(plain_http: bool = False, ca_cert: Optional[str] = None, insecure_tls: bool = False,
-                     username: Optional[str] = None, password_stdin: bool = False,
-                     stdin: Optional[TextIO] = None) -> TransportOptions:
-    """TransportOptions for a command's flags, with the credentials it was given: --username with
-    --password-stdin (or SNAP_PASSWORD), else SNAP_USERNAME with SNAP_PASSWORD; none, and the
-    transport reads Docker's config."""
-    credentials = given_credentials(username, password_stdin, stdin)
-    return reach(plain_http, ca_cert, insecure_tls, credentials)
+@dataclass(frozen=True)
+class RegistryOptions:
+    plain_http: bool = False  # --plain-http; else loopback registries try http first, then https
+    ca_cert: Optional[str] = None  # --ca-cert: a PEM bundle to verify the registry's certificate with
+    insecure_tls: bool = False  # --insecure-tls: no verification at all
+    username: Optional[str] = None  # --username
+    password_stdin: bool = False  # --password-stdin: the password is standard input's first line
+
+    def transport(self, stdin: Optional[TextIO] = None) -> TransportOptions:
+        """TransportOptions with the credentials given: --username with --password-stdin (or
+        SNAP_PASSWORD), else SNAP_USERNAME with SNAP_PASSWORD; none, and the transport reads Docker's
+        config. Asked for only by a command that talks to a registry (not `restore --wait`)."""
+        credentials = given_credentials(self.username, self.password_stdin, stdin)
+        return reach(self.plain_http, self.ca_cert, self.insecure_tls, credentials)
 
 
 def reach(plain_http: bool = False, ca_cert: Optional[str] = None, insecure_tls: bool = False,
@@ -30,7 +37,7 @@ def reach(plain_http: bool = False, ca_cert: Optional[str] = None, insecure_tls:
     if ca_cert and not os.path.isfile(ca_cert):
         raise UsageError(f"CA certificate {ca_cert} does not exist")
     return TransportOptions(
-        plain_http=True if plain_http else None,  # else auto: loopback tries http first
+        plain_http=True if plain_http else None,  # None: auto
         ca_bundle=ca_cert,
         tls_verify=not insecure_tls,
         credentials=credentials or Credentials(),
