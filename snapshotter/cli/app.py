@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover
     import click
 
 from snapshotter import progress
-from snapshotter.errors import INTERRUPTED, SnapError, exit_code_of, exit_codes
+from snapshotter.errors import SnapError, exit_code_of, exit_codes
 from snapshotter.registry.credentials import take_secret_env
 from snapshotter.version import __version__
 
@@ -110,9 +110,9 @@ def main() -> None:
         code = app(standalone_mode=False)
     except click.exceptions.ClickException as e:
         sys.exit(_usage_error(e))
-    except typer.Abort:
+    except typer.Abort:  # Ctrl-C at a prompt (snap login's)
         say("snap: interrupted")
-        sys.exit(INTERRUPTED)
+        sys.exit(exit_code_of(KeyboardInterrupt()))
     sys.exit(code if isinstance(code, int) else 0)
 
 
