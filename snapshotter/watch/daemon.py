@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from snapshotter.errors import NotFound, SnapError, StorageError, UsageError, WaitTimeout
+from snapshotter.errors import NotFound, SnapError, StorageError, UsageError, WaitTimeout, exit_code_of
 from snapshotter.state import open_own, read_versioned, root_key, sub, write_versioned
 
 from .watcher import WatchOptions, exit_now, watch
@@ -213,7 +213,7 @@ def serve(target: str, base: str, opts: WatchOptions, detached: bool = False) ->
     try:
         code = watch(target, base, opts, on_ready)
     except SnapError as e:
-        note_exit(files, e.exit_code, f"snap: error: {e}")
+        note_exit(files, exit_code_of(e), f"snap: error: {e}")
         raise
     note_exit(files, code)
     exit_now(code)
