@@ -94,10 +94,11 @@ class RegistryError(SnapError):
 
 
 class WaitTimeout(SnapError):
-    """`snap restore --wait` gave up: the file had not landed in time."""
+    """A wait gave up: `snap restore --wait`'s file had not landed, or `snap watch --stop`'s watcher
+    had not ended, in time."""
 
     exit_code = 11
-    meaning = '`restore --wait` timed out'
+    meaning = 'a wait timed out (`restore --wait`, `watch --stop`)'
 
 
 INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it

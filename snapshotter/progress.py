@@ -20,15 +20,17 @@ MODES = ("bars", "lines", "off")
 DEFAULT_EVERY = 10.0  # seconds between two lines of one transfer
 
 
-def _to_stderr(line: str) -> None:
+Sink = Callable[[str], None]  # where a transfer's lines go, one at a time
+
+
+def to_stderr(line: str) -> None:
+    """The sink of every command but `snap watch`, whose lines go through its log, with their time."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 # What the lines are timed by: seconds, only ever increasing. Tests set their own.
 clock: Callable[[], float] = time.monotonic
-# Where the lines go: stderr; `snap watch` sends them through its log, with their time.
-write_line: Callable[[str], None] = _to_stderr
 
 _lock = threading.Lock()
 
@@ -61,14 +63,15 @@ def check_settings() -> None:
                          "e.g. SNAP_PROGRESS_EVERY=30; 0 prints a line on every update")
 
 
-def bar(desc: str, total: Optional[int] = None, unit: str = "B"):
+def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to_stderr):
     """Progress of one transfer of bytes (sizes scaled to KiB/MiB/GiB) or of counted things
-    (unit: 'files', 'layers'): a context manager with update(n)."""
+    (unit: 'files', 'layers'): a context manager with update(n). Plain lines go to `sink`; bars
+    are drawn on stderr, the terminal."""
     desc = printable(desc)  # labels come from images: no control character reaches the terminal or the log
     how = mode()
     if how == "lines":
         every = _every()
-        return LineProgress(desc, total, unit, DEFAULT_EVERY if every is None else every)
+        return LineProgress(desc, total, unit, DEFAULT_EVERY if every is None else every, sink)
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
         disable=how == "off", leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
@@ -78,8 +81,8 @@ def bar(desc: str, total: Optional[int] = None, unit: str = "B"):
 class LineProgress:
     """One transfer's progress as plain lines on stderr (see the module's doc)."""
 
-    def __init__(self, desc: str, total: Optional[int], unit: str, every: float):
-        self.desc, self.total, self.unit, self.every = desc, total, unit, every
+    def __init__(self, desc: str, total: Optional[int], unit: str, every: float, sink: Sink = to_stderr):
+        self.desc, self.total, self.unit, self.every, self.sink = desc, total, unit, every, sink
         self.n = 0
         self._started: Optional[float] = None
         self._last_t, self._last_n = 0.0, 0
@@ -137,7 +140,7 @@ class LineProgress:
         if self._broken:
             return
         try:
-            write_line(f"{self.desc}: {what}")
+            self.sink(f"{self.desc}: {what}")
         except (OSError, ValueError):
             self._broken = True
 

@@ -129,3 +129,35 @@ def test_a_command_line_click_refuses_is_one_error_line(args, said):
 def test_snap_alone_still_shows_the_help():
     r = snap()
     assert r.returncode == 2 and "Usage:" in r.stderr + r.stdout and "commit" in r.stderr + r.stdout
+
+
+# A watcher that does not end on SIGTERM: it holds the watch lock as `snap watch` does (flock, then
+# the POSIX lock of note_pid), with a pid file whose grace has already run out, so `--stop`'s wait
+# (grace + 30 s) is over at once; it ends when its stdin closes.
+_STUBBORN_WATCHER = """
+import signal, sys
+from snapshotter.watch import daemon
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+files = daemon.watch_files(sys.argv[1])
+daemon.note_pid(files, daemon.take_lock(files, sys.argv[1]), "127.0.0.1:1/box:v2", -30.0)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_watch_stop_past_its_wait_is_a_timeout_not_bad_input(box):
+    """`snap watch --stop` whose watcher has not ended in time: exit 11, the wait that timed out
+    (errors.WaitTimeout), one line naming its log; not 2, which would say the command line was wrong."""
+    import subprocess
+    import sys
+
+    watcher = subprocess.Popen([sys.executable, "-c", _STUBBORN_WATCHER, box], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert watcher.stdout.readline() == "ready\n"
+        r = snap("watch", "--stop", "--root", box)
+        assert_one_line_error(r, 11, f"(pid {watcher.pid}) did not stop in time", "see its log")
+        assert watcher.poll() is None  # SIGTERM was sent, and ignored
+    finally:
+        watcher.stdin.close()
+        watcher.wait(timeout=60)

@@ -50,6 +50,20 @@ def test_without_a_terminal_a_line_at_most_every_interval_with_a_start_and_an_en
     assert len(lines) == 5 and lines[-1].startswith("scanning box: done, 90 files in ")
 
 
+def test_the_lines_go_to_the_sink_the_caller_names_and_nowhere_else(loud, capsys):
+    """A transfer's lines go where its caller says (`snap watch`: its log, with their time), passed
+    explicitly: no module global is set for them, so two sinks can be in use at once."""
+    loud.setenv("SNAP_PROGRESS", "lines")
+    watch_log, other_log = [], []
+    with progress.bar("uploading", 2 * MiB, sink=watch_log.append) as up, \
+            progress.bar("scanning box", unit="files", sink=other_log.append) as scan:
+        up.update(2 * MiB)
+        scan.update(1)
+    assert watch_log[0] == "uploading: started (2.0 MiB)" and watch_log[-1].startswith("uploading: done, 2.0 MiB")
+    assert other_log[0] == "scanning box: started" and other_log[-1].startswith("scanning box: done, 1 files")
+    assert capsys.readouterr().err == ""
+
+
 def test_a_transfer_that_fails_says_where_it_stopped_and_one_with_nothing_to_do_says_nothing(loud, capsys):
     with pytest.raises(progress.Stopped):
         with progress.bar("uploading", 4 * MiB) as b:

@@ -62,7 +62,7 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
     index = {}
     total = sum(layer["size"] for layer in image.layers)
     log(f"indexing base image {image.ref} ({len(image.layers)} layers)")
-    with progress.bar("reading base layers", total) as b:
+    with progress.bar("reading base layers", total, sink=log) as b:
         for layer in image.layers:
             raw = IterReader(remote.iter_blob(layer["digest"], progress.safe_update(b), layer["size"]))
             stream = decompressing_reader(raw, layer["mediaType"],
@@ -84,14 +84,14 @@ def own_excludes(root: str) -> tuple[str, ...]:
 
 
 def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
-              dirty: Optional[set[str]] = None) -> Scan:
+              dirty: Optional[set[str]] = None, sink: progress.Sink = progress.to_stderr) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
     `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
     the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
     last commit's, kept in the state dir (snapshot/kept.py)."""
     extra = own_excludes(root)
     stored = StoredWalk(root, profile, extra) if memo is None else None
-    with progress.bar("scanning box", unit="files") as b:
+    with progress.bar("scanning box", unit="files", sink=sink) as b:
         scan = scan_box(root, profile, extra, progress.safe_update(b), memo=stored.memo() if stored else memo,
                         previous=previous, dirty=dirty)
     if stored is not None:
@@ -109,9 +109,10 @@ def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry],
     return diff(index, scan, skipped, rehash=rehash, root=root)
 
 
-def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False) -> tuple[Scan, Diff]:
+def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False,
+                sink: progress.Sink = progress.to_stderr) -> tuple[Scan, Diff]:
     """Walk the box and diff it against the base index."""
-    scan = scan_root(root, profile)
+    scan = scan_root(root, profile, sink=sink)
     return scan, changes_in(scan, root, profile, index, rehash)
 
 
@@ -164,7 +165,8 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     cache = StatCache(root, base_digest or SCRATCH)
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
-                    opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs), hooks=hooks)
+                    opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs), hooks=hooks,
+                    log=opts.log)
     hold_back(cp, held, opts)
     return cp
 
@@ -172,7 +174,8 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
 def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry], opts: CommitOptions,
                    hooks: CommitHooks) -> tuple[Scan, Diff, list[LayerPlan]]:
     """Walk (or take hooks.changes), diff, plan, and compute the layers' stat-cache keys."""
-    scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash)
+    scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash,
+                                                                            opts.log)
     plans = plan_commit_layers(d, scan, index, opts, len(base_img.layers) if base_img else 0, hooks.plan_memo)
     for plan in plans:
         plan.fingerprint(opts.profile.zstd_level, hooks.plan_memo)

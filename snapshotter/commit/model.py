@@ -167,6 +167,7 @@ class CommitPlan:
     deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
     jobs: int = 1  # layers packed at once (CommitOptions.jobs, resolved)
     hooks: CommitHooks = field(default_factory=CommitHooks)  # what the commit asks its caller
+    log: Callable[[str], None] = lambda msg: None  # CommitOptions.log: its progress lines go there too
 
     @property
     def base_name(self) -> str:

@@ -52,7 +52,7 @@ def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOpt
     if cp.base_img is None:
         return Remote(target_ref, transport)
     remote = cp.base_remote if target_ref.name == cp.base_ref.name else Remote(target_ref, transport)
-    _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources)
+    _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources, cp.log)
     return remote
 
 
@@ -232,8 +232,8 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
     zstd_threads = max(1, cpu_count() // packers) if packers else -1
     slots = threading.Semaphore(cp.jobs)  # layers packed at once
     sending = threading.Semaphore(UPLOADS)
-    with progress.bar("packing", sum(p.content_size for _, p, _ in todo)) as pack, \
-            progress.bar("uploading") as up, ThreadPoolExecutor(cp.jobs + UPLOADS) as pool, \
+    with progress.bar("packing", sum(p.content_size for _, p, _ in todo), sink=cp.log) as pack, \
+            progress.bar("uploading", sink=cp.log) as up, ThreadPoolExecutor(cp.jobs + UPLOADS) as pool, \
             Packers(packers, progress.Stopped) as apart_packers:
         # An error or Ctrl-C sets remote.stopping: layers being read or sent give up at their next
         # chunk, and the exit does not wait for a weight to finish on a slow link.
@@ -328,7 +328,7 @@ def grown_line(path: str, size: int) -> str:
             f"({size} bytes); the next commit takes the rest")
 
 
-def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: BlobSources) -> None:
+def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: BlobSources, sink: progress.Sink) -> None:
     """Make the base's blobs available in the target repository: nothing to do in the same repo,
     a cross-repository mount on the same registry (from the base's repository or another known to
     hold the blob), else a copy through the local disk."""
@@ -341,7 +341,7 @@ def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: Bl
     if same_registry:
         sources.note(source.ref.api_host, source.ref.repository, [d["digest"] for d in missing])
     tmp_dir = sub("blobs")
-    with progress.bar("copying base layers", sum(d["size"] for d in missing)) as b:
+    with progress.bar("copying base layers", sum(d["size"] for d in missing), sink=sink) as b:
         for d in missing:
             if in_registry(target, d["digest"], sources):
                 b.update(d["size"])

@@ -7,11 +7,14 @@ shares them. The file itself is docker_config.py's, the helpers credential_helpe
 from __future__ import annotations
 
 import base64
+import os
+import sys
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, TextIO
 
 import oras.utils
 
+from snapshotter.errors import UsageError
 from snapshotter.oci.reference import DOCKER_HUB_NAMES
 
 from . import credential_helper, docker_config
@@ -22,6 +25,52 @@ from .docker_config import config_path, decode_auth, helper_for
 class Credentials:
     username: Optional[str] = None
     password: Optional[str] = None
+
+
+# The credential variables snap reads: taken out of its environment (take_secret_env), so that no
+# process it starts (`restore --then`'s app, a credential helper) inherits them.
+SECRET_ENV = ("SNAP_USERNAME", "SNAP_PASSWORD")
+_secrets: dict[str, str] = {}  # SECRET_ENV's values once taken: os.environ no longer holds them
+
+
+def take_secret_env() -> dict[str, str]:
+    """SECRET_ENV's values, removed from os.environ (and so from every child's environment) the
+    first time they are seen."""
+    for name in SECRET_ENV:
+        if name in os.environ:
+            _secrets[name] = os.environ.pop(name)
+    return dict(_secrets)
+
+
+def given_credentials(username: Optional[str], password_stdin: bool, stdin: Optional[TextIO] = None) -> Credentials:
+    """The credentials a command was given: --username with --password-stdin (or SNAP_PASSWORD),
+    else SNAP_USERNAME with SNAP_PASSWORD; none (Docker's config is read per registry) otherwise."""
+    secrets = take_secret_env()
+    if password_stdin:
+        return Credentials(username, password_from_stdin(username, stdin))
+    if username is not None:
+        password = secrets.get("SNAP_PASSWORD")
+        if password is None:
+            raise UsageError("--username needs a password", "pipe it to --password-stdin, or set SNAP_PASSWORD")
+        return Credentials(username, password)
+    return Credentials(*env_credentials(secrets))
+
+
+def password_from_stdin(username: Optional[str], stdin: Optional[TextIO] = None) -> str:
+    """--password-stdin's password: the first line of standard input."""
+    if username is None:
+        raise UsageError("--password-stdin needs --username")
+    return (stdin or sys.stdin).readline().rstrip("\r\n")
+
+
+def env_credentials(secrets: dict[str, str]) -> tuple[Optional[str], Optional[str]]:
+    """SNAP_USERNAME and SNAP_PASSWORD, both or neither: where a provider puts its secrets (a box it
+    starts has no `docker login`). An empty variable counts as unset (a template's blank secret)."""
+    username, password = secrets.get("SNAP_USERNAME") or None, secrets.get("SNAP_PASSWORD") or None
+    if (username is None) != (password is None):
+        given, missing = SECRET_ENV if username is not None else SECRET_ENV[::-1]
+        raise UsageError(f"{given} is set but {missing} is not", "set both, or neither to use Docker's config")
+    return username, password
 
 
 DOCKER_HUB_KEY = "https://index.docker.io/v1/"  # the key Docker keeps Docker Hub's credentials under

@@ -6,11 +6,16 @@ its credential helper (credentials.py), where snap, docker, oras and crane all f
 from __future__ import annotations
 
 import dataclasses
+import getpass
+import sys
+from typing import Optional
 
+from snapshotter.errors import UsageError
 from snapshotter.oci.reference import parse_registry
 
 from .auth import CredentialsRefused
-from .credentials import Credentials, check_docker_config, erase_docker_credentials, save_docker_credentials
+from .credentials import (Credentials, check_docker_config, env_credentials, erase_docker_credentials,
+                          password_from_stdin, save_docker_credentials, take_secret_env)
 from .transport import Transport, TransportOptions
 
 
@@ -27,6 +32,28 @@ def login(registry: str, username: str, password: str, options: TransportOptions
         raise CredentialsRefused(f"registry {registry} refused the login of {username!r}",
                                  "check the username and the password or token; nothing was saved") from None
     return save_docker_credentials(registry, username, password)
+
+
+def login_credentials(username: Optional[str], password_stdin: bool) -> tuple[str, str]:
+    """Who logs in: --username with --password-stdin, else SNAP_USERNAME and SNAP_PASSWORD, else
+    asked for on the terminal (the password not echoed)."""
+    secrets = take_secret_env()
+    if password_stdin:
+        password = password_from_stdin(username)
+    elif username is None and (secrets.get("SNAP_USERNAME") or secrets.get("SNAP_PASSWORD")):
+        username, password = env_credentials(secrets)
+    else:
+        password = (secrets.get("SNAP_PASSWORD") or None) if username is not None else None
+        if password is None:
+            if not sys.stdin.isatty():
+                raise UsageError("no password given and no terminal to ask for it",
+                                 "pipe it to --password-stdin with --username, or set SNAP_USERNAME and SNAP_PASSWORD")
+            if username is None:
+                username = input("Username: ")
+            password = getpass.getpass("Password: ")
+    if not username or not password:
+        raise UsageError("the username and the password must not be empty")
+    return username, password
 
 
 def logout(registry: str) -> bool:

@@ -14,8 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from snapshotter.errors import NotFound, StorageError, UsageError
+from snapshotter.errors import NotFound, SnapError, StorageError, UsageError, WaitTimeout, exit_code_of
 from snapshotter.state import open_own, read_versioned, root_key, sub, write_versioned
+
+from .watcher import WatchOptions, exit_now, watch
 
 VERSION = 1  # of the pid and exit files
 READY = "\0ready\n"  # what the detached watcher sends its starter once it watches
@@ -192,8 +194,34 @@ def _relay_until_ready(r: int, files: WatchFiles) -> None:
     os._exit(_read_json(files.exit).get("code") or 1)
 
 
+def serve(target: str, base: str, opts: WatchOptions, detached: bool = False) -> None:
+    """Be the one watcher of its root until its final snapshot, then exit the process with its code
+    (threads still sending are not waited for). Detached (`--daemon`): in the background, its log
+    in the state dir. The pid file and the exit file are what `--stop` reads."""
+    root = opts.commit.root
+    files = watch_files(root)
+    lock = take_lock(files, root)
+    ready = detach(files, keep=(lock,)) if detached else (lambda: None)
+    note_pid(files, lock, target, opts.grace)
+    notices = f"{opts.notices.provider} notices at {opts.notices.base_url}" if opts.notices else "no provider notices"
+
+    def on_ready() -> None:
+        opts.log(f"watching {root!r} for {target} (pid {os.getpid()}, every {opts.every:g}s, grace {opts.grace:g}s, "
+                 f"{notices})")
+        ready()
+
+    try:
+        code = watch(target, base, opts, on_ready)
+    except SnapError as e:
+        note_exit(files, exit_code_of(e), f"snap: error: {e}")
+        raise
+    note_exit(files, code)
+    exit_now(code)
+
+
 def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] = lambda m: None) -> int:
-    """Send the watcher of `root` the notice (SIGTERM) and wait for its final snapshot. Its exit code."""
+    """Send the watcher of `root` the notice (SIGTERM) and wait for its final snapshot. Its exit code;
+    WaitTimeout (11) if it has not ended after its grace and 30 s more (`timeout`)."""
     files = watch_files(root)
     info = _read_json(files.pid)
     if not isinstance(info.get("pid"), int):
@@ -202,8 +230,8 @@ def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] 
     if not lock_held(files):
         return _ended_before(files, pid, root, log)
     if lock_holder(files) != pid:  # a stale or forged pid file: never signal what may be another process
-        raise StorageError(f"the pid file {files.pid!r} names pid {pid}, which does not hold the watch lock of {root!r}: "
-                           "nothing signalled", "if a watcher is starting, run --stop again")
+        raise StorageError(f"the pid file {files.pid!r} names pid {pid}, which does not hold the watch lock of "
+                           f"{root!r}: nothing signalled", "if a watcher is starting, run --stop again")
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -213,12 +241,13 @@ def stop(root: str, timeout: Optional[float] = None, log: Callable[[str], None] 
     deadline = time.monotonic() + (timeout if timeout is not None else grace + 30)
     while lock_held(files):  # the lock goes when the watcher's process is gone
         if time.monotonic() > deadline:
-            raise UsageError(f"snap watch (pid {pid}) did not stop in time", f"see its log {files.log}")
+            raise WaitTimeout(f"snap watch (pid {pid}) did not stop in time", f"see its log {files.log}")
         time.sleep(0.05)
     done = _read_json(files.exit)
     code = done.get("code", 1) if done.get("pid") == pid else 1
     if code:
-        log(f"snap watch (pid {pid}) of {root!r} stopped with code {code}: {done.get('error') or _last_line(files.log)}")
+        why = done.get("error") or _last_line(files.log)
+        log(f"snap watch (pid {pid}) of {root!r} stopped with code {code}: {why}")
     else:
         log(f"snap watch (pid {pid}) of {root!r} stopped after its final snapshot (exit code 0)")
     return code

@@ -170,7 +170,7 @@ class ChangeTracker:
         else:
             dirty = dirty | previous.racy_dirs | (self.mapped_dirs() if final else set())
         try:
-            scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty)
+            scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty, sink=self.log)
         except BaseException:
             with self.events_lock:
                 self.commit_dirty = None
