@@ -70,7 +70,8 @@ def private(top: str) -> str:
             raise StorageError(f"{where} is a symlink", "set SNAP_STATE_DIR to the real directory, one of your own")
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) or (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a hard link" if stat.S_ISREG(st.st_mode) else "no file"
-            raise StorageError(f"{where} is {kind}, which snap never makes there", "someone may have planted it: remove it")
+            raise StorageError(f"{where} is {kind}, which snap never makes there",
+                               "someone may have planted it: remove it")
         if st.st_uid != me:
             raise StorageError(f"{where} belongs to uid {st.st_uid}, not to uid {me} that snap runs as",
                                f"chown -R {me} the state dir, or set SNAP_STATE_DIR to a directory of your own")

@@ -15,7 +15,7 @@ from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
 from snapshotter.index.entry import Entry
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan, PlanMemo, plan_layers
-from snapshotter.oci.image import Image
+from snapshotter.oci.image import Image, Layer
 from snapshotter.progress import human_size
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
@@ -51,7 +51,7 @@ class CommitOptions:
     hold: Optional[Callable[[Scan], dict[str, str]]] = None
     # Where a held file's last snapshot version is: the last snapshot's own layers of each file
     # (file_layers), asked only when a file is held. None: the target tag's snapshot (snap commit).
-    previous: Optional[Callable[[], dict[str, list[tuple[dict, str]]]]] = None
+    previous: Optional[Callable[[], dict[str, list[Layer]]]] = None
     # The last snapshot's entries of changed paths (snap watch): a held file in a bundle is carried at
     # that version when the stat cache still has its layer.
     old_entries: dict[str, Entry] = field(default_factory=dict)
@@ -83,7 +83,7 @@ class CommitResult:
     host_files: list[str] = field(default_factory=list)  # bind-mounted from the host (GPU driver files), and links to them
     held: dict[str, str] = field(default_factory=dict)  # files not read because they were being written, with why
     carried: list[str] = field(default_factory=list)  # of those, kept at the last snapshot's version
-    snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
+    snap_layers: list[Layer] = field(default_factory=list)  # the image's own layers
     unreadable: list[str] = field(default_factory=list)  # paths of the box snap may not read: left out
     grown: dict[str, int] = field(default_factory=dict)  # files that grew while sent: sent as first seen (size)
     uploaded_bytes: int = 0  # every byte this commit put into the registry: layers, headers, config, manifests
@@ -122,7 +122,7 @@ class CommitPlan:
     unreadable: set[str] = field(default_factory=set)
     left_unread: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read (being written), with why
-    carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
+    carried: dict[str, list[Layer]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
     deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
     jobs: int = 1  # layers packed at once (CommitOptions.jobs, resolved)
 

@@ -160,7 +160,8 @@ class Journal:
         try:
             write()
         except OSError as e:
-            raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}", " while writing the restore journal",
+            raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}",
+                                " while writing the restore journal",
                                 "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
                                 "it resumes") from e
 

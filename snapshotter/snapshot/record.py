@@ -28,7 +28,7 @@ from snapshotter.box.clock import SYSTEM, Clock, Stamp, changed_since, consisten
 from snapshotter.box.mounts import remote_mounts
 from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
-from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, snap_label
+from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, select_layers
 from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.state import read_versioned, root_key, sub, write_versioned
 from snapshotter.tar.rules import header_key, headers_digest
@@ -49,18 +49,17 @@ def note_restore(root: str, image: Image, applied_headers: dict[str, str], start
     restore that began at `started` and ends now (its last write done).
     Returns how many layers; 0 if the record could not be written (the next commit then reads the
     layers instead, and cannot move the image's tag without --force)."""
-    ann = image.manifest.get("annotations") or {}
+    ann = image.annotations
     try:
         max_layer = int(ann.get(SNAP_MAX_LAYER, DEFAULT_MAX_LAYER_SIZE))
     except ValueError:
         return 0
-    diff_ids = dict(zip((desc["digest"] for desc in image.layers), image.config["rootfs"]["diff_ids"]))
     layers = {}
-    for desc in image.layers:
-        label, headers = snap_label(desc), applied_headers.get(desc["digest"])
+    for layer in select_layers(image, False):
+        label, headers = layer.snap_label, applied_headers.get(layer.digest)
         if label and headers is not None:
-            layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
-                             "media_type": desc["mediaType"], "headers": headers}
+            layers[label] = {"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
+                             "media_type": layer.media_type, "headers": headers}
     ended = stamp(clock)
     doc = {"root": os.path.realpath(root), "manifest": image.manifest_digest,
            "base": ann.get(BASE_DIGEST), "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer,
@@ -169,7 +168,8 @@ class RestoreRecord:
         layer = self.layers.get(plan.label)
         if not isinstance(layer, dict) or layer.get("media_type") != MEDIA_TYPE[plan.compression]:
             return None
-        if not all(self.since.unchanged(e.path, e.ctime_ns) for e in plan.entries if e.stamp):  # parent copies: no stamp
+        # parent copies have no stamp
+        if not all(self.since.unchanged(e.path, e.ctime_ns) for e in plan.entries if e.stamp):
             return None
         if layer.get("headers") != headers_digest([header_key(ti) for ti, _ in tar_headers(plan)]):
             return None

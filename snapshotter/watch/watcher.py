@@ -32,7 +32,7 @@ from snapshotter.commit.push import NOT_SENT_TORN, grown_line, push_commit, push
 from snapshotter.errors import AuthError, SnapError, UsageError, exit_code_of, printable
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.layer.plan import PlanMemo
-from snapshotter.oci.image import BASE_DIGEST, Image, snapshot_layer_count
+from snapshotter.oci.image import BASE_DIGEST, Image, Layer, snapshot_layer_count
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.files import file_layers, last_snapshot_files
@@ -174,7 +174,7 @@ class Watcher:
         # Where the snapshots go (the moving tag, or a diverged tag of this box's own), and the layers of one
         # file each of the snapshot that tag names, which keep a file being written at that version (hold.hold_back).
         self.line = Line(self.moving, self.transport, self.root, opts.commit.force, opts.commit.origins, self.log, opts.clock)
-        self.previous_files: dict[str, list[tuple[dict, str]]] = {}
+        self.previous_files: dict[str, list[Layer]] = {}
         self.restored_at = restored_at_ns(self.root)  # files a restore wrote are not being written
         # One commit at a time: the final snapshot waits for the loop's (and stops it first), so the two
         # never build the same layer file in the state dir at once.
@@ -666,7 +666,7 @@ class Watcher:
         count = snapshot_layer_count(img)
         ours = [d["digest"] for d in img.layers[len(img.layers) - count:]] if count else []
         base_digest = cp.base_img.manifest_digest if cp.base_img else None
-        carried = [desc["digest"] for layers in cp.carried.values() for desc, _ in layers]
+        carried = [layer.digest for layers in cp.carried.values() for layer in layers]
         return (img.manifest.get("annotations", {}).get(BASE_DIGEST) == base_digest
                 and sorted(ours) == sorted([k["digest"] for k in known] + carried))
 
