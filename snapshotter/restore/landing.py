@@ -19,16 +19,16 @@ from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, Layer
-from snapshotter.state import open_own, root_key, state_dir, sub, versioned, write_versioned
+from snapshotter.state import RootFiles, open_own, state_dir, sub, versioned, write_versioned
 
 VERSION = 1
 PROGRESS_DIR = "restore-progress"
 POLL_SECONDS = 0.1
 
 
-def progress_path(root: str, directory: Optional[str] = None) -> str:
-    """The progress file of a restore into `root`, in `directory` (default: made in the state dir)."""
-    return os.path.join(directory or sub(PROGRESS_DIR), root_key(root) + ".json")
+def progress_path(files: RootFiles, directory: Optional[str] = None) -> str:
+    """The progress file of a restore into a root (`files`), in `directory` (default: made in the state dir)."""
+    return files.file_in(directory or sub(PROGRESS_DIR))
 
 
 def weight_file(layer: Layer, weights: set[str]) -> Optional[str]:
@@ -58,10 +58,10 @@ def app_ready_after(layers: list[Layer], weights: set[str]) -> int:
 
 
 class Progress:
-    """The progress file of a restore into `root` of `layers` (in order)."""
+    """The progress file of a restore into a root (`files`) of `layers` (in order)."""
 
-    def __init__(self, root: str, layers: list[Layer], weights: set[str]):
-        self.path = progress_path(root)
+    def __init__(self, files: RootFiles, layers: list[Layer], weights: set[str]):
+        self.path = progress_path(files)
         self.files = {rel: False for rel in (weight_file(d, weights) for d in layers) if rel}
         self.state = "running"
         self._write()
@@ -113,7 +113,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
     if rel == ".." or rel.startswith("../") or rel == ".":
         raise UsageError(f"{path!r} is not a file under the restore root {root!r}", "pass --root")
     deadline = None if timeout is None else clock() + timeout
-    progress = progress_path(real_root, os.path.join(state_dir(), PROGRESS_DIR))  # read only: nothing made
+    progress = progress_path(RootFiles(real_root), os.path.join(state_dir(), PROGRESS_DIR))  # read only: nothing made
     while True:
         try:
             with open_own(progress) as f:

@@ -52,7 +52,7 @@ from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.record import applied_since, forget_restore, note_restore
-from snapshotter.state import exclusive, state_dir, sub
+from snapshotter.state import RootFiles, exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
 
 from .applier import ExtractWorker, LayerJob
@@ -122,6 +122,7 @@ class _Run:
     """One restore's working set: made by _open_run, then handed through its phases."""
 
     reference: Reference
+    files: RootFiles  # the root's files in the state dir: journal, progress, restore record
     remote: Remote
     image: Image
     todo: list[Layer]  # the layers this run applies, in order
@@ -145,7 +146,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         done = skipped_part_files(run.todo, skips.skipped)  # nothing to join: the file is there
         run.parts = {rel: n for rel, n in run.parts.items() if rel not in done}
     weights = {r.name for r in run.profile.layers if r.weights}
-    progress = Progress(root, run.todo, weights)
+    progress = Progress(run.files, run.todo, weights)
     ready_at = app_ready_after(run.todo, weights)
 
     def after_layer(count: int, layer: Optional[Layer]) -> None:
@@ -154,7 +155,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         if count == ready_at and opts.on_app_ready is not None:
             opts.on_app_ready()
 
-    forget_restore(root)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
+    forget_restore(run.files)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
     started = stamp()
     staging = StagingDirs(root, run.image.manifest_digest, opts.log)
     try:
@@ -176,7 +177,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         # will not help, or needs the room back.
         staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError, StorageError)))
         raise
-    seeded = _finish(run, root, headers if opts.seed_stat_cache else {}, started, opts)
+    seeded = _finish(run, headers if opts.seed_stat_cache else {}, started, opts)
     progress.finish(ok=True)
     return _result(run, applied, resumed, stats, seeded, skips)
 
@@ -187,11 +188,12 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     reference = Reference.parse(ref)
     if os.path.exists(root) and not os.path.isdir(root):
         raise UsageError(f"restore target {root} exists and is not a directory")
+    files = RootFiles(root)
     remote = Remote(reference, opts.transport)
     image = remote.resolve()
     todo = select_layers(image, opts.only_snapshot)
     parts, links = part_files(todo), part_links(todo)  # a malformed image is refused before anything is written
-    journal = Journal(_state_sub("restore-journal"), root, image.manifest_digest, [layer.digest for layer in todo],
+    journal = Journal(_state_sub("restore-journal"), files, image.manifest_digest, [layer.digest for layer in todo],
                       opts.extract.fsync)
     base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
     if base_layers > 0 and not opts.force and not journal.started_here():
@@ -211,7 +213,7 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
     extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write,
                                                      run_token=secrets.token_hex(4)))
-    return _Run(reference, remote, image, todo, journal, extractor, profile, base_layers, parts, links,
+    return _Run(reference, files, remote, image, todo, journal, extractor, profile, base_layers, parts, links,
                 skeletons, claims)
 
 
@@ -230,13 +232,13 @@ def _resume(run: _Run, root: str, log: Callable[[str], None]) -> int:
     return resumed
 
 
-def _finish(run: _Run, root: str, headers: dict[str, str], started: Stamp, opts: RestoreOptions) -> int:
+def _finish(run: _Run, headers: dict[str, str], started: Stamp, opts: RestoreOptions) -> int:
     """Every layer is in: make it durable, drop the journal, and note what the root now holds.
     Returns how many snap layers the next commit of the root knows without reading them."""
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
     run.journal.remove()
-    seeded = note_restore(root, run.image, headers, started)  # first: the root came from it
+    seeded = note_restore(run.files, run.image, headers, started)  # first: the root came from it
     _note_sources(run.reference, run.image)
     _keep_base_index(run.remote, run.image, opts.log)
     return seeded
@@ -283,7 +285,7 @@ def _skips(run: _Run, resumed: int) -> SkipPlan:
     rules = RootRules(root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
                       max_layer, run.links)
     return plan_skips(run.todo, resumed, run.skeletons(), rules,
-                      lambda desc, headers: applied_since(root, desc["digest"], headers))
+                      lambda desc, headers: applied_since(run.files, desc["digest"], headers))
 
 
 def _empty(root: str) -> bool:
