@@ -114,6 +114,20 @@ def root_key(root: str, length: int = 32) -> str:
     return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:length]
 
 
+class RootFiles:
+    """The files snap keeps for one box root, each named by the root's key (root_key): worked out
+    once, where a command starts, and handed down to each module that keeps such a file."""
+
+    def __init__(self, root: str):
+        self.root = root  # as the user spelt it: for messages
+        self.real = os.path.realpath(root)
+        self.key = root_key(self.real)
+
+    def file_in(self, directory: str) -> str:
+        """The root's JSON file in `directory`."""
+        return os.path.join(directory, self.key + ".json")
+
+
 def versioned(doc: object, version: int) -> Optional[dict]:
     """`doc` (a parsed JSON document or header line) if it is an object of format `version`, else None."""
     return doc if isinstance(doc, dict) and doc.get("version") == version else None

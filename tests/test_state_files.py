@@ -15,7 +15,7 @@ from snapshotter.registry.blobsources import BlobSources
 from snapshotter.restore import landing
 from snapshotter.restore.journal import Journal
 from snapshotter.snapshot import record, statcache
-from snapshotter.state import read_versioned, versioned, write_versioned
+from snapshotter.state import RootFiles, read_versioned, versioned, write_versioned
 from snapshotter.watch import daemon
 
 MANIFEST = "sha256:" + "a" * 64
@@ -31,10 +31,10 @@ def test_a_roots_files_are_named_by_the_sha256_of_its_real_path(state_dir, tmp_p
     root = str(tmp_path / "link")  # spelt through a symlink: the same root
     real = tmp_path / "box"
     assert os.path.basename(daemon.watch_files(root).pid) == key(real, 16) + ".pid"
-    assert os.path.basename(landing.progress_path(root)) == key(real, 32) + ".json"
-    assert os.path.basename(record._path(root)) == key(real, 32) + ".json"
+    assert os.path.basename(landing.progress_path(RootFiles(root))) == key(real, 32) + ".json"
+    assert os.path.basename(record._path(RootFiles(root))) == key(real, 32) + ".json"
     assert os.path.basename(statcache._last_commit_path(root)) == key(real, 32) + ".json"
-    journal = Journal(str(tmp_path / "journals"), root, MANIFEST, [], fsync=False)
+    journal = Journal(str(tmp_path / "journals"), RootFiles(root), MANIFEST, [], fsync=False)
     assert os.path.basename(journal.path) == key(real, 32) + ".json"
 
 
@@ -70,13 +70,14 @@ def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
     daemon.note_pid(files, lock, "reg/box:v1", 4)
     os.close(lock)
     statcache.note_last_commit(root, MANIFEST, "reg/box:v1", MANIFEST)
-    write_versioned(record._path(root), record.VERSION, {"root": os.path.realpath(root), "manifest": MANIFEST})
+    write_versioned(record._path(RootFiles(root)), record.VERSION,
+                    {"root": os.path.realpath(root), "manifest": MANIFEST})
     sources = BlobSources()
     sources.note("reg", "box", [MANIFEST])
     sources.save()
     read = {files.pid: lambda: daemon._read_json(files.pid).get("pid"),
             statcache._last_commit_path(root): lambda: statcache.last_base(root),
-            record._path(root): lambda: record.restored_from(root),
+            record._path(RootFiles(root)): lambda: record.restored_from(root),
             sources.path: lambda: BlobSources().repositories("reg", MANIFEST) or None}
     assert all(got() is not None for got in read.values())
     for path, got in read.items():
@@ -87,7 +88,7 @@ def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
 def test_wait_does_not_take_a_progress_file_of_another_version_for_a_landed_file(state_dir, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
-    path = landing.progress_path(str(root))
+    path = landing.progress_path(RootFiles(str(root)))
     write_versioned(path, landing.VERSION, {"pid": os.getpid(), "state": "running", "files": {"w.bin": True}})
     landing.wait_landed(str(root / "w.bin"), str(root), timeout=0)
     next_version(path)

@@ -17,7 +17,7 @@ from snapshotter.index.entry import Entry
 from snapshotter.layer.memo import PlanMemo
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
 from snapshotter.layer.planning import plan_layers
-from snapshotter.oci.image import Image
+from snapshotter.oci.image import Image, Layer
 from snapshotter.profile import Profile, load_profile
 from snapshotter.progress import human_size
 from snapshotter.oci.reference import Reference
@@ -77,7 +77,7 @@ class CommitHooks:
         self.plan_memo: Optional[PlanMemo] = None
         self.stopping: Optional[threading.Event] = None
         self._target: Optional[tuple[Remote, str, Optional[str]]] = None
-        self._previous: Optional[dict[str, list[tuple[dict, str]]]] = None
+        self._previous: Optional[dict[str, list[Layer]]] = None
 
     def pushing_to(self, remote: Remote, root: str, digest: Optional[str]) -> None:
         self._target, self._previous = (remote, root, digest), None
@@ -89,7 +89,7 @@ class CommitHooks:
         """The files some process is writing (box/writers.py) that changed in the last WRITING_QUIET_S seconds."""
         return being_written(scan, root, WRITING_QUIET_S, restored_at=restored_at_ns(root))
 
-    def previous_files(self) -> dict[str, list[tuple[dict, str]]]:
+    def previous_files(self) -> dict[str, list[Layer]]:
         """The target tag's snapshot's (read once, when first asked); none without a target."""
         if self._previous is None:
             self._previous = last_snapshot_files(*self._target) if self._target else {}
@@ -122,7 +122,7 @@ class CommitResult:
     host_files: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read because they were being written, with why
     carried: list[str] = field(default_factory=list)  # of those, kept at the last snapshot's version
-    snap_layers: list[tuple[dict, str]] = field(default_factory=list)  # the image's own layers: (descriptor, diff_id)
+    snap_layers: list[Layer] = field(default_factory=list)  # the image's own layers
     unreadable: list[str] = field(default_factory=list)  # paths of the box snap may not read: left out
     grown: dict[str, int] = field(default_factory=dict)  # files that grew while sent: sent as first seen (size)
     uploaded_bytes: int = 0  # every byte this commit put into the registry: layers, headers, config, manifests
@@ -162,8 +162,7 @@ class CommitPlan:
     unreadable: set[str] = field(default_factory=set)
     left_unread: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # files not read (being written), with why
-    # held files kept as the last snapshot's layers
-    carried: dict[str, list[tuple[dict, str]]] = field(default_factory=dict)
+    carried: dict[str, list[Layer]] = field(default_factory=dict)  # held files kept as the last snapshot's layers
     deletes: Optional[deletions.Deletions] = None  # what the snapshot deletes of its base (None: no base)
     jobs: int = 1  # layers packed at once (CommitOptions.jobs, resolved)
     hooks: CommitHooks = field(default_factory=CommitHooks)  # what the commit asks its caller

@@ -12,7 +12,7 @@ from typing import Optional
 from snapshotter import progress
 from snapshotter.box.scan import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
-from snapshotter.digests import file_digest, sha256_digest
+from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError, SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
@@ -21,10 +21,8 @@ from snapshotter.layer import generate
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
 from snapshotter.layer.packers import Packers, PackJob
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
-from snapshotter.oci.image import (SNAP_CONTENT, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS,
-                                   Image, descriptor, now_rfc3339, scratch_config, secrets_annotations, snap_label,
-                                   snapshot_config, snapshot_manifest)
-from snapshotter.oci.mediatypes import OCI_MANIFEST
+from snapshotter.oci.image import (SNAP_CONTENT, SNAP_HEADERS, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
+                                   SNAP_PART_LINKS, Image, NewImage, descriptor, scratch_config, secrets_annotations)
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
@@ -56,58 +54,69 @@ def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOpt
     return remote
 
 
-def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions) -> CommitResult:
-    """Push a planned commit: the layers, the config, then the manifest under the target's tag."""
+def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions,
+                opts: CommitOptions) -> CommitResult:
+    """Push a planned commit: the layers, then the image built of them (config and manifest) under
+    the target's tag."""
     remote = target_remote(cp, target_ref, transport)
     if cp.hooks.stopping is not None:
         remote.stopping = cp.hooks.stopping
-    base_img = cp.base_img
     layers = _push_settled_layers(cp, remote, opts)
     grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
-    count = cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values())
+    _warn_engine_limit(cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()), opts)
+    # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
+    headers = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
+    image, reports = _build_image(cp, layers, headers, opts)
+    # The base's index, for a commit on a new machine and for restore (index/base.py).
+    index_digest = baseindex.push(remote, cp.base_img.manifest_digest, cp.sources) if cp.base_img else None
+    if index_digest:
+        image.annotations[baseindex.SNAP_BASE_INDEX] = index_digest
+    digest, _, config_digest = remote.write_image(image, target_ref.target)
+    cp.cache.save()
+    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
+    travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
+        + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else [])
+    _note_pushed(cp, target_ref, image, [config_digest] + travelled)
+    return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
+                        cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
+                        len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
+                        snap_layers=list(image.layers), unreadable=cp.scan.unreadable,
+                        grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed))
+
+
+def _warn_engine_limit(count: int, opts: CommitOptions) -> None:
     if count > MAX_ENGINE_LAYERS:
         opts.log(f"warning: the image has {count} layers: Docker cannot run an image of more than about "
                  f"{MAX_ENGINE_LAYERS}, and podman fails to start one of somewhere between 126 and 133 or more "
                  "(snap restore has no such limit)")
 
-    created = now_rfc3339()
-    base_config = base_img.config if base_img else scratch_config(*host_platform())
-    # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
-    headers = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
-    rows = [(p.label, b.diff_id, descriptor(b.media_type, b.digest, b.size, _annotations(p, headers.get(b.diff_id))),
-             status, len(p.entries) + len(p.whiteouts)) for p, b, status in layers]
-    _insert_carried(rows, cp)
-    config = snapshot_config(base_config, [(label, diff_id) for label, diff_id, *_ in rows], created)
-    layer_descs = [desc for _, _, desc, *_ in rows]
-    extra = {SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
-             **(cp.deletes.annotation() if cp.deletes else {})}  # read by a restore onto a live system
-    # The base's index, for a commit on a new machine and for restore (index/base.py).
-    index_digest = baseindex.push(remote, base_img.manifest_digest, cp.sources) if base_img else None
-    if index_digest:
-        extra[baseindex.SNAP_BASE_INDEX] = index_digest
-    manifest = snapshot_manifest(base_img, cp.base_name if base_img else None, config, layer_descs, opts.profile.name,
-                                 created, extra)
-    config_digest = sha256_digest(config)
-    if not remote.blob_exists(config_digest):
-        remote.upload_from(lambda out: out.write(config), config_digest, len(config), what="config")
-    # The tag moves only now, after every blob is in.
-    digest = remote.put_manifest(manifest, OCI_MANIFEST, target_ref.target)
-    cp.cache.save()
-    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
-    own = [d["digest"] for d in json.loads(manifest)["layers"]] + [config_digest]
-    cp.sources.note(target_ref.api_host, target_ref.repository,
-                    own + ([base_img.manifest["config"]["digest"]] if base_img else [])
-                    + ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else [])
-                    + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []))
-    cp.sources.save()
 
-    reports = [LayerReport(label, desc["digest"], desc["size"], desc["mediaType"], entries, status)
-               for label, _, desc, status, entries in rows]
-    return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
-                        cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
-                        len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
-                        snap_layers=[(desc, diff_id) for _, diff_id, desc, *_ in rows], unreadable=cp.scan.unreadable,
-                        grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed))
+def _build_image(cp: CommitPlan, layers: list[tuple[LayerPlan, LayerBlob, str]], headers: dict[str, str],
+                 opts: CommitOptions) -> tuple[NewImage, list[LayerReport]]:
+    """The snapshot image: the base's layers, then the pushed ones with the carried ones among them
+    (_insert_carried); and a report of each of snap's layers."""
+    base_img = cp.base_img
+    rows = [(descriptor(b.media_type, b.digest, b.size, _annotations(p, headers.get(b.diff_id))), b.diff_id,
+             LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status))
+            for p, b, status in layers]
+    _insert_carried(rows, cp)
+    image = NewImage(base_img, cp.base_name if base_img else None,
+                     base_img.config if base_img else scratch_config(*host_platform()), opts.profile.name)
+    for desc, diff_id, report in rows:
+        image.append(desc, diff_id, report.name)
+    image.annotations.update({SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
+                              # read by a restore onto a live system
+                              **(cp.deletes.annotation() if cp.deletes else {})})
+    return image, [report for _, _, report in rows]
+
+
+def _note_pushed(cp: CommitPlan, target_ref: Reference, image: NewImage, also: list[str]) -> None:
+    """Remember that the target's repository now holds the image's blobs (registry/blobsources.py)."""
+    base = image.base
+    own = [d["digest"] for d in (base.layers if base else [])] + [layer.digest for layer in image.layers]
+    cp.sources.note(target_ref.api_host, target_ref.repository,
+                    own + also[:1] + ([base.config_digest] if base else []) + also[1:])
+    cp.sources.save()
 
 
 def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:
@@ -130,11 +139,13 @@ def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) ->
                     "commit again once the box is quieter")
 
 
-def _insert_carried(rows: list, cp: CommitPlan) -> None:
+def _insert_carried(rows: list[tuple[dict, str, LayerReport]], cp: CommitPlan) -> None:
     """Put the layers carried from the last snapshot among the weights' single-file layers: before
     the weights' last small layer (directories and deletions), which must stay on top of them."""
-    carried = [(snap_label(desc) or desc["digest"][:19], diff_id, desc, "kept from the last snapshot (being written, not read)",
-                1) for path in sorted(cp.carried) for desc, diff_id in cp.carried[path]]
+    carried = [(layer.descriptor, layer.diff_id,
+                LayerReport(layer.snap_label or layer.digest[:19], layer.digest, layer.size, layer.media_type, 1,
+                            "kept from the last snapshot (being written, not read)"))
+               for path in sorted(cp.carried) for layer in cp.carried[path]]
     if not carried:
         return
     at = len(rows)
@@ -146,7 +157,7 @@ def _insert_carried(rows: list, cp: CommitPlan) -> None:
 def _annotations(plan: LayerPlan, headers: Optional[str]) -> dict:
     ann = {SNAP_LAYER: plan.name}
     if headers:
-        ann[skeleton.SNAP_HEADERS] = headers
+        ann[SNAP_HEADERS] = headers
     if plan.detail:
         ann[SNAP_CONTENT] = plan.detail
     if plan.part_of:
@@ -203,86 +214,28 @@ def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -
 
 
 def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[tuple[LayerPlan, LayerBlob, str]]:
-    """Build and upload planned layers (some of a plan's for the watcher, all for a commit), several at once. A layer whose fingerprint is in the
-    stat cache (or that the last restore into this root wrote and nothing changed since), and
-    whose blob the registry has (or mounts from another repository), is neither read nor uploaded."""
-    root, zstd_level, sources = cp.root, cp.zstd_level, cp.sources
-    results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
-    todo: list[tuple[int, LayerPlan, str]] = []
-    for i, plan in enumerate(plans):
-        fp = plan.fingerprint(zstd_level)
-        hit, there = _reused(cp, remote, plan)
-        if there:
-            blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
-            results[i] = (plan, blob, f"{there} (unchanged, not read)")
-            cp.cache.record(fp, hit)
-        elif unread := sorted(_files_read(plan) & cp.unreadable):  # the registry lost the blob since push_commit looked
-            raise SnapError(f"layer {plan.label!r} would have to read {'/' + unread[0]!r}, which is being rewritten",
-                            "nothing was pushed; the next try leaves the file out")
-        else:
-            todo.append((i, plan, fp))
-    out_dir = sub("layers")
+    """Build and upload planned layers (some of a plan's for the watcher, all for a commit), several
+    at once. A layer whose fingerprint is in the stat cache (or that the last restore into this root
+    wrote and nothing changed since), and whose blob the registry has (or mounts from another
+    repository), is neither read nor uploaded."""
+    results, todo = _reuse(cp, remote, plans)
     todo.sort(key=lambda t: -t[1].content_size)  # the biggest first: the last to finish is a small one
     apart = [plan for _, plan, _ in todo if plan.compression != "none"]
     # Packers only where they run side by side: one layer alone packs as fast here, without the start.
     packers = min(cp.jobs, len(apart)) if sum(p.content_size for p in apart) >= PACK_APART_MIN else 0
     packers = packers if packers > 1 else 0
-    # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
-    # way the frames are the same (tar/compress.py).
-    zstd_threads = max(1, cpu_count() // packers) if packers else -1
-    slots = threading.Semaphore(cp.jobs)  # layers packed at once
-    sending = threading.Semaphore(UPLOADS)
     with progress.bar("packing", sum(p.content_size for _, p, _ in todo), sink=cp.log) as pack, \
             progress.bar("uploading", sink=cp.log) as up, ThreadPoolExecutor(cp.jobs + UPLOADS) as pool, \
             Packers(packers, progress.Stopped) as apart_packers:
         # An error or Ctrl-C sets remote.stopping: layers being read or sent give up at their next
         # chunk, and the exit does not wait for a weight to finish on a slow link.
-        on_pack = progress.stoppable(progress.safe_update(pack), remote.stopping)
-        on_up = progress.stoppable(progress.safe_update(up), remote.stopping)
-
-        def produce(plan: LayerPlan) -> tuple[LayerBlob, str]:
-            with slots:
-                blob, piece = _pack(plan)
-            skeleton.keep(blob.diff_id, piece)
-            with sending:
-                return _send(plan, blob)
-
-        def _send(plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
-            if plan.compression == "none":
-                if blob.not_whole:
-                    return blob, NOT_SENT_TORN
-                if there := in_registry(remote, blob.digest, sources):
-                    return blob, there
-                return blob, _upload_measured(remote, root, plan, blob, zstd_level, on_up)
-            try:
-                if blob.not_whole:
-                    return blob, NOT_SENT_TORN
-                if there := in_registry(remote, blob.digest, sources):
-                    return blob, there
-                remote.upload_blob(blob.path, blob.digest, blob.size, on_up, what="layers")
-                return blob, "uploaded"
-            finally:
-                os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
-
-        def _pack(plan: LayerPlan) -> tuple[LayerBlob, bytes]:
-            """The layer's blob and its skeleton's piece (its headers, as written)."""
-            if plan.compression != "none" and packers:
-                return apart_packers.pack(PackJob(plan, root, out_dir, zstd_level, zstd_threads, skeleton.PieceWriter,
-                                                  generate.after_read), on_pack)
-            headers = skeleton.PieceWriter()
-            if plan.compression == "none":
-                # Stored as is: hash it in one read (the hash lets other threads run), then stream it
-                # again to the registry only if the registry lacks it. No copy of tens of GB on the
-                # box's (often full) disk.
-                blob = measure_layer(root, plan, zstd_level, on_pack, headers)
-            else:
-                blob = build_layer(root, plan, out_dir, zstd_level, on_pack, headers)
-            return blob, headers.finish(blob.diff_id)
-
+        sender = _LayerSender(cp, remote, apart_packers if packers else None, packers,
+                              progress.stoppable(progress.safe_update(pack), remote.stopping),
+                              progress.stoppable(progress.safe_update(up), remote.stopping))
         futures = {}
         try:  # a Ctrl-C while the layers are still being handed out must stop the ones already started
             for i, plan, fp in todo:
-                futures[pool.submit(produce, plan)] = (i, plan, fp)
+                futures[pool.submit(sender.produce, plan)] = (i, plan, fp)
             for fut in as_completed(futures):  # the first error stops the rest, whichever layer it is
                 i, plan, fp = futures[fut]
                 blob, status = fut.result()
@@ -297,6 +250,81 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                 f.cancel()
             raise
     return [results[i] for i in range(len(plans))]
+
+
+def _reuse(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]
+           ) -> tuple[dict[int, tuple[LayerPlan, LayerBlob, str]], list[tuple[int, LayerPlan, str]]]:
+    """({place: the layer as reused, unread} for the plans the registry has already, [(place, plan,
+    fingerprint)] for those to build)."""
+    results: dict[int, tuple[LayerPlan, LayerBlob, str]] = {}
+    todo: list[tuple[int, LayerPlan, str]] = []
+    for i, plan in enumerate(plans):
+        fp = plan.fingerprint(cp.zstd_level)
+        hit, there = _reused(cp, remote, plan)
+        if there:
+            blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
+            results[i] = (plan, blob, f"{there} (unchanged, not read)")
+            cp.cache.record(fp, hit)
+        elif unread := sorted(_files_read(plan) & cp.unreadable):  # the registry lost the blob since push_commit looked
+            raise SnapError(f"layer {plan.label!r} would have to read {'/' + unread[0]!r}, which is being rewritten",
+                            "nothing was pushed; the next try leaves the file out")
+        else:
+            todo.append((i, plan, fp))
+    return results, todo
+
+
+class _LayerSender:
+    """Builds one planned layer (in this process, or a packer process) and sends it, at most
+    cp.jobs layers packed and UPLOADS sent at once."""
+
+    def __init__(self, cp: CommitPlan, remote: Remote, packers: Optional[Packers], count: int, on_pack, on_up):
+        self.root, self.zstd_level, self.sources, self.remote = cp.root, cp.zstd_level, cp.sources, remote
+        self.packers, self.on_pack, self.on_up = packers, on_pack, on_up
+        self.out_dir = sub("layers")
+        # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
+        # way the frames are the same (tar/compress.py).
+        self.zstd_threads = max(1, cpu_count() // count) if count else -1
+        self.slots = threading.Semaphore(cp.jobs)  # layers packed at once
+        self.sending = threading.Semaphore(UPLOADS)
+
+    def produce(self, plan: LayerPlan) -> tuple[LayerBlob, str]:
+        with self.slots:
+            blob, piece = self._pack(plan)
+        skeleton.keep(blob.diff_id, piece)
+        with self.sending:
+            return self._send(plan, blob)
+
+    def _send(self, plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
+        if plan.compression == "none":
+            if blob.not_whole:
+                return blob, NOT_SENT_TORN
+            if there := in_registry(self.remote, blob.digest, self.sources):
+                return blob, there
+            return blob, _upload_measured(self.remote, self.root, plan, blob, self.zstd_level, self.on_up)
+        try:
+            if blob.not_whole:
+                return blob, NOT_SENT_TORN
+            if there := in_registry(self.remote, blob.digest, self.sources):
+                return blob, there
+            self.remote.upload_blob(blob.path, blob.digest, blob.size, self.on_up, what="layers")
+            return blob, "uploaded"
+        finally:
+            os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
+
+    def _pack(self, plan: LayerPlan) -> tuple[LayerBlob, bytes]:
+        """The layer's blob and its skeleton's piece (its headers, as written)."""
+        if plan.compression != "none" and self.packers is not None:
+            return self.packers.pack(PackJob(plan, self.root, self.out_dir, self.zstd_level, self.zstd_threads,
+                                             skeleton.PieceWriter, generate.after_read), self.on_pack)
+        headers = skeleton.PieceWriter()
+        if plan.compression == "none":
+            # Stored as is: hash it in one read (the hash lets other threads run), then stream it
+            # again to the registry only if the registry lacks it. No copy of tens of GB on the
+            # box's (often full) disk.
+            blob = measure_layer(self.root, plan, self.zstd_level, self.on_pack, headers)
+        else:
+            blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, self.on_pack, headers)
+        return blob, headers.finish(blob.diff_id)
 
 
 def _upload_measured(remote: Remote, root: str, plan: LayerPlan, blob: LayerBlob, zstd_level: int, on_up) -> str:

@@ -7,9 +7,9 @@ registry stores: we push these exact bytes."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from snapshotter.digests import DIGEST, sha256_digest
 from snapshotter.errors import IntegrityError, UsageError, printable
@@ -23,7 +23,10 @@ SNAP_LAYER = "dev.snap.layer"  # layer annotation: which profile layer this is
 SNAP_CONTENT = "dev.snap.content"  # layer annotation: the one file it holds, or "bundle N"
 SNAP_PART = "dev.snap.part"  # layer annotation: "i/n" for a part of a file cut at the layer size cap
 SNAP_PART_FILE = "dev.snap.part-file"  # layer annotation: the file the parts join back into
-SNAP_PART_LINKS = "dev.snap.part-links"  # last part's annotation: the file's other names (JSON list), linked at the join
+# The last part's annotation: the file's other names (JSON list), linked at the join.
+SNAP_PART_LINKS = "dev.snap.part-links"
+SNAP_HEADERS = "dev.snap.headers"  # layer annotation: the digest of that layer's headers blob
+SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation of older snapshots: one blob of every layer's headers
 SNAP_BASE_LAYERS = "dev.snap.base-layers"  # manifest annotation: how many leading layers are the base's
 SNAP_PROFILE = "dev.snap.profile"
 SNAP_MAX_LAYER = "dev.snap.max-layer-size"  # manifest annotation: the cap files were cut at
@@ -33,6 +36,52 @@ SECRETS_ANNOTATION_MAX = 32 * 1024  # bytes of JSON at most: registries cap a wh
 BASE_NAME = "org.opencontainers.image.base.name"
 BASE_DIGEST = "org.opencontainers.image.base.digest"
 CREATED = "org.opencontainers.image.created"
+
+
+class Layer(NamedTuple):
+    """One layer of an image: its descriptor (the manifest's JSON, exact), its place among the
+    image's layers and its diff_id (the config's). What snap's annotations say of it is read here."""
+
+    index: int
+    descriptor: dict
+    diff_id: str
+
+    @property
+    def digest(self) -> str:
+        return self.descriptor["digest"]
+
+    @property
+    def size(self) -> int:
+        return self.descriptor["size"]
+
+    @property
+    def media_type(self) -> str:
+        return self.descriptor["mediaType"]
+
+    @property
+    def annotations(self) -> dict[str, str]:
+        return annotations_of(self.descriptor, "a layer")
+
+    @property
+    def snap_label(self) -> str:
+        """How commit named it ('venv', 'models (bundle 2)'); '' for a layer snap did not make."""
+        return snap_label(self.descriptor)
+
+    @property
+    def label(self) -> str:
+        """Its name fit for a message: snap's label, else 'base layer N'."""
+        return layer_label(self.descriptor, self.index)
+
+    @property
+    def headers(self) -> Optional[str]:
+        """The digest of its headers blob (dev.snap.headers), if it names a well-formed one."""
+        digest = self.annotations.get(SNAP_HEADERS)
+        return digest if isinstance(digest, str) and DIGEST.fullmatch(digest) else None
+
+    @property
+    def part_file(self) -> Optional[str]:
+        """The file this part layer joins back into (dev.snap.part-file); None for a whole layer."""
+        return self.annotations.get(SNAP_PART_FILE)
 
 
 @dataclass
@@ -61,7 +110,22 @@ class Image:
 
     @property
     def layers(self) -> list[dict]:
+        """The manifest's layer descriptors, as JSON (select_layers gives them as checked Layers)."""
         return self.manifest["layers"]
+
+    @property
+    def annotations(self) -> dict[str, str]:
+        """The manifest's annotations ({} when it has none), checked at __post_init__."""
+        return annotations_of(self.manifest, f"image {self.ref}")
+
+    @property
+    def config_digest(self) -> str:
+        return self.manifest["config"]["digest"]
+
+    def annotated_digest(self, key: str) -> Optional[str]:
+        """A digest the manifest's annotation `key` names, if it is a well-formed one."""
+        digest = self.annotations.get(key)
+        return digest if isinstance(digest, str) and DIGEST.fullmatch(digest) else None
 
 
 def canonical(doc: dict) -> bytes:
@@ -92,7 +156,8 @@ def snapshot_config(base_config: dict, layers: list[tuple[str, str]], created: s
     history.extend({"created_by": "(base image layer)"} for _ in range(len(base_diff_ids) - real))
     for name, diff_id in layers:
         base_diff_ids.append(diff_id)
-        history.append({"created": created, "created_by": f"snap commit: {name} layer", "comment": f"snap layer {name}"})
+        history.append({"created": created, "created_by": f"snap commit: {name} layer",
+                        "comment": f"snap layer {name}"})
     cfg["created"] = created
     cfg.setdefault("architecture", "amd64")
     cfg.setdefault("os", "linux")
@@ -153,6 +218,37 @@ def snapshot_manifest(base: Optional[Image], base_name: Optional[str], config: b
     return canonical(manifest)
 
 
+@dataclass
+class NewImage:
+    """A snapshot image as commit builds it: the base's layers, then snap's own, appended one by one
+    (`append`); its config and manifest (the exact bytes pushed) are made from them, and the image
+    is written to a registry by registry/remote.py's Remote.write_image."""
+
+    base: Optional[Image]  # None: scratch
+    base_name: Optional[str]
+    base_config: dict
+    profile: str
+    created: str = field(default_factory=now_rfc3339)
+    annotations: dict[str, str] = field(default_factory=dict)  # the manifest's, beside snap's own
+    layers: list[Layer] = field(default_factory=list)  # snap's own, in order
+    labels: list[str] = field(default_factory=list)  # each one's name in the config's history
+
+    def append(self, descriptor: dict, diff_id: str, label: str) -> Layer:
+        """Add a layer on top; returns it, placed after the base's layers and those before it."""
+        layer = Layer(len(self.base.layers if self.base else []) + len(self.layers), descriptor, diff_id)
+        self.layers.append(layer)
+        self.labels.append(label)
+        return layer
+
+    def config_bytes(self) -> bytes:
+        return snapshot_config(self.base_config, list(zip(self.labels, (layer.diff_id for layer in self.layers))),
+                               self.created)
+
+    def manifest_bytes(self, config: bytes) -> bytes:
+        return snapshot_manifest(self.base, self.base_name, config, [layer.descriptor for layer in self.layers],
+                                 self.profile, self.created, self.annotations)
+
+
 def annotations_of(doc: dict, where: str) -> dict[str, str]:
     """The annotations of a manifest or a descriptor ({} when it has none): a map of strings to
     strings, as the image-spec wants; any other JSON (a number, a list, a nested object) is refused."""
@@ -190,9 +286,9 @@ def snapshot_layer_count(image: Image) -> int:
     return snapshot_layers_of(image.manifest, f"image {image.ref}")
 
 
-def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, str]]:
-    """[(index, descriptor, diff_id)] of the layers a restore applies, in order: all of them, or
-    only the snapshot's; refused if the image is malformed."""
+def select_layers(image: Image, only_snapshot: bool) -> list[Layer]:
+    """The layers a restore applies, in order: all of them, or only the snapshot's; refused if the
+    image is malformed."""
     layers = image.layers
     diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
     if len(diff_ids) != len(layers):
@@ -206,9 +302,10 @@ def select_layers(image: Image, only_snapshot: bool) -> list[tuple[int, dict, st
     if only_snapshot:
         n = snapshot_layer_count(image)
         if n == 0:
-            raise UsageError(f"{image.ref} was not made by snap commit", "drop --only-snapshot to restore all its layers")
+            raise UsageError(f"{image.ref} was not made by snap commit",
+                             "drop --only-snapshot to restore all its layers")
         start = len(layers) - n
-    return [(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
+    return [Layer(i, layers[i], diff_ids[i]) for i in range(start, len(layers))]
 
 
 def snap_label(desc: dict) -> str:

@@ -24,8 +24,8 @@ import requests
 from snapshotter.digests import DIGEST, hasher_digest, sha256_digest
 from snapshotter.errors import (IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError,
                                 printable)
-from snapshotter.oci.image import Image
-from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES
+from snapshotter.oci.image import Image, NewImage
+from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES, OCI_MANIFEST
 from snapshotter.oci.reference import Reference
 
 from .answers import check, json_object, short_error
@@ -128,6 +128,17 @@ class Remote:
         self._count("manifests", len(body))
         return sha256_digest(body)
 
+    def write_image(self, image: NewImage, target: str) -> tuple[str, bytes, str]:
+        """Push a built image whose layers are already in: its config (unless the registry has it),
+        then its manifest under `target`; the tag moves only now, after every blob is in. Returns
+        (the manifest's digest, its bytes, the config's digest)."""
+        config = image.config_bytes()
+        manifest = image.manifest_bytes(config)
+        config_digest = sha256_digest(config)
+        if not self.blob_exists(config_digest):
+            self.upload_from(lambda out: out.write(config), config_digest, len(config), what="config")
+        return self.put_manifest(manifest, OCI_MANIFEST, target), manifest, config_digest
+
     def _count(self, what: str, n: int) -> None:
         with self._pushed_lock:
             self.pushed[what] = self.pushed.get(what, 0) + n
@@ -150,7 +161,8 @@ class Remote:
         while url:
             if url in seen or len(seen) >= MAX_TAG_PAGES:
                 why = "names a page again" if url in seen else f"has more than {MAX_TAG_PAGES} pages"
-                raise RegistryError(f"the tag list of {self.ref.name} on registry {self.ref.registry!r} {why}: giving up")
+                raise RegistryError(f"the tag list of {self.ref.name} on registry {self.ref.registry!r} {why}: "
+                                    "giving up")
             seen.add(url)
             r = self.transport.request("GET", url)
             if r.status_code == 404:

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Optional
 from snapshotter.box.deletions import Deleting, LiveRoot, count_live, refuse_live
 from snapshotter.errors import IntegrityError
 from snapshotter.layer.extract import creates
-from snapshotter.oci.image import Image, layer_label
+from snapshotter.oci.image import Image, Layer
 from snapshotter.profile import PathSet
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.skeleton import Skeleton
@@ -51,7 +51,8 @@ Claims = dict[str, dict[str, Optional[str]]]
 class LayerDeletions:
     """What a layer's headers delete, and what they write."""
     deleting: list[Deleting] = field(default_factory=list)  # its whiteouts and opaque markers
-    writing: list[tuple[Deleting, tarfile.TarInfo]] = field(default_factory=list)  # its members: they replace what is there
+    # its members: they replace what is there
+    writing: list[tuple[Deleting, tarfile.TarInfo]] = field(default_factory=list)
     created: set[str] = field(default_factory=set)  # the paths the extractor makes for it (extract.creates)
 
 
@@ -74,7 +75,7 @@ def read_deletions(members: Iterable[tarfile.TarInfo], allow_devices: bool = Fal
     return out
 
 
-def guard_live_root(remote: Remote, image: Image, todo: list[tuple[int, dict, str]], skeletons: dict[str, Skeleton],
+def guard_live_root(remote: Remote, image: Image, todo: list[Layer], skeletons: dict[str, Skeleton],
                     root: str, sign: str, never_write: PathSet, allow_devices: bool, joins: dict[str, list[str]],
                     log: Callable[[str], None]) -> Claims:
     """Refuse (IntegrityError) the layers `todo` when what they delete of the live `root` is its
@@ -82,16 +83,16 @@ def guard_live_root(remote: Remote, image: Image, todo: list[tuple[int, dict, st
     would replace a directory there; else what each may delete (Claims). Nothing is written to the
     root either way."""
     layers: dict[str, LayerDeletions] = {}
-    for i, desc, diff_id in todo:
-        if desc["digest"] not in layers:
-            layers[desc["digest"]] = _layer_deletions(remote, desc, diff_id, layer_label(desc, i),
-                                                      skeletons.get(diff_id), allow_devices, log)
+    for layer in todo:
+        if layer.digest not in layers:
+            layers[layer.digest] = _layer_deletions(remote, layer.descriptor, layer.diff_id, layer.label,
+                                                    skeletons.get(layer.diff_id), allow_devices, log)
     live = LiveRoot(root, never_write.match)
     replacing = {digest: _replacing(live, ld.writing) for digest, ld in layers.items()}
     deleting, written = [], {}
-    for n, (_, desc, _) in enumerate(todo):  # in order: a layer deletes what those before it wrote
-        ld = layers[desc["digest"]]
-        deleting += [dataclasses.replace(d, layer=n) for d in (*ld.deleting, *replacing[desc["digest"]])]
+    for n, layer in enumerate(todo):  # in order: a layer deletes what those before it wrote
+        ld = layers[layer.digest]
+        deleting += [dataclasses.replace(d, layer=n) for d in (*ld.deleting, *replacing[layer.digest])]
         written.update((rel, n) for rel in ld.created if not live.never(rel))
     counted, where = count_live(live, deleting, written)
     refuse_live(root, str(image.ref), sign, counted)
@@ -136,7 +137,8 @@ def _replacing(live: LiveRoot, writing: list[tuple[Deleting, tarfile.TarInfo]]) 
     """The members that delete what they land on: a non-directory where the root holds a directory,
     any member (a directory too) where it holds a link to a directory that holds anything, but the
     same link (each directory read once)."""
-    entries: dict[str, dict[str, Optional[str]]] = {}  # parent as named -> {name: None for a directory, a link's target}
+    # parent as named -> {name: None for a directory, a link's target}
+    entries: dict[str, dict[str, Optional[str]]] = {}
     out = []
     for d, m in writing:
         if d.parent not in entries:

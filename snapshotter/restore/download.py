@@ -21,7 +21,7 @@ from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError, StorageError, storage_error
 from snapshotter.jobs import cpu_count
 from snapshotter.layer.staging import SPLIT_SUFFIX, SplitLayer, StagingDirs, download_split
-from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART_FILE
+from snapshotter.oci.image import SNAP_CONTENT, Layer
 from snapshotter.registry.remote import Remote
 
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
@@ -36,21 +36,22 @@ class Blob(NamedTuple):
 
 
 class Downloads:
-    """The blobs of `layers` ([(descriptor, diff_id)], in the order they are applied), downloaded
+    """The blobs of `layers` (in the order they are applied), downloaded
     in that order by DOWNLOAD_WORKERS threads while the context is open, the app's (`app`, their
     digests) before any other. Leaving the context on an error stops the downloads in flight at
     their next chunk instead of waiting for them to end (a weight on a slow link takes minutes).
     Making one checks that the target's disk has room for them all, and starts no thread."""
 
-    def __init__(self, remote: Remote, layers: list[tuple[dict, str]], app: set[str], staging: StagingDirs,
+    def __init__(self, remote: Remote, layers: list[Layer], app: set[str], staging: StagingDirs,
                  durable: bool):
         self._remote, self._durable, self._staging = remote, durable, staging
-        self._sizes = {d["digest"]: d["size"] for d, _ in layers}
-        self._uses = Counter(d["digest"] for d, _ in layers)
+        self._sizes = {layer.digest: layer.size for layer in layers}
+        self._uses = Counter(layer.digest for layer in layers)
         # An uncompressed layer is its tar (its digest is its diff_id), whatever its media type says:
         # kept split, so that its big files are renamed into place instead of copied (layer/staging.py).
         # Only a layer applied once: applying takes its big files away.
-        self._split = {d["digest"] for d, diff_id in layers if diff_id == d["digest"] and self._uses[d["digest"]] == 1}
+        self._split = {layer.digest for layer in layers
+                       if layer.diff_id == layer.digest and self._uses[layer.digest] == 1}
         self._paths = self._staging_paths(layers, staging)
         self._check_disks()
         self._stopping = threading.Event()
@@ -112,13 +113,15 @@ class Downloads:
         self._app_first.fetched(digest)
         return path
 
-    def _staging_paths(self, layers: list[tuple[dict, str]], staging: StagingDirs) -> dict[str, str]:
+    def _staging_paths(self, layers: list[Layer], staging: StagingDirs) -> dict[str, str]:
         """{digest: where its blob is kept}: each in the staging dir of the filesystem its files land on."""
         try:
-            return {d["digest"]: _blob_path(staging.for_path(_lands_at(d)), d["digest"], d["digest"] in self._split)
-                    for d, _ in layers}
+            return {layer.digest: _blob_path(staging.for_path(_lands_at(layer)), layer.digest,
+                                             layer.digest in self._split)
+                    for layer in layers}
         except OSError as e:
-            raise storage_error(e, f"the restore root {staging.root!r}", " while making a staging dir for downloads") from e
+            raise storage_error(e, f"the restore root {staging.root!r}",
+                                " while making a staging dir for downloads") from e
 
     def _check_disks(self) -> None:
         """Refuse to start downloads the target's disks cannot hold (the layers' declared sizes)."""
@@ -174,10 +177,9 @@ def _yield_cpu() -> None:
         pass
 
 
-def _lands_at(desc: dict) -> Optional[str]:
+def _lands_at(layer: Layer) -> Optional[str]:
     """Where a layer's files land, as its annotations say (snap's single-file and part layers), if they say."""
-    ann = desc.get("annotations") or {}
-    hint = (ann.get(SNAP_PART_FILE) or ann.get(SNAP_CONTENT)) if isinstance(ann, dict) else None
+    hint = layer.part_file or layer.annotations.get(SNAP_CONTENT)
     return hint if isinstance(hint, str) else None
 
 
@@ -194,7 +196,8 @@ def _check_room(blob_dir: str, size: int) -> None:
         return
     free = st.f_bavail * st.f_frsize
     if size > free:
-        raise StorageError(f"disk full on the restore target {blob_dir!r}: the image's layers need {size} bytes, {free} are free",
+        raise StorageError(f"disk full on the restore target {blob_dir!r}: the image's layers need {size} bytes, "
+                           f"{free} are free",
                            "free space on the target's disk, or restore onto a bigger one")
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from snapshotter.errors import storage_error
-from snapshotter.state import open_own, replace_file, root_key, versioned
+from snapshotter.state import RootFiles, open_own, replace_file, versioned
 
 VERSION = 5  # a header line, then one line per event (4 did not say what the files are; 3 did not list them)
 
@@ -33,17 +33,17 @@ class Applied:
 
 
 class Journal:
-    """The journal of a restore of `manifest_digest` (its `layers`, by digest) into `root`, kept in
-    `directory`. `load` reads what an earlier run left; `applied` and `joined` say how far it got.
+    """The journal of a restore of `manifest_digest` (its `layers`, by digest) into a root (`files`),
+    kept in `directory`. `load` reads what an earlier run left; `applied` and `joined` say how far it got.
 
     One JSON line with the manifest and the list, then one line per event ({"applied": n,
     "wrote": [path, ...], "shapes": [...], "gone": [...]}, {"joined": path} or {"rewound": n})
     appended as it happens: linear in the layers (a whole rewrite after each of 5,000 layers was
     quadratic). A torn last line (a kill while appending) is ignored."""
 
-    def __init__(self, directory: str, root: str, manifest_digest: str, layers: list[str], fsync: bool):
-        self.path = os.path.join(directory, root_key(root) + ".json")  # JSON lines
-        self.root, self.manifest, self.layers, self.fsync = root, manifest_digest, layers, fsync
+    def __init__(self, directory: str, files: RootFiles, manifest_digest: str, layers: list[str], fsync: bool):
+        self.path = files.file_in(directory)  # JSON lines
+        self.root, self.manifest, self.layers, self.fsync = files.root, manifest_digest, layers, fsync
         self.joined: list[str] = []
         self.done: dict[int, Applied] = {}  # layer n (from 1) of the list -> what applying it left
         self._started = False  # the file holds this run's first line
@@ -160,7 +160,8 @@ class Journal:
         try:
             write()
         except OSError as e:
-            raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}", " while writing the restore journal",
+            raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}",
+                                " while writing the restore journal",
                                 "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
                                 "it resumes") from e
 

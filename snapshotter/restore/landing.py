@@ -18,56 +18,57 @@ import time
 from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
-from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, SNAP_PART_FILE
-from snapshotter.state import open_own, root_key, state_dir, sub, versioned, write_versioned
+from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, Layer
+from snapshotter.state import RootFiles, open_own, state_dir, sub, versioned, write_versioned
 
 VERSION = 1
 PROGRESS_DIR = "restore-progress"
 POLL_SECONDS = 0.1
 
 
-def progress_path(root: str, directory: Optional[str] = None) -> str:
-    """The progress file of a restore into `root`, in `directory` (default: made in the state dir)."""
-    return os.path.join(directory or sub(PROGRESS_DIR), root_key(root) + ".json")
+def progress_path(files: RootFiles, directory: Optional[str] = None) -> str:
+    """The progress file of a restore into a root (`files`), in `directory` (default: made in the state dir)."""
+    return files.file_in(directory or sub(PROGRESS_DIR))
 
 
-def weight_file(desc: dict, weights: set[str]) -> Optional[str]:
+def weight_file(layer: Layer, weights: set[str]) -> Optional[str]:
     """The root-relative file a weights layer brings whole ("" for a bundle); None for another layer."""
-    ann = desc.get("annotations") or {}
-    if not isinstance(ann, dict) or ann.get(SNAP_LAYER) not in weights:
+    ann = layer.annotations
+    if ann.get(SNAP_LAYER) not in weights:
         return None
-    part_of = ann.get(SNAP_PART_FILE)
+    part_of = layer.part_file
     if isinstance(part_of, str):
         return part_of.lstrip("/")
     content = ann.get(SNAP_CONTENT)
-    return content.lstrip("/") if isinstance(content, str) and not content.startswith(("bundle ", "directories")) else ""
+    one_file = isinstance(content, str) and not content.startswith(("bundle ", "directories"))
+    return content.lstrip("/") if one_file else ""
 
 
-def app_ready_after(layers: list[dict], weights: set[str]) -> int:
-    """How many of `layers` (descriptors, in order) must be applied before the app can start: all
+def app_ready_after(layers: list[Layer], weights: set[str]) -> int:
+    """How many of `layers` (in order) must be applied before the app can start: all
     up to the last one that is not a weights layer. A file of a non-weight layer cut into parts is
     joined at the end, so then the app starts at the end."""
     last = 0
-    for n, desc in enumerate(layers):
-        if weight_file(desc, weights) is None:
-            if SNAP_PART_FILE in (desc.get("annotations") or {}):
+    for n, layer in enumerate(layers):
+        if weight_file(layer, weights) is None:
+            if layer.part_file is not None:
                 return len(layers) + 1  # after the joins
             last = n + 1
     return last
 
 
 class Progress:
-    """The progress file of a restore into `root` of `layers` (descriptors, in order)."""
+    """The progress file of a restore into a root (`files`) of `layers` (in order)."""
 
-    def __init__(self, root: str, layers: list[dict], weights: set[str]):
-        self.path = progress_path(root)
+    def __init__(self, files: RootFiles, layers: list[Layer], weights: set[str]):
+        self.path = progress_path(files)
         self.files = {rel: False for rel in (weight_file(d, weights) for d in layers) if rel}
         self.state = "running"
         self._write()
 
-    def landed(self, desc: dict, weights: set[str]) -> None:
-        rel = weight_file(desc, weights)
-        if rel and rel in self.files and SNAP_PART_FILE not in desc.get("annotations", {}):
+    def landed(self, layer: Layer, weights: set[str]) -> None:
+        rel = weight_file(layer, weights)
+        if rel and rel in self.files and layer.part_file is None:
             self.files[rel] = True
             self._write()
 
@@ -112,7 +113,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
     if rel == ".." or rel.startswith("../") or rel == ".":
         raise UsageError(f"{path!r} is not a file under the restore root {root!r}", "pass --root")
     deadline = None if timeout is None else clock() + timeout
-    progress = progress_path(real_root, os.path.join(state_dir(), PROGRESS_DIR))  # read only: nothing made
+    progress = progress_path(RootFiles(real_root), os.path.join(state_dir(), PROGRESS_DIR))  # read only: nothing made
     while True:
         try:
             with open_own(progress) as f:

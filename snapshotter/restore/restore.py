@@ -13,7 +13,8 @@ checked at download, is its diff_id). Before any download, the snap layers the r
 file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
 kept the weights). A journal (journal.py) records how many layers
 of this run's list are applied, so a restore that was interrupted resumes where it stopped (from
-the first applied layer whose files are no longer all there: resume.py). Then files cut into part layers are joined (parts.py), and
+the first applied layer whose files are no longer all there: resume.py). Then files cut into part
+layers are joined (parts.py), and
 the snap layers are noted for the next commit of the root (snapshot/record.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base
 index: docs/commit.md), so that the next commit here does not download them again.
@@ -35,15 +36,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from snapshotter.box.clock import stamp
-from snapshotter.digests import DIGEST
+from snapshotter.box.clock import Stamp, stamp
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, printable, storage_error
 from snapshotter.index import base as baseindex
 from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
 from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
-from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, Image, layer_label,
-                                   select_layers, snap_label, snapshot_layer_count)
+from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, SNAP_SKELETON, Image,
+                                   Layer, select_layers, snapshot_layer_count)
 from snapshotter.oci.reference import Reference
 from snapshotter.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.progress import human_size
@@ -52,7 +52,7 @@ from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.record import applied_since, forget_restore, note_restore
-from snapshotter.state import exclusive, state_dir, sub
+from snapshotter.state import RootFiles, exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
 
 from .applier import ExtractWorker, LayerJob
@@ -62,7 +62,7 @@ from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
 from .resume import first_missing
-from .schedule import Layer, Scheduler
+from .schedule import Scheduler
 from .skip import RootRules, SkipPlan, plan_skips, skipped_part_files
 
 
@@ -90,7 +90,8 @@ class RestoreResult:
     bytes: int
     skipped_devices: list[str]
     stripped_setuid: list[str]
-    seeded_layers: int = 0  # snap layers the next commit of this root will know without reading them (snapshot/record.py)
+    # snap layers the next commit of this root will know without reading them (snapshot/record.py)
+    seeded_layers: int = 0
     skipped_devices_count: int = 0  # all of them (the lists keep the first extract.NAMES_KEPT names)
     stripped_setuid_count: int = 0
     skipped_layers: int = 0  # layers the root already held: neither downloaded nor applied (skip.py)
@@ -102,7 +103,8 @@ def _state_sub(name: str) -> str:
     try:
         return sub(name)
     except OSError as e:
-        raise storage_error(e, f"snap's state dir {state_dir()!r}", hint="point SNAP_STATE_DIR at a writable directory") from e
+        raise storage_error(e, f"snap's state dir {state_dir()!r}",
+                            hint="point SNAP_STATE_DIR at a writable directory") from e
 
 
 # ---- restore ----------------------------------------------------------------------------------------
@@ -115,15 +117,83 @@ def restore_image(ref: str, root: str, opts: Optional[RestoreOptions] = None) ->
         return _restore_image(ref, root, opts)
 
 
+@dataclass
+class _Run:
+    """One restore's working set: made by _open_run, then handed through its phases."""
+
+    reference: Reference
+    files: RootFiles  # the root's files in the state dir: journal, progress, restore record
+    remote: Remote
+    image: Image
+    todo: list[Layer]  # the layers this run applies, in order
+    journal: Journal
+    extractor: Extractor
+    profile: Profile
+    base_layers: int  # how many of todo are the base's (0 for --only-snapshot)
+    parts: dict[str, int]  # files cut into part layers, to join: their part counts (parts.py)
+    links: dict[str, list[str]]  # their other names
+    skeletons: Callable[[], dict[str, skeleton.Skeleton]]
+    claims: Optional[Claims]  # onto a live root: what each layer may delete (deletion_guard.py)
+
+
 def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
+    run = _open_run(ref, root, opts)
+    resumed = _resume(run, root, opts.log)
+    skips = _skips(run, resumed)
+    if skips.skipped:
+        opts.log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
+                 f"{root}: not downloaded")
+        done = skipped_part_files(run.todo, skips.skipped)  # nothing to join: the file is there
+        run.parts = {rel: n for rel, n in run.parts.items() if rel not in done}
+    weights = {r.name for r in run.profile.layers if r.weights}
+    progress = Progress(run.files, run.todo, weights)
+    ready_at = app_ready_after(run.todo, weights)
+
+    def after_layer(count: int, layer: Optional[Layer]) -> None:
+        if layer is not None:
+            progress.landed(layer, weights)
+        if count == ready_at and opts.on_app_ready is not None:
+            opts.on_app_ready()
+
+    forget_restore(run.files)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
+    started = stamp()
+    staging = StagingDirs(root, run.image.manifest_digest, opts.log)
+    try:
+        if resumed >= ready_at:
+            after_layer(ready_at, None)
+        # A resumed restore applied some base layers in an earlier run: it cannot index the base.
+        index_to = _base_index_to_build(run.image, run.base_layers) if not resumed else None
+        applied, headers, stats = _apply_layers(run, staging, opts, after_layer,
+                                                (run.base_layers, index_to) if index_to else None, ready_at,
+                                                frozenset(weights), skips.skipped)
+        staging.remove()  # the layers are applied: the root holds nothing of ours
+        if run.parts:
+            join_parts(run.extractor, run.parts, run.links, opts.extract.fsync, run.journal)
+        if ready_at > len(run.todo):
+            after_layer(ready_at, None)
+    except BaseException as e:
+        progress.finish(ok=False)
+        # Kept for the next run, unless the image is refused or the disk is full: running it again
+        # will not help, or needs the room back.
+        staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError, StorageError)))
+        raise
+    seeded = _finish(run, headers if opts.seed_stat_cache else {}, started, opts)
+    progress.finish(ok=True)
+    return _result(run, applied, resumed, stats, seeded, skips)
+
+
+def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
+    """Resolve the image, refuse what may not be restored into `root` (before anything is
+    written), and open the root for extraction."""
     reference = Reference.parse(ref)
     if os.path.exists(root) and not os.path.isdir(root):
         raise UsageError(f"restore target {root} exists and is not a directory")
+    files = RootFiles(root)
     remote = Remote(reference, opts.transport)
     image = remote.resolve()
     todo = select_layers(image, opts.only_snapshot)
     parts, links = part_files(todo), part_links(todo)  # a malformed image is refused before anything is written
-    journal = Journal(_state_sub("restore-journal"), root, image.manifest_digest, [d["digest"] for _, d, _ in todo],
+    journal = Journal(_state_sub("restore-journal"), files, image.manifest_digest, [layer.digest for layer in todo],
                       opts.extract.fsync)
     base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
     if base_layers > 0 and not opts.force and not journal.started_here():
@@ -143,64 +213,43 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
     extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write,
                                                      run_token=secrets.token_hex(4)))
-    journal.load(opts.log)
-    lost = first_missing(root, journal) if journal.applied else None
+    return _Run(reference, files, remote, image, todo, journal, extractor, profile, base_layers, parts, links,
+                skeletons, claims)
+
+
+def _resume(run: _Run, root: str, log: Callable[[str], None]) -> int:
+    """How many layers an earlier run applied that this one need not: the journal's, rewound to the
+    first of them whose files are no longer all in the root (resume.py)."""
+    run.journal.load(log)
+    lost = first_missing(root, run.journal) if run.journal.applied else None
     if lost is not None:
-        opts.log(f"an earlier restore applied layer {lost[0]}, but /{printable(lost[1])} is not in {root} as it left it: "
-                 f"applying layers {lost[0]} to {len(todo)} again")
-        journal.rewind(lost[0] - 1)
-    resumed = journal.applied
+        log(f"an earlier restore applied layer {lost[0]}, but /{printable(lost[1])} is not in {root} as it left it: "
+            f"applying layers {lost[0]} to {len(run.todo)} again")
+        run.journal.rewind(lost[0] - 1)
+    resumed = run.journal.applied
     if resumed:
-        opts.log(f"resuming: {resumed} layer(s) already applied by an earlier run")
-    skips = _skips(image, skeletons, todo, resumed, base_layers, links, extractor)
-    if skips.skipped:
-        opts.log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
-                 f"{root}: not downloaded")
-        done = skipped_part_files(todo, skips.skipped)  # nothing to join: the file is there
-        parts = {rel: n for rel, n in parts.items() if rel not in done}
-    weights = {r.name for r in profile.layers if r.weights}
-    progress = Progress(root, [d for _, d, _ in todo], weights)
-    ready_at = app_ready_after([d for _, d, _ in todo], weights)
+        log(f"resuming: {resumed} layer(s) already applied by an earlier run")
+    return resumed
 
-    def after_layer(count: int, desc: Optional[dict]) -> None:
-        if desc is not None:
-            progress.landed(desc, weights)
-        if count == ready_at and opts.on_app_ready is not None:
-            opts.on_app_ready()
 
-    forget_restore(root)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
-    started = stamp()
-    staging = StagingDirs(root, image.manifest_digest, opts.log)
-    try:
-        if resumed >= ready_at:
-            after_layer(ready_at, None)
-        # A resumed restore applied some base layers in an earlier run: it cannot index the base.
-        index_to = _base_index_to_build(image, base_layers) if not resumed else None
-        applied, headers, stats = _apply_layers(remote, todo, journal, extractor, staging, opts, after_layer,
-                                                (base_layers, index_to) if index_to else None, ready_at,
-                                                frozenset(weights), skips.skipped, claims)
-        staging.remove()  # the layers are applied: the root holds nothing of ours
-        if parts:
-            join_parts(extractor, parts, links, opts.extract.fsync, journal)
-        if ready_at > len(todo):
-            after_layer(ready_at, None)
-    except BaseException as e:
-        progress.finish(ok=False)
-        # Kept for the next run, unless the image is refused or the disk is full: running it again
-        # will not help, or needs the room back.
-        staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError, StorageError)))
-        raise
+def _finish(run: _Run, headers: dict[str, str], started: Stamp, opts: RestoreOptions) -> int:
+    """Every layer is in: make it durable, drop the journal, and note what the root now holds.
+    Returns how many snap layers the next commit of the root knows without reading them."""
     if opts.extract.fsync:
         os.sync()  # all of it durable before the journal goes (the last renames' directories too)
-    journal.remove()
-    seeded = note_restore(root, image, headers if opts.seed_stat_cache else {}, started)  # first: the root came from it
-    _note_sources(reference, image)
-    _keep_base_index(remote, image, opts.log)
-    progress.finish(ok=True)
-    stats.files += extractor.stats.files  # the joins
-    stats.bytes += extractor.stats.bytes
-    stats.add_stripped(extractor.stats)
-    return RestoreResult(image.ref, image.manifest_digest, applied, resumed, stats.files, stats.bytes,
+    run.journal.remove()
+    seeded = note_restore(run.files, run.image, headers, started)  # first: the root came from it
+    _note_sources(run.reference, run.image)
+    _keep_base_index(run.remote, run.image, opts.log)
+    return seeded
+
+
+def _result(run: _Run, applied: list[str], resumed: int, stats: ExtractStats, seeded: int,
+            skips: SkipPlan) -> RestoreResult:
+    stats.files += run.extractor.stats.files  # the joins
+    stats.bytes += run.extractor.stats.bytes
+    stats.add_stripped(run.extractor.stats)
+    return RestoreResult(run.image.ref, run.image.manifest_digest, applied, resumed, stats.files, stats.bytes,
                          stats.skipped_devices, stats.stripped_setuid, seeded,
                          stats.skipped_devices_count, stats.stripped_setuid_count,
                          len(skips.skipped), skips.skipped_bytes, skips.hashed_bytes)
@@ -212,39 +261,31 @@ def _skeletons(remote: Remote, image: Image, log: Callable[[str], None]) -> dict
     named = _headers_blobs(image)
     if named:
         return skeleton.fetch_headers(remote, named, log)
-    digest = (image.manifest.get("annotations") or {}).get(skeleton.SNAP_SKELETON)
-    if not (isinstance(digest, str) and DIGEST.fullmatch(digest)):
-        return {}
-    return skeleton.fetch(remote, digest, log)
+    digest = image.annotated_digest(SNAP_SKELETON)
+    return skeleton.fetch(remote, digest, log) if digest else {}
 
 
 def _headers_blobs(image: Image) -> dict[str, str]:
     """{diff_id: headers blob digest} of the image's layers that name one (dev.snap.headers)."""
-    named = {}
-    for _, desc, diff_id in select_layers(image, False):
-        digest = (desc.get("annotations") or {}).get(skeleton.SNAP_HEADERS)
-        if isinstance(digest, str) and DIGEST.fullmatch(digest):
-            named[diff_id] = digest
-    return named
+    return {layer.diff_id: layer.headers for layer in select_layers(image, False) if layer.headers}
 
 
-def _skips(image: Image, skeletons: Callable[[], dict[str, skeleton.Skeleton]], todo: list[tuple[int, dict, str]],
-           resumed: int, base_layers: int, links: dict[str, list[str]], extractor: Extractor) -> SkipPlan:
+def _skips(run: _Run, resumed: int) -> SkipPlan:
     """The pending layers the root already holds (skip.py), by the skeletons the snapshot carries.
     None while base layers are still to apply: what they write is not known (a full restore goes
     into a root without a system, refuse_live_system, where little is in place anyway)."""
-    ann = image.manifest.get("annotations") or {}
-    if resumed < base_layers or _empty(extractor.root) or not skeletons():
+    root = run.extractor.root
+    if resumed < run.base_layers or _empty(root) or not run.skeletons():
         return SkipPlan({})
     try:
-        max_layer: Optional[int] = int(ann.get(SNAP_MAX_LAYER, ""))
+        max_layer: Optional[int] = int(run.image.annotations.get(SNAP_MAX_LAYER, ""))
     except ValueError:
         max_layer = None
-    ex = extractor.opts
-    rules = RootRules(extractor.root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
-                      max_layer, links)
-    root = extractor.root
-    return plan_skips(todo, resumed, skeletons(), rules, lambda desc, headers: applied_since(root, desc["digest"], headers))
+    ex = run.extractor.opts
+    rules = RootRules(root, PathSet(ex.never_write), ex.same_owner, ex.allow_setuid and os.geteuid() == 0,
+                      max_layer, run.links)
+    return plan_skips(run.todo, resumed, run.skeletons(), rules,
+                      lambda desc, headers: applied_since(run.files, desc["digest"], headers))
 
 
 def _empty(root: str) -> bool:
@@ -264,70 +305,75 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
                            "restore into a directory on a writable filesystem") from e
 
 
-def _apply_layers(remote: Remote, todo: list[tuple[int, dict, str]], journal: Journal, extractor: Extractor,
-                  staging: StagingDirs, opts: RestoreOptions,
-                  after_layer: Callable[[int, dict], None], index_base: Optional[tuple[int, str]] = None,
+def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
+                  after_layer: Callable[[int, Optional[Layer]], None], index_base: Optional[tuple[int, str]] = None,
                   ready_at: int = 0, weights: frozenset[str] = frozenset(),
-                  skipped: Optional[dict[int, str]] = None,
-                  claims: Optional[Claims] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  skipped: Optional[dict[int, str]] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
     """Apply the layers the journal does not list as applied, each as soon as its blob is downloaded
     and verified while the later ones still download (download.py), snap's own several at once
-    (schedule.py), noting them in the journal in order (and telling `after_layer` how many are applied). `index_base` (n, path), for a restore
-    from the first layer: the applier indexes the first n layers, the base's, and saves the index at
-    path. Returns (labels of the layers applied, {layer digest: digest of its tar headers} for snap's
-    own layers, extraction stats). The blobs of the first `ready_at` layers (the app's: `--then`
-    starts it once they are applied) download before any other (AppFirst), and those that are not
-    `weights` layers write their new files in place. The layers `skipped` ({index in todo: digest of
-    its tar headers}: the root holds them, skip.py) are neither downloaded nor applied, and count as
-    applied. `claims`, onto a live root: what each layer may delete (deletion_guard.py), None: anything."""
-    resumed, skipped = journal.applied, skipped or {}
-    pending = todo[resumed:]
-    fetched = [(n, desc, diff_id) for n, (_, desc, diff_id) in enumerate(pending) if resumed + n not in skipped]
-    downloads = Downloads(remote, [(desc, diff_id) for _, desc, diff_id in fetched],
-                          {desc["digest"] for n, desc, _ in fetched if n < ready_at - resumed}, staging,
-                          durable=opts.extract.fsync)
+    (schedule.py), noting them in the journal in order (and telling `after_layer` how many are
+    applied). `index_base` (n, path), for a restore from the first layer: the applier indexes the
+    first n layers, the base's, and saves the index at path. Returns (labels of the layers applied,
+    {layer digest: digest of its tar headers} for snap's own layers, extraction stats). The blobs of
+    the first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
+    any other (AppFirst), and those that are not `weights` layers write their new files in place. The
+    layers `skipped` ({index in todo: digest of its tar headers}: the root holds them, skip.py) are
+    neither downloaded nor applied, and count as applied."""
+    resumed, journal = run.journal.applied, run.journal
+    pending = run.todo[resumed:]
+    skipped = {n - resumed: headers for n, headers in (skipped or {}).items()}
+    fetched = [layer for n, layer in enumerate(pending) if n not in skipped]
+    downloads = Downloads(run.remote, fetched, {layer.digest for n, layer in enumerate(pending)
+                                                if n not in skipped and n < ready_at - resumed},
+                          staging, durable=opts.extract.fsync)
 
     def layer_job(n: int, blob: Blob) -> LayerJob:
         # Until the app's layers are applied nothing runs from the root (--then starts it after
         # them): their new files are written in place. Weights always land whole (one may come
         # before the app's last layer, or all before the joins of part files).
-        in_place = resumed + n < ready_at and weight_file(pending[n][1], weights) is None
+        in_place = resumed + n < ready_at and weight_file(pending[n], weights) is None
         job = _layer_job(pending, n, blob, in_place, index_base)
-        if claims is not None:
-            job.deletions = claims.get(pending[n][1]["digest"], {})
+        if run.claims is not None:
+            job.deletions = run.claims.get(pending[n].digest, {})
         return job
 
-    layers = [Layer(desc, alone=not snap_label(desc) or downloads.kept_split(desc["digest"])
-                    or (index_base is not None and n < index_base[0]), skipped=skipped.get(resumed + n))
-              for n, (_, desc, _) in enumerate(pending)]
+    alone = {n for n, layer in enumerate(pending) if not layer.snap_label or downloads.kept_split(layer.digest)
+             or (index_base is not None and n < index_base[0])}
     # One extraction process per layer applied at once, each holding one layer's stream (schedule.py).
     count = max(1, min(resolve_jobs(opts.jobs), _workers_memory_allows(),
-                       sum(1 for layer in layers if not layer.alone and layer.skipped is None)))
+                       sum(1 for n in range(len(pending)) if n not in alone and n not in skipped)))
     with ExitStack() as stack:
         # Started before the download threads (a fork copies only the thread that forks), and stopped
         # first: after an error or a Ctrl-C they must not go on writing while running downloads finish.
         # A layer's hardlink may name what earlier runs wrote.
-        written = journal.written
-        workers = [ExtractWorker(extractor, written) for _ in range(count)]
+        workers = [ExtractWorker(run.extractor, journal.written) for _ in range(count)]
         stack.enter_context(downloads)
         for worker in workers:
             stack.enter_context(worker)
-        try:
-            applied, headers = Scheduler(layers, resumed, downloads, layer_job, workers, journal, after_layer, extractor,
-                                         lambda desc, blob, label: _note_mislabelled(desc, blob, label, opts.log)).run()
-        except BaseException as e:
-            downloads.stop()
-            if journal.applied > resumed:
-                opts.log(f"stopped with {journal.applied} of {len(todo)} layer(s) applied: "
-                         "the next restore into this root resumes after them")
-            if isinstance(e, OSError) and e.errno is not None:
-                raise storage_error(e, f"a staging dir of the restore root {staging.root!r}", " while downloading layers",
-                                    "free space on the target's disk, and run the restore again: it resumes") from e
-            raise
+        scheduler = Scheduler(pending, alone, skipped, resumed, downloads, layer_job, workers, journal, after_layer,
+                              run.extractor, lambda layer, blob, label: _note_mislabelled(layer, blob, label, opts.log))
+        applied, headers = _run_scheduler(scheduler, downloads, journal, len(run.todo), staging, opts.log)
     stats = ExtractStats()
     for worker in workers:
         stats.add(worker.stats)
     return applied, headers, stats
+
+
+def _run_scheduler(scheduler: Scheduler, downloads: Downloads, journal: Journal, total: int, staging: StagingDirs,
+                   log: Callable[[str], None]) -> tuple[list[str], dict[str, str]]:
+    """Run the apply loop; on a failure, stop the downloads and say how far it got."""
+    resumed = journal.applied
+    try:
+        return scheduler.run()
+    except BaseException as e:
+        downloads.stop()
+        if journal.applied > resumed:
+            log(f"stopped with {journal.applied} of {total} layer(s) applied: "
+                "the next restore into this root resumes after them")
+        if isinstance(e, OSError) and e.errno is not None:
+            raise storage_error(e, f"a staging dir of the restore root {staging.root!r}", " while downloading layers",
+                                "free space on the target's disk, and run the restore again: it resumes") from e
+        raise
 
 
 WORKER_MEMORY = 256 << 20  # an extraction process: Python, a zstd window (8 MiB at snap's levels), 1 MiB buffers
@@ -343,26 +389,25 @@ def _workers_memory_allows() -> int:
     return max(1, (kib << 10) // 2 // WORKER_MEMORY)
 
 
-def _layer_job(pending: list[tuple[int, dict, str]], n: int, blob: Blob, in_place: bool,
+def _layer_job(pending: list[Layer], n: int, blob: Blob, in_place: bool,
                index_base: Optional[tuple[int, str]]) -> LayerJob:
     """What the applier needs to apply pending[n] from its verified blob (applier.py)."""
-    i, desc, diff_id = pending[n]
-    job = LayerJob(blob.path, desc["mediaType"], diff_id, blob.split, layer_label(desc, i),
-                   record=bool(snap_label(desc)),  # snap's own: its headers teach the next commit
+    layer = pending[n]
+    job = LayerJob(blob.path, layer.media_type, layer.diff_id, blob.split, layer.label,
+                   record=bool(layer.snap_label),  # snap's own: its headers teach the next commit
                    in_place=in_place)
     if index_base is not None and n < index_base[0]:
         job.base_layer = n
         if n == index_base[0] - 1:
-            job.save_index, job.index_diff_ids = index_base[1], tuple(d for _, _, d in pending[:n + 1])
+            job.save_index, job.index_diff_ids = index_base[1], tuple(p.diff_id for p in pending[:n + 1])
     return job
 
 
 def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:
     """Cache the index of the snapshot's base that came with it (index/base.py, a small blob), so
     that the first commit on this machine neither downloads nor reads the base's layers again."""
-    ann = image.manifest.get("annotations") or {}
-    base, digest = ann.get(BASE_DIGEST), ann.get(baseindex.SNAP_BASE_INDEX)
-    if not (isinstance(base, str) and DIGEST.fullmatch(base) and isinstance(digest, str) and DIGEST.fullmatch(digest)):
+    base, digest = image.annotated_digest(BASE_DIGEST), image.annotated_digest(baseindex.SNAP_BASE_INDEX)
+    if not (base and digest):
         return
     if not os.path.exists(baseindex.cache_path(base)):
         try:
@@ -375,12 +420,12 @@ def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
     """Where a full restore saves the index of the image's base (baseindex.cache_path), built as it
     applies the base's layers, so that the first commit on this machine reads none of them again;
     None when the state dir has it, or the image carries one (_keep_base_index fetches that blob)."""
-    ann = image.manifest.get("annotations") or {}
+    ann = image.annotations
     if base_layers <= 0 or ann.get(baseindex.SNAP_BASE_INDEX) is not None:
         return None
     # A snapshot names its base; any other image is its own base (all its layers are).
-    base = ann.get(BASE_DIGEST) if SNAP_BASE_LAYERS in ann else image.manifest_digest
-    if not (isinstance(base, str) and DIGEST.fullmatch(base)):
+    base = image.annotated_digest(BASE_DIGEST) if SNAP_BASE_LAYERS in ann else image.manifest_digest
+    if not base:
         return None
     path = baseindex.cache_path(base)
     return None if os.path.exists(path) else path
@@ -389,13 +434,13 @@ def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
 def _note_sources(reference: Reference, image: Image) -> None:
     """Remember that this repository holds the image's blobs: a later commit to another repository
     of the registry mounts them from here instead of uploading them (registry/blobsources.py)."""
-    ann = image.manifest.get("annotations") or {}
-    travelled = [d for d in (ann.get(baseindex.SNAP_BASE_INDEX), ann.get(skeleton.SNAP_SKELETON)) if isinstance(d, str)]
+    ann = image.annotations
+    travelled = [d for d in (ann.get(baseindex.SNAP_BASE_INDEX), ann.get(SNAP_SKELETON)) if isinstance(d, str)]
     travelled += list(_headers_blobs(image).values())
     travelled += [baseindex.EMPTY_CONFIG_DIGEST] if travelled else []
     sources = BlobSources()
     sources.note(reference.api_host, reference.repository,
-                 [d["digest"] for d in image.layers] + [image.manifest["config"]["digest"]] + travelled)
+                 [d["digest"] for d in image.layers] + [image.config_digest] + travelled)
     try:
         sources.save()
     except OSError:
@@ -431,12 +476,12 @@ def restore_profile(image: Image, name: Optional[str] = None) -> Profile:
     """The profile whose excludes a restore never writes: `name`, else the one the snapshot was
     committed with when snap ships it, else the default."""
     if name is None:
-        committed = (image.manifest.get("annotations") or {}).get(SNAP_PROFILE)
+        committed = image.annotations.get(SNAP_PROFILE)
         name = committed if committed in available_profiles() else "default"
     return load_profile(name)
 
 
-def _note_mislabelled(desc: dict, blob: Blob, label: str, log: Callable[[str], None]) -> None:
+def _note_mislabelled(layer: Layer, blob: Blob, label: str, log: Callable[[str], None]) -> None:
     """Say it in one line when a layer's bytes are not what its media type says (the extractor
     reads them by their bytes all the same)."""
     if blob.split:
@@ -444,5 +489,5 @@ def _note_mislabelled(desc: dict, blob: Blob, label: str, log: Callable[[str], N
     else:
         with open(blob.path, "rb") as f:
             kind = sniff_compression(stream_head(f))
-    if kind is not None and (msg := label_mismatch(desc["mediaType"], kind)):
+    if kind is not None and (msg := label_mismatch(layer.media_type, kind)):
         log(f"warning: {label}: {msg}")

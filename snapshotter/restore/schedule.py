@@ -26,6 +26,7 @@ from typing import Callable, Optional, Protocol
 
 from snapshotter import progress
 from snapshotter.layer.extract import Extractor, NeedsSerial
+from snapshotter.oci.image import Layer
 from snapshotter.tar.reader import EntryCount
 
 from .applier import ExtractWorker, LayerJob, LayerResult
@@ -44,13 +45,6 @@ class LayerBlobs(Protocol):
 
 
 @dataclasses.dataclass
-class Layer:
-    desc: dict
-    alone: bool  # applied only with every layer before it applied and no other running
-    skipped: Optional[str] = None  # the root holds it (skip.py): the digest of its tar headers; nothing applied
-
-
-@dataclasses.dataclass
 class _Done:
     result: LayerResult
     beside: bool  # applied beside others (its directories to settle)
@@ -60,14 +54,20 @@ class _Done:
 class Scheduler:
     """Applies `layers` (the pending ones, in image order) with `workers`, recording each in
     `journal` (as the `offset`+k-th layer of its list) once it and every layer before it are done.
-    `layer_job(n, blob)` says what applying layer n takes; `after_layer(count, desc)` is told each
+    Those of `alone` (their places in `layers`) are applied only with every layer before them
+    applied and no other running; those of `skipped` ({place: the digest of its tar headers}: the
+    root holds it, skip.py) are not applied at all.
+    `layer_job(n, blob)` says what applying layer n takes; `after_layer(count, layer)` is told each
     time the journal is; `settle` is the parent's extractor (settle_dirs)."""
 
-    def __init__(self, layers: list[Layer], offset: int, blobs: LayerBlobs, layer_job: Callable[[int, Blob], LayerJob],
-                 workers: list[ExtractWorker], journal: Journal, after_layer: Callable[[int, dict], None],
-                 settle: Extractor, note: Callable[[dict, Blob, str], None]):
-        self.layers, self.offset, self.blobs, self.layer_job = layers, offset, blobs, layer_job
-        self.workers, self.journal, self.after_layer, self.settle, self.note = workers, journal, after_layer, settle, note
+    def __init__(self, layers: list[Layer], alone: set[int], skipped: dict[int, str], offset: int, blobs: LayerBlobs,
+                 layer_job: Callable[[int, Blob], LayerJob], workers: list[ExtractWorker], journal: Journal,
+                 after_layer: Callable[[int, Optional[Layer]], None], settle: Extractor,
+                 note: Callable[[Layer, Blob, str], None]):
+        self.layers, self.alone, self.skipped = layers, alone, skipped
+        self.offset, self.blobs, self.layer_job = offset, blobs, layer_job
+        self.workers, self.journal, self.after_layer = workers, journal, after_layer
+        self.settle, self.note = settle, note
         self._cond = threading.Condition()
         self._done: dict[int, _Done] = {}
         self._running: dict[int, bool] = {}  # layer -> applied beside others
@@ -100,11 +100,11 @@ class Scheduler:
         group_start = 0  # the first layer after the last one applied alone
         group_files: set[str] = set()  # what the layers of the group recorded so far wrote
         for n, layer in enumerate(self.layers):
-            at, digest = self.offset + n, layer.desc["digest"]
-            if layer.skipped is not None:  # the root holds it: as if applied now
-                headers[digest] = layer.skipped
+            at, digest = self.offset + n, layer.digest
+            if n in self.skipped:  # the root holds it: as if applied now
+                headers[digest] = self.skipped[n]
                 self.journal.record_applied(at + 1)
-                self.after_layer(at + 1, layer.desc)
+                self.after_layer(at + 1, layer)
                 self._note_recorded(n + 1)
                 continue
             with self._cond:
@@ -131,7 +131,7 @@ class Scheduler:
             self._entries.add(len(done.result.files) + len(done.result.gone), f"layer {done.label}")
             self.journal.record_applied(at + 1, done.result.files, done.result.shapes, done.result.gone)
             applied.append(done.label)
-            self.after_layer(at + 1, layer.desc)
+            self.after_layer(at + 1, layer)
             self.blobs.used(digest)
             self._note_recorded(n + 1)
         return applied, headers
@@ -151,16 +151,16 @@ class Scheduler:
             if header is not None:
                 headers[rel] = header
             else:  # only written into: the earliest times any saw are those from before the group
-                touched[rel] = min((group[m].result.touched_dirs[rel] for m in top if rel in group[m].result.touched_dirs),
-                                   key=lambda t: t[1])
+                touched[rel] = min((group[m].result.touched_dirs[rel] for m in top
+                                    if rel in group[m].result.touched_dirs), key=lambda t: t[1])
         self.settle.settle_dirs(headers, touched)
 
     # ---- one thread per worker: taking layers as they may start ----------------------------------
 
     def _startable(self, i: int) -> Optional[tuple[int, bool]]:
         """(layer, beside others) worker i may start now, or None. Under the condition."""
-        n = next((m for m, layer in enumerate(self.layers)
-                  if layer.skipped is None and m not in self._done and m not in self._running), None)
+        n = next((m for m in range(len(self.layers))
+                  if m not in self.skipped and m not in self._done and m not in self._running), None)
         if n is None:
             return None
         if self._alone(n):
@@ -172,7 +172,7 @@ class Scheduler:
         return n, True
 
     def _alone(self, n: int) -> bool:
-        return self.layers[n].alone or n in self._forced or len(self.workers) == 1
+        return n in self.alone or n in self._forced or len(self.workers) == 1
 
     def _force_from(self, n: int) -> None:
         """Layer n, and every layer above it already started, to apply again alone and in order.
@@ -221,9 +221,9 @@ class Scheduler:
                 self._cond.notify_all()
 
     def _apply(self, n: int, beside: bool, also: tuple[str, ...], worker: ExtractWorker) -> tuple[LayerResult, str]:
-        desc = self.layers[n].desc
-        blob = self.blobs.verified(desc["digest"])  # nothing unverified is applied
+        layer = self.layers[n]
+        blob = self.blobs.verified(layer.digest)  # nothing unverified is applied
         job = dataclasses.replace(self.layer_job(n, blob), parallel=beside, also_written=also)
-        self.note(desc, blob, job.label)
-        with progress.bar(f"extracting {job.label}", desc["size"]) as xb:
+        self.note(layer, blob, job.label)
+        with progress.bar(f"extracting {job.label}", layer.size) as xb:
             return worker.apply(job, progress.safe_update(xb)), job.label

@@ -8,33 +8,33 @@ from typing import Optional
 
 from snapshotter.errors import NotFound, SnapError
 from snapshotter.layer.plan import holds_one_file, parse_part_annotation
-from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, SNAP_PART_FILE, Image, snapshot_layer_count
+from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, Image, Layer, snapshot_layer_count
 from snapshotter.registry.remote import Remote
 
 from .record import restored_from
 
 
-def file_layers(layers: list[tuple[dict, str]]) -> dict[str, list[tuple[dict, str]]]:
+def file_layers(layers: list[Layer]) -> dict[str, list[Layer]]:
     """A snapshot's layers of one file each, by that file's path: its single-file layer, or all its
     part layers in order (oci/image.py's annotations). Bundles hold other files too: not listed."""
-    single: dict[str, list[tuple[dict, str]]] = {}
-    parts: dict[str, dict[int, tuple[dict, str]]] = {}
+    single: dict[str, list[Layer]] = {}
+    parts: dict[str, dict[int, Layer]] = {}
     counts: dict[str, int] = {}
-    for desc, diff_id in layers:
-        ann = desc.get("annotations") or {}
-        content, part_file = ann.get(SNAP_CONTENT), ann.get(SNAP_PART_FILE)
-        if isinstance(part_file, str) and (part := parse_part_annotation(ann.get(SNAP_PART))):
-            parts.setdefault(part_file, {})[part[0]] = (desc, diff_id)
+    for layer in layers:
+        ann = layer.annotations
+        content, part_file = ann.get(SNAP_CONTENT), layer.part_file
+        if part_file is not None and (part := parse_part_annotation(ann.get(SNAP_PART))):
+            parts.setdefault(part_file, {})[part[0]] = layer
             counts[part_file] = part[1]
-        elif isinstance(content, str) and holds_one_file(content):
-            single[content] = [(desc, diff_id)]
+        elif content is not None and holds_one_file(content):
+            single[content] = [layer]
     for path, got in parts.items():
         if sorted(got) == list(range(1, counts[path] + 1)):
             single[path] = [got[i] for i in sorted(got)]
     return single
 
 
-def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> dict[str, list[tuple[dict, str]]]:
+def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> dict[str, list[Layer]]:
     """file_layers of the box's last snapshot in `remote`'s repository: the one its tag names
     (`current`), else, for a new tag, the image the root was restored from, if this repository has
     it (its blobs are then there to reuse)."""
@@ -47,7 +47,7 @@ def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> di
         return {}
 
 
-def image_file_layers(image: Image) -> dict[str, list[tuple[dict, str]]]:
+def image_file_layers(image: Image) -> dict[str, list[Layer]]:
     """file_layers of an image's own layers (none for an image snap did not make)."""
     try:
         count = snapshot_layer_count(image)
@@ -57,4 +57,4 @@ def image_file_layers(image: Image) -> dict[str, list[tuple[dict, str]]]:
     if not count or len(diff_ids) != len(image.layers):
         return {}
     start = len(image.layers) - count
-    return file_layers(list(zip(image.layers[start:], diff_ids[start:])))
+    return file_layers([Layer(i, image.layers[i], diff_ids[i]) for i in range(start, len(diff_ids))])

@@ -28,9 +28,9 @@ from snapshotter.box.clock import SYSTEM, Clock, Stamp, changed_since, consisten
 from snapshotter.box.mounts import remote_mounts
 from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
-from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, snap_label
+from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, select_layers
 from snapshotter.oci.mediatypes import MEDIA_TYPE
-from snapshotter.state import read_versioned, root_key, sub, write_versioned
+from snapshotter.state import RootFiles, read_versioned, sub, write_versioned
 from snapshotter.tar.rules import header_key, headers_digest
 
 from .statcache import blob_entry
@@ -38,50 +38,49 @@ from .statcache import blob_entry
 VERSION = 1
 
 
-def _path(root: str) -> str:
-    return os.path.join(sub("restored"), root_key(root) + ".json")
+def _path(files: RootFiles) -> str:
+    return files.file_in(sub("restored"))
 
 
-def note_restore(root: str, image: Image, applied_headers: dict[str, str], started: Stamp,
+def note_restore(files: RootFiles, image: Image, applied_headers: dict[str, str], started: Stamp,
                  clock: Clock = SYSTEM) -> int:
-    """Note that `image` was restored into `root`, whole (lineage.py: the box came from it), and its
+    """Note that `image` was restored into a root (`files`), whole (lineage.py: the box came from it), and its
     snap layers just extracted (`applied_headers`: layer digest -> digest of its tar headers), by a
     restore that began at `started` and ends now (its last write done).
     Returns how many layers; 0 if the record could not be written (the next commit then reads the
     layers instead, and cannot move the image's tag without --force)."""
-    ann = image.manifest.get("annotations") or {}
+    ann = image.annotations
     try:
         max_layer = int(ann.get(SNAP_MAX_LAYER, DEFAULT_MAX_LAYER_SIZE))
     except ValueError:
         return 0
-    diff_ids = dict(zip((desc["digest"] for desc in image.layers), image.config["rootfs"]["diff_ids"]))
     layers = {}
-    for desc in image.layers:
-        label, headers = snap_label(desc), applied_headers.get(desc["digest"])
+    for layer in select_layers(image, False):
+        label, headers = layer.snap_label, applied_headers.get(layer.digest)
         if label and headers is not None:
-            layers[label] = {"digest": desc["digest"], "diff_id": diff_ids[desc["digest"]], "size": desc["size"],
-                             "media_type": desc["mediaType"], "headers": headers}
+            layers[label] = {"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
+                             "media_type": layer.media_type, "headers": headers}
     ended = stamp(clock)
-    doc = {"root": os.path.realpath(root), "manifest": image.manifest_digest,
+    doc = {"root": files.real, "manifest": image.manifest_digest,
            "base": ann.get(BASE_DIGEST), "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer,
            "started": started.to_json(), "ended": ended.to_json(), "restored_at_ns": ended.wall_ns, "layers": layers}
     try:
-        write_versioned(_path(root), VERSION, doc)
+        write_versioned(_path(files), VERSION, doc)
     except OSError:
         return 0
     return len(layers)
 
 
-def forget_restore(root: str) -> None:
-    """A restore that starts writing into `root` makes the last record untrue until it finishes:
+def forget_restore(files: RootFiles) -> None:
+    """A restore that starts writing into a root makes the last record untrue until it finishes:
     a restore that fails or stops half-way must not look like a finished one (lineage.py). The
     record becomes the mark of this start, which no image is read from: a box that diverged
     (diverged.py) sees that a restore wrote into it since, even where none had finished before."""
     try:
-        write_versioned(_path(root), VERSION, {"root": os.path.realpath(root), "started_ns": time.time_ns()})
+        write_versioned(_path(files), VERSION, {"root": files.real, "started_ns": time.time_ns()})
     except OSError:
         try:
-            os.unlink(_path(root))
+            os.unlink(_path(files))
         except FileNotFoundError:
             pass
 
@@ -89,18 +88,18 @@ def forget_restore(root: str) -> None:
 def restore_mark(root: str) -> tuple:
     """What tells the restores into `root` apart: the last finished one's image and end, or the
     start of one that has not finished (running, failed or stopped)."""
-    doc = _load(root) or {}
+    doc = _load(RootFiles(root)) or {}
     return doc.get("manifest"), doc.get("restored_at_ns"), doc.get("started_ns")
 
 
-def _load(root: str) -> Optional[dict]:
-    doc = read_versioned(_path(root), VERSION)
-    return doc if doc and doc.get("root") == os.path.realpath(root) else None
+def _load(files: RootFiles) -> Optional[dict]:
+    doc = read_versioned(_path(files), VERSION)
+    return doc if doc and doc.get("root") == files.real else None
 
 
 def restored_from(root: str) -> Optional[str]:
     """The manifest digest of the image the last finished restore into `root` wrote, if any."""
-    doc = _load(root)
+    doc = _load(RootFiles(root))
     digest = doc.get("manifest") if doc else None
     return digest if isinstance(digest, str) else None
 
@@ -136,7 +135,7 @@ def restored_since(root: str, clock: Clock = SYSTEM) -> Optional[Since]:
     """When the last finished restore into `root` ended: a file `unchanged` by that measure was last
     changed by that restore (or before it), never since. None when there is no such restore, or
     when its times cannot be trusted."""
-    return _since(_load(root), clock)
+    return _since(_load(RootFiles(root)), clock)
 
 
 def restored_at_ns(root: str, clock: Clock = SYSTEM) -> Optional[int]:
@@ -157,7 +156,7 @@ class RestoreRecord:
              clock: Clock = SYSTEM) -> Optional["RestoreRecord"]:
         """The record of the last restore into `root`, if it fits this commit (same base image,
         profile and part-layer cap) and its times can be trusted; else None."""
-        doc = _load(root)
+        doc = _load(RootFiles(root))
         fits = (doc is not None and doc.get("base") == base_digest and doc.get("profile") == profile
                 and doc.get("max_layer") == max_layer_size and isinstance(doc.get("layers"), dict))
         since = _since(doc, clock) if fits else None
@@ -169,18 +168,19 @@ class RestoreRecord:
         layer = self.layers.get(plan.label)
         if not isinstance(layer, dict) or layer.get("media_type") != MEDIA_TYPE[plan.compression]:
             return None
-        if not all(self.since.unchanged(e.path, e.ctime_ns) for e in plan.entries if e.stamp):  # parent copies: no stamp
+        # parent copies have no stamp
+        if not all(self.since.unchanged(e.path, e.ctime_ns) for e in plan.entries if e.stamp):
             return None
         if layer.get("headers") != headers_digest([header_key(ti) for ti, _ in tar_headers(plan)]):
             return None
         return blob_entry(layer)
 
 
-def applied_since(root: str, digest: str, headers: str, clock: Clock = SYSTEM) -> Optional[Since]:
-    """When the last restore into `root` ended, if it applied (or found in place) the layer blob
+def applied_since(files: RootFiles, digest: str, headers: str, clock: Clock = SYSTEM) -> Optional[Since]:
+    """When the last restore into a root (`files`) ended, if it applied (or found in place) the layer blob
     `digest` with exactly these tar headers and its times can be trusted; else None. A restore
     uses it to trust, without hashing them, the files of such a layer unchanged since (restore/skip.py)."""
-    doc = _load(root)
+    doc = _load(files)
     if doc is None or not isinstance(doc.get("layers"), dict):
         return None
     for layer in doc["layers"].values():

@@ -14,14 +14,15 @@ manifest tagged snap-skeletons (the last commit's: index/base.py's push_artifact
 before held all their layers' skeletons in one blob, named by the manifest annotation
 dev.snap.skeleton: a restore still reads that.
 
-Format: gzip members (one per blob; the old one-blob form, one per layer), each holding MAGIC, then per member its header length (u32),
-header bytes and content size (u64), then a zero length and the diff_id (71 ASCII bytes, last: a
-commit knows it once the layer is written). A commit takes each built layer's headers as
-layer.write_tar writes them (the very bytes, even of a file that changed since the scan).
-A restore reads it digest-checked and size-capped, its members capped as the image's are
-(SNAP_MAX_ENTRIES, with their header bytes: tar/reader.py); anything malformed or past a cap is
-ignored (the restore then downloads, where the same caps hold). The state dir keeps each layer's gzip member by diff_id (built, or restored), so a
-commit makes one from the plan only for a layer it reuses and has none of."""
+Format: gzip members (one per blob; the old one-blob form, one per layer), each holding MAGIC, then
+per member its header length (u32), header bytes and content size (u64), then a zero length and the
+diff_id (71 ASCII bytes, last: a commit knows it once the layer is written). A commit takes each
+built layer's headers as layer.write_tar writes them (the very bytes, even of a file that changed
+since the scan). A restore reads it digest-checked and size-capped, its members capped as the
+image's are (SNAP_MAX_ENTRIES, with their header bytes: tar/reader.py); anything malformed or past
+a cap is ignored (the restore then downloads, where the same caps hold). The state dir keeps each
+layer's gzip member by diff_id (built, or restored), so a commit makes one from the plan only for a
+layer it reuses and has none of."""
 
 from __future__ import annotations
 
@@ -44,8 +45,6 @@ from snapshotter.state import open_own, replace_file, sub
 from snapshotter.tar.reader import LAYER_MAX_ENTRIES, META_PER_ENTRY, max_entries
 from snapshotter.tar.rules import header_bytes
 
-SNAP_HEADERS = "dev.snap.headers"  # layer annotation: the digest of that layer's headers blob
-SNAP_SKELETON = "dev.snap.skeleton"  # manifest annotation of older snapshots: one blob of every layer's headers
 ARTIFACT_TAG = "snap-skeletons"  # the tag of the artifact manifest that keeps the last commit's skeletons referenced
 MAGIC = b"snap-skeleton-v1\n"
 MAX_BLOB = 256 << 20  # compressed: a 200k-file box's headers compress to a few MB

@@ -14,7 +14,7 @@ from snapshotter.commit.commit import changes_in
 from snapshotter.commit.model import CommitHooks
 from snapshotter.index.entry import Entry
 from snapshotter.layer.memo import PlanMemo
-from snapshotter.oci.image import Image
+from snapshotter.oci.image import Image, Layer
 from snapshotter.snapshot.record import restored_at_ns
 
 from .bigfiles import BigFiles
@@ -46,7 +46,7 @@ class WatchHooks(CommitHooks):
         held.update(being_written(scan, root, self.opts.stable, self.now, writers, restored_at=restored_at_ns(root)))
         return held
 
-    def previous_files(self) -> dict[str, list[tuple[dict, str]]]:
+    def previous_files(self) -> dict[str, list[Layer]]:
         return self.tags.previous_files
 
     def old_entry(self, path: str) -> Optional[Entry]:

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from snapshotter.box.deletions import SYSTEM_TOPS, refuse_commit
 from snapshotter.commit.model import CommitPlan
-from snapshotter.oci.image import BASE_DIGEST, snapshot_layer_count
+from snapshotter.oci.image import BASE_DIGEST, Layer, snapshot_layer_count
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.diverged import Line, own_names, prune
@@ -38,7 +38,7 @@ class TagMover:
         # file each of the snapshot that tag names, which keep a file being written at that version
         # (hold.hold_back).
         self.line = Line(moving, transport, root, force, origins, log, clock)
-        self.previous_files: dict[str, list[tuple[dict, str]]] = {}
+        self.previous_files: dict[str, list[Layer]] = {}
 
     def check(self) -> bool:
         """Where the snapshots go (Line: the moving tag while this box came from or made what it
@@ -118,7 +118,7 @@ class TagMover:
         count = snapshot_layer_count(img)
         ours = [d["digest"] for d in img.layers[len(img.layers) - count:]] if count else []
         base_digest = cp.base_img.manifest_digest if cp.base_img else None
-        carried = [desc["digest"] for layers in cp.carried.values() for desc, _ in layers]
+        carried = [layer.digest for layers in cp.carried.values() for layer in layers]
         return (img.manifest.get("annotations", {}).get(BASE_DIGEST) == base_digest
                 and sorted(ours) == sorted([k["digest"] for k in known] + carried))
 
