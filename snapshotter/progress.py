@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
+from snapshotter import settings
 from snapshotter.errors import UsageError, printable
 
 MODES = ("bars", "lines", "off")
@@ -58,9 +59,7 @@ def check_settings() -> None:
     want = os.environ.get("SNAP_PROGRESS", "").strip().lower()
     if want not in ("", "auto", "1", "0") + MODES:
         raise UsageError(f"SNAP_PROGRESS={os.environ['SNAP_PROGRESS']!r} is not one of auto, bars, lines, off")
-    if _every() is None:
-        raise UsageError(f"SNAP_PROGRESS_EVERY={os.environ['SNAP_PROGRESS_EVERY']!r} is not a number of seconds",
-                         "e.g. SNAP_PROGRESS_EVERY=30; 0 prints a line on every update")
+    _every()
 
 
 def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to_stderr):
@@ -70,8 +69,11 @@ def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to
     desc = printable(desc)  # labels come from images: no control character reaches the terminal or the log
     how = mode()
     if how == "lines":
-        every = _every()
-        return LineProgress(desc, total, unit, DEFAULT_EVERY if every is None else every, sink)
+        try:
+            every = _every()
+        except UsageError:  # check_settings refused it at the start; a library caller gets the default
+            every = DEFAULT_EVERY
+        return LineProgress(desc, total, unit, every, sink)
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
         disable=how == "off", leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
@@ -190,16 +192,10 @@ def _duration(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60)} s"
 
 
-def _every() -> Optional[float]:
-    """SNAP_PROGRESS_EVERY in seconds (DEFAULT_EVERY when unset); None when it is no number >= 0."""
-    text = os.environ.get("SNAP_PROGRESS_EVERY", "").strip()
-    if not text:
-        return DEFAULT_EVERY
-    try:
-        every = float(text)
-    except ValueError:
-        return None
-    return every if every >= 0 and every == every and every != float("inf") else None
+def _every() -> float:
+    """SNAP_PROGRESS_EVERY in seconds (DEFAULT_EVERY when unset)."""
+    return settings.seconds("SNAP_PROGRESS_EVERY", DEFAULT_EVERY,
+                            "e.g. SNAP_PROGRESS_EVERY=30; 0 prints a line on every update")
 
 
 def _stderr_is_terminal() -> bool:

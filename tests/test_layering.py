@@ -13,6 +13,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # units on one floor do not import each other.
 FLOORS = [
     {"errors", "version"},
+    {"settings"},  # the SNAP_* settings: one parser for each kind of value
     {"digests", "jobs", "progress", "state"},
     {"oci"},  # the image model: no I/O
     {"tar", "crypt"},  # crypt: ocicrypt's layer encryption, over the image model

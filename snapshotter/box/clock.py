@@ -9,10 +9,11 @@ step of the wall clock changes (NTP's slewing and a suspend move both alike)."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from snapshotter import settings
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 # The kernel stamps ctimes from its coarse clock (Linux's CLOCK_REALTIME_COARSE, which time does
@@ -30,11 +31,7 @@ OFFSET_ENV = "SNAP_CLOCK_OFFSET"
 
 
 def _offset_ns() -> int:
-    text = os.environ.get(OFFSET_ENV, "").strip()
-    try:
-        return int(float(text) * 1e9) if text else 0
-    except ValueError:
-        return 0
+    return int(settings.number(OFFSET_ENV, 0.0) * 1e9)
 
 
 def _boot_id() -> Optional[str]:

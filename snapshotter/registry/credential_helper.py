@@ -16,7 +16,8 @@ import subprocess
 import time
 from typing import Optional
 
-from snapshotter.errors import AuthError, UsageError
+from snapshotter import settings
+from snapshotter.errors import AuthError
 
 PREFIX = "docker-credential-"
 TIMEOUT_ENV = "SNAP_CREDENTIAL_HELPER_TIMEOUT"
@@ -78,16 +79,7 @@ def _failed(name: str, action: str, server: str, code: int) -> AuthError:
 
 def timeout_s() -> float:
     """How long a helper may take: $SNAP_CREDENTIAL_HELPER_TIMEOUT seconds, else 30."""
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < float("inf"):
-        raise UsageError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds above 0", "unset it for 30 s")
-    return seconds
+    return settings.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "unset it for 30 s", above_zero=True)
 
 
 def _program(name: str) -> str:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional
 
 import requests
 
+from snapshotter import settings
 from snapshotter.digests import DIGEST, hasher_digest, sha256_digest
 from snapshotter.errors import (IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError,
                                 printable)
@@ -342,13 +343,4 @@ def min_throughput() -> int:
 
 def download_grace() -> float:
     """Seconds a download may take beyond its size at min_throughput: $SNAP_DOWNLOAD_GRACE (default 10)."""
-    text = os.environ.get(DOWNLOAD_GRACE_ENV, "").strip()
-    if not text:
-        return DEFAULT_DOWNLOAD_GRACE
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < float("inf"):  # NaN too
-        raise UsageError(f"{DOWNLOAD_GRACE_ENV}={text!r} is not a number of seconds", "write seconds, e.g. 30")
-    return seconds
+    return settings.seconds(DOWNLOAD_GRACE_ENV, DEFAULT_DOWNLOAD_GRACE, "write seconds, e.g. 30")

@@ -6,10 +6,11 @@ upload's attempts (upload.py) both follow it."""
 from __future__ import annotations
 
 import email.utils
-import os
 import time
 
 import requests
+
+from snapshotter import settings
 
 RETRY_DELAYS = (0.5, 1, 2, 4, 8)  # ~15 s for a registry to come back before we give up
 RETRY_STATUSES = (429, 500, 502, 503, 504)  # busy, throttling or restarting: worth asking again
@@ -39,8 +40,4 @@ def retry_delay(r: requests.Response, default: float) -> float:
 
 def scaled(seconds: float) -> float:
     """A wait as $SNAP_RETRY_SCALE scales it."""
-    try:
-        scale = max(0.0, float(os.environ.get(RETRY_SCALE_ENV) or 1))
-    except ValueError:
-        scale = 1.0
-    return seconds * scale
+    return seconds * max(0.0, settings.number(RETRY_SCALE_ENV, 1.0))
