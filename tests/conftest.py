@@ -5,8 +5,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import Jail
-from support import FaultProxy, RegistryServer, make_base_rootfs, make_box, push_base_image
+from support.faults import FaultProxy
+from support.images import push_base_image
+from support.registry import RegistryServer
+from support.trees import Jail, make_base_rootfs, make_box
 
 # A suite started in the background by a non-interactive shell (`make test &`, CI runners) inherits
 # SIGINT ignored, and so would every snap it starts: the Ctrl-C tests need it delivered, as from a

@@ -16,8 +16,8 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.box.profile import load_profile
 from snapshotter.box.scan import scan_box
 
-from helpers import layer_tar
-from support import write_tree
+from support.images import layer_tar
+from support.trees import write_tree
 
 IN_ACCESS, IN_OPEN = 0x1, 0x20
 OUTSIDE = b"OUTSIDE-THE-ROOT " * 64

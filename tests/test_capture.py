@@ -22,8 +22,9 @@ from snapshotter.layer import generate as layer
 from snapshotter.layer.generate import build_layer, measure_layer, write_layer
 from snapshotter.layer.plan import LayerPlan
 
-from helpers import SMALL_WEIGHTS
-from support import have_wheels, pip_install_offline, snap, snap_layer_files, write_tree
+from support.images import snap_layer_files
+from support.run import have_wheels, pip_install_offline, snap
+from support.trees import SMALL_WEIGHTS, write_tree
 
 CUDA_DIR = "usr/lib/x86_64-linux-gnu"
 CUDA_LIB = f"{CUDA_DIR}/libcuda.so.555.42.06"

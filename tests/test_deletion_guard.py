@@ -16,9 +16,12 @@ import tarfile
 
 import pytest
 
-from helpers import part_ann, push_annotated
 from snapshotter.snapshot.skeleton import PieceWriter, parse
-from support import assert_one_line_error, member, snap, snapshot_of_tree, tar_bytes, write_tree
+
+from support.images import part_ann, push_annotated
+from support.run import assert_one_line_error, snap
+from support.tars import member, tar_bytes
+from support.trees import snapshot_of_tree, write_tree
 
 APP = {"dev.snap.layer": "app"}  # a snap layer's annotation
 

@@ -16,23 +16,40 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
 import time
 import uuid
-from typing import Optional
 
 import pytest
 
 from snapshotter.engine.run import cannot_read_zstd
 
-from helpers import (LINKED, assert_content_written_once, commit_json, diverged_tags, engine_api, hardlink_box, home_box, label,
-                     layers_by_name, make_home_base)
-from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, HostileServer, RegistryServer,
-                     assert_one_line_error, free_port, have_wheels, make_box, push_base_image, snap, snapshot_of_tree,
-                     stop_process, tar_of_files)
+from support.engine import Dockerd, engine_api
+from support.faults import FaultProxy, HostileServer
+from support.images import label, layers_by_name, push_base_image
+from support.registry import RegistryServer, diverged_tags
+from support.run import (
+    PIP_OFFLINE,
+    WHEELS,
+    assert_one_line_error,
+    commit_json,
+    free_port,
+    have_wheels,
+    snap,
+)
+from support.tars import tar_of_files
+from support.trees import (
+    LINKED,
+    NOT_CAPTURED,
+    assert_content_written_once,
+    hardlink_box,
+    home_box,
+    make_box,
+    make_home_base,
+    snapshot_of_tree,
+)
 
 docker = pytest.importorskip("docker")
 
@@ -41,64 +58,6 @@ LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 # Files the engine puts into every container (its init layer, not in the engine's diff).
 ENGINE_FILES = ("etc/hostname", "etc/hosts", "etc/resolv.conf", "etc/mtab", ".dockerenv")
-
-
-class Dockerd:
-    """dockerd as root on its own socket, data-root and exec-root (its own containerd too)."""
-
-    def __init__(self, workdir: str, insecure_registry: str, path: Optional[str] = None):
-        self.workdir = workdir
-        self.host = f"unix://{workdir}/docker.sock"
-        self.log = os.path.join(workdir, "dockerd.log")
-        self.env = {**os.environ, "PATH": path} if path else None  # where it looks for helpers (the NVIDIA hook)
-        ns = f"snaptest{os.getpid()}-{os.path.basename(workdir)}"
-        self.argv = [
-            shutil.which("dockerd"), "--host", self.host, "--data-root", f"{workdir}/data",
-            "--exec-root", f"{workdir}/exec", "--pidfile", f"{workdir}/docker.pid", "--bridge", "none",
-            "--iptables=false", "--insecure-registry", insecure_registry,
-            "--containerd-namespace", ns, "--containerd-plugins-namespace", ns + "-plugins",
-        ]
-        self.proc = None
-
-    def start(self) -> "Dockerd":
-        """Start it; return once it says READY=1 on $NOTIFY_SOCKET (systemd's readiness protocol,
-        which dockerd speaks once it serves its API): an event, not a poll of its socket."""
-        notify_path = os.path.join(self.workdir, "notify.sock")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.bind(notify_path)
-            notify.settimeout(120)
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"),
-                                         env={**(self.env or os.environ), "NOTIFY_SOCKET": notify_path})
-            try:
-                while b"READY=1" not in notify.recv(4096).splitlines():
-                    pass
-            except TimeoutError:
-                self.stop()
-                raise RuntimeError(f"dockerd did not say it was ready in 120s: {self._tail()}")
-        return self
-
-    def client(self):
-        return docker.DockerClient(base_url=self.host, timeout=120)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            for c in self.client().containers.list(all=True):
-                c.remove(force=True)
-        except Exception:
-            pass  # stopping the daemon stops them too, only slower
-        stop_process(self.proc, 60)
-        # dockerd leaves its network namespace (exec/netns/default) mounted: pytest could then
-        # never delete this temp dir, and each run would leave one more mount behind.
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split()[1] for line in f]
-        for m in sorted((m for m in mounts if m.startswith(self.workdir + "/")), reverse=True):
-            subprocess.run(["umount", "-l", m], check=False)
-
-    def _tail(self) -> str:
-        with open(self.log, errors="replace") as f:
-            return " | ".join(f.read().splitlines()[-5:])
 
 
 @pytest.fixture(scope="session")

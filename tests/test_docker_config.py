@@ -11,7 +11,6 @@ import json
 import os
 import resource
 import select
-import subprocess
 import sys
 import threading
 
@@ -20,8 +19,9 @@ import pytest
 from snapshotter.errors import AuthError
 from snapshotter.registry.credentials import docker_credentials, save_docker_credentials
 
-from helpers import basic
-from support import RegistryServer, assert_one_line_error
+from support.credentials import basic
+from support.registry import RegistryServer
+from support.run import assert_one_line_error, snap
 
 USER, PASSWORD = "snapuser", "Leaky-Pa55-7c1e"
 ANOTHER_USER = 65534  # nobody
@@ -41,8 +41,7 @@ def bounded_snap(*args, env=None, input=None):
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
-    return subprocess.run([sys.executable, "-m", "snapshotter", *args], capture_output=True, text=True, input=input,
-                          env={**os.environ, **(env or {})}, timeout=RUN_LIMIT_S, preexec_fn=limit)
+    return snap(*args, input=input, env=env, timeout=RUN_LIMIT_S, preexec_fn=limit)
 
 
 def helper_program(tmp_path, name: str, body: str) -> str:

@@ -9,7 +9,7 @@ import typer
 import snapshotter
 from snapshotter import cli
 
-from support import assert_one_line_error, free_port, snap
+from support.run import assert_one_line_error, free_port, snap
 
 
 def test_unknown_base_image(registry, box):

@@ -17,8 +17,10 @@ import pytest
 
 from snapshotter.layer.extract import NAMES_KEPT
 
-from helpers import GZIP, MARK, PART, part_ann, part_image, profile_excluding_nothing, push, push_annotated, repo_for
-from support import IS_ROOT, gzip_bytes, member, snap, tar_bytes
+from support.images import GZIP, MARK, PART, part_ann, part_image, push, push_annotated, repo_for
+from support.run import IS_ROOT, snap
+from support.tars import gzip_bytes, member, tar_bytes
+from support.trees import profile_excluding_nothing
 
 # ---- names that leave the root -----------------------------------------------------------------
 

@@ -14,8 +14,9 @@ import tarfile
 
 import pytest
 
-from helpers import GZIP, MARK, PART, TAR, part_image, push, raw_header, repo_for, run_snap
-from support import gzip_bytes, member, tar_bytes
+from support.images import GZIP, MARK, PART, TAR, part_image, push, repo_for
+from support.run import snap_with_peak
+from support.tars import gzip_bytes, member, raw_header, tar_bytes
 
 
 def fifo(name: str) -> tuple[tarfile.TarInfo, bytes]:
@@ -57,10 +58,10 @@ def test_fifos_are_devices(registry, jail, request, tmp_path):
     ref = push(registry, request, tar_bytes(member("p/", "dir"), fifo("p/pipe"), member("p/f", data=b"f\n")))
     jail.ok(jail.restore(ref))
     assert not os.path.lexists(jail.root / "p/pipe") and (jail.root / "p/f").exists()
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     assert r.returncode == 0, r.stdout + r.stderr  # verify expects what restore wrote
     other = tmp_path / "other"
-    r, _ = run_snap(tmp_path, "restore", ref, "--root", str(other), "--allow-devices")
+    r, _ = snap_with_peak("restore", ref, "--root", str(other), "--allow-devices")
     assert r.returncode == 0, r.stderr
     assert stat.S_ISFIFO(os.lstat(other / "p/pipe").st_mode)
 
@@ -114,7 +115,7 @@ def test_verify_refuses_what_restore_refuses(registry, jail, request, tmp_path, 
     ref = push(registry, request, *layers)
     jail.refused(jail.restore(ref))
     jail.root.mkdir(exist_ok=True)
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     jail.refused(r)
 
 
@@ -123,7 +124,7 @@ def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
     ref = push(registry, request, tar_bytes(member("a/", "dir"), member("a/../../outside/keep", data=b"sentinel\n")),
                tar_bytes(member("a/../../outside/.wh.keep")))
     jail.root.mkdir()
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     assert "outside" not in r.stdout
     jail.refused(r)
 
@@ -134,7 +135,7 @@ def test_a_name_with_a_newline_cannot_forge_a_line_of_the_verify_report(registry
     ref = push(registry, request, tar_bytes(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
     jail.root.mkdir()
     (jail.root / "d").mkdir()
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     assert r.returncode == 9, r.stderr
     assert r.stdout.splitlines() == ["'/d/x\\n/etc/passwd: content differs': missing (expected a file)"]
     assert not any(line.startswith("/etc/passwd") for line in r.stdout.splitlines() + r.stderr.splitlines())

@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from helpers import PEAK_LIMIT_KIB, TAR, push, push_annotated, repo_for, run_snap
-from support import member, tar_bytes
+from support.images import TAR, push, push_annotated, repo_for
+from support.run import PEAK_LIMIT_KIB, snap_with_peak
+from support.tars import member, tar_bytes
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -23,7 +24,7 @@ def both(jail, tmp_path, ref: str, env: dict | None = None) -> list[tuple[int, s
     out = []
     for cmd in ("restore", "verify"):
         jail.root.mkdir(exist_ok=True)
-        r, peak = run_snap(tmp_path, cmd, ref, "--root", str(jail.root), env=env)
+        r, peak = snap_with_peak(cmd, ref, "--root", str(jail.root), env=env)
         lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
         assert len(lines) == 1, r.stderr
         out.append((r.returncode, lines[0], peak))
@@ -123,7 +124,7 @@ def test_base_layers_annotation_out_of_range_is_refused(registry, jail, request,
     ref = push_annotated(registry, repo_for(request), [(tar_bytes(member("base", data=b"b")), {}),
                                                        (tar_bytes(member("snap", data=b"s")), {"dev.snap.layer": "rest"})],
                          {"dev.snap.base-layers": base_layers})
-    r, _ = run_snap(tmp_path, "restore", ref, "--root", str(jail.root), "--only-snapshot")
+    r, _ = snap_with_peak("restore", ref, "--root", str(jail.root), "--only-snapshot")
     assert "base-layers" in jail.refused(r)
     assert not os.path.lexists(jail.root / "base") and not os.path.lexists(jail.root / "snap")
 

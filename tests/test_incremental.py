@@ -12,8 +12,9 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.box.profile import parse_profile
 from snapshotter.commit import push as push_module
 
-from helpers import WEIGHTS_PROFILE, commit_json
-from support import NOT_CAPTURED, RegistryServer, snap, snapshot_of_tree, write_tree
+from support.registry import RegistryServer
+from support.run import commit_json, snap
+from support.trees import NOT_CAPTURED, WEIGHTS_PROFILE, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 

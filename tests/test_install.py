@@ -15,9 +15,9 @@ from typing import Optional
 
 import pytest
 
-from helpers import commit_json
-from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, make_box, pip_install_offline, snap_layer_files,
-                     snapshot_of_tree, write_tree)
+from support.images import snap_layer_files
+from support.run import PIP_OFFLINE, WHEELS, commit_json, pip_install_offline
+from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")

@@ -10,14 +10,14 @@ import subprocess
 import sys
 import threading
 
-from helpers import SMALL_WEIGHTS
-from support import NOT_CAPTURED, TIMEOUT, assert_one_line_error, snap, snapshot_of_tree
+from support.run import SNAP, TIMEOUT, assert_one_line_error, snap
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, snapshot_of_tree
 
 WEIGHT = "opt/app/models/checkpoints/sd15.safetensors"  # 2 MB: a layer of its own with SMALL_WEIGHTS
 
 
 def _snap_proc(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "snapshotter", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([*SNAP, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

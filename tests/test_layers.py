@@ -10,9 +10,24 @@ import tarfile
 from snapshotter.index.entry import DIR, FILE, Entry
 from snapshotter.layer.plan import LayerPlan, add_parent_dirs
 
-from helpers import (BIG, LINKED, assert_content_written_once, commit_json, hardlink_box, home_box, layer_tar,
-                     layers_by_name, make_home_base, oci_validator, profile_excluding_nothing, push)
-from support import NOT_CAPTURED, MiB, assert_one_line_error, make_box, snap, snapshot_of_tree, tar_of_files, write_tree
+from support.images import layer_tar, layers_by_name, push
+from support.run import assert_one_line_error, commit_json, snap
+from support.schema import oci_validator
+from support.tars import tar_of_files
+from support.trees import (
+    BIG,
+    LINKED,
+    NOT_CAPTURED,
+    MiB,
+    assert_content_written_once,
+    hardlink_box,
+    home_box,
+    make_box,
+    make_home_base,
+    profile_excluding_nothing,
+    snapshot_of_tree,
+    write_tree,
+)
 
 
 def test_manifest_and_config_validate_against_the_image_spec_schema(registry, base_ref, base_rootfs, tmp_path):

@@ -5,14 +5,15 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from snapshotter.errors import quoted_path
 
-from helpers import push
-from support import TIMEOUT, assert_clean, assert_one_line_error, member, snap, snapshot_of_tree, tar_bytes, write_tree
+from support.images import push
+from support.run import SNAP, TIMEOUT, assert_clean, assert_one_line_error, snap
+from support.tars import member, tar_bytes
+from support.trees import snapshot_of_tree, write_tree
 
 
 def test_state_dir_that_cannot_be_created(registry, base_ref, box, tmp_path):
@@ -130,7 +131,7 @@ def test_a_directory_snap_may_not_read_is_named_quoted_in_the_error(registry, tm
     snap("commit", ref, "--base", "scratch", "--root", str(root), check=True)
     os.chmod(root / locked, 0)
     cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",
-           sys.executable, "-m", "snapshotter", "verify", ref, "--root", str(root)]
+           *SNAP, "verify", ref, "--root", str(root)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert_clean(r)
     assert_one_line_error(r, 7, repr(str(root / locked / "f.txt")), "Permission denied")

@@ -25,8 +25,8 @@ from snapshotter.index.entry import Entry, gc_paused
 from snapshotter.layer import plan as plan_module
 from snapshotter.layer.plan import LayerPlan, PlanMemo, plan_layers
 
-from helpers import FakeClock, watcher
-from support import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support.watch import FakeClock, watcher
 
 PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow" + b"A" * 58 + b"\n-----END RSA PRIVATE KEY-----\n"
 

@@ -14,9 +14,11 @@ import pytest
 
 from snapshotter.errors import quoted_path
 
-from helpers import SMALL_WEIGHTS, WatchProcess, push_annotated, repo_for
-from support import (NOT_CAPTURED, MiB, assert_clean, assert_one_line_error, member, snap, snapshot_of_tree,
-                     tar_bytes)
+from support.images import push_annotated, repo_for
+from support.run import assert_clean, assert_one_line_error, snap
+from support.tars import member, tar_bytes
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, MiB, snapshot_of_tree
+from support.watch import WatchProcess
 
 # Each one a name of its own: "nl\\nx" (a backslash and an n) must not meet "nl\nx" anywhere.
 ODD = ["nl\nsnap: error: forged", "nl\\nsnap: error: forged", "cr\rx", "tab\tx", "esc\x1b[2J", "back\\slash", "\\",

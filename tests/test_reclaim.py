@@ -33,8 +33,11 @@ from snapshotter.oci.reference import is_tag
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.snapshot import diverged
 
-from helpers import SMALL_WEIGHTS, FakeClock, WatchProcess, blobs_in, digest_of, diverged_tags, snap_layers, watcher
-from support import NOT_CAPTURED, TIMEOUT, make_base_rootfs, make_box, push_base_image, snap, snapshot_of_tree, write_tree
+from support.images import push_base_image, snap_layers
+from support.registry import blobs_in, digest_of, diverged_tags
+from support.run import TIMEOUT, snap
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, make_base_rootfs, make_box, snapshot_of_tree, write_tree
+from support.watch import FakeClock, WatchProcess, watcher
 
 MiB = 1024 * 1024
 WEIGHT = "opt/app/models/checkpoints/model.safetensors"

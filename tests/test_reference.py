@@ -6,7 +6,7 @@ import pytest
 from snapshotter.errors import UsageError
 from snapshotter.oci.reference import Reference
 
-from support import assert_one_line_error, snap
+from support.run import assert_one_line_error, snap
 
 D64 = "sha256:" + "f" * 64
 REDIS = "sha256:dbcc1c35ac38df41fd2f5e4130b32ffdb93ebae8b3dbe638c23575912276fc9c"

@@ -27,8 +27,10 @@ from snapshotter.restore import restore as restore_module
 from snapshotter.restore.applier import ExtractWorker
 from snapshotter.restore.restore import RestoreOptions, restore_image
 
-from helpers import TAR, part_ann, push_annotated
-from support import IS_ROOT, FaultProxy, assert_one_line_error, member, snap, tar_bytes, tar_of_files
+from support.faults import FaultProxy
+from support.images import TAR, part_ann, push_annotated
+from support.run import IS_ROOT, SNAP, assert_one_line_error, snap
+from support.tars import member, tar_bytes, tar_of_files
 
 ZSTD = TAR + "+zstd"
 MiB = 1024 * 1024
@@ -708,7 +710,7 @@ def test_ctrl_c_during_a_download(registry, tmp_path, state_dir, media_type):
     proxy = FaultProxy(registry.host).start()
     proxy.throttle = 4 * MiB  # bytes per second: the big layer takes 8 s on this link
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{proxy.host}/ctrlcdl:v1", "--root", str(root)],
+        proc = subprocess.Popen([*SNAP, "restore", f"{proxy.host}/ctrlcdl:v1", "--root", str(root)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert proxy.midway.wait(120), "the big layer never got on the wire"  # its first MiB passed
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does

@@ -12,7 +12,8 @@ import tarfile
 
 import pytest
 
-from support import NOT_CAPTURED, make_box, snap, snapshot_of_tree, write_tree
+from support.run import snap
+from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 MiB = 1 << 20
 # The default profile's models layer with small thresholds: weights of a few MiB get layers of

@@ -10,8 +10,9 @@ import zstandard
 from snapshotter import CommitOptions, commit_box
 from snapshotter.commit import push as push_module
 
-from helpers import commit_json, layers_by_name
-from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
+from support.images import layers_by_name
+from support.run import commit_json, snap
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 MODELS_META = "models (directories and deletions)"
 SNAP_LAYERS = ["venv", "custom_nodes", "rest", "models", MODELS_META]  # weights last: `restore --then`

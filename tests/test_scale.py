@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
@@ -18,7 +17,10 @@ from snapshotter.commit import push as push_module
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index
 
-from support import NOT_CAPTURED, member, snap, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
+from support.images import snap_layer_files
+from support.run import SNAP, snap
+from support.tars import member, tar_bytes
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 STAGING_PREFIX = ".snap-staging-"  # a restore's downloads, at the top of its root
@@ -71,7 +73,7 @@ def test_a_second_snap_process_waits_for_the_first(registry, base_ref, box, stat
         fcntl.flock(held, fcntl.LOCK_EX)  # the first process, mid-run
         held.write("4242\n")
         held.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{registry.host}/locked:v1",
+        proc = subprocess.Popen([*SNAP, "commit", f"{registry.host}/locked:v1",
                                  "--base", base_ref, "--root", box], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
         try:
@@ -123,7 +125,7 @@ def test_a_stop_during_an_upload_does_not_wait_for_it(registry, proxy, base_ref,
     """The link stalls in the middle of the weight's upload; Ctrl-C or SIGTERM stops the commit
     there (it would otherwise wait for the upload, here for ever), and the tag never moves."""
     proxy.stall_uploads_after = 8 * MiB
-    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{proxy.host}/stopped:v1", "--base", base_ref,
+    proc = subprocess.Popen([*SNAP, "commit", f"{proxy.host}/stopped:v1", "--base", base_ref,
                              "--root", weight_box], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proxy.stalled.wait(120), "the upload never got going"

@@ -18,8 +18,8 @@ from snapshotter.snapshot import statcache
 from snapshotter.state import root_key, sub
 from snapshotter.watch import daemon
 
-from helpers import repo_for
-from support import assert_one_line_error, snap
+from support.images import repo_for
+from support.run import assert_one_line_error, snap
 
 
 def commit(registry, base_ref, box, repo="private", tag="v1"):

@@ -13,7 +13,7 @@ import pytest
 
 from snapshotter.tar.reader import TarReader, data_chunks, iter_members
 
-from support import tar_bytes
+from support.tars import tar_bytes
 
 FIELDS = ("name", "type", "mode", "uid", "gid", "size", "mtime", "linkname", "uname", "gname", "devmajor",
           "devminor", "pax_headers", "offset_data")

@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from support import make_box, snap
+from support.run import snap
+from support.trees import make_box
 
 
 @pytest.fixture(scope="module")

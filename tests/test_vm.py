@@ -14,8 +14,11 @@ import pytest
 from snapshotter.oci.image import SNAP_BASE_LAYERS
 from snapshotter.registry.remote import host_platform
 
-from helpers import commit_json, layers_by_name, oci_validator, push
-from support import assert_one_line_error, member, push_base_image, snap, snapshot_of_tree, tar_bytes, write_tree
+from support.images import layers_by_name, push, push_base_image
+from support.run import assert_one_line_error, commit_json, snap
+from support.schema import oci_validator
+from support.tars import member, tar_bytes
+from support.trees import snapshot_of_tree, write_tree
 
 UBUNTU = 1000  # the VM's user
 

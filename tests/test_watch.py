@@ -24,9 +24,12 @@ from snapshotter.restore.restore import RestoreOptions
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
 
-from helpers import FAST, SMALL_WEIGHTS, FakeClock, WatchProcess, digest_of, diverged_tags, snap_layers, watcher
-from support import (NOT_CAPTURED, TIMEOUT, MetadataServer, RegistryServer, fake_dmi, push_base_image, snap,
-                     snapshot_of_tree, write_tree)
+from support.faults import MetadataServer, fake_dmi
+from support.images import push_base_image, snap_layers
+from support.registry import RegistryServer, digest_of, diverged_tags
+from support.run import SNAP, TIMEOUT, snap
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, snapshot_of_tree, write_tree
+from support.watch import FAST, FakeClock, WatchProcess, watcher
 
 MiB = 1024 * 1024
 
@@ -543,7 +546,7 @@ def test_no_metadata_request_off_cloud(registry, base_ref, box, tmp_path):
 
 def start_daemon(registry_host, base_ref, box, repo, stderr, env=None, **kw) -> subprocess.CompletedProcess:
     """`snap watch --daemon` with its stderr on `stderr` (a file or a pipe)."""
-    return subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry_host}/{repo}:v2", "--base",
+    return subprocess.run([*SNAP, "watch", f"{registry_host}/{repo}:v2", "--base",
                            base_ref, "--root", box, "--every", "1h", "--daemon"], stdout=kw.pop("stdout", subprocess.DEVNULL),
                           stderr=stderr, env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})}, timeout=TIMEOUT,
                           **kw)
