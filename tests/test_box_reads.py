@@ -227,7 +227,8 @@ def test_a_file_unreadable_at_its_read_is_held_back_and_the_rest_committed(regis
         pytest.skip("needs root to drop root's capabilities")
     rel = "opt/app/private.bin"
     write_tree(box, {rel: b"p" * 100, "opt/app/ok.txt": b"fine\n"})
-    script = SCRIPT.format(tests=os.path.dirname(__file__), box=box, rel=rel, target=f"{registry.host}/unreadable-read:v1",
+    script = SCRIPT.format(tests=os.path.dirname(__file__), box=box, rel=rel,
+                           target=f"{registry.host}/unreadable-read:v1",
                            base=base_ref)
     # Root reads everything: drop the capabilities that let it ignore permissions.
     cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",

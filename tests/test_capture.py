@@ -89,7 +89,8 @@ def _make_venv(path):
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.skipif(not have_wheels("requests", "certifi"), reason="no requests/certifi wheels in .ci/wheels (run .ci/setup)")
+@pytest.mark.skipif(not have_wheels("requests", "certifi"),
+                    reason="no requests/certifi wheels in .ci/wheels (run .ci/setup)")
 def test_secrets_rules_keep_venvs_ca_bundles_and_directories(registry, base_ref, box, tmp_path):
     _make_venv(os.path.join(box, "workspace/proj/.env"))  # a venv called .env: a very common name
     _make_venv(os.path.join(box, "opt/venv"))
@@ -143,11 +144,13 @@ def test_secrets_rules_keep_venvs_ca_bundles_and_directories(registry, base_ref,
 def test_private_keys_told_from_certificates_by_content(tmp_path):
     key_pem, key_der, cert_pem, cert_der = (tmp_path / n for n in ("k.pem", "k.der", "c.pem", "c.der"))
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                    "-subj", "/CN=snap-test", "-keyout", str(key_pem), "-out", str(cert_pem)], check=True, capture_output=True)
+                    "-subj", "/CN=snap-test", "-keyout", str(key_pem), "-out", str(cert_pem)], check=True,
+                    capture_output=True)
     subprocess.run(["openssl", "pkey", "-in", str(key_pem), "-outform", "DER", "-out", str(key_der)], check=True)
     subprocess.run(["openssl", "x509", "-in", str(cert_pem), "-outform", "DER", "-out", str(cert_der)], check=True)
     rsa = subprocess.run(["openssl", "genrsa", "2048"], check=True, capture_output=True).stdout  # PKCS#1 or #8
-    assert holds_private_key(key_pem.read_bytes()) and holds_private_key(key_der.read_bytes()) and holds_private_key(rsa)
+    assert holds_private_key(key_pem.read_bytes()) and holds_private_key(key_der.read_bytes())
+    assert holds_private_key(rsa)
     assert holds_private_key(cert_pem.read_bytes() * 2 + key_pem.read_bytes())  # a chain, then its key
     assert not holds_private_key(cert_pem.read_bytes()) and not holds_private_key(cert_der.read_bytes())
     assert not holds_private_key(b"-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE\n")
@@ -248,8 +251,10 @@ def test_a_file_that_never_settles_is_held_back_in_one_line_naming_it(registry, 
     r = CliRunner().invoke(cli.app, ["commit", f"{registry.host}/torn:v1", "--base", base_ref, "--root", box])
     assert r.exit_code == 0, r.output
     held = [line for line in r.output.splitlines() if line.startswith("held back:")]
-    tail = "(changed while read): never read half-written; left out (the base's version, if any, stays); commit again once it is written"
-    assert held == [f"held back: '/opt/app/models/ckpt.safetensors' {tail}", f"held back: '/var/lib/app/state\\ndb' {tail}"]
+    tail = ("(changed while read): never read half-written; left out (the base's version, if any, stays); "
+            "commit again once it is written")
+    assert held == [f"held back: '/opt/app/models/ckpt.safetensors' {tail}",
+                    f"held back: '/var/lib/app/state\\ndb' {tail}"]
     monkeypatch.setattr(layer, "after_read", None)
     out = tmp_path / "restored"
     snap("restore", f"{registry.host}/torn:v1", "--root", str(out), check=True)
@@ -299,7 +304,8 @@ def test_a_file_that_keeps_growing_while_sent_is_sent_as_first_seen_with_a_warni
     if streamed:
         monkeypatch.setattr(layer, "BUFFERED_MAX", 64)  # the path of files too big to hold
     try:
-        r = CliRunner().invoke(cli.app, ["commit", f"{registry.host}/growing-{how}-{int(streamed)}:v1", "--base", base_ref,
+        r = CliRunner().invoke(cli.app,
+                               ["commit", f"{registry.host}/growing-{how}-{int(streamed)}:v1", "--base", base_ref,
                                          "--root", box, "--profile", str(prof)])
     finally:
         writer.communicate("", timeout=60)

@@ -363,8 +363,9 @@ def test_login_into_another_user_s_directory_is_refused_before_the_registry_is_a
 def test_docker_config_through_another_user_s_symlink_is_neither_read_nor_written(tmp_path, monkeypatch,
                                                                                    owner, below):
     """DOCKER_CONFIG (or a directory on its way) a symlink they own (even in root's directory), or
-    root's in their directory (they may swap it), pointing at root's directory that holds another program's config.json: every name
-    on the way is looked at, not only where it leads. Nothing read, nothing made, nothing written."""
+    root's in their directory (they may swap it), pointing at root's directory that holds another program's
+    config.json: every name on the way is looked at, not only where it leads. Nothing read, nothing made, nothing
+    written."""
     theirs = _another_users_dir(tmp_path)
     victim = tmp_path / "etc-someapp"  # root's directory
     (victim / "docker").mkdir(parents=True)
@@ -416,4 +417,5 @@ def test_root_makes_and_writes_nothing_below_another_user_s_directory(tmp_path, 
     save_docker_credentials("ghcr.io", USER, PASSWORD)
     written = tmp_path / "ours" / "a" / "b" / "config.json"
     assert json.loads(written.read_text()) == {"auths": {"ghcr.io": basic(USER, PASSWORD)}}
-    assert [os.stat(p).st_mode & 0o777 for p in (written.parent.parent, written.parent, written)] == [0o700, 0o700, 0o600]
+    assert [os.stat(p).st_mode & 0o777 for p in (written.parent.parent, written.parent, written)] == [0o700, 0o700,
+                                                                                                      0o600]

@@ -38,7 +38,8 @@ def test_a_directory_entry_after_its_contents(registry, jail, request):
 
 def test_a_symlink_over_an_implied_directory(registry, jail, request):
     """As containerd does: the later entry replaces the directory the earlier one implied."""
-    ref = push(registry, request, tar_bytes(member("x/a/b", data=b"b\n"), member("x/a", "symlink", linkname="elsewhere")))
+    ref = push(registry, request,
+               tar_bytes(member("x/a/b", data=b"b\n"), member("x/a", "symlink", linkname="elsewhere")))
     jail.ok(jail.restore(ref))
     assert os.readlink(jail.root / "x/a") == "elsewhere"
 
@@ -132,7 +133,8 @@ def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
 def test_a_name_with_a_newline_cannot_forge_a_line_of_the_verify_report(registry, jail, request, tmp_path):
     """A name like any other (issue 33: restore writes it, so verify compares it): its difference is
     one quoted line, never a line of its own for what follows the newline."""
-    ref = push(registry, request, tar_bytes(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
+    ref = push(registry, request,
+               tar_bytes(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
     jail.root.mkdir()
     (jail.root / "d").mkdir()
     r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
@@ -148,7 +150,8 @@ def test_the_journal_grows_by_one_line_per_layer(registry, jail, request, tmp_pa
     repo = repo_for(request)
     diff_ids = ["sha256:" + hashlib.sha256(b).hexdigest() for b in layers]
     diff_ids[2] = "sha256:" + "0" * 64  # the third layer fails its check: the journal stays
-    registry.push_image(repo, "v1", layers, layer_media_type="application/vnd.oci.image.layer.v1.tar", diff_ids=diff_ids)
+    registry.push_image(repo, "v1", layers, layer_media_type="application/vnd.oci.image.layer.v1.tar",
+                        diff_ids=diff_ids)
     r = jail.restore(f"{registry.host}/{repo}:v1")
     assert r.returncode == 6, r.stderr
     (journal,) = list((state_dir / "restore-journal").iterdir())
@@ -167,7 +170,8 @@ def test_a_layer_that_fails_its_diff_id_never_shows_its_last_file(registry, jail
     place only after the check, and here its temp is removed instead."""
     tar = tar_bytes(member("app/", "dir"), member("app/first", data=b"first\n"), member("app/last", data=b"last\n"))
     repo = repo_for(request)
-    registry.push_image(repo, "v1", [gzip_bytes(tar) if compressed else tar], layer_media_type=GZIP if compressed else TAR,
+    registry.push_image(repo, "v1", [gzip_bytes(tar) if compressed else tar],
+                        layer_media_type=GZIP if compressed else TAR,
                         diff_ids=["sha256:" + "0" * 64])
     line = jail.refused(jail.restore(f"{registry.host}/{repo}:v1"))
     assert "does not match its diff_id" in line, line

@@ -36,7 +36,8 @@ def plant_key(root) -> None:
 def test_a_hardlink_to_a_file_already_in_the_root_is_refused(registry, jail, request):
     plant_key(jail.root)
     before = snapshot_of_tree(str(jail.root), exact=True)  # type, mode, link count, owner, mtime, content of each path
-    ref = push(registry, request, tar_bytes(member("data/", "dir"), member("data/k", "hardlink", linkname="root/.ssh/id_rsa")))
+    ref = push(registry, request,
+               tar_bytes(member("data/", "dir"), member("data/k", "hardlink", linkname="root/.ssh/id_rsa")))
     line = jail.refused(jail.restore(ref))
     assert "'root/.ssh/id_rsa'" in line and "the image did not write" in line, line
     assert os.lstat(jail.root / "root/.ssh/id_rsa").st_nlink == 1, "a second name for the box's key"
@@ -119,7 +120,10 @@ def test_part_links_to_a_file_no_part_was_joined_into_are_refused(registry, jail
     """Part layers that name the box's key as their file but hold no part of it: nothing is joined,
     and its "other names" are not linked to the key."""
     plant_key(jail.root)
-    ann = lambda part: dict(part_ann("root/.ssh/id_rsa", part), **{"dev.snap.part-links": json.dumps(["data/k"])})  # noqa: E731
+
+    def ann(part: str) -> dict:
+        return dict(part_ann("root/.ssh/id_rsa", part), **{"dev.snap.part-links": json.dumps(["data/k"])})
+
     ref = push_annotated(registry, repo_for(request), [
         (tar_bytes(member("data/", "dir")), {}),
         (tar_bytes(member("data/a", data=b"a\n")), ann("1/2")),

@@ -34,7 +34,8 @@ def both(jail, tmp_path, ref: str, env: dict | None = None) -> list[tuple[int, s
 
 def _put_manifest(registry, repo: str, tag: str, doc: dict, media_type: str) -> str:
     body = json.dumps(doc).encode()
-    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=body, headers={"Content-Type": media_type})
+    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=body,
+                               headers={"Content-Type": media_type})
     r.raise_for_status()
     return "sha256:" + hashlib.sha256(body).hexdigest()
 
@@ -99,7 +100,8 @@ def test_malformed_manifests_are_bad_images(registry, proxy, jail, request, tmp_
     else:
         doc = ["not", "an", "object"]
     body = json.dumps(doc).encode()
-    proxy.lie = lambda method, path: (200, {"Content-Type": media}, [body]) if path == f"/v2/{repo}/manifests/v1" else None
+    proxy.lie = lambda method, path: (200, {"Content-Type": media},
+                                      [body]) if path == f"/v2/{repo}/manifests/v1" else None
     for code, line, _ in both(jail, tmp_path, ref.replace(registry.host, proxy.host)):
         assert code == (10 if change == "manifest-not-an-object" else 6), line
 
@@ -122,7 +124,8 @@ def test_malformed_configs_are_bad_images(registry, jail, request, tmp_path, con
 @pytest.mark.parametrize("base_layers", ["-1", "5", "one", "2.0"])
 def test_base_layers_annotation_out_of_range_is_refused(registry, jail, request, tmp_path, base_layers):
     ref = push_annotated(registry, repo_for(request), [(tar_bytes(member("base", data=b"b")), {}),
-                                                       (tar_bytes(member("snap", data=b"s")), {"dev.snap.layer": "rest"})],
+                                                       (tar_bytes(member("snap", data=b"s")),
+                                                        {"dev.snap.layer": "rest"})],
                          {"dev.snap.base-layers": base_layers})
     r, _ = snap_with_peak("restore", ref, "--root", str(jail.root), "--only-snapshot")
     assert "base-layers" in jail.refused(r)
@@ -161,7 +164,8 @@ def test_a_download_grace_that_is_no_number_of_seconds_is_a_usage_error(registry
 @pytest.mark.parametrize("body", [b'["not", "an", "object"]', b'{"errors": 5}', b'{"errors": [1, "two", null]}',
                                   b'{"errors": [{"code": "DENIED", "message": "no\\nsnap: error: forged line"}]}',
                                   b"\xff\xfe not json \x00", b" " * (1 << 20)],
-                         ids=["list", "errors-not-a-list", "errors-not-objects", "newline-in-message", "binary", "huge"])
+                         ids=["list", "errors-not-a-list", "errors-not-objects", "newline-in-message", "binary",
+                              "huge"])
 def test_an_error_answer_of_any_shape_is_one_line(registry, proxy, jail, request, tmp_path, body):
     """A registry's error body is read capped and shown on one line, whatever its shape or size."""
     ref = push(registry, request, tar_bytes(member("f", data=b"x")))

@@ -118,7 +118,8 @@ def empty_entries(count: int, whiteouts: bool = False, per_dir: int = 1000) -> G
 def push_layers(registry, request, layers: list[GzipLayer]) -> str:
     blobs = [b"".join(g.out) + g.z.flush() for g in layers]
     repo = repo_for(request)
-    registry.push_image(repo, "v1", blobs, layer_media_type=GZIP, diff_ids=["sha256:" + g.sha.hexdigest() for g in layers])
+    registry.push_image(repo, "v1", blobs, layer_media_type=GZIP,
+                        diff_ids=["sha256:" + g.sha.hexdigest() for g in layers])
     return f"{registry.host}/{repo}:v1"
 
 

@@ -115,7 +115,8 @@ def test_weight_layers_are_stable_when_a_model_is_added_or_removed(registry, bas
     assert len(bundles) > 3  # 360 KB of small files in bundles of at most 64 KiB
     assert all(v1[n].media_type == "application/vnd.oci.image.layer.v1.tar" for n in singles + bundles)
     # The cap is on content; a tar adds a 512-byte header a file, padding, and a 10 KiB record at most.
-    assert all(v1[n].size <= 64 * 1024 + 1024 * v1[n].entries + 10240 for n in bundles), [(v1[n].size, v1[n].entries) for n in bundles]
+    sizes = [(v1[n].size, v1[n].entries) for n in bundles]
+    assert all(size <= 64 * 1024 + 1024 * entries + 10240 for size, entries in sizes), sizes
 
     meta = "models (directories and deletions)"
     assert [n for n in v1 if n.startswith("models")][-1] == meta  # last of its layers: its dir mtimes are final
@@ -146,7 +147,8 @@ def test_files_over_the_layer_cap_are_split_and_joined_back(registry, base_ref, 
     r = snap("commit", f"{registry.host}/parts:v1", "--base", base_ref, "--root", box, "--max-layer-size", "1MiB",
              "--json", check=True)
     parts = [layer for layer in json.loads(r.stdout)["layers"] if "part" in layer["name"] and "huge" in layer["name"]]
-    assert [p["name"] for p in parts] == [f"models (part {i}/4 of opt/app/models/huge.safetensors)" for i in range(1, 5)]
+    assert [p["name"] for p in parts] == [f"models (part {i}/4 of opt/app/models/huge.safetensors)"
+                                          for i in range(1, 5)]
     manifest = registry.manifest("parts", "v1")
     assert max(d["size"] for d in manifest["layers"]) < 1 * MiB + 16384  # content cap + tar header and record padding
     out = tmp_path / "out"
@@ -206,7 +208,8 @@ def test_a_restored_file_changed_since_is_read_again(registry, base_ref, model_b
     commit_box(f"{registry.host}/seedchg:v1", base_ref, CommitOptions(root=model_box))
     fresh_state = tmp_path / "new-machine-state"
     out = tmp_path / "restored"
-    snap("restore", f"{registry.host}/seedchg:v1", "--root", str(out), env={"SNAP_STATE_DIR": str(fresh_state)}, check=True)
+    snap("restore", f"{registry.host}/seedchg:v1", "--root", str(out), env={"SNAP_STATE_DIR": str(fresh_state)},
+         check=True)
     big = out / "opt/app/models/checkpoints/big.safetensors"
     st = os.stat(big)
     with open(big, "r+b") as f:
@@ -251,7 +254,7 @@ def test_a_base_index_cache_of_another_format_is_rebuilt(registry, base_ref, box
         f.writelines(json.dumps(line) + "\n" for line in lines)
 
     second = commit_box(f"{registry.host}/{repo}:v2", base_ref, CommitOptions(root=box))
-    assert [(layer.name, layer.digest) for layer in second.layers] == [(layer.name, layer.digest) for layer in first.layers]
+    assert [(lay.name, lay.digest) for lay in second.layers] == [(lay.name, lay.digest) for lay in first.layers]
     assert second.deleted == first.deleted
     with gzip.open(cache, "rt") as f:
         assert json.loads(f.readline()) == current  # rebuilt in this version's format
@@ -322,7 +325,8 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
         counted = doc["uploaded"]
         assert doc["uploaded_bytes"] == sum(counted.values()) > 0, (step, doc["uploaded_bytes"], counted)
         assert sum(n for what, n in counted.items() if what != "manifests") == blobs, (step, counted, blobs)
-        assert 0 <= manifests <= counted["manifests"] > 0, (step, counted, manifests)  # the same manifest is stored once
+        # the same manifest is stored once
+        assert 0 <= manifests <= counted["manifests"] > 0, (step, counted, manifests)
         sent_layers = sum(layer["size"] for layer in doc["layers"] if layer["status"] == "uploaded")
         assert counted.get("layers", 0) == sent_layers, (step, counted, sent_layers)
         headers[step] = counted.get("headers", 0)

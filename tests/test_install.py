@@ -1,5 +1,5 @@
-"""snap's wheel, built by `make dist`, installs into a fresh virtualenv with pip, from its declared dependencies alone, on each
-Python a GPU box may have (3.10: Ubuntu 22.04; 3.11: Debian 12; 3.12: Ubuntu 24.04; 3.13), and a
+"""snap's wheel, built by `make dist`, installs into a fresh virtualenv with pip, from its declared dependencies
+alone, on each Python a GPU box may have (3.10: Ubuntu 22.04; 3.11: Debian 12; 3.12: Ubuntu 24.04; 3.13), and a
 commit made there has the very layers this suite's own Python makes of the same tree.
 
 The wheels come from .ci/wheels (fetched by .ci/setup for each of these Pythons): pip runs with
@@ -37,7 +37,8 @@ def find_python(version: str) -> Optional[str]:
     if sys.version.startswith(version + "."):
         return sys.executable
     pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    candidates = [shutil.which(f"python{version}")] + sorted(glob.glob(f"{pyenv}/versions/{version}.*/bin/python{version}"))
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(glob.glob(f"{pyenv}/versions/{version}.*/bin/python{version}"))]
     for python in filter(None, candidates):
         r = subprocess.run([python, "-c", "import sys, venv, ensurepip; print('%d.%d' % sys.version_info[:2])"],
                            capture_output=True, text=True)
@@ -104,7 +105,8 @@ def layer_digests(registry, repo: str, tag: str) -> list[str]:
 
 
 @pytest.mark.parametrize("version", PYTHONS)
-def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, dist_files, registry, base_ref, base_rootfs,
+def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, dist_files, registry, base_ref,
+                                                                    base_rootfs,
                                                                     tmp_path):
     python = find_python(version)
     if python is None:
@@ -113,7 +115,8 @@ def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, dis
         pytest.skip(f"no wheels of {', '.join(missing_wheels(version)) or 'snap dependencies'} for Python {version} "
                     "in .ci/wheels (run .ci/setup)")
     venv = installed_snap(python, dist_files["wheel"], tmp_path)
-    env = {**os.environ, **PIP_OFFLINE, "SNAP_STATE_DIR": str(tmp_path / "venv-state")}  # nothing shared with the reference
+    # nothing shared with the reference
+    env = {**os.environ, **PIP_OFFLINE, "SNAP_STATE_DIR": str(tmp_path / "venv-state")}
     env.pop("PYTHONPATH", None)
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -144,7 +147,8 @@ def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, dis
     r = run("snap", "commit", f"{registry.host}/pythons:{tag}", "--base", base_ref, "--root", box)
     assert r.returncode == 0, r.stderr
     assert layer_digests(registry, "pythons", tag) == layer_digests(registry, "pythons", f"ref-{tag}")
-    assert "mtime" in snap_layer_files(registry, "pythons", tag)["var/lib/app/state.db"].pax_headers  # the case compared
+    # the case compared
+    assert "mtime" in snap_layer_files(registry, "pythons", tag)["var/lib/app/state.db"].pax_headers
 
     out = tmp_path / "restored"
     r = run("snap", "restore", f"{registry.host}/pythons:{tag}", "--root", str(out))

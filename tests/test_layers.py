@@ -71,7 +71,8 @@ def as_docker_pushes_it(manifest: dict) -> dict:
     return {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
             "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
                        "digest": manifest["config"]["digest"], "size": manifest["config"]["size"]},
-            "layers": [{"mediaType": DOCKER_GZIP, "digest": d["digest"], "size": d["size"]} for d in manifest["layers"]]}
+            "layers": [{"mediaType": DOCKER_GZIP, "digest": d["digest"], "size": d["size"]}
+                       for d in manifest["layers"]]}
 
 
 def test_layers_are_read_by_their_bytes_not_their_label(registry, base_ref, box, tmp_path):
@@ -81,7 +82,8 @@ def test_layers_are_read_by_their_bytes_not_their_label(registry, base_ref, box,
     commit_json(f"{registry.host}/relabel:src", base_ref, box, "--compression", "gzip")
     m = registry.manifest("relabel", "src")
     put_manifest(registry, "relabel", "pushed", as_docker_pushes_it(m))
-    zstd_label = dict(m, layers=[dict(d, mediaType=LAYER_ZSTD) if d.get("annotations", {}).get("dev.snap.layer") == "venv"
+    zstd_label = dict(m,
+                      layers=[dict(d, mediaType=LAYER_ZSTD) if d.get("annotations", {}).get("dev.snap.layer") == "venv"
                                  else d for d in m["layers"]])
     put_manifest(registry, "relabel", "zstd-label", zstd_label)
     expected = snapshot_of_tree(box, skip=NOT_CAPTURED)
@@ -127,7 +129,8 @@ def assert_layers_carry_their_parents(registry, repo: str, tag: str, box: str) -
                 got = names[parent]
                 assert (got.mode, got.uid, got.gid) == (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid), (label, parent)
                 xattrs = {k: v for k, v in got.pax_headers.items() if k.startswith("SCHILY.xattr.")}
-                want = {"SCHILY.xattr." + n: os.getxattr(os.path.join(box, parent), n).decode("utf-8", "surrogateescape")
+                want = {"SCHILY.xattr." + n:
+                        os.getxattr(os.path.join(box, parent), n).decode("utf-8", "surrogateescape")
                         for n in os.listxattr(os.path.join(box, parent)) if n.startswith("user.")}
                 assert xattrs == want, (label, parent)
                 parent = parent.rpartition("/")[0]
@@ -172,7 +175,8 @@ def same_inode(root: str, names) -> bool:
 
 def tree_without_link_order(root: str) -> dict:
     """snapshot_of_tree, without which name of an inode a walk met first (compared by same_inode)."""
-    return {k: v[:5] + (v[5].split(" linked-with:")[0],) + v[6:] for k, v in snapshot_of_tree(root, skip=NOT_CAPTURED).items()}
+    return {k: v[:5] + (v[5].split(" linked-with:")[0],) + v[6:]
+            for k, v in snapshot_of_tree(root, skip=NOT_CAPTURED).items()}
 
 
 def test_hardlinked_weights_get_their_own_layer_and_stay_one_inode(registry, base_ref, base_rootfs, tmp_path):
@@ -256,7 +260,8 @@ layers:
 """
 
 
-def test_a_weight_layer_keeps_its_digest_when_its_base_directory_first_changes(registry, base_ref, base_rootfs, tmp_path):
+def test_a_weight_layer_keeps_its_digest_when_its_base_directory_first_changes(registry, base_ref, base_rootfs,
+                                                                               tmp_path):
     """A weight in a directory of the base whose mtime the box kept (a model rewritten in place):
     the directory is unchanged, the weight's layer carries it. Then a file is added beside it: the
     directory changes, the topmost layer carrying it moves to the last one, and the weight's layer

@@ -115,7 +115,8 @@ def test_verify_names_a_file_the_disk_cannot_read_and_compares_the_rest(registry
     assert r.returncode == 9, r.stdout + r.stderr
     assert r.stdout.splitlines() == [f"{quoted_path(BAD)}: content differs: unreadable (Input/output error), "
                                      f"expected sha256:{hashlib.sha256(data[BAD]).hexdigest()[:12]}",
-                                     f"/opt/app/other.bin: content differs: sha256:{hashlib.sha256(b'B' * 40960).hexdigest()[:12]}, "
+                                     "/opt/app/other.bin: content differs: "
+                                     f"sha256:{hashlib.sha256(b'B' * 40960).hexdigest()[:12]}, "
                                      f"expected sha256:{hashlib.sha256(data['opt/app/other.bin']).hexdigest()[:12]}"]
 
 

@@ -180,7 +180,8 @@ def test_every_row_of_the_stat_cache_key_is_the_json_of_its_fields():
                              inode=rng.choice([None, f"{i}:{i + 1}"]), stamp=text(12),
                              xattrs=rng.choice([None, {}, {text(8): text(8), "user.a": "\udcff"}])))
     # Fields of types a scan never makes: the encoder's text all the same.
-    entries += [Entry("x", "file", 0o644, mtime=1.5), Entry("y", "file", True), Entry("z", "file", 0o644, linkname=None)]
+    entries += [Entry("x", "file", 0o644, mtime=1.5), Entry("y", "file", True),
+                Entry("z", "file", 0o644, linkname=None)]
     for e in entries:
         want = json.dumps([e.path, e.kind, e.mode, e.uid, e.gid, e.size, e.mtime, e.linkname, e.rdev, e.inode, e.stamp,
                            sorted(e.xattrs.items()) if e.xattrs else []], separators=(",", ":"))
@@ -241,7 +242,8 @@ def test_a_chmod_or_chown_is_seen_where_the_ctime_does_not_move(box, monkeypatch
             return st
         names = ("st_atime", "st_mtime", "st_ctime")
         return os.stat_result([*st[:7], *(int(getattr(before, n)) for n in names)],
-                              {**{n: getattr(before, n) for n in names}, **{n + "_ns": getattr(before, n + "_ns") for n in names}})
+                              {**{n: getattr(before, n) for n in names},
+                               **{n + "_ns": getattr(before, n + "_ns") for n in names}})
 
     monkeypatch.setattr(box_scan.os, "lstat", lstat_times_unmoved)
     entry = scan(box, profile, memo).entries["opt/app/main.py"]
@@ -340,19 +342,22 @@ def test_a_plan_with_memo_is_the_plan_without_through_a_series_of_changes(box, b
                       if not os.path.relpath(d, box).startswith("tmp"))
 
     def add():
-        write_tree(box, {f"{rng.choice([site + '/pkg3', 'opt/app/custom_nodes/NodeC', 'srv/tool/lib'])}/n{rng.random()}.py": "x\n"})
+        folder = rng.choice([site + "/pkg3", "opt/app/custom_nodes/NodeC", "srv/tool/lib"])
+        write_tree(box, {f"{folder}/n{rng.random()}.py": "x\n"})
 
     def delete():
         os.unlink(os.path.join(box, rng.choice(files())))
 
     def move():
         src = rng.choice(files())
-        dst = rng.choice(["opt/app/custom_nodes/NodeA", site + "/pkg5", "srv/tool", "etc"]) + "/" + os.path.basename(src)
+        dst = rng.choice(["opt/app/custom_nodes/NodeA", site + "/pkg5", "srv/tool",
+                          "etc"]) + "/" + os.path.basename(src)
         if not os.path.exists(os.path.join(box, dst)):
             os.rename(os.path.join(box, src), os.path.join(box, dst))
 
     def grow():
-        sparse(os.path.join(box, rng.choice([site + "/pkg1/core.py", "srv/tool/lib/a.py", "etc/app.conf"])), 65 * 1024**2)
+        sparse(os.path.join(box, rng.choice([site + "/pkg1/core.py", "srv/tool/lib/a.py", "etc/app.conf"])),
+               65 * 1024**2)
 
     def venv_root():
         write_tree(box, {rng.choice(["srv/tool", "opt/app/custom_nodes/NodeB"]) + "/pyvenv.cfg": "home = /usr/bin\n"})
@@ -384,7 +389,8 @@ def test_an_unchanged_entry_is_not_classified_again(box, monkeypatch):
     profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
     classified = []
     real = type(profile).classify
-    monkeypatch.setattr(type(profile), "classify", lambda self, path, *a: classified.append(path) or real(self, path, *a))
+    monkeypatch.setattr(type(profile), "classify", lambda self, path,
+                        *a: classified.append(path) or real(self, path, *a))
 
     def plan():
         scan = scan_box(box, profile, memo=scan_memo)

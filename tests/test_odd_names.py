@@ -75,7 +75,8 @@ def test_odd_names_commit_restore_verify_byte_for_byte_and_print_escaped(registr
     assert (r.returncode, r.stdout.count("\n")) == (0, 1) and " matches " in r.stdout, r.stdout + r.stderr
 
     # A pod restart: the snap layers already on the volume are found there (hashed from the skeletons).
-    r = run("restore", ref, "--root", str(out), "--only-snapshot", "--json", env={"SNAP_STATE_DIR": str(tmp_path / "s2")})
+    r = run("restore", ref, "--root", str(out), "--only-snapshot", "--json",
+            env={"SNAP_STATE_DIR": str(tmp_path / "s2")})
     assert r.returncode == 0 and json.loads(r.stdout)["skipped_layers"] >= 1, r.stdout + r.stderr
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == want
 
@@ -130,7 +131,8 @@ def test_an_image_with_odd_names_restores_and_verifies_alike(registry, request, 
     names = [f"d/{n}" for n in ODD] + ["d/sub\n/x"]
     part = "d/big\x1b\nsnap: error: x"
     ref = push_annotated(registry, repo_for(request), [
-        (tar_bytes(member("d/", "dir"), member("d/sub\n/", "dir"), *(member(n, data=n.encode("utf-8", "surrogateescape"))
+        (tar_bytes(member("d/", "dir"), member("d/sub\n/", "dir"),
+                   *(member(n, data=n.encode("utf-8", "surrogateescape"))
                                                                      for n in names)), {}),
         (tar_bytes(member(f"{part}.snap-part-0001-of-0001", data=b"whole")),
          {"dev.snap.layer": "models", "dev.snap.content": f"part 1/1 of {part}", "dev.snap.part": "1/1",

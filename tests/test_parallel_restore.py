@@ -10,7 +10,6 @@ import json
 import os
 import select
 import signal
-import stat
 import subprocess
 import sys
 
@@ -281,7 +280,8 @@ def test_a_directory_a_lower_layer_makes_where_an_upper_layer_has_a_file_is_the_
     """A lower layer's directory (and files in it) where an upper layer puts a file or a symlink:
     the upper one's, though the lower is applied last."""
     _upper_done_first(registry, request, tmp_path,
-                      [member("d/", "dir"), member("d/f", data=b"lower\n"), member("e/", "dir"), member("e/g", data=b"g\n")],
+                      [member("d/", "dir"), member("d/f", data=b"lower\n"), member("e/", "dir"),
+                       member("e/g", data=b"g\n")],
                       [member("d", data=b"upper file\n"), member("e", "symlink", linkname="d")])
 
 

@@ -47,7 +47,8 @@ def test_a_weight_already_in_the_registry_is_mounted_not_uploaded(registry, prox
     for d in manifest["layers"]:
         assert registry.has_blob("mount-b", d["digest"])
     mounts = [path for method, path, status in proxy.log if method == "POST" and "mount=" in path and status == 201]
-    headers = {d["annotations"]["dev.snap.headers"] for d in manifest["layers"] if "dev.snap.headers" in d.get("annotations", {})}
+    headers = {d["annotations"]["dev.snap.headers"] for d in manifest["layers"]
+               if "dev.snap.headers" in d.get("annotations", {})}
     # and the base's config, the base index, its empty config, and the snap layers' headers blobs
     assert headers and len(mounts) == len(manifest["layers"]) + 3 + len(headers)
 
@@ -59,7 +60,8 @@ def test_blobs_of_a_restore_are_mounted_by_the_next_commit_elsewhere(registry, p
     out = tmp_path / "out"
     snap("restore", f"{proxy.host}/mount-src:v1", "--root", str(out), env=env, check=True)
     sent_before = proxy.upload_bytes()
-    r = snap("commit", f"{proxy.host}/mount-dst:v1", "--base", base_ref, "--root", str(out), "--json", env=env, check=True)
+    r = snap("commit", f"{proxy.host}/mount-dst:v1", "--base", base_ref, "--root", str(out), "--json", env=env,
+             check=True)
     layers = json.loads(r.stdout)["layers"]
     assert all(layer["status"].startswith("mounted from mount-src") for layer in layers), layers
     # Sent: the new config, and the base's (the restore saw only the snapshot's own config).
@@ -228,7 +230,8 @@ def test_a_full_restore_of_a_plain_image_indexes_it(registry, proxy, tmp_path, m
     path below a symlink, hardlinks across layers, paths the restore never writes (/tmp, /etc/hostname)."""
     big = os.urandom(3 * MiB)  # over staging.STAGE_MIN: a content file of its own, taken
     layers = [
-        tar_bytes(member("etc/", "dir"), member("etc/hostname", data=b"base-host\n"), member("tmp/", "dir", mode=0o1777),
+        tar_bytes(member("etc/", "dir"), member("etc/hostname", data=b"base-host\n"),
+                  member("tmp/", "dir", mode=0o1777),
                   member("tmp/scratch", data=b"x" * 100), member("real/", "dir"), member("real/a", data=b"a"),
                   member("link", "symlink", linkname="real"), member("gone/", "dir"), member("gone/f", data=b"f"),
                   member("opaque/", "dir"), member("opaque/old", data=b"old"), member("tree/", "dir"),
@@ -264,7 +267,8 @@ def test_an_image_that_names_a_base_it_does_not_hold_leaves_no_index_for_that_ba
     """A hostile (or broken) snapshot names base:1 but ships other base layers: its full restore
     indexes what it applied, and the next commit on base:1 must not diff against that index (it
     would leave out every file the wrong index claims unchanged): it reads base:1's own layers."""
-    registry.push_image("otherbase", "1", [tar_bytes(member("etc/", "dir"), member("etc/os-release", data=b"ID=other\n"))],
+    registry.push_image("otherbase", "1",
+                        [tar_bytes(member("etc/", "dir"), member("etc/os-release", data=b"ID=other\n"))],
                         layer_media_type="application/vnd.oci.image.layer.v1.tar")
     commit_box(f"{registry.host}/liar:v1", f"{registry.host}/otherbase:1", CommitOptions(root=box))
     manifest = registry.manifest("liar", "v1")
@@ -299,7 +303,8 @@ def small_tmpfs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     d = tmp_path / "small-tmpfs"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(d)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(d)], capture_output=True,
+                       text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     yield d

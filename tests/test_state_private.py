@@ -29,7 +29,8 @@ def commit(registry, base_ref, box, repo="private", tag="v1"):
 def modes(state_dir) -> dict[str, int]:
     """Mode of each entry snap keeps in the state dir (two levels: its own)."""
     out = {}
-    for entry in [state_dir, *state_dir.iterdir(), *(e for d in state_dir.iterdir() if d.is_dir() for e in d.iterdir())]:
+    for entry in [state_dir, *state_dir.iterdir(),
+                  *(e for d in state_dir.iterdir() if d.is_dir() for e in d.iterdir())]:
         out[str(entry.relative_to(state_dir))] = stat.S_IMODE(entry.lstat().st_mode)
     return out
 
@@ -37,7 +38,8 @@ def modes(state_dir) -> dict[str, int]:
 def test_a_state_dir_of_another_uid_is_refused(registry, base_ref, box, state_dir):
     state_dir.mkdir(mode=0o700)
     os.chown(state_dir, 65534, 65534)
-    assert_one_line_error(commit(registry, base_ref, box), 7, repr(str(state_dir)), "uid 65534", "chown", "SNAP_STATE_DIR")
+    assert_one_line_error(commit(registry, base_ref, box), 7, repr(str(state_dir)), "uid 65534", "chown",
+                          "SNAP_STATE_DIR")
     assert list(state_dir.iterdir()) == []
 
 
@@ -54,7 +56,8 @@ def test_a_state_dir_reached_through_a_symlink_is_refused(registry, base_ref, bo
     real.mkdir(mode=0o700)
     link = tmp_path / "state-link"
     link.symlink_to(real)
-    r = snap("commit", f"{registry.host}/private:v1", "--base", base_ref, "--root", box, env={"SNAP_STATE_DIR": str(link)})
+    r = snap("commit", f"{registry.host}/private:v1", "--base", base_ref, "--root", box,
+             env={"SNAP_STATE_DIR": str(link)})
     assert_one_line_error(r, 7, repr(str(link)), "symlink", "SNAP_STATE_DIR")
     assert list(real.iterdir()) == []
 
@@ -96,7 +99,8 @@ def test_a_planted_stat_cache_is_refused(registry, base_ref, box, state_dir, tmp
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(cache.read_text())
     plant(cache, elsewhere)
-    assert_one_line_error(commit(registry, base_ref, box, repo, "v2"), 7, repr(str(cache)), "remove it" if plant is not plant_foreign else "chown")
+    assert_one_line_error(commit(registry, base_ref, box, repo, "v2"), 7, repr(str(cache)),
+                          "remove it" if plant is not plant_foreign else "chown")
 
 
 def test_a_journal_symlink_is_refused(registry, base_ref, jail, state_dir, tmp_path):
@@ -129,7 +133,8 @@ def test_snap_reads_its_files_without_following_a_symlink(state_dir, tmp_path):
         os.symlink(forged, path)
     assert statcache.StatCache(root, "sha256:" + "b" * 64).lookup("fp") is None
     assert statcache.last_base(root) is None
-    assert not Journal(sub("restore-journal"), root, "sha256:" + "f" * 64, ["sha256:" + "1" * 64], fsync=False).started_here()
+    assert not Journal(sub("restore-journal"), root, "sha256:" + "f" * 64, ["sha256:" + "1" * 64],
+                       fsync=False).started_here()
 
 
 def test_stop_never_signals_a_process_that_does_not_hold_the_watch_lock(box, state_dir):

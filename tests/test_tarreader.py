@@ -49,7 +49,8 @@ def _members(fmt: int) -> list[tuple[tarfile.TarInfo, bytes]]:
         add("dir/bad-\udcff-bytes", data=b"surrogate")
         add("dir/big-uid", uid=3_000_000_000, gid=70_000_000)
     if fmt == tarfile.PAX_FORMAT:
-        add("dir/xattrs", data=b"x", pax_headers={"SCHILY.xattr.user.k": "v", "SCHILY.xattr.security.capability": "\x01\x00"})
+        add("dir/xattrs", data=b"x",
+            pax_headers={"SCHILY.xattr.user.k": "v", "SCHILY.xattr.security.capability": "\x01\x00"})
         add("dir/frac", data=b"f", mtime=1_600_000_000.5)
     return out
 

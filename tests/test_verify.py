@@ -62,7 +62,8 @@ CHANGES = {
     "size": (lambda out: (out / "etc/app.conf").write_text("threads = 16\n"), "/etc/app.conf", "content"),
     "chmod": (lambda out: os.chmod(out / "opt/app/main.py", 0o600), "/opt/app/main.py", "mode"),
     "chown": (lambda out: os.chown(out / "etc/os-release", 1234, 5678), "/etc/os-release", "owner"),
-    "symlink": (lambda out: (os.unlink(out / "usr/lib/libfake.so"), os.symlink("elsewhere.so", out / "usr/lib/libfake.so")),
+    "symlink": (lambda out: (os.unlink(out / "usr/lib/libfake.so"),
+                             os.symlink("elsewhere.so", out / "usr/lib/libfake.so")),
                 "/usr/lib/libfake.so", "symlink"),
     "deleted file": (lambda out: os.unlink(out / "opt/app/models/vae/vae.pt"), "/opt/app/models/vae/vae.pt", "missing"),
     "deleted tree": (lambda out: subprocess.run(["rm", "-rf", str(out / "opt/app/custom_nodes")], check=True),
@@ -154,7 +155,8 @@ def test_setuid_and_devices_follow_what_restore_writes_by_default(registry, tmp_
     registry.push_image("verify-priv", "v1", [tar_bytes(
         member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
         member("bin/plain", data=b"#!/bin/sh\n", mode=0o755), member("devs/", "dir"),
-        member("devs/null", "char", mode=0o666, dev=(1, 3)))], layer_media_type="application/vnd.oci.image.layer.v1.tar")
+        member("devs/null", "char", mode=0o666, dev=(1, 3)))],
+        layer_media_type="application/vnd.oci.image.layer.v1.tar")
     ref = f"{registry.host}/verify-priv:v1"
     out = tmp_path / "out"
     snap("restore", ref, "--root", str(out), check=True)  # setuid stripped, device skipped

@@ -243,7 +243,8 @@ def test_excluded_paths_are_never_written_whatever_the_image_holds(registry, req
     whiteouts of /etc/hosts and of all of /etc's lower entries: none of it touches those paths."""
     image = push(registry, request,
                  tar_bytes(member("etc", "dir"), member("etc/hostname", data=b"image-host\n"),
-                       member("etc/hosts", data=b"10.0.0.1 image\n"), member("etc/resolv.conf", data=b"nameserver 10.0.0.1\n"),
+                       member("etc/hosts", data=b"10.0.0.1 image\n"),
+                       member("etc/resolv.conf", data=b"nameserver 10.0.0.1\n"),
                        member("etc/app.conf", data=b"threads = 8\n"), member("tmp", "dir", mode=0o1777),
                        member("tmp/junk", data=b"junk\n"), member("proc", "dir", mode=0o555),
                        member("proc/cpuinfo", data=b"fake\n")),

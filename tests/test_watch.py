@@ -35,7 +35,8 @@ MiB = 1024 * 1024
 
 
 def tags(registry, repo):
-    """The repository's tags but the artifact tags of the base index and the skeletons (index/base.py, snapshot/skeleton.py)."""
+    """The repository's tags but the artifact tags of the base index and the skeletons (index/base.py,
+    snapshot/skeleton.py)."""
     found = registry.session().get(f"{registry.url}/v2/{repo}/tags/list").json().get("tags") or []
     return sorted(t for t in found if not t.startswith("snap-index-") and t != "snap-skeletons")
 
@@ -75,7 +76,8 @@ def test_the_scan_pace_budgets_the_whole_check_not_only_the_scan(registry, base_
     ones. The pace keeps all of it near the budget (paced on the scan alone, it went 10-20% over).
     Without change notifications, as on a box where inotify is not available."""
     cpu = FakeClock()
-    w = watcher(registry, base_ref, box, "w-pace", [], every=600, quiet=10**6, cpu_clock=cpu, scan_budget=0.01, min_scan=2,
+    w = watcher(registry, base_ref, box, "w-pace", [], every=600, quiet=10**6, cpu_clock=cpu, scan_budget=0.01,
+                min_scan=2,
                 events=False)
     w.tick()  # the first snapshot
     observe = w._observe
@@ -106,7 +108,8 @@ def test_after_a_restore_the_watcher_adds_no_snapshot_until_something_changes(re
     clock.advance(1)
     w.tick()
     assert len(tags(registry, "w-restored")) == len(before) + 1
-    assert_restores_to(f"{registry.host}/w-restored:v2", snapshot_of_tree(str(out), skip=NOT_CAPTURED), tmp_path, "again")
+    assert_restores_to(f"{registry.host}/w-restored:v2", snapshot_of_tree(str(out), skip=NOT_CAPTURED),
+                       tmp_path, "again")
 
 
 def test_a_vm_without_base_image_is_watched_with_base_scratch(registry, box, tmp_path):
@@ -149,7 +152,8 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     with open(path, "wb") as f:
         f.write(data[:MiB])  # half-written: the download is still going
     w.tick()  # --every 0: a snapshot now, without the file being written
-    assert any("held back: '/opt/app/models/checkpoints/new.safetensors' (still being written)" in line for line in lines)
+    held = "held back: '/opt/app/models/checkpoints/new.safetensors' (still being written)"
+    assert any(held in line for line in lines), lines
     m = registry.manifest("w-ahead", "v2")
     assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(m)
     with open(path, "ab") as f:
@@ -162,7 +166,8 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     clock.advance(5)
     w.opts.every = 3600  # sent ahead only; no snapshot due
     w.tick()
-    ahead = [line for line in lines if line.startswith("sent ahead: 'models (opt/app/models/checkpoints/new.safetensors)'")]
+    ahead = [line for line in lines
+             if line.startswith("sent ahead: 'models (opt/app/models/checkpoints/new.safetensors)'")]
     assert ahead and "uploaded" in ahead[0]
     assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(registry.manifest("w-ahead", "v2"))
     w.opts.every = 0
@@ -170,7 +175,8 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     layer = snap_layers(registry.manifest("w-ahead", "v2"))["opt/app/models/checkpoints/new.safetensors"]
     assert layer["size"] > 3 * MiB
     pushed = [line for line in lines if line.startswith("snapshot ")][-1]
-    assert "; sent " in pushed and not any(unit in pushed for unit in (" MiB", " GiB")), pushed  # the weight was not sent again
+    # the weight was not sent again
+    assert "; sent " in pushed and not any(unit in pushed for unit in (" MiB", " GiB")), pushed
     assert_restores_to(f"{registry.host}/w-ahead:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
 
 
@@ -194,7 +200,8 @@ def train(registry, base_ref, box, repo, profile, path: str, data: bytes, monkey
     The watcher, its clock, its lines, and the box files read from now on."""
     reads = record_reads(monkeypatch)
     lines, clock = [], FakeClock()
-    w = watcher(registry, base_ref, box, repo, lines, clock, profile=parse_profile(profile), every=0, quiet=10**6, stable=5)
+    w = watcher(registry, base_ref, box, repo, lines, clock, profile=parse_profile(profile), every=0, quiet=10**6,
+                stable=5)
     w.tick()
     write_tree(box, {path: data, "opt/app/train.log": "step 1\n"})
     w.tick()
@@ -344,7 +351,8 @@ def test_keep_prunes_only_the_diverged_tags_this_box_made_never_another_boxs(reg
     second = diverged_tags(registry, "keep-diverged")[-1]
     assert diverged_tags(registry, "keep-diverged") == [theirs, second] and second != first, lines
     assert f"deleted old snapshot {first}" in lines and not any(theirs in line for line in lines), lines
-    assert digest_of(registry, "keep-diverged", theirs) == their_work and digest_of(registry, "keep-diverged", "v2") == good
+    assert digest_of(registry, "keep-diverged", theirs) == their_work
+    assert digest_of(registry, "keep-diverged", "v2") == good
     assert_restores_to(f"{registry.host}/keep-diverged:{second}", snapshot_of_tree(str(root), skip=NOT_CAPTURED),
                        tmp_path, "r")
 
@@ -460,7 +468,8 @@ def test_a_signal_makes_one_final_snapshot_then_exit_0(sig, registry, base_ref, 
     assert p.finish() == 0, "".join(p.seen)
     assert any(f"signal {sig.name}: final snapshot" in line for line in p.seen)
     assert any("final snapshot v2-" in line for line in p.seen)
-    assert_restores_to(f"{registry.host}/sig-{sig.name.lower()}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+    assert_restores_to(f"{registry.host}/sig-{sig.name.lower()}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED),
+                       tmp_path, "r")
 
 
 def test_a_watch_without_a_terminal_logs_its_snapshots_progress_with_their_time(registry, base_ref, box):
@@ -494,11 +503,13 @@ def test_a_final_snapshot_that_cannot_finish_exits_non_zero_and_the_tag_stays(ba
 
 def test_the_provider_is_read_from_dmi_files_only(tmp_path):
     assert detect_provider(fake_dmi(str(tmp_path / "aws"), sys_vendor="Amazon EC2", product_name="m5.large")) == "aws"
-    assert detect_provider(fake_dmi(str(tmp_path / "gcp"), sys_vendor="Google", product_name="Google Compute Engine")) == "gcp"
+    assert detect_provider(fake_dmi(str(tmp_path / "gcp"), sys_vendor="Google",
+                                    product_name="Google Compute Engine")) == "gcp"
     assert detect_provider(fake_dmi(str(tmp_path / "az"), sys_vendor="Microsoft Corporation",
                                     chassis_asset_tag="7783-7084-3265-9085-8269-3286-77")) == "azure"
     # Hyper-V on a desk is Microsoft too, but not Azure; a container usually has no DMI at all.
-    assert detect_provider(fake_dmi(str(tmp_path / "hv"), sys_vendor="Microsoft Corporation", chassis_asset_tag="none")) is None
+    assert detect_provider(fake_dmi(str(tmp_path / "hv"), sys_vendor="Microsoft Corporation",
+                                    chassis_asset_tag="none")) is None
     assert detect_provider(str(tmp_path / "missing")) is None
     assert notice_watcher("auto", "http://127.0.0.1:9", str(tmp_path / "missing")) is None
 
@@ -526,7 +537,8 @@ def test_a_reclaim_notice_makes_the_final_snapshot(provider, dmi, registry, base
         assert p.finish() == 0, "".join(p.seen)
         assert any("reclaim notice" in line for line in p.seen)
         assert not server.refused
-        assert_restores_to(f"{registry.host}/notice-{provider}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+        assert_restores_to(f"{registry.host}/notice-{provider}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED),
+                           tmp_path, "r")
     finally:
         server.stop()
 
@@ -547,8 +559,10 @@ def test_no_metadata_request_off_cloud(registry, base_ref, box, tmp_path):
 def start_daemon(registry_host, base_ref, box, repo, stderr, env=None, **kw) -> subprocess.CompletedProcess:
     """`snap watch --daemon` with its stderr on `stderr` (a file or a pipe)."""
     return subprocess.run([*SNAP, "watch", f"{registry_host}/{repo}:v2", "--base",
-                           base_ref, "--root", box, "--every", "1h", "--daemon"], stdout=kw.pop("stdout", subprocess.DEVNULL),
-                          stderr=stderr, env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})}, timeout=TIMEOUT,
+                           base_ref, "--root", box, "--every", "1h", "--daemon"],
+                           stdout=kw.pop("stdout", subprocess.DEVNULL),
+                          stderr=stderr, env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})},
+                          timeout=TIMEOUT,
                           **kw)
 
 

@@ -84,7 +84,8 @@ def test_a_directory_made_and_filled_in_a_burst_is_captured_whole(registry, base
     w.tick()
     # Written before the watcher reads a single notification: the new directories' own files come
     # before their watches exist.
-    write_tree(box, {f"opt/app/custom_nodes/node/{d}/f{i}.py": str(i) for d in ("a", "a/b", "a/b/c", "e") for i in range(20)})
+    write_tree(box, {f"opt/app/custom_nodes/node/{d}/f{i}.py": str(i)
+                     for d in ("a", "a/b", "a/b/c", "e") for i in range(20)})
     clock.advance(1)
     quiet_then_tick(w, clock)
     write_tree(box, {"opt/app/custom_nodes/node/a/b/c/later.py": "after the watch"})  # the new watch works

@@ -136,7 +136,8 @@ class FaultProxy(ThreadedServer):
                     sent += len(data)
                     proxy._count(method, len(data))
                     yield data
-                    if proxy.stall_uploads_after is not None and method == "PATCH" and sent >= proxy.stall_uploads_after:
+                    stall_at = proxy.stall_uploads_after
+                    if stall_at is not None and method == "PATCH" and sent >= stall_at:
                         proxy.stalled.set()
                         proxy.release.wait(300)  # a link that stops moving, until the test lets it go
 
@@ -173,7 +174,8 @@ class FaultProxy(ThreadedServer):
                         return
                     proxy.back.wait(300)  # refused once already: this one waits for the registry's restart
                     upstream.connect()
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "connection")}
+                hop_by_hop = ("transfer-encoding", "content-length", "connection")
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop_by_hop}
                 chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
                 try:
                     if chunked or self.headers.get("Content-Length") not in (None, "0"):
@@ -364,7 +366,8 @@ class MetadataServer(ThreadedServer):
                     server.answered.set()
                     if not server.noticed:
                         return self._reply(404)
-                    return self._reply(200, json.dumps({"action": "terminate", "time": "2026-12-03T12:00:00Z"}).encode(),
+                    return self._reply(200,
+                                       json.dumps({"action": "terminate", "time": "2026-12-03T12:00:00Z"}).encode(),
                                        "application/json")
                 if server.provider == "gcp" and p == "/computeMetadata/v1/instance/preempted":
                     if h.get("Metadata-Flavor") != "Google":
@@ -376,8 +379,10 @@ class MetadataServer(ThreadedServer):
                         return self._reply(400)
                     server.answered.set()
                     events = [{"EventId": "A123", "EventType": "Preempt", "ResourceType": "VirtualMachine",
-                               "Resources": ["box"], "EventStatus": "Scheduled", "NotBefore": "Thu, 03 Dec 2026 12:00:30 GMT"}]
-                    doc = {"DocumentIncarnation": 2 if server.noticed else 1, "Events": events if server.noticed else []}
+                               "Resources": ["box"], "EventStatus": "Scheduled",
+                               "NotBefore": "Thu, 03 Dec 2026 12:00:30 GMT"}]
+                    doc = {"DocumentIncarnation": 2 if server.noticed else 1,
+                           "Events": events if server.noticed else []}
                     return self._reply(200, json.dumps(doc).encode(), "application/json")
                 self._reply(404)
 

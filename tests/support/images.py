@@ -88,7 +88,9 @@ def _snap_descs(manifest) -> list[dict]:
 
 def label(desc):
     ann = desc["annotations"]
-    return f"{ann['dev.snap.layer']} ({ann['dev.snap.content']})" if "dev.snap.content" in ann else ann["dev.snap.layer"]
+    if "dev.snap.content" not in ann:
+        return ann["dev.snap.layer"]
+    return f"{ann['dev.snap.layer']} ({ann['dev.snap.content']})"
 
 
 def layers_by_name(manifest):

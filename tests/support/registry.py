@@ -73,7 +73,8 @@ class RegistryServer:
             lines.append(f"  tls: {{certificate: {self.cert}, key: {self.key}}}")
         if self.auth:
             htpasswd = os.path.join(self.workdir, "htpasswd")
-            out = subprocess.run(["htpasswd", "-Bbn", self.auth[0], self.auth[1]], check=True, capture_output=True, text=True)
+            out = subprocess.run(["htpasswd", "-Bbn", self.auth[0], self.auth[1]], check=True, capture_output=True,
+                                 text=True)
             with open(htpasswd, "w") as f:
                 f.write(out.stdout)
             lines += ["auth:", "  htpasswd:", "    realm: snap-test", f"    path: {htpasswd}"]
@@ -275,7 +276,8 @@ class _AdminBearer(requests.auth.AuthBase):
     def __call__(self, r):
         m = re.match(r"^/v2/(.+?)/(?:blobs|manifests|tags)/", urlparse(r.url).path)
         if m:
-            r.headers["Authorization"] = "Bearer " + self.tokens.issue([f"repository:{m.group(1)}:pull,push,delete"], "admin")
+            token = self.tokens.issue([f"repository:{m.group(1)}:pull,push,delete"], "admin")
+            r.headers["Authorization"] = "Bearer " + token
         return r
 
 

@@ -82,7 +82,8 @@ def make_box(base_rootfs: str, dest: str) -> str:
     })
     write_tree(dest, {"opt/app/config.yaml": "port: 9000\n"}, mtime=1_700_000_000)  # a changed base file
     os.unlink(os.path.join(dest, "opt/app/old_cache.bin"))  # deleted base file -> whiteout
-    os.link(os.path.join(dest, "opt/app/custom_nodes/NodeA/nodes.py"), os.path.join(dest, "opt/app/custom_nodes/NodeA/nodes_link.py"))
+    os.link(os.path.join(dest, "opt/app/custom_nodes/NodeA/nodes.py"),
+            os.path.join(dest, "opt/app/custom_nodes/NodeA/nodes_link.py"))
     os.chmod(os.path.join(dest, "opt/app/custom_nodes/NodeB/__init__.py"), 0o600)
     return dest
 
@@ -228,7 +229,8 @@ def assert_content_written_once(registry, repo: str, tag: str) -> dict[str, list
             if m.isreg():
                 regular[m.name] = label
             if m.islnk():
-                assert m.linkname in names and names[m.linkname].isreg(), f"{label}: {m.name} -> {m.linkname} not in the layer"
+                assert m.linkname in names and names[m.linkname].isreg(), \
+                    f"{label}: {m.name} -> {m.linkname} not in the layer"
     for first, *others in LINKED:
         assert not any(n in regular for n in others), f"a second copy of {first}"
     return layers
