@@ -269,7 +269,10 @@ def test_a_member_over_a_top_level_link_deletes_the_link(which, registry, tmp_pa
     assert snapshot_of_tree(root) == before
     snap("restore", ref, "--root", root, "--only-snapshot", "--force", check=True)
     replaced = os.path.join(root, shown.strip("'/"))
-    assert not os.path.islink(replaced) or os.readlink(replaced) == "/nonexistent"
+    if which == "symlink-over-lib64":
+        assert os.readlink(replaced) == "/nonexistent"  # the image's own link
+    else:
+        assert not os.path.islink(replaced)
 
 
 def test_a_layer_that_writes_a_top_level_link_again_restores(registry, tmp_path):

@@ -237,7 +237,7 @@ def test_part_links_from_a_hostile_image_stay_in_the_root(registry, base_ref, ba
         put_manifest(registry, "evil-links", tag, with_links(value))
         out = tmp_path / f"out-{tag}"
         assert_one_line_error(snap("restore", f"{registry.host}/evil-links:{tag}", "--root", str(out)), 6, "refusing")
-        assert not out.exists() or not os.listdir(out)  # refused before anything is written
+        assert not out.exists()  # refused before anything is written
     assert not (tmp_path / "evil").exists()
 
     put_manifest(registry, "evil-links", "symlink", with_links(json.dumps(["opt/app/escape/evil.bin"])))
