@@ -17,6 +17,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_collection_modifyitems(config, items):
+    """For `--dist loadgroup` (make test): the tests of a file with a module or session fixture of its own
+    (a dockerd, a TLS or token registry, a built wheel, an S3 server) share one worker, where it is built
+    once; every other test goes to whichever worker is free, so a long file no longer keeps one worker busy
+    while the others idle. Each worker has its own session registry: tests on different workers never meet."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in ds]
+        if any(d.scope in ("module", "session") and d.baseid.endswith(".py") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory):
     reg = RegistryServer(str(tmp_path_factory.mktemp("registry"))).start()
