@@ -136,7 +136,7 @@ def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp
 def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
     import hashlib
 
-    from support import member, tar_bytes
+    from support.tars import member, tar_bytes
     blob = tar_bytes(member("a.txt", data=b"a" * 1000))
     registry.push_image("verify-tampered", "v1", [blob], layer_media_type="application/vnd.oci.image.layer.v1.tar")
     hexd = hashlib.sha256(blob).hexdigest()
@@ -151,7 +151,7 @@ def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="owners, setuid bits and device nodes need root")
 def test_setuid_and_devices_follow_what_restore_writes_by_default(registry, tmp_path):
-    from support import member, tar_bytes
+    from support.tars import member, tar_bytes
     registry.push_image("verify-priv", "v1", [tar_bytes(
         member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
         member("bin/plain", data=b"#!/bin/sh\n", mode=0o755), member("devs/", "dir"),
