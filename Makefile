@@ -15,12 +15,13 @@ setup: $(SETUP_STAMP)
 demo: $(SETUP_STAMP)
 	$(PYTHON) tests/demo.py
 
-# The lint first (seconds), then the suite's files on 3 workers (pytest-xdist, a file's tests on
-# one worker: its module fixtures, the dockerd of test_docker.py, start once): most tests wait on
-# registries and processes, so 3 fit 2 cores.
+# The lint first (seconds), then the suite on 3 workers (pytest-xdist): most tests wait on registries
+# and processes, so 3 fit 2 cores. loadgroup: the tests using a file's own module or session fixture
+# (the dockerd of test_docker.py, ...) share a worker, where it starts once (conftest.py groups them);
+# the rest go one by one to whichever worker is free, so no long file holds up the end.
 test: $(SETUP_STAMP)
 	$(PYTHON) -m ruff check snapshotter tests
-	$(PYTHON) -m pytest -q -n 3 --dist loadfile tests
+	$(PYTHON) -m pytest -q -n 3 --dist loadgroup tests
 
 # `make bench ARGS=--small` for a quick run, `make bench ARGS=--scale` for a real GPU box's sizes (not in CI).
 bench: $(SETUP_STAMP)

@@ -38,7 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "out")
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from support import FaultProxy, RegistryServer, make_base_rootfs, push_base_image  # noqa: E402
+from support.faults import FaultProxy  # noqa: E402
+from support.images import push_base_image  # noqa: E402
+from support.registry import RegistryServer  # noqa: E402
+from support.trees import make_base_rootfs  # noqa: E402
 
 MiB = 1 << 20
 # Reads snap's code (every module, with what each imports) back into the page cache: the package

@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench import (MiB, Bench, Run, drop_page_cache, restore_then, snap, start_watch, stop_watch,  # noqa: E402
                    tree_listing, write_floor)
-from support import RegistryServer  # noqa: E402  (bench put tests/ on the path)
+from support.registry import RegistryServer  # noqa: E402  (bench put tests/ on the path)
 
 PACKAGE = "snap_bench_tiny"  # the package the "packages" rows install, upgrade and remove
 

@@ -5,14 +5,28 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import Jail
-from support import FaultProxy, RegistryServer, make_base_rootfs, make_box, push_base_image
+from support.faults import FaultProxy
+from support.images import push_base_image
+from support.registry import RegistryServer
+from support.trees import Jail, make_base_rootfs, make_box
 
 # A suite started in the background by a non-interactive shell (`make test &`, CI runners) inherits
 # SIGINT ignored, and so would every snap it starts: the Ctrl-C tests need it delivered, as from a
 # terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_modifyitems(config, items):
+    """For `--dist loadgroup` (make test): the tests of a file with a module or session fixture of its own
+    (a dockerd, a TLS or token registry, a built wheel, an S3 server) share one worker, where it is built
+    once; every other test goes to whichever worker is free, so a long file no longer keeps one worker busy
+    while the others idle. Each worker has its own session registry: tests on different workers never meet."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in ds]
+        if any(d.scope in ("module", "session") and d.baseid.endswith(".py") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(scope="session")

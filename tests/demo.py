@@ -12,8 +12,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from support import (NOT_CAPTURED, RegistryServer, make_base_rootfs, make_box, push_base_image,  # noqa: E402
-                     snapshot_of_tree, write_tree)
+from support.images import push_base_image  # noqa: E402
+from support.registry import RegistryServer  # noqa: E402
+from support.trees import NOT_CAPTURED, make_base_rootfs, make_box, snapshot_of_tree, write_tree  # noqa: E402
 
 
 def run(*args: str) -> str:

@@ -11,9 +11,11 @@ import pytest
 
 from snapshotter.registry.credentials import docker_credentials
 
-from helpers import basic, credential_helper, docker_config
-from support import (NOT_CAPTURED, RegistryServer, TokenRegistryServer, assert_one_line_error, push_base_image, snap,
-                     snapshot_of_tree)
+from support.credentials import basic, credential_helper, docker_config
+from support.images import push_base_image
+from support.registry import RegistryServer, TokenRegistryServer
+from support.run import SNAP, assert_one_line_error, snap
+from support.trees import NOT_CAPTURED, snapshot_of_tree
 
 USER, PASSWORD = "snapuser", "s3cret-Pa55"
 READER, READER_PASSWORD = "reader", "read-0nly"
@@ -475,7 +477,7 @@ def test_login_asks_on_the_terminal_without_echoing_the_password(secure_registry
     pid, fd = pty.fork()
     if pid == 0:  # the child: snap on the pty, and never back into pytest
         try:
-            os.execv(sys.executable, [sys.executable, "-m", "snapshotter", "login", reg.host, "--ca-cert", reg.cert])
+            os.execv(sys.executable, [*SNAP, "login", reg.host, "--ca-cert", reg.cert])
         finally:
             os._exit(127)
     seen = b""

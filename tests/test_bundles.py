@@ -16,8 +16,8 @@ from snapshotter.layer import bundling
 from snapshotter.layer.units import units_of
 from snapshotter.profile import parse_profile
 
-from helpers import SMALL_WEIGHTS, layer_tar, layers_by_name
-from support import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
+from support.images import layer_tar, layers_by_name
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, make_box, snapshot_of_tree, write_tree
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -22,8 +22,9 @@ from snapshotter.layer.generate import build_layer, measure_layer, write_layer
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.profile import holds_private_key
 
-from helpers import SMALL_WEIGHTS
-from support import have_wheels, pip_install_offline, snap, snap_layer_files, write_tree
+from support.images import snap_layer_files
+from support.run import have_wheels, pip_install_offline, snap
+from support.trees import SMALL_WEIGHTS, write_tree
 
 CUDA_DIR = "usr/lib/x86_64-linux-gnu"
 CUDA_LIB = f"{CUDA_DIR}/libcuda.so.555.42.06"
@@ -143,8 +144,8 @@ def test_secrets_rules_keep_venvs_ca_bundles_and_directories(registry, base_ref,
 def test_private_keys_told_from_certificates_by_content(tmp_path):
     key_pem, key_der, cert_pem, cert_der = (tmp_path / n for n in ("k.pem", "k.der", "c.pem", "c.der"))
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                    "-subj", "/CN=snap-test", "-keyout", str(key_pem), "-out", str(cert_pem)],
-                   check=True, capture_output=True)
+                    "-subj", "/CN=snap-test", "-keyout", str(key_pem), "-out", str(cert_pem)], check=True,
+                    capture_output=True)
     subprocess.run(["openssl", "pkey", "-in", str(key_pem), "-outform", "DER", "-out", str(key_der)], check=True)
     subprocess.run(["openssl", "x509", "-in", str(cert_pem), "-outform", "DER", "-out", str(cert_der)], check=True)
     rsa = subprocess.run(["openssl", "genrsa", "2048"], check=True, capture_output=True).stdout  # PKCS#1 or #8
@@ -303,8 +304,9 @@ def test_a_file_that_keeps_growing_while_sent_is_sent_as_first_seen_with_a_warni
     if streamed:
         monkeypatch.setattr(layer, "BUFFERED_MAX", 64)  # the path of files too big to hold
     try:
-        r = CliRunner().invoke(cli.app, ["commit", f"{registry.host}/growing-{how}-{int(streamed)}:v1",
-                                         "--base", base_ref, "--root", box, "--profile", str(prof)])
+        r = CliRunner().invoke(cli.app,
+                               ["commit", f"{registry.host}/growing-{how}-{int(streamed)}:v1", "--base", base_ref,
+                                         "--root", box, "--profile", str(prof)])
     finally:
         writer.communicate("", timeout=60)
     monkeypatch.setattr(layer, "after_read", None)

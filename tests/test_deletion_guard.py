@@ -16,9 +16,12 @@ import tarfile
 
 import pytest
 
-from helpers import part_ann, push_annotated
 from snapshotter.snapshot.skeleton import PieceWriter, parse
-from support import assert_one_line_error, member, snap, snapshot_of_tree, tar_bytes, write_tree
+
+from support.images import part_ann, push_annotated
+from support.run import assert_one_line_error, snap
+from support.tars import member, tar_bytes
+from support.trees import snapshot_of_tree, write_tree
 
 APP = {"dev.snap.layer": "app"}  # a snap layer's annotation
 
@@ -182,8 +185,9 @@ def test_an_honest_snapshot_that_deletes_a_few_files_restores(with_skeleton, reg
     gone = {"usr/bin/tool3", "usr/share/doc/pkg7/README", "etc/nginx", *(f"etc/nginx/site{i}.conf" for i in range(5))}
     assert set(before) - set(after) == gone
     assert set(after) - set(before) == {"opt/app/new.py"}
-    assert {p: v for p, v in after.items() if not p.startswith(("opt", "usr/bin", "usr/share/doc/pkg7", "etc"))} == \
-        {p: v for p, v in before.items() if not p.startswith(("opt", "usr/bin", "usr/share/doc/pkg7", "etc")) and p not in gone}
+    touched = ("opt", "usr/bin", "usr/share/doc/pkg7", "etc")
+    assert {p: v for p, v in after.items() if not p.startswith(touched)} == \
+        {p: v for p, v in before.items() if not p.startswith(touched) and p not in gone}
 
 
 def test_a_link_a_layer_plants_cannot_carry_a_counted_whiteout_elsewhere(registry, tmp_path):
@@ -197,9 +201,11 @@ def test_a_link_a_layer_plants_cannot_carry_a_counted_whiteout_elsewhere(registr
     assert {p: v for p, v in snapshot_of_tree(root).items() if p.startswith("usr/bin")} == bins
 
 
-@pytest.mark.parametrize("marker", [".wh.bin", "bin/.wh..wh..opq", "bin/.wh.tool5"], ids=["link", "through-link", "one-file"])
+@pytest.mark.parametrize("marker", [".wh.bin", "bin/.wh..wh..opq", "bin/.wh.tool5"],
+                         ids=["link", "through-link", "one-file"])
 def test_a_merged_usr_root_is_judged_where_its_links_lead(marker, registry, tmp_path):
-    """/bin -> usr/bin: deleting the link deletes /bin; an opaque bin/ empties /usr/bin; one file through it is one file."""
+    """/bin -> usr/bin: deleting the link deletes /bin; an opaque bin/ empties /usr/bin; one file through it
+    is one file."""
     tar = tar_bytes(whiteout(marker))
     ref = push_snapshot(registry, f"guard33/merged-{marker.replace('.', '-').replace('/', '-').strip('-')}", [tar],
                         [skeleton_of(tar)])
@@ -263,7 +269,10 @@ def test_a_member_over_a_top_level_link_deletes_the_link(which, registry, tmp_pa
     assert snapshot_of_tree(root) == before
     snap("restore", ref, "--root", root, "--only-snapshot", "--force", check=True)
     replaced = os.path.join(root, shown.strip("'/"))
-    assert not os.path.islink(replaced) or os.readlink(replaced) == "/nonexistent"
+    if which == "symlink-over-lib64":
+        assert os.readlink(replaced) == "/nonexistent"  # the image's own link
+    else:
+        assert not os.path.islink(replaced)
 
 
 def test_a_layer_that_writes_a_top_level_link_again_restores(registry, tmp_path):

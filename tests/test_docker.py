@@ -16,23 +16,40 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
 import time
 import uuid
-from typing import Optional
 
 import pytest
 
 from snapshotter.engine.run import cannot_read_zstd
 
-from helpers import (LINKED, assert_content_written_once, commit_json, diverged_tags, engine_api, hardlink_box, home_box, label,
-                     layers_by_name, make_home_base)
-from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, FaultProxy, HostileServer, RegistryServer,
-                     assert_one_line_error, free_port, have_wheels, make_box, push_base_image, snap, snapshot_of_tree,
-                     stop_process, tar_of_files)
+from support.engine import Dockerd, engine_api
+from support.faults import FaultProxy, HostileServer
+from support.images import label, layers_by_name, push_base_image
+from support.registry import RegistryServer, diverged_tags
+from support.run import (
+    PIP_OFFLINE,
+    WHEELS,
+    assert_one_line_error,
+    commit_json,
+    free_port,
+    have_wheels,
+    snap,
+)
+from support.tars import tar_of_files
+from support.trees import (
+    LINKED,
+    NOT_CAPTURED,
+    assert_content_written_once,
+    hardlink_box,
+    home_box,
+    make_box,
+    make_home_base,
+    snapshot_of_tree,
+)
 
 docker = pytest.importorskip("docker")
 
@@ -41,64 +58,6 @@ LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 # Files the engine puts into every container (its init layer, not in the engine's diff).
 ENGINE_FILES = ("etc/hostname", "etc/hosts", "etc/resolv.conf", "etc/mtab", ".dockerenv")
-
-
-class Dockerd:
-    """dockerd as root on its own socket, data-root and exec-root (its own containerd too)."""
-
-    def __init__(self, workdir: str, insecure_registry: str, path: Optional[str] = None):
-        self.workdir = workdir
-        self.host = f"unix://{workdir}/docker.sock"
-        self.log = os.path.join(workdir, "dockerd.log")
-        self.env = {**os.environ, "PATH": path} if path else None  # where it looks for helpers (the NVIDIA hook)
-        ns = f"snaptest{os.getpid()}-{os.path.basename(workdir)}"
-        self.argv = [
-            shutil.which("dockerd"), "--host", self.host, "--data-root", f"{workdir}/data",
-            "--exec-root", f"{workdir}/exec", "--pidfile", f"{workdir}/docker.pid", "--bridge", "none",
-            "--iptables=false", "--insecure-registry", insecure_registry,
-            "--containerd-namespace", ns, "--containerd-plugins-namespace", ns + "-plugins",
-        ]
-        self.proc = None
-
-    def start(self) -> "Dockerd":
-        """Start it; return once it says READY=1 on $NOTIFY_SOCKET (systemd's readiness protocol,
-        which dockerd speaks once it serves its API): an event, not a poll of its socket."""
-        notify_path = os.path.join(self.workdir, "notify.sock")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.bind(notify_path)
-            notify.settimeout(120)
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"),
-                                         env={**(self.env or os.environ), "NOTIFY_SOCKET": notify_path})
-            try:
-                while b"READY=1" not in notify.recv(4096).splitlines():
-                    pass
-            except TimeoutError:
-                self.stop()
-                raise RuntimeError(f"dockerd did not say it was ready in 120s: {self._tail()}")
-        return self
-
-    def client(self):
-        return docker.DockerClient(base_url=self.host, timeout=120)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            for c in self.client().containers.list(all=True):
-                c.remove(force=True)
-        except Exception:
-            pass  # stopping the daemon stops them too, only slower
-        stop_process(self.proc, 60)
-        # dockerd leaves its network namespace (exec/netns/default) mounted: pytest could then
-        # never delete this temp dir, and each run would leave one more mount behind.
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split()[1] for line in f]
-        for m in sorted((m for m in mounts if m.startswith(self.workdir + "/")), reverse=True):
-            subprocess.run(["umount", "-l", m], check=False)
-
-    def _tail(self) -> str:
-        with open(self.log, errors="replace") as f:
-            return " | ".join(f.read().splitlines()[-5:])
 
 
 @pytest.fixture(scope="session")
@@ -180,7 +139,8 @@ def test_zstd_is_the_default_and_docker_20_cannot_pull_it(registry, base_ref, bo
 
 
 # /version as engines answer it: Debian 12's docker.io, Docker CE releases, podman's Docker API.
-DEBIAN_DOCKER_20 = {"Platform": {"Name": ""}, "Version": "20.10.24+dfsg1", "ApiVersion": "1.41", "MinAPIVersion": "1.12",
+DEBIAN_DOCKER_20 = {"Platform": {"Name": ""}, "Version": "20.10.24+dfsg1", "ApiVersion": "1.41",
+                    "MinAPIVersion": "1.12",
                     "Os": "linux", "Arch": "amd64", "KernelVersion": "6.1.0-28-amd64",
                     "Components": [{"Name": "Engine", "Version": "20.10.24+dfsg1", "Details": {"ApiVersion": "1.41"}},
                                   {"Name": "containerd", "Version": "1.6.20~ds1"}]}
@@ -267,7 +227,8 @@ def test_run_keeps_the_image_entrypoint_cmd_env_and_workdir(registry, base_rootf
 
     r = snap("run", ref, check=True)
     assert r.stdout.strip() == "default in /opt/app as serve"
-    r = snap("run", "-e", "APP_MODE=debug", ref, "--", "echo override in $(pwd) as $APP_MODE; cat config.yaml", check=True)
+    r = snap("run", "-e", "APP_MODE=debug", ref, "--", "echo override in $(pwd) as $APP_MODE; cat config.yaml",
+             check=True)
     assert r.stdout.splitlines() == ["override in /opt/app as debug", "port: 9000"]
 
 
@@ -282,7 +243,7 @@ def test_run_detached_passes_ports_volumes_env_and_name(registry, base_ref, box,
              "-v", f"{data}:/data:ro", "-e", "MODE=test", ref, "--", "/bin/sh", "-c", "sleep 300", check=True)
     ct = engine.containers.get(r.stdout.strip())
     try:
-        assert ct.name == "snap-detached" and ct.status in ("created", "running")
+        assert ct.name == "snap-detached" and ct.status == "running"  # `run -d` returns once it is started
         host = ct.attrs["HostConfig"]
         assert host["PortBindings"] == {"8188/tcp": [{"HostIp": "", "HostPort": str(p1)}],
                                         "9000/udp": [{"HostIp": "127.0.0.1", "HostPort": str(p2)}]}
@@ -356,7 +317,8 @@ def test_gpus_reach_the_engine_that_can_give_them(registry, base_ref, box, gpu_e
     (bin_dir / "nvidia-smi").chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DOCKER_HOST": engine.host}
     name = f"snap-gpu-{uuid.uuid4().hex[:8]}"
-    r = snap("run", "--name", name, ref, "--", "/bin/sh", "-c", "echo \"gpus=$NVIDIA_VISIBLE_DEVICES\"", env=env, check=True)
+    r = snap("run", "--name", name, ref, "--", "/bin/sh", "-c", "echo \"gpus=$NVIDIA_VISIBLE_DEVICES\"", env=env,
+             check=True)
     try:
         assert r.stdout.strip() == "gpus=all"
         requests_ = client.containers.get(name).attrs["HostConfig"]["DeviceRequests"]
@@ -415,10 +377,12 @@ def test_skopeo_and_umoci_read_the_image_byte_for_byte(registry, base_ref, box, 
                                          check=True, capture_output=True, text=True).stdout)
         assert info["Layers"] == [d["digest"] for d in m["layers"]]
         layout = tmp_path / f"oci-{tag}"
-        subprocess.run(["skopeo", "copy", "-q", "--preserve-digests", "--src-tls-verify=false", src, f"oci:{layout}:{tag}"],
+        subprocess.run(["skopeo", "copy", "-q", "--preserve-digests", "--src-tls-verify=false", src,
+                        f"oci:{layout}:{tag}"],
                        check=True, capture_output=True)
         bundle = tmp_path / f"bundle-{tag}"
-        r = subprocess.run(["umoci", "unpack", "--image", f"{layout}:{tag}", str(bundle)], capture_output=True, text=True)
+        r = subprocess.run(["umoci", "unpack", "--image", f"{layout}:{tag}", str(bundle)], capture_output=True,
+                           text=True)
         if tag == "zstd" and r.returncode != 0:
             assert "mediatype: " + LAYER_ZSTD in r.stderr.replace("mediaType", "mediatype"), r.stderr
             continue  # an umoci without zstd: nothing else may be wrong
@@ -568,16 +532,19 @@ def test_commit_from_container_gives_the_layers_of_a_walk(registry, base_ref, en
         assert restored["usr/lib/libfake.so"][::5] == ("link", "/usr/lib/libfake.so.1")
         assert restored["var"][1] == "0o700"
         assert restored["opt/app/main.py/__init__.py"][0] == "file"
-        assert restored["opt/app/custom_nodes/NodeA/nodes_link.py"][5].endswith("linked-with:opt/app/custom_nodes/NodeA/nodes.py")
+        link = restored["opt/app/custom_nodes/NodeA/nodes_link.py"]
+        assert link[5].endswith("linked-with:opt/app/custom_nodes/NodeA/nodes.py")
         assert "usr/share/doc/base/NEW" in restored and "usr/share/doc/base/README" not in restored
         for gone in ("opt/app/old_cache.bin", "var/lib/app", "tmp/work", "root/.ssh"):
             assert not os.path.lexists(out / gone), gone
 
         ct.stop(timeout=1)
-        again = json.loads(snap("commit", f"{registry.host}/fromct:v2", "--from-container", name, "--json", check=True).stdout)
+        again = json.loads(snap("commit", f"{registry.host}/fromct:v2", "--from-container", name, "--json",
+                                check=True).stdout)
         assert [x["digest"] for x in again["layers"]] == [x["digest"] for x in got["layers"]]
 
-        wrong = snap("commit", f"{registry.host}/fromct:v3", "--from-container", name, "--base", f"{registry.host}/walked:v1")
+        wrong = snap("commit", f"{registry.host}/fromct:v3", "--from-container", name, "--base",
+                     f"{registry.host}/walked:v1")
         assert_one_line_error(wrong, 2, name, "--base")
     finally:
         ct.remove(force=True)
@@ -622,7 +589,8 @@ def test_hardlinked_weights_are_one_inode_in_docker_and_umoci(registry, base_ref
     subprocess.run(["umoci", "unpack", "--image", f"{layout}:v1", str(bundle)], check=True, capture_output=True)
     for group in LINKED:
         assert len({os.lstat(bundle / "rootfs" / n).st_ino for n in group}) == 1, group
-    assert snapshot_of_tree(str(bundle / "rootfs"), skip=NOT_CAPTURED)[LINKED[0][2]][5].startswith(sha256_file(os.path.join(box, LINKED[0][0])))
+    assert snapshot_of_tree(str(bundle / "rootfs"),
+                            skip=NOT_CAPTURED)[LINKED[0][2]][5].startswith(sha256_file(os.path.join(box, LINKED[0][0])))
 
 
 # ---- the container provider recipe of docs/providers.md (the README's, before docs/) ---------------------
@@ -744,7 +712,8 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
     watcher's final snapshot all the same, the app's exit code), and a registry
     outage at start (the watcher all the same: the tag stays on the good snapshot, the work goes to a
     diverged tag of the box's own, which holds every file once `docker stop -t 5` is over)."""
-    if not shutil.which("busybox") or not os.path.exists("/usr/bin/python3.11") or not os.path.isdir("/usr/share/python-wheels"):
+    if not (shutil.which("busybox") and os.path.exists("/usr/bin/python3.11")
+            and os.path.isdir("/usr/share/python-wheels")):
         pytest.skip("needs busybox and Debian 12's python3.11 (with python3-venv's wheels) for the test base image")
     if not have_wheels("setuptools", "typer", "docker", "oras", "zstandard"):
         pytest.skip("no wheels of snap's dependencies in .ci/wheels (run .ci/setup)")
@@ -778,8 +747,10 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
 
     def new_box(volume) -> "docker.models.containers.Container":
         volume.mkdir()
-        host = engine.api.create_host_config(network_mode="host", mounts=[docker.types.Mount("/workspace", str(volume), type="bind")])
-        created = engine.api.create_container(f"{image}:1", environment=env, host_config=host, stop_timeout=5)  # --stop-timeout 5
+        host = engine.api.create_host_config(network_mode="host",
+                                             mounts=[docker.types.Mount("/workspace", str(volume), type="bind")])
+        # --stop-timeout 5
+        created = engine.api.create_container(f"{image}:1", environment=env, host_config=host, stop_timeout=5)
         engine.api.start(created["Id"])
         return engine.containers.get(created["Id"])
 
@@ -835,7 +806,9 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
         assert tree(b, tmp_path / "volume-b", "export-b") == before
         weight_digest = next(d["digest"] for d in snaps_registry.manifest("box", "v2")["layers"]
                              if d.get("annotations", {}).get("dev.snap.layer", "").startswith("models"))
-        downloads = lambda: sum(1 for m, path, code in proxy.log if m == "GET" and path.endswith(weight_digest) and code == 200)
+        def downloads() -> int:
+            return sum(1 for m, path, code in proxy.log if m == "GET" and path.endswith(weight_digest) and code == 200)
+
         assert downloads() == 1
 
         # 4. The same container restarted, its volume kept: the weight is not downloaded again.
@@ -880,7 +853,8 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
         assert diverged_tags(snaps_registry, "box") == [diverged]
         work = tree(c, tmp_path / "volume-c", "export-c")
         got = tmp_path / "diverged"
-        snap("restore", f"{snaps_registry.host}/box:{diverged}", "--root", str(got), "--only-snapshot", env=env, check=True)
+        snap("restore", f"{snaps_registry.host}/box:{diverged}", "--root", str(got), "--only-snapshot", env=env,
+             check=True)
         for path in (f"{site[1:]}/outage.py", f"{site[1:]}/outage-1.0.dist-info/METADATA"):
             assert snapshot_of_tree(str(got))[path] == work["rootfs"][path], path
         assert snapshot_of_tree(str(got / "workspace")) == work["volume"]  # every file of the volume

@@ -11,7 +11,6 @@ import json
 import os
 import resource
 import select
-import subprocess
 import sys
 import threading
 
@@ -20,8 +19,9 @@ import pytest
 from snapshotter.errors import AuthError
 from snapshotter.registry.credentials import docker_credentials, save_docker_credentials
 
-from helpers import basic
-from support import RegistryServer, assert_one_line_error
+from support.credentials import basic
+from support.registry import RegistryServer
+from support.run import assert_one_line_error, snap
 
 USER, PASSWORD = "snapuser", "Leaky-Pa55-7c1e"
 ANOTHER_USER = 65534  # nobody
@@ -41,8 +41,7 @@ def bounded_snap(*args, env=None, input=None):
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
-    return subprocess.run([sys.executable, "-m", "snapshotter", *args], capture_output=True, text=True, input=input,
-                          env={**os.environ, **(env or {})}, timeout=RUN_LIMIT_S, preexec_fn=limit)
+    return snap(*args, input=input, env=env, timeout=RUN_LIMIT_S, preexec_fn=limit)
 
 
 def helper_program(tmp_path, name: str, body: str) -> str:
@@ -364,8 +363,9 @@ def test_login_into_another_user_s_directory_is_refused_before_the_registry_is_a
 def test_docker_config_through_another_user_s_symlink_is_neither_read_nor_written(tmp_path, monkeypatch,
                                                                                    owner, below):
     """DOCKER_CONFIG (or a directory on its way) a symlink they own (even in root's directory), or
-    root's in their directory (they may swap it), pointing at root's directory that holds another program's config.json: every name
-    on the way is looked at, not only where it leads. Nothing read, nothing made, nothing written."""
+    root's in their directory (they may swap it), pointing at root's directory that holds another program's
+    config.json: every name on the way is looked at, not only where it leads. Nothing read, nothing made, nothing
+    written."""
     theirs = _another_users_dir(tmp_path)
     victim = tmp_path / "etc-someapp"  # root's directory
     (victim / "docker").mkdir(parents=True)
@@ -417,4 +417,5 @@ def test_root_makes_and_writes_nothing_below_another_user_s_directory(tmp_path, 
     save_docker_credentials("ghcr.io", USER, PASSWORD)
     written = tmp_path / "ours" / "a" / "b" / "config.json"
     assert json.loads(written.read_text()) == {"auths": {"ghcr.io": basic(USER, PASSWORD)}}
-    assert [os.stat(p).st_mode & 0o777 for p in (written.parent.parent, written.parent, written)] == [0o700, 0o700, 0o600]
+    assert [os.stat(p).st_mode & 0o777 for p in (written.parent.parent, written.parent, written)] == [0o700, 0o700,
+                                                                                                      0o600]

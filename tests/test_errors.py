@@ -9,7 +9,7 @@ import typer
 import snapshotter
 from snapshotter import cli
 
-from support import assert_one_line_error, free_port, snap
+from support.run import assert_one_line_error, free_port, snap
 
 
 def test_unknown_base_image(registry, box):
@@ -63,7 +63,7 @@ def test_commit_to_a_digest(registry, base_ref, box):
 def test_restore_unknown_tag(registry, tmp_path):
     r = snap("restore", f"{registry.host}/base:nosuchtag", "--root", str(tmp_path / "x"))
     assert_one_line_error(r, 5, "not found")
-    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+    assert not (tmp_path / "x").exists()
 
 
 def test_help_explains_each_command():

@@ -18,8 +18,9 @@ from snapshotter.errors import RegistryError
 from snapshotter.registry.answers import json_object
 from snapshotter.registry.destinations import check_destination, origin
 
-from helpers import PART, part_ann, push_annotated, repo_for
-from support import assert_clean, assert_one_line_error, member, snap, tar_bytes
+from support.images import PART, part_ann, push_annotated, repo_for
+from support.run import assert_clean, assert_one_line_error, snap
+from support.tars import member, tar_bytes
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 HOSTILE = {"esc": "\x1b[31mred\x1b[0m", "bel": "ring\x07", "cr": "over\rwritten", "csi": "c1\x9b2J",

@@ -6,13 +6,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 
 import pytest
 
-from helpers import blobs_in, digest_of
-from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
+from support.registry import blobs_in, digest_of
+from support.run import SNAP, snap
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 
 def empty_roots(tmp_path):
@@ -53,7 +53,7 @@ def test_a_commit_of_a_root_without_the_system_is_refused_and_pushes_nothing(whi
 
 def watch_until_it_ends_or_pushes(*args) -> tuple[int, str]:
     """`snap watch` until it exits or moves its tag (then it is stopped: a refusal must come first)."""
-    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "watch", *args], stderr=subprocess.PIPE,
+    proc = subprocess.Popen([*SNAP, "watch", *args], stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True)
     timer = threading.Timer(120, proc.kill)  # a hung test still ends
     timer.start()

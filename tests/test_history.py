@@ -4,8 +4,10 @@ import json
 import os
 import subprocess
 
-from helpers import digest_of, diverged_tags
-from support import push_base_image, snap, write_tree
+from support.images import push_base_image
+from support.registry import digest_of, diverged_tags
+from support.run import snap
+from support.trees import write_tree
 
 MiB = 1024 * 1024
 MODEL = "opt/app/models/checkpoints/added.safetensors"

@@ -14,8 +14,9 @@ import tarfile
 
 import pytest
 
-from helpers import GZIP, MARK, PART, TAR, part_image, push, raw_header, repo_for, run_snap
-from support import gzip_bytes, member, tar_bytes
+from support.images import GZIP, MARK, PART, TAR, part_image, push, repo_for
+from support.run import snap_with_peak
+from support.tars import gzip_bytes, member, raw_header, tar_bytes
 
 
 def fifo(name: str) -> tuple[tarfile.TarInfo, bytes]:
@@ -37,7 +38,8 @@ def test_a_directory_entry_after_its_contents(registry, jail, request):
 
 def test_a_symlink_over_an_implied_directory(registry, jail, request):
     """As containerd does: the later entry replaces the directory the earlier one implied."""
-    ref = push(registry, request, tar_bytes(member("x/a/b", data=b"b\n"), member("x/a", "symlink", linkname="elsewhere")))
+    ref = push(registry, request,
+               tar_bytes(member("x/a/b", data=b"b\n"), member("x/a", "symlink", linkname="elsewhere")))
     jail.ok(jail.restore(ref))
     assert os.readlink(jail.root / "x/a") == "elsewhere"
 
@@ -57,10 +59,10 @@ def test_fifos_are_devices(registry, jail, request, tmp_path):
     ref = push(registry, request, tar_bytes(member("p/", "dir"), fifo("p/pipe"), member("p/f", data=b"f\n")))
     jail.ok(jail.restore(ref))
     assert not os.path.lexists(jail.root / "p/pipe") and (jail.root / "p/f").exists()
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     assert r.returncode == 0, r.stdout + r.stderr  # verify expects what restore wrote
     other = tmp_path / "other"
-    r, _ = run_snap(tmp_path, "restore", ref, "--root", str(other), "--allow-devices")
+    r, _ = snap_with_peak("restore", ref, "--root", str(other), "--allow-devices")
     assert r.returncode == 0, r.stderr
     assert stat.S_ISFIFO(os.lstat(other / "p/pipe").st_mode)
 
@@ -114,7 +116,7 @@ def test_verify_refuses_what_restore_refuses(registry, jail, request, tmp_path, 
     ref = push(registry, request, *layers)
     jail.refused(jail.restore(ref))
     jail.root.mkdir(exist_ok=True)
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     jail.refused(r)
 
 
@@ -123,7 +125,7 @@ def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
     ref = push(registry, request, tar_bytes(member("a/", "dir"), member("a/../../outside/keep", data=b"sentinel\n")),
                tar_bytes(member("a/../../outside/.wh.keep")))
     jail.root.mkdir()
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     assert "outside" not in r.stdout
     jail.refused(r)
 
@@ -131,10 +133,11 @@ def test_verify_never_looks_outside_the_root(registry, jail, request, tmp_path):
 def test_a_name_with_a_newline_cannot_forge_a_line_of_the_verify_report(registry, jail, request, tmp_path):
     """A name like any other (issue 33: restore writes it, so verify compares it): its difference is
     one quoted line, never a line of its own for what follows the newline."""
-    ref = push(registry, request, tar_bytes(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
+    ref = push(registry, request,
+               tar_bytes(member("d/", "dir"), member("d/x\n/etc/passwd: content differs", data=b"x")))
     jail.root.mkdir()
     (jail.root / "d").mkdir()
-    r, _ = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, _ = snap_with_peak("verify", ref, "--root", str(jail.root))
     assert r.returncode == 9, r.stderr
     assert r.stdout.splitlines() == ["'/d/x\\n/etc/passwd: content differs': missing (expected a file)"]
     assert not any(line.startswith("/etc/passwd") for line in r.stdout.splitlines() + r.stderr.splitlines())
@@ -147,7 +150,8 @@ def test_the_journal_grows_by_one_line_per_layer(registry, jail, request, tmp_pa
     repo = repo_for(request)
     diff_ids = ["sha256:" + hashlib.sha256(b).hexdigest() for b in layers]
     diff_ids[2] = "sha256:" + "0" * 64  # the third layer fails its check: the journal stays
-    registry.push_image(repo, "v1", layers, layer_media_type="application/vnd.oci.image.layer.v1.tar", diff_ids=diff_ids)
+    registry.push_image(repo, "v1", layers, layer_media_type="application/vnd.oci.image.layer.v1.tar",
+                        diff_ids=diff_ids)
     r = jail.restore(f"{registry.host}/{repo}:v1")
     assert r.returncode == 6, r.stderr
     (journal,) = list((state_dir / "restore-journal").iterdir())
@@ -166,7 +170,8 @@ def test_a_layer_that_fails_its_diff_id_never_shows_its_last_file(registry, jail
     place only after the check, and here its temp is removed instead."""
     tar = tar_bytes(member("app/", "dir"), member("app/first", data=b"first\n"), member("app/last", data=b"last\n"))
     repo = repo_for(request)
-    registry.push_image(repo, "v1", [gzip_bytes(tar) if compressed else tar], layer_media_type=GZIP if compressed else TAR,
+    registry.push_image(repo, "v1", [gzip_bytes(tar) if compressed else tar],
+                        layer_media_type=GZIP if compressed else TAR,
                         diff_ids=["sha256:" + "0" * 64])
     line = jail.refused(jail.restore(f"{registry.host}/{repo}:v1"))
     assert "does not match its diff_id" in line, line

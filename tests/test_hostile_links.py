@@ -17,8 +17,10 @@ from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.restore.applier import ExtractWorker
 from snapshotter.restore.restore import RestoreOptions, restore_image
 
-from helpers import digest_of, part_ann, push, push_annotated, repo_for, tree_state
-from support import member, tar_bytes
+from support.images import part_ann, push, push_annotated, repo_for
+from support.registry import digest_of
+from support.tars import member, tar_bytes
+from support.trees import snapshot_of_tree
 
 KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nthe box's own\n"
 
@@ -33,12 +35,13 @@ def plant_key(root) -> None:
 
 def test_a_hardlink_to_a_file_already_in_the_root_is_refused(registry, jail, request):
     plant_key(jail.root)
-    before = tree_state(str(jail.root))  # type, mode, link count, owner, mtime, content of each path
-    ref = push(registry, request, tar_bytes(member("data/", "dir"), member("data/k", "hardlink", linkname="root/.ssh/id_rsa")))
+    before = snapshot_of_tree(str(jail.root), exact=True)  # type, mode, link count, owner, mtime, content of each path
+    ref = push(registry, request,
+               tar_bytes(member("data/", "dir"), member("data/k", "hardlink", linkname="root/.ssh/id_rsa")))
     line = jail.refused(jail.restore(ref))
     assert "'root/.ssh/id_rsa'" in line and "the image did not write" in line, line
     assert os.lstat(jail.root / "root/.ssh/id_rsa").st_nlink == 1, "a second name for the box's key"
-    after = tree_state(str(jail.root))
+    after = snapshot_of_tree(str(jail.root), exact=True)
     assert {k: v for k, v in after.items() if k != "data"} == before  # only the layer's own directory came
     assert os.listdir(jail.root / "data") == []
 
@@ -117,7 +120,10 @@ def test_part_links_to_a_file_no_part_was_joined_into_are_refused(registry, jail
     """Part layers that name the box's key as their file but hold no part of it: nothing is joined,
     and its "other names" are not linked to the key."""
     plant_key(jail.root)
-    ann = lambda part: dict(part_ann("root/.ssh/id_rsa", part), **{"dev.snap.part-links": json.dumps(["data/k"])})  # noqa: E731
+
+    def ann(part: str) -> dict:
+        return dict(part_ann("root/.ssh/id_rsa", part), **{"dev.snap.part-links": json.dumps(["data/k"])})
+
     ref = push_annotated(registry, repo_for(request), [
         (tar_bytes(member("data/", "dir")), {}),
         (tar_bytes(member("data/a", data=b"a\n")), ann("1/2")),

@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from helpers import PEAK_LIMIT_KIB, TAR, push, push_annotated, repo_for, run_snap
-from support import member, tar_bytes
+from support.images import TAR, push, push_annotated, repo_for
+from support.run import PEAK_LIMIT_KIB, snap_with_peak
+from support.tars import member, tar_bytes
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -23,7 +24,7 @@ def both(jail, tmp_path, ref: str, env: dict | None = None) -> list[tuple[int, s
     out = []
     for cmd in ("restore", "verify"):
         jail.root.mkdir(exist_ok=True)
-        r, peak = run_snap(tmp_path, cmd, ref, "--root", str(jail.root), env=env)
+        r, peak = snap_with_peak(cmd, ref, "--root", str(jail.root), env=env)
         lines = [line for line in r.stderr.splitlines() if line.startswith("snap: error:")]
         assert len(lines) == 1, r.stderr
         out.append((r.returncode, lines[0], peak))
@@ -33,7 +34,8 @@ def both(jail, tmp_path, ref: str, env: dict | None = None) -> list[tuple[int, s
 
 def _put_manifest(registry, repo: str, tag: str, doc: dict, media_type: str) -> str:
     body = json.dumps(doc).encode()
-    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=body, headers={"Content-Type": media_type})
+    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=body,
+                               headers={"Content-Type": media_type})
     r.raise_for_status()
     return "sha256:" + hashlib.sha256(body).hexdigest()
 
@@ -98,7 +100,8 @@ def test_malformed_manifests_are_bad_images(registry, proxy, jail, request, tmp_
     else:
         doc = ["not", "an", "object"]
     body = json.dumps(doc).encode()
-    proxy.lie = lambda method, path: (200, {"Content-Type": media}, [body]) if path == f"/v2/{repo}/manifests/v1" else None
+    proxy.lie = lambda method, path: (200, {"Content-Type": media},
+                                      [body]) if path == f"/v2/{repo}/manifests/v1" else None
     for code, line, _ in both(jail, tmp_path, ref.replace(registry.host, proxy.host)):
         assert code == (10 if change == "manifest-not-an-object" else 6), line
 
@@ -121,9 +124,10 @@ def test_malformed_configs_are_bad_images(registry, jail, request, tmp_path, con
 @pytest.mark.parametrize("base_layers", ["-1", "5", "one", "2.0"])
 def test_base_layers_annotation_out_of_range_is_refused(registry, jail, request, tmp_path, base_layers):
     ref = push_annotated(registry, repo_for(request), [(tar_bytes(member("base", data=b"b")), {}),
-                                                       (tar_bytes(member("snap", data=b"s")), {"dev.snap.layer": "rest"})],
+                                                       (tar_bytes(member("snap", data=b"s")),
+                                                        {"dev.snap.layer": "rest"})],
                          {"dev.snap.base-layers": base_layers})
-    r, _ = run_snap(tmp_path, "restore", ref, "--root", str(jail.root), "--only-snapshot")
+    r, _ = snap_with_peak("restore", ref, "--root", str(jail.root), "--only-snapshot")
     assert "base-layers" in jail.refused(r)
     assert not os.path.lexists(jail.root / "base") and not os.path.lexists(jail.root / "snap")
 
@@ -160,7 +164,8 @@ def test_a_download_grace_that_is_no_number_of_seconds_is_a_usage_error(registry
 @pytest.mark.parametrize("body", [b'["not", "an", "object"]', b'{"errors": 5}', b'{"errors": [1, "two", null]}',
                                   b'{"errors": [{"code": "DENIED", "message": "no\\nsnap: error: forged line"}]}',
                                   b"\xff\xfe not json \x00", b" " * (1 << 20)],
-                         ids=["list", "errors-not-a-list", "errors-not-objects", "newline-in-message", "binary", "huge"])
+                         ids=["list", "errors-not-a-list", "errors-not-objects", "newline-in-message", "binary",
+                              "huge"])
 def test_an_error_answer_of_any_shape_is_one_line(registry, proxy, jail, request, tmp_path, body):
     """A registry's error body is read capped and shown on one line, whatever its shape or size."""
     ref = push(registry, request, tar_bytes(member("f", data=b"x")))

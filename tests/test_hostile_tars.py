@@ -11,19 +11,20 @@ import zlib
 
 import pytest
 
-from helpers import GZIP, MARK, PEAK_LIMIT_KIB, push, raw_header, repo_for, run_snap
-from support import assert_one_line_error
+from support.images import GZIP, MARK, push, repo_for
+from support.run import PEAK_LIMIT_KIB, assert_one_line_error, snap_with_peak
+from support.tars import raw_header
 
 
 def refused_by_both(jail, tmp_path, ref: str) -> list[str]:
     """Restore and verify both refuse the image (exit 6, one line, nothing outside touched, memory
     bounded). Returns the two error lines."""
     lines = []
-    r, peak = run_snap(tmp_path, "restore", ref, "--root", str(jail.root))
+    r, peak = snap_with_peak("restore", ref, "--root", str(jail.root))
     lines.append(jail.refused(r))
     assert peak < PEAK_LIMIT_KIB, f"restore peaked at {peak // 1024} MiB"
     jail.root.mkdir(exist_ok=True)
-    r, peak = run_snap(tmp_path, "verify", ref, "--root", str(jail.root))
+    r, peak = snap_with_peak("verify", ref, "--root", str(jail.root))
     lines.append(jail.refused(r))
     assert peak < PEAK_LIMIT_KIB, f"verify peaked at {peak // 1024} MiB"
     return lines
@@ -117,7 +118,8 @@ def empty_entries(count: int, whiteouts: bool = False, per_dir: int = 1000) -> G
 def push_layers(registry, request, layers: list[GzipLayer]) -> str:
     blobs = [b"".join(g.out) + g.z.flush() for g in layers]
     repo = repo_for(request)
-    registry.push_image(repo, "v1", blobs, layer_media_type=GZIP, diff_ids=["sha256:" + g.sha.hexdigest() for g in layers])
+    registry.push_image(repo, "v1", blobs, layer_media_type=GZIP,
+                        diff_ids=["sha256:" + g.sha.hexdigest() for g in layers])
     return f"{registry.host}/{repo}:v1"
 
 
@@ -154,7 +156,7 @@ def test_a_misspelt_entry_cap_is_one_line(registry, jail, request, tmp_path, mon
     monkeypatch.setenv("SNAP_MAX_ENTRIES", "lots")
     ref = push_layers(registry, request, [empty_entries(3)])
     jail.root.mkdir(exist_ok=True)
-    r, _ = run_snap(tmp_path, command, ref, "--root", str(jail.root))
+    r, _ = snap_with_peak(command, ref, "--root", str(jail.root))
     assert_one_line_error(r, 2, "SNAP_MAX_ENTRIES", "'lots'")
 
 
@@ -163,7 +165,7 @@ def test_the_default_entry_cap_lets_a_real_box_through_in_bounded_memory(registr
     under the default cap, each under 256 MiB."""
     ref = push_layers(registry, request, [empty_entries(200_000)])
     for command in ("restore", "verify"):
-        r, peak = run_snap(tmp_path, command, ref, "--root", str(jail.root))
+        r, peak = snap_with_peak(command, ref, "--root", str(jail.root))
         jail.ok(r)
         assert peak < PEAK_LIMIT_KIB, f"{command} peaked at {peak // 1024} MiB"
     assert len(os.listdir(jail.root / "d0199")) == 1000
@@ -233,7 +235,7 @@ def test_truncated_tars_are_refused(registry, jail, request, tmp_path, cut):
 def test_names_with_newlines_cannot_forge_lines(registry, jail, request, tmp_path):
     forged = b"x\nsnap: error: forged"
     tar = pax_member({b"path": b"../" + forged}) + END
-    r, _ = run_snap(tmp_path, "restore", push(registry, request, tar), "--root", str(jail.root))
+    r, _ = snap_with_peak("restore", push(registry, request, tar), "--root", str(jail.root))
     jail.refused(r)
     assert not any(line.startswith("snap: error: forged") for line in r.stderr.splitlines()), r.stderr
     assert not os.path.lexists(jail.base / MARK)

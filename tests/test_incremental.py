@@ -12,8 +12,9 @@ from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import push as push_module
 from snapshotter.profile import parse_profile
 
-from helpers import WEIGHTS_PROFILE, commit_json
-from support import NOT_CAPTURED, RegistryServer, snap, snapshot_of_tree, write_tree
+from support.registry import RegistryServer
+from support.run import commit_json, snap
+from support.trees import NOT_CAPTURED, WEIGHTS_PROFILE, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 
@@ -114,8 +115,8 @@ def test_weight_layers_are_stable_when_a_model_is_added_or_removed(registry, bas
     assert len(bundles) > 3  # 360 KB of small files in bundles of at most 64 KiB
     assert all(v1[n].media_type == "application/vnd.oci.image.layer.v1.tar" for n in singles + bundles)
     # The cap is on content; a tar adds a 512-byte header a file, padding, and a 10 KiB record at most.
-    assert all(v1[n].size <= 64 * 1024 + 1024 * v1[n].entries + 10240 for n in bundles), \
-        [(v1[n].size, v1[n].entries) for n in bundles]
+    sizes = [(v1[n].size, v1[n].entries) for n in bundles]
+    assert all(size <= 64 * 1024 + 1024 * entries + 10240 for size, entries in sizes), sizes
 
     meta = "models (directories and deletions)"
     assert [n for n in v1 if n.startswith("models")][-1] == meta  # last of its layers: its dir mtimes are final
@@ -253,8 +254,7 @@ def test_a_base_index_cache_of_another_format_is_rebuilt(registry, base_ref, box
         f.writelines(json.dumps(line) + "\n" for line in lines)
 
     second = commit_box(f"{registry.host}/{repo}:v2", base_ref, CommitOptions(root=box))
-    assert [(layer.name, layer.digest) for layer in second.layers] == \
-        [(layer.name, layer.digest) for layer in first.layers]
+    assert [(lay.name, lay.digest) for lay in second.layers] == [(lay.name, lay.digest) for lay in first.layers]
     assert second.deleted == first.deleted
     with gzip.open(cache, "rt") as f:
         assert json.loads(f.readline()) == current  # rebuilt in this version's format
@@ -325,7 +325,7 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
         counted = doc["uploaded"]
         assert doc["uploaded_bytes"] == sum(counted.values()) > 0, (step, doc["uploaded_bytes"], counted)
         assert sum(n for what, n in counted.items() if what != "manifests") == blobs, (step, counted, blobs)
-        # The same manifest is stored once.
+        # the same manifest is stored once
         assert 0 <= manifests <= counted["manifests"] > 0, (step, counted, manifests)
         sent_layers = sum(layer["size"] for layer in doc["layers"] if layer["status"] == "uploaded")
         assert counted.get("layers", 0) == sent_layers, (step, counted, sent_layers)

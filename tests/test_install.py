@@ -1,6 +1,6 @@
-"""snap's wheel, built by `make dist`, installs into a fresh virtualenv with pip, from its declared
-dependencies alone, on each Python a GPU box may have (3.10: Ubuntu 22.04; 3.11: Debian 12; 3.12: Ubuntu
-24.04; 3.13), and a commit made there has the very layers this suite's own Python makes of the same tree.
+"""snap's wheel, built by `make dist`, installs into a fresh virtualenv with pip, from its declared dependencies
+alone, on each Python a GPU box may have (3.10: Ubuntu 22.04; 3.11: Debian 12; 3.12: Ubuntu 24.04; 3.13), and a
+commit made there has the very layers this suite's own Python makes of the same tree.
 
 The wheels come from .ci/wheels (fetched by .ci/setup for each of these Pythons): pip runs with
 --no-index, so the test never reaches a package index, and a module snap imports without declaring
@@ -15,9 +15,9 @@ from typing import Optional
 
 import pytest
 
-from helpers import commit_json
-from support import (NOT_CAPTURED, PIP_OFFLINE, WHEELS, make_box, pip_install_offline, snap_layer_files,
-                     snapshot_of_tree, write_tree)
+from support.images import snap_layer_files
+from support.run import PIP_OFFLINE, WHEELS, commit_json, pip_install_offline
+from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
@@ -37,8 +37,8 @@ def find_python(version: str) -> Optional[str]:
     if sys.version.startswith(version + "."):
         return sys.executable
     pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    installed = sorted(glob.glob(f"{pyenv}/versions/{version}.*/bin/python{version}"))
-    candidates = [shutil.which(f"python{version}")] + installed
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(glob.glob(f"{pyenv}/versions/{version}.*/bin/python{version}"))]
     for python in filter(None, candidates):
         r = subprocess.run([python, "-c", "import sys, venv, ensurepip; print('%d.%d' % sys.version_info[:2])"],
                            capture_output=True, text=True)
@@ -106,7 +106,8 @@ def layer_digests(registry, repo: str, tag: str) -> list[str]:
 
 @pytest.mark.parametrize("version", PYTHONS)
 def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, dist_files, registry, base_ref,
-                                                                    base_rootfs, tmp_path):
+                                                                    base_rootfs,
+                                                                    tmp_path):
     python = find_python(version)
     if python is None:
         pytest.skip(f"no Python {version} with venv and ensurepip on this machine")
@@ -114,7 +115,7 @@ def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, dis
         pytest.skip(f"no wheels of {', '.join(missing_wheels(version)) or 'snap dependencies'} for Python {version} "
                     "in .ci/wheels (run .ci/setup)")
     venv = installed_snap(python, dist_files["wheel"], tmp_path)
-    # a state dir of its own: nothing shared with the reference
+    # nothing shared with the reference
     env = {**os.environ, **PIP_OFFLINE, "SNAP_STATE_DIR": str(tmp_path / "venv-state")}
     env.pop("PYTHONPATH", None)
 

@@ -10,14 +10,14 @@ import subprocess
 import sys
 import threading
 
-from helpers import SMALL_WEIGHTS
-from support import NOT_CAPTURED, TIMEOUT, assert_one_line_error, snap, snapshot_of_tree
+from support.run import SNAP, TIMEOUT, assert_one_line_error, snap
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, snapshot_of_tree
 
 WEIGHT = "opt/app/models/checkpoints/sd15.safetensors"  # 2 MB: a layer of its own with SMALL_WEIGHTS
 
 
 def _snap_proc(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "snapshotter", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([*SNAP, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -27,7 +27,8 @@ def _read_fifo(fifo: str, got: list, done: threading.Event) -> None:
     done.set()
 
 
-def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_has(registry, proxy, base_ref, box, tmp_path):
+def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_has(registry, proxy, base_ref, box,
+                                                                                  tmp_path):
     profile = tmp_path / "small-weights.yaml"
     profile.write_text(SMALL_WEIGHTS)
     snap("commit", f"{registry.host}/then:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)
@@ -42,7 +43,8 @@ def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_ha
     fifo = tmp_path / "app-started"
     os.mkfifo(fifo)
     app = (f"if [ -e {root}/{WEIGHT} ]; then w=present; else w=absent; fi; "
-           f"if [ -e {root}/opt/app/venv/lib/python3.11/site-packages/torch/_C.so ]; then v=present; else v=absent; fi; "
+           f"if [ -e {root}/opt/app/venv/lib/python3.11/site-packages/torch/_C.so ]; "
+           "then v=present; else v=absent; fi; "
            f"echo weight=$w venv=$v > {fifo}")
     got: list[str] = []
     started = threading.Event()
@@ -111,7 +113,8 @@ def test_no_weight_is_requested_before_the_apps_blobs_are_in(registry, proxy, ba
     from snapshotter.restore import download, restore
     profile = tmp_path / "small-weights.yaml"
     profile.write_text(SMALL_WEIGHTS)
-    snap("commit", f"{registry.host}/order-dl:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)
+    snap("commit", f"{registry.host}/order-dl:v1", "--base", base_ref, "--root", box, "--profile", str(profile),
+         check=True)
     layers = registry.manifest("order-dl", "v1")["layers"]
     named = {d["digest"]: d.get("annotations", {}).get("dev.snap.layer") for d in layers}
     weights = {digest for digest, name in named.items() if name == "models"}
@@ -156,7 +159,8 @@ def test_a_bad_app_blob_stops_the_restore_with_weights_waiting_their_turn(regist
     from snapshotter.restore import restore
     profile = tmp_path / "small-weights.yaml"
     profile.write_text(SMALL_WEIGHTS)
-    snap("commit", f"{registry.host}/forged:v1", "--base", base_ref, "--root", box, "--profile", str(profile), check=True)
+    snap("commit", f"{registry.host}/forged:v1", "--base", base_ref, "--root", box, "--profile", str(profile),
+         check=True)
     layers = registry.manifest("forged", "v1")["layers"]
     venv = next(d for d in layers if d.get("annotations", {}).get("dev.snap.layer") == "venv")
     weights = {d["digest"] for d in layers if d.get("annotations", {}).get("dev.snap.layer") == "models"}
@@ -190,11 +194,13 @@ def test_weights_layers_come_last_whatever_the_profile_order(registry, base_ref,
     # comfyui lists `outputs` after models: the weights still go last (and its ComfyUI-only custom_nodes is empty).
     profile = tmp_path / "comfy.yaml"
     profile.write_text(open(os.path.join(os.path.dirname(__file__), "..", "layers", "comfyui.yaml")).read()
-                       .replace("**/ComfyUI/models/**", "**/models/**").replace("**/ComfyUI/output/**", "opt/app/out/**"))
+                       .replace("**/ComfyUI/models/**", "**/models/**").replace("**/ComfyUI/output/**",
+                                                                                "opt/app/out/**"))
     os.makedirs(os.path.join(box, "opt/app/out"))
     with open(os.path.join(box, "opt/app/out/img.png"), "wb") as f:
         f.write(b"png")
-    r = snap("commit", f"{registry.host}/order:v1", "--base", base_ref, "--root", box, "--profile", str(profile), "--json",
+    r = snap("commit", f"{registry.host}/order:v1", "--base", base_ref, "--root", box, "--profile", str(profile),
+             "--json",
              check=True)
     assert json.loads(r.stdout)
     names = [d["annotations"]["dev.snap.layer"] for d in registry.manifest("order", "v1")["layers"][2:]]
@@ -204,7 +210,8 @@ def test_weights_layers_come_last_whatever_the_profile_order(registry, base_ref,
 def test_restore_loads_no_commit_code_no_docker_sdk_and_no_jsonschema():
     """What `snap restore` imports is on the way to CMD's start (--then): no commit or watch code,
     no docker SDK (only read for a Docker config's credentials), no jsonschema (oras's provider)."""
-    code = ("import sys, snapshotter.cli, snapshotter.restore, snapshotter.restore.landing, snapshotter.restore.applier\n"
+    code = ("import sys, snapshotter.cli, snapshotter.restore, snapshotter.restore.landing, "
+            "snapshotter.restore.applier\n"
             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('docker', 'jsonschema')\n"
             "                      or m.split('.')[:2] in (['snapshotter', 'commit'], ['snapshotter', 'watch'])\n"
             "                      or m == 'oras.provider')))")
@@ -216,7 +223,8 @@ def test_the_package_still_gives_its_modules_and_verbs_by_attribute():
     """Loaded on first use, yet `import snapshotter` then `snapshotter.restore` (the package) and
     `snapshotter.commit_box` (the verb) work; a name that is neither is an AttributeError."""
     code = ("import snapshotter\n"
-            "assert snapshotter.restore.__name__ == 'snapshotter.restore' and callable(snapshotter.restore.restore_image)\n"
+            "assert snapshotter.restore.__name__ == 'snapshotter.restore'\n"
+            "assert callable(snapshotter.restore.restore_image)\n"
             "assert snapshotter.commit.__name__ == 'snapshotter.commit' and callable(snapshotter.commit_box)\n"
             "assert not hasattr(snapshotter, 'no_such_thing') and not hasattr(snapshotter, '_private')\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -28,8 +28,8 @@ from snapshotter.layer.plan import LayerPlan
 from snapshotter.layer.planning import plan_layers
 from snapshotter.profile import load_profile
 
-from helpers import FakeClock, watcher
-from support import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support.watch import FakeClock, watcher
 
 PEM = b"-----BEGIN RSA PRIVATE KEY-----\nMIIEow" + b"A" * 58 + b"\n-----END RSA PRIVATE KEY-----\n"
 
@@ -345,16 +345,16 @@ def test_a_plan_with_memo_is_the_plan_without_through_a_series_of_changes(box, b
                       if not os.path.relpath(d, box).startswith("tmp"))
 
     def add():
-        where = rng.choice([site + '/pkg3', 'opt/app/custom_nodes/NodeC', 'srv/tool/lib'])
-        write_tree(box, {f"{where}/n{rng.random()}.py": "x\n"})
+        folder = rng.choice([site + "/pkg3", "opt/app/custom_nodes/NodeC", "srv/tool/lib"])
+        write_tree(box, {f"{folder}/n{rng.random()}.py": "x\n"})
 
     def delete():
         os.unlink(os.path.join(box, rng.choice(files())))
 
     def move():
         src = rng.choice(files())
-        dst = rng.choice(["opt/app/custom_nodes/NodeA", site + "/pkg5", "srv/tool", "etc"]) + "/" + \
-            os.path.basename(src)
+        dst = rng.choice(["opt/app/custom_nodes/NodeA", site + "/pkg5", "srv/tool",
+                          "etc"]) + "/" + os.path.basename(src)
         if not os.path.exists(os.path.join(box, dst)):
             os.rename(os.path.join(box, src), os.path.join(box, dst))
 
@@ -392,8 +392,8 @@ def test_an_unchanged_entry_is_not_classified_again(box, monkeypatch):
     profile, scan_memo, memo = load_profile(), ScanMemo(LATER), PlanMemo()
     classified = []
     real = type(profile).classify
-    monkeypatch.setattr(type(profile), "classify",
-                        lambda self, path, *a: classified.append(path) or real(self, path, *a))
+    monkeypatch.setattr(type(profile), "classify", lambda self, path,
+                        *a: classified.append(path) or real(self, path, *a))
 
     def plan():
         scan = scan_box(box, profile, memo=scan_memo)

@@ -13,9 +13,12 @@ import time
 
 import pytest
 
-from helpers import FakeClock, watcher
-from support import (NOT_CAPTURED, TIMEOUT, FaultProxy, RegistryServer, free_port, push_base_image, snap, snapshot_of_tree,
-                     stop_process, write_tree)
+from support.faults import FaultProxy
+from support.images import push_base_image
+from support.registry import RegistryServer
+from support.run import SNAP, TIMEOUT, free_port, snap, stop_process
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support.watch import FakeClock, watcher
 
 NO_MOTO = "moto[server] (in the test extras) is not installed: no S3 API server to run the registry's S3 driver on"
 if importlib.util.find_spec("moto") is None:  # looked up, not imported: moto hooks into botocore when imported
@@ -184,7 +187,7 @@ def commit_at_once(targets: list[tuple[str, str]], base: str, tmp_path) -> None:
     procs = []
     for i, (target, root) in enumerate(targets):
         env = {**os.environ, "SNAP_STATE_DIR": str(tmp_path / f"state-{i}")}
-        procs.append(subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", target, "--base", base,
+        procs.append(subprocess.Popen([*SNAP, "commit", target, "--base", base,
                                        "--root", root], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
     failed = [(p.args, p.returncode, err) for p in procs for _, err in [p.communicate(timeout=TIMEOUT)] if p.returncode]
     assert not failed, failed

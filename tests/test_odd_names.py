@@ -14,9 +14,11 @@ import pytest
 
 from snapshotter.errors import quoted_path
 
-from helpers import SMALL_WEIGHTS, WatchProcess, push_annotated, repo_for
-from support import (NOT_CAPTURED, MiB, assert_clean, assert_one_line_error, member, snap, snapshot_of_tree,
-                     tar_bytes)
+from support.images import push_annotated, repo_for
+from support.run import assert_clean, assert_one_line_error, snap
+from support.tars import member, tar_bytes
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, MiB, snapshot_of_tree
+from support.watch import WatchProcess
 
 # Each one a name of its own: "nl\\nx" (a backslash and an n) must not meet "nl\nx" anywhere.
 ODD = ["nl\nsnap: error: forged", "nl\\nsnap: error: forged", "cr\rx", "tab\tx", "esc\x1b[2J", "back\\slash", "\\",
@@ -73,7 +75,8 @@ def test_odd_names_commit_restore_verify_byte_for_byte_and_print_escaped(registr
     assert (r.returncode, r.stdout.count("\n")) == (0, 1) and " matches " in r.stdout, r.stdout + r.stderr
 
     # A pod restart: the snap layers already on the volume are found there (hashed from the skeletons).
-    r = run("restore", ref, "--root", str(out), "--only-snapshot", "--json", env={"SNAP_STATE_DIR": str(tmp_path / "s2")})
+    r = run("restore", ref, "--root", str(out), "--only-snapshot", "--json",
+            env={"SNAP_STATE_DIR": str(tmp_path / "s2")})
     assert r.returncode == 0 and json.loads(r.stdout)["skipped_layers"] >= 1, r.stdout + r.stderr
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == want
 
@@ -128,7 +131,8 @@ def test_an_image_with_odd_names_restores_and_verifies_alike(registry, request, 
     names = [f"d/{n}" for n in ODD] + ["d/sub\n/x"]
     part = "d/big\x1b\nsnap: error: x"
     ref = push_annotated(registry, repo_for(request), [
-        (tar_bytes(member("d/", "dir"), member("d/sub\n/", "dir"), *(member(n, data=n.encode("utf-8", "surrogateescape"))
+        (tar_bytes(member("d/", "dir"), member("d/sub\n/", "dir"),
+                   *(member(n, data=n.encode("utf-8", "surrogateescape"))
                                                                      for n in names)), {}),
         (tar_bytes(member(f"{part}.snap-part-0001-of-0001", data=b"whole")),
          {"dev.snap.layer": "models", "dev.snap.content": f"part 1/1 of {part}", "dev.snap.part": "1/1",

@@ -1,5 +1,5 @@
 """Weights from the origin (snapshotter/origin/): hub caches made by the real huggingface_hub client
-(hf_hub_download against tests/hubserver.py, a loopback hub with a CDN on a second loopback address)
+(hf_hub_download against tests/support/hub.py, a loopback hub with a CDN on a second loopback address)
 are recognised as references, and fetched back into an exact hub cache: verified, resumed with a
 Range after kill -9, the token kept from the CDN, redirects only to checked hosts."""
 
@@ -13,14 +13,22 @@ import sys
 
 import pytest
 
-from hubserver import HubServer, Repo, sha256_hex
-from snapshotter.errors import (IntegrityError, NotFound, OriginAuthError, RegistryError, RegistryUnreachable,
-                                UsageError, exit_code_of)
+from snapshotter.errors import (
+    IntegrityError,
+    NotFound,
+    OriginAuthError,
+    RegistryError,
+    RegistryUnreachable,
+    UsageError,
+    exit_code_of,
+)
 from snapshotter.origin.fetch import PART_SUFFIX, Origin, fetch, fetch_all
 from snapshotter.origin.hubcache import default_candidates, recognise
 from snapshotter.origin.layout import cache_layout, complete_layout
 from snapshotter.origin.references import References
-from support import free_port
+
+from support.hub import HubServer, Repo, sha256_hex
+from support.run import free_port
 
 pytest.importorskip("huggingface_hub")
 

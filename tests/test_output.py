@@ -4,13 +4,12 @@ return, no escape code), timed by progress.clock; a closed stdout ends a command
 import itertools
 import os
 import subprocess
-import sys
 
 import pytest
 
 from snapshotter import progress
 
-from support import assert_one_line_error, snap
+from support.run import SNAP, assert_one_line_error, snap
 
 MiB = 1024 * 1024
 LOUD = {"SNAP_QUIET": ""}  # the suite sets SNAP_QUIET=1; an empty value is unset
@@ -146,7 +145,7 @@ def run_with_stdout_closed(*args: str) -> subprocess.CompletedProcess:
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return subprocess.run([sys.executable, "-m", "snapshotter", *args], stdout=write_end,
+        return subprocess.run([*SNAP, *args], stdout=write_end,
                               stderr=subprocess.PIPE, text=True, timeout=600)
     finally:
         os.close(write_end)
@@ -166,7 +165,7 @@ def test_a_closed_stdout_ends_the_command_quietly_with_its_own_exit_code(registr
     assert r.stderr.count("\n") == 1
 
     # As a reader does it: one line read, then the pipe closed while snap may still write.
-    p = subprocess.Popen([sys.executable, "-m", "snapshotter", "log", ref], stdout=subprocess.PIPE,
+    p = subprocess.Popen([*SNAP, "log", ref], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     first = p.stdout.readline()
     p.stdout.close()

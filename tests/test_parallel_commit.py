@@ -14,8 +14,10 @@ from snapshotter.commit import push as push_module
 from snapshotter.layer import generate as layer_module
 from snapshotter.profile import parse_profile
 
-from helpers import SMALL_WEIGHTS, BlockOnRead, NoteReader, RewriteOnRead, digest_of, packer_env
-from support import TIMEOUT, assert_one_line_error, snap, write_tree
+from support.packers import BlockOnRead, NoteReader, RewriteOnRead, packer_env
+from support.registry import digest_of
+from support.run import TIMEOUT, assert_one_line_error, snap
+from support.trees import SMALL_WEIGHTS, write_tree
 
 MiB = 1024 * 1024
 # The default profile with the venv in bundles of 64 KiB (several layers) and weights of 1 MiB and more alone.

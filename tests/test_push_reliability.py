@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -12,8 +11,11 @@ import zstandard
 
 from snapshotter.profile import load_profile
 
-from support import (NOT_CAPTURED, FaultProxy, RegistryServer, push_base_image, snap, snap_layer_files,
-                     snapshot_of_tree, write_tree)
+from support.faults import FaultProxy
+from support.images import push_base_image, snap_layer_files
+from support.registry import RegistryServer
+from support.run import SNAP, snap
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 STALL_AT = 20 * MiB  # bytes of the big blob's upload after which the tests act
@@ -29,7 +31,7 @@ def write_big(path, size):
 def start_commit(host, box, tag, base_ref):
     """A commit that retries at once (no backoff waits): these tests stop the registry, and say
     by events when it is back (the proxy's `back`), not by how long the commit waits."""
-    return subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{host}/{tag}", "--base", base_ref,
+    return subprocess.Popen([*SNAP, "commit", f"{host}/{tag}", "--base", base_ref,
                              "--root", box, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "SNAP_RETRY_SCALE": "0"})
 
@@ -142,7 +144,7 @@ def test_a_file_snap_may_not_read_is_left_out_and_named_and_the_rest_committed(r
     os.chmod(os.path.join(box, "opt/app/private/dir"), 0)
     # Root reads everything: drop the capabilities that let it ignore permissions.
     cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search",
-           sys.executable, "-m", "snapshotter", "commit", f"{registry.host}/unreadable:v1", "--base", base_ref, "--root", box]
+           *SNAP, "commit", f"{registry.host}/unreadable:v1", "--base", base_ref, "--root", box]
     if os.geteuid() != 0:
         pytest.skip("needs root to drop root's capabilities")
     r = subprocess.run(cmd, capture_output=True, text=True)

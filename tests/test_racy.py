@@ -11,7 +11,9 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.box import diff as box_diff
 from snapshotter.tar.rules import header_bytes, pax_mtime
 
-from support import gzip_bytes, member, snap, snap_layer_files, tar_bytes
+from support.images import snap_layer_files
+from support.run import snap
+from support.tars import gzip_bytes, member, tar_bytes
 
 T = 1_700_000_000  # the base's whole second
 NS = 1_000_000_000

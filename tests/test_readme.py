@@ -12,7 +12,8 @@ import typer
 from snapshotter.cli import app
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(REPO, "docs")) if n.endswith(".md"))
+PAGES = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(REPO, "docs"))
+                               if n.endswith(".md"))
 PROGRAMS = ("snap", "boxsnap")
 
 

@@ -34,9 +34,11 @@ from snapshotter.profile import parse_profile
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.snapshot import diverged
 
-from helpers import SMALL_WEIGHTS, FakeClock, WatchProcess, blobs_in, digest_of, diverged_tags, snap_layers, watcher
-from support import (NOT_CAPTURED, TIMEOUT, make_base_rootfs, make_box, push_base_image, snap, snapshot_of_tree,
-                     write_tree)
+from support.images import push_base_image, snap_layers
+from support.registry import blobs_in, digest_of, diverged_tags
+from support.run import TIMEOUT, snap
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, make_base_rootfs, make_box, snapshot_of_tree, write_tree
+from support.watch import FakeClock, WatchProcess, watcher
 
 MiB = 1024 * 1024
 WEIGHT = "opt/app/models/checkpoints/model.safetensors"
@@ -107,8 +109,8 @@ def test_a_failed_restore_does_not_count_as_coming_from_the_image(registry, prox
     assert digest_of(registry, "failed", "v2") == good
     [tag] = diverged_tags(registry, "failed")
     assert any("neither came from" in line and f"failed:{tag}" in line for line in lines), lines
-    assert (_restored_tree(f"{registry.host}/failed:{tag}", tmp_path / "out")
-            == snapshot_of_tree(str(root), skip=NOT_CAPTURED))
+    assert _restored_tree(f"{registry.host}/failed:{tag}", tmp_path / "out") == snapshot_of_tree(str(root),
+                                                                                                 skip=NOT_CAPTURED)
 
 
 def stamp(clock) -> str:
@@ -145,8 +147,8 @@ def test_a_box_that_may_not_move_the_tag_saves_every_snapshot_to_a_tag_of_its_ow
     assert len(snaps) == 4 and all("v2 not moved" in line and tag in line for line in snaps), lines
     assert digest_of(registry, "diverge", "v2") == good
     assert [t for t in tags_of(registry, "diverge") if t != "v2"] == [tag]  # no TAG-<time> of this box
-    assert (_restored_tree(f"{registry.host}/diverge:{tag}", tmp_path / "out")
-            == snapshot_of_tree(str(bare), skip=NOT_CAPTURED))
+    assert _restored_tree(f"{registry.host}/diverge:{tag}", tmp_path / "out") == snapshot_of_tree(str(bare),
+                                                                                                  skip=NOT_CAPTURED)
 
     write_tree(str(bare), {"opt/app/cron.txt": "a one-shot commit\n"})
     r = snap("commit", target, "--base", base_ref, "--root", str(bare))
@@ -158,8 +160,8 @@ def test_a_box_that_may_not_move_the_tag_saves_every_snapshot_to_a_tag_of_its_ow
     write_tree(str(bare), {"opt/app/restarted.txt": "a watcher started again\n"})
     again.tick()
     assert diverged_tags(registry, "diverge") == [tag] and digest_of(registry, "diverge", "v2") == good
-    assert (_restored_tree(f"{registry.host}/diverge:{tag}", tmp_path / "out2")
-            == snapshot_of_tree(str(bare), skip=NOT_CAPTURED))
+    assert _restored_tree(f"{registry.host}/diverge:{tag}", tmp_path / "out2") == snapshot_of_tree(str(bare),
+                                                                                                   skip=NOT_CAPTURED)
 
 
 def test_a_snapshot_that_deletes_the_bases_system_is_saved_to_a_diverged_tag_and_the_loop_goes_on(registry, tmp_path):
@@ -191,8 +193,8 @@ def test_a_snapshot_that_deletes_the_bases_system_is_saved_to_a_diverged_tag_and
                                    and "/usr/share/doc" in line for line in snaps), lines
     clock.advance(10)
     w.tick()
-    assert (_restored_tree(f"{registry.host}/doc-clean:{tag}", tmp_path / "out")
-            == snapshot_of_tree(box, skip=NOT_CAPTURED))
+    assert _restored_tree(f"{registry.host}/doc-clean:{tag}", tmp_path / "out") == snapshot_of_tree(box,
+                                                                                                    skip=NOT_CAPTURED)
 
     shutil.copytree(os.path.join(base, "usr/share/doc"), os.path.join(box, "usr/share/doc"))
     clock.advance(10)
@@ -205,8 +207,8 @@ def test_a_snapshot_that_deletes_the_bases_system_is_saved_to_a_diverged_tag_and
     assert w.final("signal SIGTERM") == 0, lines
     assert f"doc-clean:{tag} names it (v2 not moved (the box deletes" in lines[-1], lines
     assert digest_of(registry, "doc-clean", "v2") == main and diverged_tags(registry, "doc-clean") == [tag]
-    assert (_restored_tree(f"{registry.host}/doc-clean:{tag}", tmp_path / "out2")
-            == snapshot_of_tree(box, skip=NOT_CAPTURED))
+    assert _restored_tree(f"{registry.host}/doc-clean:{tag}", tmp_path / "out2") == snapshot_of_tree(box,
+                                                                                                     skip=NOT_CAPTURED)
 
 
 def test_a_diverged_tag_is_a_valid_oci_tag_whatever_the_length_of_the_tag():
@@ -345,8 +347,8 @@ def test_a_watcher_started_in_an_outage_decides_its_tag_once_the_registry_is_bac
     w.tick()
     [tag] = diverged_tags(registry, "outage-start")
     assert digest_of(registry, "outage-start", "v2") == good
-    assert (_restored_tree(f"{registry.host}/outage-start:{tag}", tmp_path / "out")
-            == snapshot_of_tree(str(bare), skip=NOT_CAPTURED))
+    assert _restored_tree(f"{registry.host}/outage-start:{tag}", tmp_path / "out") == snapshot_of_tree(str(bare),
+                                                                                                       skip=NOT_CAPTURED)
 
 
 def test_the_watcher_goes_on_when_this_box_commits_to_its_tag(registry, base_ref, box, tmp_path):
@@ -400,8 +402,8 @@ class Writer:
     `tail`, and exits. Its first line on stdout says the head is written."""
 
     CODE = ("import sys\n"
-            "path, mode, offset, head, tail = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), "
-            "int(sys.argv[5])\n"
+            "path, mode = sys.argv[1], sys.argv[2]\n"
+            "offset, head, tail = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])\n"
             "f = open(path, mode)\n"
             "f.seek(offset); f.write(b'\\x01' * head); f.flush()\n"
             "print('head', flush=True)\n"
@@ -421,8 +423,8 @@ class Writer:
 # /proc/PID/fd would show; this process keeps none, so only /proc/PID/maps tells.
 MAPPER = ("import ctypes, os, sys\n"
           "libc = ctypes.CDLL(None, use_errno=True); libc.mmap.restype = ctypes.c_void_p\n"
-          "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, "
-          "ctypes.c_long]\n"
+          "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,\n"
+          "                      ctypes.c_long]\n"
           "fd = os.open(sys.argv[1], os.O_RDWR); addr = libc.mmap(None, 4096, 3, 1, fd, 0); os.close(fd)\n"
           "assert addr not in (None, ctypes.c_void_p(-1).value); ctypes.memmove(addr, b'hello', 5)\n"
           "assert sys.argv[1] not in [os.path.realpath(f'/proc/self/fd/{n}') for n in os.listdir('/proc/self/fd')]\n"
@@ -487,8 +489,8 @@ def test_a_file_being_written_keeps_its_last_snapshot_version_or_is_left_out(reg
     finally:
         rewrite.finish()
         saving.finish()
-    assert any(f"held back: '/{WEIGHT}' (being written); kept the last snapshot's version" in line
-               for line in lines), lines
+    held = f"held back: '/{WEIGHT}' (being written); kept the last snapshot's version"
+    assert any(held in line for line in lines), lines
     assert any("held back: '/opt/app/output/img-0001.png' (being written); left out" in line for line in lines), lines
     out = tmp_path / "after"
     restore_image(f"{registry.host}/writing:v2", str(out))
@@ -597,8 +599,8 @@ def test_a_file_that_tore_in_a_snapshot_is_taken_by_the_next_once_still(registry
     clock.advance(10)  # stable by its times: read, and it tears during every read
     monkeypatch.setattr(layer_module, "after_read", lambda path, attempt: path == WEIGHT and _poke(box, WEIGHT))
     w.tick()
-    assert any(f"held back: '/{WEIGHT}' (changed while read); kept the last snapshot's version" in line
-               for line in lines), lines
+    held = f"held back: '/{WEIGHT}' (changed while read); kept the last snapshot's version"
+    assert any(held in line for line in lines), lines
     monkeypatch.setattr(layer_module, "after_read", None)
     clock.advance(10)
     w.tick()  # nothing changed since: but the snapshot has the old version, so this one takes the new

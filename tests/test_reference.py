@@ -6,7 +6,7 @@ import pytest
 from snapshotter.errors import UsageError
 from snapshotter.oci.reference import Reference
 
-from support import assert_one_line_error, snap
+from support.run import assert_one_line_error, snap
 
 D64 = "sha256:" + "f" * 64
 REDIS = "sha256:dbcc1c35ac38df41fd2f5e4130b32ffdb93ebae8b3dbe638c23575912276fc9c"
@@ -26,7 +26,8 @@ VALID = {
     "docker.io/library/debian": ("docker.io", "library/debian", "latest", None, "docker.io/library/debian:latest"),
     "docker.io/docker/docker": ("docker.io", "docker/docker", "latest", None, "docker.io/docker/docker:latest"),
     "index.docker.io/debian": ("docker.io", "library/debian", "latest", None, "docker.io/library/debian:latest"),
-    "index.docker.io/library/debian": ("docker.io", "library/debian", "latest", None, "docker.io/library/debian:latest"),
+    "index.docker.io/library/debian": ("docker.io", "library/debian", "latest", None,
+                                       "docker.io/library/debian:latest"),
     "index.docker.io/docker/docker": ("docker.io", "docker/docker", "latest", None, "docker.io/docker/docker:latest"),
     "docker.io/library/foo/bar": ("docker.io", "library/foo/bar", "latest", None, "docker.io/library/foo/bar:latest"),
     "store/foo/bar": ("docker.io", "store/foo/bar", "latest", None, "docker.io/store/foo/bar:latest"),
@@ -46,7 +47,8 @@ VALID = {
     "dock__er/docker": ("docker.io", "dock__er/docker", "latest", None, "docker.io/dock__er/docker:latest"),
     "d/docker": ("docker.io", "d/docker", "latest", None, "docker.io/d/docker:latest"),
     "jess/t": ("docker.io", "jess/t", "latest", None, "docker.io/jess/t:latest"),
-    "lowercase:Uppercase": ("docker.io", "library/lowercase", "Uppercase", None, "docker.io/library/lowercase:Uppercase"),
+    "lowercase:Uppercase": ("docker.io", "library/lowercase", "Uppercase", None,
+                            "docker.io/library/lowercase:Uppercase"),
     # a first component with a dot (or a port) is a registry, even where it could be a tag
     "test.com:tag": ("docker.io", "library/test.com", "tag", None, "docker.io/library/test.com:tag"),
     "test.com:5000": ("docker.io", "library/test.com", "5000", None, "docker.io/library/test.com:5000"),
@@ -66,7 +68,8 @@ VALID = {
                                                     "sub-dom1.foo.com/bar/baz/quux:some-long-tag"),
     "b.gcr.io/test.example.com/my-app:test.example.com": ("b.gcr.io", "test.example.com/my-app", "test.example.com",
                                                           None, "b.gcr.io/test.example.com/my-app:test.example.com"),
-    "xn--n3h.com/myimage:xn--n3h.com": ("xn--n3h.com", "myimage", "xn--n3h.com", None, "xn--n3h.com/myimage:xn--n3h.com"),
+    "xn--n3h.com/myimage:xn--n3h.com": ("xn--n3h.com", "myimage", "xn--n3h.com", None,
+                                        "xn--n3h.com/myimage:xn--n3h.com"),
     "localhost/debian": ("localhost", "debian", "latest", None, "localhost/debian:latest"),
     "localhost:5000/box:v1": ("localhost:5000", "box", "v1", None, "localhost:5000/box:v1"),
     "LOCALDOMAIN/debian": ("LOCALDOMAIN", "debian", "latest", None, "LOCALDOMAIN/debian:latest"),

@@ -12,7 +12,8 @@ import tarfile
 
 import pytest
 
-from support import NOT_CAPTURED, make_box, snap, snapshot_of_tree, write_tree
+from support.run import snap
+from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 MiB = 1 << 20
 # The default profile's models layer with small thresholds: weights of a few MiB get layers of
@@ -120,7 +121,8 @@ def test_pod_restart_downloads_no_weight(committed, registry, proxy, base_rootfs
     # The container disk's layers are applied; the weights' last layer (directories) is in place too.
     assert doc["applied"] == ["venv", "custom_nodes", "rest"]
     assert doc["skipped_layers"] == len(weights) + 1 and doc["hashed_bytes"] >= 3 * MiB
-    assert doc["skipped_bytes"] >= sum(d["size"] for d in registry.manifest("skip", "v1")["layers"] if d["digest"] in weights)
+    weight_layers = [d for d in registry.manifest("skip", "v1")["layers"] if d["digest"] in weights]
+    assert doc["skipped_bytes"] >= sum(d["size"] for d in weight_layers)
     assert f"skipped {len(weights) + 1} layer(s)" in stderr and "not downloaded" in stderr
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
     _verify(proxy, root, tmp_path / "fresh-state")
@@ -250,8 +252,9 @@ def test_a_malformed_or_lying_skeleton_is_never_trusted(committed, registry, pro
     assert json.loads(r.stdout)["skipped_layers"] == 0 and "are not usable" in r.stderr
     # The skeletons of two weights swapped: each layer's own headers say what is on disk, but not its bytes.
     pieces = {diff_id: gzip.decompress(registry.blob("skip", d)) for diff_id, d in _headers(registry).items()}
-    diff_ids = dict(zip((d["digest"] for d in registry.manifest("skip", "v1")["layers"]),
-                        json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"]))
+    manifest = registry.manifest("skip", "v1")
+    config = json.loads(registry.blob("skip", manifest["config"]["digest"]))
+    diff_ids = dict(zip((d["digest"] for d in manifest["layers"]), config["rootfs"]["diff_ids"]))
     a, b = [diff_ids[d] for d, names in weights.items() if A in names or SMALL[0] in names]
     pieces[a], pieces[b] = pieces[b].replace(b.encode(), a.encode()), pieces[a].replace(a.encode(), b.encode())
     _repoint_headers(registry, "lying", {diff_id: gzip.compress(p) for diff_id, p in pieces.items()})
@@ -273,7 +276,8 @@ def test_a_skeleton_of_more_entries_than_the_cap_is_not_parsed_on(committed, reg
     from snapshotter.snapshot import skeleton
 
     box, root = committed
-    diff_id = json.loads(registry.blob("skip", registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"][-1]
+    diff_id = json.loads(registry.blob("skip",
+                                       registry.manifest("skip", "v1")["config"]["digest"]))["rootfs"]["diff_ids"][-1]
     header = tarfile.TarInfo("x").tobuf(tarfile.PAX_FORMAT)
     piece = skeleton.MAGIC + (struct.pack(">I", len(header)) + header + struct.pack(">Q", 0)) * 3000
     _repoint_headers(registry, "many", {diff_id: gzip.compress(piece + struct.pack(">I", 0) + diff_id.encode())})
@@ -291,7 +295,8 @@ def test_an_older_snapshot_with_one_skeleton_blob_still_skips_what_the_root_hold
     (dev.snap.skeleton): a restore reads it as before."""
     box, root = committed
     weights = _weight_layers(registry)
-    _repoint_headers(registry, "one-blob", one_blob=b"".join(registry.blob("skip", d) for d in _headers(registry).values()))
+    _repoint_headers(registry, "one-blob",
+                     one_blob=b"".join(registry.blob("skip", d) for d in _headers(registry).values()))
     _pod_restart(base_rootfs, str(root))
     start = len(proxy.log)
     r = snap("restore", f"{proxy.host}/skip:one-blob", "--root", str(root), "--only-snapshot", "--json",

@@ -10,8 +10,9 @@ import zstandard
 from snapshotter import CommitOptions, commit_box
 from snapshotter.commit import push as push_module
 
-from helpers import commit_json, layers_by_name
-from support import NOT_CAPTURED, snap, snapshot_of_tree, write_tree
+from support.images import layers_by_name
+from support.run import commit_json, snap
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 MODELS_META = "models (directories and deletions)"
 SNAP_LAYERS = ["venv", "custom_nodes", "rest", "models", MODELS_META]  # weights last: `restore --then`
@@ -29,7 +30,8 @@ def test_round_trip_restores_box_byte_for_byte(registry, base_ref, box, tmp_path
     # The sanity of the comparison itself: it did see the box's new and changed files.
     assert "opt/app/models/checkpoints/sd15.safetensors" in got
     assert got["opt/app/custom_nodes/NodeB/__init__.py"][1] == "0o600"
-    assert got["opt/app/custom_nodes/NodeA/nodes_link.py"][5].endswith("linked-with:opt/app/custom_nodes/NodeA/nodes.py")
+    link = got["opt/app/custom_nodes/NodeA/nodes_link.py"]
+    assert link[5].endswith("linked-with:opt/app/custom_nodes/NodeA/nodes.py")
     assert got["usr/lib/libfake.so"][0] == "link"
     assert not (out / "opt/app/old_cache.bin").exists()  # whiteout applied
     assert not (out / "tmp/scratch.txt").exists()  # excluded
@@ -81,16 +83,19 @@ def test_each_path_lands_in_its_layer(registry, base_ref, box):
     commit_json(f"{registry.host}/split:v1", base_ref, box)
     members: dict[str, list[str]] = {}  # per profile layer, over all its image layers
     for d in registry.manifest("split", "v1")["layers"][2:]:
-        members.setdefault(d["annotations"]["dev.snap.layer"], []).extend(_layer_members(registry, "split", d, dirs=False))
+        members.setdefault(d["annotations"]["dev.snap.layer"],
+                           []).extend(_layer_members(registry, "split", d, dirs=False))
     assert "opt/app/venv/lib/python3.11/site-packages/torch/_C.so" in members["venv"]
     assert "opt/app/custom_nodes/NodeA/nodes.py" in members["custom_nodes"]
     assert "opt/app/models/checkpoints/sd15.safetensors" in members["models"]
     assert "etc/app.conf" in members["rest"]
-    assert "opt/app/custom_nodes" in _layer_members(registry, "split", layers_by_name(registry.manifest("split", "v1"))["custom_nodes"])
+    assert "opt/app/custom_nodes" in _layer_members(registry, "split",
+                                                    layers_by_name(registry.manifest("split", "v1"))["custom_nodes"])
     assert "opt/app/.wh.old_cache.bin" in members["models"]  # *.bin is a weight extension: its whiteout goes there too
     for name, names in members.items():
         others = [n for o, ns in members.items() if o != name for n in ns]
-        assert not set(names) & set(others), f"layer {name} shares paths with another layer"  # directories aside: each layer has its parents
+        # directories aside: each layer has its parents
+        assert not set(names) & set(others), f"layer {name} shares paths with another layer"
     meta = _layer_members(registry, "split", layers_by_name(registry.manifest("split", "v1"))[MODELS_META])
     assert meta == sorted(meta, key=lambda p: (p.rpartition("/")[0], not p.rpartition("/")[2].startswith(".wh."), p))
     assert meta.index("opt/app/.wh.old_cache.bin") < meta.index("opt/app/models")  # whiteouts before siblings

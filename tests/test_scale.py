@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
@@ -18,7 +17,10 @@ from snapshotter.commit import push as push_module
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index
 
-from support import NOT_CAPTURED, member, snap, snap_layer_files, snapshot_of_tree, tar_bytes, write_tree
+from support.images import snap_layer_files
+from support.run import SNAP, snap
+from support.tars import member, tar_bytes
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 MiB = 1024 * 1024
 STAGING_PREFIX = ".snap-staging-"  # a restore's downloads, at the top of its root
@@ -45,7 +47,8 @@ def test_a_weight_already_in_the_registry_is_mounted_not_uploaded(registry, prox
     for d in manifest["layers"]:
         assert registry.has_blob("mount-b", d["digest"])
     mounts = [path for method, path, status in proxy.log if method == "POST" and "mount=" in path and status == 201]
-    headers = {d["annotations"]["dev.snap.headers"] for d in manifest["layers"] if "dev.snap.headers" in d.get("annotations", {})}
+    headers = {d["annotations"]["dev.snap.headers"] for d in manifest["layers"]
+               if "dev.snap.headers" in d.get("annotations", {})}
     # and the base's config, the base index, its empty config, and the snap layers' headers blobs
     assert headers and len(mounts) == len(manifest["layers"]) + 3 + len(headers)
 
@@ -57,7 +60,8 @@ def test_blobs_of_a_restore_are_mounted_by_the_next_commit_elsewhere(registry, p
     out = tmp_path / "out"
     snap("restore", f"{proxy.host}/mount-src:v1", "--root", str(out), env=env, check=True)
     sent_before = proxy.upload_bytes()
-    r = snap("commit", f"{proxy.host}/mount-dst:v1", "--base", base_ref, "--root", str(out), "--json", env=env, check=True)
+    r = snap("commit", f"{proxy.host}/mount-dst:v1", "--base", base_ref, "--root", str(out), "--json", env=env,
+             check=True)
     layers = json.loads(r.stdout)["layers"]
     assert all(layer["status"].startswith("mounted from mount-src") for layer in layers), layers
     # Sent: the new config, and the base's (the restore saw only the snapshot's own config).
@@ -71,7 +75,7 @@ def test_a_second_snap_process_waits_for_the_first(registry, base_ref, box, stat
         fcntl.flock(held, fcntl.LOCK_EX)  # the first process, mid-run
         held.write("4242\n")
         held.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{registry.host}/locked:v1",
+        proc = subprocess.Popen([*SNAP, "commit", f"{registry.host}/locked:v1",
                                  "--base", base_ref, "--root", box], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
         try:
@@ -123,7 +127,7 @@ def test_a_stop_during_an_upload_does_not_wait_for_it(registry, proxy, base_ref,
     """The link stalls in the middle of the weight's upload; Ctrl-C or SIGTERM stops the commit
     there (it would otherwise wait for the upload, here for ever), and the tag never moves."""
     proxy.stall_uploads_after = 8 * MiB
-    proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "commit", f"{proxy.host}/stopped:v1", "--base", base_ref,
+    proc = subprocess.Popen([*SNAP, "commit", f"{proxy.host}/stopped:v1", "--base", base_ref,
                              "--root", weight_box], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proxy.stalled.wait(120), "the upload never got going"
@@ -226,7 +230,8 @@ def test_a_full_restore_of_a_plain_image_indexes_it(registry, proxy, tmp_path, m
     path below a symlink, hardlinks across layers, paths the restore never writes (/tmp, /etc/hostname)."""
     big = os.urandom(3 * MiB)  # over staging.STAGE_MIN: a content file of its own, taken
     layers = [
-        tar_bytes(member("etc/", "dir"), member("etc/hostname", data=b"base-host\n"), member("tmp/", "dir", mode=0o1777),
+        tar_bytes(member("etc/", "dir"), member("etc/hostname", data=b"base-host\n"),
+                  member("tmp/", "dir", mode=0o1777),
                   member("tmp/scratch", data=b"x" * 100), member("real/", "dir"), member("real/a", data=b"a"),
                   member("link", "symlink", linkname="real"), member("gone/", "dir"), member("gone/f", data=b"f"),
                   member("opaque/", "dir"), member("opaque/old", data=b"old"), member("tree/", "dir"),
@@ -262,7 +267,8 @@ def test_an_image_that_names_a_base_it_does_not_hold_leaves_no_index_for_that_ba
     """A hostile (or broken) snapshot names base:1 but ships other base layers: its full restore
     indexes what it applied, and the next commit on base:1 must not diff against that index (it
     would leave out every file the wrong index claims unchanged): it reads base:1's own layers."""
-    registry.push_image("otherbase", "1", [tar_bytes(member("etc/", "dir"), member("etc/os-release", data=b"ID=other\n"))],
+    registry.push_image("otherbase", "1",
+                        [tar_bytes(member("etc/", "dir"), member("etc/os-release", data=b"ID=other\n"))],
                         layer_media_type="application/vnd.oci.image.layer.v1.tar")
     commit_box(f"{registry.host}/liar:v1", f"{registry.host}/otherbase:1", CommitOptions(root=box))
     manifest = registry.manifest("liar", "v1")
@@ -297,7 +303,8 @@ def small_tmpfs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     d = tmp_path / "small-tmpfs"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(d)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(d)], capture_output=True,
+                       text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     yield d
@@ -318,8 +325,8 @@ def test_a_restore_stages_nothing_on_the_state_disk(registry, base_ref, box, tmp
     assert (out / "opt/app/models/checkpoints/huge.safetensors").read_bytes() == weight
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
     assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
-    assert os.listdir(small_tmpfs) == [] or sum(  # journals and small blobs only
-        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(small_tmpfs) for f in fs) < 4 * MiB
+    # journals and small blobs only
+    assert sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(small_tmpfs) for f in fs) < 4 * MiB
 
     left = out / (STAGING_PREFIX + "0123456789abcdef")  # as a stopped restore leaves it
     write_tree(str(left), {"0123.part": b"half a blob"})

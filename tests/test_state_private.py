@@ -18,8 +18,8 @@ from snapshotter.snapshot import statcache
 from snapshotter.state import RootFiles, root_key, sub
 from snapshotter.watch import daemon
 
-from helpers import repo_for
-from support import assert_one_line_error, snap
+from support.images import repo_for
+from support.run import assert_one_line_error, snap
 
 
 def commit(registry, base_ref, box, repo="private", tag="v1"):
@@ -29,8 +29,8 @@ def commit(registry, base_ref, box, repo="private", tag="v1"):
 def modes(state_dir) -> dict[str, int]:
     """Mode of each entry snap keeps in the state dir (two levels: its own)."""
     out = {}
-    inside = [e for d in state_dir.iterdir() if d.is_dir() for e in d.iterdir()]
-    for entry in [state_dir, *state_dir.iterdir(), *inside]:
+    for entry in [state_dir, *state_dir.iterdir(),
+                  *(e for d in state_dir.iterdir() if d.is_dir() for e in d.iterdir())]:
         out[str(entry.relative_to(state_dir))] = stat.S_IMODE(entry.lstat().st_mode)
     return out
 

@@ -13,7 +13,7 @@ import pytest
 
 from snapshotter.tar.reader import TarReader, data_chunks, iter_members
 
-from support import tar_bytes
+from support.tars import tar_bytes
 
 FIELDS = ("name", "type", "mode", "uid", "gid", "size", "mtime", "linkname", "uname", "gname", "devmajor",
           "devminor", "pax_headers", "offset_data")
@@ -49,7 +49,8 @@ def _members(fmt: int) -> list[tuple[tarfile.TarInfo, bytes]]:
         add("dir/bad-\udcff-bytes", data=b"surrogate")
         add("dir/big-uid", uid=3_000_000_000, gid=70_000_000)
     if fmt == tarfile.PAX_FORMAT:
-        add("dir/xattrs", data=b"x", pax_headers={"SCHILY.xattr.user.k": "v", "SCHILY.xattr.security.capability": "\x01\x00"})
+        add("dir/xattrs", data=b"x",
+            pax_headers={"SCHILY.xattr.user.k": "v", "SCHILY.xattr.security.capability": "\x01\x00"})
         add("dir/frac", data=b"f", mtime=1_600_000_000.5)
     return out
 

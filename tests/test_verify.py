@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from support import make_box, snap
+from support.run import snap
+from support.trees import make_box
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,8 @@ CHANGES = {
     "size": (lambda out: (out / "etc/app.conf").write_text("threads = 16\n"), "/etc/app.conf", "content"),
     "chmod": (lambda out: os.chmod(out / "opt/app/main.py", 0o600), "/opt/app/main.py", "mode"),
     "chown": (lambda out: os.chown(out / "etc/os-release", 1234, 5678), "/etc/os-release", "owner"),
-    "symlink": (lambda out: (os.unlink(out / "usr/lib/libfake.so"), os.symlink("elsewhere.so", out / "usr/lib/libfake.so")),
+    "symlink": (lambda out: (os.unlink(out / "usr/lib/libfake.so"),
+                             os.symlink("elsewhere.so", out / "usr/lib/libfake.so")),
                 "/usr/lib/libfake.so", "symlink"),
     "deleted file": (lambda out: os.unlink(out / "opt/app/models/vae/vae.pt"), "/opt/app/models/vae/vae.pt", "missing"),
     "deleted tree": (lambda out: subprocess.run(["rm", "-rf", str(out / "opt/app/custom_nodes")], check=True),
@@ -134,7 +136,7 @@ def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp
 def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
     import hashlib
 
-    from support import member, tar_bytes
+    from support.tars import member, tar_bytes
     blob = tar_bytes(member("a.txt", data=b"a" * 1000))
     registry.push_image("verify-tampered", "v1", [blob], layer_media_type="application/vnd.oci.image.layer.v1.tar")
     hexd = hashlib.sha256(blob).hexdigest()
@@ -149,11 +151,12 @@ def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="owners, setuid bits and device nodes need root")
 def test_setuid_and_devices_follow_what_restore_writes_by_default(registry, tmp_path):
-    from support import member, tar_bytes
+    from support.tars import member, tar_bytes
     registry.push_image("verify-priv", "v1", [tar_bytes(
         member("bin/", "dir"), member("bin/su", data=b"#!/bin/sh\n", mode=0o4755),
         member("bin/plain", data=b"#!/bin/sh\n", mode=0o755), member("devs/", "dir"),
-        member("devs/null", "char", mode=0o666, dev=(1, 3)))], layer_media_type="application/vnd.oci.image.layer.v1.tar")
+        member("devs/null", "char", mode=0o666, dev=(1, 3)))],
+        layer_media_type="application/vnd.oci.image.layer.v1.tar")
     ref = f"{registry.host}/verify-priv:v1"
     out = tmp_path / "out"
     snap("restore", ref, "--root", str(out), check=True)  # setuid stripped, device skipped

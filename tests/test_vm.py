@@ -14,8 +14,11 @@ import pytest
 from snapshotter.oci.image import SNAP_BASE_LAYERS
 from snapshotter.registry.remote import host_platform
 
-from helpers import commit_json, layers_by_name, oci_validator, push
-from support import assert_one_line_error, member, push_base_image, snap, snapshot_of_tree, tar_bytes, write_tree
+from support.images import layers_by_name, push, push_base_image
+from support.run import assert_one_line_error, commit_json, snap
+from support.schema import oci_validator
+from support.tars import member, tar_bytes
+from support.trees import snapshot_of_tree, write_tree
 
 UBUNTU = 1000  # the VM's user
 
@@ -240,7 +243,8 @@ def test_excluded_paths_are_never_written_whatever_the_image_holds(registry, req
     whiteouts of /etc/hosts and of all of /etc's lower entries: none of it touches those paths."""
     image = push(registry, request,
                  tar_bytes(member("etc", "dir"), member("etc/hostname", data=b"image-host\n"),
-                       member("etc/hosts", data=b"10.0.0.1 image\n"), member("etc/resolv.conf", data=b"nameserver 10.0.0.1\n"),
+                       member("etc/hosts", data=b"10.0.0.1 image\n"),
+                       member("etc/resolv.conf", data=b"nameserver 10.0.0.1\n"),
                        member("etc/app.conf", data=b"threads = 8\n"), member("tmp", "dir", mode=0o1777),
                        member("tmp/junk", data=b"junk\n"), member("proc", "dir", mode=0o555),
                        member("proc/cpuinfo", data=b"fake\n")),

@@ -25,9 +25,12 @@ from snapshotter.restore.restore import RestoreOptions
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
 
-from helpers import FAST, SMALL_WEIGHTS, FakeClock, WatchProcess, digest_of, diverged_tags, snap_layers, watcher
-from support import (NOT_CAPTURED, TIMEOUT, MetadataServer, RegistryServer, fake_dmi, push_base_image, snap,
-                     snapshot_of_tree, write_tree)
+from support.faults import MetadataServer, fake_dmi
+from support.images import push_base_image, snap_layers
+from support.registry import RegistryServer, digest_of, diverged_tags
+from support.run import SNAP, TIMEOUT, snap
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, snapshot_of_tree, write_tree
+from support.watch import FAST, FakeClock, WatchProcess, watcher
 
 MiB = 1024 * 1024
 
@@ -130,8 +133,8 @@ def test_after_a_restore_the_watcher_adds_no_snapshot_until_something_changes(re
     clock.advance(1)
     w.tick()
     assert len(tags(registry, "w-restored")) == len(before) + 1
-    assert_restores_to(f"{registry.host}/w-restored:v2", snapshot_of_tree(str(out), skip=NOT_CAPTURED), tmp_path,
-                       "again")
+    assert_restores_to(f"{registry.host}/w-restored:v2", snapshot_of_tree(str(out), skip=NOT_CAPTURED),
+                       tmp_path, "again")
 
 
 def test_a_vm_without_base_image_is_watched_with_base_scratch(registry, box, tmp_path):
@@ -174,8 +177,8 @@ def test_big_files_go_ahead_when_stable_and_never_half_written(registry, base_re
     with open(path, "wb") as f:
         f.write(data[:MiB])  # half-written: the download is still going
     w.tick()  # --every 0: a snapshot now, without the file being written
-    assert any("held back: '/opt/app/models/checkpoints/new.safetensors' (still being written)" in line
-               for line in lines)
+    held = "held back: '/opt/app/models/checkpoints/new.safetensors' (still being written)"
+    assert any(held in line for line in lines), lines
     m = registry.manifest("w-ahead", "v2")
     assert "opt/app/models/checkpoints/new.safetensors" not in snap_layers(m)
     with open(path, "ab") as f:
@@ -525,13 +528,13 @@ def test_a_final_snapshot_that_cannot_finish_exits_non_zero_and_the_tag_stays(ba
 
 def test_the_provider_is_read_from_dmi_files_only(tmp_path):
     assert detect_provider(fake_dmi(str(tmp_path / "aws"), sys_vendor="Amazon EC2", product_name="m5.large")) == "aws"
-    gcp = fake_dmi(str(tmp_path / "gcp"), sys_vendor="Google", product_name="Google Compute Engine")
-    assert detect_provider(gcp) == "gcp"
+    assert detect_provider(fake_dmi(str(tmp_path / "gcp"), sys_vendor="Google",
+                                    product_name="Google Compute Engine")) == "gcp"
     assert detect_provider(fake_dmi(str(tmp_path / "az"), sys_vendor="Microsoft Corporation",
                                     chassis_asset_tag="7783-7084-3265-9085-8269-3286-77")) == "azure"
     # Hyper-V on a desk is Microsoft too, but not Azure; a container usually has no DMI at all.
-    hyperv = fake_dmi(str(tmp_path / "hv"), sys_vendor="Microsoft Corporation", chassis_asset_tag="none")
-    assert detect_provider(hyperv) is None
+    assert detect_provider(fake_dmi(str(tmp_path / "hv"), sys_vendor="Microsoft Corporation",
+                                    chassis_asset_tag="none")) is None
     assert detect_provider(str(tmp_path / "missing")) is None
     assert notice_watcher("auto", "http://127.0.0.1:9", str(tmp_path / "missing")) is None
 
@@ -548,7 +551,8 @@ def test_a_reclaim_notice_makes_the_final_snapshot(provider, dmi, registry, base
         import requests
         path = {"aws": "/latest/meta-data/spot/instance-action", "gcp": "/computeMetadata/v1/instance/preempted",
                 "azure": "/metadata/scheduledevents?api-version=2020-07-01"}[provider]
-        assert requests.get(server.url + path, timeout=5).status_code in (400, 401, 403)
+        refusal = {"aws": 401, "gcp": 403, "azure": 400}[provider]  # each provider's answer to a bare request
+        assert requests.get(server.url + path, timeout=5).status_code == refusal
         server.refused.clear()
         env = {"SNAP_DMI_DIR": fake_dmi(str(tmp_path / "dmi"), **dmi), "SNAP_METADATA_URL": server.url}
         p = start_watch(registry, base_ref, box, f"notice-{provider}", env=env)
@@ -580,10 +584,12 @@ def test_no_metadata_request_off_cloud(registry, base_ref, box, tmp_path):
 
 def start_daemon(registry_host, base_ref, box, repo, stderr, env=None, **kw) -> subprocess.CompletedProcess:
     """`snap watch --daemon` with its stderr on `stderr` (a file or a pipe)."""
-    return subprocess.run([sys.executable, "-m", "snapshotter", "watch", f"{registry_host}/{repo}:v2", "--base",
+    return subprocess.run([*SNAP, "watch", f"{registry_host}/{repo}:v2", "--base",
                            base_ref, "--root", box, "--every", "1h", "--daemon"],
-                          stdout=kw.pop("stdout", subprocess.DEVNULL), stderr=stderr,
-                          env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})}, timeout=TIMEOUT, **kw)
+                           stdout=kw.pop("stdout", subprocess.DEVNULL),
+                          stderr=stderr, env={**os.environ, **FAST, **LEFT_FOR_THE_FINAL, **(env or {})},
+                          timeout=TIMEOUT,
+                          **kw)
 
 
 def test_daemon_returns_to_a_caller_that_reads_its_output(registry, base_ref, box, state_dir):

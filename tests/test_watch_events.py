@@ -22,8 +22,8 @@ from snapshotter.box.events import ChangeEvents
 from snapshotter.box.scan import ScanMemo, scan_box
 from snapshotter.profile import load_profile
 
-from helpers import FakeClock, watcher
-from support import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
+from support.watch import FakeClock, watcher
 
 QUIET = 5
 FULL_EVERY = 1000  # seconds between full scans: the CPU clock stands still, so min_scan sets it

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from urllib.parse import quote, unquote, urlsplit
 
-from support import _answer, _Handler, _ThreadedServer
+from support.servers import NoDelayHandler, ThreadedServer, send_answer
 
 LFS_THRESHOLD = 1024  # files at least this big are LFS files here (the hub's rule is by .gitattributes)
 PREFIXES = {"datasets/": "dataset", "spaces/": "space"}
@@ -52,7 +52,7 @@ class Seen:
     headers: dict[str, str]
 
 
-class _Recording(_ThreadedServer):
+class _Recording(ThreadedServer):
     def __init__(self, host: str, name: str, seen: list[Seen]):
         self.name, self.seen = name, seen
         self._httpd = ThreadingHTTPServer((host, 0), self._handler())
@@ -66,7 +66,7 @@ class _Recording(_ThreadedServer):
     def _handler(self):
         server = self
 
-        class Handler(_Handler):
+        class Handler(NoDelayHandler):
             def log_message(self, *args):
                 pass
 
@@ -97,7 +97,7 @@ class CdnServer(_Recording):
         sha = urlsplit(h.path).path.rpartition("/")[2]
         data = self.blobs.get(sha)
         if data is None:
-            return _answer(h, 404, {}, [b"no such blob"])
+            return send_answer(h, 404, {}, [b"no such blob"])
         if sha in self.corrupt:
             data = bytes(b ^ 0xFF for b in data[:16]) + data[16:]
         start = int(h.headers.get("Range", "bytes=0-")[6:].partition("-")[0] or 0)
@@ -105,7 +105,7 @@ class CdnServer(_Recording):
         headers.update({"Accept-Ranges": "bytes", "ETag": f'"{sha}"'})
         if sha in self.pause and h.command == "GET" and start < self.pause[sha]:
             return self._pausing(h, status, headers, data[start:self.pause[sha]], data[self.pause[sha]:])
-        _answer(h, status, headers, [data[start:]])
+        send_answer(h, status, headers, [data[start:]])
 
     def _pausing(self, h, status: int, headers: dict, first: bytes, rest: bytes) -> None:
         """The body in two pieces, the second sent only once the test releases it."""
@@ -149,21 +149,21 @@ class HubServer(_Recording):
     def answer(self, h) -> None:
         found = self._resolve(unquote(urlsplit(h.path).path))
         if isinstance(found[0], int):
-            return _answer(h, found[0], {"X-Error-Code": found[1]}, [found[1].encode()])
+            return send_answer(h, found[0], {"X-Error-Code": found[1]}, [found[1].encode()])
         repo, path = found
         if repo.token and h.headers.get("Authorization") != f"Bearer {repo.token}":
-            return _answer(h, 401, {"X-Error-Code": "GatedRepo"}, [b"gated: a token is needed"])
+            return send_answer(h, 401, {"X-Error-Code": "GatedRepo"}, [b"gated: a token is needed"])
         if path not in repo.files:
-            return _answer(h, 404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit}, [b"no entry"])
+            return send_answer(h, 404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": repo.commit}, [b"no entry"])
         data = repo.files[path]
         headers = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
         if len(data) < LFS_THRESHOLD:
             headers["ETag"] = f'"{git_blob_hash(data)}"'
-            return _answer(h, 200, headers, [data])
+            return send_answer(h, 200, headers, [data])
         sha = sha256_hex(data)
         headers.update({"ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": str(len(data)),
                         "Location": self.redirect_to.get(sha, f"{self.cdn.url}/blobs/{sha}?sig={quote(path)}")})
-        _answer(h, 302, headers, [])
+        send_answer(h, 302, headers, [])
 
     def _resolve(self, path: str):
         """(Repo, file path) a resolve path names, or (status, error code)."""
