@@ -4,6 +4,7 @@ and an answer sent in pieces."""
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
@@ -24,9 +25,17 @@ class ThreadedServer:
 
     def start(self):
         self._stopping = threading.Event()
+        self._httpd.handle_error = self._handle_error
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
         return self
+
+    def _handle_error(self, request, client_address) -> None:
+        """A client that hung up mid-answer (snap stopping a transfer, the bench ending a restore) is
+        no error of the server's: no traceback on stderr for it."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        ThreadingHTTPServer.handle_error(self._httpd, request, client_address)
 
     def _serve(self) -> None:
         # Not serve_forever: its shutdown() waits for a 0.5 s poll (per test, with a proxy).
