@@ -13,7 +13,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # units on one floor do not import each other.
 FLOORS = [
     {"errors", "version"},
-    {"digests", "jobs", "progress", "state"},
+    {"digests", "jobs", "progress", "state", "workers"},
     {"oci"},  # the image model: no I/O
     {"tar"},
     {"registry"},
