@@ -15,7 +15,7 @@ import tarfile
 
 import pytest
 
-from snapshotter.layer.extract import NAMES_KEPT
+from snapshotter.layer.extract_model import NAMES_KEPT
 
 from helpers import GZIP, MARK, PART, part_ann, part_image, profile_excluding_nothing, push, push_annotated, repo_for
 from support import IS_ROOT, gzip_bytes, member, snap, tar_bytes

@@ -17,7 +17,8 @@ from typing import Callable, Iterable, Optional
 from snapshotter.errors import SnapError
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.store import save_index
-from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
+from snapshotter.layer.extract import Extractor
+from snapshotter.layer.extract_model import ExtractOptions, ExtractStats
 from snapshotter.layer.staging import SplitLayer
 from snapshotter.tar.compress import check_layer
 from snapshotter.tar.rules import HeadersDigest

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Optional
 from snapshotter.box.deletions import Deleting, LiveRoot, count_live, refuse_live
 from snapshotter.box.profile import PathSet
 from snapshotter.errors import IntegrityError
-from snapshotter.layer.extract import creates
+from snapshotter.layer.extract_model import creates
 from snapshotter.oci.image import Image, layer_label
 from snapshotter.registry.remote import Remote
 from snapshotter.snapshot.skeleton import Skeleton
@@ -40,7 +40,7 @@ from snapshotter.tar.reader import iter_members
 from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, check_name, whiteout_target
 
 from .parts import refuse_join_over_dir
-from .skip import members_of
+from .rebuild import members_of
 from .verify import read_blob
 
 # {layer digest: {member path: where it was counted to delete}}: what each layer may delete.
@@ -51,7 +51,8 @@ Claims = dict[str, dict[str, Optional[str]]]
 class LayerDeletions:
     """What a layer's headers delete, and what they write."""
     deleting: list[Deleting] = field(default_factory=list)  # its whiteouts and opaque markers
-    writing: list[tuple[Deleting, tarfile.TarInfo]] = field(default_factory=list)  # its members: they replace what is there
+    # its members: they replace what is there
+    writing: list[tuple[Deleting, tarfile.TarInfo]] = field(default_factory=list)
     created: set[str] = field(default_factory=set)  # the paths the extractor makes for it (extract.creates)
 
 
@@ -136,7 +137,8 @@ def _replacing(live: LiveRoot, writing: list[tuple[Deleting, tarfile.TarInfo]]) 
     """The members that delete what they land on: a non-directory where the root holds a directory,
     any member (a directory too) where it holds a link to a directory that holds anything, but the
     same link (each directory read once)."""
-    entries: dict[str, dict[str, Optional[str]]] = {}  # parent as named -> {name: None for a directory, a link's target}
+    # parent as named -> {name: None for a directory, a link's target}
+    entries: dict[str, dict[str, Optional[str]]] = {}
     out = []
     for d, m in writing:
         if d.parent not in entries:
