@@ -61,7 +61,7 @@ from snapshotter.tar.reader import EntryCount, TarReader
 from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, whiteout_target
 
 from .extract_model import DEVICE_TYPES, ExtractOptions, NeedsSerial, creates, shape_of
-from .fileops import READ_BUFFER, join, remove, set_attrs, utime, write_all
+from .fileops import READ_BUFFER, join, remove, set_attrs, umask, utime, write_all
 from .indexing import IndexingReader
 from .roottree import TMP_PREFIX, RootTree
 
@@ -78,6 +78,12 @@ class Extractor(RootTree):
         self._never = PathSet(self.opts.never_write)
         self._room = 0  # bytes still free on the target at the last look, less what was written since
         self._keep_privileges = self.opts.allow_setuid and os.geteuid() == 0
+        self._umask = umask()
+        self._tmp_name = f"{TMP_PREFIX}{os.getpid()}-{self.opts.run_token or 0}"  # in a forked worker: its own pid
+        self._owner = (os.geteuid(), os.getegid())
+        # Directories this layer made and set from their header without the setgid bit: a file
+        # created in one is owned by this process's user and group (see _write_file).
+        self._plain_dirs: set[str] = set()
         # Real paths of the non-directories written (by any layer, or counted: count_as_written):
         # the only files a hardlink may name. A path a layer then deletes stays: nothing but the
         # image can write there again.
@@ -216,7 +222,7 @@ class Extractor(RootTree):
         self._note_parent(pdir)
         old = self._old_at(pdir, path, m, rel, landed)
         if m.isdir():
-            self._make_dir(path, old, m, landed)
+            self._make_dir(path, old, m, rel, landed)
             return
         if old is not None and stat.S_ISDIR(old.st_mode):
             if self.deletions is not None and self.deletions.get(rel) != landed and os.listdir(path):
@@ -267,7 +273,7 @@ class Extractor(RootTree):
                 self._uncounted(f"{quoted_path(rel)} would replace the link {quoted_path(landed)} to a directory")
         return old
 
-    def _make_dir(self, path: str, old: Optional[os.stat_result], m: tarfile.TarInfo, landed: str) -> None:
+    def _make_dir(self, path: str, old: Optional[os.stat_result], m: tarfile.TarInfo, rel: str, landed: str) -> None:
         if old is not None and not stat.S_ISDIR(old.st_mode):
             if self.parallel:
                 raise NeedsSerial(landed)  # perhaps an upper layer's, applied meanwhile
@@ -284,18 +290,21 @@ class Extractor(RootTree):
                     raise NeedsSerial(landed) from None  # a layer applied meanwhile put a non-directory there
                 # another extractor made it meanwhile: a parent directory both layers hold
         self._set_attrs(path, m, landed)
+        if not m.mode & stat.S_ISGID:
+            self._plain_dirs.add(path)
         self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
         if self.parallel:
             self.layer_dir_headers.append((landed, m))
         self._dir_times.pop(path, None)
         self._written.add(path)
+        self._dir_cache[rel] = path  # a real directory now: its members' parent, resolved without a lookup
 
     def _make_non_dir(self, reader: Optional[TarReader], m: tarfile.TarInfo, pdir: str, path: str, new: bool,
                       rel: str) -> None:
         """Make a non-directory member at `path` (nothing, or no directory, there now: `new` if nothing)."""
         # A short name: the member's own name may already be NAME_MAX bytes long.
         # No leftover can be there: _locate swept the directory of stale temp files on first use.
-        tmp = join(pdir, f"{TMP_PREFIX}{os.getpid()}-{self.opts.run_token or 0}")
+        tmp = join(pdir, self._tmp_name)
         in_place = self._in_place and new and m.isreg() and pdir in self._new_dirs  # see apply()
         dest = path if in_place else tmp
         renamed = False
@@ -303,14 +312,14 @@ class Extractor(RootTree):
             attrs_set = False
             if m.isreg():
                 try:
-                    attrs_set = self._write_file(reader, m, dest, rel)
+                    attrs_set = self._write_file(reader, m, dest, rel, pdir)
                 except FileExistsError:
                     if not in_place:
                         raise
                     # The name is there after all: the directory folds case (ext4 +F, vfat) and
                     # holds it under another case. Replaced by a rename, as any existing file is.
                     dest, in_place = tmp, False
-                    attrs_set = self._write_file(reader, m, dest, rel)
+                    attrs_set = self._write_file(reader, m, dest, rel, pdir)
             else:
                 self._make_special(m, tmp)
             if not m.islnk() and not (m.isreg() and attrs_set):
@@ -354,8 +363,8 @@ class Extractor(RootTree):
                                "free space, or restore onto a bigger disk: the restore resumes")
         self._room = free - size
 
-    def _write_file(self, reader: TarReader, m: tarfile.TarInfo, tmp: str, rel: str) -> bool:
-        """Write a regular file's data to `tmp` (a temp name, or its path if written in place: apply).
+    def _write_file(self, reader: TarReader, m: tarfile.TarInfo, tmp: str, rel: str, pdir: str) -> bool:
+        """Write a regular file's data to `tmp` in `pdir` (a temp name, or its path if written in place: apply).
         True if its attributes were set too (on the open fd: no path lookups)."""
         staged = self._take(m.offset_data, m.size) if self._take else None
         if staged is not None:
@@ -371,7 +380,13 @@ class Extractor(RootTree):
         self._reserve(m.size, rel)
         # Written with os.write on the fd, not through a file object: a venv is tens of thousands
         # of small files, and a buffered writer per file cost more than the writes themselves.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # A plain file written at its path is created with its mode (what the umask leaves of it),
+        # in a directory that gives it this process's owner: no chmod or chown after.
+        mode = m.mode & 0o7777
+        create = mode if mode <= 0o777 and self._umask is not None else 0o600
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
+        owner = self._owner if pdir in self._plain_dirs else (-1, -1)
+        created = (create & ~self._umask, *owner) if self._umask is not None else None
         try:
             if staged is not None:
                 with open(staged, "rb") as src:
@@ -384,7 +399,7 @@ class Extractor(RootTree):
                         break  # all of it (a venv's files are small): no read for the end
             if self.opts.fsync:
                 os.fsync(fd)
-            self._set_attrs(fd, m, rel)
+            self._set_attrs(fd, m, rel, created)
         finally:
             os.close(fd)
         self.stats.files += 1
@@ -461,6 +476,7 @@ class Extractor(RootTree):
                              "its bytes are not the headers its snapshot's skeleton gives; "
                              "pass --force to apply it anyway")
 
-    def _set_attrs(self, path, m: tarfile.TarInfo, rel: str) -> None:
+    def _set_attrs(self, path, m: tarfile.TarInfo, rel: str, created: Optional[tuple[int, int, int]] = None) -> None:
         """Owner, mode, xattrs, mtime on a path (never followed) or an open fd (fileops.set_attrs)."""
-        set_attrs(path, m, self.opts.same_owner, self._keep_privileges, lambda: self.stats.stripped("/" + rel))
+        set_attrs(path, m, self.opts.same_owner, self._keep_privileges, lambda: self.stats.stripped("/" + rel),
+                  created)

@@ -21,9 +21,11 @@ _NOFOLLOW = {"follow_symlinks": False}
 
 
 def set_attrs(path, m: tarfile.TarInfo, same_owner: bool, keep_privileges: bool,
-              stripped: Callable[[], None]) -> None:
+              stripped: Callable[[], None], created: Optional[tuple[int, int, int]] = None) -> None:
     """Owner, mode, xattrs, mtime on a path (never followed) or an open fd; setuid/setgid bits and
-    file capabilities only with keep_privileges (else stripped() is called)."""
+    file capabilities only with keep_privileges (else stripped() is called). `created`: the (mode,
+    uid, gid) the fd's file was just created with: an owner or mode it already has is not set again
+    (two system calls of the six a venv's small file cost)."""
     mode = m.mode & 0o7777
     xattrs = {k[len(XATTR_PAX):]: v for k, v in m.pax_headers.items() if k.startswith(XATTR_PAX)} \
         if m.pax_headers else {}
@@ -37,16 +39,30 @@ def set_attrs(path, m: tarfile.TarInfo, same_owner: bool, keep_privileges: bool,
     if strip:
         stripped()
     nofollow = _ON_FD if isinstance(path, int) else _NOFOLLOW
-    if same_owner:
+    if same_owner and (created is None or created[1:] != (m.uid, m.gid)):
         os.chown(path, m.uid, m.gid, **nofollow)
-    if m.type != tarfile.SYMTYPE:
-        os.chmod(path, mode)  # after chown: chown clears setuid bits
+        if mode & (stat.S_ISUID | stat.S_ISGID):
+            created = None  # chown clears setuid bits: the mode is set after it
+    if m.type != tarfile.SYMTYPE and (created is None or created[0] != mode):
+        os.chmod(path, mode)
     for name, value in xattrs.items():
         _set_xattr(path, name, value, nofollow)
     # A PAX mtime to the ns, as Docker sets it: the next commit's diff tells an untouched base file by it.
     ns = member_mtime_ns(m) if m.pax_headers else None
     ns = int(m.mtime) * 1_000_000_000 if ns is None else ns
     os.utime(path, ns=(ns, ns), **nofollow)
+
+
+def umask() -> Optional[int]:
+    """This process's umask, read without changing it (os.umask would, for every thread); None if unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _set_xattr(path, name: str, value: str, nofollow: dict) -> None:

@@ -61,9 +61,12 @@ class RootTree:
         """A real directory inside the root, reached without a symlink."""
         rel = self._rel(path)
         try:
-            return self._resolve_dir(rel, create=False) == path
+            found = self._resolve_dir(rel, create=False) == path
         except (FileNotFoundError, NotADirectoryError):
             return False
+        if found:  # reached without a symlink: its name is its path, and what lies below resolves from it
+            self._dir_cache[rel] = path
+        return found
 
     def _rel(self, path: str) -> str:
         return path[len(self._root_prefix):] if path != self.root else ""
@@ -95,6 +98,15 @@ class RootTree:
     def _resolve_dir(self, rel: str, create: bool = True) -> str:
         """Real path of directory `rel`, following symlinks as if self.root were '/' (index/paths.py).
         Missing directories are created (0755, as the runtimes do)."""
+        parent, _, name = rel.rpartition("/")
+        above = self._dir_cache.get(parent) if parent else None
+        if above is not None:  # its parent resolved already: only its own name to look at
+            path = join(above, name)
+            try:
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    return path
+            except FileNotFoundError:
+                pass  # made, or refused, below
         resolved = resolve_in_root(rel, lambda here: self._dir_on_the_way(here, create))
         if resolved is None:
             raise IntegrityError(f"too many symlinks resolving /{rel}: refusing a hostile layer")
