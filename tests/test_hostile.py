@@ -123,14 +123,16 @@ def test_hardlink_out_of_the_root_is_refused(registry, jail, request, linkname):
 def test_hardlink_through_a_symlink_is_refused(registry, jail, request, via):
     via = via.format(outside=jail.outside)
     target = jail.through("d", via, str(jail.outside / "secret"))
-    ref = push(registry, request, tar_bytes(member("d", "symlink", linkname=via)), tar_bytes(member("hl", "hardlink", linkname=target)))
+    ref = push(registry, request, tar_bytes(member("d", "symlink", linkname=via)),
+               tar_bytes(member("hl", "hardlink", linkname=target)))
     line = jail.refused(jail.restore(ref))
     assert "not in the image" in line
     assert os.stat(jail.outside / "secret").st_nlink == 1
 
 
 def test_hardlink_to_a_symlink_links_the_symlink_not_its_target(registry, jail, request):
-    ref = push(registry, request, tar_bytes(member("s", "symlink", linkname=f"{jail.outside}/secret"), member("hl", "hardlink", linkname="s")))
+    ref = push(registry, request, tar_bytes(member("s", "symlink", linkname=f"{jail.outside}/secret"),
+                                            member("hl", "hardlink", linkname="s")))
     jail.ok(jail.restore(ref))
     assert os.readlink(jail.root / "hl") == f"{jail.outside}/secret"
     assert os.lstat(jail.root / "hl").st_ino == os.lstat(jail.root / "s").st_ino
@@ -154,7 +156,8 @@ def _devices_layer():
 
 @pytest.mark.skipif(not IS_ROOT, reason="device nodes need root")
 def test_device_nodes_are_skipped_unless_allowed(registry, jail, request, tmp_path):
-    ref = push(registry, request, tar_bytes(member("dev2/", "dir"), member("dev2/keep/", "dir"), member("dev2/keep/f", data=b"f")),
+    ref = push(registry, request,
+               tar_bytes(member("dev2/", "dir"), member("dev2/keep/", "dir"), member("dev2/keep/f", data=b"f")),
                _devices_layer(), tar_bytes(member("dev2/keep", "char", dev=(1, 3))))
     r = jail.restore(ref)
     jail.ok(r)
@@ -315,7 +318,8 @@ def test_corrupt_layer_data_is_an_integrity_error(registry, jail, request, kind)
         "not-a-tar": (gzip_bytes(os.urandom(5000)), GZIP),
     }[kind]
     repo = repo_for(request)
-    registry.push_image(repo, "v1", [blob], layer_media_type=media, diff_ids=["sha256:" + hashlib.sha256(data).hexdigest()])
+    registry.push_image(repo, "v1", [blob], layer_media_type=media,
+                        diff_ids=["sha256:" + hashlib.sha256(data).hexdigest()])
     jail.refused(jail.restore(f"{registry.host}/{repo}:v1"))
 
 
@@ -343,7 +347,8 @@ def test_a_part_that_is_not_a_regular_file_is_refused(registry, jail, request, k
     if kind == "fifo":
         first[0].type = tarfile.FIFOTYPE
     # FIFOs are created only with --allow-devices
-    line = jail.refused(jail.restore(part_image(registry, request, first), *(["--allow-devices"] if kind == "fifo" else [])))
+    devices = ["--allow-devices"] if kind == "fifo" else []
+    line = jail.refused(jail.restore(part_image(registry, request, first), *devices))
     assert "part 1/2 of /m/big" in line, line
     _nothing_leaked(jail)
     assert not (jail.root / "m/big").exists()
@@ -364,7 +369,8 @@ def test_part_files_outside_the_root_are_refused(registry, jail, request, path):
     jail.refused(jail.restore(ref))
 
 
-@pytest.mark.parametrize("anns", [("1/2", "2/3"), ("1/2", "1/2"), ("1/3", "2/3")], ids=["counts-differ", "twice", "one-missing"])
+@pytest.mark.parametrize("anns", [("1/2", "2/3"), ("1/2", "1/2"), ("1/3", "2/3")],
+                         ids=["counts-differ", "twice", "one-missing"])
 def test_inconsistent_part_layers_are_refused(registry, jail, request, anns):
     ref = part_image(registry, request, member(PART.format(1, 2), data=b"first part\n"), anns=anns)
     line = jail.refused(jail.restore(ref))

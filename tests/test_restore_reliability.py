@@ -221,7 +221,8 @@ def tmpfs():
 
     def mount(d, size: str = "2m"):
         d.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
+                           text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
         mounted.append(d)
@@ -241,8 +242,8 @@ def small_disk(tmp_path, tmpfs):
 
 def test_disk_full_on_the_restore_root(registry, small_disk):
     old = b"previous version\n" * 100
-    tar = layer({"app/small.txt": b"fits\n", "app/model.bin": os.urandom(3 * MiB), "app/z-after.txt": b"never reached\n"},
-                dirs=("app",))
+    tar = layer({"app/small.txt": b"fits\n", "app/model.bin": os.urandom(3 * MiB),
+                 "app/z-after.txt": b"never reached\n"}, dirs=("app",))
     # Compressed (so not split): its download fits beside the old file, the unpacked model.bin does not.
     registry.push_image("diskfull", "v1", [zstandard.ZstdCompressor(level=1).compress(tar)], layer_media_type=ZSTD,
                         diff_ids=["sha256:" + sha(tar)])
@@ -489,7 +490,8 @@ def test_a_weight_for_a_volume_mounted_in_the_root_is_staged_on_that_volume(regi
     volume downloads onto the volume (its layer says where it lands) and is renamed there."""
     big = os.urandom(5 * MiB)
     tar = layer({"vol/models/w.bin": big}, dirs=("vol", "vol/models"))
-    ref = push_annotated(registry, "volume", [(tar, {"dev.snap.layer": "models", "dev.snap.content": "vol/models/w.bin"})])
+    ref = push_annotated(registry, "volume",
+                         [(tar, {"dev.snap.layer": "models", "dev.snap.content": "vol/models/w.bin"})])
     root = tmpfs(tmp_path / "root", "2m")  # cannot hold the weight
     vol = tmpfs(root / "vol", "16m")
     r = snap("restore", ref, "--root", str(root))
@@ -538,7 +540,8 @@ def test_a_split_layer_of_another_format_is_downloaded_again(registry, tmp_path,
     download_split([data], str(split))
     doc = json.loads((split / "segments.json").read_text())
     # The next version, say, names each segment's fields.
-    segments = [dict(zip(("kind", "name", "length") if seg[0] == "c" else ("kind", "length"), seg)) for seg in doc["segments"]]
+    segments = [dict(zip(("kind", "name", "length") if seg[0] == "c" else ("kind", "length"), seg))
+                for seg in doc["segments"]]
     (split / "segments.json").write_text(json.dumps({"version": doc["version"] + 1, "segments": segments}))
     r = snap("restore", f"{registry.host}/splitfmt:v1", "--root", str(tmp_path / "root"))
     assert r.returncode == 0, r.stderr
@@ -552,7 +555,8 @@ def test_a_journal_of_another_version_is_not_resumed_from(registry, tmp_path, st
     one, two = layer({"a.txt": b"a\n"}), layer({"b.txt": b"b\n"})
     manifest_digest = registry.push_image("journalfmt", "v1", [one, two], layer_media_type=TAR)
     root = tmp_path / "root"
-    journal = state_dir / "restore-journal" / (hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
+    journal = state_dir / "restore-journal" / \
+        (hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32] + ".json")
     journal.parent.mkdir(parents=True)
     layers = [d["digest"] for d in registry.manifest("journalfmt", "v1")["layers"]]
     journal.write_text(json.dumps({"version": journal_module.VERSION + 1, "manifest": manifest_digest,
@@ -588,7 +592,8 @@ def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tm
     try:
         restore_image(f"{registry.host}/spawned:v1", str(tmp_path / "root"), RestoreOptions(seed_stat_cache=False))
         with pytest.raises(IntegrityError, match="does not match its diff_id"):
-            restore_image(f"{registry.host}/spawned:bad", str(tmp_path / "other"), RestoreOptions(seed_stat_cache=False))
+            restore_image(f"{registry.host}/spawned:bad", str(tmp_path / "other"),
+                          RestoreOptions(seed_stat_cache=False))
     finally:
         stop.set()
         other.join()
@@ -625,25 +630,27 @@ def _restore_while_writing(registry, repo: str, root, act) -> tuple[subprocess.P
 
 
 @pytest.mark.parametrize("weight_first", [False, True], ids=["weights-last", "weight-before-the-app"])
-def test_a_weight_is_never_half_written_at_its_path_but_the_apps_files_are_written_in_place(registry, tmp_path,
-                                                                                                state_dir, weight_first):
+def test_a_weight_is_never_half_written_at_its_path_but_the_apps_files_are_written_in_place(
+        registry, tmp_path, state_dir, weight_first):
     """Until the app's layers are applied nothing reads the root (`--then` starts the app after
     them): their new files are written at their paths. A weight's layer comes after, with the app
     running: paused inside its file (compressed, so written by the extractor), the path does not
     exist yet, only a temp; killed there, the next run lands it whole. So too for a weight that an
     image (not snap's) puts before one of the app's layers."""
     big = os.urandom(MiB) * 100
-    tars = [layer({"app/venv/mod.py": b"x = 1\n"}, dirs=("app", "app/venv")), layer({"app/models/w.bin": big}, dirs=("app/models",))]
+    tars = [layer({"app/venv/mod.py": b"x = 1\n"}, dirs=("app", "app/venv")),
+            layer({"app/models/w.bin": big}, dirs=("app/models",))]
     blobs = [zstandard.ZstdCompressor(level=1).compress(t) for t in tars]
     descs = [{"mediaType": ZSTD, "digest": registry.push_blob("halfweight", b), "size": len(b)} for b in blobs]
     descs[1]["annotations"] = {"dev.snap.layer": "models", "dev.snap.content": "app/models/w.bin"}
     if weight_first:
         tars, descs = tars[::-1], descs[::-1]
-    cfg = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": ["sha256:" + sha(t) for t in tars]},
+    cfg = json.dumps({"architecture": "amd64", "os": "linux",
+                      "rootfs": {"type": "layers", "diff_ids": ["sha256:" + sha(t) for t in tars]},
                       "history": [{"created_by": "one"}, {"created_by": "two"}]}).encode()
     manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json", "layers": descs,
-                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": registry.push_blob("halfweight", cfg),
-                           "size": len(cfg)}}
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           "digest": registry.push_blob("halfweight", cfg), "size": len(cfg)}}
     registry.session().put(f"{registry.url}/v2/halfweight/manifests/v1", data=json.dumps(manifest).encode(),
                            headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"}).raise_for_status()
     root = tmp_path / "root"
@@ -674,7 +681,8 @@ def test_a_name_that_turns_out_to_be_there_is_replaced_not_lost_when_writing_in_
             made.append(True)
         return None  # not staged: the data comes from the stream
 
-    Extractor(str(root)).apply(io.BytesIO(layer({"d/f": b"layer\n", "d/g": b"g\n"}, dirs=("d",))), take=twin_appears, in_place=True)
+    Extractor(str(root)).apply(io.BytesIO(layer({"d/f": b"layer\n", "d/g": b"g\n"}, dirs=("d",))), take=twin_appears,
+                               in_place=True)
     assert made and (root / "d/f").read_bytes() == b"layer\n" and (root / "d/g").read_bytes() == b"g\n"
     assert stale_temps(root) == []
 
@@ -708,12 +716,14 @@ def test_ctrl_c_during_a_download(registry, tmp_path, state_dir, media_type):
     big = os.urandom(32 * MiB)
     tars = [layer({"data/a.txt": b"first\n"}, dirs=("data",)), layer({"data/big.bin": big})]
     blobs = tars if media_type == TAR else [zstandard.ZstdCompressor(level=1).compress(t) for t in tars]
-    registry.push_image("ctrlcdl", "v1", blobs, layer_media_type=media_type, diff_ids=["sha256:" + sha(t) for t in tars])
+    registry.push_image("ctrlcdl", "v1", blobs, layer_media_type=media_type,
+                        diff_ids=["sha256:" + sha(t) for t in tars])
     root = tmp_path / "root"
     proxy = FaultProxy(registry.host).start()
     proxy.throttle = 4 * MiB  # bytes per second: the big layer takes 8 s on this link
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{proxy.host}/ctrlcdl:v1", "--root", str(root)],
+        proc = subprocess.Popen([sys.executable, "-m", "snapshotter", "restore", f"{proxy.host}/ctrlcdl:v1",
+                                 "--root", str(root)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert proxy.midway.wait(120), "the big layer never got on the wire"  # its first MiB passed
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does
@@ -724,7 +734,8 @@ def test_ctrl_c_during_a_download(registry, tmp_path, state_dir, media_type):
     assert "Traceback" not in err, err
     assert proxy.blob_bytes_sent < sum(map(len, blobs)), "the restore waited for the whole download before stopping"
     assert not (root / "data/big.bin").exists() and stale_temps(root) == []
-    assert not [n for d in staging_dirs(root) for n in os.listdir(root / d) if n.startswith(sha(blobs[1]))]  # not even a .part
+    # not even a .part
+    assert not [n for d in staging_dirs(root) for n in os.listdir(root / d) if n.startswith(sha(blobs[1]))]
     r = snap("restore", f"{registry.host}/ctrlcdl:v1", "--root", str(root))
     assert r.returncode == 0, r.stderr
     assert (root / "data/big.bin").read_bytes() == big and (root / "data/a.txt").read_bytes() == b"first\n"

@@ -68,7 +68,8 @@ class Scheduler:
                  workers: list[ExtractWorker], journal: Journal, after_layer: Callable[[int, dict], None],
                  settle: Extractor, note: Callable[[dict, Blob, str], None]):
         self.layers, self.offset, self.blobs, self.layer_job = layers, offset, blobs, layer_job
-        self.workers, self.journal, self.after_layer, self.settle, self.note = workers, journal, after_layer, settle, note
+        self.workers, self.journal, self.after_layer = workers, journal, after_layer
+        self.settle, self.note = settle, note
         self._cond = threading.Condition()
         self._done: dict[int, _Done] = {}
         self._running: dict[int, bool] = {}  # layer -> applied beside others
@@ -152,8 +153,8 @@ class Scheduler:
             if header is not None:
                 headers[rel] = header
             else:  # only written into: the earliest times any saw are those from before the group
-                touched[rel] = min((group[m].result.touched_dirs[rel] for m in top if rel in group[m].result.touched_dirs),
-                                   key=lambda t: t[1])
+                touched[rel] = min((group[m].result.touched_dirs[rel] for m in top
+                                    if rel in group[m].result.touched_dirs), key=lambda t: t[1])
         self.settle.settle_dirs(headers, touched)
 
     # ---- one thread per worker: taking layers as they may start ----------------------------------
