@@ -15,7 +15,7 @@ import tarfile
 
 import pytest
 
-from snapshotter.layer.extract import NAMES_KEPT
+from snapshotter.layer.extract_model import NAMES_KEPT
 
 from support.images import GZIP, MARK, PART, part_ann, part_image, push, push_annotated, repo_for
 from support.run import IS_ROOT, snap

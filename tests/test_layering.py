@@ -14,7 +14,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FLOORS = [
     {"errors", "version"},
     {"settings"},  # the SNAP_* settings: one parser for each kind of value
-    {"digests", "jobs", "progress", "state"},
+    {"digests", "jobs", "progress", "state", "workers"},
     {"oci"},  # the image model: no I/O
     {"tar", "crypt"},  # crypt: ocicrypt's layer encryption, over the image model
     {"registry"},

@@ -19,9 +19,9 @@ import time
 import pytest
 import zstandard
 
+from snapshotter import workers
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
-from snapshotter.restore import applier
 from snapshotter.restore import journal as journal_module
 from snapshotter.restore import restore as restore_module
 from snapshotter.restore.applier import ExtractWorker
@@ -583,8 +583,13 @@ def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tm
     registry.push_image("spawned", "bad", [zstandard.ZstdCompressor().compress(t) for t in tars],
                         layer_media_type=ZSTD, diff_ids=["sha256:" + "0" * 64])
     methods = []
-    get_context = applier.multiprocessing.get_context
-    monkeypatch.setattr(applier.multiprocessing, "get_context", lambda m: methods.append(m) or get_context(m))
+    start = workers.Worker.__init__
+
+    def noting(worker, *args, **kwargs):
+        start(worker, *args, **kwargs)
+        methods.append("fork" if worker.forked else "spawn")
+
+    monkeypatch.setattr(workers.Worker, "__init__", noting)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()

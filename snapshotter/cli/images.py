@@ -61,7 +61,7 @@ def restore(
     The profile's excluded paths are never written; a full image onto a live system is refused.
     Weights are applied last: --then starts the app before they land, --wait PATH waits for one."""
     from snapshotter.jobs import resolve_jobs
-    from snapshotter.layer.extract import ExtractOptions
+    from snapshotter.layer.extract_model import ExtractOptions
     from snapshotter.restore.landing import start_then, wait_landed
     from snapshotter.restore.restore import RestoreOptions, restore_image
 

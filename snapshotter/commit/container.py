@@ -27,7 +27,8 @@ from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.engine.run import connect
 from snapshotter.errors import NotFound, SnapError, UsageError
 from snapshotter.index.entry import DIR, FILE, Entry, clean_path, entry_from_stat
-from snapshotter.layer.extract import ExtractOptions, Extractor
+from snapshotter.layer.extract import Extractor
+from snapshotter.layer.extract_model import ExtractOptions
 from snapshotter.oci.image import Image
 from snapshotter.profile import Profile, VenvRoots
 from snapshotter.state import sub

@@ -306,9 +306,9 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
             headers.start()
         comp = Compressor(out, plan.compression, zstd_level, hashing, zstd_threads)
         try:
-            reads = write_tar(comp, root, plan, on_bytes, _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
-                                                                 on_header=headers.add if headers else None,
-                                                                 as_seen=as_seen, record=record))
+            reads = _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
+                           on_header=headers.add if headers else None, as_seen=as_seen, record=record)
+            write_tar(comp, root, plan, on_bytes, reads)
             break
         except _Torn:
             comp.finish()  # closed now: nothing of it may reach `out` after the rewind

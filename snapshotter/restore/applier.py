@@ -2,31 +2,27 @@
 
 Python runs one thread at a time: in the process that downloads, unpacking the venv's many small
 files would wait on the weights being hashed and written beside it (twice as long, measured). Each
-extractor runs in a child (ExtractWorker), with the checks of layer/extract.py; the parent sends
-it one verified layer at a time and gets back progress, the result or the error. Several of them
+extractor runs in a worker process (ExtractWorker, on workers.py), with the checks of
+layer/extract.py; the parent sends it one verified layer at a time and gets back progress, the
+result or the error (NeedsSerial included: the worker serves on). Several of them
 apply snap's own layers at once (restore.py says which, and when).
 """
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing
-import os
-import pickle
-import signal
 import tarfile
-import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from snapshotter.errors import SnapError
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.index.store import save_index
-from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats, NeedsSerial
+from snapshotter.layer.extract import Extractor
+from snapshotter.layer.extract_model import ExtractOptions, ExtractStats
 from snapshotter.layer.staging import SplitLayer
 from snapshotter.tar.compress import check_layer
 from snapshotter.tar.rules import HeadersDigest
+from snapshotter.workers import Worker, WorkerDied
 
 
 @dataclass
@@ -77,7 +73,8 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
     else:
         with open(job.path, "rb") as raw:
             check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
-                        lambda stream, check: extractor.apply(stream, layer=what, check_end=check, in_place=job.in_place))
+                        lambda stream, check: extractor.apply(stream, layer=what, check_end=check,
+                                                              in_place=job.in_place))
     if job.save_index and extractor.indexer is not None:
         try:
             save_index(extractor.indexer.index, job.save_index, job.index_diff_ids)
@@ -88,130 +85,47 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
 
 
 class ExtractWorker:
-    """Applies the layers, one after the other, in a child process, forked (spawned if the caller
-    runs other threads, which a fork does not copy: a program calling restore_image() from a
-    thread-running __main__ needs the usual `if __name__ == "__main__":` guard) and killed with
-    its parent. `written`: the files earlier runs of this restore wrote (its journal), which a
-    layer's hardlink may name (layer/extract.py)."""
+    """Applies the layers, one after the other, in a worker process (workers.py: forked when the
+    caller runs one thread, else started afresh) that dies with its parent. `written`: the files
+    earlier runs of this restore wrote (its journal), which a layer's hardlink may name
+    (layer/extract.py)."""
 
     PROGRESS_EVERY = 4 << 20  # bytes between progress messages
 
     def __init__(self, extractor: Extractor, written: Iterable[str] = ()):
-        ctx = multiprocessing.get_context("fork" if threading.active_count() == 1 else "spawn")
-        self.conn, child_end = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child_end, extractor.root, extractor.opts, os.getpid(), list(written)),
-                                name="snap-extract", daemon=True)
-        # Ctrl-C goes to the whole process group: the child is born with SIGINT blocked, then
-        # ignores it; one pressed meanwhile reaches the parent once unblocked.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            self.proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        child_end.close()
+        self.worker = Worker(_extractor, (extractor.root, extractor.opts, list(written)), self.PROGRESS_EVERY,
+                             name="an extraction process")
         self.stats = ExtractStats()
 
     def apply(self, job: LayerJob, on_bytes: Callable[[int], None]) -> LayerResult:
         """Apply `job` in the child; raises what applying it raised there (NeedsSerial included)."""
         try:
-            self.conn.send(job)
-            while True:
-                kind, payload = self.conn.recv()
-                if kind != "progress":
-                    break
-                on_bytes(payload)
-        except (EOFError, OSError):  # OSError: a broken pipe
-            self.proc.join(1)
-            raise SnapError(f"the extraction process died (exit code {self.proc.exitcode}) while applying "
-                            f"layer {job.label}", "run the restore again: it resumes") from None
-        if kind == "error":
-            raise payload
-        if kind == "serial":
-            raise NeedsSerial(job.label)
-        self.stats, result = payload
+            self.stats, result = self.worker.run(job, on_bytes)
+        except WorkerDied as e:
+            raise SnapError(f"the extraction process died ({e.how}) while applying layer {job.label}",
+                            "run the restore again: it resumes") from None
         return result
 
     def __enter__(self) -> "ExtractWorker":
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(5 if exc[0] is None else 0)
-        if self.proc.is_alive():  # stopped mid-layer: its temp files are swept by the next run
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
+        self.worker.__exit__(*exc)  # stopped mid-layer: its temp files are swept by the next run
 
 
-def _worker_main(conn, root: str, opts: ExtractOptions, parent: int, written: list[str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _die_with_parent(parent)
-    try:
-        extractor = Extractor(root, opts)
-        extractor.count_as_written(written)
-        _serve(conn, extractor)
-    except BaseException:  # noqa: BLE001 - the parent is gone or the pipe broke: no one to tell
-        os._exit(1)  # quietly: no child's traceback on the user's terminal
+# ---- in the extraction process -----------------------------------------------------------------
 
+def _extractor(root: str, opts: ExtractOptions, written: list[str]) -> Callable:
+    extractor = Extractor(root, opts)
+    extractor.count_as_written(written)
 
-def _serve(conn, extractor: Extractor) -> None:
-    pending = 0
+    def handle(job: LayerJob, on_bytes: Callable[[int], None]) -> tuple[ExtractStats, LayerResult]:
+        record = apply_layer(extractor, job, on_bytes)  # looked up now: a test's hook, forked with snap
+        return extractor.stats, LayerResult(record, extractor.layer_files, extractor.layer_shapes,
+                                            extractor.layer_gone, dict(extractor.layer_dir_headers),
+                                            extractor.layer_touched_dirs)
 
-    def on_bytes(n: int) -> None:
-        nonlocal pending
-        pending += n
-        if pending >= ExtractWorker.PROGRESS_EVERY:
-            conn.send(("progress", pending))
-            pending = 0
-
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        try:
-            record = apply_layer(extractor, job, on_bytes)
-        except NeedsSerial:
-            pending = 0
-            conn.send(("serial", None))  # applied again alone, later: this worker goes on serving
-            continue
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, to be raised there
-            try:
-                pickle.loads(pickle.dumps(e))  # some exceptions pickle but do not unpickle
-            except Exception:
-                e = SnapError(f"{type(e).__name__}: {e}")
-            conn.send(("error", e))
-            return
-        if pending:
-            conn.send(("progress", pending))
-            pending = 0
-        conn.send(("done", (extractor.stats, LayerResult(record, extractor.layer_files, extractor.layer_shapes,
-                                                         extractor.layer_gone, dict(extractor.layer_dir_headers),
-                                                         extractor.layer_touched_dirs))))
-
-
-def _die_with_parent(parent: int) -> None:
-    """A killed restore must not leave a child writing into the root: PR_SET_PDEATHSIG (Linux),
-    else a thread that watches for the parent to go."""
-    try:
-        armed = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) == 0  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        armed = False
-    if os.getppid() != parent:  # the parent died before that
-        os._exit(1)
-    if not armed:
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
+    return handle
 
 
 class _CountingFile:

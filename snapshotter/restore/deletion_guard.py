@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Optional
 
 from snapshotter.box.deletions import Deleting, LiveRoot, count_live, refuse_live
 from snapshotter.errors import IntegrityError
-from snapshotter.layer.extract import creates
+from snapshotter.layer.extract_model import creates
 from snapshotter.oci.image import Image, Layer
 from snapshotter.profile import PathSet
 from snapshotter.registry.remote import Remote
@@ -40,7 +40,7 @@ from snapshotter.tar.reader import iter_members
 from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, check_name, whiteout_target
 
 from .parts import refuse_join_over_dir
-from .skip import members_of
+from .rebuild import members_of
 from .verify import read_blob
 
 # {layer digest: {member path: where it was counted to delete}}: what each layer may delete.

@@ -13,7 +13,8 @@ import shutil
 import stat
 
 from snapshotter.errors import IntegrityError, printable, quoted_path, storage_error
-from snapshotter.layer.extract import TMP_PREFIX, Extractor
+from snapshotter.layer.extract import Extractor
+from snapshotter.layer.roottree import TMP_PREFIX
 from snapshotter.layer.plan import parse_part_annotation, part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, layer_label
 from snapshotter.tar.rules import check_name
@@ -34,21 +35,23 @@ def part_files(layers: list[tuple[int, dict, str]]) -> dict[str, int]:
         rel = ann.get(SNAP_PART_FILE)
         if part is None or not isinstance(rel, str):
             raise IntegrityError(f"layer {label} has a malformed part annotation "
-                                 f"({SNAP_PART}={ann.get(SNAP_PART)!r}, {SNAP_PART_FILE}={rel!r}): refusing a hostile image")
+                                 f"({SNAP_PART}={ann.get(SNAP_PART)!r}, {SNAP_PART_FILE}={rel!r}): "
+                                 "refusing a hostile image")
         rel = check_name(rel)
         if not rel:
             raise IntegrityError(f"layer {label} is a part of the root directory: refusing a hostile image")
         k, n = part
         count, have = seen.setdefault(rel, (n, set()))
         if n != count:
-            raise IntegrityError(f"the part layers of /{printable(rel)} disagree on its number of parts ({count} and {n}): "
-                                 "refusing a hostile image")
+            raise IntegrityError(f"the part layers of /{printable(rel)} disagree on its number of parts "
+                                 f"({count} and {n}): refusing a hostile image")
         if k in have:
             raise IntegrityError(f"part {k}/{n} of /{printable(rel)} is in the image twice: refusing a hostile image")
         have.add(k)
     for rel, (n, have) in seen.items():
         if len(have) != n:
-            raise IntegrityError(f"/{printable(rel)} is cut into {n} parts, but the layers restored hold only {len(have)} of them: "
+            raise IntegrityError(f"/{printable(rel)} is cut into {n} parts, but the layers restored hold only "
+                                 f"{len(have)} of them: "
                                  "refusing an incomplete image")
     return {rel: n for rel, (n, _) in seen.items()}
 
@@ -132,46 +135,53 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
             return False  # no parts (joined by an earlier run, which the journal says: above)
         if not all(present):
             first = present.index(False) + 1
-            raise IntegrityError(f"/{printable(rel)} is cut into {count} part layers, but {present.count(False)} of its parts "
-                                 f"(part {first} first) are missing from the restored tree: refusing to join an incomplete file",
-                                 "restore again into an empty directory")
+            raise IntegrityError(f"/{printable(rel)} is cut into {count} part layers, but {present.count(False)} of "
+                                 f"its parts (part {first} first) are missing from the restored tree: refusing to "
+                                 "join an incomplete file", "restore again into an empty directory")
         if extractor.dir_at(rel) is not None:
             refuse_join_over_dir(rel, rel)
         extractor.will_change(pdir)
-        tmp = f"{TMP_PREFIX}join-{os.getpid()}"
-        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            with os.fdopen(out_fd, "wb") as out:
-                first_st = None
-                for k, name in enumerate(names, 1):
-                    fd, st = _open_part(name, dfd, rel, k, count)
-                    first_st = first_st or st
-                    with os.fdopen(fd, "rb") as f:
-                        shutil.copyfileobj(f, out, 1 << 20)
-                out.flush()
-                if fsync:
-                    os.fsync(out.fileno())
-                if extractor.opts.same_owner:
-                    os.fchown(out.fileno(), first_st.st_uid, first_st.st_gid)
-                mode = stat.S_IMODE(first_st.st_mode)
-                if mode & (stat.S_ISUID | stat.S_ISGID) and not (extractor.opts.allow_setuid and os.geteuid() == 0):
-                    # The first part may be a hardlink to any setuid file already in the tree.
-                    mode &= ~(stat.S_ISUID | stat.S_ISGID)
-                    extractor.stats.stripped("/" + rel)
-                os.fchmod(out.fileno(), mode)  # after chown: chown clears setuid bits
-                os.utime(out.fileno(), ns=(first_st.st_atime_ns, first_st.st_mtime_ns))
-            os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-        finally:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except FileNotFoundError:
-                pass
+        _write_joined(extractor, rel, names, dfd, fsync)
         journal.record_joined(rel)  # before the parts go: a run killed while removing them knows the file is whole
         for name in names:
             os.unlink(name, dir_fd=dfd)
         return True
     finally:
         os.close(dfd)
+
+
+def _write_joined(extractor: Extractor, rel: str, names: list[str], dfd: int, fsync: bool) -> None:
+    """Write the parts `names` (in directory dfd) end to end as /rel, with the first part's owner,
+    mode and times: in a temp file renamed into place."""
+    count, base = len(names), rel.rpartition("/")[2]
+    tmp = f"{TMP_PREFIX}join-{os.getpid()}"
+    out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        with os.fdopen(out_fd, "wb") as out:
+            first_st = None
+            for k, name in enumerate(names, 1):
+                fd, st = _open_part(name, dfd, rel, k, count)
+                first_st = first_st or st
+                with os.fdopen(fd, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            if fsync:
+                os.fsync(out.fileno())
+            if extractor.opts.same_owner:
+                os.fchown(out.fileno(), first_st.st_uid, first_st.st_gid)
+            mode = stat.S_IMODE(first_st.st_mode)
+            if mode & (stat.S_ISUID | stat.S_ISGID) and not (extractor.opts.allow_setuid and os.geteuid() == 0):
+                # The first part may be a hardlink to any setuid file already in the tree.
+                mode &= ~(stat.S_ISUID | stat.S_ISGID)
+                extractor.stats.stripped("/" + rel)
+            os.fchmod(out.fileno(), mode)  # after chown: chown clears setuid bits
+            os.utime(out.fileno(), ns=(first_st.st_atime_ns, first_st.st_mtime_ns))
+        os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
 
 
 def _lexists_at(name: str, dfd: int) -> bool:
@@ -186,7 +196,8 @@ def _open_part(name: str, dfd: int, rel: str, k: int, count: int) -> tuple[int, 
     """A read-only fd on part k of /rel: a regular file in directory `dfd`, never through a symlink."""
     st = os.lstat(name, dir_fd=dfd)
     if not stat.S_ISREG(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else \
+            "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise IntegrityError(f"part {k}/{count} of /{printable(rel)} is {kind}: refusing a hostile image")
     try:
         # O_NONBLOCK: had the path been swapped for a FIFO since the lstat, open would not hang on it.

@@ -40,7 +40,8 @@ from snapshotter.box.clock import Stamp, stamp
 from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, printable, storage_error
 from snapshotter.index import base as baseindex
 from snapshotter.jobs import resolve_jobs
-from snapshotter.layer.extract import ExtractOptions, Extractor, ExtractStats
+from snapshotter.layer.extract import Extractor
+from snapshotter.layer.extract_model import ExtractOptions, ExtractStats
 from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, SNAP_SKELETON, Image,
                                    Layer, select_layers, snapshot_layer_count)

@@ -19,7 +19,7 @@ import stat
 from typing import Optional
 
 from snapshotter.index.entry import self_and_parents
-from snapshotter.layer.extract import LINK_SHAPE, OTHER_SHAPE, SYMLINK_SHAPE
+from snapshotter.layer.extract_model import LINK_SHAPE, OTHER_SHAPE, SYMLINK_SHAPE
 from snapshotter.layer.plan import parse_part_name
 
 from .journal import Journal

@@ -25,7 +25,8 @@ import threading
 from typing import Callable, Optional, Protocol
 
 from snapshotter import progress
-from snapshotter.layer.extract import Extractor, NeedsSerial
+from snapshotter.layer.extract import Extractor
+from snapshotter.layer.extract_model import NeedsSerial
 from snapshotter.oci.image import Layer
 from snapshotter.tar.reader import EntryCount
 

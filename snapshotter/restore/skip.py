@@ -27,7 +27,6 @@ A layer that passes is neither downloaded nor applied; the restore counts it as 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tarfile
@@ -44,7 +43,8 @@ from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE
 from snapshotter.profile import PathSet
 from snapshotter.snapshot.record import Since
 from snapshotter.snapshot.skeleton import Skeleton
-from snapshotter.tar.reader import READ_BUFFER, EntryCount, ForwardStream, TarReader
+from snapshotter.tar.reader import EntryCount
+from .rebuild import Source, members_of, rebuilt_diff_id
 from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, member_xattrs,
                                    whiteout_target)
 
@@ -67,22 +67,12 @@ class RootRules:
 
 
 @dataclass
-class _Source:
-    """Where a regular member's content is on disk."""
-
-    path: str
-    offset: int
-    size: int
-    st: os.stat_result
-
-
-@dataclass
 class LayerCheck:
     """One layer's paths (from its headers) and what its stat pass found."""
 
     headers: str  # the digest of its tar headers (as the extractor records them: snapshot/record.py)
     paths: list[tuple[str, object, tuple]] = field(default_factory=list)  # (path, kind, what a directory must agree on)
-    sources: list[Optional[_Source]] = field(default_factory=list)  # per member: its content on disk, or None
+    sources: list[Optional[Source]] = field(default_factory=list)  # per member: its content on disk, or None
     why: str = ""  # why the stat pass failed; "" if it passed
 
     @property
@@ -96,67 +86,6 @@ class SkipPlan:
     skipped_bytes: int = 0  # blob bytes not downloaded
     hashed_bytes: int = 0  # bytes of the root read to check them
     reasons: dict[int, str] = field(default_factory=dict)  # why a layer with a skeleton is applied
-
-
-class _VirtualTar:
-    """The layer's tar as the reader sees it: the header bytes, and zeros where contents go (skipped unread)."""
-
-    def __init__(self, members: Skeleton):
-        self.segments: list[tuple[Optional[bytes], int]] = []
-        total = 0
-        for header, size in members:
-            self.segments += [(header, len(header)), (None, size + (-size % tarfile.BLOCKSIZE))]
-            total += len(header) + size + (-size % tarfile.BLOCKSIZE)
-        self.segments.append((None, _trailer(total)))
-        self.i, self.at = 0, 0
-
-    def read(self, n: int) -> bytes:
-        while self.i < len(self.segments) and self.at >= self.segments[self.i][1]:
-            self.i, self.at = self.i + 1, 0
-        if self.i == len(self.segments):
-            return b""
-        data, length = self.segments[self.i]
-        k = min(n, length - self.at, READ_BUFFER)
-        out = data[self.at:self.at + k] if data is not None else bytes(k)
-        self.at += k
-        return out
-
-    def skip(self, n: int) -> int:
-        done = 0
-        while done < n and self.i < len(self.segments):
-            k = min(n - done, self.segments[self.i][1] - self.at)
-            self.at += k
-            done += k
-            if self.at >= self.segments[self.i][1]:
-                self.i, self.at = self.i + 1, 0
-        return done
-
-
-def _trailer(length: int) -> int:
-    """The end-of-archive bytes layer.write_tar puts after `length` bytes of members."""
-    end = length + 2 * tarfile.BLOCKSIZE
-    return 2 * tarfile.BLOCKSIZE + (-end % tarfile.RECORDSIZE)
-
-
-def members_of(skeleton: Skeleton, label: str, entries: Optional[EntryCount] = None) -> list[tarfile.TarInfo]:
-    """The members of a skeleton, read by the extractor's own tar reader (the same meaning as when
-    the layer is applied); IntegrityError unless each skeleton entry is exactly one member whose
-    content size is the one the skeleton gives. `entries`: the image's count (past its cap, the
-    skeletons are not used: the layers are downloaded, and the extractor refuses them)."""
-    reader = TarReader(ForwardStream(_VirtualTar(skeleton)), f"the skeleton of layer {label}", entries)
-    out: list[tarfile.TarInfo] = []
-    at = 0
-    for m in reader:
-        if len(out) == len(skeleton):
-            raise IntegrityError(f"the skeleton of layer {label} holds more members than it lists")
-        header, size = skeleton[len(out)]
-        if m.offset != at or m.offset_data != at + len(header) or (m.size if m.isreg() else 0) != size:
-            raise IntegrityError(f"the skeleton of layer {label} does not match its headers")
-        at += len(header) + size + (-size % tarfile.BLOCKSIZE)
-        out.append(m)
-    if len(out) != len(skeleton):
-        raise IntegrityError(f"the skeleton of layer {label} holds fewer members than it lists")
-    return out
 
 
 class _Root:
@@ -267,14 +196,14 @@ def _expected(m: tarfile.TarInfo, rules: RootRules) -> tuple[int, tuple]:
 
 
 def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, root: _Root,
-               later_dirs: set[str]) -> list[Optional[_Source]]:
+               later_dirs: set[str]) -> list[Optional[Source]]:
     part_file, part = _part_of(desc)
     links_to: dict[str, int] = {}
     for m in members:
         if m.islnk():
             target = check_name(m.linkname)
             links_to[target] = links_to.get(target, 0) + 1
-    sources: list[Optional[_Source]] = []
+    sources: list[Optional[Source]] = []
     regular: set[str] = set()
     for m in members:
         sources.append(None)
@@ -318,7 +247,7 @@ def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, roo
 
 
 def _regular(m: tarfile.TarInfo, rel: str, part_file: Optional[str], part: Optional[tuple[int, int]],
-             rules: RootRules, root: _Root, links_to: dict[str, int]) -> _Source:
+             rules: RootRules, root: _Root, links_to: dict[str, int]) -> Source:
     """Where a regular member's content is: its path, or for a part of a file the joined file's slice."""
     cut = parse_part_name(rel)
     if cut is not None and part is not None and cut == (part_file, *part):
@@ -338,7 +267,7 @@ def _regular(m: tarfile.TarInfo, rel: str, part_file: Optional[str], part: Optio
             other = root.lstat(name)
             if other is None or (other.st_dev, other.st_ino) != (st.st_dev, st.st_ino):
                 raise _Fail(f"/{name} is not a hardlink to /{path}")
-        return _Source(path, offset, m.size, st)
+        return Source(path, offset, m.size, st)
     st = root.lstat(rel)
     if st is None or not stat.S_ISREG(st.st_mode):
         raise _Fail(f"/{rel} is not a regular file")
@@ -346,7 +275,7 @@ def _regular(m: tarfile.TarInfo, rel: str, part_file: Optional[str], part: Optio
         raise _Fail(f"/{rel} has {st.st_size} bytes, the layer {m.size}")
     if st.st_nlink != 1 + links_to.get(rel, 0):
         raise _Fail(f"/{rel} has other hardlinks than the layer's")
-    return _Source(rel, 0, m.size, st)
+    return Source(rel, 0, m.size, st)
 
 
 def _attrs(m: tarfile.TarInfo, st: os.stat_result, rules: RootRules, shown: str, mtime: bool) -> None:
@@ -365,48 +294,6 @@ def _attrs(m: tarfile.TarInfo, st: os.stat_result, rules: RootRules, shown: str,
             have = None
         if have != value.encode("utf-8", "surrogateescape"):
             raise _Fail(f"{shown} lacks the extended attribute {name!r} the layer sets")
-
-
-def rebuilt_diff_id(skeleton: Skeleton, sources: list[Optional[_Source]], root: str,
-                    on_bytes: Callable[[int], None], stop: threading.Event) -> Optional[str]:
-    """The sha256 of the layer's tar rebuilt from its headers and the bytes on disk; None if a file
-    changed while it was read (or went away)."""
-    h = hashlib.sha256()
-    total = 0
-    for (header, size), source in zip(skeleton, sources):
-        h.update(header)
-        total += len(header) + size + (-size % tarfile.BLOCKSIZE)
-        if source is not None and not _hash_content(h, os.path.join(root, source.path), source, on_bytes, stop):
-            return None
-        h.update(bytes(-size % tarfile.BLOCKSIZE))
-    h.update(bytes(_trailer(total)))
-    return "sha256:" + h.hexdigest()
-
-
-def _hash_content(h, path: str, source: _Source, on_bytes: Callable[[int], None], stop: threading.Event) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        before = os.fstat(fd)
-        if (before.st_ino, before.st_dev) != (source.st.st_ino, source.st.st_dev):
-            return False
-        offset, left = source.offset, source.size
-        while left:
-            if stop.is_set():
-                raise progress.Stopped()
-            data = os.pread(fd, min(left, 4 * READ_BUFFER), offset)
-            if not data:
-                return False
-            h.update(data)
-            offset += len(data)
-            left -= len(data)
-            on_bytes(len(data))
-        after = os.fstat(fd)
-        return (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (before.st_size, before.st_mtime_ns, before.st_ctime_ns)
-    finally:
-        os.close(fd)
 
 
 def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[str, Skeleton], rules: RootRules,
@@ -452,13 +339,15 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     to_hash = []
     for n in sorted(passed):
         since = unchanged_since(pending[n - start][1], checks[n].headers)
-        if since is None or not all(since.unchanged(s.path, s.st.st_ctime_ns) for s in checks[n].sources if s is not None):
+        if since is None or not all(since.unchanged(s.path, s.st.st_ctime_ns)
+                                    for s in checks[n].sources if s is not None):
             to_hash.append(n)
     hashed = _hash_layers(to_hash, parsed, checks, pending, start, rules.root, reasons)
     passed -= hashed.failed
     passed = _in_order(todo, start, checks, passed)
     for n in set(checks) - passed:
-        reasons.setdefault(n, "an earlier layer that is applied writes one of its paths, or a part of its file is applied")
+        reasons.setdefault(n, "an earlier layer that is applied writes one of its paths, "
+                              "or a part of its file is applied")
     skipped = {n: checks[n].headers for n in sorted(passed)}
     return SkipPlan(skipped, sum(todo[n][1]["size"] for n in skipped), hashed.bytes, reasons)
 
@@ -506,7 +395,8 @@ def _hash_layers(to_hash: list[int], parsed: dict, checks: dict[int, LayerCheck]
     return _Hashed(failed, read[0])
 
 
-def _in_order(todo: list[tuple[int, dict, str]], start: int, checks: dict[int, LayerCheck], passed: set[int]) -> set[int]:
+def _in_order(todo: list[tuple[int, dict, str]], start: int, checks: dict[int, LayerCheck],
+              passed: set[int]) -> set[int]:
     """The layers of `passed` that stay skipped once the layers applied before them are (see the
     module's doc, 3.), and the parts of a file only all together. Repeated until nothing changes."""
     while True:

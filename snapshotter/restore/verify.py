@@ -220,94 +220,104 @@ def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[
 
 
 def _kind_name(kind: str) -> str:
-    return {FILE: "a file", DIR: "a directory", SYMLINK: "a symlink"}.get(kind, f"a {kind} device" if kind in (CHAR, BLOCK) else f"a {kind}")
+    other = f"a {kind} device" if kind in (CHAR, BLOCK) else f"a {kind}"
+    return {FILE: "a file", DIR: "a directory", SYMLINK: "a symlink"}.get(kind, other)
 
 
 def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions,
             left_out: frozenset[str] = frozenset()) -> tuple[int, list[Difference]]:
     """Compare the directory with the image's paths. `left_out` holds the paths commit left out as
     secrets: neither they nor what lies under them are compared."""
-    root = os.path.realpath(root)
-
-    def excluded(rel: str) -> bool:
-        return opts.profile.exclude.match(rel) or any(p in left_out for p in self_and_parents(rel))
-    diffs: list[Difference] = []
-    covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
-    real_dirs: dict[str, bool] = {"": True}
-    checked = 0
-    contents: list[tuple[str, str, str, int]] = []  # (shown, path, digest, size): hashed at the end, several at once
-
-    def under_covered(rel: str) -> bool:
-        parent = rel.rpartition("/")[0]
-        while parent:
-            if parent in covered:
-                return True
-            parent = parent.rpartition("/")[0]
-        return False
-
-    def is_real_dir(rel: str) -> bool:
-        """Is root/rel a directory reached without following any symlink?"""
-        if rel not in real_dirs:
-            parent = rel.rpartition("/")[0]
-            ok = is_real_dir(parent)
-            if ok:
-                try:
-                    ok = stat.S_ISDIR(os.lstat(os.path.join(root, rel)).st_mode)
-                except OSError:
-                    ok = False
-            real_dirs[rel] = ok
-        return real_dirs[rel]
-
+    c = _Comparison(os.path.realpath(root), opts, left_out)
     # What the contents' check reads, as far as the image tells: its files the profile does not leave out.
-    content_bytes = sum(e.size for rel, e in index.items() if e.kind == FILE and e.digest and not excluded(rel))
+    content_bytes = sum(e.size for rel, e in index.items() if e.kind == FILE and e.digest and not c.excluded(rel))
     with progress.bar("comparing paths", len(index), unit="paths") as bar, \
             progress.bar("checking contents", content_bytes) as hashed:
         update = progress.safe_update(hashed)
         for rel in sorted(index):
             bar.update(1)
-            e = index[rel]
-            if excluded(rel) or under_covered(rel):
-                continue
-            if e.kind in (CHAR, BLOCK, FIFO) and not opts.allow_devices:
-                continue  # restore skips device nodes unless asked
-            if e.kind != DIR:
-                covered.add(rel)  # nothing below a non-directory is reachable
-            checked += 1
-            shown = "/" + rel
-            if not is_real_dir(rel.rpartition("/")[0]):
-                diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
-                covered.add(rel)
-                continue
-            full = os.path.join(root, rel)
-            try:
-                st = os.lstat(full)
-                have = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
-            except FileNotFoundError:
-                diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
-                covered.add(rel)
-                continue
-            kind = have.kind if have else "socket"
-            if kind != e.kind:
-                diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
-                covered.add(rel)
-                continue
-            diffs.extend(_compare_entry(shown, full, have, e, opts.allow_setuid, contents))
-            if len(contents) >= HASH_BATCH:
-                diffs.extend(_content_differences(contents, opts.jobs, update))
-                contents.clear()
-        diffs.extend(_content_differences(contents, opts.jobs, update))
-
-    for rel in sorted(deleted):
-        if excluded(rel) or under_covered(rel) or rel.rpartition("/")[0] in deleted:
-            continue
-        if is_real_dir(rel.rpartition("/")[0]) and os.path.lexists(os.path.join(root, rel)):
-            diffs.append(Difference("/" + rel, "extra", "present, but the image deletes it"))
-            covered.add(rel)
-
+            c.check(rel, index[rel])
+            if len(c.contents) >= HASH_BATCH:
+                c.diffs.extend(_content_differences(c.contents, opts.jobs, update))
+                c.contents.clear()
+        c.diffs.extend(_content_differences(c.contents, opts.jobs, update))
+    c.check_deleted(deleted)
     if opts.strict:
-        diffs.extend(_extras(root, index, covered, opts, excluded))
-    diffs.sort(key=lambda d: d.path)
-    return checked, diffs
+        c.diffs.extend(_extras(c.root, index, c.covered, opts, c.excluded))
+    c.diffs.sort(key=lambda d: d.path)
+    return c.checked, c.diffs
+
+
+class _Comparison:
+    """What compare() found so far, and the paths it no longer looks into."""
+
+    def __init__(self, root: str, opts: VerifyOptions, left_out: frozenset[str]):
+        self.root, self.opts, self.left_out = root, opts, left_out
+        self.diffs: list[Difference] = []
+        self.covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
+        self.real_dirs: dict[str, bool] = {"": True}
+        self.checked = 0
+        self.contents: list[tuple[str, str, str, int]] = []  # (shown, path, digest, size): hashed in batches
+
+    def excluded(self, rel: str) -> bool:
+        return self.opts.profile.exclude.match(rel) or any(p in self.left_out for p in self_and_parents(rel))
+
+    def under_covered(self, rel: str) -> bool:
+        parent = rel.rpartition("/")[0]
+        while parent:
+            if parent in self.covered:
+                return True
+            parent = parent.rpartition("/")[0]
+        return False
+
+    def is_real_dir(self, rel: str) -> bool:
+        """Is root/rel a directory reached without following any symlink?"""
+        if rel not in self.real_dirs:
+            parent = rel.rpartition("/")[0]
+            ok = self.is_real_dir(parent)
+            if ok:
+                try:
+                    ok = stat.S_ISDIR(os.lstat(os.path.join(self.root, rel)).st_mode)
+                except OSError:
+                    ok = False
+            self.real_dirs[rel] = ok
+        return self.real_dirs[rel]
+
+    def check(self, rel: str, e: Entry) -> None:
+        """Compare one path of the image (its content's check is queued in `contents`)."""
+        if self.excluded(rel) or self.under_covered(rel):
+            return
+        if e.kind in (CHAR, BLOCK, FIFO) and not self.opts.allow_devices:
+            return  # restore skips device nodes unless asked
+        if e.kind != DIR:
+            self.covered.add(rel)  # nothing below a non-directory is reachable
+        self.checked += 1
+        shown = "/" + rel
+        full = os.path.join(self.root, rel)
+        try:
+            if not self.is_real_dir(rel.rpartition("/")[0]):
+                raise FileNotFoundError(full)
+            st = os.lstat(full)
+            have = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
+        except FileNotFoundError:
+            self.diffs.append(Difference(shown, "missing", f"missing (expected {_kind_name(e.kind)})"))
+            self.covered.add(rel)
+            return
+        kind = have.kind if have else "socket"
+        if kind != e.kind:
+            self.diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
+            self.covered.add(rel)
+            return
+        self.diffs.extend(_compare_entry(shown, full, have, e, self.opts.allow_setuid, self.contents))
+
+    def check_deleted(self, deleted: set[str]) -> None:
+        """The paths the image deletes that are there."""
+        for rel in sorted(deleted):
+            if self.excluded(rel) or self.under_covered(rel) or rel.rpartition("/")[0] in deleted:
+                continue
+            if self.is_real_dir(rel.rpartition("/")[0]) and os.path.lexists(os.path.join(self.root, rel)):
+                self.diffs.append(Difference("/" + rel, "extra", "present, but the image deletes it"))
+                self.covered.add(rel)
 
 
 def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid: bool,

@@ -1,0 +1,101 @@
+"""The system calls a layer of many small files costs (layer/extract.py): a venv is tens of
+thousands of them, and each call per file shows in a restore's time. A file new in a directory the
+layer made is created with its mode and this process's owner, so neither is set again; a directory
+the layer made is its members' parent without a lookup of the path to it. The tree is the same."""
+
+import io
+import os
+import stat
+import tarfile
+
+import pytest
+
+from snapshotter.layer.extract import Extractor
+
+DEPTH, LEAVES, FILES = 8, 12, 5
+
+
+def _venv_like() -> bytes:
+    """LEAVES directories DEPTH deep, each with FILES plain files (and one owned by another user)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        made = set()
+        for leaf in range(LEAVES):
+            parts = ["venv", "lib", "python3.11", "site-packages", f"pkg{leaf}", "sub", "deeper", "deepest"][:DEPTH]
+            for k in range(1, len(parts) + 1):
+                d = "/".join(parts[:k])
+                if d not in made:
+                    made.add(d)
+                    ti = tarfile.TarInfo(d)
+                    ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, 1_600_000_000
+                    t.addfile(ti)
+            for n in range(FILES):
+                data = b"x = %d\n" % n
+                ti = tarfile.TarInfo(f"{d}/mod{n}.py")
+                ti.size, ti.mode, ti.mtime = len(data), 0o644 if n else 0o755, 1_600_000_000 + n
+                ti.uid = ti.gid = os.geteuid() if n != 1 else 4321
+                t.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = {"lstat": 0, "fchmod": 0, "fchown": 0}
+    real = {name: getattr(os, name) for name in ("lstat", "chmod", "chown")}
+
+    def lstat(path, *a, **kw):
+        calls["lstat"] += 1
+        return real["lstat"](path, *a, **kw)
+
+    def chmod(path, *a, **kw):
+        calls["fchmod"] += isinstance(path, int)
+        return real["chmod"](path, *a, **kw)
+
+    def chown(path, *a, **kw):
+        calls["fchown"] += isinstance(path, int)
+        return real["chown"](path, *a, **kw)
+
+    for name, f in (("lstat", lstat), ("chmod", chmod), ("chown", chown)):
+        monkeypatch.setattr(os, name, f)
+    old = os.umask(0o022)
+    yield calls
+    os.umask(old)
+
+
+def test_a_layer_of_small_files_costs_no_lookup_and_no_attribute_call_per_file(tmp_path, counted):
+    root = tmp_path / "root"
+    Extractor(str(root)).apply(io.BytesIO(_venv_like()), in_place=True)
+    dirs = sum(1 for _, ds, _ in os.walk(root) for _ in ds)
+    # Before: every new directory was looked up from the root down (DEPTH lstat calls each), and
+    # each file had its mode and owner set again on its fd.
+    assert counted["lstat"] <= dirs + LEAVES, counted  # about one per directory (381 before)
+    as_root = os.geteuid() == 0
+    assert counted["fchmod"] == 0, counted
+    assert counted["fchown"] == (LEAVES if as_root else 0), counted  # only the files of another owner
+    leaf = root / "venv/lib/python3.11/site-packages/pkg0/sub/deeper/deepest"
+    for n in range(FILES):
+        st = os.lstat(leaf / f"mod{n}.py")
+        assert stat.S_IMODE(st.st_mode) == (0o644 if n else 0o755)
+        assert st.st_mtime_ns == (1_600_000_000 + n) * 10**9
+        if as_root:
+            assert (st.st_uid, st.st_gid) == ((4321, 4321) if n == 1 else (0, 0))
+    assert (leaf / "mod3.py").read_bytes() == b"x = 3\n"
+    assert os.lstat(leaf).st_mtime_ns == 1_600_000_000 * 10**9 and stat.S_IMODE(os.lstat(leaf).st_mode) == 0o755
+
+
+def test_a_file_in_a_setgid_directory_gets_its_owner_set(tmp_path, counted):
+    """A setgid directory gives a new file its group, not this process's: the owner is set."""
+    if os.geteuid() != 0:
+        pytest.skip("owners are set as root only")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        d = tarfile.TarInfo("shared")
+        d.type, d.mode, d.gid = tarfile.DIRTYPE, 0o2775, 4321
+        t.addfile(d)
+        f = tarfile.TarInfo("shared/f")
+        f.size, f.mode = 1, 0o644
+        t.addfile(f, io.BytesIO(b"x"))
+    root = tmp_path / "root"
+    Extractor(str(root)).apply(io.BytesIO(buf.getvalue()), in_place=True)
+    st = os.lstat(root / "shared/f")
+    assert (st.st_uid, st.st_gid) == (0, 0) and counted["fchown"] == 1
