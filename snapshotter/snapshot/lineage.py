@@ -32,7 +32,8 @@ def movable(remote: Remote, ref: Reference, root: str, force: bool = False,
     return current, current is None or force or current in known_origins(root, also)
 
 
-def check_forward(remote: Remote, ref: Reference, root: str, force: bool = False, also: Iterable[str] = ()) -> Optional[str]:
+def check_forward(remote: Remote, ref: Reference, root: str, force: bool = False,
+                  also: Iterable[str] = ()) -> Optional[str]:
     """The digest `ref`'s tag names now (None: no such tag yet), if this box may move it; else a
     UsageError (exit 2) naming the ways on, before anything is written."""
     current, ok = movable(remote, ref, root, force, also)
