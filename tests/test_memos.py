@@ -9,6 +9,8 @@ memo: a scan with one must give the same entries and secrets.
 The plan memo (memo.PlanMemo): a profile layer whose paths did not change is not split again, and
 the plans (and their stat-cache keys) are those a plan without memo makes."""
 
+import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -56,7 +58,7 @@ def test_an_unchanged_path_keeps_its_entry_and_is_not_read_again(box, monkeypatc
     profile, memo = load_profile(), ScanMemo(LATER)
     first = scan(box, profile, memo)
     reads = []
-    monkeypatch.setattr(box_scan, "read_xattrs", lambda path: reads.append(path))
+    monkeypatch.setattr(box_scan, "read_xattrs", lambda path, *a: reads.append(path))
     second = scan(box, profile, memo)
     assert second.entries == first.entries and reads == []
     assert all(second.entries[p] is first.entries[p] for p in first.entries)
@@ -71,6 +73,44 @@ def test_a_path_changed_within_the_racy_window_is_read_again(box, monkeypatch):
     first = scan(box, profile, memo)
     second = scan(box, profile, memo)
     assert second.entries["opt/app/main.py"] is not first.entries["opt/app/main.py"]
+
+
+def test_a_hard_link_kept_from_another_device_is_read_again(box):
+    """The memo keeps entries across commits (snapshot/kept.py), and a remount gives the box a new
+    device number: a hard-linked file kept with the old "dev:ino" would split its group from a name
+    read anew (or join another device's file of the same inode number). Read again, it names the
+    device it is on."""
+    write_tree(box, {"opt/app/data/one.bin": b"linked\n"})
+    os.link(os.path.join(box, "opt/app/data/one.bin"), os.path.join(box, "opt/app/data/two.bin"))
+    profile, memo = load_profile(), ScanMemo(LATER)
+    first = scan(box, profile, memo)
+    here = first.entries["opt/app/data/one.bin"].inode
+    assert here == first.entries["opt/app/data/two.bin"].inode
+    dev, ino = here.split(":")
+    context, seen = memo._last
+    for rel in ("opt/app/data/one.bin", "opt/app/data/two.bin"):  # as the state dir keeps them, before a remount
+        seen[rel] = dataclasses.replace(seen[rel], inode=f"{int(dev) + 1}:{ino}")
+    second = same_as_fresh(box, profile, memo)
+    assert second.entries["opt/app/data/one.bin"].inode == second.entries["opt/app/data/two.bin"].inode == here
+
+
+def test_xattrs_the_disk_refused_once_are_read_again_next_time(box, monkeypatch):
+    """A read of xattrs that failed (EIO; not a filesystem without them) is not kept: the next scan,
+    with nothing changed and the disk well, reads them (kept, the snapshot would lack them for good)."""
+    path = os.path.join(box, "opt/app/main.py")
+    os.setxattr(path, "user.mark", b"keep-me", follow_symlinks=False)
+    real = os.listxattr
+
+    def refused(p, *a, **kw):
+        if p.endswith("/main.py"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(p, *a, **kw)
+
+    profile, memo = load_profile(), ScanMemo(LATER)
+    with monkeypatch.context() as m:
+        m.setattr(os, "listxattr", refused)
+        assert scan(box, profile, memo).entries["opt/app/main.py"].xattrs is None
+    assert same_as_fresh(box, profile, memo).entries["opt/app/main.py"].xattrs == {"user.mark": "keep-me"}
 
 
 def test_every_change_is_seen_through_the_memo(box):

@@ -170,3 +170,34 @@ class Beneath:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def file_head(path: str, n: int) -> bytes:
+    """The first n bytes of a regular file (fewer if it is shorter; none if it is gone, or is a
+    symlink, a FIFO or a device now: not followed, not waited on)."""
+    try:
+        fd = os.open(path, READ_FLAGS | os.O_NOFOLLOW)
+    except (FileNotFoundError, NotADirectoryError):
+        return b""
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return b""
+        raise
+    try:
+        return os.pread(fd, n, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+
+
+def head_at(dir_fd: int, name: str, st: os.stat_result, n: int) -> bytes:
+    """The first n bytes of the file `name` in the directory `dir_fd` (fewer if it is shorter), if
+    it is still the regular file `st` (lstat): none if it is gone or another file, a symlink or a
+    FIFO swapped in (not followed, not waited on: box/openat.py). Its read then says it changed."""
+    try:
+        fd = open_leaf(dir_fd, name, st.st_ino, st.st_dev)
+    except (FileNotFoundError, NotTheScanned):
+        return b""
+    try:
+        return os.pread(fd, n, 0)
+    finally:
+        os.close(fd)

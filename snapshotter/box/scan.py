@@ -19,38 +19,7 @@ from snapshotter.profile import Profile, VenvRoots
 from snapshotter.tar.rules import SKIP_XATTRS, WHITEOUT_PREFIX
 
 from .mounts import bind_mounted_files, pseudo_mounts
-from .openat import DIR_FLAGS, READ_FLAGS, NotTheScanned, open_beneath, open_leaf, open_root
-
-
-def file_head(path: str, n: int) -> bytes:
-    """The first n bytes of a regular file (fewer if it is shorter; none if it is gone, or is a
-    symlink, a FIFO or a device now: not followed, not waited on)."""
-    try:
-        fd = os.open(path, READ_FLAGS | os.O_NOFOLLOW)
-    except (FileNotFoundError, NotADirectoryError):
-        return b""
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return b""
-        raise
-    try:
-        return os.pread(fd, n, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    finally:
-        os.close(fd)
-
-
-def head_at(dir_fd: int, name: str, st: os.stat_result, n: int) -> bytes:
-    """The first n bytes of the file `name` in the directory `dir_fd` (fewer if it is shorter), if
-    it is still the regular file `st` (lstat): none if it is gone or another file, a symlink or a
-    FIFO swapped in (not followed, not waited on: box/openat.py). Its read then says it changed."""
-    try:
-        fd = open_leaf(dir_fd, name, st.st_ino, st.st_dev)
-    except (FileNotFoundError, NotTheScanned):
-        return b""
-    try:
-        return os.pread(fd, n, 0)
-    finally:
-        os.close(fd)
+from .openat import DIR_FLAGS, head_at, open_beneath, open_root
 
 
 def _in_dir(dir_fd: int, name: str) -> str:
@@ -116,7 +85,12 @@ def _unchanged(last, st: os.stat_result) -> bool:
     mode = st.st_mode
     return (last.stamp == stat_stamp(st) and last.mode == mode & 0o7777 and last.uid == st.st_uid
             and last.gid == st.st_gid and last.kind == kind_of_mode(mode)
-            and (last.kind != FILE or last.size == st.st_size))
+            and (last.kind != FILE or last.size == st.st_size) and last.inode == _link_group(last.kind, st))
+
+
+def _link_group(kind: str, st: os.stat_result) -> Optional[str]:
+    """A hard link's group ("dev:ino"): an entry kept across a remount would split or join groups."""
+    return f"{st.st_dev}:{st.st_ino}" if kind == FILE and st.st_nlink > 1 else None
 
 
 class ScanMemo:
@@ -216,6 +190,7 @@ class _Walk:
         self.unreadable: set[str] = set(previous.unreadable) if previous else set()
         self.host_files: set[str] = set(previous.host_files) if previous else set()
         self.new: dict[str, Entry | str] = dict(old) if previous else {}  # this scan's paths, for the memo
+        self.unsure: set[str] = set()  # paths read incompletely (an xattr the disk refused): not kept
         self.racy: set[str] = set()  # directories holding a path the memo does not keep (changed within its window)
         self.touched: set[str] = set()
         self.linked: set[str] = set()  # inode numbers of files with other names, looked at in a partial scan
@@ -318,7 +293,7 @@ class _Walk:
             e = self._read(rel, dir_fd, name, st)
             if e is _NOT_CONTENT:
                 return 0
-        if st.st_ctime_ns < self.settled_ns:
+        if st.st_ctime_ns < self.settled_ns and rel not in self.unsure:
             self.new[rel] = e if e is not None else _memo_stamp(st)
         elif self.keeping:
             self.new.pop(rel, None)
@@ -336,7 +311,7 @@ class _Walk:
     def _read(self, rel: str, dir_fd: int, name: str, st: os.stat_result):
         """_new_entry(), with a path snap may not read noted as such (and _NOT_CONTENT returned)."""
         try:
-            e = _new_entry(rel, dir_fd, name, st, self.profile, self.metadata_only)
+            e = _new_entry(rel, dir_fd, name, st, self.profile, self.metadata_only, self.unsure.add)
         except FileNotFoundError:
             return _NOT_CONTENT
         except OSError:  # permissions, or a read the disk refused (EIO: a key candidate's head)
@@ -447,10 +422,11 @@ def _visit_at(root_fd: int, rel: str, visit: Callable[..., int], walk: bool = Tr
         os.close(fd)
 
 
-def _new_entry(rel: str, dir_fd: int, name: str, st: os.stat_result, profile: Profile, metadata_only: bool):
+def _new_entry(rel: str, dir_fd: int, name: str, st: os.stat_result, profile: Profile, metadata_only: bool,
+               unsure: Callable[[str], None] = lambda rel: None):
     """The entry of a path not known from the last scan (`name` in the open directory `dir_fd`,
     lstat'ed as `st`): None for a secret the profile leaves out, _NOT_CONTENT for a socket,
-    _UNREADABLE for a file snap cannot read."""
+    _UNREADABLE for a file snap cannot read. `unsure(rel)`: its xattrs could not all be read."""
     link = os.readlink(name, dir_fd=dir_fd) if stat.S_ISLNK(st.st_mode) and not metadata_only else ""
     e = entry_from_stat(rel, st, link)
     if e is None:
@@ -458,7 +434,7 @@ def _new_entry(rel: str, dir_fd: int, name: str, st: os.stat_result, profile: Pr
     if profile.is_secret(rel, e.kind == DIR, e.kind == FILE, functools.partial(head_at, dir_fd, name, st)):
         return None
     if not metadata_only:
-        e.xattrs = read_xattrs(_in_dir(dir_fd, name))
+        e.xattrs = read_xattrs(_in_dir(dir_fd, name), lambda: unsure(rel))
         # Through the handle's /proc path, not faccessat(AT_SYMLINK_NOFOLLOW): glibc tries the
         # faccessat2 syscall for that, which older container seccomp profiles answer with EPERM.
         if e.kind == FILE and not os.access(_in_dir(dir_fd, name), os.R_OK):
@@ -480,18 +456,22 @@ def _check_include(root: str, rel: str, profile: Profile) -> None:
         raise UsageError(f"--include {'/' + rel!r} is left out by the profile (its exclude or secrets list)")
 
 
-def read_xattrs(path: str) -> Optional[dict[str, str]]:
-    """A path's extended attributes worth carrying (not trusted.*, not SELinux labels: the host's)."""
+def read_xattrs(path: str, incomplete: Callable[[], None] = lambda: None) -> Optional[dict[str, str]]:
+    """A path's extended attributes worth carrying (not trusted.*, not SELinux labels: the host's);
+    a read the disk refused calls `incomplete` (the path is then not kept for the next scan)."""
     try:
         names = os.listxattr(path, follow_symlinks=False)
-    except OSError:
-        return None  # a filesystem without xattrs
+    except OSError as e:
+        if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            incomplete()
+        return None
     out = {}
     for name in names:
         if name.startswith(SKIP_XATTRS):
             continue
         try:
             out[name] = os.getxattr(path, name, follow_symlinks=False).decode("utf-8", "surrogateescape")
-        except OSError:
-            continue
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                incomplete()
     return out or None

@@ -22,7 +22,8 @@ from typing import Callable, Optional
 
 from snapshotter import progress
 from snapshotter.box.diff import Diff, diff
-from snapshotter.box.scan import Scan, file_head
+from snapshotter.box.openat import file_head
+from snapshotter.box.scan import Scan
 from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.engine.run import connect
 from snapshotter.errors import NotFound, SnapError, UsageError

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from snapshotter import progress
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
-from snapshotter.box.scan import file_head
+from snapshotter.box.openat import file_head
 from snapshotter.digests import chunks_digest, file_digest, hasher_digest
 from snapshotter.errors import IntegrityError, UsageError, quoted_path
 from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, clean_path, entry_from_member,
