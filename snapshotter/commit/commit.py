@@ -210,10 +210,11 @@ def _commit_box(target: str, base: str, opts: CommitOptions, hooks: CommitHooks)
     if opts.diverge:  # the tag if this box may move it, else a tag of its own
         line = Line(target_ref, transport, root, opts.force, opts.origins, opts.log)
         line.check()
-        target_ref, current = line.ref(line.tag), line.digest
+        target_ref, current, tagged = line.ref(line.tag), line.digest, None
         opts = dataclasses.replace(opts, moving=opts.moving or str(line.main))
     else:
-        current = check_forward(remote, target_ref, root, opts.force, opts.origins)
+        tagged = check_forward(remote, target_ref, root, opts.force, opts.origins)
+        current = tagged[0] if tagged else None
     hooks.pushing_to(remote, root, current)  # a held file keeps the version its snapshot has
     cp = plan_commit(base, opts, transport, target_ref, hooks)
-    return push_commit(cp, target_ref, transport, opts)
+    return push_commit(cp, target_ref, transport, opts, tagged)
