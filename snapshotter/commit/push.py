@@ -48,13 +48,14 @@ SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one
 
 
 def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions,
-                  tagged: Optional[tuple[str, bytes]] = None) -> Remote:
-    """The repository the snapshot goes to, with the base's blobs made available in it; the blobs
-    the manifest its tag names now lists (`tagged`: digest, bytes) known held there, unasked."""
-    if cp.base_img is None:
-        remote = Remote(target_ref, transport)
+                  tagged: Optional[tuple[str, bytes]] = None, held: Optional[Remote] = None) -> Remote:
+    """The repository the snapshot goes to (`held`: the caller's connection to it, reused), with the
+    base's blobs made available in it; the blobs the manifest its tag names now lists (`tagged`:
+    digest, bytes) known held there, unasked."""
+    if cp.base_img is not None and target_ref.name == cp.base_ref.name:
+        remote = cp.base_remote
     else:
-        remote = cp.base_remote if target_ref.name == cp.base_ref.name else Remote(target_ref, transport)
+        remote = held or Remote(target_ref, transport)
     if tagged:
         remote.held_by(tagged[1])
     if cp.base_img is not None:
@@ -62,12 +63,13 @@ def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOpt
     return remote
 
 
-def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions,
-                opts: CommitOptions, tagged: Optional[tuple[str, bytes]] = None) -> CommitResult:
+def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions,
+                tagged: Optional[tuple[str, bytes]] = None, held: Optional[Remote] = None) -> CommitResult:
     """Push a planned commit: the layers, then the image built of them (config and manifest) under
     the target's tag. `tagged`: the manifest the tag names now (digest, bytes), if known: when it is
-    this very image but for its creation time, nothing is pushed (CommitResult.current)."""
-    remote = target_remote(cp, target_ref, transport, tagged)
+    this very image but for its creation time, nothing is pushed (CommitResult.current). `held`:
+    the caller's connection to the target's repository, if it has one."""
+    remote = target_remote(cp, target_ref, transport, tagged, held)
     if cp.hooks.stopping is not None:
         remote.stopping = cp.hooks.stopping
     layers = _push_settled_layers(cp, remote, opts)
