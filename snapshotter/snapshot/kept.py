@@ -32,7 +32,7 @@ from snapshotter.profile import Profile
 from snapshotter.state import open_own, replace_file, root_key, sub
 from snapshotter.version import __version__
 
-VERSION = 1
+VERSION = 2  # 2: a plan's paths as one string
 _FIELDS = ("path", "kind", "mode", "uid", "gid", "size", "mtime", "linkname", "rdev", "digest", "inode", "stamp",
            "xattrs", "mtime_ns")  # an Entry's, in the order Entry() takes them
 _DIGEST_LEN = 64
@@ -157,24 +157,28 @@ class StoredPlan:
             return
         rows = []
         for p in plans:
-            entries = []
-            for e in p.entries:
+            parents = []  # (place, mtime) of each parent directory's copy
+            for i, e in enumerate(p.entries):
                 src = self.by_path.get(e.path)
                 if src is None or (e is not src and e != parent_copy(src, e.mtime)):
                     return  # an entry made another way (a part of a big file): not kept
-                entries.append((e.path, None if e is src else e.mtime))
+                if e is not src:
+                    parents.append((i, e.mtime))
+            # The paths as one string (a path holds no NUL): one object to load, not one per entry.
             rows.append((p.name, p.compression, p.detail, p.whiteouts, sorted(p.slices.items()), p.part_of,
-                         p.part_links, entries, zstd_level, p.fingerprint(zstd_level)))
+                         p.part_links, len(p.entries), "\0".join(e.path for e in p.entries), parents,
+                         zstd_level, p.fingerprint(zstd_level)))
         _write(self.path, self.key, rows)
 
     def _plan(self, row: tuple, zstd_level: int) -> LayerPlan:
-        name, compression, detail, whiteouts, slices, part_of, part_links, entries, level, fingerprint = row
-        by_path = self.by_path
-        own = [by_path[p] if m is None else parent_copy(by_path[p], m) for p, m in entries]
+        name, compression, detail, whiteouts, slices, part_of, part_links, count, paths, parents, level, key = row
+        own = list(map(self.by_path.__getitem__, paths.split("\0"))) if count else []  # none: "" would be one, the root
+        for i, mtime in parents:
+            own[i] = parent_copy(own[i], mtime)
         plan = LayerPlan(name, compression, own, list(whiteouts), detail, {k: tuple(v) for k, v in slices},
                          tuple(part_of) if part_of else None, list(part_links))
         if level == zstd_level:
-            plan.keep_fingerprint(level, fingerprint)
+            plan.keep_fingerprint(level, key)
         return plan
 
 
