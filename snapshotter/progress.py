@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Callable, Optional
 
-from tqdm import tqdm
 
 from snapshotter.errors import UsageError, printable
 
@@ -72,6 +71,8 @@ def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to
     if how == "lines":
         every = _every()
         return LineProgress(desc, total, unit, DEFAULT_EVERY if every is None else every, sink)
+    from tqdm import tqdm  # here: a run without a terminal (a pod, a pipe) draws no bar and skips its import
+
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
         disable=how == "off", leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
