@@ -17,6 +17,7 @@ read only if whole (the state dir is ours alone), and written only when what it 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import marshal
 import os
@@ -134,12 +135,18 @@ class StoredPlan:
     def __init__(self, root: str, scan: Scan, d: Diff, index: dict[str, Entry], profile: Profile,
                  options: tuple):
         self.path = os.path.join(sub("plan-memo"), root_key(root) + ".bin")
-        self.by_path = {**scan.entries, **{e.path: e for e in d.changed}}
+        changed = [e.path for e in d.changed]
+        # The diff's entries are the scan's own but where it made others (a digest computed): only
+        # those are merged in, not a copy of the whole walk made on each commit.
+        other = {e.path: e for e in d.changed if scan.entries.get(e.path) is not e}
+        self.by_path = {**scan.entries, **other} if other else scan.entries
         records = record_stamps(scan.entries)  # what the units of bundles depend on (box/records.py)
         self.key = None if scan.kept_as is None or records is None else _key(
             scan.kept_as, sorted(scan.host_files), scan.unreadable, sorted(scan.pseudo_mounts), scan.skipped_secrets,
-            _profile_rules(profile), list(options), records, _paths_digest(e.path for e in d.changed),
-            d.deleted, [(p, index[p].kind, index[p].mtime, index[p].size) for p in _in_base(d, index)])
+            _profile_rules(profile), list(options), records, _paths_digest(changed), d.deleted,
+            # the base's entries of the diff's paths, which the plan reads
+            [(p, index[p].kind, index[p].mtime, index[p].size) for p in itertools.chain(changed, d.deleted)
+             if p in index])
 
     def plans(self, zstd_level: int) -> Optional[list[LayerPlan]]:
         """The kept plan, if it was made from the same input; None if there is none."""
@@ -195,11 +202,6 @@ def _paths_digest(paths) -> str:
     for p in paths:
         h.update(p.encode("utf-8", "surrogateescape") + b"\0")
     return h.hexdigest()
-
-
-def _in_base(d: Diff, index: dict[str, Entry]) -> list[str]:
-    """The paths of the diff the base has: the plan reads their base entries."""
-    return [p for p in [*(e.path for e in d.changed), *d.deleted] if p in index]
 
 
 def _same(now: Optional[Entry | str], then: Entry | str) -> bool:
