@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Callable, Optional
 
-from tqdm import tqdm
 
 from snapshotter import settings
 from snapshotter.errors import UsageError, printable
@@ -74,6 +73,8 @@ def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to
         except UsageError:  # check_settings refused it at the start; a library caller gets the default
             every = DEFAULT_EVERY
         return LineProgress(desc, total, unit, every, sink)
+    from tqdm import tqdm  # here: a run without a terminal (a pod, a pipe) draws no bar and skips its import
+
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
         disable=how == "off", leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,

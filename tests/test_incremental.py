@@ -313,13 +313,19 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
     repositories, so one another test pushed would be sent here but not stored again."""
     registry = RegistryServer(str(tmp_path / "own-registry")).start()
     ref = f"{registry.host}/counted:v1"
-    headers = {}
+    headers, last = {}, None
     for step in ("first", "one small change", "nothing changed"):
         if step == "one small change":
             write_tree(model_box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: pass  # v2\n"}, mtime=1_700_000_100)
         before = stored_blobs(registry)
         doc = commit_json(ref, base_ref, model_box)
         new = {p: n for p, n in stored_blobs(registry).items() if p not in before}
+        if step == "nothing changed":  # the tag names this very snapshot: nothing sent, the tag not moved
+            assert doc["current"] and doc["uploaded_bytes"] == 0 and doc["uploaded"] == {} and not new, (doc, new)
+            assert doc["manifest_digest"] == last, (doc["manifest_digest"], last)
+            headers[step] = 0
+            continue
+        last = doc["manifest_digest"]
         blobs = sum(n for p, n in new.items() if not is_manifest(p))
         manifests = sum(n for p, n in new.items() if is_manifest(p))
         counted = doc["uploaded"]
@@ -330,15 +336,11 @@ def test_every_byte_a_commit_pushes_is_counted(base_ref, model_box, tmp_path):
         sent_layers = sum(layer["size"] for layer in doc["layers"] if layer["status"] == "uploaded")
         assert counted.get("layers", 0) == sent_layers, (step, counted, sent_layers)
         headers[step] = counted.get("headers", 0)
-        if step == "nothing changed":  # the snapshot's manifest alone: the artifact manifests are as they were
-            r = registry.session().get(f"{registry.url}/v2/counted/manifests/{doc['manifest_digest']}",
-                                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
-            assert counted["manifests"] == len(r.content), (counted, len(r.content))
     # Each layer's headers are a blob of their own: a commit sends those of the layers it changed.
     assert 0 < headers["one small change"] < headers["first"] / 2 and headers["nothing changed"] == 0, headers
     r = snap("commit", ref, "--base", base_ref, "--root", model_box, check=True)
-    line = next(line for line in r.stdout.splitlines() if line.startswith("sent "))
-    assert "manifests" in line and "layers" not in line, line  # nothing changed: no layer sent
+    assert not any(line.startswith("sent ") for line in r.stdout.splitlines()), r.stdout  # nothing sent
+    assert r.stdout.splitlines()[-1] == f"nothing changed: {ref} is current", r.stdout
     registry.stop()
 
 
@@ -416,3 +418,24 @@ def test_a_nothing_changed_commit_asks_about_no_artifact_blob(registry, base_ref
     asked.clear()
     commit_box(f"{registry.host}/artifacts:v2", base_ref, CommitOptions(root=box))
     assert asked == []
+
+
+def test_a_nothing_changed_commit_pushes_nothing_and_asks_no_head_per_layer(registry, proxy, base_ref, box,
+                                                                            monkeypatch):
+    """A commit of an unchanged box to the tag that names its snapshot: the tag's manifest, read once
+    for the lineage check, lists every blob the snapshot has (a registry keeps those), so no HEAD is
+    asked for any of them; and the image would be that one but for its creation time, so no config
+    or manifest is pushed: the tag stays, and the result says it is current."""
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # the box's files count as old: the first commit caches
+    ref = f"{proxy.host}/still:v1"
+    first = commit_box(ref, base_ref, CommitOptions(root=box))
+    manifest = registry.manifest("still", "v1")
+    listed = [d["digest"] for d in [manifest["config"], *manifest["layers"]]]
+    proxy.log.clear()
+    again = commit_box(ref, base_ref, CommitOptions(root=box))
+    assert again.current and again.manifest_digest == first.manifest_digest, again
+    assert again.uploaded_bytes == 0 and again.uploaded == {}, again.uploaded
+    assert [(m, p) for m, p, _ in proxy.log if m not in ("GET", "HEAD")] == [], proxy.log  # nothing written
+    asked = [p for m, p, _ in proxy.log if m == "HEAD" and "/blobs/" in p]
+    assert not [p for p in asked if p.rsplit("/", 1)[-1] in listed], asked
+    assert registry.manifest("still", "v1") == manifest

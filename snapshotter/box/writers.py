@@ -91,13 +91,13 @@ def _fds_for_writing(pid_dir: str, out: set[str]) -> None:
     fd_dir = os.path.join(pid_dir, "fd")
     for fd in os.listdir(fd_dir):
         try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+            if not target.startswith("/") or target.endswith(_DELETED):
+                continue  # a pipe, a socket, an anonymous inode, or a file no longer at any path: no fdinfo read
             with open(os.path.join(pid_dir, "fdinfo", fd), "rb") as f:
                 info = f.read(4096)
-            target = os.readlink(os.path.join(fd_dir, fd))
         except (FileNotFoundError, ProcessLookupError):
             continue  # closed meanwhile
-        if not target.startswith("/") or target.endswith(_DELETED):
-            continue  # a pipe, a socket, an anonymous inode, or a file no longer at any path
         for line in info.splitlines():
             if line.startswith(b"flags:"):
                 if int(line.split()[1], 8) & _ACCESS_MODE:
@@ -109,13 +109,16 @@ def _shared_writable_maps(pid_dir: str, out: set[str]) -> None:
     """An mmap'ed file written through memory changes without a write(2), and stays mapped after
     its descriptor is closed."""
     with open(os.path.join(pid_dir, "maps"), "rb") as f:
-        for line in f:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[1][1:2] == b"w" and fields[1][3:4] == b"s":
-                raw = fields[5].rstrip(b"\n")
-                # The kernel writes a newline in a name as \012, and a backslash as is: a name that
-                # holds "\012" itself reads the same, so both are kept (only box paths count).
-                for name in {raw, raw.replace(b"\\012", b"\n")}:
-                    path = name.decode(errors="surrogateescape")
-                    if path.startswith("/") and not path.endswith(_DELETED):
-                        out.add(path)
+        maps = f.read()
+    if b"w-s " not in maps and b"wxs " not in maps:
+        return  # no mapping of this process is shared and writable (its permissions would read -w-s or -wxs)
+    for line in maps.split(b"\n"):  # the kernel writes a newline in a name as \012: one line per mapping
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[1][1:2] == b"w" and fields[1][3:4] == b"s":
+            raw = fields[5]
+            # A backslash is written as is: a name that holds "\012" itself reads the same as one
+            # with a newline, so both are kept (only box paths count).
+            for name in {raw, raw.replace(b"\\012", b"\n")}:
+                path = name.decode(errors="surrogateescape")
+                if path.startswith("/") and not path.endswith(_DELETED):
+                    out.add(path)

@@ -89,7 +89,11 @@ def commit_pushed(result) -> None:
             f"{layer.digest[:19]}]")
     if not result.layers:
         out("no changes against the base: the snapshot is the base image")
-    out(result.sent())
+    if result.uploaded_bytes or not result.current:  # a current tag's headers artifact may have been re-tagged
+        out(result.sent())
+    if result.current:  # as the watcher says it
+        out(f"nothing changed: {result.ref.name}:{result.ref.tag} is current")
+        return
     out(f"pushed {result.ref}")
 
 

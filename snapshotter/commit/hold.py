@@ -15,6 +15,8 @@ def hold_back(cp: CommitPlan, held: dict[str, str], opts: CommitOptions) -> None
     else it is left out, and the snapshot has the base's version, if any. Never read: it would tear.
     Other names of a held file's inode are held with it (they travel in one layer)."""
     held = {p: why for p, why in held.items() if p not in cp.held}
+    if not held:
+        return  # the usual case: no set of the diff's paths made
     inodes = {cp.scan.entries[p].inode for p in held if p in cp.scan.entries and cp.scan.entries[p].inode}
     if inodes:
         why = next(iter(held.values()))

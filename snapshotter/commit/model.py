@@ -127,6 +127,7 @@ class CommitResult:
     grown: dict[str, int] = field(default_factory=dict)  # files that grew while sent: sent as first seen (size)
     uploaded_bytes: int = 0  # every byte this commit put into the registry: layers, headers, config, manifests
     uploaded: dict[str, int] = field(default_factory=dict)  # the same by what they were ("layers", "headers", ...)
+    current: bool = False  # the tag named this very snapshot already: no config or manifest pushed, the tag not moved
 
     def sent(self) -> str:
         """What the commit put into the registry, in one phrase: "sent 1.2 MiB (layers 1.1 MiB, ...)"."""

@@ -3,6 +3,7 @@ read held back and its layer built again, then the config and the manifest under
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -12,7 +13,7 @@ from typing import Optional
 from snapshotter import progress
 from snapshotter.box.scan import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
-from snapshotter.digests import file_digest
+from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.errors import IntegrityError, SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
@@ -21,8 +22,9 @@ from snapshotter.layer import generate
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
 from snapshotter.layer.packers import Packers, PackJob
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
-from snapshotter.oci.image import (SNAP_CONTENT, SNAP_HEADERS, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART, SNAP_PART_FILE,
-                                   SNAP_PART_LINKS, Image, NewImage, descriptor, scratch_config, secrets_annotations)
+from snapshotter.oci.image import (CREATED, SNAP_CONTENT, SNAP_HEADERS, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART,
+                                   SNAP_PART_FILE, SNAP_PART_LINKS, Image, NewImage, descriptor, scratch_config,
+                                   secrets_annotations)
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
@@ -45,20 +47,29 @@ NOT_SENT_TORN = "not sent: a file changed while read or since the scan"
 SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one before
 
 
-def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions) -> Remote:
-    """The repository the snapshot goes to, with the base's blobs made available in it."""
-    if cp.base_img is None:
-        return Remote(target_ref, transport)
-    remote = cp.base_remote if target_ref.name == cp.base_ref.name else Remote(target_ref, transport)
-    _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources, cp.log)
+def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOptions,
+                  tagged: Optional[tuple[str, bytes]] = None, held: Optional[Remote] = None) -> Remote:
+    """The repository the snapshot goes to (`held`: the caller's connection to it, reused), with the
+    base's blobs made available in it; the blobs the manifest its tag names now lists (`tagged`:
+    digest, bytes) known held there, unasked."""
+    if cp.base_img is not None and target_ref.name == cp.base_ref.name:
+        remote = cp.base_remote
+    else:
+        remote = held or Remote(target_ref, transport)
+    if tagged:
+        remote.held_by(tagged[1])
+    if cp.base_img is not None:
+        _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources, cp.log)
     return remote
 
 
-def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions,
-                opts: CommitOptions) -> CommitResult:
+def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions,
+                tagged: Optional[tuple[str, bytes]] = None, held: Optional[Remote] = None) -> CommitResult:
     """Push a planned commit: the layers, then the image built of them (config and manifest) under
-    the target's tag."""
-    remote = target_remote(cp, target_ref, transport)
+    the target's tag. `tagged`: the manifest the tag names now (digest, bytes), if known: when it is
+    this very image but for its creation time, nothing is pushed (CommitResult.current). `held`:
+    the caller's connection to the target's repository, if it has one."""
+    remote = target_remote(cp, target_ref, transport, tagged, held)
     if cp.hooks.stopping is not None:
         remote.stopping = cp.hooks.stopping
     layers = _push_settled_layers(cp, remote, opts)
@@ -71,17 +82,37 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     index_digest = baseindex.push(remote, cp.base_img.manifest_digest, cp.sources) if cp.base_img else None
     if index_digest:
         image.annotations[baseindex.SNAP_BASE_INDEX] = index_digest
-    digest, _, config_digest = remote.write_image(image, target_ref.target)
+    current = tagged is not None and _same_image(image, *tagged)
+    if current:
+        digest = tagged[0]  # the tag names this box's snapshot already: no config or manifest sent again
+    else:
+        digest, _, config_digest = remote.write_image(image, target_ref.target)
     cp.cache.save()
     note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
-    travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
-        + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else [])
-    _note_pushed(cp, target_ref, image, [config_digest] + travelled)
+    if not current:
+        travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
+            + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else [])
+        _note_pushed(cp, target_ref, image, [config_digest] + travelled)
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
                         snap_layers=list(image.layers), unreadable=cp.scan.unreadable,
-                        grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed))
+                        grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
+                        current=current)
+
+
+def _same_image(image: NewImage, digest: str, manifest: bytes) -> bool:
+    """Whether `manifest` (`digest`) is `image` to the byte, given its creation time: the same
+    layers, base, profile, annotations and config. The time is all a commit of an unchanged box
+    would change, and a tag is not moved for that."""
+    try:
+        created = json.loads(manifest)["annotations"][CREATED]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(created, str):
+        return False
+    same = dataclasses.replace(image, created=created)
+    return sha256_digest(same.manifest_bytes(same.config_bytes())) == digest
 
 
 def _warn_engine_limit(count: int, opts: CommitOptions) -> None:

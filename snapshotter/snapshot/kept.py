@@ -17,6 +17,7 @@ read only if whole (the state dir is ours alone), and written only when what it 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import marshal
 import os
@@ -32,7 +33,7 @@ from snapshotter.profile import Profile
 from snapshotter.state import open_own, replace_file, root_key, sub
 from snapshotter.version import __version__
 
-VERSION = 1
+VERSION = 2  # 2: a plan's paths as one string
 _FIELDS = ("path", "kind", "mode", "uid", "gid", "size", "mtime", "linkname", "rdev", "digest", "inode", "stamp",
            "xattrs", "mtime_ns")  # an Entry's, in the order Entry() takes them
 _DIGEST_LEN = 64
@@ -134,12 +135,18 @@ class StoredPlan:
     def __init__(self, root: str, scan: Scan, d: Diff, index: dict[str, Entry], profile: Profile,
                  options: tuple):
         self.path = os.path.join(sub("plan-memo"), root_key(root) + ".bin")
-        self.by_path = {**scan.entries, **{e.path: e for e in d.changed}}
+        changed = [e.path for e in d.changed]
+        # The diff's entries are the scan's own but where it made others (a digest computed): only
+        # those are merged in, not a copy of the whole walk made on each commit.
+        other = {e.path: e for e in d.changed if scan.entries.get(e.path) is not e}
+        self.by_path = {**scan.entries, **other} if other else scan.entries
         records = record_stamps(scan.entries)  # what the units of bundles depend on (box/records.py)
         self.key = None if scan.kept_as is None or records is None else _key(
             scan.kept_as, sorted(scan.host_files), scan.unreadable, sorted(scan.pseudo_mounts), scan.skipped_secrets,
-            _profile_rules(profile), list(options), records, _paths_digest(e.path for e in d.changed),
-            d.deleted, [(p, index[p].kind, index[p].mtime, index[p].size) for p in _in_base(d, index)])
+            _profile_rules(profile), list(options), records, _paths_digest(changed), d.deleted,
+            # the base's entries of the diff's paths, which the plan reads
+            [(p, index[p].kind, index[p].mtime, index[p].size) for p in itertools.chain(changed, d.deleted)
+             if p in index])
 
     def plans(self, zstd_level: int) -> Optional[list[LayerPlan]]:
         """The kept plan, if it was made from the same input; None if there is none."""
@@ -157,24 +164,28 @@ class StoredPlan:
             return
         rows = []
         for p in plans:
-            entries = []
-            for e in p.entries:
+            parents = []  # (place, mtime) of each parent directory's copy
+            for i, e in enumerate(p.entries):
                 src = self.by_path.get(e.path)
                 if src is None or (e is not src and e != parent_copy(src, e.mtime)):
                     return  # an entry made another way (a part of a big file): not kept
-                entries.append((e.path, None if e is src else e.mtime))
+                if e is not src:
+                    parents.append((i, e.mtime))
+            # The paths as one string (a path holds no NUL): one object to load, not one per entry.
             rows.append((p.name, p.compression, p.detail, p.whiteouts, sorted(p.slices.items()), p.part_of,
-                         p.part_links, entries, zstd_level, p.fingerprint(zstd_level)))
+                         p.part_links, len(p.entries), "\0".join(e.path for e in p.entries), parents,
+                         zstd_level, p.fingerprint(zstd_level)))
         _write(self.path, self.key, rows)
 
     def _plan(self, row: tuple, zstd_level: int) -> LayerPlan:
-        name, compression, detail, whiteouts, slices, part_of, part_links, entries, level, fingerprint = row
-        by_path = self.by_path
-        own = [by_path[p] if m is None else parent_copy(by_path[p], m) for p, m in entries]
+        name, compression, detail, whiteouts, slices, part_of, part_links, count, paths, parents, level, key = row
+        own = list(map(self.by_path.__getitem__, paths.split("\0"))) if count else []  # none: "" would be one, the root
+        for i, mtime in parents:
+            own[i] = parent_copy(own[i], mtime)
         plan = LayerPlan(name, compression, own, list(whiteouts), detail, {k: tuple(v) for k, v in slices},
                          tuple(part_of) if part_of else None, list(part_links))
         if level == zstd_level:
-            plan.keep_fingerprint(level, fingerprint)
+            plan.keep_fingerprint(level, key)
         return plan
 
 
@@ -191,11 +202,6 @@ def _paths_digest(paths) -> str:
     for p in paths:
         h.update(p.encode("utf-8", "surrogateescape") + b"\0")
     return h.hexdigest()
-
-
-def _in_base(d: Diff, index: dict[str, Entry]) -> list[str]:
-    """The paths of the diff the base has: the plan reads their base entries."""
-    return [p for p in [*(e.path for e in d.changed), *d.deleted] if p in index]
 
 
 def _same(now: Optional[Entry | str], then: Entry | str) -> bool:

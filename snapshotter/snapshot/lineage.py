@@ -29,16 +29,22 @@ def movable(remote: Remote, ref: Reference, root: str, force: bool = False,
             also: Iterable[str] = ()) -> tuple[Optional[str], bool]:
     """The digest `ref`'s tag names now (None: no such tag yet), and whether this box may move it."""
     current = remote.manifest_digest(ref.tag)
-    return current, current is None or force or current in known_origins(root, also)
+    return current, _may_move(current, root, force, also)
+
+
+def _may_move(current: Optional[str], root: str, force: bool, also: Iterable[str]) -> bool:
+    return current is None or force or current in known_origins(root, also)
 
 
 def check_forward(remote: Remote, ref: Reference, root: str, force: bool = False,
-                  also: Iterable[str] = ()) -> Optional[str]:
-    """The digest `ref`'s tag names now (None: no such tag yet), if this box may move it; else a
-    UsageError (exit 2) naming the ways on, before anything is written."""
-    current, ok = movable(remote, ref, root, force, also)
-    if ok:
-        return current
+                  also: Iterable[str] = ()) -> Optional[tuple[str, bytes]]:
+    """The manifest `ref`'s tag names now (its digest and bytes; None: no such tag yet), if this box
+    may move it; else a UsageError (exit 2) naming the ways on, before anything is written. The
+    manifest itself, not only its digest: a commit that would push that very image pushes nothing."""
+    tagged = remote.tagged(ref.tag)
+    current = tagged[0] if tagged else None
+    if _may_move(current, root, force, also):
+        return tagged
     raise UsageError(
         f"{ref} names {current[:19]}, a snapshot that {root!r} neither came from (no finished `snap restore` of it "
         f"here) nor made: moving the tag would replace it with this box",
