@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import marshal
 import os
 import subprocess
 import sys
@@ -439,3 +440,28 @@ def test_a_nothing_changed_commit_pushes_nothing_and_asks_no_head_per_layer(regi
     asked = [p for m, p, _ in proxy.log if m == "HEAD" and "/blobs/" in p]
     assert not [p for p in asked if p.rsplit("/", 1)[-1] in listed], asked
     assert registry.manifest("still", "v1") == manifest
+
+
+def test_a_stored_walk_row_filed_under_another_path_is_not_trusted(registry, base_ref, box, monkeypatch, tmp_path,
+                                                                    state_dir):
+    """The kept walk is data in the state dir, not a verdict: a row whose path is not the one it is
+    filed under (or of the wrong shape) makes the walk read every path again; kept, `a.txt` would
+    have vanished from the next snapshot and `b.txt` gained xattrs it does not have."""
+    from snapshotter.box import scan as scan_module
+    from snapshotter.snapshot import kept
+
+    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)  # a real box's files are older than the window
+    write_tree(box, {"opt/x/a.txt": "aaaa\n", "opt/x/b.txt": "bbbb\n"})
+    commit_box(f"{registry.host}/crafted:v1", base_ref, CommitOptions(root=box))
+    [path] = [os.path.join(state_dir, "walk-memo", n) for n in os.listdir(os.path.join(state_dir, "walk-memo"))]
+    with open(path, "rb") as f:
+        key, (paths, rows) = marshal.loads(f.read()[64:])
+    i = paths.index("opt/x/a.txt")
+    row = list(rows[i])
+    row[0], row[kept._FIELDS.index("xattrs")] = "opt/x/b.txt", {"user.injected": "1"}
+    rows[i] = tuple(row)
+    kept._write(path, key, (paths, rows))
+    commit_box(f"{registry.host}/crafted:v2", base_ref, CommitOptions(root=box))
+    out = str(tmp_path / "out")
+    restore_image(f"{registry.host}/crafted:v2", out)
+    assert snapshot_of_tree(out, skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)

@@ -39,6 +39,20 @@ _FIELDS = ("path", "kind", "mode", "uid", "gid", "size", "mtime", "linkname", "r
 _DIGEST_LEN = 64
 
 
+_TYPES = (str, str, int, int, int, int, int, str, int, (str, type(None)), (str, type(None)), str,
+          (dict, type(None)), (int, type(None)))  # of _FIELDS, in order
+
+
+def _entry(path: str, row) -> Entry:
+    """An entry of the stored walk, only as save() writes one: its own path, every field of its type
+    (a row filed under another path would make that path vanish from the next snapshot)."""
+    if not (isinstance(path, str) and isinstance(row, tuple) and len(row) == len(_FIELDS) and row[0] == path
+            and all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(row, _TYPES))
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in (row[12] or {}).items())):
+        raise ValueError(f"stored walk: a row of {path!r} is not an entry")
+    return Entry(*row)
+
+
 def _key(*context) -> str:
     return hashlib.sha256(json.dumps([VERSION, __version__, *context]).encode("utf-8", "surrogateescape")).hexdigest()
 
@@ -87,8 +101,8 @@ class StoredWalk:
         try:
             if stored is not None:
                 paths, rows = stored
-                self.loaded = {p: r if isinstance(r, str) else Entry(*r) for p, r in zip(paths, rows, strict=True)}
-        except (TypeError, ValueError):
+                self.loaded = {p: r if isinstance(r, str) else _entry(p, r) for p, r in zip(paths, rows, strict=True)}
+        except (TypeError, ValueError):  # not what save() writes: the walk reads every path again
             self.loaded = {}
         self._memo = ScanMemo()
         self._memo.finish(self.context, self.loaded)
