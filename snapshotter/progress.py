@@ -29,8 +29,7 @@ def to_stderr(line: str) -> None:
     sys.stderr.flush()
 
 
-# What the lines are timed by: seconds, only ever increasing. Tests set their own.
-clock: Callable[[], float] = time.monotonic
+Clock = Callable[[], float]  # what the lines are timed by: seconds, only ever increasing
 
 _lock = threading.Lock()
 
@@ -61,10 +60,11 @@ def check_settings() -> None:
     _every()
 
 
-def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to_stderr):
+def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to_stderr,
+        clock: Clock = time.monotonic):
     """Progress of one transfer of bytes (sizes scaled to KiB/MiB/GiB) or of counted things
-    (unit: 'files', 'layers'): a context manager with update(n). Plain lines go to `sink`; bars
-    are drawn on stderr, the terminal."""
+    (unit: 'files', 'layers'): a context manager with update(n). Plain lines go to `sink`, timed by
+    `clock`; bars are drawn on stderr, the terminal."""
     desc = printable(desc)  # labels come from images: no control character reaches the terminal or the log
     how = mode()
     if how == "lines":
@@ -72,7 +72,7 @@ def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to
             every = _every()
         except UsageError:  # check_settings refused it at the start; a library caller gets the default
             every = DEFAULT_EVERY
-        return LineProgress(desc, total, unit, every, sink)
+        return LineProgress(desc, total, unit, every, sink, clock)
     from tqdm import tqdm  # here: a run without a terminal (a pod, a pipe) draws no bar and skips its import
 
     return tqdm(
@@ -84,8 +84,10 @@ def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to
 class LineProgress:
     """One transfer's progress as plain lines on stderr (see the module's doc)."""
 
-    def __init__(self, desc: str, total: Optional[int], unit: str, every: float, sink: Sink = to_stderr):
+    def __init__(self, desc: str, total: Optional[int], unit: str, every: float, sink: Sink = to_stderr,
+                 clock: Clock = time.monotonic):
         self.desc, self.total, self.unit, self.every, self.sink = desc, total, unit, every, sink
+        self.clock = clock
         self.n = 0
         self._started: Optional[float] = None
         self._last_t, self._last_n = 0.0, 0
@@ -97,7 +99,7 @@ class LineProgress:
         self.n += n
         if self._started is None:
             self._start()
-        now = clock()
+        now = self.clock()
         if now - self._last_t >= self.every:
             self._say(f"{self._amount()}{self._rate(self.n - self._last_n, now - self._last_t)}")
             self._last_t, self._last_n = now, self.n
@@ -106,7 +108,7 @@ class LineProgress:
         if self._started is None:
             return  # nothing was said and nothing done: nothing to end
         if ok:
-            took = clock() - self._started
+            took = self.clock() - self._started
             self._say(f"done, {self._size(self.n)} in {_duration(took)}{self._rate(self.n, took, ' (%s)')}")
         else:
             self._say(f"stopped at {self._amount()}")
@@ -119,7 +121,7 @@ class LineProgress:
         self.close(ok=exc_type is None)
 
     def _start(self) -> None:
-        self._started = self._last_t = clock()
+        self._started = self._last_t = self.clock()
         self._say(f"started ({self._size(self.total)})" if self.total else "started")
 
     def _amount(self) -> str:

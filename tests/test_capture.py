@@ -10,17 +10,19 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 
 import pytest
 import zstandard
-from typer.testing import CliRunner
 
-from snapshotter import cli
+from snapshotter import CommitOptions, commit_box
+from snapshotter.cli import output as cli_output
+from snapshotter.commit.model import CommitHooks
 from snapshotter.index.entry import entry_from_stat
 from snapshotter.layer import generate as layer
 from snapshotter.layer.generate import build_layer, measure_layer, write_layer
 from snapshotter.layer.plan import LayerPlan
-from snapshotter.profile import holds_private_key
+from snapshotter.profile import holds_private_key, load_profile
 
 from support.images import snap_layer_files
 from support.run import have_wheels, pip_install_offline, snap
@@ -172,7 +174,7 @@ def _members(blob_bytes, compression):
 
 
 class Rewriter:
-    """The test's writer: rewrites a file in place right after snap read it (layer.after_read), for
+    """The test's writer: rewrites a file in place right after snap read it (the layer's after_read), for
     the first `times` reads; counts the reads."""
 
     def __init__(self, path, versions, times):
@@ -194,9 +196,8 @@ def test_a_file_rewritten_while_read_is_read_again(tmp_path, monkeypatch, stream
     if streamed:
         monkeypatch.setattr(layer, "BUFFERED_MAX", 1000)  # the path of files too big to hold: the layer restarts
     hook = Rewriter(str(tmp_path / "db.sqlite"), [new], times=1)
-    monkeypatch.setattr(layer, "after_read", hook)
     plan = _plan_of(str(tmp_path), "db.sqlite", "other.txt")
-    blob = build_layer(str(tmp_path), plan, str(tmp_path / "out"))
+    blob = build_layer(str(tmp_path), plan, str(tmp_path / "out"), after_read=hook)
     with open(blob.path, "rb") as f:
         data = f.read()
     assert blob.digest == "sha256:" + hashlib.sha256(data).hexdigest()
@@ -214,13 +215,11 @@ def test_a_file_that_never_settles_is_kept_as_last_read_and_reported(tmp_path, m
     if streamed:
         monkeypatch.setattr(layer, "BUFFERED_MAX", 1000)
     hook = Rewriter(str(tmp_path / "ckpt.bin"), versions, times=100)
-    monkeypatch.setattr(layer, "after_read", hook)
     plan = _plan_of(str(tmp_path), "ckpt.bin", compression="none")
-    blob = measure_layer(str(tmp_path), plan)
+    blob = measure_layer(str(tmp_path), plan, after_read=hook)
     assert blob.changed_while_read == ["ckpt.bin"] and hook.reads == layer.SETTLE_TRIES
     # The bytes: the version read last (before the last rewrite), whole, in a well-formed tar.
     buf = io.BytesIO()
-    monkeypatch.setattr(layer, "after_read", None)
     (tmp_path / "ckpt.bin").write_bytes(versions[(layer.SETTLE_TRIES - 1) % len(versions)])
     write_layer(buf, str(tmp_path), _plan_of(str(tmp_path), "ckpt.bin", compression="none"))
     assert _members(buf.getvalue(), "none")["ckpt.bin"][1] == versions[(layer.SETTLE_TRIES - 1) % len(versions)]
@@ -239,7 +238,19 @@ def test_a_part_cut_from_a_file_that_shrank_keeps_its_size(tmp_path):
     assert blob.changed_while_read == [part]
 
 
-def test_a_file_that_never_settles_is_held_back_in_one_line_naming_it(registry, base_ref, box, monkeypatch, tmp_path):
+def commit_saying(target: str, base: str, opts: CommitOptions, capsys, after_read) -> str:
+    """What `snap commit` says (stdout and stderr) as it commits the box with `after_read` in its reads
+    (CommitHooks.after_read, which the command line has no flag for): the library's commit_box, then
+    the lines cli/capture.py's commit prints of its result."""
+    capsys.readouterr()
+    result = commit_box(target, base, replace(opts, log=cli_output.say), CommitHooks(after_read=after_read))
+    cli_output.commit_left_out(result)
+    cli_output.commit_pushed(result)
+    said = capsys.readouterr()
+    return said.out + said.err
+
+
+def test_a_file_that_never_settles_is_held_back_in_one_line_naming_it(registry, base_ref, box, capsys, tmp_path):
     """A file that changes during every read is never pushed as last read (it would be torn): it is
     held back, named in one line, and the snapshot has no version of it (none had one before)."""
     db = "var/lib/app/state\ndb"  # a name with a newline cannot forge a line
@@ -247,15 +258,13 @@ def test_a_file_that_never_settles_is_held_back_in_one_line_naming_it(registry, 
     versions = {db: [b"s" * 4096, b"t" * 4096], ckpt: [bytes([i]) * 300_000 for i in range(7)]}
     write_tree(box, {db: versions[db][0], ckpt: versions[ckpt][0]})
     hooks = {p: Rewriter(os.path.join(box, p), v, times=100) for p, v in versions.items()}
-    monkeypatch.setattr(layer, "after_read", lambda rel, attempt: hooks[rel](rel, attempt) if rel in hooks else None)
-    r = CliRunner().invoke(cli.app, ["commit", f"{registry.host}/torn:v1", "--base", base_ref, "--root", box])
-    assert r.exit_code == 0, r.output
-    held = [line for line in r.output.splitlines() if line.startswith("held back:")]
+    said = commit_saying(f"{registry.host}/torn:v1", base_ref, CommitOptions(root=box), capsys,
+                         lambda rel, attempt: hooks[rel](rel, attempt) if rel in hooks else None)
+    held = [line for line in said.splitlines() if line.startswith("held back:")]
     tail = ("(changed while read): never read half-written; left out (the base's version, if any, stays); "
             "commit again once it is written")
     assert held == [f"held back: '/opt/app/models/ckpt.safetensors' {tail}",
                     f"held back: '/var/lib/app/state\\ndb' {tail}"]
-    monkeypatch.setattr(layer, "after_read", None)
     out = tmp_path / "restored"
     snap("restore", f"{registry.host}/torn:v1", "--root", str(out), check=True)
     for p in versions:
@@ -275,7 +284,7 @@ WRITER = ("import sys\n"
 @pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
 @pytest.mark.parametrize("how", ["grow", "rewrite"])
 def test_a_file_that_keeps_growing_while_sent_is_sent_as_first_seen_with_a_warning(registry, base_ref, box, tmp_path,
-                                                                                   monkeypatch, how, streamed):
+                                                                                   monkeypatch, capsys, how, streamed):
     """A weights layer (stored as is) is read twice: measured, then streamed to the registry. A log
     growing all along, written by another process after the measure and again during the send, is
     sent as first seen, with one warning line naming it (escaped). One rewritten in place is held
@@ -300,19 +309,15 @@ def test_a_file_that_keeps_growing_while_sent_is_sent_as_first_seen_with_a_warni
             if (rel, reads[rel]) in ((other, 1), (log, 2)):  # after its measure (the next file's), and while sent
                 write_now()
 
-    monkeypatch.setattr(layer, "after_read", after_read)
     if streamed:
         monkeypatch.setattr(layer, "BUFFERED_MAX", 64)  # the path of files too big to hold
     try:
-        r = CliRunner().invoke(cli.app,
-                               ["commit", f"{registry.host}/growing-{how}-{int(streamed)}:v1", "--base", base_ref,
-                                         "--root", box, "--profile", str(prof)])
+        output = commit_saying(f"{registry.host}/growing-{how}-{int(streamed)}:v1", base_ref,
+                               CommitOptions(root=box, profile=load_profile(str(prof))), capsys, after_read)
     finally:
         writer.communicate("", timeout=60)
-    monkeypatch.setattr(layer, "after_read", None)
-    assert r.exit_code == 0, r.output
-    assert "\x1b" not in r.output
-    said = [line for line in r.output.splitlines() if "run\\x1b[2J.log" in line]
+    assert "\x1b" not in output
+    said = [line for line in output.splitlines() if "run\\x1b[2J.log" in line]
     out = tmp_path / "restored"
     snap("restore", f"{registry.host}/growing-{how}-{int(streamed)}:v1", "--root", str(out), check=True)
     if how == "grow":

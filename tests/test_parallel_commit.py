@@ -11,7 +11,7 @@ import sys
 
 from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import push as push_module
-from snapshotter.layer import generate as layer_module
+from snapshotter.commit.model import CommitHooks
 from snapshotter.profile import parse_profile
 
 from support.packers import BlockOnRead, NoteReader, RewriteOnRead, packer_env
@@ -47,11 +47,12 @@ def test_the_layers_are_the_same_with_any_number_of_jobs(registry, base_ref, box
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(push_module, "PACK_APART_MIN", 0)
     log = str(tmp_path / "readers")
-    monkeypatch.setattr(layer_module, "after_read", NoteReader(log))
+    hooks = CommitHooks(after_read=NoteReader(log))
     digests = {}
     for jobs in (1, 4):
         monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / f"state-{jobs}"))  # nothing known: every layer packed
-        result = commit_box(f"{registry.host}/jobs:j{jobs}", base_ref, CommitOptions(root=box, profile=prof, jobs=jobs))
+        result = commit_box(f"{registry.host}/jobs:j{jobs}", base_ref, CommitOptions(root=box, profile=prof, jobs=jobs),
+                            hooks)
         assert not [layer for layer in result.layers if "not read" in layer.status], result.layers
         digests[jobs] = [(layer.name, layer.digest) for layer in result.layers]
         if jobs == 1:
@@ -69,27 +70,42 @@ def test_a_file_that_changes_while_a_packer_reads_it_is_held_back(registry, base
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(push_module, "PACK_APART_MIN", 0)
     log = str(tmp_path / "readers")
-    monkeypatch.setattr(layer_module, "after_read", RewriteOnRead(log, box, {"opt/app/output/state.db"}))
+    hooks = CommitHooks(after_read=RewriteOnRead(log, box, {"opt/app/output/state.db"}))
     target = f"{registry.host}/torn-apart:v1"
-    result = commit_box(target, base_ref, CommitOptions(root=box, profile=parse_profile(BUNDLED), jobs=3))
+    result = commit_box(target, base_ref, CommitOptions(root=box, profile=parse_profile(BUNDLED), jobs=3), hooks)
     assert result.held == {"opt/app/output/state.db": "changed while read"}
     assert readers(log) - {os.getpid()}
-    monkeypatch.setattr(layer_module, "after_read", None)
     out = tmp_path / "out"
     restore_image(target, str(out))
     assert not (out / "opt/app/output/state.db").exists()
     assert (out / "opt/app/output/ok.txt").read_text() == "settled\n"
 
 
-# snap's command line with a hook in its packers, and layers packed apart however small.
+# `snap commit TARGET --base BASE --root ROOT --jobs 2` with a hook in its packers (given through the
+# commit's hooks, which the command line has no flag for), and layers packed apart however small. The
+# library's commit_box in the command line's own wrappers, as cli/capture.py's commit runs it: SIGTERM
+# stops it as Ctrl-C does (sigterm_stops), and it ends with one line and the exit code (app.command).
 _WITH_HOOK = """
-import os, pickle, runpy, sys
+import os, pickle, sys
+import typer
+from snapshotter import CommitOptions, commit_box
+from snapshotter.cli.app import command, sigterm_stops
+from snapshotter.cli.output import say
 from snapshotter.commit import push
-from snapshotter.layer import generate
+from snapshotter.commit.model import CommitHooks
 push.PACK_APART_MIN = 0
-generate.after_read = pickle.loads(bytes.fromhex(sys.argv.pop(1)))
-generate.after_read.maker = os.getpid()  # snap's own process reads on (the weights)
-runpy.run_module("snapshotter", run_name="__main__", alter_sys=True)
+after_read = pickle.loads(bytes.fromhex(sys.argv[1]))
+after_read.maker = os.getpid()  # snap's own process reads on (the weights)
+
+@command
+def commit(target, base, root):
+    with sigterm_stops():
+        commit_box(target, base, CommitOptions(root=root, jobs=2, log=say), CommitHooks(after_read))
+
+try:
+    commit(*sys.argv[2:])
+except typer.Exit as e:
+    sys.exit(e.exit_code)
 """
 
 
@@ -104,8 +120,7 @@ def _blocked_commit(tmp_path, registry, base_ref, box, repo):
         os.unlink(os.path.join(box, "opt/app/models/loras", name))
     hook = pickle.dumps(BlockOnRead(ready, never)).hex()
     fd = os.open(ready, os.O_RDWR)  # a reader, and a writer so that it never reads the end
-    p = subprocess.Popen([sys.executable, "-c", _WITH_HOOK, hook, "commit", f"{registry.host}/{repo}:v1",
-                          "--base", base_ref, "--root", box, "--jobs", "2"],
+    p = subprocess.Popen([sys.executable, "-c", _WITH_HOOK, hook, f"{registry.host}/{repo}:v1", base_ref, box],
                          env={**os.environ, **packer_env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert select.select([fd], [], [], TIMEOUT)[0], "no packer read a file"
     first = int(os.read(fd, 64).split()[0])
@@ -190,12 +205,12 @@ def test_packers_load_this_snap_not_another_in_the_working_directory(registry, b
     for k, v in packer_env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(push_module, "PACK_APART_MIN", 0)
-    monkeypatch.setattr(layer_module, "after_read", NoteReader(str(tmp_path / "readers")))
+    hooks = CommitHooks(after_read=NoteReader(str(tmp_path / "readers")))
     other = tmp_path / "checkout"
     (other / "snapshotter").mkdir(parents=True)
     (other / "snapshotter" / "__init__.py").write_text("raise ImportError('another snapshotter')\n")
     monkeypatch.chdir(other)
     result = commit_box(f"{registry.host}/cwd:v1", base_ref, CommitOptions(root=box, profile=parse_profile(BUNDLED),
-                                                                           jobs=4))
+                                                                           jobs=4), hooks)
     assert len(readers(str(tmp_path / "readers")) - {os.getpid()}) > 1  # packed in packers
     assert all(layer.status == "uploaded" for layer in result.layers), result.layers

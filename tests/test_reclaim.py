@@ -28,7 +28,6 @@ from snapshotter.box.writers import open_for_writing
 from snapshotter.commit import push as push_module
 from snapshotter.commit.model import CommitHooks
 from snapshotter.errors import SnapError
-from snapshotter.layer import generate as layer_module
 from snapshotter.oci.reference import is_tag
 from snapshotter.profile import parse_profile
 from snapshotter.restore.restore import RestoreOptions
@@ -535,7 +534,7 @@ def test_a_commit_to_a_new_tag_after_a_restore_keeps_the_restored_version_of_a_f
     assert (out / WEIGHT).read_bytes() == weight
 
 
-def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref, box, tmp_path, monkeypatch):
+def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref, box, tmp_path):
     """A file that changes during every read (layer/generate.py reads it up to 3 times): never kept as last read.
     A weight with a version in the tag's snapshot keeps it (that layer, reused); a new file is left out."""
     prof = parse_profile(SMALL_WEIGHTS)
@@ -553,8 +552,7 @@ def test_a_commit_never_pushes_a_file_that_changed_while_read(registry, base_ref
             with open(os.path.join(box, path), "r+b") as f:
                 f.write(os.urandom(64))
 
-    monkeypatch.setattr(layer_module, "after_read", rewrite)
-    result = commit_box(target, base_ref, CommitOptions(root=box, profile=prof))
+    result = commit_box(target, base_ref, CommitOptions(root=box, profile=prof), CommitHooks(after_read=rewrite))
     assert result.held == {WEIGHT: "changed while read", "opt/app/state.db": "changed while read"}
     assert result.carried == [WEIGHT]
     out = tmp_path / "out"
@@ -583,25 +581,26 @@ def test_a_file_written_between_the_scan_and_its_read_is_held_back(registry, bas
     assert not (out / image).exists() and (out / "etc/app.conf").read_text() == "threads = 8\n"
 
 
-def test_a_file_that_tore_in_a_snapshot_is_taken_by_the_next_once_still(registry, base_ref, box, tmp_path,
-                                                                         monkeypatch):
+def test_a_file_that_tore_in_a_snapshot_is_taken_by_the_next_once_still(registry, base_ref, box, tmp_path):
     """A weight that changed during every read of one snapshot was kept there at its last version;
     the watcher must not count it as taken: the next snapshot, with the file still, has the new one."""
     prof = parse_profile(SMALL_WEIGHTS)
     write_tree(box, {WEIGHT: os.urandom(2 * MiB)})
     lines, clock = [], FakeClock()
-    w = watcher(registry, base_ref, box, "tore-once", lines, clock, profile=prof, every=0, stable=5)
+    poking = threading.Event()  # while set, the weight changes during every read
+    w = watcher(registry, base_ref, box, "tore-once", lines, clock, profile=prof, every=0, stable=5,
+                after_read=lambda path, attempt: poking.is_set() and path == WEIGHT and _poke(box, WEIGHT))
     clock.advance(10)
     w.tick()  # the weight, still, in the first snapshot
     clock.advance(10)
     with open(os.path.join(box, WEIGHT), "r+b") as f:
         f.write(os.urandom(MiB))
     clock.advance(10)  # stable by its times: read, and it tears during every read
-    monkeypatch.setattr(layer_module, "after_read", lambda path, attempt: path == WEIGHT and _poke(box, WEIGHT))
+    poking.set()
     w.tick()
     held = f"held back: '/{WEIGHT}' (changed while read); kept the last snapshot's version"
     assert any(held in line for line in lines), lines
-    monkeypatch.setattr(layer_module, "after_read", None)
+    poking.clear()
     clock.advance(10)
     w.tick()  # nothing changed since: but the snapshot has the old version, so this one takes the new
     out = tmp_path / "out"

@@ -18,7 +18,6 @@ import pytest
 from snapshotter import CommitOptions, restore_image
 from snapshotter.commit import push as push_module
 from snapshotter.errors import SnapError
-from snapshotter.layer import generate as layer_module
 from snapshotter.profile import load_profile, parse_profile
 from snapshotter.registry.remote import Remote
 from snapshotter.restore.restore import RestoreOptions
@@ -211,22 +210,16 @@ BIG_ELSEWHERE = open(os.path.join(os.path.dirname(__file__), "..", "layers", "de
     .replace("file_layer_min: 64MiB", "file_layer_min: 1MiB")
 
 
-def record_reads(monkeypatch) -> list[str]:
-    """The box files commit reads (layer.after_read), from now on; the stat cache trusts new files."""
-    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # a layer built now goes into the stat cache
-    reads: list[str] = []
-    monkeypatch.setattr(layer_module, "after_read", lambda path, attempt: reads.append(path))
-    return reads
-
-
 def train(registry, base_ref, box, repo, profile, path: str, data: bytes, monkeypatch):
     """A watcher (a snapshot at every tick) sees a training run write a file and a log: a snapshot
     while the file is new (it is held back), then one once it is stable (5 s by the test's clock).
-    The watcher, its clock, its lines, and the box files read from now on."""
-    reads = record_reads(monkeypatch)
+    The watcher, its clock, its lines, and the box files its commits read (CommitHooks.after_read)
+    from now on; the stat cache trusts new files."""
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # a layer built now goes into the stat cache
+    reads: list[str] = []
     lines, clock = [], FakeClock()
     w = watcher(registry, base_ref, box, repo, lines, clock, profile=parse_profile(profile), every=0, quiet=10**6,
-                stable=5)
+                stable=5, after_read=lambda path, attempt: reads.append(path))
     w.tick()
     write_tree(box, {path: data, "opt/app/train.log": "step 1\n"})
     w.tick()

@@ -14,6 +14,7 @@ from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
 from snapshotter.box.writers import WRITING_QUIET_S, being_written
 from snapshotter.index.entry import Entry
+from snapshotter.layer.generate import AfterRead
 from snapshotter.layer.memo import PlanMemo
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
 from snapshotter.layer.planning import plan_layers
@@ -69,13 +70,18 @@ class CommitHooks:
     - old_entry(path): the last snapshot's entry of a changed path, whose layer the stat cache may
       still have (snap watch): a held file in a bundle keeps that version; None: no such entry.
 
-    Two attributes travel with a plan (CommitPlan.hooks): plan_memo, the last plan's splits and rows
-    (layer/plan.py's PlanMemo) kept between the plans of one watcher, and stopping, an event another
-    thread sets: the push gives up at its next chunk (the watcher's final snapshot wants the lock)."""
+    Three attributes travel with a plan (CommitPlan.hooks): plan_memo, the last plan's splits and rows
+    (layer/plan.py's PlanMemo) kept between the plans of one watcher; stopping, an event another
+    thread sets: the push gives up at its next chunk (the watcher's final snapshot wants the lock);
+    and after_read(path, attempt), called after each read of a box file's content, before it is
+    checked for changes (None: nothing; tests rewrite the file there, as a writer racing the commit
+    would). after_read goes to the packer processes with each layer: it must pickle there (a
+    module-level class, not a lambda) when the commit packs with jobs > 1."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_read: AfterRead = None) -> None:
         self.plan_memo: Optional[PlanMemo] = None
         self.stopping: Optional[threading.Event] = None
+        self.after_read = after_read
         self._target: Optional[tuple[Remote, str, Optional[str]]] = None
         self._previous: Optional[dict[str, list[Layer]]] = None
 

@@ -18,7 +18,6 @@ from snapshotter.errors import IntegrityError, SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
 from snapshotter.jobs import cpu_count
-from snapshotter.layer import generate
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
 from snapshotter.layer.packers import Packers, PackJob
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
@@ -311,6 +310,7 @@ class _LayerSender:
     def __init__(self, cp: CommitPlan, remote: Remote, packers: Optional[Packers], count: int, on_pack, on_up):
         self.root, self.zstd_level, self.sources, self.remote = cp.root, cp.zstd_level, cp.sources, remote
         self.packers, self.on_pack, self.on_up = packers, on_pack, on_up
+        self.after_read = cp.hooks.after_read  # into every read of a box file, here and in the packers
         self.out_dir = sub("layers")
         # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
         # way the frames are the same (tar/compress.py).
@@ -331,7 +331,7 @@ class _LayerSender:
                 return blob, NOT_SENT_TORN
             if there := in_registry(self.remote, blob.digest, self.sources):
                 return blob, there
-            return blob, _upload_measured(self.remote, self.root, plan, blob, self.zstd_level, self.on_up)
+            return blob, self._upload_measured(plan, blob)
         try:
             if blob.not_whole:
                 return blob, NOT_SENT_TORN
@@ -346,39 +346,40 @@ class _LayerSender:
         """The layer's blob and its skeleton's piece (its headers, as written)."""
         if plan.compression != "none" and self.packers is not None:
             return self.packers.pack(PackJob(plan, self.root, self.out_dir, self.zstd_level, self.zstd_threads,
-                                             skeleton.PieceWriter, generate.after_read), self.on_pack)
+                                             skeleton.PieceWriter, self.after_read), self.on_pack)
         headers = skeleton.PieceWriter()
         if plan.compression == "none":
             # Stored as is: hash it in one read (the hash lets other threads run), then stream it
             # again to the registry only if the registry lacks it. No copy of tens of GB on the
             # box's (often full) disk.
-            blob = measure_layer(self.root, plan, self.zstd_level, self.on_pack, headers)
+            blob = measure_layer(self.root, plan, self.zstd_level, self.on_pack, headers, self.after_read)
         else:
-            blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, self.on_pack, headers)
+            blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, self.on_pack, headers,
+                               after_read=self.after_read)
         return blob, headers.finish(blob.diff_id)
 
+    def _upload_measured(self, plan: LayerPlan, blob: LayerBlob) -> str:
+        """Send a measured layer (stored as is: read again from the box as it is sent), each file's
+        header as measured and its bytes up to the size measured. A file that only grew since (a log, a
+        download) gives the bytes measured: it is sent as first seen, and named in blob.grown. One whose
+        bytes changed gives others, which the registry refuses: it is held back as torn (blob's
+        changed_while_read; the caller builds the layer again without it)."""
+        again: list[LayerBlob] = []
 
-def _upload_measured(remote: Remote, root: str, plan: LayerPlan, blob: LayerBlob, zstd_level: int, on_up) -> str:
-    """Send a measured layer (stored as is: read again from the box as it is sent), each file's
-    header as measured and its bytes up to the size measured. A file that only grew since (a log, a
-    download) gives the bytes measured: it is sent as first seen, and named in blob.grown. One whose
-    bytes changed gives others, which the registry refuses: it is held back as torn (blob's
-    changed_while_read; the caller builds the layer again without it)."""
-    again: list[LayerBlob] = []
+        def produce(out) -> None:
+            again[:] = [write_layer(out, self.root, plan, self.zstd_level, as_seen=blob.seen,
+                                    after_read=self.after_read)]
 
-    def produce(out) -> None:
-        again[:] = [write_layer(out, root, plan, zstd_level, as_seen=blob.seen)]
-
-    try:
-        remote.upload_from(produce, blob.digest, blob.size, on_up, what="layers")
-    except IntegrityError:
-        if not (again and (again[0].grown or again[0].unreadable)):
-            raise
-        blob.changed_while_read = sorted(set(again[0].grown) - set(again[0].unreadable))
-        blob.unreadable, blob.read_errors = again[0].unreadable, again[0].read_errors
-        return NOT_SENT_TORN
-    blob.grown = again[0].grown if again else {}
-    return "uploaded"
+        try:
+            self.remote.upload_from(produce, blob.digest, blob.size, self.on_up, what="layers")
+        except IntegrityError:
+            if not (again and (again[0].grown or again[0].unreadable)):
+                raise
+            blob.changed_while_read = sorted(set(again[0].grown) - set(again[0].unreadable))
+            blob.unreadable, blob.read_errors = again[0].unreadable, again[0].read_errors
+            return NOT_SENT_TORN
+        blob.grown = again[0].grown if again else {}
+        return "uploaded"
 
 
 def grown_line(path: str, size: int) -> str:

@@ -25,8 +25,8 @@ SETTLE_TRIES = 3  # reads of a file that keeps changing while read; the last one
 BUFFERED_MAX = 8 << 20  # a file up to this size is read into memory, and read again alone if it changed
 BUILDING_PREFIX = ".building-"  # a layer being built: BUILDING_PREFIX + "<pid>-<n>" in its out_dir
 # Called after each read of a file's content with (path, attempt), before the re-stat: lets a test
-# change the file at that exact point. None in normal runs.
-after_read: Optional[Callable[[str, int], None]] = None
+# change the file at that exact point (model.CommitHooks.after_read). None in normal runs.
+AfterRead = Optional[Callable[[str, int], None]]
 _TAR_TYPE = {FILE: tarfile.REGTYPE, DIR: tarfile.DIRTYPE, SYMLINK: tarfile.SYMTYPE, CHAR: tarfile.CHRTYPE,
              BLOCK: tarfile.BLKTYPE, FIFO: tarfile.FIFOTYPE}
 
@@ -78,6 +78,7 @@ class _Reads:
     grown: dict[str, int] = field(default_factory=dict)  # LayerBlob.grown
     retry_streamed: bool = False  # a torn streamed file raises _Torn (the caller can start the layer again)
     on_header: Optional[Callable[[bytes, int], None]] = None  # each header as written, with its content size
+    after_read: AfterRead = None  # see AfterRead
 
 
 class HeaderSink(Protocol):
@@ -167,8 +168,8 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
             else:  # too big to hold: streamed into the layer, which is built again if it tore
                 _put_header(put, ti, reads, ti.size)
                 whole = _read_exactly(fd, offset, ti.size, put, on_bytes, failed)
-            if after_read:
-                after_read(e.path, attempt)
+            if reads.after_read:
+                reads.after_read(e.path, attempt)
             if failed:
                 break
             settled = whole and _stat_key(os.fstat(fd)) == _stat_key(before)
@@ -293,7 +294,7 @@ def _write_members(put: Callable[[bytes], None], box: Beneath, plan: LayerPlan, 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
           on_bytes: Optional[Callable[[int], None]], hashing: bool = True,
           headers: Optional[HeaderSink] = None, zstd_threads: int = -1,
-          as_seen: Optional[dict[str, tuple]] = None, record: bool = False) -> LayerBlob:
+          as_seen: Optional[dict[str, tuple]] = None, record: bool = False, after_read: AfterRead = None) -> LayerBlob:
     """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere), and its headers
     to `headers`. A big file that changes while it is streamed makes the layer start again, where
     `out` can be rewound (a file, or nowhere), up to SETTLE_TRIES times; the last build is kept."""
@@ -307,7 +308,8 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
         comp = Compressor(out, plan.compression, zstd_level, hashing, zstd_threads)
         try:
             reads = _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
-                           on_header=headers.add if headers else None, as_seen=as_seen, record=record)
+                           on_header=headers.add if headers else None, as_seen=as_seen, record=record,
+                           after_read=after_read)
             write_tar(comp, root, plan, on_bytes, reads)
             break
         except _Torn:
@@ -323,30 +325,32 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
 
 
 def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
-                  on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None) -> LayerBlob:
+                  on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None,
+                  after_read: AfterRead = None) -> LayerBlob:
     """Digests and size of a layer without keeping its bytes (stream it again with write_layer)."""
-    return _emit(None, root, plan, zstd_level, on_bytes, headers=headers, record=True)
+    return _emit(None, root, plan, zstd_level, on_bytes, headers=headers, record=True, after_read=after_read)
 
 
 def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
                 on_bytes: Optional[Callable[[int], None]] = None,
-                as_seen: Optional[dict[str, tuple]] = None) -> LayerBlob:
+                as_seen: Optional[dict[str, tuple]] = None, after_read: AfterRead = None) -> LayerBlob:
     """Write the layer blob's bytes to `out`: the upload stream of a measured layer, not hashed
     again (the registry checks the bytes against the digest measured before). With `as_seen`
     (the measured blob's `seen`) each file's header is written as measured and its bytes read up
     to the size measured: a file that grew since is sent as first seen (and named in `grown`)."""
-    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False, as_seen=as_seen)
+    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False, as_seen=as_seen, after_read=after_read)
 
 
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
                 on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None,
-                zstd_threads: int = -1) -> LayerBlob:
+                zstd_threads: int = -1, after_read: AfterRead = None) -> LayerBlob:
     """Build one layer blob into `out_dir` (temp name, renamed to its digest when complete)."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f"{BUILDING_PREFIX}{os.getpid()}-{id(plan)}")
     try:
         with open(tmp, "wb") as f:
-            blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers, zstd_threads=zstd_threads)
+            blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers, zstd_threads=zstd_threads,
+                         after_read=after_read)
         blob.path = os.path.join(out_dir, blob.digest.split(":", 1)[1])
         os.replace(tmp, blob.path)
     except OSError as e:

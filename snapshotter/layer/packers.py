@@ -22,8 +22,7 @@ from typing import Any, Callable, Optional
 from snapshotter.errors import SnapError
 from snapshotter.workers import Worker, WorkerDied, WorkerPool
 
-from . import generate
-from .generate import BUILDING_PREFIX, LayerBlob, build_layer
+from .generate import BUILDING_PREFIX, AfterRead, LayerBlob, build_layer
 from .plan import LayerPlan
 
 PROGRESS_EVERY = 1 << 20  # bytes read between progress messages: a stop is noticed within one
@@ -37,7 +36,7 @@ class PackJob:
     zstd_level: int
     zstd_threads: int
     headers: Optional[Callable[[], Any]]  # makes the layer's HeaderSink, which has finish(diff_id) -> bytes
-    after_read: Optional[Callable[[str, int], None]]  # generate.after_read, for tests
+    after_read: AfterRead  # model.CommitHooks.after_read, pickled: a test's class, or None
 
 
 class PackerDied(SnapError):
@@ -102,7 +101,7 @@ def _packer() -> Callable[[PackJob, Callable[[int], None]], tuple[LayerBlob, Opt
 
 
 def _pack(job: PackJob, on_bytes: Callable[[int], None]) -> tuple[LayerBlob, Optional[bytes]]:
-    generate.after_read = job.after_read
     headers = job.headers() if job.headers is not None else None
-    blob = build_layer(job.root, job.plan, job.out_dir, job.zstd_level, on_bytes, headers, job.zstd_threads)
+    blob = build_layer(job.root, job.plan, job.out_dir, job.zstd_level, on_bytes, headers, job.zstd_threads,
+                       job.after_read)
     return blob, (headers.finish(blob.diff_id) if headers is not None else None)

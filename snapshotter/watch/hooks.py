@@ -28,7 +28,7 @@ class WatchHooks(CommitHooks):
 
     def __init__(self, opts: WatchOptions, changes: ChangeTracker, big: BigFiles, tags: TagMover, memo: PlanMemo,
                  now: float, final: bool, stopping: Optional[threading.Event] = None):
-        super().__init__()
+        super().__init__(opts.after_read)
         self.opts, self.tracker, self.big, self.tags = opts, changes, big, tags
         self.now, self.final = now, final
         self.plan_memo, self.stopping = memo, stopping

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 from snapshotter.commit.model import CommitOptions
 from snapshotter.errors import UsageError
+from snapshotter.layer.generate import AfterRead
 
 from .notices import NoticeWatcher
 
@@ -57,6 +58,7 @@ class WatchOptions:
     clock: Callable[[], float] = time.time  # wall clock (compared with file times); injectable for tests
     # CPU, not wall: on a busy machine a check waits, and waiting costs nothing
     cpu_clock: Callable[[], float] = time.thread_time
+    after_read: AfterRead = None  # each snapshot's CommitHooks.after_read (tests: a writer racing the reads)
 
     def check(self) -> None:
         """Refuse values the watcher cannot work with (before anything is read)."""

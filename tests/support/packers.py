@@ -1,5 +1,5 @@
-"""Hooks run in packer processes (layer/packers.py): generate.after_read travels to each packer with
-its layer, pickled: these are classes, and a packer imports this module (PYTHONPATH must name
+"""Hooks run in packer processes (layer/packers.py): a commit's CommitHooks.after_read travels to each
+packer with its layer, pickled: these are classes, and a packer imports this module (PYTHONPATH must name
 tests/, see packer_env)."""
 
 from __future__ import annotations
