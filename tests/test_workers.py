@@ -14,6 +14,8 @@ import pytest
 from snapshotter.errors import StorageError
 from snapshotter.workers import Worker, WorkerDied, WorkerPool
 
+from support.packers import packer_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -41,10 +43,20 @@ def _ended(pid: int, timeout: float) -> bool:
         os.close(fd)
 
 
-def test_a_worker_answers_jobs_sends_progress_and_raises_its_errors_in_the_parent():
+@pytest.fixture(params=["forked", "started"])
+def fork(request, monkeypatch):
+    """Both ways a worker starts: forked (the caller runs one thread) and started afresh with
+    `python -c` (it does not: a test process with a registry's threads), loading the test's setup
+    from tests/ as packers load the suite's hooks."""
+    for name, value in packer_env().items():
+        monkeypatch.setenv(name, value)
+    return request.param == "forked"
+
+
+def test_a_worker_answers_jobs_sends_progress_and_raises_its_errors_in_the_parent(fork):
     progress = []
-    with Worker(_echo_setup, ("got ",), progress_every=15) as w:
-        assert w.forked  # this test runs one thread
+    with Worker(_echo_setup, ("got ",), progress_every=15, fork=fork) as w:
+        assert w.forked == (fork and threading.active_count() == 1)
         assert w.run(1, progress.append) == "got 1"
         assert sum(progress) == 30 and len(progress) == 2  # batched at 15 bytes, the rest at the end
         with pytest.raises(StorageError) as e:
@@ -54,8 +66,8 @@ def test_a_worker_answers_jobs_sends_progress_and_raises_its_errors_in_the_paren
     assert w.proc.poll() is not None
 
 
-def test_a_worker_killed_mid_job_is_worker_died_and_a_pool_stopped_raises_its_stop():
-    with Worker(_echo_setup, ("",)) as w:
+def test_a_worker_killed_mid_job_is_worker_died_and_a_pool_stopped_raises_its_stop(fork):
+    with Worker(_echo_setup, ("",), fork=fork) as w:
         threading.Timer(0, lambda: os.kill(w.pid, signal.SIGKILL)).start()
         with pytest.raises(WorkerDied, match="killed by SIGKILL"):
             w.run("block", lambda n: None)
@@ -63,7 +75,7 @@ def test_a_worker_killed_mid_job_is_worker_died_and_a_pool_stopped_raises_its_st
     class Stopped(Exception):
         pass
 
-    with WorkerPool(2, Stopped, lambda: Worker(_echo_setup, ("",))) as pool:
+    with WorkerPool(2, Stopped, lambda: Worker(_echo_setup, ("",), fork=fork)) as pool:
         assert pool.run(7, lambda n: None) == "7"
         threading.Timer(0, pool.stop).start()
         with pytest.raises(Stopped):
