@@ -57,16 +57,23 @@ class RootTree:
                                    if p not in self._layer_dirs}
         self._reset_dir_times()
 
-    def _is_dir(self, path: str) -> bool:
-        """A real directory inside the root, reached without a symlink."""
+    def _dir_stat(self, path: str) -> Optional[os.stat_result]:
+        """The lstat of `path` if it is a real directory inside the root, reached without a symlink; else None."""
         rel = self._rel(path)
+        parent, _, name = rel.rpartition("/")
         try:
-            found = self._resolve_dir(rel, create=False) == path
+            above = self._dir_cache.get(parent) or self._resolve_dir(parent, create=False) if rel else None
+            if rel and above != self._real(parent):
+                return None  # reached through a symlink: its name is not its path
+            if rel:
+                self._dir_cache[parent] = above
+            st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return False
-        if found:  # reached without a symlink: its name is its path, and what lies below resolves from it
-            self._dir_cache[rel] = path
-        return found
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        self._dir_cache[rel] = path  # what lies below resolves from it
+        return st
 
     def _rel(self, path: str) -> str:
         return path[len(self._root_prefix):] if path != self.root else ""
