@@ -177,3 +177,23 @@ def test_settling_directories_sets_only_what_differs(tmp_path, dir_calls):
     assert (dir_calls["chmod"], dir_calls["utime"]) == (before["chmod"] + 1, before["utime"] + 1), dir_calls
     st = os.lstat(top)
     assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (0o755, 1_600_000_000 * 10**9)
+
+
+def test_a_layer_of_directories_already_there_sets_nothing(tmp_path, dir_calls):
+    """A layer whose directories are all there with its owners, modes and times (snap's layers repeat
+    their parents'; a resumed restore applies a layer again) writes nothing into them: no call sets
+    any of them, nor puts back the times of the directories above."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name in ("venv", "venv/lib", "venv/lib/site", "venv/bin"):
+            d = tarfile.TarInfo(name)
+            d.type, d.mode, d.mtime = tarfile.DIRTYPE, 0o755, 1_600_000_000
+            d.uid, d.gid = os.geteuid(), os.getegid()
+            t.addfile(d)
+    root = tmp_path / "root"
+    Extractor(str(root)).apply(io.BytesIO(buf.getvalue()))
+    first = dict(dir_calls)
+    Extractor(str(root)).apply(io.BytesIO(buf.getvalue()))
+    # Before: each directory's times set again (4), and the root's put back.
+    assert dir_calls == first, (dir_calls, first)
+    assert os.lstat(root / "venv/lib").st_mtime_ns == 1_600_000_000 * 10**9

@@ -113,8 +113,7 @@ class Extractor(RootTree):
             if st is not None and (st.st_atime_ns, st.st_mtime_ns) != (at, mt):
                 utime(self._real(rel), at, mt)
         for rel, m in headers.items():
-            path = self._real(rel)
-            st = self._dir_stat(path)
+            st = self._dir_stat(path := self._real(rel))
             if st is not None:
                 self._set_attrs(path, m, rel, attrs_of(st), set_time=False)
                 ns = int(m.mtime) * 10**9
@@ -224,8 +223,9 @@ class Extractor(RootTree):
         if landed != rel and self._never.match(landed) and self._leave_alone(landed, m):
             self.stats.left_alone += 1  # reached through a symlink: where it lands decides, not its name
             return
-        self._note_parent(pdir)
         old = self._old_at(pdir, path, m, rel, landed)
+        if not (m.isdir() and old is not None and stat.S_ISDIR(old.st_mode)):
+            self._note_parent(pdir)  # its entries change: its times are put back after
         if m.isdir():
             self._make_dir(path, old, m, rel, landed)
             return
@@ -291,7 +291,9 @@ class Extractor(RootTree):
             self._plain_dirs.discard(path)
         else:
             self._plain_dirs.add(path)
-        self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+        times = self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+        if old is not None and (old.st_atime_ns, old.st_mtime_ns) == times:
+            self._times_right.add(path)  # not set again unless a member changes what it holds
         if self.parallel:
             self.layer_dir_headers.append((landed, m))
         self._dir_times.pop(path, None)
@@ -299,16 +301,14 @@ class Extractor(RootTree):
         self._dir_cache[rel] = path  # a real directory now: its members' parent, resolved without a lookup
 
     def _mkdir(self, path: str, m: tarfile.TarInfo, landed: str) -> Optional[Attrs]:
-        """Make the directory of `m` at `path`, with its mode (what the umask leaves of it) and this
-        process's owner; the attributes it has then (None: not known)."""
+        """Make `m`'s directory at `path` with its mode, as this process's; its attributes then (None: unknown)."""
         mode = m.mode & 0o777 if self._umask is not None else 0o700
         try:
             os.mkdir(path, mode)
         except FileExistsError:
             if not self.parallel:
                 raise
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode):
+            if not stat.S_ISDIR((st := os.lstat(path)).st_mode):
                 raise NeedsSerial(landed) from None  # a layer applied meanwhile put a non-directory there
             return attrs_of(st)  # another extractor made it meanwhile: a parent directory both layers hold
         self._made_dir(path)

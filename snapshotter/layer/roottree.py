@@ -43,6 +43,7 @@ class RootTree:
         self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
         self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
         self._new_dirs: set[str] = set()  # directories this layer created: they hold only what it wrote
+        self._times_right: set[str] = set()  # of _layer_dirs: those with their header's times, unchanged since
 
     def put_back_dir_times(self) -> None:
         """Put back the times of directories we only wrote into, then set this layer's own directory
@@ -51,8 +52,9 @@ class RootTree:
             if path not in self._layer_dirs:
                 utime(path, at, mt)
         for path in sorted(self._layer_dirs, key=lambda p: p.count("/"), reverse=True):
-            at, mt = self._layer_dirs[path]
-            utime(path, at, mt)
+            if path not in self._times_right:
+                at, mt = self._layer_dirs[path]
+                utime(path, at, mt)
         self.layer_touched_dirs = {self._rel(p): times for p, times in self._dir_times.items()
                                    if p not in self._layer_dirs}
         self._reset_dir_times()
@@ -189,6 +191,7 @@ class RootTree:
 
     def _note_parent(self, pdir: str) -> None:
         """Remember a directory's times before we change its contents, to put them back."""
+        self._times_right.discard(pdir)
         if pdir not in self._dir_times and pdir not in self._layer_dirs:
             try:
                 st = os.lstat(pdir)
