@@ -179,6 +179,7 @@ class RootTree:
         """Remove temp files an interrupted run left in `pdir` (this extractor has none open there
         yet; other extractors of this run, whose names end in its token, may)."""
         own = f"-{self.opts.run_token}" if self.opts.run_token else None
+        self._times_right.discard(pdir)  # reading it gives it a new atime: its header's times are set again
         with os.scandir(pdir) as it:
             stale = [de.path for de in it if de.name.startswith(TMP_PREFIX) and _STALE_TMP.fullmatch(de.name)
                      and not (own and de.name.endswith(own))]
