@@ -99,3 +99,104 @@ def test_a_file_in_a_setgid_directory_gets_its_owner_set(tmp_path, counted):
     Extractor(str(root)).apply(io.BytesIO(buf.getvalue()), in_place=True)
     st = os.lstat(root / "shared/f")
     assert (st.st_uid, st.st_gid) == (0, 0) and counted["fchown"] == 1
+
+
+def test_a_directory_in_a_setgid_directory_gets_its_own_mode_and_group(tmp_path):
+    """The kernel gives a directory made in a setgid one the setgid bit and that group: its header's are set."""
+    if os.geteuid() != 0:
+        pytest.skip("owners are set as root only")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name, mode, gid in (("shared", 0o2775, 4321), ("shared/sub", 0o755, 0)):
+            d = tarfile.TarInfo(name)
+            d.type, d.mode, d.gid = tarfile.DIRTYPE, mode, gid
+            t.addfile(d)
+    root = tmp_path / "root"
+    Extractor(str(root)).apply(io.BytesIO(buf.getvalue()), in_place=True)
+    st = os.lstat(root / "shared/sub")
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o755, 0)
+
+
+@pytest.fixture
+def dir_calls(monkeypatch):
+    """chown, chmod and utime calls on directories, by path: what a layer's directories cost."""
+    calls = {"chown": 0, "chmod": 0, "utime": 0}
+    real = {name: getattr(os, name) for name in calls}
+
+    def counting(name):
+        def call(path, *a, **kw):
+            calls[name] += isinstance(path, str) and os.path.isdir(path) and not os.path.islink(path)
+            return real[name](path, *a, **kw)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(os, name, counting(name))
+    old = os.umask(0o022)
+    yield calls
+    os.umask(old)
+
+
+def test_a_directory_gets_its_mode_and_owner_at_creation_and_its_times_once(tmp_path, dir_calls):
+    """A directory a layer makes is made with its mode (and this process's owner): no chmod or chown
+    after; its times are set once, after what it holds is written. Applied again (a resumed restore,
+    another layer holding the same parents), what it has already is not set again."""
+    root = tmp_path / "root"
+    layer = _venv_like()
+    Extractor(str(root)).apply(io.BytesIO(layer), in_place=True)
+    dirs = sum(1 for _, ds, _ in os.walk(root) for _ in ds)
+    # Before: made 0700, then chown (as root), chmod and utime, and utime again after its members.
+    # Only the top one, made in a directory the layer did not set (the root: perhaps setgid), has
+    # its owner and mode set; the root's times are put back.
+    owner = 1 if os.geteuid() == 0 else 0
+    assert dir_calls == {"chown": owner, "chmod": 1, "utime": dirs + 1}, (dir_calls, dirs)
+    first = dict(dir_calls)
+    Extractor(str(root)).apply(io.BytesIO(layer))
+    assert (dir_calls["chown"], dir_calls["chmod"]) == (first["chown"], first["chmod"]), dir_calls
+    leaf = root / "venv/lib/python3.11/site-packages/pkg0/sub/deeper/deepest"
+    st = os.lstat(leaf)
+    assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns, st.st_atime_ns) == (0o755, 1_600_000_000 * 10**9,
+                                                                         1_600_000_000 * 10**9)
+
+
+def test_settling_directories_sets_only_what_differs(tmp_path, dir_calls):
+    """After layers applied at once, each directory is read once (lstat) and only an owner, mode or
+    time that differs from its topmost header is set (restore/schedule.py settles each layer's)."""
+    root = tmp_path / "root"
+    ex = Extractor(str(root))
+    ex.parallel = True
+    ex.apply(io.BytesIO(_venv_like()))
+    headers, touched = dict(ex.layer_dir_headers), ex.layer_touched_dirs
+    before = dict(dir_calls)
+    ex.settle_dirs(headers, touched)
+    # Before: chown (as root), chmod and two utime calls per directory, each time a layer was settled.
+    assert dir_calls == before, (dir_calls, before)
+    top = root / "venv"
+    os.chmod(top, 0o700)
+    os.utime(top, ns=(5, 5))
+    ex.settle_dirs(headers, touched)
+    assert (dir_calls["chmod"], dir_calls["utime"]) == (before["chmod"] + 1, before["utime"] + 1), dir_calls
+    st = os.lstat(top)
+    assert (stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (0o755, 1_600_000_000 * 10**9)
+
+
+def test_a_layer_of_directories_already_there_sets_little(tmp_path, dir_calls):
+    """A layer whose directories are all there with its owners, modes and times (snap's layers repeat
+    their parents'; a resumed restore applies a layer again) writes nothing into them: no owner or
+    mode is set, nor the times of a directory it did not read."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name in ("venv", "venv/lib", "venv/lib/site", "venv/bin"):
+            d = tarfile.TarInfo(name)
+            d.type, d.mode, d.mtime = tarfile.DIRTYPE, 0o755, 1_600_000_000
+            d.uid, d.gid = os.geteuid(), os.getegid()
+            t.addfile(d)
+    root = tmp_path / "root"
+    Extractor(str(root)).apply(io.BytesIO(buf.getvalue()))
+    first = dict(dir_calls)
+    Extractor(str(root)).apply(io.BytesIO(buf.getvalue()))
+    # Before: each directory's times set again (4), and the root's put back. Now only those of the
+    # two its members are in, read for a killed run's temp files (their atime changes).
+    assert dir_calls == {**first, "utime": first["utime"] + 2}, (dir_calls, first)
+    for d in ("venv", "venv/lib", "venv/lib/site"):
+        st = os.lstat(root / d)
+        assert (st.st_atime_ns, st.st_mtime_ns) == (1_600_000_000 * 10**9,) * 2, d

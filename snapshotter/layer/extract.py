@@ -61,7 +61,7 @@ from snapshotter.tar.reader import EntryCount, TarReader
 from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, whiteout_target
 
 from .extract_model import DEVICE_TYPES, ExtractOptions, NeedsSerial, creates, shape_of
-from .fileops import READ_BUFFER, join, remove, set_attrs, umask, utime, write_all
+from .fileops import READ_BUFFER, Attrs, attrs_of, join, remove, set_attrs, umask, utime, write_all
 from .indexing import IndexingReader
 from .roottree import TMP_PREFIX, RootTree
 
@@ -107,14 +107,18 @@ class Extractor(RootTree):
         them saw), as applying them one after the other would have left them. Nothing is created:
         a path that is no longer a directory is left as it is."""
         self._dir_cache.clear()
+        # Each is read once (lstat): what it has already (most have all of it) is not set again.
         for rel, (at, mt) in touched.items():
-            if rel not in headers and self._is_dir(self._real(rel)):
+            st = self._dir_stat(self._real(rel)) if rel not in headers else None
+            if st is not None and (st.st_atime_ns, st.st_mtime_ns) != (at, mt):
                 utime(self._real(rel), at, mt)
         for rel, m in headers.items():
-            path = self._real(rel)
-            if self._is_dir(path):
-                self._set_attrs(path, m, rel)
-                utime(path, int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+            st = self._dir_stat(path := self._real(rel))
+            if st is not None:
+                self._set_attrs(path, m, rel, attrs_of(st), set_time=False)
+                ns = int(m.mtime) * 10**9
+                if (st.st_atime_ns, st.st_mtime_ns) != (ns, ns):
+                    utime(path, ns, ns)
 
     def count_as_written(self, rels: Iterable[str]) -> None:
         """Let hardlinks name these files (real paths relative to the root, as `layer_files` lists
@@ -219,8 +223,9 @@ class Extractor(RootTree):
         if landed != rel and self._never.match(landed) and self._leave_alone(landed, m):
             self.stats.left_alone += 1  # reached through a symlink: where it lands decides, not its name
             return
-        self._note_parent(pdir)
         old = self._old_at(pdir, path, m, rel, landed)
+        if not (m.isdir() and old is not None and stat.S_ISDIR(old.st_mode)):
+            self._note_parent(pdir)  # its entries change: its times are put back after
         if m.isdir():
             self._make_dir(path, old, m, rel, landed)
             return
@@ -279,25 +284,37 @@ class Extractor(RootTree):
                 raise NeedsSerial(landed)  # perhaps an upper layer's, applied meanwhile
             os.unlink(path)
             old = None
-        if old is None:
-            try:
-                os.mkdir(path, 0o700)
-                self._made_dir(path)
-            except FileExistsError:
-                if not self.parallel:
-                    raise
-                if not stat.S_ISDIR(os.lstat(path).st_mode):
-                    raise NeedsSerial(landed) from None  # a layer applied meanwhile put a non-directory there
-                # another extractor made it meanwhile: a parent directory both layers hold
-        self._set_attrs(path, m, landed)
-        if not m.mode & stat.S_ISGID:
+        attrs = self._mkdir(path, m, landed) if old is None else attrs_of(old)
+        # An owner or mode it has is not set again; its times once what it holds is in (put_back_dir_times).
+        self._set_attrs(path, m, landed, attrs, set_time=False)
+        if m.mode & stat.S_ISGID:
+            self._plain_dirs.discard(path)
+        else:
             self._plain_dirs.add(path)
-        self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+        times = self._layer_dirs[path] = (int(m.mtime) * 10**9, int(m.mtime) * 10**9)
+        if old is not None and (old.st_atime_ns, old.st_mtime_ns) == times:
+            self._times_right.add(path)  # not set again unless a member changes what it holds
         if self.parallel:
             self.layer_dir_headers.append((landed, m))
         self._dir_times.pop(path, None)
         self._written.add(path)
         self._dir_cache[rel] = path  # a real directory now: its members' parent, resolved without a lookup
+
+    def _mkdir(self, path: str, m: tarfile.TarInfo, landed: str) -> Optional[Attrs]:
+        """Make `m`'s directory at `path` with its mode, as this process's; its attributes then (None: unknown)."""
+        mode = m.mode & 0o777 if self._umask is not None else 0o700
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:
+            if not self.parallel:
+                raise
+            if not stat.S_ISDIR((st := os.lstat(path)).st_mode):
+                raise NeedsSerial(landed) from None  # a layer applied meanwhile put a non-directory there
+            return attrs_of(st)  # another extractor made it meanwhile: a parent directory both layers hold
+        self._made_dir(path)
+        if self._umask is None or path.rpartition("/")[0] not in self._plain_dirs:
+            return None  # a setgid parent may give it its group and its setgid bit
+        return mode & ~self._umask, *self._owner
 
     def _make_non_dir(self, reader: Optional[TarReader], m: tarfile.TarInfo, pdir: str, path: str, new: bool,
                       rel: str) -> None:
@@ -476,7 +493,8 @@ class Extractor(RootTree):
                              "its bytes are not the headers its snapshot's skeleton gives; "
                              "pass --force to apply it anyway")
 
-    def _set_attrs(self, path, m: tarfile.TarInfo, rel: str, created: Optional[tuple[int, int, int]] = None) -> None:
+    def _set_attrs(self, path, m: tarfile.TarInfo, rel: str, created: Optional[Attrs] = None,
+                   set_time: bool = True) -> None:
         """Owner, mode, xattrs, mtime on a path (never followed) or an open fd (fileops.set_attrs)."""
         set_attrs(path, m, self.opts.same_owner, self._keep_privileges, lambda: self.stats.stripped("/" + rel),
-                  created)
+                  created, set_time)

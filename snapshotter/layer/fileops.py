@@ -18,14 +18,22 @@ XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
 _CAPABILITY = "security.capability"
 _ON_FD: dict = {}
 _NOFOLLOW = {"follow_symlinks": False}
+Attrs = tuple[int, int, int]  # (mode, uid, gid) a path has: set_attrs's `created`
+
+
+def attrs_of(st: os.stat_result) -> Attrs:
+    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
 
 
 def set_attrs(path, m: tarfile.TarInfo, same_owner: bool, keep_privileges: bool,
-              stripped: Callable[[], None], created: Optional[tuple[int, int, int]] = None) -> None:
+              stripped: Callable[[], None], created: Optional[Attrs] = None,
+              set_time: bool = True) -> None:
     """Owner, mode, xattrs, mtime on a path (never followed) or an open fd; setuid/setgid bits and
     file capabilities only with keep_privileges (else stripped() is called). `created`: the (mode,
-    uid, gid) the fd's file was just created with: an owner or mode it already has is not set again
-    (two system calls of the six a venv's small file cost)."""
+    uid, gid) the file has now (just created with, or read by lstat): an owner or mode it already
+    has is not set again (two system calls of the six a venv's small file cost; a directory's, set
+    again by each layer that holds it). `set_time` False: the caller sets its times later (a
+    directory's, once what it holds is written)."""
     mode = m.mode & 0o7777
     xattrs = {k[len(XATTR_PAX):]: v for k, v in m.pax_headers.items() if k.startswith(XATTR_PAX)} \
         if m.pax_headers else {}
@@ -47,6 +55,8 @@ def set_attrs(path, m: tarfile.TarInfo, same_owner: bool, keep_privileges: bool,
         os.chmod(path, mode)
     for name, value in xattrs.items():
         _set_xattr(path, name, value, nofollow)
+    if not set_time:
+        return
     # A PAX mtime to the ns, as Docker sets it: the next commit's diff tells an untouched base file by it.
     ns = member_mtime_ns(m) if m.pax_headers else None
     ns = int(m.mtime) * 1_000_000_000 if ns is None else ns

@@ -43,6 +43,7 @@ class RootTree:
         self._layer_dirs: dict[str, tuple[int, int]] = {}  # dirs this layer defines: their header times
         self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
         self._new_dirs: set[str] = set()  # directories this layer created: they hold only what it wrote
+        self._times_right: set[str] = set()  # of _layer_dirs: those with their header's times, unchanged since
 
     def put_back_dir_times(self) -> None:
         """Put back the times of directories we only wrote into, then set this layer's own directory
@@ -51,22 +52,30 @@ class RootTree:
             if path not in self._layer_dirs:
                 utime(path, at, mt)
         for path in sorted(self._layer_dirs, key=lambda p: p.count("/"), reverse=True):
-            at, mt = self._layer_dirs[path]
-            utime(path, at, mt)
+            if path not in self._times_right:
+                at, mt = self._layer_dirs[path]
+                utime(path, at, mt)
         self.layer_touched_dirs = {self._rel(p): times for p, times in self._dir_times.items()
                                    if p not in self._layer_dirs}
         self._reset_dir_times()
 
-    def _is_dir(self, path: str) -> bool:
-        """A real directory inside the root, reached without a symlink."""
+    def _dir_stat(self, path: str) -> Optional[os.stat_result]:
+        """The lstat of `path` if it is a real directory inside the root, reached without a symlink; else None."""
         rel = self._rel(path)
+        parent, _, name = rel.rpartition("/")
         try:
-            found = self._resolve_dir(rel, create=False) == path
+            above = self._dir_cache.get(parent) or self._resolve_dir(parent, create=False) if rel else None
+            if rel and above != self._real(parent):
+                return None  # reached through a symlink: its name is not its path
+            if rel:
+                self._dir_cache[parent] = above
+            st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return False
-        if found:  # reached without a symlink: its name is its path, and what lies below resolves from it
-            self._dir_cache[rel] = path
-        return found
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        self._dir_cache[rel] = path  # what lies below resolves from it
+        return st
 
     def _rel(self, path: str) -> str:
         return path[len(self._root_prefix):] if path != self.root else ""
@@ -170,6 +179,7 @@ class RootTree:
         """Remove temp files an interrupted run left in `pdir` (this extractor has none open there
         yet; other extractors of this run, whose names end in its token, may)."""
         own = f"-{self.opts.run_token}" if self.opts.run_token else None
+        self._times_right.discard(pdir)  # reading it gives it a new atime: its header's times are set again
         with os.scandir(pdir) as it:
             stale = [de.path for de in it if de.name.startswith(TMP_PREFIX) and _STALE_TMP.fullmatch(de.name)
                      and not (own and de.name.endswith(own))]
@@ -182,6 +192,7 @@ class RootTree:
 
     def _note_parent(self, pdir: str) -> None:
         """Remember a directory's times before we change its contents, to put them back."""
+        self._times_right.discard(pdir)
         if pdir not in self._dir_times and pdir not in self._layer_dirs:
             try:
                 st = os.lstat(pdir)
