@@ -11,20 +11,9 @@ from snapshotter.registry.options import RegistryOptions
 
 from . import output
 from .app import sigterm_stops
-from .options import Jobs, JsonOut, PushForce, with_registry
+from .options import (AS_FOR_COMMIT, Diverge, Every, Grace, Include, Jobs, JsonOut, Keep, MaxLayerSize, Provider,
+                      PushForce, with_registry)
 from .output import say
-
-_AS_FOR_COMMIT = "(as for commit)"
-Include = Annotated[Optional[List[str]], typer.Option(
-    "--include", help="With --base scratch: capture only this path of the box (with its parent directories), e.g. "
-    "/home/ubuntu/ComfyUI. Repeatable; adds to the profile's `include` list.")]
-Diverge = Annotated[bool, typer.Option(
-    "--diverge", help="Where TARGET's tag names a snapshot this box neither came from nor made, push to a tag of the "
-    "box's own instead of refusing: TAG-diverged-<UTC time> (its own from before, if it made one), which `snap log` "
-    "and `snap status` list. For a cron line on a box whose restore may fail.")]
-MaxLayerSize = Annotated[str, typer.Option(
-    "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); "
-    "snap restore joins them.")]
 
 
 @with_registry
@@ -83,18 +72,6 @@ def _commit_options(root: str, profile: str, include: Optional[List[str]], compr
     prof.include += tuple(include_path(p) for p in include or ())
     return CommitOptions(root=root, profile=prof, compression=compression, max_layer_size=parse_size(max_layer_size),
                          transport=registry.transport(), **more)
-Every = Annotated[str, typer.Option(
-    "--every", help="At most one snapshot per this interval (90s, 5m, 1h); a burst of writes is snapshotted as soon "
-    "as it is over.")]
-Keep = Annotated[Optional[int], typer.Option(
-    "--keep", help="Keep this many TAG-<time> snapshots, and this many TAG-diverged-<time> tags; older ones are "
-    "deleted (where the registry allows deletes), never TAG.")]
-Grace = Annotated[float, typer.Option(
-    "--grace", help="Seconds the final snapshot may take after SIGTERM/SIGINT/SIGHUP or a reclaim notice (RunPod "
-    "kills 5 s after SIGTERM).")]
-Provider = Annotated[str, typer.Option(
-    "--provider", help="Reclaim notices to poll: auto (the cloud the machine's DMI data names, else none), aws, gcp, "
-    "azure or none.")]
 
 
 @with_registry
@@ -115,14 +92,14 @@ def watch(
     stop: Annotated[bool, typer.Option(
         "--stop", help="Stop the watcher of --root: SIGTERM, then wait for its final snapshot; exits with its "
         "code.")] = False,
-    profile: Annotated[str, typer.Option("--profile", help=f"Layer profile {_AS_FOR_COMMIT}.")] = "default",
+    profile: Annotated[str, typer.Option("--profile", help=f"Layer profile {AS_FOR_COMMIT}.")] = "default",
     include: Annotated[Optional[List[str]], typer.Option(
         "--include", help="With --base scratch: watch and capture only this path (as for commit). "
         "Repeatable.")] = None,
     compression: Annotated[Optional[str], typer.Option(
-        "--compression", help=f"zstd (default) or gzip {_AS_FOR_COMMIT}.")] = None,
+        "--compression", help=f"zstd (default) or gzip {AS_FOR_COMMIT}.")] = None,
     max_layer_size: Annotated[str, typer.Option(
-        "--max-layer-size", help=f"Cut files bigger than this into part layers {_AS_FOR_COMMIT}.")] = "9.5GB",
+        "--max-layer-size", help=f"Cut files bigger than this into part layers {AS_FOR_COMMIT}.")] = "9.5GB",
     jobs: Jobs = None, force: PushForce = False,
     registry: RegistryOptions = RegistryOptions(),
 ):
@@ -156,11 +133,11 @@ def status(
         "--base", "-b", help="The image the box was started from (default: the base of the last commit or watch of "
         "--root).")] = None,
     root: Annotated[str, typer.Option("--root", help="Root of the box.")] = "/",
-    profile: Annotated[str, typer.Option("--profile", help=f"Layer profile {_AS_FOR_COMMIT}.")] = "default",
+    profile: Annotated[str, typer.Option("--profile", help=f"Layer profile {AS_FOR_COMMIT}.")] = "default",
     compression: Annotated[Optional[str], typer.Option(
-        "--compression", help=f"zstd (default) or gzip {_AS_FOR_COMMIT}.")] = None,
+        "--compression", help=f"zstd (default) or gzip {AS_FOR_COMMIT}.")] = None,
     max_layer_size: Annotated[str, typer.Option(
-        "--max-layer-size", help=f"Part-layer cap {_AS_FOR_COMMIT}.")] = "9.5GB",
+        "--max-layer-size", help=f"Part-layer cap {AS_FOR_COMMIT}.")] = "9.5GB",
     as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """What a commit would send now: the layers that changed since the last commit (with the size of

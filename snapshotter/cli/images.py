@@ -11,24 +11,9 @@ from snapshotter.registry.options import RegistryOptions
 
 from . import output
 from .app import sigterm_stops
-from .options import Jobs, JsonOut, PasswordStdin, Username, with_registry
+from .options import (Jobs, JsonOut, PasswordStdin, Ref, RestoreForce, RestoreProfile, Then, Username, Wait,
+                      with_registry)
 from .output import say
-
-Ref = Annotated[str, typer.Argument(help="The snapshot image, e.g. registry.example.com/me/box:v2")]
-Then = Annotated[Optional[str], typer.Option(
-    "--then", help="Start this command (by the shell, in the background, with snap's stdout and stderr) as soon as "
-    "every layer but the weights is applied, while the weights still arrive. It keeps running when the restore "
-    "ends, whatever the restore's exit code, which is its own (a Ctrl-C in the terminal reaches both).")]
-Wait = Annotated[Optional[str], typer.Option(
-    "--wait", help="Instead of restoring: block until the restore into --root has landed this file (a path on this "
-    "machine). Exit 0 once it is there; 2 if no restore is running, 5 if the image lacks it, 11 on --timeout.")]
-RestoreForce = Annotated[bool, typer.Option(
-    "--force", help="Apply a full image (base layers too), or a snapshot that deletes the system (its top-level "
-    "directories, most of the base's paths), even onto a root that already holds an operating system (an "
-    "etc/os-release, a populated usr/): refused otherwise.")]
-RestoreProfile = Annotated[Optional[str], typer.Option(
-    "--profile", help="Profile (name or YAML file) whose `exclude` paths (/etc/hostname, /etc/resolv.conf, /proc, "
-    "...) are never written. Default: the one the snapshot was committed with, if snap ships it, else default.")]
 
 
 @with_registry

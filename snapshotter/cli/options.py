@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -57,3 +57,44 @@ def with_registry(command):
     gathered.__signature__ = inspect.Signature(shown)
     gathered.__annotations__ = {p.name: p.annotation for p in shown}
     return gathered
+
+
+# The commands' own options (capture.py: commit, watch; images.py: restore, run, verify).
+AS_FOR_COMMIT = "(as for commit)"
+Include = Annotated[Optional[List[str]], typer.Option(
+    "--include", help="With --base scratch: capture only this path of the box (with its parent directories), e.g. "
+    "/home/ubuntu/ComfyUI. Repeatable; adds to the profile's `include` list.")]
+Diverge = Annotated[bool, typer.Option(
+    "--diverge", help="Where TARGET's tag names a snapshot this box neither came from nor made, push to a tag of the "
+    "box's own instead of refusing: TAG-diverged-<UTC time> (its own from before, if it made one), which `snap log` "
+    "and `snap status` list. For a cron line on a box whose restore may fail.")]
+MaxLayerSize = Annotated[str, typer.Option(
+    "--max-layer-size", help="Cut files bigger than this into part layers (registries reject layers over 10 GB); "
+    "snap restore joins them.")]
+Every = Annotated[str, typer.Option(
+    "--every", help="At most one snapshot per this interval (90s, 5m, 1h); a burst of writes is snapshotted as soon "
+    "as it is over.")]
+Keep = Annotated[Optional[int], typer.Option(
+    "--keep", help="Keep this many TAG-<time> snapshots, and this many TAG-diverged-<time> tags; older ones are "
+    "deleted (where the registry allows deletes), never TAG.")]
+Grace = Annotated[float, typer.Option(
+    "--grace", help="Seconds the final snapshot may take after SIGTERM/SIGINT/SIGHUP or a reclaim notice (RunPod "
+    "kills 5 s after SIGTERM).")]
+Provider = Annotated[str, typer.Option(
+    "--provider", help="Reclaim notices to poll: auto (the cloud the machine's DMI data names, else none), aws, gcp, "
+    "azure or none.")]
+Ref = Annotated[str, typer.Argument(help="The snapshot image, e.g. registry.example.com/me/box:v2")]
+Then = Annotated[Optional[str], typer.Option(
+    "--then", help="Start this command (by the shell, in the background, with snap's stdout and stderr) as soon as "
+    "every layer but the weights is applied, while the weights still arrive. It keeps running when the restore "
+    "ends, whatever the restore's exit code, which is its own (a Ctrl-C in the terminal reaches both).")]
+Wait = Annotated[Optional[str], typer.Option(
+    "--wait", help="Instead of restoring: block until the restore into --root has landed this file (a path on this "
+    "machine). Exit 0 once it is there; 2 if no restore is running, 5 if the image lacks it, 11 on --timeout.")]
+RestoreForce = Annotated[bool, typer.Option(
+    "--force", help="Apply a full image (base layers too), or a snapshot that deletes the system (its top-level "
+    "directories, most of the base's paths), even onto a root that already holds an operating system (an "
+    "etc/os-release, a populated usr/): refused otherwise.")]
+RestoreProfile = Annotated[Optional[str], typer.Option(
+    "--profile", help="Profile (name or YAML file) whose `exclude` paths (/etc/hostname, /etc/resolv.conf, /proc, "
+    "...) are never written. Default: the one the snapshot was committed with, if snap ships it, else default.")]
