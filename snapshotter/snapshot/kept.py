@@ -41,6 +41,7 @@ _DIGEST_LEN = 64
 
 _TYPES = (str, str, int, int, int, int, int, str, int, (str, type(None)), (str, type(None)), str,
           (dict, type(None)), (int, type(None)))  # of _FIELDS, in order
+_XATTRS = _FIELDS.index("xattrs")
 
 
 def _entry(path: str, row) -> Entry:
@@ -48,7 +49,7 @@ def _entry(path: str, row) -> Entry:
     (a row filed under another path would make that path vanish from the next snapshot)."""
     if not (isinstance(path, str) and isinstance(row, tuple) and len(row) == len(_FIELDS) and row[0] == path
             and all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(row, _TYPES))
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in (row[12] or {}).items())):
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in (row[_XATTRS] or {}).items())):
         raise ValueError(f"stored walk: a row of {path!r} is not an entry")
     return Entry(*row)
 
