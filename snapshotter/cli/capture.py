@@ -11,8 +11,8 @@ from snapshotter.registry.options import RegistryOptions
 
 from . import output
 from .app import sigterm_stops
-from .options import (AS_FOR_COMMIT, Diverge, Every, Grace, Include, Jobs, JsonOut, Keep, MaxLayerSize, Provider,
-                      PushForce, with_registry)
+from .options import (AS_FOR_COMMIT, Diverge, EncryptSecret, EncryptTo, Every, Grace, Include, Jobs, JsonOut, Keep,
+                      MaxLayerSize, Provider, PushForce, with_registry)
 from .output import say
 
 
@@ -37,6 +37,7 @@ def commit(
         "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat "
         "cache.")] = False,
     max_layer_size: MaxLayerSize = "9.5GB", jobs: Jobs = None, force: PushForce = False, diverge: Diverge = False,
+    encrypt_to: EncryptTo = None, encrypt_secret: EncryptSecret = None,
     as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
@@ -45,7 +46,8 @@ def commit(
     from snapshotter.commit.commit import commit_box
 
     opts = _commit_options(root, profile, include, compression, max_layer_size, registry, rehash=rehash,
-                           force=force, jobs=jobs, diverge=diverge, log=say)
+                           force=force, jobs=jobs, diverge=diverge, log=say,
+                           encryption=_encryption(encrypt_to, encrypt_secret))
     if from_container:
         from snapshotter.commit.container import commit_from_container
         result = commit_from_container(from_container, target, base, opts)
@@ -72,6 +74,12 @@ def _commit_options(root: str, profile: str, include: Optional[List[str]], compr
     prof.include += tuple(include_path(p) for p in include or ())
     return CommitOptions(root=root, profile=prof, compression=compression, max_layer_size=parse_size(max_layer_size),
                          transport=registry.transport(), **more)
+
+
+def _encryption(encrypt_to: Optional[List[str]], encrypt_secret: Optional[str]):
+    from snapshotter.snapshot.encryption import load_encryption
+
+    return load_encryption(encrypt_to or [], encrypt_secret, say)
 
 
 @with_registry
@@ -101,6 +109,7 @@ def watch(
     max_layer_size: Annotated[str, typer.Option(
         "--max-layer-size", help=f"Cut files bigger than this into part layers {AS_FOR_COMMIT}.")] = "9.5GB",
     jobs: Jobs = None, force: PushForce = False,
+    encrypt_to: EncryptTo = None, encrypt_secret: EncryptSecret = None,
     registry: RegistryOptions = RegistryOptions(),
 ):
     """Keep the registry's snapshot of the box seconds old: commit when the box changed (big files go
@@ -120,7 +129,7 @@ def watch(
         raise UsageError("watch needs TARGET and --base",
                          "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
     commit_opts = _commit_options(root, profile, include, compression, max_layer_size, registry, force=force,
-                                  jobs=jobs)
+                                  jobs=jobs, encryption=_encryption(encrypt_to, encrypt_secret))
     # log_line: its lines, its snapshots' progress lines included, with their time
     opts = WatchOptions(commit=commit_opts, every=parse_duration(every), keep=keep, grace=grace,
                         notices=notice_watcher(provider, metadata_url), log=log_line)

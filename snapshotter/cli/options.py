@@ -98,3 +98,17 @@ RestoreForce = Annotated[bool, typer.Option(
 RestoreProfile = Annotated[Optional[str], typer.Option(
     "--profile", help="Profile (name or YAML file) whose `exclude` paths (/etc/hostname, /etc/resolv.conf, /proc, "
     "...) are never written. Default: the one the snapshot was committed with, if snap ships it, else default.")]
+
+# Encryption (docs/encryption.md): files only, never a key's text in argv or the environment.
+EncryptTo = Annotated[Optional[List[str]], typer.Option(
+    "--encrypt-to", help="Encrypt snap's layers (ocicrypt's format, as skopeo's --encryption-key) to this RSA or EC "
+    "public key (PEM, or an X.509 certificate; `jwe:FILE` as skopeo writes it is taken too). Repeatable: any one "
+    "recipient's private key decrypts. Default: $SNAP_ENCRYPT_TO (files, separated by ':'). Paths and headers are "
+    "not pushed in clear.")]
+EncryptSecret = Annotated[Optional[str], typer.Option(
+    "--encrypt-secret", help="With --encrypt-to: a file of at least 32 random bytes (`openssl rand -out FILE 32`) "
+    "the layers' keys are derived from, so that boxes sharing it push an unchanged layer once (what that reveals: "
+    "docs/encryption.md). Default: $SNAP_ENCRYPT_SECRET.")]
+DecryptionKey = Annotated[Optional[List[str]], typer.Option(
+    "--decryption-key", help="A private key file (PEM) that opens an encrypted image. Repeatable. Default: "
+    "$SNAP_DECRYPTION_KEY (files, separated by ':'). Without one that opens it: exit 4, nothing written.")]

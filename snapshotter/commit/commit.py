@@ -164,7 +164,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                     opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs), hooks=hooks,
-                    log=opts.log)
+                    log=opts.log, encryption=opts.encryption)
     hold_back(cp, held, opts)
     return cp
 

@@ -25,6 +25,7 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
+from snapshotter.snapshot.encryption import Encryption
 from snapshotter.snapshot.files import last_snapshot_files
 from snapshotter.snapshot.kept import StoredPlan, StoredRecords
 from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
@@ -54,6 +55,7 @@ class CommitOptions:
     # Layers packed at once, in worker processes when there is enough to compress (commit/push.py);
     # None: SNAP_JOBS, else one per core. 1: everything in this process.
     jobs: Optional[int] = None
+    encryption: Optional[Encryption] = None  # --encrypt-to: snap's layers encrypted (snapshot/encryption.py)
 
 
 class CommitHooks:
@@ -174,6 +176,7 @@ class CommitPlan:
     jobs: int = 1  # layers packed at once (CommitOptions.jobs, resolved)
     hooks: CommitHooks = field(default_factory=CommitHooks)  # what the commit asks its caller
     log: Callable[[str], None] = lambda msg: None  # CommitOptions.log: its progress lines go there too
+    encryption: Optional[Encryption] = None  # CommitOptions.encryption
 
     @property
     def base_name(self) -> str:

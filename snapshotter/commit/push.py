@@ -29,6 +29,7 @@ from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
+from snapshotter.snapshot.encryption import RECIPIENTS, side_blobs
 from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
@@ -71,22 +72,29 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     remote = target_remote(cp, target_ref, transport, tagged, held)
     if cp.hooks.stopping is not None:
         remote.stopping = cp.hooks.stopping
+    if cp.encryption is not None:  # a new state dir keeps the encrypted blobs of the tag's snapshot
+        cp.encryption.learn_previous(remote, tagged[1] if tagged else None)
     layers = _push_settled_layers(cp, remote, opts)
     grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
     _warn_engine_limit(cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()), opts)
     # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
-    headers = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources)
+    sides = side_blobs(cp.encryption)  # none in clear beside encrypted layers
+    headers = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources) if sides else {}
     image, reports = _build_image(cp, layers, headers, opts)
     # The base's index, for a commit on a new machine and for restore (index/base.py).
-    index_digest = baseindex.push(remote, cp.base_img.manifest_digest, cp.sources) if cp.base_img else None
+    index_digest = baseindex.push(remote, cp.base_img.manifest_digest, cp.sources) if cp.base_img and sides else None
     if index_digest:
         image.annotations[baseindex.SNAP_BASE_INDEX] = index_digest
+    if cp.encryption is not None:
+        cp.encryption.seal(image)  # the paths snap's annotations name: for the recipients alone
     current = tagged is not None and _same_image(image, *tagged)
     if current:
         digest = tagged[0]  # the tag names this box's snapshot already: no config or manifest sent again
     else:
         digest, _, config_digest = remote.write_image(image, target_ref.target)
     cp.cache.save()
+    if cp.encryption is not None:
+        cp.encryption.save()
     note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
     if not current:
         travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
@@ -126,9 +134,10 @@ def _build_image(cp: CommitPlan, layers: list[tuple[LayerPlan, LayerBlob, str]],
     """The snapshot image: the base's layers, then the pushed ones with the carried ones among them
     (_insert_carried); and a report of each of snap's layers."""
     base_img = cp.base_img
-    rows = [(descriptor(b.media_type, b.digest, b.size, _annotations(p, headers.get(b.diff_id))), b.diff_id,
-             LayerReport(p.label, b.digest, b.size, b.media_type, len(p.entries) + len(p.whiteouts), status))
-            for p, b, status in layers]
+    descs = [_descriptor(cp, p, b, headers) for p, b, _ in layers]
+    rows = [(d, b.diff_id, LayerReport(p.label, d["digest"], d["size"], d["mediaType"],
+                                       len(p.entries) + len(p.whiteouts), status))
+            for d, (p, b, status) in zip(descs, layers)]
     _insert_carried(rows, cp)
     image = NewImage(base_img, cp.base_name if base_img else None,
                      base_img.config if base_img else scratch_config(*host_platform()), opts.profile.name)
@@ -138,6 +147,17 @@ def _build_image(cp: CommitPlan, layers: list[tuple[LayerPlan, LayerBlob, str]],
                               # read by a restore onto a live system
                               **(cp.deletes.annotation() if cp.deletes else {})})
     return image, [report for _, _, report in rows]
+
+
+def _descriptor(cp: CommitPlan, plan: LayerPlan, blob: LayerBlob, headers: dict[str, str]) -> dict:
+    """A pushed layer's descriptor: its blob's, or the encrypted blob pushed for it; snap's annotations."""
+    ann = _annotations(plan, headers.get(blob.diff_id))
+    if cp.encryption is None:
+        return descriptor(blob.media_type, blob.digest, blob.size, ann)
+    sealed = cp.encryption.lookup(blob.digest, blob.diff_id, blob.media_type)
+    if sealed is None:
+        raise SnapError(f"layer {plan.label!r} was not encrypted: nothing was pushed under the tag")
+    return {**sealed, "annotations": {**sealed["annotations"], **ann}}
 
 
 def _note_pushed(cp: CommitPlan, target_ref: Reference, image: NewImage, also: list[str]) -> None:
@@ -175,7 +195,9 @@ def _insert_carried(rows: list[tuple[dict, str, LayerReport]], cp: CommitPlan) -
     carried = [(layer.descriptor, layer.diff_id,
                 LayerReport(layer.snap_label or layer.digest[:19], layer.digest, layer.size, layer.media_type, 1,
                             "kept from the last snapshot (being written, not read)"))
-               for path in sorted(cp.carried) for layer in cp.carried[path]]
+               for path in sorted(cp.carried) for layer in cp.carried[path]
+               # never a clear layer in an encrypted snapshot
+               if cp.encryption is None or layer.annotations.get(RECIPIENTS) == cp.encryption.id]
     if not carried:
         return
     at = len(rows)
@@ -218,6 +240,9 @@ def _reused(cp: CommitPlan, remote: Remote, plan: LayerPlan) -> tuple[Optional[d
     """The blob a layer already has (stat cache or last restore) and where the registry has it:
     "" when the layer must be built, its files read."""
     hit = cp.known(plan)
+    if hit and cp.encryption is not None:  # the encrypted blob pushed for it, if any, not the clear one
+        sealed = cp.encryption.lookup(hit["digest"], hit["diff_id"], hit["media_type"])
+        return hit, (in_registry(remote, sealed["digest"], cp.sources) if sealed else "")
     return hit, (in_registry(remote, hit["digest"], cp.sources) if hit else "")
 
 
@@ -310,6 +335,7 @@ class _LayerSender:
     def __init__(self, cp: CommitPlan, remote: Remote, packers: Optional[Packers], count: int, on_pack, on_up):
         self.root, self.zstd_level, self.sources, self.remote = cp.root, cp.zstd_level, cp.sources, remote
         self.packers, self.on_pack, self.on_up = packers, on_pack, on_up
+        self.encryption = cp.encryption
         self.after_read = cp.hooks.after_read  # into every read of a box file, here and in the packers
         self.out_dir = sub("layers")
         # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
@@ -326,6 +352,8 @@ class _LayerSender:
             return self._send(plan, blob)
 
     def _send(self, plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
+        if self.encryption is not None:
+            return blob, self._send_encrypted(blob)
         if plan.compression == "none":
             if blob.not_whole:
                 return blob, NOT_SENT_TORN
@@ -342,13 +370,30 @@ class _LayerSender:
         finally:
             os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
 
+    def _send_encrypted(self, blob: LayerBlob) -> str:
+        """Send the built blob encrypted: the encrypted blob already pushed for it (state dir, the
+        tag's snapshot), else the file encrypted in place (a derived key's blob may be there already)."""
+        try:
+            if blob.not_whole:
+                return NOT_SENT_TORN
+            sealed = self.encryption.lookup(blob.digest, blob.diff_id, blob.media_type)
+            if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
+                return there
+            sealed = self.encryption.encrypt_in_place(blob.path, blob.digest, blob.diff_id, blob.media_type)
+            if there := in_registry(self.remote, sealed["digest"], self.sources):
+                return there
+            self.remote.upload_blob(blob.path, sealed["digest"], sealed["size"], self.on_up, what="layers")
+            return "uploaded"
+        finally:
+            os.unlink(blob.path)
+
     def _pack(self, plan: LayerPlan) -> tuple[LayerBlob, bytes]:
         """The layer's blob and its skeleton's piece (its headers, as written)."""
         if plan.compression != "none" and self.packers is not None:
             return self.packers.pack(PackJob(plan, self.root, self.out_dir, self.zstd_level, self.zstd_threads,
                                              skeleton.PieceWriter, self.after_read), self.on_pack)
         headers = skeleton.PieceWriter()
-        if plan.compression == "none":
+        if plan.compression == "none" and self.encryption is None:  # encrypted: built, then encrypted in place
             # Stored as is: hash it in one read (the hash lets other threads run), then stream it
             # again to the registry only if the registry lacks it. No copy of tens of GB on the
             # box's (often full) disk.

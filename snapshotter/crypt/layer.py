@@ -34,6 +34,7 @@ PUBOPTS = "org.opencontainers.image.enc.pubopts"
 ENC_PREFIX = "org.opencontainers.image.enc."  # every ocicrypt annotation: keys.jwe/pkcs7/pgp/pkcs11, pubopts
 CHUNK = 1 << 20
 DERIVATION_SALT = b"snap ocicrypt layer key v1"  # versions the derivation: a change gives other blobs
+PLAIN_TYPES = (LAYER_TAR, LAYER_GZIP, LAYER_ZSTD)  # the layer types ocicrypt has an encrypted form of
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def derived_key(secret: bytes, diff_id: str, plain_digest: str) -> LayerKey:
 
 def encrypted_media_type(media_type: str) -> str:
     """ocicrypt's type for an encrypted layer: the plain OCI layer type with `+encrypted`."""
-    if media_type not in (LAYER_TAR, LAYER_GZIP, LAYER_ZSTD):
+    if media_type not in PLAIN_TYPES:
         raise ValueError(f"no encrypted form of the layer type {media_type!r}")
     return media_type + ENCRYPTED_SUFFIX
 
@@ -94,7 +95,7 @@ def is_encrypted(media_type: str) -> bool:
 def plain_media_type(media_type: str) -> str:
     """The layer type an encrypted layer decrypts to; a type that is not one of ocicrypt's is refused."""
     plain = media_type[:-len(ENCRYPTED_SUFFIX)] if is_encrypted(media_type) else ""
-    if plain not in (LAYER_TAR, LAYER_GZIP, LAYER_ZSTD):
+    if plain not in PLAIN_TYPES:
         raise IntegrityError(f"unsupported encrypted layer media type {media_type!r}")
     return plain
 

@@ -52,6 +52,7 @@ from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
+from snapshotter.snapshot.decryption import open_image
 from snapshotter.snapshot.record import applied_since, forget_restore, note_restore
 from snapshotter.state import RootFiles, exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
@@ -79,6 +80,7 @@ class RestoreOptions:
     # Called once every layer but the weights is applied (landing.py): `snap restore --then` starts the app.
     on_app_ready: Optional[Callable[[], None]] = None
     jobs: Optional[int] = None  # layers applied at once (jobs.py: --jobs, else SNAP_JOBS, else the cores)
+    decryption_keys: list = field(default_factory=list)  # private keys that open an encrypted image
 
 
 @dataclass
@@ -190,8 +192,7 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     if os.path.exists(root) and not os.path.isdir(root):
         raise UsageError(f"restore target {root} exists and is not a directory")
     files = RootFiles(root)
-    remote = Remote(reference, opts.transport)
-    image = remote.resolve()
+    image, remote = open_image(*_resolved(reference, opts.transport), opts.decryption_keys)  # before any write
     todo = select_layers(image, opts.only_snapshot)
     parts, links = part_files(todo), part_links(todo)  # a malformed image is refused before anything is written
     journal = Journal(_state_sub("restore-journal"), files, image.manifest_digest, [layer.digest for layer in todo],
@@ -216,6 +217,11 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
                                                      run_token=secrets.token_hex(4)))
     return _Run(reference, files, remote, image, todo, journal, extractor, profile, base_layers, parts, links,
                 skeletons, claims)
+
+
+def _resolved(reference: Reference, transport: TransportOptions) -> tuple[Image, Remote]:
+    remote = Remote(reference, transport)
+    return remote.resolve(), remote
 
 
 def _resume(run: _Run, root: str, log: Callable[[str], None]) -> int:

@@ -41,6 +41,7 @@ from snapshotter.profile import Profile, load_profile
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
+from snapshotter.snapshot.decryption import open_image
 from snapshotter.tar.compress import IterReader, check_layer
 from snapshotter.tar.reader import EntryCount, data_chunks, iter_members
 from snapshotter.tar.rules import check_name
@@ -62,6 +63,7 @@ class VerifyOptions:
     jobs: int = field(default_factory=resolve_jobs)  # files hashed at once
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
+    decryption_keys: list = field(default_factory=list)  # private keys that open an encrypted image
 
 
 @dataclass
@@ -409,7 +411,7 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
         raise UsageError("--strict compares the whole image with the directory", "drop --only-snapshot")
     reference = Reference.parse(ref)
     remote = Remote(reference, opts.transport)
-    image = remote.resolve()
+    image, remote = open_image(remote.resolve(), remote, opts.decryption_keys)
     index, deleted = image_index(remote, image, opts.only_snapshot, opts.log, opts.jobs)
     listed, total = left_out_secrets(image.manifest)
     secrets = sorted(clean_path(p) for p in listed)

@@ -1,0 +1,112 @@
+"""Restoring and verifying encrypted images (docs/encryption.md): crypt/'s ocicrypt core on the way in.
+An image with encrypted layers (snap's, or one skopeo or podman encrypted) is opened with the private
+keys given before anything is written: every layer's wrapped key and snap's sealed annotations
+(encryption.py's SEALED). What the rest of restore sees is the plain image (each layer's plain media
+type, digest and annotations) and a Remote whose blobs of those digests are the encrypted ones,
+decrypted as they stream: each checked against its HMAC and its plain digest when it ends, so a
+tampered blob fails as a corrupt one does (exit 6), before its last byte is kept."""
+
+from __future__ import annotations
+
+import binascii
+import hashlib
+import io
+import json
+from typing import Callable, Iterator, Optional
+
+from snapshotter.crypt import jwe, keys, layer
+from snapshotter.crypt.keys import KeyMismatch, PrivateKey
+from snapshotter.digests import DIGEST, hasher_digest
+from snapshotter.errors import IntegrityError
+from snapshotter.oci.image import Image, annotations_of, canonical, descriptor
+from snapshotter.registry.remote import ProgressFn, Remote
+from snapshotter.tar.compress import IterReader
+
+from .encryption import RECIPIENTS, SEALED, setting_paths
+
+DECRYPTION_KEY_ENV = "SNAP_DECRYPTION_KEY"  # private key files, separated by os.pathsep: as --decryption-key
+
+
+def load_decryption_keys(paths: Optional[list[str]], log: Callable[[str], None]) -> list[PrivateKey]:
+    """The private keys of `--decryption-key` (else $SNAP_DECRYPTION_KEY, which names files: a key's
+    own text there is refused). A file others may read gets a warning line."""
+    found = []
+    for path in paths or setting_paths(DECRYPTION_KEY_ENV):
+        key, warnings = keys.load_private_key(path)
+        for w in warnings:
+            log(w)
+        found.append(key)
+    return found
+
+
+class DecryptingRemote(Remote):
+    """`remote`, but a blob of a decrypted layer's plain digest is its encrypted blob, decrypted."""
+
+    def __init__(self, remote: Remote, opened: dict[str, tuple[str, layer.Opened]]):
+        self.__dict__.update(remote.__dict__)  # the same connection, credentials and counters
+        self._opened = opened
+
+    def iter_blob(self, digest: str, progress: ProgressFn = None, size: Optional[int] = None) -> Iterator[bytes]:
+        if digest not in self._opened:
+            return super().iter_blob(digest, progress, size)
+        return self._decrypted(digest, progress, size)
+
+    def _decrypted(self, digest: str, progress: ProgressFn, size: Optional[int]) -> Iterator[bytes]:
+        encrypted, opened = self._opened[digest]
+        stream = io.BufferedReader(IterReader(super().iter_blob(encrypted, progress, size)), layer.CHUNK)
+        h = hashlib.sha256()
+        for chunk in layer.decrypted_chunks(stream, opened):  # raises at the end on a wrong HMAC
+            h.update(chunk)
+            yield chunk
+        if hasher_digest(h) != digest:
+            raise IntegrityError(f"the decrypted layer {encrypted[:19]} is not the {digest} its key names (tampered)")
+
+
+def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> tuple[Image, Remote]:
+    """`image` and `remote` as the rest of a restore reads them: unchanged for a clear image; for an
+    encrypted one, its plain view and a DecryptingRemote. No key given, or none that opens it:
+    KeyMismatch (exit 4); a malformed or tampered key annotation: IntegrityError (exit 6)."""
+    doc = image.manifest
+    layers = doc.get("layers") if isinstance(doc.get("layers"), list) else []
+    ann = annotations_of(doc, f"image {image.ref}")
+    encrypted = [i for i, d in enumerate(layers) if isinstance(d, dict) and isinstance(d.get("mediaType"), str)
+                 and layer.is_encrypted(d["mediaType"])]
+    if not encrypted and SEALED not in ann:
+        return image, remote
+    if not private_keys:
+        raise KeyMismatch(f"{image.ref} is encrypted and no decryption key was given",
+                          "pass --decryption-key FILE (or set SNAP_DECRYPTION_KEY to the key file's path)")
+    sealed = _unseal(ann.get(SEALED), private_keys)
+    opened: dict[str, tuple[str, layer.Opened]] = {}
+    for i in encrypted:
+        d = layers[i]
+        key = layer.open_layer(annotations_of(d, f"layer {i + 1} of {image.ref}"), private_keys)
+        if not DIGEST.fullmatch(key.plain_digest):
+            raise IntegrityError(f"layer {i + 1} of {image.ref}: its key names no plain digest")
+        opened[key.plain_digest] = (d["digest"], key)
+        clear = {k: v for k, v in d.get("annotations", {}).items()
+                 if not k.startswith(layer.ENC_PREFIX) and k != RECIPIENTS}
+        layers[i] = descriptor(layer.plain_media_type(d["mediaType"]), key.plain_digest, d.get("size"), clear)
+    for i, hidden in sealed["layers"].items():
+        if i.isdigit() and int(i) < len(layers) and isinstance(layers[int(i)], dict):
+            layers[int(i)]["annotations"] = {**layers[int(i)].get("annotations", {}), **hidden}
+    doc["annotations"] = {**{k: v for k, v in ann.items() if k != SEALED}, **sealed["manifest"]}
+    view = Image(image.ref, canonical(doc), image.manifest_digest, image.config_bytes)
+    return view, DecryptingRemote(remote, opened)
+
+
+def _unseal(value: Optional[str], private_keys: list[PrivateKey]) -> dict:
+    """snap's sealed annotations ({"manifest": {...}, "layers": {index: {...}}}); empty ones for an
+    image without (skopeo's)."""
+    if value is None:
+        return {"manifest": {}, "layers": {}}
+    try:
+        payload = jwe.decrypt(binascii.a2b_base64(value.encode()), private_keys)
+        doc = json.loads(payload)
+    except (binascii.Error, ValueError):
+        raise IntegrityError(f"the image's {SEALED} annotation is malformed") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    maps = [doc.get("manifest"), *layers.values()] if isinstance(layers, dict) else [None]
+    if not all(isinstance(m, dict) and all(isinstance(v, str) for v in m.values()) for m in maps):
+        raise IntegrityError(f"the image's {SEALED} annotation is malformed")
+    return doc

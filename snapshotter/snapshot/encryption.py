@@ -1,0 +1,187 @@
+"""Encrypted snapshots (docs/encryption.md): commit's side of crypt/'s ocicrypt core. Each of snap's
+layers is pushed encrypted (`+encrypted`, ocicrypt's annotations and cipher) to the recipients' public
+keys; snap's own annotations that name paths are sealed into one JWE on the manifest (SEALED); the
+blobs snap pushes beside the layers (headers, base index, any other side blob) are not pushed at all
+(side_blobs). What stays clear: the config (the base's, with diff_ids), the base's layers, sizes.
+
+Dedup: an unchanged layer keeps its encrypted blob. The state dir maps each plain blob to the
+encrypted descriptor pushed for it (per set of recipients: ENCRYPTED_DIR, 0600, wrapped keys only);
+a new state dir reuses the target tag's snapshot's descriptor of the same diff_id and recipients;
+with a secret (`--encrypt-secret`) the layer key is derived (crypt/layer.py's derived_key), so the
+same layer is the same blob on any box that has the secret."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from cryptography.hazmat.primitives import serialization
+
+from snapshotter.crypt import jwe, keys, layer
+from snapshotter.crypt.keys import PublicKey
+from snapshotter.errors import SnapError, UsageError
+from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE,
+                                   NewImage, annotations_of)
+from snapshotter.registry.remote import Remote
+from snapshotter.state import open_own, replace_file, sub
+
+ENCRYPT_TO_ENV = "SNAP_ENCRYPT_TO"  # public key files, separated by os.pathsep: as --encrypt-to
+ENCRYPT_SECRET_ENV = "SNAP_ENCRYPT_SECRET"  # a secret file: as --encrypt-secret
+SEALED = "dev.snap.sealed"  # manifest annotation: base64 JWE of snap's annotations that name paths
+RECIPIENTS = "dev.snap.recipients"  # manifest and layer annotation: which set of keys (see recipients_id)
+# Manifest annotations left clear: none names a path; commit and restore read them before any key.
+CLEAR = frozenset({BASE_NAME, BASE_DIGEST, CREATED, SNAP_BASE_LAYERS, SNAP_PROFILE, SNAP_MAX_LAYER, RECIPIENTS})
+ENCRYPTED_LABEL = "encrypted"  # each snap layer's name in the config's history: its real name is sealed
+ENCRYPTED_DIR = "encrypted-layers"
+VERSION = 1
+
+
+def jwe_path(value: str) -> str:
+    """A recipient as skopeo names one (`jwe:FILE`) or a plain FILE."""
+    return value[4:] if value.startswith("jwe:") else value
+
+
+def setting_paths(name: str) -> list[str]:
+    """The files an environment setting names (os.pathsep between them). A key's own text there is
+    refused without a word of it: the setting names files, never holds keys."""
+    value = os.environ.get(name, "").strip()
+    if "-----BEGIN" in value or "\n" in value:
+        raise UsageError(f"${name} holds a key, not a file name: put the key in a file and name that file",
+                         f"unset {name} now: an environment value is visible to other processes of yours")
+    return [p for p in value.split(os.pathsep) if p]
+
+
+def recipients_id(recipients: list[PublicKey]) -> str:
+    """The sha256 of the recipients' public keys (DER, sorted): equal for the same set of keys, in
+    any order. Public, as the keys are: it tells a later commit whether a layer is for the same keys."""
+    ders = sorted(k.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+                  for k in recipients)
+    return "sha256:" + hashlib.sha256(b"".join(hashlib.sha256(d).digest() for d in ders)).hexdigest()
+
+
+@dataclass
+class Encryption:
+    """A commit's encryption: recipients, optional derivation secret, and what the state dir and the
+    target's last snapshot say was pushed encrypted for them ({plain blob digest: descriptor})."""
+
+    recipients: list[PublicKey]
+    secret: Optional[bytes] = field(default=None, repr=False)
+    known: dict[str, dict] = field(default_factory=dict)
+    previous: dict[tuple[str, str], dict] = field(default_factory=dict)  # (diff_id, media type): descriptor
+    loaded: bool = False
+
+    @property
+    def id(self) -> str:
+        return recipients_id(self.recipients)
+
+    def _path(self) -> str:
+        return os.path.join(sub(ENCRYPTED_DIR), self.id.split(":", 1)[1][:32] + ".json")
+
+    def _load(self) -> None:
+        if self.loaded:
+            return
+        self.loaded = True
+        try:
+            with open_own(self._path()) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return
+        if isinstance(doc, dict) and doc.get("version") == VERSION and isinstance(doc.get("layers"), dict):
+            self.known.update({k: v for k, v in doc["layers"].items() if _well_formed(v)})
+
+    def save(self) -> None:
+        """Keep what this commit pushed (the mapping holds descriptors and wrapped keys, no key)."""
+        self._load()
+        replace_file(self._path(), lambda f: json.dump({"version": VERSION, "layers": self.known}, f))  # 0600
+
+    def lookup(self, plain_digest: str, diff_id: str, media_type: str) -> Optional[dict]:
+        """The encrypted descriptor already pushed for this plain blob (or, from the target's last
+        snapshot, for a blob of the same tar and compression), if any."""
+        self._load()
+        found = self.known.get(plain_digest)
+        if found is None and media_type in layer.PLAIN_TYPES:
+            found = self.previous.get((diff_id, layer.encrypted_media_type(media_type)))
+            if found is not None:
+                self.known[plain_digest] = found
+        return found
+
+    def encrypt_in_place(self, path: str, plain_digest: str, diff_id: str, media_type: str) -> dict:
+        """Encrypt the blob file at `path` over itself (CTR keeps its length: no second copy on a full
+        disk) and return its descriptor, noted for this plain blob."""
+        key = layer.derived_key(self.secret, diff_id, plain_digest) if self.secret else None
+        with open(path, "rb") as src, open(path, "r+b") as dst:  # each chunk written where it was read
+            done = layer.encrypt_layer(src, dst, self.recipients, plain_digest, key)
+        desc = {"mediaType": layer.encrypted_media_type(media_type), "digest": done.digest, "size": done.size,
+                "annotations": {**done.annotations, RECIPIENTS: self.id}}
+        self.note(plain_digest, desc)
+        return desc
+
+    def note(self, plain_digest: str, desc: dict) -> None:
+        self._load()
+        self.known[plain_digest] = desc
+
+    def learn_previous(self, remote: Remote, manifest: Optional[bytes]) -> None:
+        """The encrypted layers of the target tag's snapshot made for these recipients, by diff_id (its
+        config is clear): a commit from a new state dir reuses them instead of pushing new blobs."""
+        try:
+            doc = json.loads(manifest) if manifest else None
+            if not isinstance(doc, dict) or annotations_of(doc, "the tag's snapshot").get(RECIPIENTS) != self.id:
+                return
+            config = json.loads(remote.fetch_bytes(doc["config"]["digest"], doc["config"]["size"]))
+            for desc, diff_id in zip(doc["layers"], config["rootfs"]["diff_ids"]):
+                if _well_formed(desc) and annotations_of(desc, "a layer").get(RECIPIENTS) == self.id:
+                    self.previous[(diff_id, desc["mediaType"])] = desc
+        except (SnapError, ValueError, KeyError, TypeError):
+            return  # an optimisation only: the layers are encrypted and pushed afresh
+
+    def seal(self, image: NewImage) -> None:
+        """Move every annotation of snap's that is not CLEAR (paths: a layer's file, its parts, the
+        secrets left out, the deletions...) into one JWE on the manifest, for the recipients alone;
+        each snap layer's history name becomes ENCRYPTED_LABEL. Restore unseals it (decryption.py)."""
+        sealed: dict = {"manifest": {}, "layers": {}}
+        for k in [k for k in image.annotations if k not in CLEAR]:
+            sealed["manifest"][k] = image.annotations.pop(k)
+        for lay in image.layers:
+            ann = lay.descriptor.get("annotations", {})
+            hidden = {k: ann.pop(k) for k in [k for k in ann if not k.startswith(layer.ENC_PREFIX) and k != RECIPIENTS]}
+            if hidden:
+                sealed["layers"][str(lay.index)] = hidden
+        image.labels = [ENCRYPTED_LABEL] * len(image.labels)
+        image.annotations[RECIPIENTS] = self.id
+        image.annotations[SEALED] = layer.b64(jwe.encrypt(json.dumps(sealed, sort_keys=True).encode(),
+                                                          self.recipients))
+
+
+def _well_formed(desc) -> bool:
+    return (isinstance(desc, dict) and isinstance(desc.get("digest"), str) and type(desc.get("size")) is int
+            and isinstance(desc.get("mediaType"), str) and layer.is_encrypted(desc["mediaType"])
+            and isinstance(desc.get("annotations"), dict))
+
+
+def load_encryption(encrypt_to: list[str], secret_file: Optional[str],
+                    log: Callable[[str], None]) -> Optional[Encryption]:
+    """The Encryption of `--encrypt-to` (else $SNAP_ENCRYPT_TO) and `--encrypt-secret` (else
+    $SNAP_ENCRYPT_SECRET); None when neither names a recipient. Bad keys: one line, exit 2."""
+    paths = [jwe_path(p) for p in (encrypt_to or setting_paths(ENCRYPT_TO_ENV))]
+    secret_file = secret_file or next(iter(setting_paths(ENCRYPT_SECRET_ENV)), None)
+    if not paths:
+        if secret_file:
+            raise UsageError("--encrypt-secret needs --encrypt-to", "name the public key(s) to encrypt to")
+        return None
+    recipients = [keys.load_public_key(p) for p in paths]
+    secret = None
+    if secret_file:
+        secret, warnings = keys.load_secret(secret_file)
+        for w in warnings:
+            log(w)
+    return Encryption(recipients, secret)
+
+
+def side_blobs(encryption: Optional[Encryption]) -> bool:
+    """Whether a commit pushes the blobs it names beside its layers (each layer's headers, the base's
+    index, weight references): they hold paths and sizes in clear, so an encrypted snapshot pushes
+    none (a restore then downloads what it would have skipped; a new machine reads the base's layers)."""
+    return encryption is None

@@ -1,0 +1,173 @@
+"""`snap commit --encrypt-to` and `snap restore/verify --decryption-key` on the suite's real registry,
+with openssl-made keys: layers in ocicrypt's format, nothing of a file's name or content in any blob
+the registry stores (read from its storage directory, decompressed), dedup kept, keys kept secret."""
+
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import zstandard
+
+from support.registry import blobs_in
+from support.run import assert_one_line_error, snap
+from support.trees import snapshot_of_tree, write_tree
+
+ENCRYPTED_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd+encrypted",
+                   "application/vnd.oci.image.layer.v1.tar+gzip+encrypted",
+                   "application/vnd.oci.image.layer.v1.tar+encrypted")
+NOT_RESTORED = ("tmp", "proc", "sys", "dev", "run")
+
+
+def openssl(*args):
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """RSA and EC (PKCS#8) key pairs, another RSA key (the wrong one), a derivation secret; all 0600."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("keys")
+    for name in ("rsa", "other"):
+        openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(d / f"{name}.pem"))
+        openssl("pkey", "-in", str(d / f"{name}.pem"), "-pubout", "-out", str(d / f"{name}.pub"))
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(d / "ec.pem"))
+    openssl("pkey", "-in", str(d / "ec.pem"), "-pubout", "-out", str(d / "ec.pub"))
+    (d / "secret").write_bytes(os.urandom(32))
+    for p in d.iterdir():
+        p.chmod(0o600)
+    return d
+
+
+def marked_box(box, marker: str) -> str:
+    """The suite's box with a file whose name and content hold `marker`, one cut into part layers
+    (bigger than --max-layer-size 1MiB), and a marked name in a deletion."""
+    write_tree(box, {f"opt/app/notes/{marker}-name.txt": f"content-{marker}\n",
+                     f"opt/app/models/{marker}-big.bin": (f"weights-{marker}".encode() + os.urandom(64)) * 20_000})
+    return box
+
+
+def registry_texts(registry):
+    """Every blob of the registry's storage, as stored and decompressed (gzip members, zstd frames)."""
+    top = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256")
+    for hexdigest in blobs_in(registry):
+        with open(os.path.join(top, hexdigest[:2], hexdigest, "data"), "rb") as f:
+            data = f.read()
+        yield data
+        if data[:2] == b"\x1f\x8b":
+            yield gzip.decompress(data)
+        elif data[:4] == b"\x28\xb5\x2f\xfd":
+            yield zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+
+
+def assert_nowhere(registry, *needles: str):
+    for text in registry_texts(registry):
+        for needle in needles:
+            assert needle.encode() not in text, f"{needle!r} is in clear in a blob of the registry"
+
+
+def manifest_of(registry, repo, tag):
+    r = registry.session().get(f"{registry.url}/v2/{repo}/manifests/{tag}",
+                               headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_an_encrypted_snapshot_holds_nothing_in_clear_and_restores_with_its_key(registry, base_ref, box, keys,
+                                                                                  tmp_path):
+    """(1, 2, 3) Layers pushed as ocicrypt's `+encrypted` types with its annotations; no blob in the
+    registry holds the marker file's name or content, raw or decompressed (no headers blob, no base
+    index, no path annotation, no layer name in the config); restore with the key (EC, PKCS#8) gives
+    the tree byte for byte, part files joined; verify with it says equal."""
+    marker = uuid.uuid4().hex
+    marked_box(box, marker)
+    target = f"{registry.host}/enc1:v1"
+    r = snap("commit", target, "--base", base_ref, "--root", box, "--max-layer-size", "1MiB",
+             "--encrypt-to", str(keys / "rsa.pub"), "--encrypt-to", f"jwe:{keys / 'ec.pub'}")
+    assert r.returncode == 0, r.stderr
+    manifest = manifest_of(registry, "enc1", "v1")
+    own = manifest["layers"][int(manifest["annotations"]["dev.snap.base-layers"]):]
+    assert own and all(d["mediaType"] in ENCRYPTED_TYPES for d in own)
+    assert all({"org.opencontainers.image.enc.keys.jwe", "org.opencontainers.image.enc.pubopts"}
+               <= set(d["annotations"]) for d in own)
+    assert_nowhere(registry, marker)
+    root = tmp_path / "restored"
+    r = snap("restore", target, "--root", str(root), "--decryption-key", str(keys / "ec.pem"))
+    assert r.returncode == 0, r.stderr
+    assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
+    r = snap("verify", target, "--root", str(root), env={"SNAP_DECRYPTION_KEY": str(keys / "rsa.pem")})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_without_the_key_or_with_a_wrong_one_nothing_is_written(registry, base_ref, box, keys, tmp_path):
+    """(2) No key, a key no layer is for: one line, exit 4, and the target not even created; a key's
+    text in SNAP_DECRYPTION_KEY is refused without echoing it (exit 2)."""
+    target = f"{registry.host}/enc2:v1"
+    snap("commit", target, "--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"), check=True)
+    root = tmp_path / "never"
+    assert_one_line_error(snap("restore", target, "--root", str(root)), 4, "encrypted", "decryption key")
+    assert_one_line_error(snap("restore", target, "--root", str(root), "--decryption-key", str(keys / "other.pem")),
+                          4, "recipient")
+    assert_one_line_error(snap("verify", target, "--root", str(tmp_path)), 4, "encrypted")
+    assert not root.exists()
+    pem = (keys / "rsa.pem").read_text()
+    r = snap("restore", target, "--root", str(root), env={"SNAP_DECRYPTION_KEY": pem})
+    assert_one_line_error(r, 2, "SNAP_DECRYPTION_KEY")
+    assert pem.splitlines()[1] not in r.stderr + r.stdout
+    assert not root.exists()
+
+
+def test_a_tampered_layer_is_exit_6_and_leaves_nothing(registry, base_ref, box, keys, tmp_path):
+    """(2) One flipped byte in an encrypted layer's blob (the biggest: the weights), in the registry's
+    storage: the restore fails its HMAC, exit 6, and nothing of that layer is in the root."""
+    target = f"{registry.host}/enc3:v1"
+    snap("commit", target, "--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"),
+         "--compression", "gzip", check=True)
+    manifest = manifest_of(registry, "enc3", "v1")
+    victim = max((d for d in manifest["layers"] if d["mediaType"] in ENCRYPTED_TYPES), key=lambda d: d["size"])
+    hexdigest = victim["digest"].split(":", 1)[1]
+    path = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256", hexdigest[:2], hexdigest, "data")
+    with open(path, "rb") as f:
+        original = f.read()
+    tampered = bytearray(original)
+    tampered[len(tampered) // 2] ^= 0x01
+    try:
+        with open(path, "wb") as f:
+            f.write(tampered)
+        root = tmp_path / "root"
+        r = snap("restore", target, "--root", str(root), "--decryption-key", str(keys / "rsa.pem"))
+        assert_one_line_error(r, 6)
+        # the layers before it may be applied (the next restore resumes); not one byte of this one
+        assert not (root / "opt/app/models/checkpoints/sd15.safetensors").exists()
+    finally:
+        with open(path, "wb") as f:
+            f.write(original)
+
+
+def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, keys, tmp_path):
+    """(4) A second commit of an unchanged box adds no blob but the manifest and config; a changed
+    file re-sends only its own layer; a new state dir with the derivation secret (and one without,
+    from the tag's snapshot) pushes no layer again."""
+    target = f"{registry.host}/enc4:v1"
+    flags = ("--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"),
+             "--encrypt-secret", str(keys / "secret"), "--json")
+    first = json.loads(snap("commit", target, *flags, check=True).stdout)
+    before = blobs_in(registry)
+    again = json.loads(snap("commit", target, *flags, check=True).stdout)
+    assert [(x["digest"], x["size"]) for x in again["layers"]] == [(x["digest"], x["size"]) for x in first["layers"]]
+    assert len(blobs_in(registry) - before) <= 2  # at most a config and a manifest: no layer
+    write_tree(box, {"etc/app.conf": "threads = 16\n"})
+    changed = json.loads(snap("commit", target, *flags, check=True).stdout)
+    sent = [x for x in changed["layers"] if x["status"] == "uploaded"]
+    assert len(sent) == 1 and sent[0]["digest"] not in {x["digest"] for x in first["layers"]}
+    for extra in ((), ("--encrypt-secret", str(keys / "secret"))):
+        state = tmp_path / f"state-{len(extra)}"
+        fresh = json.loads(snap("commit", target, *flags[:-3], *extra, "--json", "--force",
+                                env={"SNAP_STATE_DIR": str(state)}, check=True).stdout)
+        assert [x["digest"] for x in fresh["layers"]] == [x["digest"] for x in changed["layers"]]
+        assert not [x for x in fresh["layers"] if x["status"] == "uploaded"]
