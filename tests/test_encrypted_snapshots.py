@@ -6,13 +6,12 @@ import gzip
 import io
 import json
 import os
-import shutil
-import subprocess
 import uuid
 
 import pytest
 import zstandard
 
+from support.ocicrypt import make_keys, skopeo_copy
 from support.registry import blobs_in
 from support.run import assert_one_line_error, snap
 from support.trees import snapshot_of_tree, write_tree
@@ -23,21 +22,11 @@ ENCRYPTED_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd+encrypted",
 NOT_RESTORED = ("tmp", "proc", "sys", "dev", "run")
 
 
-def openssl(*args):
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    """RSA and EC (PKCS#8) key pairs, another RSA key (the wrong one), a derivation secret; all 0600."""
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is not installed")
+    """make_keys' pairs (rsa, ec, other: the wrong key) and a derivation secret; all 0600."""
     d = tmp_path_factory.mktemp("keys")
-    for name in ("rsa", "other"):
-        openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(d / f"{name}.pem"))
-        openssl("pkey", "-in", str(d / f"{name}.pem"), "-pubout", "-out", str(d / f"{name}.pub"))
-    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(d / "ec.pem"))
-    openssl("pkey", "-in", str(d / "ec.pem"), "-pubout", "-out", str(d / "ec.pub"))
+    make_keys(d)
     (d / "secret").write_bytes(os.urandom(32))
     for p in d.iterdir():
         p.chmod(0o600)
@@ -171,3 +160,29 @@ def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, ke
                                 env={"SNAP_STATE_DIR": str(state)}, check=True).stdout)
         assert [x["digest"] for x in fresh["layers"]] == [x["digest"] for x in changed["layers"]]
         assert not [x for x in fresh["layers"] if x["status"] == "uploaded"]
+
+
+def test_skopeo_decrypts_a_snapshot_and_snap_restores_what_skopeo_encrypted(registry, base_ref, box, keys, tmp_path):
+    """(6) The ecosystem's own tool both ways, through the registry: `skopeo copy --decryption-key`
+    turns snap's encrypted snapshot into a clear image whose restore (its sealed annotations opened
+    with the key) is the box, byte for byte; a clear snapshot that `skopeo copy --encryption-key
+    jwe:` encrypted, every layer (the base's too), is restored by snap with the private key."""
+    host = registry.host
+    snap("commit", f"{host}/enc6:v1", "--base", base_ref, "--root", box, "--encrypt-to", str(keys / "ec.pub"),
+         check=True)
+    skopeo_copy(tmp_path, f"docker://{host}/enc6:v1", f"docker://{host}/enc6-clear:v1",
+                "--decryption-key", str(keys / "ec.pem"))
+    assert not any(d["mediaType"] in ENCRYPTED_TYPES for d in manifest_of(registry, "enc6-clear", "v1")["layers"])
+    want = snapshot_of_tree(box, skip=NOT_RESTORED)
+    snap("restore", f"{host}/enc6-clear:v1", "--root", str(tmp_path / "a"), "--decryption-key",
+         str(keys / "ec.pem"), check=True)
+    assert snapshot_of_tree(str(tmp_path / "a"), skip=NOT_RESTORED) == want
+
+    snap("commit", f"{host}/enc6-plain:v1", "--base", base_ref, "--root", box, check=True)
+    skopeo_copy(tmp_path, f"docker://{host}/enc6-plain:v1", f"docker://{host}/enc6-skopeo:v1",
+                "--encryption-key", f"jwe:{keys / 'rsa.pub'}")
+    assert all(d["mediaType"] in ENCRYPTED_TYPES for d in manifest_of(registry, "enc6-skopeo", "v1")["layers"])
+    assert_one_line_error(snap("restore", f"{host}/enc6-skopeo:v1", "--root", str(tmp_path / "b")), 4)
+    snap("restore", f"{host}/enc6-skopeo:v1", "--root", str(tmp_path / "b"), "--decryption-key",
+         str(keys / "rsa.pem"), check=True)
+    assert snapshot_of_tree(str(tmp_path / "b"), skip=NOT_RESTORED) == want

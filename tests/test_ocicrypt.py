@@ -15,6 +15,9 @@ import tarfile
 
 import pytest
 
+from support.ocicrypt import make_keys, need, openssl
+from support.ocicrypt import skopeo_copy as support_skopeo_copy
+
 from snapshotter.crypt import keys, layer
 from snapshotter.crypt.keys import KeyMismatch
 from snapshotter.errors import IntegrityError, UsageError, exit_code_of
@@ -23,26 +26,13 @@ MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 CONFIG = "application/vnd.oci.image.config.v1+json"
 
 
-def need(tool):
-    if not shutil.which(tool):
-        pytest.skip(f"{tool} is not installed")
-
-
-def openssl(*args):
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def keydir(tmp_path_factory):
-    """RSA 2048 and EC P-256 key pairs, a second RSA pair (the wrong key), and a password-protected RSA key."""
-    need("openssl")
+    """make_keys' pairs (rsa, other: the wrong key, ec), the EC key as SEC1 and as a certificate too,
+    and a password-protected RSA key."""
     d = tmp_path_factory.mktemp("keys")
-    for name in ("rsa", "other"):
-        openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(d / f"{name}.pem"))
-        openssl("pkey", "-in", str(d / f"{name}.pem"), "-pubout", "-out", str(d / f"{name}.pub"))
+    make_keys(d)
     # skopeo 1.9's ocicrypt reads an EC private key in PKCS#8 only; snap reads SEC1 (ec-sec1.pem) too
-    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(d / "ec.pem"))
-    openssl("ec", "-in", str(d / "ec.pem"), "-pubout", "-out", str(d / "ec.pub"))
     openssl("ec", "-in", str(d / "ec.pem"), "-out", str(d / "ec-sec1.pem"))
     openssl("req", "-new", "-x509", "-key", str(d / "ec.pem"), "-subj", "/CN=snap", "-days", "2",
             "-out", str(d / "ec.crt"))
@@ -103,11 +93,7 @@ def read_layout(path) -> tuple[dict, bytes, list]:
 
 
 def skopeo_copy(tmp_path, src, dst, *flags):
-    policy = tmp_path / "policy.json"
-    policy.write_text('{"default":[{"type":"insecureAcceptAnything"}]}')
-    done = subprocess.run(["skopeo", "--policy", str(policy), "copy", "-q", *flags, f"oci:{src}:v1", f"oci:{dst}:v1"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    support_skopeo_copy(tmp_path, f"oci:{src}:v1", f"oci:{dst}:v1", *flags)
 
 
 def test_an_image_skopeo_encrypted_is_decrypted_to_the_original_layer(keydir, tmp_path):
