@@ -6,6 +6,9 @@ import gzip
 import io
 import json
 import os
+import shutil
+import signal
+import stat
 import uuid
 
 import pytest
@@ -15,6 +18,7 @@ from support.ocicrypt import make_keys, skopeo_copy
 from support.registry import blobs_in
 from support.run import assert_one_line_error, snap
 from support.trees import snapshot_of_tree, write_tree
+from support.watch import WatchProcess
 
 ENCRYPTED_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd+encrypted",
                    "application/vnd.oci.image.layer.v1.tar+gzip+encrypted",
@@ -54,10 +58,11 @@ def registry_texts(registry):
             yield zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
 
 
-def assert_nowhere(registry, *needles: str):
+def assert_nowhere(registry, *needles: str | bytes):
     for text in registry_texts(registry):
         for needle in needles:
-            assert needle.encode() not in text, f"{needle!r} is in clear in a blob of the registry"
+            assert (needle if isinstance(needle, bytes) else needle.encode()) not in text, \
+                f"{needle!r} is in clear in a blob of the registry"
 
 
 def manifest_of(registry, repo, tag):
@@ -139,7 +144,8 @@ def test_a_tampered_layer_is_exit_6_and_leaves_nothing(registry, base_ref, box, 
 
 
 def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, keys, tmp_path):
-    """(4) A second commit of an unchanged box adds no blob but the manifest and config; a changed
+    """(4) A second commit of an unchanged box pushes nothing (the same sealed annotation: the tag's
+    snapshot already); a changed
     file re-sends only its own layer; a new state dir with the derivation secret (and one without,
     from the tag's snapshot) pushes no layer again."""
     target = f"{registry.host}/enc4:v1"
@@ -149,7 +155,7 @@ def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, ke
     before = blobs_in(registry)
     again = json.loads(snap("commit", target, *flags, check=True).stdout)
     assert [(x["digest"], x["size"]) for x in again["layers"]] == [(x["digest"], x["size"]) for x in first["layers"]]
-    assert len(blobs_in(registry) - before) <= 2  # at most a config and a manifest: no layer
+    assert again["current"] and blobs_in(registry) == before  # the tag's snapshot already: nothing pushed
     write_tree(box, {"etc/app.conf": "threads = 16\n"})
     changed = json.loads(snap("commit", target, *flags, check=True).stdout)
     sent = [x for x in changed["layers"] if x["status"] == "uploaded"]
@@ -186,3 +192,55 @@ def test_skopeo_decrypts_a_snapshot_and_snap_restores_what_skopeo_encrypted(regi
     snap("restore", f"{host}/enc6-skopeo:v1", "--root", str(tmp_path / "b"), "--decryption-key",
          str(keys / "rsa.pem"), check=True)
     assert snapshot_of_tree(str(tmp_path / "b"), skip=NOT_RESTORED) == want
+
+
+def test_keys_stay_secret_and_an_exposed_private_key_is_warned_about(registry, base_ref, box, keys, tmp_path,
+                                                                     state_dir):
+    """(5) The derivation secret and the private key appear in no blob of the registry, no state
+    file (those of the encrypted layers are 0600) and no output; a private key file others may read
+    gets one warning line naming it, and still opens the image."""
+    target = f"{registry.host}/enc5:v1"
+    r = snap("commit", target, "--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"),
+             "--encrypt-secret", str(keys / "secret"), check=True)
+    exposed = tmp_path / "exposed.pem"
+    shutil.copy(keys / "rsa.pem", exposed)
+    exposed.chmod(0o644)
+    r2 = snap("restore", target, "--root", str(tmp_path / "root"), "--decryption-key", str(exposed))
+    assert r2.returncode == 0, r2.stderr
+    warned = [line for line in r2.stderr.splitlines() if "readable by group or others" in line]
+    assert len(warned) == 1 and repr(str(exposed)) in warned[0]
+    secret, pem = (keys / "secret").read_bytes(), (keys / "rsa.pem").read_text()
+    body = [line.encode() for line in pem.splitlines()[1:-1]]
+    assert_nowhere(registry, secret, *body)
+    cached = []
+    for folder, _, names in os.walk(state_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                data = f.read()
+            assert secret not in data and not any(line in data for line in body), path
+            if "encrypted-layers" in folder:
+                cached.append(stat.S_IMODE(os.stat(path).st_mode))
+    assert cached and all(mode == 0o600 for mode in cached)
+    for out in (r.stdout + r.stderr, r2.stdout + r2.stderr):
+        assert pem.splitlines()[1] not in out
+
+
+def test_a_watcher_pushes_encrypted_snapshots(registry, base_ref, box, keys, tmp_path):
+    """(1) `snap watch --encrypt-to`: its snapshots, the final one too, are encrypted, hold no marker
+    in clear, and restore with the key."""
+    marker = uuid.uuid4().hex
+    marked_box(box, marker)
+    p = WatchProcess(f"{registry.host}/encw:v2", "--base", base_ref, "--root", box, "--every", "1h",
+                     "--encrypt-to", str(keys / "rsa.pub"), env={"SNAP_WATCH_QUIET": "3600"})
+    p.wait_for(" moved to it")
+    write_tree(box, {f"opt/app/notes/{marker}-late.txt": f"late-{marker}\n"})
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.finish() == 0, "".join(p.seen)
+    manifest = manifest_of(registry, "encw", "v2")
+    own = manifest["layers"][int(manifest["annotations"]["dev.snap.base-layers"]):]
+    assert own and all(d["mediaType"] in ENCRYPTED_TYPES for d in own)
+    assert_nowhere(registry, marker)
+    snap("restore", f"{registry.host}/encw:v2", "--root", str(tmp_path / "r"), "--decryption-key",
+         str(keys / "rsa.pem"), check=True)
+    assert snapshot_of_tree(str(tmp_path / "r"), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)

@@ -71,6 +71,9 @@ class Encryption:
     secret: Optional[bytes] = field(default=None, repr=False)
     known: dict[str, dict] = field(default_factory=dict)
     previous: dict[tuple[str, str], dict] = field(default_factory=dict)  # (diff_id, media type): descriptor
+    # The last seal made, by the sha256 of what it sealed: a commit of an unchanged box seals the same
+    # JWE again, so its manifest is the tag's (push.py's _same_image) and nothing is pushed.
+    sealed: dict[str, str] = field(default_factory=dict)
     loaded: bool = False
 
     @property
@@ -91,11 +94,14 @@ class Encryption:
             return
         if isinstance(doc, dict) and doc.get("version") == VERSION and isinstance(doc.get("layers"), dict):
             self.known.update({k: v for k, v in doc["layers"].items() if _well_formed(v)})
+            if isinstance(doc.get("sealed"), dict):
+                self.sealed.update({k: v for k, v in doc["sealed"].items() if isinstance(v, str)})
 
     def save(self) -> None:
         """Keep what this commit pushed (the mapping holds descriptors and wrapped keys, no key)."""
         self._load()
-        replace_file(self._path(), lambda f: json.dump({"version": VERSION, "layers": self.known}, f))  # 0600
+        replace_file(self._path(), lambda f: json.dump({"version": VERSION, "layers": self.known,  # 0600
+                                                        "sealed": self.sealed}, f))
 
     def lookup(self, plain_digest: str, diff_id: str, media_type: str) -> Optional[dict]:
         """The encrypted descriptor already pushed for this plain blob (or, from the target's last
@@ -151,8 +157,12 @@ class Encryption:
                 sealed["layers"][str(lay.index)] = hidden
         image.labels = [ENCRYPTED_LABEL] * len(image.labels)
         image.annotations[RECIPIENTS] = self.id
-        image.annotations[SEALED] = layer.b64(jwe.encrypt(json.dumps(sealed, sort_keys=True).encode(),
-                                                          self.recipients))
+        payload = json.dumps(sealed, sort_keys=True).encode()
+        self._load()
+        fingerprint = hashlib.sha256(payload).hexdigest()
+        value = self.sealed.get(fingerprint) or layer.b64(jwe.encrypt(payload, self.recipients))
+        self.sealed = {fingerprint: value}
+        image.annotations[SEALED] = value
 
 
 def _well_formed(desc) -> bool:
