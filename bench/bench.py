@@ -629,11 +629,31 @@ ROWS = [  # case, snap key, peer label, peer key, target ratio, strict
     ("3 one custom node changed", "snap_node", "docker commit + push (after the change)", "docker_2", None, False),
     ("3b one small package added to the venv", "snap_pkg", "restic backup (after the package)", "restic_pkg", None, False),
     ("4 one model added", "snap_model", "restic backup (after the model)", "restic_4", None, False),
+    ("1e first commit, encrypted (--encrypt-to)", "snap_first_enc", "snap commit (first, clear)", "snap_first", 1.1,
+     False),
     ("5 restore to empty dir", "snap_restore", "zstd -d \\| tar -x", "untar", 1.3, False),
     ("5 restore to empty dir", "snap_restore", "restic restore", "restic_restore", None, False),
     ("5 restore to empty dir", "snap_restore", "disk write floor: dd + fsync of the box's bytes", "write_floor", None, False),
+    ("5e restore, encrypted (--decryption-key)", "snap_restore_enc", "snap restore (v1, clear)", "snap_restore", 1.1,
+     False),
     ("6 verify the restored tree", "snap_verify", "sha256 floor: tar -c \\| openssl dgst -sha256", "sha_floor", None, False),
 ]
+
+
+def encryption_keys(work: str) -> tuple[str, str]:
+    """(public, private) PEM files of an RSA 2048 key made for the encrypted rows."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pub, pem = os.path.join(work, "bench.pub"), os.path.join(work, "bench.pem")
+    with open(pub, "wb") as f:
+        f.write(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                              serialization.PublicFormat.SubjectPublicKeyInfo))
+    with open(os.open(pem, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return pub, pem
 
 
 def untar(b: Bench, archive: str, out: str, i: int, repeated, listings: dict, keep: bool = False) -> None:
@@ -711,11 +731,18 @@ def measure_all(b: Bench, args) -> dict:
     archive = os.path.join(w, "box.tar.zst")
     listings: dict[str, dict] = {}  # the first tar and snap restores' trees, compared at the end
 
+    public_key, private_key = encryption_keys(w)
+
     def first_commit(i: int) -> None:
         last = i == args.reps - 1
         repeated("snap_first", "snap commit (first)", i, lambda: snap(
             b, "commit", f"{box_ref}:v1" if last else f"{box_ref}-r{i}:v1", "--base", base_ref, "--root", box,
             state=state if last else f"{state}-r{i}"))
+        # The same box encrypted, into a repository and a state dir of its own: a first commit too.
+        repeated("snap_first_enc", "snap commit (first, --encrypt-to)", i, lambda: snap(
+            b, "commit", f"{box_ref}-enc:v1" if last else f"{box_ref}-enc-r{i}:v1", "--base", base_ref, "--root", box,
+            "--encrypt-to", public_key, state=f"{state}-enc-r{i}"))
+        b.discard(f"{state}-enc-r{i}")
 
     def archive_and_hash(i: int) -> None:
         repeated("tar_zstd", "tar -c | zstd -T0", i, lambda: b.run(f"tar -C {box} -cf - . | zstd -q -f -T0 -o {archive}", shell=True))
@@ -814,6 +841,14 @@ def measure_all(b: Bench, args) -> dict:
             step("snap_verify", "snap verify (the restored tree)",
                  lambda: snap(b, "verify", f"{box_ref}:v1", "--root", out_snap, state=fresh))
         b.discard(out_snap, fresh)
+        out_enc, fresh = os.path.join(w, f"restore-enc-{i}"), os.path.join(w, f"snap-state-restore-enc-{i}")
+        outs += [out_enc, fresh]
+        repeated("snap_restore_enc", "snap restore (v1 encrypted, --decryption-key, empty dir)", i,
+                 lambda: snap(b, "restore", f"{box_ref}-enc:v1", "--root", out_enc, "--decryption-key", private_key,
+                              state=fresh, cold=True))
+        if i == 0 and res["snap_restore_enc"].ok:
+            listings["snap encrypted"] = tree_listing(out_enc)
+        b.discard(out_enc, fresh)
         if not b.lean:
             outs.append(os.path.join(w, f"restore-tar-{i}"))
             untar(b, archive, outs[-1], i, repeated, listings)
@@ -831,11 +866,12 @@ def measure_all(b: Bench, args) -> dict:
                 f"{', '.join(f'{r.first:.2f}/{r.secs:.2f}' if share(r) != float('inf') else 'error' for r in thens)} s)"
                 + (f"; {mid.note}" if mid.note else ""))
     res["snap_then"] = mid
-    if "snap" in listings and "tar" in listings:
-        want, got = listings["tar"], listings["snap"]
-        bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-        res["snap_restore"].note += f"; {len(got)} paths, same as the tar restore" if not bad else \
-            f"; DIFFERS from the tar restore at {len(bad)} path(s), e.g. {bad[:3]}"
+    for key, name in (("snap_restore", "snap"), ("snap_restore_enc", "snap encrypted")):
+        if name in listings and "tar" in listings:
+            want, got = listings["tar"], listings[name]
+            bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            res[key].note += f"; {len(got)} paths, same as the tar restore" if not bad else \
+                f"; DIFFERS from the tar restore at {len(bad)} path(s), e.g. {bad[:3]}"
     for d in outs:  # disk space for the next restore
         shutil.rmtree(d, ignore_errors=True)
     if os.path.exists(archive):

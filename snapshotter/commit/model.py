@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff
@@ -25,11 +25,13 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
-from snapshotter.snapshot.encryption import Encryption
 from snapshotter.snapshot.files import last_snapshot_files
 from snapshotter.snapshot.kept import StoredPlan, StoredRecords
 from snapshotter.snapshot.record import RestoreRecord, restored_at_ns
 from snapshotter.snapshot.statcache import StatCache
+
+if TYPE_CHECKING:  # made by the CLI for --encrypt-to: a clear commit does not import it
+    from snapshotter.snapshot.encryption import Encryption
 
 SCRATCH = "scratch"  # --base scratch: no base image
 

@@ -16,17 +16,17 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from cryptography.hazmat.primitives import serialization
-
-from snapshotter.crypt import jwe, keys, layer
-from snapshotter.crypt.keys import PublicKey
 from snapshotter.errors import SnapError, UsageError
 from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE,
                                    NewImage, annotations_of)
+from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.registry.remote import Remote
 from snapshotter.state import open_own, replace_file, sub
+
+if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported where a key is used: a clear
+    from snapshotter.crypt.keys import PublicKey  # commit or restore does not pay for it
 
 ENCRYPT_TO_ENV = "SNAP_ENCRYPT_TO"  # public key files, separated by os.pathsep: as --encrypt-to
 ENCRYPT_SECRET_ENV = "SNAP_ENCRYPT_SECRET"  # a secret file: as --encrypt-secret
@@ -57,6 +57,8 @@ def setting_paths(name: str) -> list[str]:
 def recipients_id(recipients: list[PublicKey]) -> str:
     """The sha256 of the recipients' public keys (DER, sorted): equal for the same set of keys, in
     any order. Public, as the keys are: it tells a later commit whether a layer is for the same keys."""
+    from cryptography.hazmat.primitives import serialization
+
     ders = sorted(k.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
                   for k in recipients)
     return "sha256:" + hashlib.sha256(b"".join(hashlib.sha256(d).digest() for d in ders)).hexdigest()
@@ -106,6 +108,8 @@ class Encryption:
     def lookup(self, plain_digest: str, diff_id: str, media_type: str) -> Optional[dict]:
         """The encrypted descriptor already pushed for this plain blob (or, from the target's last
         snapshot, for a blob of the same tar and compression), if any."""
+        from snapshotter.crypt import layer
+
         self._load()
         found = self.known.get(plain_digest)
         if found is None and media_type in layer.PLAIN_TYPES:
@@ -117,6 +121,8 @@ class Encryption:
     def encrypt_in_place(self, path: str, plain_digest: str, diff_id: str, media_type: str) -> dict:
         """Encrypt the blob file at `path` over itself (CTR keeps its length: no second copy on a full
         disk) and return its descriptor, noted for this plain blob."""
+        from snapshotter.crypt import layer
+
         key = layer.derived_key(self.secret, diff_id, plain_digest) if self.secret else None
         with open(path, "rb") as src, open(path, "r+b") as dst:  # each chunk written where it was read
             done = layer.encrypt_layer(src, dst, self.recipients, plain_digest, key)
@@ -147,6 +153,8 @@ class Encryption:
         """Move every annotation of snap's that is not CLEAR (paths: a layer's file, its parts, the
         secrets left out, the deletions...) into one JWE on the manifest, for the recipients alone;
         each snap layer's history name becomes ENCRYPTED_LABEL. Restore unseals it (decryption.py)."""
+        from snapshotter.crypt import jwe, layer
+
         sealed: dict = {"manifest": {}, "layers": {}}
         for k in [k for k in image.annotations if k not in CLEAR]:
             sealed["manifest"][k] = image.annotations.pop(k)
@@ -167,7 +175,7 @@ class Encryption:
 
 def _well_formed(desc) -> bool:
     return (isinstance(desc, dict) and isinstance(desc.get("digest"), str) and type(desc.get("size")) is int
-            and isinstance(desc.get("mediaType"), str) and layer.is_encrypted(desc["mediaType"])
+            and isinstance(desc.get("mediaType"), str) and desc["mediaType"].endswith(ENCRYPTED_SUFFIX)
             and isinstance(desc.get("annotations"), dict))
 
 
@@ -175,6 +183,8 @@ def load_encryption(encrypt_to: list[str], secret_file: Optional[str],
                     log: Callable[[str], None]) -> Optional[Encryption]:
     """The Encryption of `--encrypt-to` (else $SNAP_ENCRYPT_TO) and `--encrypt-secret` (else
     $SNAP_ENCRYPT_SECRET); None when neither names a recipient. Bad keys: one line, exit 2."""
+    from snapshotter.crypt import keys
+
     paths = [jwe_path(p) for p in (encrypt_to or setting_paths(ENCRYPT_TO_ENV))]
     secret_file = secret_file or next(iter(setting_paths(ENCRYPT_SECRET_ENV)), None)
     if not paths:
