@@ -130,6 +130,32 @@ def read_chunks(src: BinaryIO) -> Iterator[bytes]:
         yield chunk
 
 
+class LayerEncryptor:
+    """The layer cipher as the bytes come (`update`), for a writer that cannot hand over a stream:
+    `finish` gives the descriptor's part once the plain blob's digest is known."""
+
+    def __init__(self, key: Optional[LayerKey] = None):
+        self._key = key or random_key()
+        self._cipher = Cipher(algorithms.AES(self._key.symkey), modes.CTR(self._key.nonce)).encryptor()
+        self._mac, self._hash, self.size = hmac.new(self._key.symkey, digestmod=hashlib.sha256), hashlib.sha256(), 0
+
+    def update(self, chunk: bytes) -> bytes:
+        sealed = self._cipher.update(chunk)
+        self._mac.update(sealed)
+        self._hash.update(sealed)
+        self.size += len(sealed)
+        return sealed
+
+    def finish(self, recipients: Iterable[PublicKey], plain_digest: str) -> Encrypted:
+        """The encrypted blob's digest, size and annotations: its key wrapped for every recipient."""
+        recipients = list(recipients)
+        if not recipients:
+            raise ValueError("encrypting a layer needs at least one recipient")
+        annotations = {KEYS_JWE: b64(jwe.encrypt(private_options(self._key, plain_digest), recipients)),
+                       PUBOPTS: b64(public_options(self._mac.digest()))}
+        return Encrypted(hasher_digest(self._hash), self.size, annotations)
+
+
 def encrypt_layer(src: BinaryIO, dst: BinaryIO, recipients: Iterable[PublicKey], plain_digest: str,
                   key: Optional[LayerKey] = None) -> Encrypted:
     """Encrypt the blob read from `src` (whose sha256 is `plain_digest`) into `dst` for every recipient:
@@ -137,18 +163,10 @@ def encrypt_layer(src: BinaryIO, dst: BinaryIO, recipients: Iterable[PublicKey],
     recipients = list(recipients)
     if not recipients:
         raise ValueError("encrypting a layer needs at least one recipient")
-    key = key or random_key()
-    cipher = Cipher(algorithms.AES(key.symkey), modes.CTR(key.nonce)).encryptor()
-    mac, blob_hash, size = hmac.new(key.symkey, digestmod=hashlib.sha256), hashlib.sha256(), 0
+    encryptor = LayerEncryptor(key)
     for chunk in read_chunks(src):
-        sealed = cipher.update(chunk)
-        mac.update(sealed)
-        blob_hash.update(sealed)
-        dst.write(sealed)
-        size += len(sealed)
-    annotations = {KEYS_JWE: b64(jwe.encrypt(private_options(key, plain_digest), recipients)),
-                   PUBOPTS: b64(public_options(mac.digest()))}
-    return Encrypted(hasher_digest(blob_hash), size, annotations)
+        dst.write(encryptor.update(chunk))
+    return encryptor.finish(recipients, plain_digest)
 
 
 def decode_b64(text: str, what: str) -> bytes:
@@ -215,9 +233,14 @@ def decrypted_chunks(src: BinaryIO, opened: Opened) -> Iterator[bytes]:
     """The plain blob, chunk by chunk. The HMAC is checked when the ciphertext ends, as ocicrypt does:
     the last step raises IntegrityError on a mismatch, so a caller keeps nothing it wrote until the
     iteration has finished."""
+    return decrypt_chunks(read_chunks(src), opened)
+
+
+def decrypt_chunks(chunks: Iterable[bytes], opened: Opened) -> Iterator[bytes]:
+    """decrypted_chunks over the encrypted blob's chunks as they come (a download's), uncopied."""
     cipher = Cipher(algorithms.AES(opened.key.symkey), modes.CTR(opened.key.nonce)).decryptor()
     mac = hmac.new(opened.key.symkey, digestmod=hashlib.sha256)
-    for chunk in read_chunks(src):
+    for chunk in chunks:
         mac.update(chunk)
         yield cipher.update(chunk)
     if not hmac.compare_digest(mac.digest(), opened.hmac):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import binascii
 import hashlib
-import io
 import json
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -20,7 +19,6 @@ from snapshotter.errors import IntegrityError
 from snapshotter.oci.image import Image, annotations_of, canonical, descriptor
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, LAYER_TAR
 from snapshotter.registry.remote import ProgressFn, Remote
-from snapshotter.tar.compress import IterReader
 
 from .encryption import RECIPIENTS, SEALED, setting_paths
 
@@ -64,10 +62,11 @@ class DecryptingRemote(Remote):
         from snapshotter.crypt import layer
 
         encrypted, opened, exact = self._opened[digest]
-        stream = io.BufferedReader(IterReader(super().iter_blob(encrypted, progress, size)), layer.CHUNK)
         h = hashlib.sha256()
-        for chunk in layer.decrypted_chunks(stream, opened):  # raises at the end on a wrong HMAC
-            h.update(chunk)
+        # raises at the end on a wrong HMAC, as the encrypted blob's own stream on a wrong digest
+        for chunk in layer.decrypt_chunks(super().iter_blob(encrypted, progress, size), opened):
+            if exact:
+                h.update(chunk)
             yield chunk
         if exact and hasher_digest(h) != digest:
             raise IntegrityError(f"the decrypted layer {encrypted[:19]} is not the {digest} its key names (tampered)")
