@@ -143,10 +143,11 @@ def test_a_tampered_layer_is_exit_6_and_leaves_nothing(registry, base_ref, box, 
             f.write(original)
 
 
-def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, keys, tmp_path):
+def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, keys, tmp_path, state_dir):
     """(4) A second commit of an unchanged box pushes nothing (the same sealed annotation: the tag's
     snapshot already); a changed
-    file re-sends only its own layer; a new state dir with the derivation secret (and one without,
+    file re-sends only its own layer (the state dir then maps this snapshot's layers, the old one's
+    gone); a new state dir with the derivation secret (and one without,
     from the tag's snapshot) pushes no layer again."""
     target = f"{registry.host}/enc4:v1"
     flags = ("--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"),
@@ -160,6 +161,9 @@ def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, ke
     changed = json.loads(snap("commit", target, *flags, check=True).stdout)
     sent = [x for x in changed["layers"] if x["status"] == "uploaded"]
     assert len(sent) == 1 and sent[0]["digest"] not in {x["digest"] for x in first["layers"]}
+    [kept] = (state_dir / "encrypted-layers").iterdir()  # what the state dir maps: this snapshot's layers only
+    assert sorted(d["digest"] for d in json.loads(kept.read_text())["layers"].values()) == \
+        sorted(x["digest"] for x in changed["layers"])
     for extra in ((), ("--encrypt-secret", str(keys / "secret"))):
         state = tmp_path / f"state-{len(extra)}"
         fresh = json.loads(snap("commit", target, *flags[:-3], *extra, "--json", "--force",

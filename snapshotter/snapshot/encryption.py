@@ -76,6 +76,7 @@ class Encryption:
     # The last seal made, by the sha256 of what it sealed: a commit of an unchanged box seals the same
     # JWE again, so its manifest is the tag's (push.py's _same_image) and nothing is pushed.
     sealed: dict[str, str] = field(default_factory=dict)
+    used: set[str] = field(default_factory=set)  # the plain blobs this commit looked up or pushed
     loaded: bool = False
 
     @property
@@ -100,8 +101,11 @@ class Encryption:
                 self.sealed.update({k: v for k, v in doc["sealed"].items() if isinstance(v, str)})
 
     def save(self) -> None:
-        """Keep what this commit pushed (the mapping holds descriptors and wrapped keys, no key)."""
+        """Keep what this commit used (the mapping holds descriptors and wrapped keys, no key): as the
+        stat cache, the layers gone from the box fall out, and a watcher's file does not grow forever."""
         self._load()
+        self.known = {k: v for k, v in self.known.items() if k in self.used}
+        self.used = set()
         replace_file(self._path(), lambda f: json.dump({"version": VERSION, "layers": self.known,  # 0600
                                                         "sealed": self.sealed}, f))
 
@@ -116,6 +120,8 @@ class Encryption:
             found = self.previous.get((diff_id, layer.encrypted_media_type(media_type)))
             if found is not None:
                 self.known[plain_digest] = found
+        if found is not None:
+            self.used.add(plain_digest)
         return found
 
     def encrypt_in_place(self, path: str, plain_digest: str, diff_id: str, media_type: str) -> dict:
@@ -134,6 +140,7 @@ class Encryption:
     def note(self, plain_digest: str, desc: dict) -> None:
         self._load()
         self.known[plain_digest] = desc
+        self.used.add(plain_digest)
 
     def learn_previous(self, remote: Remote, manifest: Optional[bytes]) -> None:
         """The encrypted layers of the target tag's snapshot made for these recipients, by diff_id (its
