@@ -17,7 +17,11 @@ import zstandard
 from support.ocicrypt import make_keys, skopeo_copy
 from support.registry import blobs_in
 from support.run import assert_one_line_error, snap
-from support.trees import snapshot_of_tree, write_tree
+from snapshotter import CommitOptions, commit_box
+from snapshotter.commit.model import CommitHooks
+from snapshotter.profile import load_profile
+from snapshotter.snapshot.encryption import load_encryption
+from support.trees import SMALL_WEIGHTS, snapshot_of_tree, write_tree
 from support.watch import WatchProcess
 
 ENCRYPTED_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd+encrypted",
@@ -248,3 +252,32 @@ def test_a_watcher_pushes_encrypted_snapshots(registry, base_ref, box, keys, tmp
     snap("restore", f"{registry.host}/encw:v2", "--root", str(tmp_path / "r"), "--decryption-key",
          str(keys / "rsa.pem"), check=True)
     assert snapshot_of_tree(str(tmp_path / "r"), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
+
+
+def test_a_weight_rewritten_while_it_is_encrypted_is_held_back_not_pushed(registry, base_ref, box, keys, tmp_path):
+    """A weights file (a layer stored as is, streamed from the box: no copy of it on the box's disk)
+    is read three times in an encrypted commit: measured, encrypted to learn the blob's digest, then
+    encrypted as it is sent. Rewritten in place during the 2nd read, it is held back as changed while
+    read (never pushed with bytes its diff_id is not), and the rest restores with the key."""
+    big = "opt/app/models/checkpoints/rewritten.safetensors"
+    write_tree(box, {big: os.urandom(2 << 20)})
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    reads = []
+
+    def after_read(rel, attempt):
+        if rel == big:
+            reads.append(attempt)
+            if len(reads) == 2:
+                with open(os.path.join(box, big), "r+b") as f:
+                    f.write(b"REWRITTEN")
+
+    target = f"{registry.host}/enc7:v1"
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
+                         encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+    result = commit_box(target, base_ref, opts, CommitHooks(after_read=after_read))
+    assert len(reads) >= 3 and result.held.get(big) == "changed while read", (reads, result.held)
+    snap("restore", target, "--root", str(tmp_path / "r"), "--decryption-key", str(keys / "rsa.pem"), check=True)
+    assert not (tmp_path / "r" / big).exists()
+    want = snapshot_of_tree(box, skip=NOT_RESTORED + (big,))
+    assert snapshot_of_tree(str(tmp_path / "r"), skip=NOT_RESTORED) == want

@@ -29,7 +29,7 @@ from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
-from snapshotter.snapshot.encryption import RECIPIENTS, side_blobs
+from snapshotter.snapshot.encryption import RECIPIENTS, SealingWriter, side_blobs
 from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
@@ -353,7 +353,7 @@ class _LayerSender:
 
     def _send(self, plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
         if self.encryption is not None:
-            return blob, self._send_encrypted(blob)
+            return blob, (self._send_encrypted(blob) if blob.path else self._upload_measured_encrypted(plan, blob))
         if plan.compression == "none":
             if blob.not_whole:
                 return blob, NOT_SENT_TORN
@@ -393,7 +393,7 @@ class _LayerSender:
             return self.packers.pack(PackJob(plan, self.root, self.out_dir, self.zstd_level, self.zstd_threads,
                                              skeleton.PieceWriter, self.after_read), self.on_pack)
         headers = skeleton.PieceWriter()
-        if plan.compression == "none" and self.encryption is None:  # encrypted: built, then encrypted in place
+        if plan.compression == "none":
             # Stored as is: hash it in one read (the hash lets other threads run), then stream it
             # again to the registry only if the registry lacks it. No copy of tens of GB on the
             # box's (often full) disk.
@@ -403,7 +403,27 @@ class _LayerSender:
                                after_read=self.after_read)
         return blob, headers.finish(blob.diff_id)
 
-    def _upload_measured(self, plan: LayerPlan, blob: LayerBlob) -> str:
+    def _upload_measured_encrypted(self, plan: LayerPlan, blob: LayerBlob) -> str:
+        """A measured layer encrypted as it is read again, twice under one key: once to learn the
+        encrypted blob's digest (its plain bytes checked against the digest measured), once as it is
+        sent. As a clear one, no copy of it on the box's disk."""
+        if blob.not_whole:
+            return NOT_SENT_TORN
+        enc = self.encryption
+        sealed = enc.lookup(blob.digest, blob.diff_id, blob.media_type)
+        if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
+            return there
+        key = enc.layer_key(blob.diff_id, blob.digest)
+        counted = SealingWriter(None, key)
+        again = write_layer(counted, self.root, plan, self.zstd_level, as_seen=blob.seen, after_read=self.after_read)
+        if counted.plain_digest != blob.digest:
+            return _held_back(blob, again, IntegrityError(f"layer {plan.label!r} changed while it was encrypted"))
+        sealed = enc.descriptor_of(counted, blob.digest, blob.media_type)
+        if there := in_registry(self.remote, sealed["digest"], self.sources):
+            return there
+        return self._upload_measured(plan, blob, lambda out: SealingWriter(out, key), sealed["digest"])
+
+    def _upload_measured(self, plan: LayerPlan, blob: LayerBlob, wrap=None, digest: Optional[str] = None) -> str:
         """Send a measured layer (stored as is: read again from the box as it is sent), each file's
         header as measured and its bytes up to the size measured. A file that only grew since (a log, a
         download) gives the bytes measured: it is sent as first seen, and named in blob.grown. One whose
@@ -412,19 +432,25 @@ class _LayerSender:
         again: list[LayerBlob] = []
 
         def produce(out) -> None:
-            again[:] = [write_layer(out, self.root, plan, self.zstd_level, as_seen=blob.seen,
+            again[:] = [write_layer(wrap(out) if wrap else out, self.root, plan, self.zstd_level, as_seen=blob.seen,
                                     after_read=self.after_read)]
 
         try:
-            self.remote.upload_from(produce, blob.digest, blob.size, self.on_up, what="layers")
-        except IntegrityError:
-            if not (again and (again[0].grown or again[0].unreadable)):
-                raise
-            blob.changed_while_read = sorted(set(again[0].grown) - set(again[0].unreadable))
-            blob.unreadable, blob.read_errors = again[0].unreadable, again[0].read_errors
-            return NOT_SENT_TORN
+            self.remote.upload_from(produce, digest or blob.digest, blob.size, self.on_up, what="layers")
+        except IntegrityError as e:
+            return _held_back(blob, again[0] if again else None, e)
         blob.grown = again[0].grown if again else {}
         return "uploaded"
+
+
+def _held_back(blob: LayerBlob, again: Optional[LayerBlob], error: IntegrityError) -> str:
+    """A measured layer whose bytes changed when read again: held back as torn if a file grew or
+    became unreadable (the caller builds the layer again without it), else `error`."""
+    if not (again and (again.grown or again.unreadable)):
+        raise error
+    blob.changed_while_read = sorted(set(again.grown) - set(again.unreadable))
+    blob.unreadable, blob.read_errors = again.unreadable, again.read_errors
+    return NOT_SENT_TORN
 
 
 def grown_line(path: str, size: int) -> str:

@@ -124,14 +124,26 @@ class Encryption:
             self.used.add(plain_digest)
         return found
 
+    def layer_key(self, diff_id: str, plain_digest: str):
+        """A layer's key: derived from the secret (the same layer, the same blob), else random."""
+        from snapshotter.crypt import layer
+
+        return layer.derived_key(self.secret, diff_id, plain_digest) if self.secret else layer.random_key()
+
     def encrypt_in_place(self, path: str, plain_digest: str, diff_id: str, media_type: str) -> dict:
         """Encrypt the blob file at `path` over itself (CTR keeps its length: no second copy on a full
         disk) and return its descriptor, noted for this plain blob."""
+        with open(path, "rb") as src, open(path, "r+b") as dst:  # each chunk written where it was read
+            writer = SealingWriter(dst, self.layer_key(diff_id, plain_digest), hash_plain=False)  # hashed as built
+            while chunk := src.read(1 << 20):
+                writer.write(chunk)
+        return self.descriptor_of(writer, plain_digest, media_type)
+
+    def descriptor_of(self, writer: SealingWriter, plain_digest: str, media_type: str) -> dict:
+        """The descriptor of the blob `writer` encrypted (`plain_digest`'s), noted for that plain blob."""
         from snapshotter.crypt import layer
 
-        key = layer.derived_key(self.secret, diff_id, plain_digest) if self.secret else None
-        with open(path, "rb") as src, open(path, "r+b") as dst:  # each chunk written where it was read
-            done = layer.encrypt_layer(src, dst, self.recipients, plain_digest, key)
+        done = writer.encryptor.finish(self.recipients, plain_digest)
         desc = {"mediaType": layer.encrypted_media_type(media_type), "digest": done.digest, "size": done.size,
                 "annotations": {**done.annotations, RECIPIENTS: self.id}}
         self.note(plain_digest, desc)
@@ -178,6 +190,29 @@ class Encryption:
         value = self.sealed.get(fingerprint) or layer.b64(jwe.encrypt(payload, self.recipients))
         self.sealed = {fingerprint: value}
         image.annotations[SEALED] = value
+
+
+class SealingWriter:
+    """A layer blob's plain bytes in, encrypted on to `out` (None: only counted), the plain bytes
+    hashed (`hash_plain`): for a layer streamed from the box, which may have changed since it was measured."""
+
+    def __init__(self, out, key, hash_plain: bool = True):
+        from snapshotter.crypt import layer
+
+        self.out, self.encryptor = out, layer.LayerEncryptor(key)
+        self._plain = hashlib.sha256() if hash_plain else None
+
+    def write(self, data) -> int:
+        if self._plain is not None:
+            self._plain.update(data)
+        sealed = self.encryptor.update(data)
+        if self.out is not None:
+            self.out.write(sealed)
+        return len(data)
+
+    @property
+    def plain_digest(self) -> str:
+        return "sha256:" + self._plain.hexdigest()
 
 
 def _well_formed(desc) -> bool:
