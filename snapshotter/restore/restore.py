@@ -192,7 +192,8 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     if os.path.exists(root) and not os.path.isdir(root):
         raise UsageError(f"restore target {root} exists and is not a directory")
     files = RootFiles(root)
-    image, remote = open_image(*_resolved(reference, opts.transport), opts.decryption_keys)  # before any write
+    remote = Remote(reference, opts.transport)
+    image, remote = open_image(remote.resolve(), remote, opts.decryption_keys)  # before anything is written
     todo = select_layers(image, opts.only_snapshot)
     parts, links = part_files(todo), part_links(todo)  # a malformed image is refused before anything is written
     journal = Journal(_state_sub("restore-journal"), files, image.manifest_digest, [layer.digest for layer in todo],
@@ -217,11 +218,6 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
                                                      run_token=secrets.token_hex(4)))
     return _Run(reference, files, remote, image, todo, journal, extractor, profile, base_layers, parts, links,
                 skeletons, claims)
-
-
-def _resolved(reference: Reference, transport: TransportOptions) -> tuple[Image, Remote]:
-    remote = Remote(reference, transport)
-    return remote.resolve(), remote
 
 
 def _resume(run: _Run, root: str, log: Callable[[str], None]) -> int:

@@ -12,6 +12,7 @@ same layer is the same blob on any box that has the secret."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -79,7 +80,7 @@ class Encryption:
     used: set[str] = field(default_factory=set)  # the plain blobs this commit looked up or pushed
     loaded: bool = False
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
         return recipients_id(self.recipients)
 
