@@ -27,7 +27,7 @@ from snapshotter.origin.hubcache import default_candidates, recognise
 from snapshotter.origin.layout import cache_layout, complete_layout
 from snapshotter.origin.references import References
 
-from support.hub import HubServer, Repo, sha256_hex
+from support.hub import HubServer, Repo, hub_download, sha256_hex
 from support.run import free_port
 
 pytest.importorskip("huggingface_hub")
@@ -53,27 +53,12 @@ DOWNLOADS += [("dataset", "acme/corpus", C_DATA, f, None) for f in ("README.md",
 DOWNLOADS += [("space", "acme/demo", "main", "app.bin", None), ("model", "acme/gated", "main", "w.bin", TOKEN)]
 HF_HOME = "root/.cache/huggingface"
 CACHE = f"{HF_HOME}/hub"
-DOWNLOAD = """
-import json, sys
-from huggingface_hub import hf_hub_download
-endpoint, cache = sys.argv[1:3]
-for kind, repo, revision, name, token in json.loads(sys.argv[3]):
-    hf_hub_download(repo, name, repo_type=kind, revision=revision, cache_dir=cache, endpoint=endpoint,
-                    token=token or False)
-"""
-
-
-def hub_env(root: str) -> dict:
-    """The client's settings: its home in the box, nothing sent anywhere but the endpoint it is given."""
-    return {**os.environ, "HF_HOME": os.path.join(root, HF_HOME), "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "HF_TOKEN": ""}
 
 
 @pytest.fixture(scope="module")
 def hub():
-    server = HubServer(REPOS).start()
-    yield server
-    server.stop()
+    with HubServer(REPOS) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +68,7 @@ def box(hub, tmp_path_factory):
     os.makedirs(os.path.join(root, CACHE))
     with open(os.path.join(root, HF_HOME, "token"), "w") as f:
         f.write(TOKEN)
-    subprocess.run([sys.executable, "-c", DOWNLOAD, hub.url, os.path.join(root, CACHE), json.dumps(DOWNLOADS)],
-                   env=hub_env(root), check=True, timeout=300)
+    hub_download(hub.url, os.path.join(root, HF_HOME), DOWNLOADS)
     return root
 
 

@@ -12,7 +12,7 @@ from snapshotter.registry.options import RegistryOptions
 from . import output
 from .app import sigterm_stops
 from .options import (AS_FOR_COMMIT, Diverge, Every, Grace, Include, Jobs, JsonOut, Keep, MaxLayerSize, Provider,
-                      PushForce, with_registry)
+                      PushForce, UploadOrigin, WeightsFromOrigin, with_registry)
 from .output import say
 
 
@@ -37,6 +37,7 @@ def commit(
         "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat "
         "cache.")] = False,
     max_layer_size: MaxLayerSize = "9.5GB", jobs: Jobs = None, force: PushForce = False, diverge: Diverge = False,
+    weights_from_origin: WeightsFromOrigin = False, upload_origin: UploadOrigin = False,
     as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
@@ -45,7 +46,8 @@ def commit(
     from snapshotter.commit.commit import commit_box
 
     opts = _commit_options(root, profile, include, compression, max_layer_size, registry, rehash=rehash,
-                           force=force, jobs=jobs, diverge=diverge, log=say)
+                           force=force, jobs=jobs, diverge=diverge, log=say,
+                           **_origin_options(weights_from_origin, upload_origin))
     if from_container:
         from snapshotter.commit.container import commit_from_container
         result = commit_from_container(from_container, target, base, opts)
@@ -74,6 +76,14 @@ def _commit_options(root: str, profile: str, include: Optional[List[str]], compr
                          transport=registry.transport(), **more)
 
 
+def _origin_options(weights_from_origin: bool, upload_origin: bool = False) -> dict:
+    """CommitOptions' weights-from-origin fields: the flag or $SNAP_WEIGHTS_FROM_ORIGIN; --upload-origin
+    recognises the same files, to hold them in the layers."""
+    from snapshotter.origin.snapshots import wanted
+
+    return {"weights_from_origin": wanted(weights_from_origin) or upload_origin, "upload_origin": upload_origin}
+
+
 @with_registry
 def watch(
     target: Annotated[Optional[str], typer.Argument(
@@ -100,7 +110,7 @@ def watch(
         "--compression", help=f"zstd (default) or gzip {AS_FOR_COMMIT}.")] = None,
     max_layer_size: Annotated[str, typer.Option(
         "--max-layer-size", help=f"Cut files bigger than this into part layers {AS_FOR_COMMIT}.")] = "9.5GB",
-    jobs: Jobs = None, force: PushForce = False,
+    jobs: Jobs = None, force: PushForce = False, weights_from_origin: WeightsFromOrigin = False,
     registry: RegistryOptions = RegistryOptions(),
 ):
     """Keep the registry's snapshot of the box seconds old: commit when the box changed (big files go
@@ -120,7 +130,7 @@ def watch(
         raise UsageError("watch needs TARGET and --base",
                          "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
     commit_opts = _commit_options(root, profile, include, compression, max_layer_size, registry, force=force,
-                                  jobs=jobs)
+                                  jobs=jobs, **_origin_options(weights_from_origin))
     # log_line: its lines, its snapshots' progress lines included, with their time
     opts = WatchOptions(commit=commit_opts, every=parse_duration(every), keep=keep, grace=grace,
                         notices=notice_watcher(provider, metadata_url), log=log_line)

@@ -98,3 +98,10 @@ RestoreForce = Annotated[bool, typer.Option(
 RestoreProfile = Annotated[Optional[str], typer.Option(
     "--profile", help="Profile (name or YAML file) whose `exclude` paths (/etc/hostname, /etc/resolv.conf, /proc, "
     "...) are never written. Default: the one the snapshot was committed with, if snap ships it, else default.")]
+WeightsFromOrigin = Annotated[bool, typer.Option(
+    "--weights-from-origin", help="Keep the Hugging Face hub cache's weights (blobs named by their sha256, each "
+    "checked) as references that `snap restore` fetches from the origin ($HF_ENDPOINT, $HF_TOKEN), not uploaded; "
+    "the box's HF token files are never pushed. Default: $SNAP_WEIGHTS_FROM_ORIGIN=1.")]
+UploadOrigin = Annotated[bool, typer.Option(
+    "--upload-origin", help="Upload the hub weights a snapshot keeps as references after all, and move the tag to "
+    "a snapshot that holds them (self-contained: an origin that deletes or gates a model cannot lose the box).")]

@@ -89,6 +89,11 @@ def commit_pushed(result) -> None:
             f"{layer.digest[:19]}]")
     if not result.layers:
         out("no changes against the base: the snapshot is the base image")
+    if result.references:
+        out(f"weights from the origin: {result.references} hub file(s), {human_size(result.reference_bytes)}, kept "
+            "as references (not uploaded; `snap restore` fetches them, `snap commit --upload-origin` uploads them)")
+    if result.origin_uploaded:
+        out(f"weights from the origin: {result.origin_uploaded} hub file(s) held in the layers (self-contained)")
     if result.uploaded_bytes or not result.current:  # a current tag's headers artifact may have been re-tagged
         out(result.sent())
     if result.current:  # as the watcher says it
@@ -111,6 +116,8 @@ def restored(result, root: str, json_out: bool) -> None:
         f"{f', {result.resumed} already applied' if result.resumed else ''}"
         f"{f', {result.skipped_layers} already there (not downloaded)' if result.skipped_layers else ''}, "
         f"{result.files} files, {human_size(result.bytes)}")
+    if result.origin_fetched or result.origin_present:
+        out(f"weights from the origin: {result.origin_fetched} file(s) fetched, {result.origin_present} already there")
     if result.seeded_layers:
         say(f"stat cache: the next commit of {root} will not re-read the {result.seeded_layers} snap layer(s) "
             "left unchanged")

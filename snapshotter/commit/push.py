@@ -25,6 +25,7 @@ from snapshotter.oci.image import (CREATED, SNAP_CONTENT, SNAP_HEADERS, SNAP_LAY
                                    SNAP_PART_FILE, SNAP_PART_LINKS, Image, NewImage, descriptor, scratch_config,
                                    secrets_annotations)
 from snapshotter.oci.reference import Reference
+from snapshotter.origin import snapshots as origin
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
@@ -81,6 +82,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     index_digest = baseindex.push(remote, cp.base_img.manifest_digest, cp.sources) if cp.base_img else None
     if index_digest:
         image.annotations[baseindex.SNAP_BASE_INDEX] = index_digest
+    # Weights from the origin: the references as a side blob the manifest names (origin/snapshots.py).
+    refs_digest = _note_origin(cp, remote, image, opts)
     current = tagged is not None and _same_image(image, *tagged)
     if current:
         digest = tagged[0]  # the tag names this box's snapshot already: no config or manifest sent again
@@ -90,14 +93,36 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
     if not current:
         travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
-            + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else [])
+            + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []) \
+            + ([refs_digest, baseindex.EMPTY_CONFIG_DIGEST] if refs_digest else [])
         _note_pushed(cp, target_ref, image, [config_digest] + travelled)
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
                         snap_layers=list(image.layers), unreadable=cp.scan.unreadable,
                         grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
-                        current=current)
+                        current=current, **_origin_counts(cp, opts))
+
+
+def _note_origin(cp: CommitPlan, remote: Remote, image: NewImage, opts: CommitOptions) -> Optional[str]:
+    """Push the references (annotating the manifest with their blob), or with --upload-origin note
+    how many hub files the layers hold instead. Returns the references blob's digest, if pushed."""
+    if cp.origin is None or not cp.origin.references:
+        return None
+    if opts.upload_origin:
+        image.annotations[origin.SNAP_ORIGIN_UPLOADED] = str(len(cp.origin.references))
+        return None
+    digest, note = origin.push_document(remote, cp.origin.document(), cp.sources)
+    image.annotations[origin.SNAP_REFERENCES] = note
+    return digest
+
+
+def _origin_counts(cp: CommitPlan, opts: CommitOptions) -> dict:
+    """CommitResult's counts of hub files: kept as references, or uploaded (--upload-origin)."""
+    refs = cp.origin.references if cp.origin is not None else []
+    if opts.upload_origin:
+        return {"origin_uploaded": len(refs)}
+    return {"references": len(refs), "reference_bytes": sum({r.sha256: r.size for r in refs}.values())}
 
 
 def _same_image(image: NewImage, digest: str, manifest: bytes) -> bool:
