@@ -8,6 +8,7 @@ only what is missing; `--upload-origin` makes the snapshot self-contained."""
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 
@@ -56,6 +57,9 @@ def origin_box(hub, base_rootfs, tmp_path_factory):
     with open(os.path.join(root, TOKEN_PATH), "w") as f:
         f.write(TOKEN)
     hub_download(hub.url, os.path.join(root, HF_HOME), DOWNLOADS)
+    for folder, dirs, files in os.walk(os.path.join(root, HF_HOME), topdown=False):  # times a restore cannot fake
+        for name in dirs + files + ["."]:
+            os.utime(os.path.join(folder, name), (1_600_000_000, 1_600_000_000), follow_symlinks=False)
     return root
 
 
@@ -135,7 +139,7 @@ def test_restore_fetches_the_weights_into_the_boxs_hub_cache(committed, origin_b
 
 
 @pytest.mark.parametrize("fault, code, words", [
-    ("unreachable", 3, ["cannot reach the origin", "model.safetensors"]),
+    ("unreachable", 3, ["cannot reach the origin for '", f"{len(LFS) - 1} more failed"]),
     ("corrupt", 6, ["model.safetensors", "does not hash"]),
     ("missing", 5, ["model.safetensors", "HTTP 404"]),
     ("no token", 4, ["w.bin", "HTTP 401"]),
@@ -223,3 +227,32 @@ def test_upload_origin_makes_the_snapshot_self_contained(registry, base_ref, ori
     assert "come from the registry's copy" in r.stderr
     assert cache_tree(out) == cache_tree(origin_box)
     assert not os.path.lexists(os.path.join(out, TOKEN_PATH))
+
+
+def test_then_does_not_wait_for_the_weights_and_their_folder_keeps_its_times(committed, origin_box, hub, tmp_path):
+    """`--then`'s app starts while a weight is held back at the CDN; the blob lands after the layers
+    set its folder's times, which stay the box's."""
+    ref, _ = committed
+    out, fifo = str(tmp_path / "restored"), str(tmp_path / "ready")
+    os.mkfifo(fifo)
+    hub.cdn.reached.clear()
+    hub.cdn.release.clear()
+    hub.cdn.pause[BIG_SHA] = 1 << 20
+    proc = subprocess.Popen([*SNAP, "restore", ref, "--root", out, "--then", f"echo started > {fifo}"],
+                            env={**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        fd = os.open(fifo, os.O_RDWR)  # never blocks: a restore that fails before the app cannot hang the test
+        try:
+            assert select.select([fd], [], [], TIMEOUT)[0], "the app was not started"
+            assert os.read(fd, 100) == b"started\n"  # the app runs
+        finally:
+            os.close(fd)
+        assert hub.cdn.reached.wait(TIMEOUT)
+        assert not os.path.exists(blob(out, "models--acme--tiny", BIG_SHA))  # and the weight is not in yet
+    finally:
+        del hub.cdn.pause[BIG_SHA]
+        hub.cdn.release.set()
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, stderr
+    assert cache_tree(out) == cache_tree(origin_box)

@@ -109,14 +109,11 @@ def read_document(remote: Remote, annotations: dict) -> Optional[References]:
 
 
 def fetch_into(root: str, doc: References, log: Callable[[str], None], workers: int = FETCHES) -> FetchReport:
-    """Fetch every referenced blob into `root` from the origin this side names (HF_ENDPOINT, HF_TOKEN),
-    then make any snapshot symlink or ref the layers did not bring (layout.complete_layout)."""
+    """Fetch every referenced blob into `root` from the origin this side names (HF_ENDPOINT, HF_TOKEN)."""
     source = Origin.from_env()
     blobs = {r.blob_path: r.size for r in doc.references}
     log(f"fetching {len(blobs)} file(s) of weights from the origin {source.endpoint!r} while the layers apply")
-    report = fetch_all(root, list(doc.references), source, workers)
-    complete_layout(root, doc)
-    return report
+    return fetch_all(root, list(doc.references), source, workers)
 
 
 class BackgroundFetch:
@@ -124,6 +121,7 @@ class BackgroundFetch:
     the origin while the registry's layers do, and `--then`'s app does not wait for them."""
 
     def __init__(self, root: str, doc: References, log: Callable[[str], None]):
+        self.root, self.doc = root, doc
         self.report: Optional[FetchReport] = None
         self.error: Optional[BaseException] = None
         self.files = len({r.blob_path for r in doc.references})
@@ -138,10 +136,13 @@ class BackgroundFetch:
             self.error = e
 
     def finish(self) -> FetchReport:
-        """Wait for the fetch; its first failure raised as its own kind (every other blob was tried)."""
+        """Once the layers are in: wait for the fetch, make any snapshot symlink or ref the layers did
+        not bring (layout.complete_layout: not before, or it would race the layer that has them), and
+        raise the first failure as its own kind (every other blob was tried)."""
         self._thread.join()
         if self.error is not None:
             raise self.error
+        complete_layout(self.root, self.doc)
         self.report.raise_first()
         return self.report
 
