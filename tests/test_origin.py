@@ -114,6 +114,24 @@ def test_recognises_what_the_hub_client_cached(box, hub):
     assert found.secrets == [f"{HF_HOME}/token"]
 
 
+def test_a_memo_of_hashed_blobs_is_not_trusted_once_a_blob_is_written(box, hub, tmp_path):
+    """A watcher recognises with a memo (blobs hashed with the same stat data are not hashed again):
+    a blob written since, even to its old size and mtime, is hashed again and left in the layers."""
+    root = copy_box(box, str(tmp_path / "box"))
+    memo: dict = {}
+    first = recognise(root, default_candidates(root), endpoint=hub.url, memo=memo)
+    assert len(first.references) == len(lfs_files()) and len(memo) == len(lfs_files())
+    weights = sha256_hex(REPOS[("model", "acme/tiny")].files["model.safetensors"])
+    blob = os.path.join(root, CACHE, "models--acme--tiny", "blobs", weights)
+    st = os.stat(blob)
+    with open(blob, "r+b") as f:
+        f.write(b"X")
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = recognise(root, default_candidates(root), endpoint=hub.url, memo=memo)
+    assert weights not in {r.sha256 for r in again.references}
+    assert {r.sha256 for r in again.references} == {r.sha256 for r in first.references} - {weights}
+
+
 def test_a_tampered_or_unnamed_blob_stays_in_the_layers(box, hub, tmp_path):
     root = copy_box(box, str(tmp_path / "box"))
     weights = sha256_hex(REPOS[("model", "acme/tiny")].files["model.safetensors"])

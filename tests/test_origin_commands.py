@@ -9,15 +9,21 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
 
 import pytest
 import zstandard
 
+from snapshotter.commit.model import CommitOptions
+from snapshotter.profile import load_profile
+from snapshotter.watch.watcher import Watcher, WatchOptions
+
 from support.hub import HubServer, Repo, hub_download, sha256_hex
 from support.run import SNAP, TIMEOUT, assert_one_line_error, free_port, snap
 from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree
+from support.watch import FakeClock
 
 pytest.importorskip("huggingface_hub")
 
@@ -77,16 +83,26 @@ def committed(registry, base_ref, origin_box, hub, tmp_path_factory):
     return ref, json.loads(r.stdout)
 
 
-def registry_bytes(registry):
-    """Every blob the registry holds, zstd layers decompressed: what it could give anyone."""
-    top = os.path.join(registry.storage, "docker/registry/v2/blobs")
-    for folder, _, files in os.walk(top):
-        if "data" in files:
-            with open(os.path.join(folder, "data"), "rb") as f:
+def registry_bytes(registry, repo: str):
+    """Every blob the registry holds for `repo`, zstd layers decompressed: what it could give anyone."""
+    v2 = os.path.join(registry.storage, "docker/registry/v2")
+    for folder, _, files in os.walk(os.path.join(v2, "repositories", repo, "_layers")):
+        if "link" in files:
+            digest = open(os.path.join(folder, "link")).read().partition(":")[2]
+            with open(os.path.join(v2, "blobs/sha256", digest[:2], digest, "data"), "rb") as f:
                 data = f.read()
             if data[:4] == b"\x28\xb5\x2f\xfd":
                 data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
             yield data
+
+
+def assert_holds_no_weights(registry, repo: str) -> None:
+    seen = 0
+    for data in registry_bytes(registry, repo):
+        seen += 1
+        assert WEIGHTS[BIG // 2:BIG // 2 + 4096] not in data
+        assert TOKEN.encode() not in data
+    assert seen > 3  # the comparison saw the repository's blobs
 
 
 def restore(ref: str, root: str, hub, *args: str, **env) -> subprocess.CompletedProcess:
@@ -121,9 +137,7 @@ def test_commit_pushes_references_not_the_weights_nor_the_token(committed, regis
     assert all(layer["digest"] != note["digest"] for layer in manifest["layers"])  # never a layer to apply
     doc = json.loads(registry.blob("origin-box", note["digest"]))
     assert {r["sha256"] for r in doc["references"]} == LFS
-    for data in registry_bytes(registry):
-        assert WEIGHTS[BIG // 2:BIG // 2 + 4096] not in data
-        assert TOKEN.encode() not in data
+    assert_holds_no_weights(registry, "origin-box")
 
 
 def test_restore_fetches_the_weights_into_the_boxs_hub_cache(committed, origin_box, hub, tmp_path):
@@ -221,6 +235,7 @@ def test_upload_origin_makes_the_snapshot_self_contained(registry, base_ref, ori
     assert up["origin_uploaded"] == len(LFS) and up["references"] == 0
     manifest = registry.manifest("origin-up", "v1")
     assert "dev.snap.origin-references" not in manifest["annotations"]
+    assert any(WEIGHTS[BIG // 2:BIG // 2 + 4096] in data for data in registry_bytes(registry, "origin-up"))
     out = str(tmp_path / "restored")
     r = restore(ref, out, hub, HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")  # no origin at all
     assert r.returncode == 0, r.stderr
@@ -256,3 +271,17 @@ def test_then_does_not_wait_for_the_weights_and_their_folder_keeps_its_times(com
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, stderr
     assert cache_tree(out) == cache_tree(origin_box)
+
+
+def test_watch_keeps_the_weights_as_references(registry, base_ref, origin_box, hub, tmp_path, monkeypatch):
+    box = str(tmp_path / "box")
+    shutil.copytree(origin_box, box, symlinks=True)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN_PATH", "/" + TOKEN_PATH)
+    commit = CommitOptions(root=box, profile=load_profile(), weights_from_origin=True)
+    w = Watcher(f"{registry.host}/origin-watch:v2", base_ref, WatchOptions(commit=commit, log=[].append,
+                                                                            clock=FakeClock()))
+    w.tick()
+    note = json.loads(registry.manifest("origin-watch", "v2")["annotations"]["dev.snap.origin-references"])
+    assert note["files"] == len(LFS)
+    assert_holds_no_weights(registry, "origin-watch")

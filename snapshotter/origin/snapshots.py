@@ -46,12 +46,17 @@ def wanted(flag: bool) -> bool:
     return flag or text in ("1", "true", "yes")
 
 
+# What this process hashed of each root's blobs (hubcache.recognise's memo): a watcher's snapshots
+# every few minutes, and its final one within a few seconds' grace, do not hash 40 GB again.
+_HASHED: dict[str, dict] = {}
+
+
 def recognise_box(root: str) -> Recognition:
     """The references a commit of `root` keeps: its hub caches (each home's, and HF_HOME's and
     HF_HUB_CACHE's if set), recorded with the HF_ENDPOINT the box uses."""
     endpoint = os.environ.get(ENDPOINT_ENV, "").strip().rstrip("/") or DEFAULT_ENDPOINT
     return recognise(root, default_candidates(root, dict(os.environ)), endpoint=endpoint,
-                     token_path=os.environ.get("HF_TOKEN_PATH"))
+                     token_path=os.environ.get("HF_TOKEN_PATH"), memo=_HASHED.setdefault(root, {}))
 
 
 def leave_out(scan: Scan, diff: Diff, found: Recognition, references: bool = True) -> tuple[Scan, Diff]:
