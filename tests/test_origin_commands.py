@@ -75,12 +75,12 @@ def commit_env(hub) -> dict:
 
 @pytest.fixture(scope="module")
 def committed(registry, base_ref, origin_box, hub, tmp_path_factory):
-    """The box committed with --weights-from-origin (its own state dir): (ref, commit JSON)."""
+    """The box committed with --weights-from-origin (its own state dir): (ref, commit JSON, state dir)."""
     ref = f"{registry.host}/origin-box:v1"
     state = str(tmp_path_factory.mktemp("ostate"))
     r = snap("commit", ref, "--base", base_ref, "--root", origin_box, "--json", "--weights-from-origin",
              env={**commit_env(hub), "SNAP_STATE_DIR": state}, check=True)
-    return ref, json.loads(r.stdout)
+    return ref, json.loads(r.stdout), state
 
 
 def registry_bytes(registry, repo: str):
@@ -127,7 +127,7 @@ def blob(root: str, repo: str, sha: str) -> str:
 
 
 def test_commit_pushes_references_not_the_weights_nor_the_token(committed, registry, hub):
-    ref, result = committed
+    ref, result, _ = committed
     assert result["references"] == len(LFS) and result["reference_bytes"] == sum(
         len(d) for r in REPOS.values() for d in r.files.values() if len(d) >= 1024)
     assert TOKEN_PATH in result["skipped_secrets"]
@@ -141,7 +141,7 @@ def test_commit_pushes_references_not_the_weights_nor_the_token(committed, regis
 
 
 def test_restore_fetches_the_weights_into_the_boxs_hub_cache(committed, origin_box, hub, tmp_path):
-    ref, _ = committed
+    ref = committed[0]
     out = str(tmp_path / "restored")
     r = restore(ref, out, hub)
     assert r.returncode == 0, r.stderr
@@ -160,7 +160,7 @@ def test_restore_fetches_the_weights_into_the_boxs_hub_cache(committed, origin_b
 ])
 def test_an_origin_failure_is_one_line_and_loses_nothing_else(committed, origin_box, hub, tmp_path, fault, code,
                                                                words):
-    ref, _ = committed
+    ref = committed[0]
     out = str(tmp_path / "restored")
     env = {"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"} if fault == "unreachable" else {}
     env.update({"HF_TOKEN": ""} if fault == "no token" else {})
@@ -190,7 +190,7 @@ def test_an_origin_failure_is_one_line_and_loses_nothing_else(committed, origin_
 
 
 def test_kill_9_mid_fetch_then_rerun_resumes_only_what_is_missing(committed, origin_box, hub, tmp_path):
-    ref, _ = committed
+    ref = committed[0]
     out = str(tmp_path / "restored")
     hub.cdn.reached.clear()
     hub.cdn.release.clear()
@@ -247,7 +247,7 @@ def test_upload_origin_makes_the_snapshot_self_contained(registry, base_ref, ori
 def test_then_does_not_wait_for_the_weights_and_their_folder_keeps_its_times(committed, origin_box, hub, tmp_path):
     """`--then`'s app starts while a weight is held back at the CDN; the blob lands after the layers
     set its folder's times, which stay the box's."""
-    ref, _ = committed
+    ref = committed[0]
     out, fifo = str(tmp_path / "restored"), str(tmp_path / "ready")
     os.mkfifo(fifo)
     hub.cdn.reached.clear()
@@ -285,3 +285,20 @@ def test_watch_keeps_the_weights_as_references(registry, base_ref, origin_box, h
     note = json.loads(registry.manifest("origin-watch", "v2")["annotations"]["dev.snap.origin-references"])
     assert note["files"] == len(LFS)
     assert_holds_no_weights(registry, "origin-watch")
+
+
+def test_run_of_a_snapshot_with_references_says_to_upload_them_first(committed):
+    ref = committed[0]
+    r = snap("run", ref, env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
+    assert_one_line_error(r, 2, "as references to the origin", "--upload-origin")
+
+
+def test_log_and_status_say_which_snapshots_depend_on_the_origin(committed, origin_box, base_ref, hub):
+    ref, _, state = committed
+    log = json.loads(snap("log", ref, "--json", check=True).stdout)
+    assert [(s["origin_files"], s["tags"]) for s in log] == [(len(LFS), ["v1"])]
+    assert f"depends on the origin: {len(LFS)} hub file(s)" in snap("log", ref, check=True).stdout
+    r = snap("status", "--base", base_ref, "--root", origin_box, check=True,
+             env={**commit_env(hub), "SNAP_STATE_DIR": state, "SNAP_WEIGHTS_FROM_ORIGIN": "1"})
+    assert f"tag {ref}: depends on the origin for {len(LFS)} hub file(s)" in r.stdout
+    assert f"a commit keeps {len(LFS)} hub file(s) as references" in r.stdout

@@ -154,5 +154,6 @@ def status(
     their files) and those it would skip. Reads only file metadata; pushes nothing."""
     from snapshotter.commit.history import box_status
 
-    opts = _commit_options(root, profile, None, compression, max_layer_size, registry, log=say)
+    opts = _commit_options(root, profile, None, compression, max_layer_size, registry, log=say,
+                           **_origin_options(False))
     output.box_status(box_status(base, opts), as_json)

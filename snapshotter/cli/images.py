@@ -94,7 +94,10 @@ def run_image(
     `snap run REF -- CMD ARGS...` replaces the command. No engine? Use `snap restore` (extract mode)."""
     from snapshotter.engine.run import run as do_run
 
+    from snapshotter.origin.snapshots import refuse_run
+
     transport = RegistryOptions(username=username, password_stdin=password_stdin).transport()
+    refuse_run(ref, transport)
     result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
                     env=env or [], name=name, detach=detach, transport=transport, log=say)
     if detach:

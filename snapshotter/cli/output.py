@@ -153,6 +153,9 @@ def snapshots(snaps, tag: str, json_out: bool) -> None:
         return
     for s in snaps:
         out(f"{', '.join(s.tags)}  {utc(s.created)}  {human_size(s.size)}  {s.digest[:19]}  base {s.base}")
+        if s.origin_files:
+            out(f"    depends on the origin: {s.origin_files} hub file(s), {human_size(s.origin_bytes)}, kept as "
+                "references (`snap commit --upload-origin` makes it self-contained)")
         for layer in s.new:
             out(f"    new: {layer.label}  {human_size(layer.size)}")
         if not s.new:
@@ -181,5 +184,9 @@ def box_status(st, json_out: bool) -> None:
         whose = ("this box may move it" if st.movable else
                  "a snapshot this box neither came from nor made: its snapshots go to a diverged tag")
         out(f"tag {st.tag}: {st.tag_digest or 'no such tag yet'} ({whose})")
+        if st.tag_origin_files:
+            out(f"tag {st.tag}: depends on the origin for {st.tag_origin_files} hub file(s) kept as references")
+    if st.references:
+        out(f"weights from the origin: a commit keeps {st.references} hub file(s) as references, not uploaded")
     for d in st.diverged:
         out(f"diverged: {d.tag}  {utc(d.created)}  {d.digest}" + ("  (this box's)" if d.own else ""))

@@ -20,10 +20,13 @@ from typing import Callable, Optional
 
 from snapshotter.box.diff import Diff
 from snapshotter.box.scan import Scan
-from snapshotter.errors import IntegrityError, UsageError
+from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.index.base import push_artifact
+from snapshotter.oci.reference import Reference
+from snapshotter.progress import human_size
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
+from snapshotter.registry.transport import TransportOptions
 
 from .fetch import ENDPOINT_ENV, FetchReport, Origin, fetch_all
 from .hubcache import Recognition, default_candidates, recognise
@@ -164,3 +167,18 @@ def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str
         return None
     Origin.from_env()  # a bad HF_ENDPOINT is a usage error before anything is written
     return BackgroundFetch(root, doc, log)
+
+
+def refuse_run(ref: str, transport: TransportOptions) -> None:
+    """`snap run` hands the image to an engine, which cannot fetch references: a snapshot with some
+    is refused in one line saying what to do, before the engine pulls anything."""
+    try:
+        annotations = Remote(Reference.parse(ref), transport).resolve().annotations
+    except SnapError:
+        return  # a registry only the engine's host reaches: its pull says what is wrong
+    note = noted(annotations)
+    if note and note["files"]:
+        raise UsageError(f"{ref} keeps {note['files']} hub file(s) ({human_size(note['bytes'])}) as references to "
+                         "the origin, which a container started by `snap run` would not have",
+                         "upload them first: snap commit TAG --base BASE --upload-origin; or restore it with "
+                         "snap restore REF --root DIR, which fetches them")
