@@ -302,3 +302,26 @@ def test_log_and_status_say_which_snapshots_depend_on_the_origin(committed, orig
              env={**commit_env(hub), "SNAP_STATE_DIR": state, "SNAP_WEIGHTS_FROM_ORIGIN": "1"})
     assert f"tag {ref}: depends on the origin for {len(LFS)} hub file(s)" in r.stdout
     assert f"a commit keeps {len(LFS)} hub file(s) as references" in r.stdout
+
+
+@pytest.mark.parametrize("where, code, words", [
+    ("endpoint", 2, ["HF_ENDPOINT", "169.254.169.254"]),
+    ("redirect", 10, ["model.safetensors", "169.254.169.254", "link-local"]),
+])
+def test_the_origin_is_checked_as_a_registry_is(committed, hub, tmp_path, where, code, words):
+    """A link-local (cloud metadata) endpoint is refused before any layer is applied; a redirect there
+    is refused before it is connected to. Only HF_TOKEN goes to the origin, and only to the hub itself."""
+    ref = committed[0]
+    out = str(tmp_path / "restored")
+    env = {"HF_ENDPOINT": "http://169.254.169.254"} if where == "endpoint" else {}
+    hub.redirect_to.update({BIG_SHA: "http://169.254.169.254/latest/meta-data/"} if where == "redirect" else {})
+    before = len(hub.seen_all)
+    try:
+        r = restore(ref, out, hub, **env)
+    finally:
+        hub.redirect_to.clear()
+    assert_one_line_error(r, code, *words)
+    assert (os.listdir(out) if os.path.isdir(out) else []) == [] if where == "endpoint" else os.path.isdir(
+        os.path.join(out, "opt/app"))
+    assert {s.headers.get("authorization") for s in hub.seen_all[before:]} <= {None, f"Bearer {TOKEN}"}
+    assert all("authorization" not in s.headers for s in hub.seen_all[before:] if s.server == "cdn")

@@ -60,7 +60,11 @@ class Origin:
         if scheme not in ("http", "https") or not host:
             raise UsageError(f"{ENDPOINT_ENV}={endpoint[:200]!r} is not an http(s) URL",
                              "set it to the hub's address, e.g. https://huggingface.co")
-        check_destination(endpoint, UsageError)
+        try:
+            check_destination(endpoint, UsageError)
+        except UsageError as e:
+            raise UsageError(f"{ENDPOINT_ENV}={endpoint[:200]!r}: {e.args[0]}",
+                             "set it to the hub's address, e.g. https://huggingface.co") from None
         return cls(endpoint, env.get(TOKEN_ENV, "").strip() or None)
 
     def url(self, ref: Reference) -> str:
