@@ -273,18 +273,29 @@ def test_then_does_not_wait_for_the_weights_and_their_folder_keeps_its_times(com
     assert cache_tree(out) == cache_tree(origin_box)
 
 
-def test_watch_keeps_the_weights_as_references(registry, base_ref, origin_box, hub, tmp_path, monkeypatch):
+def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_ref, origin_box, hub, tmp_path,
+                                                                  monkeypatch):
     box = str(tmp_path / "box")
     shutil.copytree(origin_box, box, symlinks=True)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_TOKEN_PATH", "/" + TOKEN_PATH)
     commit = CommitOptions(root=box, profile=load_profile(), weights_from_origin=True)
+    clock = FakeClock()
     w = Watcher(f"{registry.host}/origin-watch:v2", base_ref, WatchOptions(commit=commit, log=[].append,
-                                                                            clock=FakeClock()))
+                                                                            clock=clock, every=60))
     w.tick()
     note = json.loads(registry.manifest("origin-watch", "v2")["annotations"]["dev.snap.origin-references"])
     assert note["files"] == len(LFS)
     assert_holds_no_weights(registry, "origin-watch")
+    clock.advance(600)
+    w.tick()  # the next snapshot uploads them: self-contained
+    manifest = registry.manifest("origin-watch", "v2")
+    assert "dev.snap.origin-references" not in manifest["annotations"]
+    assert manifest["annotations"]["dev.snap.origin-uploaded"] == str(len(LFS)) and w.snapshots == 2
+    assert any(WEIGHTS[BIG // 2:BIG // 2 + 4096] in data for data in registry_bytes(registry, "origin-watch"))
+    clock.advance(600)
+    w.tick()  # nothing changed since: no snapshot (the token file left out is no change either)
+    assert w.snapshots == 2
 
 
 def test_run_of_a_snapshot_with_references_says_to_upload_them_first(committed):

@@ -179,7 +179,7 @@ def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry]
                                                                             opts.log)
     found = origin.recognise_box(root) if opts.weights_from_origin else None
     if found is not None:  # hub blobs as references (not with --upload-origin), the token files never pushed
-        scan, d = origin.leave_out(scan, d, found, references=not opts.upload_origin)
+        scan, d, found.taken = origin.leave_out(scan, d, found, references=not opts.upload_origin)
     plans = plan_commit_layers(d, scan, index, opts, len(base_img.layers) if base_img else 0, hooks.plan_memo)
     for plan in plans:
         plan.fingerprint(opts.profile.zstd_level, hooks.plan_memo)

@@ -39,6 +39,7 @@ class Recognition:
     refs: list[RefName] = field(default_factory=list)
     left: list[tuple[str, str]] = field(default_factory=list)
     secrets: list[str] = field(default_factory=list)
+    taken: dict = field(default_factory=dict)  # a commit's scan entries of them, taken out of its layers
 
     def document(self) -> References:
         return References(tuple(self.references), tuple(self.refs))

@@ -62,16 +62,19 @@ def recognise_box(root: str) -> Recognition:
                      token_path=os.environ.get("HF_TOKEN_PATH"), memo=_HASHED.setdefault(root, {}))
 
 
-def leave_out(scan: Scan, diff: Diff, found: Recognition, references: bool = True) -> tuple[Scan, Diff]:
+def leave_out(scan: Scan, diff: Diff, found: Recognition, references: bool = True) -> tuple[Scan, Diff, dict]:
     """The scan and diff without the referenced blobs (`references`) and with the token files as
-    left-out secrets: neither is in any layer. A copy: a watcher keeps its own scan for the next."""
+    left-out secrets: neither is in any layer. A copy: a watcher keeps its own scan for the next.
+    Also the entries taken out ({path: Entry}): a watcher's box still holds them, unchanged."""
     gone = set(found.secrets) | ({r.blob_path for r in found.references} if references else set())
     if not gone:
-        return scan, diff
+        return scan, diff, {}
     secrets = sorted(set(scan.skipped_secrets) | {p for p in found.secrets if p in scan.entries})
     kept = dataclasses.replace(scan, entries={p: e for p, e in scan.entries.items() if p not in gone},
                                skipped_secrets=secrets, kept_as=None)
-    return kept, Diff([e for e in diff.changed if e.path not in gone], [p for p in diff.deleted if p not in gone])
+    taken = {p: scan.entries[p] for p in gone if p in scan.entries}
+    changed = [e for e in diff.changed if e.path not in gone]
+    return kept, Diff(changed, [p for p in diff.deleted if p not in gone]), taken
 
 
 def push_document(remote: Remote, doc: References, sources: BlobSources) -> tuple[str, str]:
