@@ -20,6 +20,7 @@ from snapshotter.commit.model import CommitOptions
 from snapshotter.profile import load_profile
 from snapshotter.watch.watcher import Watcher, WatchOptions
 
+from support.engine import Dockerd
 from support.hub import HubServer, Repo, hub_download, sha256_hex
 from support.run import SNAP, TIMEOUT, assert_one_line_error, free_port, snap
 from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree
@@ -298,10 +299,26 @@ def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_
     assert w.snapshots == 2
 
 
-def test_run_of_a_snapshot_with_references_says_to_upload_them_first(committed):
-    ref = committed[0]
-    r = snap("run", ref, env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
-    assert_one_line_error(r, 2, "as references to the origin", "--upload-origin")
+@pytest.fixture
+def engine(registry, tmp_path_factory, monkeypatch):
+    if os.geteuid() != 0 or not shutil.which("dockerd"):
+        pytest.skip("snap run needs a dockerd of the test's own, which needs root")
+    d = Dockerd(str(tmp_path_factory.mktemp("odockerd")), registry.host).start()
+    monkeypatch.setenv("DOCKER_HOST", d.host)
+    yield d
+    d.stop()
+
+
+def test_run_bind_mounts_the_weights_read_only_at_their_paths(registry, base_ref, origin_box, hub, engine):
+    ref = f"{registry.host}/origin-run:gz"  # gzip: the test's Docker may predate zstd
+    snap("commit", ref, "--base", base_ref, "--root", origin_box, "--weights-from-origin", "--compression", "gzip",
+         env=commit_env(hub), check=True)
+    link = f"/{CACHE}/models--acme--tiny/snapshots/{C_MODEL}/model.safetensors"
+    script = f"sha256sum {link}; echo x >> {link} || echo read-only"
+    r = snap("run", ref, "--", "/bin/sh", "-c", script, env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN})
+    assert r.returncode == 0, r.stderr
+    assert f"{BIG_SHA}  {link}" in r.stdout and "read-only" in r.stdout
+    assert "bind-mounted read-only" in r.stderr
 
 
 def test_log_and_status_say_which_snapshots_depend_on_the_origin(committed, origin_box, base_ref, hub):

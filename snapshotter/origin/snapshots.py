@@ -23,10 +23,10 @@ from snapshotter.box.scan import Scan
 from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.index.base import push_artifact
 from snapshotter.oci.reference import Reference
-from snapshotter.progress import human_size
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
+from snapshotter.state import sub
 
 from .fetch import ENDPOINT_ENV, FetchReport, Origin, fetch_all
 from .hubcache import Recognition, default_candidates, recognise
@@ -123,7 +123,7 @@ def fetch_into(root: str, doc: References, log: Callable[[str], None], workers: 
     """Fetch every referenced blob into `root` from the origin this side names (HF_ENDPOINT, HF_TOKEN)."""
     source = Origin.from_env()
     blobs = {r.blob_path: r.size for r in doc.references}
-    log(f"fetching {len(blobs)} file(s) of weights from the origin {source.endpoint!r} while the layers apply")
+    log(f"fetching {len(blobs)} file(s) of weights from the origin {source.endpoint!r}")
     return fetch_all(root, list(doc.references), source, workers)
 
 
@@ -172,16 +172,25 @@ def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str
     return BackgroundFetch(root, doc, log)
 
 
-def refuse_run(ref: str, transport: TransportOptions) -> None:
-    """`snap run` hands the image to an engine, which cannot fetch references: a snapshot with some
-    is refused in one line saying what to do, before the engine pulls anything."""
+def run_mounts(ref: str, transport: TransportOptions, log: Callable[[str], None]) -> list[str]:
+    """`snap run` hands the image to an engine, which cannot fetch references: fetch them onto this
+    host (the state dir, by manifest digest: a second run fetches nothing) and give each blob as a
+    read-only bind mount at its path ("HOST:PATH:ro"), under the symlinks the layers hold. [] for a
+    snapshot without references, or one snap cannot read (the engine's pull says what is wrong)."""
     try:
-        annotations = Remote(Reference.parse(ref), transport).resolve().annotations
+        remote = Remote(Reference.parse(ref), transport)
+        image = remote.resolve()
     except SnapError:
-        return  # a registry only the engine's host reaches: its pull says what is wrong
-    note = noted(annotations)
-    if note and note["files"]:
-        raise UsageError(f"{ref} keeps {note['files']} hub file(s) ({human_size(note['bytes'])}) as references to "
-                         "the origin, which a container started by `snap run` would not have",
-                         "upload them first: snap commit TAG --base BASE --upload-origin; or restore it with "
-                         "snap restore REF --root DIR, which fetches them")
+        return []
+    note = noted(image.annotations)
+    if not note or not note["files"]:
+        return []
+    host = sub("origin-run", image.manifest_digest.split(":", 1)[1])
+    doc = read_document(remote, image.annotations)
+    try:
+        fetch_into(host, doc, log).raise_first()
+    except SnapError as e:
+        raise type(e)(str(e.args[0]), "or commit it with `snap commit --upload-origin`, which makes it "
+                      "self-contained") from None
+    log(f"weights from the origin: {len(doc.references)} hub file(s) bind-mounted read-only from {host!r}")
+    return [f"{os.path.join(host, path)}:/{path}:ro" for path in sorted({r.blob_path for r in doc.references})]
