@@ -12,7 +12,7 @@ from snapshotter.registry.options import RegistryOptions
 from . import output
 from .app import sigterm_stops
 from .options import (AS_FOR_COMMIT, Diverge, EncryptSecret, EncryptTo, Every, Grace, Include, Jobs, JsonOut, Keep,
-                      MaxLayerSize, Provider, PushForce, with_registry)
+                      MaxLayerSize, Provider, PushForce, UploadOrigin, WeightsFromOrigin, with_registry)
 from .output import say
 
 
@@ -38,6 +38,7 @@ def commit(
         "cache.")] = False,
     max_layer_size: MaxLayerSize = "9.5GB", jobs: Jobs = None, force: PushForce = False, diverge: Diverge = False,
     encrypt_to: EncryptTo = None, encrypt_secret: EncryptSecret = None,
+    weights_from_origin: WeightsFromOrigin = False, upload_origin: UploadOrigin = False,
     as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Capture the box: diff it against its base image, split the diff into layers, push the image.
@@ -47,7 +48,8 @@ def commit(
 
     opts = _commit_options(root, profile, include, compression, max_layer_size, registry, rehash=rehash,
                            force=force, jobs=jobs, diverge=diverge, log=say,
-                           encryption=_encryption(encrypt_to, encrypt_secret))
+                           encryption=_encryption(encrypt_to, encrypt_secret),
+                           **_origin_options(weights_from_origin, upload_origin))
     if from_container:
         from snapshotter.commit.container import commit_from_container
         result = commit_from_container(from_container, target, base, opts)
@@ -82,6 +84,14 @@ def _encryption(encrypt_to: Optional[List[str]], encrypt_secret: Optional[str]):
     return load_encryption(encrypt_to or [], encrypt_secret, say)
 
 
+def _origin_options(weights_from_origin: bool, upload_origin: bool = False) -> dict:
+    """CommitOptions' weights-from-origin fields: the flag or $SNAP_WEIGHTS_FROM_ORIGIN; --upload-origin
+    recognises the same files, to hold them in the layers."""
+    from snapshotter.origin.snapshots import wanted
+
+    return {"weights_from_origin": wanted(weights_from_origin) or upload_origin, "upload_origin": upload_origin}
+
+
 @with_registry
 def watch(
     target: Annotated[Optional[str], typer.Argument(
@@ -108,7 +118,7 @@ def watch(
         "--compression", help=f"zstd (default) or gzip {AS_FOR_COMMIT}.")] = None,
     max_layer_size: Annotated[str, typer.Option(
         "--max-layer-size", help=f"Cut files bigger than this into part layers {AS_FOR_COMMIT}.")] = "9.5GB",
-    jobs: Jobs = None, force: PushForce = False,
+    jobs: Jobs = None, force: PushForce = False, weights_from_origin: WeightsFromOrigin = False,
     encrypt_to: EncryptTo = None, encrypt_secret: EncryptSecret = None,
     registry: RegistryOptions = RegistryOptions(),
 ):
@@ -129,7 +139,8 @@ def watch(
         raise UsageError("watch needs TARGET and --base",
                          "e.g. snap watch registry.example.com/me/box:v2 --base registry.example.com/me/base:1")
     commit_opts = _commit_options(root, profile, include, compression, max_layer_size, registry, force=force,
-                                  jobs=jobs, encryption=_encryption(encrypt_to, encrypt_secret))
+                                  jobs=jobs, encryption=_encryption(encrypt_to, encrypt_secret),
+                                  **_origin_options(weights_from_origin))
     # log_line: its lines, its snapshots' progress lines included, with their time
     opts = WatchOptions(commit=commit_opts, every=parse_duration(every), keep=keep, grace=grace,
                         notices=notice_watcher(provider, metadata_url), log=log_line)
@@ -153,5 +164,6 @@ def status(
     their files) and those it would skip. Reads only file metadata; pushes nothing."""
     from snapshotter.commit.history import box_status
 
-    opts = _commit_options(root, profile, None, compression, max_layer_size, registry, log=say)
+    opts = _commit_options(root, profile, None, compression, max_layer_size, registry, log=say,
+                           **_origin_options(False))
     output.box_status(box_status(base, opts), as_json)

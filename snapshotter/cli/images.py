@@ -99,9 +99,12 @@ def run_image(
     entrypoint, command, env and workdir. Exits with the container's exit code.
     `snap run REF -- CMD ARGS...` replaces the command. No engine? Use `snap restore` (extract mode)."""
     from snapshotter.engine.run import run as do_run
+    from snapshotter.origin.snapshots import run_mounts
 
     transport = RegistryOptions(username=username, password_stdin=password_stdin).transport()
-    result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
+    weights = run_mounts(ref, transport, say)  # weights from the origin, fetched here, mounted read-only
+    result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [],
+                    volumes=[*(volume or []), *weights],
                     env=env or [], name=name, detach=detach, transport=transport, log=say)
     if detach:
         output.out(result.container_id)

@@ -112,3 +112,10 @@ EncryptSecret = Annotated[Optional[str], typer.Option(
 DecryptionKey = Annotated[Optional[List[str]], typer.Option(
     "--decryption-key", help="A private key file (PEM) that opens an encrypted image. Repeatable. Default: "
     "$SNAP_DECRYPTION_KEY (files, separated by ':'). Without one that opens it: exit 4, nothing written.")]
+WeightsFromOrigin = Annotated[bool, typer.Option(
+    "--weights-from-origin", help="Keep the Hugging Face hub cache's weights (blobs named by their sha256, each "
+    "checked) as references that `snap restore` fetches from the origin ($HF_ENDPOINT, $HF_TOKEN), not uploaded; "
+    "the box's HF token files are never pushed. Default: $SNAP_WEIGHTS_FROM_ORIGIN=1.")]
+UploadOrigin = Annotated[bool, typer.Option(
+    "--upload-origin", help="Upload the hub weights a snapshot keeps as references after all, and move the tag to "
+    "a snapshot that holds them (self-contained: an origin that deletes or gates a model cannot lose the box).")]

@@ -89,6 +89,11 @@ def commit_pushed(result) -> None:
             f"{layer.digest[:19]}]")
     if not result.layers:
         out("no changes against the base: the snapshot is the base image")
+    if result.references:
+        out(f"weights from the origin: {result.references} hub file(s), {human_size(result.reference_bytes)}, kept "
+            "as references (not uploaded; `snap restore` fetches them, `snap commit --upload-origin` uploads them)")
+    if result.origin_uploaded:
+        out(f"weights from the origin: {result.origin_uploaded} hub file(s) held in the layers (self-contained)")
     if result.uploaded_bytes or not result.current:  # a current tag's headers artifact may have been re-tagged
         out(result.sent())
     if result.current:  # as the watcher says it
@@ -111,6 +116,8 @@ def restored(result, root: str, json_out: bool) -> None:
         f"{f', {result.resumed} already applied' if result.resumed else ''}"
         f"{f', {result.skipped_layers} already there (not downloaded)' if result.skipped_layers else ''}, "
         f"{result.files} files, {human_size(result.bytes)}")
+    if result.origin_fetched or result.origin_present:
+        out(f"weights from the origin: {result.origin_fetched} file(s) fetched, {result.origin_present} already there")
     if result.seeded_layers:
         say(f"stat cache: the next commit of {root} will not re-read the {result.seeded_layers} snap layer(s) "
             "left unchanged")
@@ -146,6 +153,9 @@ def snapshots(snaps, tag: str, json_out: bool) -> None:
         return
     for s in snaps:
         out(f"{', '.join(s.tags)}  {utc(s.created)}  {human_size(s.size)}  {s.digest[:19]}  base {s.base}")
+        if s.origin_files:
+            out(f"    depends on the origin: {s.origin_files} hub file(s), {human_size(s.origin_bytes)}, kept as "
+                "references (`snap commit --upload-origin` makes it self-contained)")
         for layer in s.new:
             out(f"    new: {layer.label}  {human_size(layer.size)}")
         if not s.new:
@@ -174,5 +184,9 @@ def box_status(st, json_out: bool) -> None:
         whose = ("this box may move it" if st.movable else
                  "a snapshot this box neither came from nor made: its snapshots go to a diverged tag")
         out(f"tag {st.tag}: {st.tag_digest or 'no such tag yet'} ({whose})")
+        if st.tag_origin_files:
+            out(f"tag {st.tag}: depends on the origin for {st.tag_origin_files} hub file(s) kept as references")
+    if st.references:
+        out(f"weights from the origin: a commit keeps {st.references} hub file(s) as references, not uploaded")
     for d in st.diverged:
         out(f"diverged: {d.tag}  {utc(d.created)}  {d.digest}" + ("  (this box's)" if d.own else ""))

@@ -30,6 +30,8 @@ from snapshotter.layer.plan import LayerPlan
 from snapshotter.layer.staging import staging_dirs
 from snapshotter.oci.image import Image
 from snapshotter.oci.reference import Reference
+from snapshotter.origin import snapshots as origin
+from snapshotter.origin.hubcache import Recognition
 from snapshotter.profile import Profile
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
@@ -44,6 +46,7 @@ from snapshotter.tar.compress import IterReader, decompressing_reader
 from .hold import hold_back
 from .model import SCRATCH, CommitHooks, CommitOptions, CommitPlan, CommitResult, plan_commit_layers
 from .push import push_commit
+from .weights import weights_in_layers
 
 
 def base_index(remote: Remote, image: Image, log: Callable[[str], None],
@@ -149,7 +152,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
         index = base_index(base_remote, base_img, opts.log, travelled)
     scan_started_ns = time.time_ns()
     with gc_paused():
-        scan, d, plans = _scan_and_plan(root, base_img, index, opts, hooks)
+        scan, d, plans, found = _scan_and_plan(root, base_img, index, opts, hooks)
         deleted = deletions.count(index, d.deleted) if base_img else None
     if deleted is not None and not opts.force:
         deletions.refuse_commit(root, deleted)  # before anything is read or pushed
@@ -164,20 +167,24 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                     opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs), hooks=hooks,
-                    log=opts.log, encryption=opts.encryption)
+                    log=opts.log, encryption=opts.encryption, origin=found)
     hold_back(cp, held, opts)
     return cp
 
 
 def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry], opts: CommitOptions,
-                   hooks: CommitHooks) -> tuple[Scan, Diff, list[LayerPlan]]:
-    """Walk (or take hooks.changes), diff, plan, and compute the layers' stat-cache keys."""
+                   hooks: CommitHooks) -> tuple[Scan, Diff, list[LayerPlan], Optional[Recognition]]:
+    """Walk (or take hooks.changes), diff, plan, and compute the layers' stat-cache keys; with
+    --weights-from-origin, the box's hub caches recognised and their references left out."""
     scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash,
                                                                             opts.log)
+    found = origin.recognise_box(root) if opts.weights_from_origin else None
+    if found is not None:  # hub blobs as references (not with --upload-origin), the token files never pushed
+        scan, d, found.taken = origin.leave_out(scan, d, found, references=not weights_in_layers(opts))
     plans = plan_commit_layers(d, scan, index, opts, len(base_img.layers) if base_img else 0, hooks.plan_memo)
     for plan in plans:
         plan.fingerprint(opts.profile.zstd_level, hooks.plan_memo)
-    return scan, d, plans
+    return scan, d, plans, found
 
 
 def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None,

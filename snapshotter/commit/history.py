@@ -15,6 +15,7 @@ from snapshotter.oci.image import (BASE_NAME, CREATED, SNAP_BASE_LAYERS, manifes
                                    snapshot_layers_of)
 from snapshotter.oci.mediatypes import MANIFEST_TYPES
 from snapshotter.oci.reference import Reference, is_tag
+from snapshotter.origin import snapshots as origin
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.diverged import DivergedTag, listing, names
@@ -45,6 +46,9 @@ class SnapshotInfo:
     new: list[LayerInfo] = field(default_factory=list)  # snap's layers the snapshot before did not have
     # of its tags, the diverged tags of TARGET's (snapshot/diverged.py)
     diverged: list[str] = field(default_factory=list)
+    # hub files it keeps as references, and their bytes: a restore fetches them from the origin
+    origin_files: int = 0
+    origin_bytes: int = 0
 
 
 def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
@@ -90,11 +94,12 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
         if SNAP_BASE_LAYERS not in ann:
             continue  # not a snapshot (a base image)
         ours = layers[len(layers) - snapshot_layers_of(doc, where):]
+        refs = origin.noted(ann) or {"files": 0, "bytes": 0}
         found.append(SnapshotInfo(
             sorted(tags, key=lambda t: (t == ref.tag, t)), digest, ann.get(CREATED, ""),
             sum(d.get("size", 0) for d in layers) + config.get("size", 0), ann.get(BASE_NAME, ""),
             [LayerInfo(snap_label(d), d.get("size", 0), d.get("digest", "")) for d in ours],
-            diverged=sorted(t for t in tags if t in of_target)))
+            diverged=sorted(t for t in tags if t in of_target), origin_files=refs["files"], origin_bytes=refs["bytes"]))
     if not found:
         raise NotFound(f"no snapshots in {ref.name}", "snap commit or snap watch pushes them")
     found.sort(key=lambda s: (s.created, s.tags[-1]), reverse=True)
@@ -127,6 +132,8 @@ class BoxStatus:
     movable: Optional[bool] = None  # whether this box may move it (snapshot/lineage.py); else it diverges
     diverged: list[DivergedTag] = field(default_factory=list)  # its diverged tags, oldest first
     tags_error: str = ""  # why the tags were not looked at (the registry unreachable)
+    references: int = 0  # hub files a commit would keep as references (--weights-from-origin)
+    tag_origin_files: int = 0  # hub files the tag's snapshot keeps as references: it depends on the origin
 
     @property
     def to_send(self) -> int:
@@ -148,6 +155,7 @@ def box_status(base: Optional[str], opts: CommitOptions) -> BoxStatus:
         layers.append(LayerStatus(plan.label, hit is None, hit["size"] if hit else plan.content_size,
                                   len(plan.entries) + len(plan.whiteouts)))
     st = BoxStatus(cp.root, base, layers, len(cp.diff.deleted), cp.scan.skipped_secrets, last_target(cp.root))
+    st.references = len(cp.origin.references) if cp.origin and not opts.upload_origin else 0
     if st.tag:
         _tag_status(st, opts)
     return st
@@ -161,8 +169,20 @@ def _tag_status(st: BoxStatus, opts: CommitOptions) -> None:
         remote = Remote(ref, opts.transport)
         st.tag_digest, st.movable = movable(remote, ref, st.root, opts.force, opts.origins)
         st.diverged = listing(remote, ref.tag, st.root)
+        if st.tag_digest:
+            st.tag_origin_files = _origin_files(remote, st.tag_digest, st.tag)
     except SnapError as e:
         st.tags_error = str(e)
+
+
+def _origin_files(remote: Remote, digest: str, where: str) -> int:
+    """How many hub files the snapshot `digest` keeps as references (origin/snapshots.py)."""
+    try:
+        doc = json.loads(remote.get_manifest(digest)[0])
+    except (ValueError, RecursionError):
+        return 0  # not a manifest snap reads: nothing of it is the origin's
+    note = origin.noted(manifest_annotations(doc, where)) if isinstance(doc, dict) else None
+    return note["files"] if note else 0
 
 
 # ---- tag --------------------------------------------------------------------------------------

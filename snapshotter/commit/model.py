@@ -19,6 +19,7 @@ from snapshotter.layer.memo import PlanMemo
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
 from snapshotter.layer.planning import plan_layers
 from snapshotter.oci.image import Image, Layer
+from snapshotter.origin.hubcache import Recognition
 from snapshotter.profile import Profile, load_profile
 from snapshotter.progress import human_size
 from snapshotter.oci.reference import Reference
@@ -58,6 +59,10 @@ class CommitOptions:
     # None: SNAP_JOBS, else one per core. 1: everything in this process.
     jobs: Optional[int] = None
     encryption: Optional[Encryption] = None  # --encrypt-to: snap's layers encrypted (snapshot/encryption.py)
+    # Hub-cache blobs the origin serves kept as references, not layers (origin/snapshots.py); with
+    # upload_origin they are recognised (their count noted) but go into the layers: self-contained.
+    weights_from_origin: bool = False
+    upload_origin: bool = False
 
 
 class CommitHooks:
@@ -138,6 +143,9 @@ class CommitResult:
     uploaded_bytes: int = 0  # every byte this commit put into the registry: layers, headers, config, manifests
     uploaded: dict[str, int] = field(default_factory=dict)  # the same by what they were ("layers", "headers", ...)
     current: bool = False  # the tag named this very snapshot already: no config or manifest pushed, the tag not moved
+    references: int = 0  # hub files kept as references to the origin, not uploaded (--weights-from-origin)
+    reference_bytes: int = 0  # their bytes (each blob once)
+    origin_uploaded: int = 0  # hub files the origin serves, held in the layers all the same (--upload-origin)
 
     def sent(self) -> str:
         """What the commit put into the registry, in one phrase: "sent 1.2 MiB (layers 1.1 MiB, ...)"."""
@@ -179,6 +187,7 @@ class CommitPlan:
     hooks: CommitHooks = field(default_factory=CommitHooks)  # what the commit asks its caller
     log: Callable[[str], None] = lambda msg: None  # CommitOptions.log: its progress lines go there too
     encryption: Optional[Encryption] = None  # CommitOptions.encryption
+    origin: Optional[Recognition] = None  # the box's hub caches, with --weights-from-origin (origin/snapshots.py)
 
     @property
     def base_name(self) -> str:

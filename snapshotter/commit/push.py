@@ -34,6 +34,7 @@ from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
 from .hold import hold_back
+from .weights import note_origin, origin_counts
 from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
 
 UPLOADS = 3  # layers uploaded at once (memory: a few MiB each), while the next ones are packed
@@ -85,6 +86,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     index_digest = baseindex.push(remote, cp.base_img.manifest_digest, cp.sources) if cp.base_img and sides else None
     if index_digest:
         image.annotations[baseindex.SNAP_BASE_INDEX] = index_digest
+    # Weights from the origin: the references as a side blob the manifest names (origin/snapshots.py).
+    refs_digest = note_origin(cp, remote, image, opts)
     if cp.encryption is not None:
         cp.encryption.seal(image)  # the paths snap's annotations name: for the recipients alone
     current = tagged is not None and _same_image(image, *tagged)
@@ -98,14 +101,15 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
     if not current:
         travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
-            + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else [])
+            + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []) \
+            + ([refs_digest, baseindex.EMPTY_CONFIG_DIGEST] if refs_digest else [])
         _note_pushed(cp, target_ref, image, [config_digest] + travelled)
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
                         snap_layers=list(image.layers), unreadable=cp.scan.unreadable,
                         grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
-                        current=current)
+                        current=current, **origin_counts(cp, opts))
 
 
 def _same_image(image: NewImage, digest: str, manifest: bytes) -> bool:

@@ -60,7 +60,11 @@ class Origin:
         if scheme not in ("http", "https") or not host:
             raise UsageError(f"{ENDPOINT_ENV}={endpoint[:200]!r} is not an http(s) URL",
                              "set it to the hub's address, e.g. https://huggingface.co")
-        check_destination(endpoint, UsageError)
+        try:
+            check_destination(endpoint, UsageError)
+        except UsageError as e:
+            raise UsageError(f"{ENDPOINT_ENV}={endpoint[:200]!r}: {e.args[0]}",
+                             "set it to the hub's address, e.g. https://huggingface.co") from None
         return cls(endpoint, env.get(TOKEN_ENV, "").strip() or None)
 
     def url(self, ref: Reference) -> str:
@@ -167,8 +171,19 @@ def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: 
             raise IntegrityError(f"{_what(ref, source)}: its content does not hash to the sha256 it is referenced by",
                                  "the origin serves other bytes than the box had: nothing was put in place")
         _settle(f, ref)
-        os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)  # still locked: no one appends now
+        with _folder_times_kept(blobs_fd):
+            os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)  # still locked: no one appends now
     os.fsync(blobs_fd)
+
+
+@contextlib.contextmanager
+def _folder_times_kept(folder_fd: int):
+    """The folder's times as they were before a name is made or renamed in it: a restore's layers
+    set the blobs folder's times as the box had them, and a blob landing after must not change them."""
+    st = os.fstat(folder_fd)
+    yield
+    with contextlib.suppress(OSError):  # not ours to set (a restore as another user): only the time is off
+        os.utime(folder_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @contextlib.contextmanager
@@ -179,7 +194,8 @@ def _locked_part(blobs_fd: int, ref: Reference):
     part = ref.sha256 + PART_SUFFIX
     while True:
         try:
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=blobs_fd)
+            with _folder_times_kept(blobs_fd):
+                fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=blobs_fd)
         except OSError as e:
             raise storage_error(e, repr(ref.blob_path)) from None
         with os.fdopen(fd, "r+b", buffering=0) as f:

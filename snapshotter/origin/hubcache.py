@@ -39,6 +39,7 @@ class Recognition:
     refs: list[RefName] = field(default_factory=list)
     left: list[tuple[str, str]] = field(default_factory=list)
     secrets: list[str] = field(default_factory=list)
+    taken: dict = field(default_factory=dict)  # a commit's scan entries of them, taken out of its layers
 
     def document(self) -> References:
         return References(tuple(self.references), tuple(self.refs))
@@ -57,10 +58,12 @@ def default_candidates(root: str, box_env: Optional[dict] = None) -> list[str]:
 
 
 def recognise(root: str, candidates: Iterable[str], endpoint: str = DEFAULT_ENDPOINT,
-              token_path: Optional[str] = None, workers: int = 4) -> Recognition:
+              token_path: Optional[str] = None, workers: int = 4, memo: Optional[dict] = None) -> Recognition:
     """The hub caches found in or at the root-relative folders `candidates` (a hub cache, or a folder
     above one), as references recorded with `endpoint` (the box's HF_ENDPOINT). `token_path`: the box's
-    HF_TOKEN_PATH, absolute in the box. Each candidate blob is hashed, `workers` at a time."""
+    HF_TOKEN_PATH, absolute in the box. Each candidate blob is hashed, `workers` at a time, but for
+    one `memo` (kept between the recognitions of one root: a watcher's) knows hashed with the same
+    stat data (device, inode, size, mtime, ctime: any write changes the last two)."""
     found, candidates = Recognition(), list(candidates)
     root_fd = open_root(root)
     try:
@@ -73,7 +76,7 @@ def recognise(root: str, candidates: Iterable[str], endpoint: str = DEFAULT_ENDP
         for repo in repos:
             _read_refs(root, repo, found)
             linked.extend(_read_links(root, repo))
-        _left_unnamed(root, repos, _keep_verified(root_fd, linked, endpoint, found, workers), found)
+        _left_unnamed(root, repos, _keep_verified(root_fd, linked, endpoint, found, workers, memo), found)
         found.secrets = _token_files(root, [*candidates, *(posixpath.dirname(r) for r in repos)], token_path)
     finally:
         os.close(root_fd)
@@ -178,12 +181,12 @@ def _blob_named(root: str, repo: str, link: str) -> str:
 
 
 def _keep_verified(root_fd: int, linked: list[tuple[Reference, str]], endpoint: str, found: Recognition,
-                   workers: int) -> dict:
+                   workers: int, memo: Optional[dict] = None) -> dict:
     """The linked blobs whose content hashes to their name, as references with the blob's attributes;
     the others left in the layers with why. Returns what each blob checked gave (its lstat or why not)."""
     blobs = sorted({posixpath.join(r.repo_folder, "blobs", blob) for r, blob in linked})
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        checked = dict(zip(blobs, pool.map(lambda b: _verified_blob(root_fd, b), blobs)))
+        checked = dict(zip(blobs, pool.map(lambda b: _verified_blob(root_fd, b, memo), blobs)))
     for ref, blob in linked:
         st = checked[posixpath.join(ref.repo_folder, "blobs", blob)]
         if isinstance(st, os.stat_result):
@@ -204,8 +207,9 @@ def _left_unnamed(root: str, repos: Iterable[str], checked: dict, found: Recogni
                                    else "not named by a sha256 (a small file the hub hashes with git)"))
 
 
-def _verified_blob(root_fd: int, blob: str):
-    """The blob's lstat if it is a regular file whose content hashes to its name, else why not."""
+def _verified_blob(root_fd: int, blob: str, memo: Optional[dict] = None):
+    """The blob's lstat if it is a regular file whose content hashes to its name (or `memo` saw it
+    hash so with the same stat data), else why not."""
     try:
         fd = open_beneath(root_fd, blob)
     except OSError:
@@ -214,8 +218,13 @@ def _verified_blob(root_fd: int, blob: str):
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
+        seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if memo is not None and memo.get(blob) == seen:
+            return st
         if file_digest(f) != "sha256:" + posixpath.basename(blob):
             return "its content does not hash to its name"
+    if memo is not None:
+        memo[blob] = seen
     return st
 
 

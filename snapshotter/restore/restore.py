@@ -11,11 +11,10 @@ alone and in order (schedule.py). Each layer's diff_id is checked at the end of 
 its last entry, if a regular file, is renamed into place (layer/extract.py; a split layer's digest,
 checked at download, is its diff_id). Before any download, the snap layers the root already holds,
 file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
-kept the weights). A journal (journal.py) records how many layers
-of this run's list are applied, so a restore that was interrupted resumes where it stopped (from
-the first applied layer whose files are no longer all there: resume.py). Then files cut into part
-layers are joined (parts.py), and
-the snap layers are noted for the next commit of the root (snapshot/record.py). A full restore of an
+kept the weights). A journal (journal.py) records how many layers of this run's list are applied,
+so a restore that was interrupted resumes where it stopped (from the first applied layer whose
+files are no longer all there: resume.py). Then files cut into part layers are joined (parts.py),
+and the snap layers are noted for the next commit of the root (snapshot/record.py). A full restore of an
 image that carries no index of its base indexes the base's layers as it applies them (the base
 index: docs/commit.md), so that the next commit here does not download them again.
 
@@ -46,6 +45,7 @@ from snapshotter.layer.staging import STAGING_PREFIX, StagingDirs
 from snapshotter.oci.image import (BASE_DIGEST, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE, SNAP_SKELETON, Image,
                                    Layer, select_layers, snapshot_layer_count)
 from snapshotter.oci.reference import Reference
+from snapshotter.origin import snapshots as origin
 from snapshotter.profile import PathSet, Profile, available_profiles, load_profile
 from snapshotter.progress import human_size
 from snapshotter.registry.blobsources import BlobSources
@@ -100,6 +100,8 @@ class RestoreResult:
     skipped_layers: int = 0  # layers the root already held: neither downloaded nor applied (skip.py)
     skipped_bytes: int = 0  # their blobs' bytes
     hashed_bytes: int = 0  # bytes of the root read to tell
+    origin_fetched: int = 0  # weights fetched from the origin (references: origin/snapshots.py)
+    origin_present: int = 0  # and those already in place, not fetched
 
 
 def _state_sub(name: str) -> str:
@@ -158,6 +160,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         if count == ready_at and opts.on_app_ready is not None:
             opts.on_app_ready()
 
+    weights_fetch = origin.start_fetch(run.extractor.root, run.remote, run.image.annotations, opts.log)
     forget_restore(run.files)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
     started = stamp()
     staging = StagingDirs(root, run.image.manifest_digest, opts.log)
@@ -174,6 +177,8 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
             join_parts(run.extractor, run.parts, run.links, opts.extract.fsync, run.journal)
         if ready_at > len(run.todo):
             after_layer(ready_at, None)
+        # Weights from the origin: failed, the layers are in but the restore unfinished; a rerun fetches the rest.
+        report = weights_fetch.finish() if weights_fetch is not None else None
     except BaseException as e:
         progress.finish(ok=False)
         # Kept for the next run, unless the image is refused or the disk is full: running it again
@@ -182,7 +187,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         raise
     seeded = _finish(run, headers if opts.seed_stat_cache else {}, started, opts)
     progress.finish(ok=True)
-    return _result(run, applied, resumed, stats, seeded, skips)
+    return _result(run, applied, resumed, stats, seeded, skips, report)
 
 
 def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
@@ -248,14 +253,15 @@ def _finish(run: _Run, headers: dict[str, str], started: Stamp, opts: RestoreOpt
 
 
 def _result(run: _Run, applied: list[str], resumed: int, stats: ExtractStats, seeded: int,
-            skips: SkipPlan) -> RestoreResult:
+            skips: SkipPlan, weights: Optional[origin.FetchReport]) -> RestoreResult:
     stats.files += run.extractor.stats.files  # the joins
     stats.bytes += run.extractor.stats.bytes
     stats.add_stripped(run.extractor.stats)
     return RestoreResult(run.image.ref, run.image.manifest_digest, applied, resumed, stats.files, stats.bytes,
                          stats.skipped_devices, stats.stripped_setuid, seeded,
                          stats.skipped_devices_count, stats.stripped_setuid_count,
-                         len(skips.skipped), skips.skipped_bytes, skips.hashed_bytes)
+                         len(skips.skipped), skips.skipped_bytes, skips.hashed_bytes,
+                         *((len(weights.fetched), len(weights.present)) if weights else ()))
 
 
 def _skeletons(remote: Remote, image: Image, log: Callable[[str], None]) -> dict[str, skeleton.Skeleton]:

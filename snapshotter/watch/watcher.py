@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from snapshotter.box.scan import Scan, ScanMemo
 from snapshotter.commit.commit import plan_commit
-from snapshotter.commit.model import SCRATCH, CommitPlan, CommitResult
+from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan, CommitResult
 from snapshotter.commit.push import grown_line, push_commit
 from snapshotter.errors import AuthError, SnapError, UsageError, exit_code_of, printable
 from snapshotter.layer.memo import PlanMemo
@@ -76,6 +76,7 @@ class Watcher:
                              self.log, opts.clock)
         self.handover = Handover()
         self.snapshots = 0
+        self.origin_uploaded = False  # a snapshot uploaded the hub weights (--weights-from-origin): _options
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -165,7 +166,16 @@ class Watcher:
     def _plan(self, now: float, final: bool, stopping: Optional[threading.Event] = None) -> CommitPlan:
         """A commit planned on a fresh scan, with the files being written held back (hooks.py)."""
         hooks = WatchHooks(self.opts, self.changes, self.big, self.tags, self.plan_memo, now, final, stopping)
-        return plan_commit(self.base, self.commit_opts, self.transport, hooks=hooks)
+        return plan_commit(self.base, self._options(final), self.transport, hooks=hooks)
+
+    def _options(self, final: bool) -> CommitOptions:
+        """With --weights-from-origin the first snapshot keeps the hub weights as references (a 40 GB
+        box is saved in a minute), and the next ones upload them (--upload-origin: self-contained, so
+        an origin that deletes or gates a model cannot lose the box); a final snapshot before that
+        upload keeps the references, to fit in the grace."""
+        opts = self.commit_opts
+        upload = opts.weights_from_origin and (self.origin_uploaded or (self.snapshots > 0 and not final))
+        return dataclasses.replace(opts, upload_origin=True) if upload else opts
 
     def snapshot(self, first: bool = False, final: bool = False,
                  stopping: Optional[threading.Event] = None) -> Optional[str]:
@@ -185,7 +195,10 @@ class Watcher:
         tag = self.tags.target()
         trace(self.log, f"planned {len(cp.plans)} layer(s)")
         # A held file the last snapshot has stays as it was there: carried, or the base's version.
-        scanned = {p: token(e) for p, e in cp.scan.entries.items()}
+        # The box as scanned, with the token files a commit takes out of its layers; the weights a
+        # snapshot keeps as references (--weights-from-origin) not: the next check sees them to upload.
+        secrets = {p: e for p, e in (cp.origin.taken if cp.origin else {}).items() if p in cp.origin.secrets}
+        scanned = {p: token(e) for p, e in {**cp.scan.entries, **secrets}.items()}
         tokens = tokens_as_snapshotted(scanned, cp.held, last, set(cp.held))
         if first and self.tags.is_current(cp):
             self.tags.current = self.tags.current or "its snapshot made before this watcher started"
@@ -194,7 +207,9 @@ class Watcher:
             return None
         if final and tokens == self.changes.committed:
             return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
-        result = push_commit(cp, self.tags.line.ref(tag), self.transport, self.commit_opts)
+        opts = self._options(final)
+        result = push_commit(cp, self.tags.line.ref(tag), self.transport, opts)
+        self.origin_uploaded = self.origin_uploaded or opts.upload_origin
         self._pushed(cp, result, tag, seq, scanned, last, now)
         return tag
 

@@ -13,6 +13,10 @@ bytes of a blob until `release` is set, `reached` telling the test it got there)
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
@@ -143,6 +147,12 @@ class HubServer(_Recording):
         self.cdn.stop()
         super().stop()
 
+    def __enter__(self) -> "HubServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def seen(self, server: str) -> list[Seen]:
         return [s for s in self.seen_all if s.server == server]
 
@@ -177,3 +187,22 @@ class HubServer(_Recording):
         if parts[3] not in (repo.commit, *repo.branches):
             return 404, "RevisionNotFound"
         return repo, "/".join(parts[4:])
+
+
+_DOWNLOAD = """
+import json, sys
+from huggingface_hub import hf_hub_download
+endpoint, cache = sys.argv[1:3]
+for kind, repo, revision, name, token in json.loads(sys.argv[3]):
+    hf_hub_download(repo, name, repo_type=kind, revision=revision, cache_dir=cache, endpoint=endpoint,
+                    token=token or False)
+"""
+
+
+def hub_download(endpoint: str, hf_home: str, downloads: list[tuple], timeout: float = 300) -> None:
+    """The real huggingface_hub client's hf_hub_download of each (repo type, repo id, revision, file,
+    token) into HF_HOME/hub, its home `hf_home`, nothing sent anywhere but `endpoint`."""
+    env = {**os.environ, "HF_HOME": hf_home, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+           "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "HF_TOKEN": ""}
+    subprocess.run([sys.executable, "-c", _DOWNLOAD, endpoint, os.path.join(hf_home, "hub"), json.dumps(downloads)],
+                   env=env, check=True, timeout=timeout)
