@@ -16,7 +16,7 @@ from typing import Optional
 import pytest
 
 from support.images import snap_layer_files
-from support.run import PIP_OFFLINE, WHEELS, commit_json, pip_install_offline
+from support.run import PIP_OFFLINE, WHEELS, commit_json, once_per_run, pip_install_offline
 from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,12 +54,10 @@ def missing_wheels(version: str) -> list[str]:
             and not glob.glob(os.path.join(WHEELS, f"{n}-*-abi3-*.whl"))]
 
 
-@pytest.fixture(scope="module")
-def dist_files(tmp_path_factory) -> dict[str, str]:
-    """The sdist and wheel `make dist` builds, built the same way from a copy of this tree's sources (the
-    build writes build/ and *.egg-info next to them) and checked by twine as the index would: the
-    wheel is what each Python's venv installs. {"sdist": path, "wheel": path}"""
-    src = tmp_path_factory.mktemp("src")
+def build_dist(src) -> dict[str, str]:
+    """The sdist and wheel `make dist` builds, built the same way from a copy of this tree's sources in `src`
+    (the build writes build/ and *.egg-info next to them) and checked by twine as the index would.
+    {"sdist": path, "wheel": path}"""
     for name in ("pyproject.toml", "README.md", "Makefile"):
         shutil.copy(os.path.join(REPO, name), src)
     for name in ("snapshotter", "layers", ".ci"):
@@ -75,11 +73,20 @@ def dist_files(tmp_path_factory) -> dict[str, str]:
     return {kind: paths[0] for kind, paths in found.items()}
 
 
+@pytest.fixture
+def dist_files(tmp_path_factory) -> dict[str, str]:
+    """build_dist's files, built once for the whole run: the first test to ask builds them while the others
+    (on any worker) wait, so each Python's test can run on a worker of its own."""
+    return once_per_run(tmp_path_factory, "dist", build_dist)
+
+
 def installed_snap(python: str, wheel: str, tmp_path) -> str:
-    """A fresh venv of `python` with snap's wheel pip-installed from .ci/wheels alone; the venv's path."""
+    """A fresh venv of `python` with snap's wheel pip-installed from .ci/wheels alone; the venv's path.
+    --no-compile: no .pyc of every dependency written at install (most of an install's time); each
+    module is compiled as it is first imported, as from a user's `pip install --no-compile`."""
     venv = tmp_path / "venv"
     subprocess.run([python, "-m", "venv", str(venv)], check=True)
-    r = pip_install_offline(str(venv), wheel)
+    r = pip_install_offline(str(venv), "--no-compile", wheel)
     assert r.returncode == 0, r.stderr
     return str(venv)
 

@@ -1,15 +1,20 @@
 """Running things and waiting on them: snap's command line (with its peak memory), any process
-stopped in time, a free port, pip from the wheels .ci/setup fetched; and snap's one-line errors."""
+stopped in time, a free port, what the whole run makes once, pip from the wheels .ci/setup fetched; and
+snap's one-line errors."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+from typing import Callable
 
 IS_ROOT = os.geteuid() == 0
 TIMEOUT = 120  # generous overall bound for a process or a thread to get somewhere: reaching it means a hang
@@ -25,6 +30,23 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], object]):
+    """`make(directory)`'s result (JSON), made once for the whole run: the first test to ask makes it in a
+    directory every xdist worker of this run shares while the others wait on a lock, then read it. A
+    `make` that fails leaves nothing, so the next to ask tries again and fails with its own error."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name  # this run's alone
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "made.json"
+        if not done.exists():
+            shutil.rmtree(shared, ignore_errors=True)  # what a failed try left
+            shared.mkdir()
+            result = make(shared)
+            done.write_text(json.dumps(result))
+        return json.loads(done.read_text())
 
 
 def free_port() -> int:
