@@ -136,6 +136,33 @@ def have_wheels(*names: str) -> bool:
     return all(any(f.lower().startswith(n + "-") for f in files) for n in names)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def snap_dist(tmp_path_factory) -> dict[str, str]:
+    """The sdist and wheel `make dist` builds, checked by twine as the index would, made once per run
+    (once_per_run). {"sdist": path, "wheel": path}"""
+    return once_per_run(tmp_path_factory, "dist", _build_dist)
+
+
+def _build_dist(src: Path) -> dict[str, str]:
+    """`make dist` in a copy of this tree's sources in `src` (the build writes build/ and *.egg-info next
+    to them), with this suite's venv, set up already (-o: as is)."""
+    for name in ("pyproject.toml", "README.md", "Makefile"):
+        shutil.copy(os.path.join(REPO, name), src)
+    for name in ("snapshotter", "layers", ".ci"):
+        shutil.copytree(os.path.join(REPO, name), src / name, ignore=shutil.ignore_patterns("__pycache__", "wheels"))
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    r = subprocess.run(["make", f"VENV={venv}", "-o", f"{venv}/.setup.stamp", "dist"], cwd=src,
+                       capture_output=True, text=True, env={**os.environ, **PIP_OFFLINE})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("PASSED") == 2, r.stdout  # twine check --strict: both render on the index
+    found = {kind: [str(p) for p in (src / "dist").glob(pattern)] for kind, pattern in
+             (("sdist", "boxsnap-*.tar.gz"), ("wheel", "boxsnap-*-py3-none-any.whl"))}
+    assert all(len(paths) == 1 for paths in found.values()), found
+    return {kind: paths[0] for kind, paths in found.items()}
+
+
 def pip_install_offline(venv: str, *args: str) -> subprocess.CompletedProcess:
     """`VENV/bin/pip install ARGS` from .ci/wheels alone."""
     env = {**os.environ, **PIP_OFFLINE}
