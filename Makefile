@@ -18,10 +18,11 @@ demo: $(SETUP_STAMP)
 # The lint first (seconds), then the suite on 3 workers (pytest-xdist): most tests wait on registries
 # and processes, so 3 fit 2 cores. loadgroup: the tests using a file's own module or session fixture
 # (the dockerd of test_docker.py, ...) share a worker, where it starts once (conftest.py groups them);
-# the rest go one by one to whichever worker is free, so no long file holds up the end.
+# the rest go one by one to whichever worker is free, so no long file holds up the end. conftest.py
+# puts the longest first (tests/durations.json); --no-loadscope-reorder: xdist keeps that order.
 test: $(SETUP_STAMP)
 	$(PYTHON) -m ruff check snapshotter tests
-	$(PYTHON) -m pytest -q -n 3 --dist loadgroup tests
+	$(PYTHON) -m pytest -q -n 3 --dist loadgroup --no-loadscope-reorder tests
 
 # `make bench ARGS=--small` for a quick run, `make bench ARGS=--scale` for a real GPU box's sizes (not in CI).
 bench: $(SETUP_STAMP)

@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import sys
@@ -17,16 +18,75 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Seconds each slow test took (setup, call and teardown) on 2 cores: what `make test` starts first. A test
+# not listed is taken as quick; `pytest -n 3 --record-durations tests/...` notes the tests it runs.
+DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+QUICK = 1.0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="note each test's seconds in tests/durations.json (the order make test starts them in)")
+
+
 def pytest_collection_modifyitems(config, items):
     """For `--dist loadgroup` (make test): the tests of a file with a module or session fixture of its own
-    (a dockerd, a TLS or token registry, a built wheel, an S3 server) share one worker, where it is built
-    once; every other test goes to whichever worker is free, so a long file no longer keeps one worker busy
-    while the others idle. Each worker has its own session registry: tests on different workers never meet."""
+    (a dockerd, a TLS or token registry, an S3 server) share one worker, where it is built once; every
+    other test goes to whichever worker is free. The longest groups and tests go first (make test keeps
+    xdist from reordering them): one that started last would keep its worker busy while the others idle.
+    Each worker has its own session registry: tests on different workers never meet."""
+    groups = {}
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         defs = [d for ds in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in ds]
         if any(d.scope in ("module", "session") and d.baseid.endswith(".py") for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+            groups.setdefault(item.path.name, []).append(item)
+    if config.getoption("dist", None) != "loadgroup":
+        return
+    seconds = {}
+    if os.path.exists(DURATIONS):
+        with open(DURATIONS) as f:
+            seconds = json.load(f)
+    group_of = {id(item): name for name, members in groups.items() for item in members}
+    cost = {name: sum(seconds.get(i.nodeid, QUICK) for i in members) for name, members in groups.items()}
+    first = {}  # each group's tests stay together, in their own order, where its first one was
+    for n, item in enumerate(items):
+        first.setdefault(group_of.get(id(item), id(item)), n)
+
+    def longest_first(item) -> tuple[float, int]:
+        group = group_of.get(id(item))
+        if group:
+            return -cost[group], first[group]
+        return -seconds.get(item.nodeid, QUICK), first[id(item)]
+    items.sort(key=longest_first)
+
+
+def pytest_configure(config):
+    if config.getoption("record_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(DurationRecorder(), "record-durations")
+
+
+class DurationRecorder:
+    """Sums each test's phases as the reports come in (from every worker), and writes them at the end."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    def pytest_runtest_logreport(self, report):
+        group = "@" + os.path.basename(report.nodeid.split("::")[0])  # xdist's suffix for the file's group
+        nodeid = report.nodeid.removesuffix(group)
+        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self):
+        noted = {}
+        if os.path.exists(DURATIONS):
+            with open(DURATIONS) as f:
+                noted = json.load(f)
+        noted.update({k: round(v, 1) for k, v in self.seconds.items()})
+        with open(DURATIONS, "w") as f:
+            json.dump({k: v for k, v in sorted(noted.items()) if v >= QUICK}, f, indent=0)
+            f.write("\n")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
 import uuid
@@ -31,13 +30,13 @@ from support.faults import FaultProxy, HostileServer
 from support.images import label, layers_by_name, push_base_image
 from support.registry import RegistryServer, diverged_tags
 from support.run import (
-    PIP_OFFLINE,
     WHEELS,
     assert_one_line_error,
     commit_json,
     free_port,
     have_wheels,
     snap,
+    snap_dist,
 )
 from support.tars import tar_of_files
 from support.trees import (
@@ -673,23 +672,6 @@ def _dir_info(name: str) -> tarfile.TarInfo:
     return info
 
 
-def snap_wheel(dest: str) -> str:
-    """snap's wheel, built offline from this tree's sources (a copy: the build writes next to them)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = os.path.join(dest, "src")
-    os.makedirs(src)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(os.path.join(repo, name), src)
-    for name in ("snapshotter", "layers"):
-        shutil.copytree(os.path.join(repo, name), os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
-    env = {**os.environ, **PIP_OFFLINE}
-    env.pop("PYTHONPATH", None)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--find-links", WHEELS, "-w", dest, src],
-                   check=True, capture_output=True, env=env)
-    shutil.rmtree(src)
-    return next(f for f in os.listdir(dest) if f.endswith(".whl"))
-
-
 def wait_for_line(ct, text: str, count: int = 1, timeout: float = 120) -> str:
     """The container's output once `text` is in it `count` times (polled, with a deadline)."""
     deadline = time.monotonic() + timeout
@@ -702,7 +684,7 @@ def wait_for_line(ct, text: str, count: int = 1, timeout: float = 120) -> str:
         time.sleep(0.2)
 
 
-def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
+def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path_factory, tmp_path):
     """The container recipe of docs/providers.md on a new box every time, as in the field: the Dockerfile puts snap
     and start.sh into the image (nothing on the volume), credentials come from SNAP_USERNAME and
     SNAP_PASSWORD (a password-protected snapshot registry, htpasswd over plain http on loopback),
@@ -736,7 +718,7 @@ def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path):
            "echo $$ > /tmp/app.pid; exec sleep 1000'")
     ctx = tmp_path / "context"
     ctx.mkdir()
-    snap_wheel(str(ctx))
+    shutil.copy(snap_dist(tmp_path_factory)["wheel"], ctx)  # the wheel `make dist` builds
     (ctx / "Dockerfile").write_text(with_own_base(dockerfile, f"{registry.host}/pybase:1"))
     (ctx / "start.sh").write_text(with_own(script, box_ref, f"{image}:1", app))
     engine.images.build(path=str(ctx), tag=f"{image}:1", network_mode="none", rm=True)

@@ -16,10 +16,9 @@ from typing import Optional
 import pytest
 
 from support.images import snap_layer_files
-from support.run import PIP_OFFLINE, WHEELS, commit_json, pip_install_offline
+from support.run import PIP_OFFLINE, WHEELS, commit_json, pip_install_offline, snap_dist
 from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 # snap's dependencies that are compiled, so have a wheel per Python (the rest are py3-none-any).
 BINARY_WHEELS = ("zstandard", "pyyaml", "charset_normalizer", "pydantic_core", "rpds_py", "cryptography", "cffi")
@@ -54,32 +53,13 @@ def missing_wheels(version: str) -> list[str]:
             and not glob.glob(os.path.join(WHEELS, f"{n}-*-abi3-*.whl"))]
 
 
-@pytest.fixture(scope="module")
-def dist_files(tmp_path_factory) -> dict[str, str]:
-    """The sdist and wheel `make dist` builds, built the same way from a copy of this tree's sources (the
-    build writes build/ and *.egg-info next to them) and checked by twine as the index would: the
-    wheel is what each Python's venv installs. {"sdist": path, "wheel": path}"""
-    src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md", "Makefile"):
-        shutil.copy(os.path.join(REPO, name), src)
-    for name in ("snapshotter", "layers", ".ci"):
-        shutil.copytree(os.path.join(REPO, name), src / name, ignore=shutil.ignore_patterns("__pycache__", "wheels"))
-    venv = os.path.dirname(os.path.dirname(sys.executable))  # this suite's venv, set up already (-o: as is)
-    r = subprocess.run(["make", f"VENV={venv}", "-o", f"{venv}/.setup.stamp", "dist"], cwd=src,
-                       capture_output=True, text=True, env={**os.environ, **PIP_OFFLINE})
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("PASSED") == 2, r.stdout  # twine check --strict: both render on the index
-    found = {kind: glob.glob(str(src / "dist" / pattern)) for kind, pattern in
-             (("sdist", "boxsnap-*.tar.gz"), ("wheel", "boxsnap-*-py3-none-any.whl"))}
-    assert all(len(paths) == 1 for paths in found.values()), found
-    return {kind: paths[0] for kind, paths in found.items()}
-
-
 def installed_snap(python: str, wheel: str, tmp_path) -> str:
-    """A fresh venv of `python` with snap's wheel pip-installed from .ci/wheels alone; the venv's path."""
+    """A fresh venv of `python` with snap's wheel pip-installed from .ci/wheels alone; the venv's path.
+    --no-compile: no .pyc of every dependency written at install (most of an install's time); each
+    module is compiled as it is first imported, as from a user's `pip install --no-compile`."""
     venv = tmp_path / "venv"
     subprocess.run([python, "-m", "venv", str(venv)], check=True)
-    r = pip_install_offline(str(venv), wheel)
+    r = pip_install_offline(str(venv), "--no-compile", wheel)
     assert r.returncode == 0, r.stderr
     return str(venv)
 
@@ -105,16 +85,15 @@ def layer_digests(registry, repo: str, tag: str) -> list[str]:
 
 
 @pytest.mark.parametrize("version", PYTHONS)
-def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, dist_files, registry, base_ref,
-                                                                    base_rootfs,
-                                                                    tmp_path):
+def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, registry, base_ref, base_rootfs,
+                                                                    tmp_path_factory, tmp_path):
     python = find_python(version)
     if python is None:
         pytest.skip(f"no Python {version} with venv and ensurepip on this machine")
     if not os.path.isdir(WHEELS) or missing_wheels(version):
         pytest.skip(f"no wheels of {', '.join(missing_wheels(version)) or 'snap dependencies'} for Python {version} "
                     "in .ci/wheels (run .ci/setup)")
-    venv = installed_snap(python, dist_files["wheel"], tmp_path)
+    venv = installed_snap(python, snap_dist(tmp_path_factory)["wheel"], tmp_path)
     # nothing shared with the reference
     env = {**os.environ, **PIP_OFFLINE, "SNAP_STATE_DIR": str(tmp_path / "venv-state")}
     env.pop("PYTHONPATH", None)

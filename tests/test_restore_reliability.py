@@ -69,6 +69,9 @@ def stale_temps(root) -> list[str]:
 # layer's blob: it writes a byte to the test's pipe and waits there, mid-file, until the test acts
 # (no polling, no race with a restore that would finish first).
 PAUSE_AT = 16 * MiB
+# The big file such a restore is held inside: a third of it written, the rest still to come. (Its size
+# need not make the extraction slow: the pause, not the clock, decides where it is stopped.)
+HELD_FILE = 48 * MiB
 _PAUSED_RESTORE = """
 import os, runpy, sys, threading
 from snapshotter.restore import applier
@@ -138,7 +141,7 @@ def wait_gone(pids: list[int], timeout: float = 30) -> bool:
 
 def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, state_dir):
     old = b"old content\n" * 1000
-    big = os.urandom(MiB) * 200  # 200 MiB: extraction takes long enough to be killed in the middle
+    big = os.urandom(MiB) * (HELD_FILE // MiB)
     small = {"data/a.txt": b"first layer\n", "data/b.txt": b"also first\n"}
     ref = f"{registry.host}/killed:v1"
     # Compressed: the big file is copied out of the stream (an uncompressed layer's big files are
@@ -610,10 +613,10 @@ def test_a_caller_running_threads_gets_a_spawned_extraction_process(registry, tm
 
 
 def _restore_while_writing(registry, repo: str, root, act) -> tuple[subprocess.Popen, list[int], str, bytes]:
-    """Restore a one-layer image holding a 100 MiB file; once its extraction process is inside
+    """Restore a one-layer image holding a HELD_FILE-sized file; once its extraction process is inside
     that file, call act(restore process, extraction pids). Returns (process, extraction pids,
     stderr, the big file's bytes)."""
-    big = os.urandom(MiB) * 100
+    big = os.urandom(MiB) * (HELD_FILE // MiB)
     tars = [layer({"data/big.bin": big, "data/after.txt": b"after\n"}, dirs=("data",))]
     registry.push_image(repo, "v1", [zstandard.ZstdCompressor(level=1).compress(t) for t in tars],
                         layer_media_type=ZSTD, diff_ids=["sha256:" + sha(t) for t in tars])
@@ -642,7 +645,7 @@ def test_a_weight_is_never_half_written_at_its_path_but_the_apps_files_are_writt
     running: paused inside its file (compressed, so written by the extractor), the path does not
     exist yet, only a temp; killed there, the next run lands it whole. So too for a weight that an
     image (not snap's) puts before one of the app's layers."""
-    big = os.urandom(MiB) * 100
+    big = os.urandom(MiB) * (HELD_FILE // MiB)
     tars = [layer({"app/venv/mod.py": b"x = 1\n"}, dirs=("app", "app/venv")),
             layer({"app/models/w.bin": big}, dirs=("app/models",))]
     blobs = [zstandard.ZstdCompressor(level=1).compress(t) for t in tars]

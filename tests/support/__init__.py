@@ -1,6 +1,7 @@
 """What the tests, the demo and the bench share, one module per kind of helper:
 
-run          snap's command line (and its peak memory), processes, ports, pip from .ci/wheels, one-line errors
+run          snap's command line (and its peak memory), processes, ports, what a run makes once, pip from
+             .ci/wheels, one-line errors
 registry     docker-registry on 127.0.0.1 (plain, htpasswd, TLS, S3, token auth) and what tests read of it
 credentials  Docker's config and real credential helper programs
 servers      what the test's own HTTP servers share (a thread, a handler, an answer in pieces)

@@ -1,15 +1,20 @@
 """Running things and waiting on them: snap's command line (with its peak memory), any process
-stopped in time, a free port, pip from the wheels .ci/setup fetched; and snap's one-line errors."""
+stopped in time, a free port, what the whole run makes once, pip from the wheels .ci/setup fetched; and
+snap's one-line errors."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+from typing import Callable
 
 IS_ROOT = os.geteuid() == 0
 TIMEOUT = 120  # generous overall bound for a process or a thread to get somewhere: reaching it means a hang
@@ -25,6 +30,23 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], object]):
+    """`make(directory)`'s result (JSON), made once for the whole run: the first test to ask makes it in a
+    directory every xdist worker of this run shares while the others wait on a lock, then read it. A
+    `make` that fails leaves nothing, so the next to ask tries again and fails with its own error."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name  # this run's alone
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "made.json"
+        if not done.exists():
+            shutil.rmtree(shared, ignore_errors=True)  # what a failed try left
+            shared.mkdir()
+            result = make(shared)
+            done.write_text(json.dumps(result))
+        return json.loads(done.read_text())
 
 
 def free_port() -> int:
@@ -112,6 +134,33 @@ def have_wheels(*names: str) -> bool:
     """Whether .ci/wheels holds a wheel of each distribution (names as in wheel file names)."""
     files = os.listdir(WHEELS) if os.path.isdir(WHEELS) else []
     return all(any(f.lower().startswith(n + "-") for f in files) for n in names)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def snap_dist(tmp_path_factory) -> dict[str, str]:
+    """The sdist and wheel `make dist` builds, checked by twine as the index would, made once per run
+    (once_per_run). {"sdist": path, "wheel": path}"""
+    return once_per_run(tmp_path_factory, "dist", _build_dist)
+
+
+def _build_dist(src: Path) -> dict[str, str]:
+    """`make dist` in a copy of this tree's sources in `src` (the build writes build/ and *.egg-info next
+    to them), with this suite's venv, set up already (-o: as is)."""
+    for name in ("pyproject.toml", "README.md", "Makefile"):
+        shutil.copy(os.path.join(REPO, name), src)
+    for name in ("snapshotter", "layers", ".ci"):
+        shutil.copytree(os.path.join(REPO, name), src / name, ignore=shutil.ignore_patterns("__pycache__", "wheels"))
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    r = subprocess.run(["make", f"VENV={venv}", "-o", f"{venv}/.setup.stamp", "dist"], cwd=src,
+                       capture_output=True, text=True, env={**os.environ, **PIP_OFFLINE})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("PASSED") == 2, r.stdout  # twine check --strict: both render on the index
+    found = {kind: [str(p) for p in (src / "dist").glob(pattern)] for kind, pattern in
+             (("sdist", "boxsnap-*.tar.gz"), ("wheel", "boxsnap-*-py3-none-any.whl"))}
+    assert all(len(paths) == 1 for paths in found.values()), found
+    return {kind: paths[0] for kind, paths in found.items()}
 
 
 def pip_install_offline(venv: str, *args: str) -> subprocess.CompletedProcess:
