@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import signal
 import sys
@@ -113,6 +114,11 @@ def main() -> None:
     except typer.Abort:  # Ctrl-C at a prompt (snap login's)
         say("snap: interrupted")
         sys.exit(exit_code_of(KeyboardInterrupt()))
+    finally:
+        # The process ends here: the cycle collector's passes over every object still alive (typer's,
+        # pydantic's and requests' modules) while the interpreter tears down cost ~0.07 CPU s, a tenth
+        # of a nothing-changed commit. Reference counts still free them.
+        gc.freeze()
     sys.exit(code if isinstance(code, int) else 0)
 
 
