@@ -606,6 +606,15 @@ def sha256_floor(b: Bench, box: str) -> Run:
     return r
 
 
+def walk_floor(b: Bench, box: str) -> Run:
+    """What a nothing-changed commit is held to: a Python walk of the box, every path lstat'ed,
+    interpreter start included (issue 35: at most 3x)."""
+    walk = "import os,sys; [os.lstat(os.path.join(d, n)) for d, _, ns in os.walk(sys.argv[1]) for n in ns]"
+    r = b.run([sys.executable, "-c", walk, box])
+    r.note = "os.walk + lstat"
+    return r
+
+
 def write_floor(b: Bench, nbytes: int) -> Run:
     """Writing the box's bytes to this disk (one file, fsync'd): no restore can land them faster."""
     path = os.path.join(b.work, "write-floor")
@@ -625,6 +634,7 @@ ROWS = [  # case, snap key, peer label, peer key, target ratio, strict
     ("1 first commit", "snap_first", "registry ingest floor: 4 curl PUTs of the tar.zst", "reg_floor", None, False),
     ("1 first commit", "snap_first", "sha256 floor: tar -c \\| openssl dgst -sha256", "sha_floor", None, False),
     ("2 nothing changed", "snap_same", "restic backup (2nd, nothing changed)", "restic_2", 1.0, True),
+    ("2 nothing changed", "snap_same", "Python walk of the box: os.walk + lstat", "walk_floor", 3.0, False),
     ("3 one custom node changed", "snap_node", "restic backup (after the change)", "restic_3", None, False),
     ("3 one custom node changed", "snap_node", "docker commit + push (after the change)", "docker_2", None, False),
     ("3b one small package added to the venv", "snap_pkg", "restic backup (after the package)", "restic_pkg", None, False),
@@ -755,6 +765,7 @@ def measure_all(b: Bench, args) -> dict:
 
     def nothing_changed() -> None:
         step("snap_same", "snap commit (nothing changed)", lambda: snap(b, "commit", f"{box_ref}:v2", "--base", base_ref, "--root", box, state=state))
+        step("walk_floor", "Python walk of the box", lambda: walk_floor(b, box))
 
     restic = not args.no_restic and restic_init(b)
     if b.lean:

@@ -286,6 +286,11 @@ def load_profile(name_or_path: str = "default") -> Profile:
     return parse_profile(text, source)
 
 
+# libyaml's safe loader where PyYAML was built with it: the same documents, ~10x faster than the
+# pure-Python one (3 of every command's first ms went to the default profile)
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 @lru_cache(maxsize=None)
 def _default_text() -> str:
     return (resources.files("snapshotter.layers") / "default.yaml").read_text()
@@ -293,7 +298,7 @@ def _default_text() -> str:
 
 def parse_profile(text: str, source: str = "<profile>") -> Profile:
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_SAFE_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -308,7 +313,7 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
     if doc.get("extends"):
         if doc["extends"] != "default":
             raise UsageError(f"profile {source}: only 'extends: default' is supported")
-        base = yaml.safe_load(_default_text())
+        base = yaml.load(_default_text(), Loader=_SAFE_LOADER)
     layers_doc = doc.get("layers", base.get("layers"))
     if not isinstance(layers_doc, list) or not layers_doc:
         raise UsageError(f"profile {source}: 'layers' must be a non-empty list")

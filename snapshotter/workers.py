@@ -264,6 +264,7 @@ def spawned_main() -> None:
 def _child_main(conn: Connection, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     _die_with(parent)
+    _keep_freed_memory()
     try:
         setup, args, progress_every = conn.recv()
         _serve(conn, setup(*args), progress_every)
@@ -307,6 +308,26 @@ def _picklable(e: Exception) -> Exception:
         return e
     except Exception:  # noqa: BLE001
         return SnapError(f"{type(e).__name__}: {e}")
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_HEAP_BUFFERS, _HEAP_KEPT = 4 << 20, 32 << 20
+
+
+def _keep_freed_memory() -> None:
+    """A worker streams its data in buffers of about 1 MiB (read, decompressed, hashed, written):
+    with glibc's defaults each was a fresh mapping, or heap trimmed back after it, whose pages the
+    kernel faulted in and zeroed again: ~4 faults a page of data, a third of an extractor's CPU on a
+    layer of small files (34k faults and 0.07 of 0.21 CPU s for a 35 MB layer of 2k files). Buffers
+    up to 4 MiB come from the heap, and up to 32 MiB freed at its top is kept for the next. Nothing
+    where the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, _HEAP_BUFFERS)
+    mallopt(_M_TRIM_THRESHOLD, _HEAP_KEPT)
 
 
 def _die_with(parent: int) -> None:

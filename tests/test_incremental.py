@@ -442,11 +442,11 @@ def test_a_nothing_changed_commit_pushes_nothing_and_asks_no_head_per_layer(regi
     assert registry.manifest("still", "v1") == manifest
 
 
-def test_a_stored_walk_row_filed_under_another_path_is_not_trusted(registry, base_ref, box, monkeypatch, tmp_path,
-                                                                    state_dir):
-    """The kept walk is data in the state dir, not a verdict: a row whose path is not the one it is
-    filed under (or of the wrong shape) makes the walk read every path again; kept, `a.txt` would
-    have vanished from the next snapshot and `b.txt` gained xattrs it does not have."""
+def test_a_stored_walk_not_as_written_is_not_trusted(registry, base_ref, box, monkeypatch, tmp_path, state_dir):
+    """The kept walk is data in the state dir, not a verdict: one not as save() writes it (a value of
+    another type, a path twice) makes the walk read every path again; kept, `b.txt` would have
+    gained the xattrs written into its (otherwise valid) entry. (A path's entry is made from the
+    path column itself: it cannot be filed under another path.)"""
     from snapshotter.box import scan as scan_module
     from snapshotter.snapshot import kept
 
@@ -455,12 +455,12 @@ def test_a_stored_walk_row_filed_under_another_path_is_not_trusted(registry, bas
     commit_box(f"{registry.host}/crafted:v1", base_ref, CommitOptions(root=box))
     [path] = [os.path.join(state_dir, "walk-memo", n) for n in os.listdir(os.path.join(state_dir, "walk-memo"))]
     with open(path, "rb") as f:
-        key, (paths, rows) = marshal.loads(f.read()[64:])
-    i = paths.index("opt/x/a.txt")
-    row = list(rows[i])
-    row[0], row[kept._FIELDS.index("xattrs")] = "opt/x/b.txt", {"user.injected": "1"}
-    rows[i] = tuple(row)
-    kept._write(path, key, (paths, rows))
+        key, (columns, secrets) = marshal.loads(f.read()[64:])
+    field = kept._FIELDS.index
+    paths = columns[field("path")]
+    columns[field("xattrs")][paths.index("opt/x/b.txt")] = {"user.injected": "1"}
+    columns[field("uid")][paths.index("opt/x/a.txt")] = False  # a bool where save() writes a number
+    kept._write(path, key, (columns, secrets))
     commit_box(f"{registry.host}/crafted:v2", base_ref, CommitOptions(root=box))
     out = str(tmp_path / "out")
     restore_image(f"{registry.host}/crafted:v2", out)

@@ -319,3 +319,15 @@ def test_a_new_directory_below_its_topmost_layer_carries_the_newest_mtime_of_tha
     mtimes = {e.path: e.mtime for e in lower.entries if e.kind == DIR}
     assert mtimes == {"opt": 50, "opt/new": 40, "opt/new/a": 40, "opt/new/a/deep": 40, "opt/new/b": 20}
     assert [e.path for e in lower.entries] == sorted(e.path for e in lower.entries)
+
+
+def test_a_parent_copy_is_its_directory_but_for_mtime_stamp_inode_and_digest():
+    """parent_copy() names every field of an Entry (for speed): a field added to Entry and not named
+    there would be dropped from every parent directory a layer carries."""
+    import dataclasses
+
+    from snapshotter.layer.parents import parent_copy
+
+    values = {f.name: f"x-{f.name}" for f in dataclasses.fields(Entry)}
+    e = Entry(**values)
+    assert parent_copy(e, 7) == dataclasses.replace(e, mtime=7, stamp="", inode=None, digest=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import signal
 import sys
@@ -106,6 +107,7 @@ def error_line(e: BaseException) -> str:
 
 def main() -> None:
     take_secret_env()  # before anything can start a process
+    gc.freeze()  # what the imports made lives as long as the process: no collector pass need walk it again
     try:
         code = app(standalone_mode=False)
     except click.exceptions.ClickException as e:
@@ -113,6 +115,11 @@ def main() -> None:
     except typer.Abort:  # Ctrl-C at a prompt (snap login's)
         say("snap: interrupted")
         sys.exit(exit_code_of(KeyboardInterrupt()))
+    finally:
+        # The process ends here: the cycle collector's passes over every object still alive (typer's,
+        # pydantic's and requests' modules) while the interpreter tears down cost ~0.07 CPU s, a tenth
+        # of a nothing-changed commit. Reference counts still free them.
+        gc.freeze()
     sys.exit(code if isinstance(code, int) else 0)
 
 

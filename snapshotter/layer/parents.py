@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, Optional
 
 from snapshotter.index.entry import DIR, Entry
@@ -39,7 +38,10 @@ def parent_copy(e: Entry, mtime: int) -> Entry:
     """A parent directory as a layer carries it. No stamp: a directory's ctime moves with every file
     added to it, and the stat cache keys on what the layer's bytes depend on (its mode, owner,
     xattrs and this mtime)."""
-    return replace(e, mtime=mtime, stamp="", inode=None, digest=None)
+    # Every field named (dataclasses.replace() cost 3 us a copy; a kept plan of 35k paths makes ~4k)
+    return Entry(path=e.path, kind=e.kind, mode=e.mode, uid=e.uid, gid=e.gid, size=e.size, mtime=mtime,
+                 linkname=e.linkname, rdev=e.rdev, digest=None, inode=None, stamp="", xattrs=e.xattrs,
+                 mtime_ns=e.mtime_ns)
 
 
 def add_parent_dirs(layers: list[LayerPlan], box: dict[str, Entry], changed: dict[str, Entry],

@@ -117,13 +117,19 @@ class HashingReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def read(self, n: int = -1) -> bytes:
+        """The source's bytes as they come (RawIOBase.read would copy them twice: into a buffer
+        of its own, then out of it; a restore reads each layer's whole tar this way)."""
+        data = self.src.read(n)
+        self.sha.update(data)
+        if self.on_bytes and data:
+            self.on_bytes(len(data))
+        return data
+
     def readinto(self, b) -> int:
-        data = self.src.read(len(b))
+        data = self.read(len(b))
         n = len(data)
         b[:n] = data
-        self.sha.update(data)
-        if self.on_bytes and n:
-            self.on_bytes(n)
         return n
 
     def drain(self) -> None:
@@ -175,13 +181,16 @@ class _Prefixed(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def read(self, n: int = -1) -> bytes:
+        """As readinto, without RawIOBase.read's two copies."""
+        if not self.head:
+            return self.raw.read(n)
+        data = self.head if n < 0 or n >= len(self.head) else self.head[:n]
+        self.head = self.head[len(data):]
+        return data + self.raw.read() if n < 0 else data
+
     def readinto(self, b) -> int:
-        if self.head:
-            n = min(len(b), len(self.head))
-            b[:n] = self.head[:n]
-            self.head = self.head[n:]
-            return n
-        data = self.raw.read(len(b))
+        data = self.read(len(b))
         b[:len(data)] = data
         return len(data)
 
