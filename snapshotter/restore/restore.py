@@ -7,16 +7,15 @@ the target, and the extraction of the first layers overlaps the download of the 
 layers download first, the weights after them at a lower CPU priority (AppFirst). Layers are applied
 by extractors in child processes (applier.py), so that unpacking does not wait on the download
 threads for Python's lock: snap's own layers several at once, one per process (--jobs), any other
-alone and in order (schedule.py). Each layer's diff_id is checked at the end of its stream, before
-its last entry, if a regular file, is renamed into place (layer/extract.py; a split layer's digest,
-checked at download, is its diff_id). Before any download, the snap layers the root already holds,
-file for file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume
-kept the weights). A journal (journal.py) records how many layers of this run's list are applied,
-so a restore that was interrupted resumes where it stopped (from the first applied layer whose
-files are no longer all there: resume.py). Then files cut into part layers are joined (parts.py),
-and the snap layers are noted for the next commit of the root (snapshot/record.py). A full restore of an
-image that carries no index of its base indexes the base's layers as it applies them (the base
-index: docs/commit.md), so that the next commit here does not download them again.
+alone and in order (schedule.py). Each layer's diff_id is checked at the end of its stream, before its
+last entry, if a regular file, is renamed into place (layer/extract.py; a split layer's digest, checked
+at download, is its diff_id). Before any download, the snap layers the root already holds, file for
+file, are skipped: neither downloaded nor applied (skip.py: a pod restart whose volume kept the
+weights). A journal (journal.py) records how many layers of this run's list are applied, so a restore
+that was interrupted resumes where it stopped (from the first applied layer whose files are no longer
+all there: resume.py). Then files cut into part layers are joined (parts.py), and the snap layers are
+noted for the next commit of the root (snapshot/record.py). A full restore of an image that carries no
+index of its base indexes the base's layers as it applies them (docs/commit.md).
 
 A restore writes over what is there, so three things guard a live machine: a full image (base layers
 and all) is refused onto a root that already holds an operating system, unless this restore
