@@ -18,11 +18,10 @@ noted for the next commit of the root (snapshot/record.py). A full restore of an
 index of its base indexes the base's layers as it applies them (docs/commit.md).
 
 A restore writes over what is there, so three things guard a live machine: a full image (base layers
-and all) is refused onto a root that already holds an operating system, unless this restore
-started there (its journal) or the caller forces it; the snapshot layers applied onto one may not
-delete its system, counted from their headers before anything is written (deletion_guard.py);
-and the profile's excludes (/etc/hostname, /etc/resolv.conf, /proc, /tmp, ...) are never written,
-whatever the image holds."""
+and all) is refused onto a root that already holds an operating system, unless this restore started
+there (its journal) or the caller forces it; the snapshot layers applied onto one may not delete its
+system, counted from their headers before anything is written (deletion_guard.py); and the profile's
+excludes (/etc/hostname, /etc/resolv.conf, /proc, /tmp, ...) are never written, whatever it holds."""
 
 from __future__ import annotations
 
