@@ -297,3 +297,48 @@ def test_only_the_snapshot_onto_its_base_with_the_key(registry, base_ref, base_r
     assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
     r = snap("verify", target, "--root", str(root), "--decryption-key", str(keys / "ec.pem"))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+WEIGHT = "opt/app/models/checkpoints/model.safetensors"
+
+
+def _keep_rewriting(box: str, *paths: str):
+    """An after_read hook: each of `paths` changes during every read (as test_reclaim.py's torn cases)."""
+    def rewrite(path, attempt):
+        if path in paths:
+            with open(os.path.join(box, path), "r+b") as f:
+                f.write(os.urandom(64))
+    return rewrite
+
+
+def _commit_held_weight(registry, base_ref, box, keys, tmp_path, repo: str, first_encrypted: bool):
+    """v1 of a weight committed (clear or encrypted), the weight changed, then rewritten during
+    every read of an encrypted commit to the same tag: (result, v1, target)."""
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    v1 = os.urandom(2 << 20)
+    write_tree(box, {WEIGHT: v1})
+    target = f"{registry.host}/{repo}:v1"
+    encryption = load_encryption([str(keys / "rsa.pub")], None, print)
+    commit_box(target, base_ref, CommitOptions(root=box, profile=load_profile(str(prof)),
+                                               encryption=encryption if first_encrypted else None))
+    with open(os.path.join(box, WEIGHT), "r+b") as f:
+        f.write(os.urandom(1 << 20))
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
+                         encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+    result = commit_box(target, base_ref, opts, CommitHooks(after_read=_keep_rewriting(box, WEIGHT)))
+    return result, v1, target
+
+
+def test_a_held_file_of_a_clear_snapshot_is_carried_encrypted(registry, base_ref, box, keys, tmp_path):
+    """A weight rewritten during every read, whose last snapshot (clear) holds it: the encrypted commit
+    to the same tag keeps that version, its layer encrypted from the registry's clear blob (a clear
+    layer never goes into an encrypted snapshot), and the restore with the key has it."""
+    result, v1, target = _commit_held_weight(registry, base_ref, box, keys, tmp_path, "enc-carry", False)
+    assert result.held == {WEIGHT: "changed while read"} and result.carried == [WEIGHT]
+    manifest = manifest_of(registry, "enc-carry", "v1")
+    own = manifest["layers"][int(manifest["annotations"]["dev.snap.base-layers"]):]
+    assert own and all(d["mediaType"] in ENCRYPTED_TYPES for d in own)
+    out = tmp_path / "out"
+    snap("restore", target, "--root", str(out), "--decryption-key", str(keys / "rsa.pem"), check=True)
+    assert (out / WEIGHT).read_bytes() == v1

@@ -29,7 +29,7 @@ from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
-from snapshotter.snapshot.encryption import RECIPIENTS, SealingWriter, side_blobs
+from snapshotter.snapshot.encryption import SealingWriter, side_blobs
 from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
@@ -76,6 +76,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     if cp.encryption is not None:  # a new state dir keeps the encrypted blobs of the tag's snapshot
         cp.encryption.learn_previous(remote, tagged[1] if tagged else None)
     layers = _push_settled_layers(cp, remote, opts)
+    if cp.encryption is not None:
+        _carry_encrypted(cp, remote)
     grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
     _warn_engine_limit(cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()), opts)
     # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
@@ -193,15 +195,24 @@ def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) ->
                     "commit again once the box is quieter")
 
 
+def _carry_encrypted(cp: CommitPlan, remote: Remote) -> None:
+    """Each carried file's layers as an encrypted snapshot holds them (Encryption.carry); a file
+    one of whose layers cannot be is no longer carried: reported left out, never claimed kept."""
+    for path, kept in list(cp.carried.items()):
+        carried = [cp.encryption.carry(remote, layer, cp.sources) for layer in kept]
+        if all(carried):
+            cp.carried[path] = carried
+        else:
+            del cp.carried[path]
+
+
 def _insert_carried(rows: list[tuple[dict, str, LayerReport]], cp: CommitPlan) -> None:
     """Put the layers carried from the last snapshot among the weights' single-file layers: before
     the weights' last small layer (directories and deletions), which must stay on top of them."""
     carried = [(layer.descriptor, layer.diff_id,
                 LayerReport(layer.snap_label or layer.digest[:19], layer.digest, layer.size, layer.media_type, 1,
                             "kept from the last snapshot (being written, not read)"))
-               for path in sorted(cp.carried) for layer in cp.carried[path]
-               # never a clear layer in an encrypted snapshot
-               if cp.encryption is None or layer.annotations.get(RECIPIENTS) == cp.encryption.id]
+               for path in sorted(cp.carried) for layer in cp.carried[path]]
     if not carried:
         return
     at = len(rows)

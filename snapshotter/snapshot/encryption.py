@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from snapshotter.errors import SnapError, UsageError
-from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE,
-                                   NewImage, annotations_of)
+from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_HEADERS, SNAP_MAX_LAYER,
+                                   SNAP_PROFILE, Layer, NewImage, annotations_of)
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
+from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
 from snapshotter.state import open_own, replace_file, sub
 
@@ -168,6 +169,41 @@ class Encryption:
                     self.previous[(diff_id, desc["mediaType"])] = desc
         except (SnapError, ValueError, KeyError, TypeError):
             return  # an optimisation only: the layers are encrypted and pushed afresh
+
+    def carry(self, remote: Remote, kept: Layer, sources: BlobSources) -> Optional[Layer]:
+        """A layer of the last snapshot carried into this one (a file being written keeps that
+        version): as it is if encrypted for these recipients; a clear one (the last snapshot was
+        clear) encrypted for them, read back from the registry, its digest checked; None for one
+        encrypted for other keys (it cannot be opened here: the caller leaves the file out)."""
+        from snapshotter.crypt import layer
+
+        if layer.is_encrypted(kept.media_type):
+            return kept if kept.annotations.get(RECIPIENTS) == self.id else None
+        if kept.media_type not in layer.PLAIN_TYPES:
+            return None
+        desc = self.lookup(kept.digest, kept.diff_id, kept.media_type)
+        if desc is None or not in_registry(remote, desc["digest"], sources):
+            desc = self._encrypt_from_registry(remote, kept, sources)
+        # its headers blob is a side blob: an encrypted snapshot names none (side_blobs)
+        ann = {k: v for k, v in kept.annotations.items() if k != SNAP_HEADERS}
+        return Layer(kept.index, {**desc, "annotations": {**desc["annotations"], **ann}}, kept.diff_id)
+
+    def _encrypt_from_registry(self, remote: Remote, kept: Layer, sources: BlobSources) -> dict:
+        """A clear blob of the registry encrypted as it streams, twice under one key (no copy on the
+        box's disk): once to learn the encrypted blob's digest, once as it is sent. The download
+        checks the plain digest."""
+        key = self.layer_key(kept.diff_id, kept.digest)
+
+        def produce(out) -> SealingWriter:
+            writer = SealingWriter(out, key, hash_plain=False)
+            for chunk in remote.iter_blob(kept.digest, size=kept.size):
+                writer.write(chunk)
+            return writer
+
+        desc = self.descriptor_of(produce(None), kept.digest, kept.media_type)
+        if not in_registry(remote, desc["digest"], sources):
+            remote.upload_from(produce, desc["digest"], desc["size"], what="layers")
+        return desc
 
     def seal(self, image: NewImage) -> None:
         """Move every annotation of snap's that is not CLEAR (paths: a layer's file, its parts, the
