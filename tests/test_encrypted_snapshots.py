@@ -342,3 +342,16 @@ def test_a_held_file_of_a_clear_snapshot_is_carried_encrypted(registry, base_ref
     out = tmp_path / "out"
     snap("restore", target, "--root", str(out), "--decryption-key", str(keys / "rsa.pem"), check=True)
     assert (out / WEIGHT).read_bytes() == v1
+
+
+def test_a_held_file_of_an_encrypted_snapshot_keeps_its_version(registry, base_ref, box, keys, tmp_path, state_dir):
+    """Encrypted both times: the last snapshot's annotations that name files are sealed (a commit
+    holds only public keys), so the commit reads them from what its state dir kept of the seal when it
+    pushed that snapshot (0600): the weight rewritten during every read keeps v1."""
+    result, v1, target = _commit_held_weight(registry, base_ref, box, keys, tmp_path, "enc-carry2", True)
+    assert result.held == {WEIGHT: "changed while read"} and result.carried == [WEIGHT]
+    out = tmp_path / "out"
+    snap("restore", target, "--root", str(out), "--decryption-key", str(keys / "rsa.pem"), check=True)
+    assert (out / WEIGHT).read_bytes() == v1
+    kept = list((state_dir / "encrypted-layers").iterdir())
+    assert kept and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in kept)

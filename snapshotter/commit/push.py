@@ -29,7 +29,7 @@ from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
-from snapshotter.snapshot.encryption import SealingWriter, side_blobs
+from snapshotter.snapshot.encryption import SealingWriter, side_blobs, with_sealed
 from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
@@ -99,7 +99,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
         digest, _, config_digest = remote.write_image(image, target_ref.target)
     cp.cache.save()
     if cp.encryption is not None:
-        cp.encryption.save()
+        cp.encryption.save(digest)
     note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
     if not current:
         travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
@@ -109,7 +109,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
-                        snap_layers=list(image.layers), unreadable=cp.scan.unreadable,
+                        snap_layers=with_sealed(image.layers, cp.encryption.unsealed or {}) if cp.encryption
+                        else list(image.layers), unreadable=cp.scan.unreadable,
                         grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
                         current=current, **origin_counts(cp, opts))
 

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from snapshotter.digests import DIGEST
 from snapshotter.errors import SnapError, UsageError
 from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_HEADERS, SNAP_MAX_LAYER,
                                    SNAP_PROFILE, Layer, NewImage, annotations_of)
@@ -39,6 +40,7 @@ CLEAR = frozenset({BASE_NAME, BASE_DIGEST, CREATED, SNAP_BASE_LAYERS, SNAP_PROFI
 ENCRYPTED_LABEL = "encrypted"  # each snap layer's name in the config's history: its real name is sealed
 ENCRYPTED_DIR = "encrypted-layers"
 VERSION = 1
+SNAPSHOTS_KEPT = 4  # seals kept in the state dir: the tag's snapshot is the last one pushed, or one before
 
 
 def jwe_path(value: str) -> str:
@@ -79,6 +81,9 @@ class Encryption:
     # JWE again, so its manifest is the tag's (push.py's _same_image) and nothing is pushed.
     sealed: dict[str, str] = field(default_factory=dict)
     used: set[str] = field(default_factory=set)  # the plain blobs this commit looked up or pushed
+    unsealed: Optional[dict] = None  # what the last seal sealed (SEALED's payload)
+    # Those of the last snapshots pushed from here, by manifest digest: kept_seal
+    snapshots: dict[str, dict] = field(default_factory=dict)
     loaded: bool = False
 
     @functools.cached_property
@@ -86,30 +91,34 @@ class Encryption:
         return recipients_id(self.recipients)
 
     def _path(self) -> str:
-        return os.path.join(sub(ENCRYPTED_DIR), self.id.split(":", 1)[1][:32] + ".json")
+        return _state_path(self.id)
 
     def _load(self) -> None:
         if self.loaded:
             return
         self.loaded = True
-        try:
-            with open_own(self._path()) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            return
-        if isinstance(doc, dict) and doc.get("version") == VERSION and isinstance(doc.get("layers"), dict):
+        doc = _read_state(self.id)
+        if isinstance(doc.get("layers"), dict):
             self.known.update({k: v for k, v in doc["layers"].items() if _well_formed(v)})
             if isinstance(doc.get("sealed"), dict):
                 self.sealed.update({k: v for k, v in doc["sealed"].items() if isinstance(v, str)})
+            if isinstance(doc.get("snapshots"), dict):
+                self.snapshots.update({k: v for k, v in doc["snapshots"].items() if _is_seal(v)})
 
-    def save(self) -> None:
+    def save(self, manifest_digest: Optional[str] = None) -> None:
         """Keep what this commit used (the mapping holds descriptors and wrapped keys, no key): as the
-        stat cache, the layers gone from the box fall out, and a watcher's file does not grow forever."""
+        stat cache, the layers gone from the box fall out, and a watcher's file does not grow forever.
+        And what the snapshot pushed (`manifest_digest`) sealed: the next commit reads its files'
+        layers there (snapshot/files.py), as it holds no private key to unseal them."""
         self._load()
         self.known = {k: v for k, v in self.known.items() if k in self.used}
         self.used = set()
+        if manifest_digest and self.unsealed is not None:
+            self.snapshots.pop(manifest_digest, None)
+            self.snapshots[manifest_digest] = self.unsealed
+            self.snapshots = dict(list(self.snapshots.items())[-SNAPSHOTS_KEPT:])
         replace_file(self._path(), lambda f: json.dump({"version": VERSION, "layers": self.known,  # 0600
-                                                        "sealed": self.sealed}, f))
+                                                        "sealed": self.sealed, "snapshots": self.snapshots}, f))
 
     def lookup(self, plain_digest: str, diff_id: str, media_type: str) -> Optional[dict]:
         """The encrypted descriptor already pushed for this plain blob (or, from the target's last
@@ -222,6 +231,7 @@ class Encryption:
         image.labels = [ENCRYPTED_LABEL] * len(image.labels)
         image.annotations[RECIPIENTS] = self.id
         payload = json.dumps(sealed, sort_keys=True).encode()
+        self.unsealed = sealed
         self._load()
         fingerprint = hashlib.sha256(payload).hexdigest()
         value = self.sealed.get(fingerprint) or layer.b64(jwe.encrypt(payload, self.recipients))
@@ -250,6 +260,44 @@ class SealingWriter:
     @property
     def plain_digest(self) -> str:
         return "sha256:" + self._plain.hexdigest()
+
+
+def _is_seal(doc) -> bool:
+    return (isinstance(doc, dict) and isinstance(doc.get("layers"), dict)
+            and all(isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
+                    for v in doc["layers"].values()))
+
+
+def _state_path(recipients: str) -> str:
+    """The state file of a set of recipients (recipients_id), 0600: ENCRYPTED_DIR/<its 32 first hex>.json."""
+    return os.path.join(sub(ENCRYPTED_DIR), recipients.split(":", 1)[1][:32] + ".json")
+
+
+def _read_state(recipients: str) -> dict:
+    try:
+        with open_own(_state_path(recipients)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) and doc.get("version") == VERSION else {}
+
+
+def kept_seal(recipients: Optional[str], manifest_digest: str) -> Optional[dict]:
+    """What a snapshot pushed from this state dir sealed ({"manifest": ..., "layers": {index: ...}}),
+    if it is one of the last SNAPSHOTS_KEPT for these recipients (`recipients`: its RECIPIENTS,
+    as the registry says it: a digest, else nothing is read)."""
+    if not isinstance(recipients, str) or not DIGEST.fullmatch(recipients):
+        return None
+    snapshots = _read_state(recipients).get("snapshots")
+    found = snapshots.get(manifest_digest) if isinstance(snapshots, dict) else None
+    return found if _is_seal(found) else None
+
+
+def with_sealed(layers: list[Layer], sealed: dict) -> list[Layer]:
+    """`layers` with the annotations `sealed` (a seal's payload) holds of them put back."""
+    hidden = sealed.get("layers", {})
+    return [Layer(lay.index, {**lay.descriptor, "annotations": {**lay.annotations, **hidden[str(lay.index)]}},
+                  lay.diff_id) if str(lay.index) in hidden else lay for lay in layers]
 
 
 def _well_formed(desc) -> bool:
