@@ -355,3 +355,30 @@ def test_a_held_file_of_an_encrypted_snapshot_keeps_its_version(registry, base_r
     assert (out / WEIGHT).read_bytes() == v1
     kept = list((state_dir / "encrypted-layers").iterdir())
     assert kept and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in kept)
+
+
+def test_key_material_given_where_a_file_name_goes_is_never_echoed(registry, base_ref, box, keys, tmp_path):
+    """A secret pasted into SNAP_ENCRYPT_SECRET (`$(openssl rand -base64 32)`), a private key's base64
+    DER in SNAP_DECRYPTION_KEY, a password tacked onto --decryption-key (skopeo's `key.pem:password`):
+    each is one line, exit 2, naming the setting or option, never a byte of the value."""
+    import base64
+
+    from cryptography.hazmat.primitives import serialization
+
+    secret = base64.b64encode(os.urandom(32)).decode()
+    r = snap("commit", f"{registry.host}/enc-echo:v1", "--base", base_ref, "--root", box,
+             "--encrypt-to", str(keys / "rsa.pub"), env={"SNAP_ENCRYPT_SECRET": secret})
+    assert_one_line_error(r, 2, "SNAP_ENCRYPT_SECRET")
+    assert secret not in r.stdout + r.stderr
+    key = serialization.load_pem_private_key((keys / "rsa.pem").read_bytes(), None)
+    der = base64.b64encode(key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption())).decode()
+    root = tmp_path / "never"
+    r = snap("restore", f"{registry.host}/enc-echo:v1", "--root", str(root), env={"SNAP_DECRYPTION_KEY": der})
+    assert_one_line_error(r, 2, "SNAP_DECRYPTION_KEY")
+    assert der[:40] not in r.stdout + r.stderr and der[-40:] not in r.stdout + r.stderr
+    r = snap("restore", f"{registry.host}/enc-echo:v1", "--root", str(root),
+             "--decryption-key", f"{keys / 'rsa.pem'}:hunter2")
+    assert_one_line_error(r, 2, "--decryption-key", "no such file")
+    assert "hunter2" not in r.stdout + r.stderr
+    assert not root.exists()

@@ -32,6 +32,7 @@ DECRYPTION_KEY_ENV = "SNAP_DECRYPTION_KEY"  # private key files, separated by os
 def load_decryption_keys(paths: Optional[list[str]], log: Callable[[str], None]) -> list[PrivateKey]:
     """The private keys of `--decryption-key` (else $SNAP_DECRYPTION_KEY, which names files: a key's
     own text there is refused). A file others may read gets a warning line."""
+    origin = "--decryption-key" if paths else f"${DECRYPTION_KEY_ENV}"
     paths = paths or setting_paths(DECRYPTION_KEY_ENV)
     if not paths:
         return []
@@ -39,7 +40,7 @@ def load_decryption_keys(paths: Optional[list[str]], log: Callable[[str], None])
 
     found = []
     for path in paths:
-        key, warnings = keys.load_private_key(path)
+        key, warnings = keys.load_private_key(path, origin=origin)
         for w in warnings:
             log(w)
         found.append(key)

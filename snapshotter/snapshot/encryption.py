@@ -50,7 +50,8 @@ def jwe_path(value: str) -> str:
 
 def setting_paths(name: str) -> list[str]:
     """The files an environment setting names (os.pathsep between them). A key's own text there is
-    refused without a word of it: the setting names files, never holds keys."""
+    refused without a word of it: the setting names files, never holds keys (crypt/keys.py's
+    messages then name the setting, never its value: "$NAME" as their origin)."""
     value = os.environ.get(name, "").strip()
     if "-----BEGIN" in value or "\n" in value:
         raise UsageError(f"${name} holds a key, not a file name: put the key in a file and name that file",
@@ -312,16 +313,18 @@ def load_encryption(encrypt_to: list[str], secret_file: Optional[str],
     $SNAP_ENCRYPT_SECRET); None when neither names a recipient. Bad keys: one line, exit 2."""
     from snapshotter.crypt import keys
 
+    to_origin, secret_origin = ("--encrypt-to" if encrypt_to else f"${ENCRYPT_TO_ENV}",
+                                "--encrypt-secret" if secret_file else f"${ENCRYPT_SECRET_ENV}")
     paths = [jwe_path(p) for p in (encrypt_to or setting_paths(ENCRYPT_TO_ENV))]
     secret_file = secret_file or next(iter(setting_paths(ENCRYPT_SECRET_ENV)), None)
     if not paths:
         if secret_file:
             raise UsageError("--encrypt-secret needs --encrypt-to", "name the public key(s) to encrypt to")
         return None
-    recipients = [keys.load_public_key(p) for p in paths]
+    recipients = [keys.load_public_key(p, to_origin) for p in paths]
     secret = None
     if secret_file:
-        secret, warnings = keys.load_secret(secret_file)
+        secret, warnings = keys.load_secret(secret_file, secret_origin)
         for w in warnings:
             log(w)
     return Encryption(recipients, secret)
