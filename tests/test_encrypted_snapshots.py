@@ -382,3 +382,33 @@ def test_key_material_given_where_a_file_name_goes_is_never_echoed(registry, bas
     assert_one_line_error(r, 2, "--decryption-key", "no such file")
     assert "hunter2" not in r.stdout + r.stderr
     assert not root.exists()
+
+
+def test_an_encrypted_private_key_opens_with_its_password_file(registry, base_ref, box, keys, tmp_path):
+    """(4) A private key openssl encrypted (`genpkey -aes256 -pass file:`) opens with
+    --decryption-key-password-file (or $SNAP_DECRYPTION_KEY_PASSWORD_FILE), the password only ever in
+    a file; without it: one line, exit 2, nothing written; a wrong one: exit 4, never shown."""
+    pw, locked, pub = tmp_path / "pw", tmp_path / "locked.pem", tmp_path / "locked.pub"
+    pw.write_text("correct horse\n")
+    pw.chmod(0o600)
+    subprocess.run(["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-aes256",
+                    "-pass", f"file:{pw}", "-out", str(locked)], check=True, capture_output=True)
+    subprocess.run(["openssl", "pkey", "-in", str(locked), "-passin", f"file:{pw}", "-pubout", "-out", str(pub)],
+                   check=True, capture_output=True)
+    target = f"{registry.host}/enc-locked:v1"
+    snap("commit", target, "--base", base_ref, "--root", box, "--encrypt-to", str(pub), check=True)
+    root = tmp_path / "root"
+    assert_one_line_error(snap("restore", target, "--root", str(root), "--decryption-key", str(locked)), 2,
+                          "encrypted", "--decryption-key-password-file")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not it\n")
+    r = snap("restore", target, "--root", str(root), "--decryption-key", str(locked),
+             "--decryption-key-password-file", str(wrong))
+    assert_one_line_error(r, 4, "password")
+    assert "not it" not in r.stderr + r.stdout and not root.exists()
+    snap("restore", target, "--root", str(root), "--decryption-key", str(locked), "--decryption-key-password-file",
+         str(pw), check=True)
+    assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
+    r = snap("verify", target, "--root", str(root), "--decryption-key", str(locked),
+             env={"SNAP_DECRYPTION_KEY_PASSWORD_FILE": str(pw)})
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -100,23 +100,28 @@ def read_password(password_file: Optional[str], origin: Optional[str] = None) ->
     return data[:-1] if data.endswith(b"\n") else data
 
 
-def load_private_key(path: str, password_file: Optional[str] = None,
+def load_private_key(path: str, password_file: Optional[str] = None, password_origin: Optional[str] = None,
                      origin: Optional[str] = None) -> tuple[PrivateKey, list[str]]:
     """A private key (PEM: PKCS#8, PKCS#1 or SEC1, encrypted or not) and the warnings to print about
-    the files it came from. A wrong or missing password is a KeyMismatch (exit 4). `origin`: as
-    read_key_file's."""
+    the files it came from. The password (in `password_file`) opens an encrypted key; a clear one
+    needs none (one password file serves several keys). A wrong password is a KeyMismatch (exit 4).
+    `origin`, `password_origin`: as read_key_file's."""
     data, name = read_key_file(path, "private key", origin), file_name(path, origin)
-    warnings = [w for w in (exposure_warning(path, origin), password_file and exposure_warning(password_file))
-                if w]
-    password = read_password(password_file)
+    warnings = [w for w in (exposure_warning(path, origin),
+                            password_file and exposure_warning(password_file, password_origin)) if w]
     try:
-        key = serialization.load_pem_private_key(data, password)
-    except TypeError:  # encrypted without a password given, or a password for a clear key
-        hint = "give its password file" if password is None else "it is not encrypted: give no password"
-        raise UsageError(f"cannot open the private key {name}", hint) from None
+        try:
+            key = serialization.load_pem_private_key(data, None)
+        except TypeError:  # encrypted
+            password = read_password(password_file, password_origin)
+            if password is None:
+                raise UsageError(f"the private key {name} is encrypted", "give its password's file with "
+                                 "--decryption-key-password-file (or $SNAP_DECRYPTION_KEY_PASSWORD_FILE)") from None
+            try:
+                key = serialization.load_pem_private_key(data, password)
+            except (TypeError, ValueError):
+                raise KeyMismatch(f"the password does not open the private key {name}") from None
     except ValueError:
-        if password is not None and b"ENCRYPTED" in data:
-            raise KeyMismatch(f"the password does not open the private key {name}") from None
         raise UsageError(f"{name} is not a PEM private key") from None
     if isinstance(key, rsa.RSAPrivateKey) or (isinstance(key, ec.EllipticCurvePrivateKey)
                                                and isinstance(key.curve, CURVES)):

@@ -27,20 +27,26 @@ if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported once an i
     from snapshotter.crypt.layer import Opened
 
 DECRYPTION_KEY_ENV = "SNAP_DECRYPTION_KEY"  # private key files, separated by os.pathsep: as --decryption-key
+PASSWORD_FILE_ENV = "SNAP_DECRYPTION_KEY_PASSWORD_FILE"  # as --decryption-key-password-file
 
 
-def load_decryption_keys(paths: Optional[list[str]], log: Callable[[str], None]) -> list[PrivateKey]:
+def load_decryption_keys(paths: Optional[list[str]], log: Callable[[str], None],
+                         password_file: Optional[str] = None) -> list[PrivateKey]:
     """The private keys of `--decryption-key` (else $SNAP_DECRYPTION_KEY, which names files: a key's
-    own text there is refused). A file others may read gets a warning line."""
+    own text there is refused), an encrypted one opened with the password in `password_file`
+    (--decryption-key-password-file, else $SNAP_DECRYPTION_KEY_PASSWORD_FILE: a file, never the
+    password itself). A file others may read gets a warning line."""
     origin = "--decryption-key" if paths else f"${DECRYPTION_KEY_ENV}"
     paths = paths or setting_paths(DECRYPTION_KEY_ENV)
+    password = (password_file, "--decryption-key-password-file") if password_file else \
+        (next(iter(setting_paths(PASSWORD_FILE_ENV)), None), f"${PASSWORD_FILE_ENV}")
     if not paths:
         return []
     from snapshotter.crypt import keys
 
     found = []
     for path in paths:
-        key, warnings = keys.load_private_key(path, origin=origin)
+        key, warnings = keys.load_private_key(path, *password, origin=origin)
         for w in warnings:
             log(w)
         found.append(key)
