@@ -152,8 +152,8 @@ def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, ke
     """(4) A second commit of an unchanged box pushes nothing (the same sealed annotation: the tag's
     snapshot already); a changed
     file re-sends only its own layer (the state dir then maps this snapshot's layers, the old one's
-    gone); a new state dir with the derivation secret (and one without,
-    from the tag's snapshot) pushes no layer again."""
+    gone); a new state dir with the derivation secret pushes no layer again (its derived keys give the
+    same blobs), one without it re-keys them all (random keys: no blob of the secret's is reused)."""
     target = f"{registry.host}/enc4:v1"
     flags = ("--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"),
              "--encrypt-secret", str(keys / "secret"), "--json")
@@ -173,8 +173,12 @@ def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, ke
         state = tmp_path / f"state-{len(extra)}"
         fresh = json.loads(snap("commit", target, *flags[:-3], *extra, "--json", "--force",
                                 env={"SNAP_STATE_DIR": str(state)}, check=True).stdout)
-        assert [x["digest"] for x in fresh["layers"]] == [x["digest"] for x in changed["layers"]]
-        assert not [x for x in fresh["layers"] if x["status"] == "uploaded"]
+        if extra:
+            assert [x["digest"] for x in fresh["layers"]] == [x["digest"] for x in changed["layers"]]
+            assert not [x for x in fresh["layers"] if x["status"] == "uploaded"]
+        else:
+            assert not {x["digest"] for x in fresh["layers"]} & {x["digest"] for x in changed["layers"]}
+            assert all(x["status"] == "uploaded" for x in fresh["layers"])
 
 
 def test_skopeo_decrypts_a_snapshot_and_snap_restores_what_skopeo_encrypted(registry, base_ref, box, keys, tmp_path):
@@ -412,3 +416,24 @@ def test_an_encrypted_private_key_opens_with_its_password_file(registry, base_re
     r = snap("verify", target, "--root", str(root), "--decryption-key", str(locked),
              env={"SNAP_DECRYPTION_KEY_PASSWORD_FILE": str(pw)})
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_new_secret_encrypts_every_layer_again(registry, base_ref, box, keys, tmp_path, state_dir):
+    """(5) A leaked secret rotated: after a commit with S1, a changed file and a commit with S2 to
+    the same tag (same state dir, and a new one reading the tag's snapshot) reuse no blob of S1: every
+    layer is encrypted again under S2. With S2 again, nothing is sent: dedup under the new secret."""
+    s2 = tmp_path / "s2"
+    s2.write_bytes(os.urandom(32))
+    s2.chmod(0o600)
+    target = f"{registry.host}/enc-rekey:v1"
+    flags = ("--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"), "--json")
+    first = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(keys / "secret"), check=True).stdout)
+    old = {x["digest"] for x in first["layers"]}
+    write_tree(box, {"etc/app.conf": "threads = 32\n"})
+    fresh = {"SNAP_STATE_DIR": str(tmp_path / "fresh-state")}
+    for env in ({}, fresh):
+        rotated = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(s2), "--force", env=env,
+                                  check=True).stdout)
+        assert not old & {x["digest"] for x in rotated["layers"]}, (first["layers"], rotated["layers"])
+    again = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(s2), "--force", check=True).stdout)
+    assert again["current"] or not [x for x in again["layers"] if x["status"] == "uploaded"]

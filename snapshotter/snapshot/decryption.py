@@ -20,7 +20,7 @@ from snapshotter.oci.image import Image, annotations_of, canonical, descriptor
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, LAYER_TAR
 from snapshotter.registry.remote import ProgressFn, Remote
 
-from .encryption import RECIPIENTS, SEALED, setting_paths
+from .encryption import LAYER_CLEAR, SEALED, setting_paths
 
 if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported once an image is encrypted
     from snapshotter.crypt.keys import PrivateKey
@@ -114,7 +114,7 @@ def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> 
         # diff_id as it is applied, and a second hash of its blob costs a restore ~10% more CPU.
         opened[digest] = (d["digest"], key, exact and plain_type == LAYER_TAR)
         clear = {k: v for k, v in d.get("annotations", {}).items()
-                 if not k.startswith(layer.ENC_PREFIX) and k != RECIPIENTS}
+                 if not k.startswith(layer.ENC_PREFIX) and k not in LAYER_CLEAR}
         layers[i] = descriptor(plain_type, digest, d.get("size"), clear)
     for i, hidden in sealed["layers"].items():
         if i.isdigit() and int(i) < len(layers) and isinstance(layers[int(i)], dict):

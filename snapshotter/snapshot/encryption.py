@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -35,6 +37,11 @@ ENCRYPT_TO_ENV = "SNAP_ENCRYPT_TO"  # public key files, separated by os.pathsep:
 ENCRYPT_SECRET_ENV = "SNAP_ENCRYPT_SECRET"  # a secret file: as --encrypt-secret
 SEALED = "dev.snap.sealed"  # manifest annotation: base64 JWE of snap's annotations that name paths
 RECIPIENTS = "dev.snap.recipients"  # manifest and layer annotation: which set of keys (see recipients_id)
+# Layer annotation: which layer key made the blob (key_id): a blob is reused only under the same one.
+KEY_ID = "dev.snap.key-id"
+RANDOM_KEY_ID = "random"  # a random key per blob: no secret to rotate
+LAYER_CLEAR = frozenset({RECIPIENTS, KEY_ID})  # snap's layer annotations left clear (none names a path)
+KEY_ID_INFO = b"snap layer key id v1"
 # Manifest annotations left clear: none names a path; commit and restore read them before any key.
 CLEAR = frozenset({BASE_NAME, BASE_DIGEST, CREATED, SNAP_BASE_LAYERS, SNAP_PROFILE, SNAP_MAX_LAYER, RECIPIENTS})
 ENCRYPTED_LABEL = "encrypted"  # each snap layer's name in the config's history: its real name is sealed
@@ -86,21 +93,36 @@ class Encryption:
     # Those of the last snapshots pushed from here, by manifest digest: kept_seal
     snapshots: dict[str, dict] = field(default_factory=dict)
     loaded: bool = False
+    _loading: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @functools.cached_property
     def id(self) -> str:
         return recipients_id(self.recipients)
 
+    @functools.cached_property
+    def key_id(self) -> str:
+        """Which layer keys this commit makes: an HMAC of a constant under the secret (equal only for
+        the same secret, which equal blobs reveal already), or RANDOM_KEY_ID. A rotated secret never
+        reuses a blob of the old one."""
+        if self.secret is None:
+            return RANDOM_KEY_ID
+        return "hmac-sha256:" + hmac.new(self.secret, KEY_ID_INFO, hashlib.sha256).hexdigest()
+
     def _path(self) -> str:
         return _state_path(self.id)
 
     def _load(self) -> None:
-        if self.loaded:
-            return
-        self.loaded = True
+        """Read the state file once. Under a lock: the layers' threads look up and note at once, and
+        one that noted a new blob must not see the file's older entry put over it."""
+        with self._loading:
+            if not self.loaded:
+                self._read()
+                self.loaded = True
+
+    def _read(self) -> None:
         doc = _read_state(self.id)
         if isinstance(doc.get("layers"), dict):
-            self.known.update({k: v for k, v in doc["layers"].items() if _well_formed(v)})
+            self.known = {**{k: v for k, v in doc["layers"].items() if _well_formed(v)}, **self.known}
             if isinstance(doc.get("sealed"), dict):
                 self.sealed.update({k: v for k, v in doc["sealed"].items() if isinstance(v, str)})
             if isinstance(doc.get("snapshots"), dict):
@@ -123,18 +145,23 @@ class Encryption:
 
     def lookup(self, plain_digest: str, diff_id: str, media_type: str) -> Optional[dict]:
         """The encrypted descriptor already pushed for this plain blob (or, from the target's last
-        snapshot, for a blob of the same tar and compression), if any."""
+        snapshot, for a blob of the same tar and compression), if any, made with this commit's kind
+        of key (key_id): after a new secret, every layer is encrypted again."""
         from snapshotter.crypt import layer
 
         self._load()
         found = self.known.get(plain_digest)
-        if found is None and media_type in layer.PLAIN_TYPES:
-            found = self.previous.get((diff_id, layer.encrypted_media_type(media_type)))
-            if found is not None:
-                self.known[plain_digest] = found
-        if found is not None:
-            self.used.add(plain_digest)
+        if not self._same_key(found):
+            plain = media_type in layer.PLAIN_TYPES
+            found = self.previous.get((diff_id, layer.encrypted_media_type(media_type))) if plain else None
+            if not self._same_key(found):
+                return None
+            self.known[plain_digest] = found
+        self.used.add(plain_digest)
         return found
+
+    def _same_key(self, desc: Optional[dict]) -> bool:
+        return desc is not None and desc["annotations"].get(KEY_ID) == self.key_id
 
     def layer_key(self, diff_id: str, plain_digest: str):
         """A layer's key: derived from the secret (the same layer, the same blob), else random."""
@@ -157,7 +184,7 @@ class Encryption:
 
         done = writer.encryptor.finish(self.recipients, plain_digest)
         desc = {"mediaType": layer.encrypted_media_type(media_type), "digest": done.digest, "size": done.size,
-                "annotations": {**done.annotations, RECIPIENTS: self.id}}
+                "annotations": {**done.annotations, RECIPIENTS: self.id, KEY_ID: self.key_id}}
         self.note(plain_digest, desc)
         return desc
 
@@ -226,7 +253,8 @@ class Encryption:
             sealed["manifest"][k] = image.annotations.pop(k)
         for lay in image.layers:
             ann = lay.descriptor.get("annotations", {})
-            hidden = {k: ann.pop(k) for k in [k for k in ann if not k.startswith(layer.ENC_PREFIX) and k != RECIPIENTS]}
+            hidden = {k: ann.pop(k) for k in [k for k in ann if not k.startswith(layer.ENC_PREFIX)
+                                               and k not in LAYER_CLEAR]}
             if hidden:
                 sealed["layers"][str(lay.index)] = hidden
         image.labels = [ENCRYPTED_LABEL] * len(image.labels)
