@@ -437,3 +437,34 @@ def test_a_new_secret_encrypts_every_layer_again(registry, base_ref, box, keys, 
         assert not old & {x["digest"] for x in rotated["layers"]}, (first["layers"], rotated["layers"])
     again = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(s2), "--force", check=True).stdout)
     assert again["current"] or not [x for x in again["layers"] if x["status"] == "uploaded"]
+
+
+def _put_manifest(registry, repo, tag, manifest):
+    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=json.dumps(manifest).encode(),
+                               headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert r.status_code == 201, r.text
+
+
+def test_a_tampered_or_stripped_seal_is_exit_6_and_nothing_is_written(registry, base_ref, box, keys, tmp_path):
+    """(6, 7) snap's sealed annotation with a field of the wrong JSON type (`"aad": 5`), or stripped
+    from a manifest whose layers carry dev.snap.recipients (a file cut into parts would be left
+    unjoined): one line, exit 6, the root not even created."""
+    import base64
+
+    marked_box(box, uuid.uuid4().hex)  # a file cut into part layers: what the seal says how to join
+    target = f"{registry.host}/enc-seal:v1"
+    snap("commit", target, "--base", base_ref, "--root", box, "--max-layer-size", "1MiB",
+         "--encrypt-to", str(keys / "rsa.pub"), check=True)
+    manifest = manifest_of(registry, "enc-seal", "v1")
+    jwe = json.loads(base64.b64decode(manifest["annotations"]["dev.snap.sealed"]))
+    forged = {**manifest, "annotations": {**manifest["annotations"], "dev.snap.sealed":
+                                          base64.b64encode(json.dumps({**jwe, "aad": 5}).encode()).decode()}}
+    stripped = {**manifest, "annotations": {k: v for k, v in manifest["annotations"].items()
+                                            if k != "dev.snap.sealed"}}
+    for tag, doc in (("stripped", stripped), ("aad", forged)):
+        _put_manifest(registry, "enc-seal", tag, doc)
+        root = tmp_path / tag
+        r = snap("restore", f"{registry.host}/enc-seal:{tag}", "--root", str(root),
+                 "--decryption-key", str(keys / "rsa.pem"))
+        assert_one_line_error(r, 6, "dev.snap.sealed")
+        assert not root.exists()

@@ -20,7 +20,7 @@ from snapshotter.oci.image import Image, annotations_of, canonical, descriptor
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, LAYER_TAR
 from snapshotter.registry.remote import ProgressFn, Remote
 
-from .encryption import LAYER_CLEAR, SEALED, setting_paths
+from .encryption import ENCRYPTED_LABEL, LAYER_CLEAR, RECIPIENTS, SEALED, setting_paths
 
 if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported once an image is encrypted
     from snapshotter.crypt.keys import PrivateKey
@@ -96,6 +96,9 @@ def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> 
     if not private_keys:
         raise KeyMismatch(f"{image.ref} is encrypted and no decryption key was given",
                           "pass --decryption-key FILE (or set SNAP_DECRYPTION_KEY to the key file's path)")
+    if SEALED not in ann and _made_by_snap(image, ann, [layers[i] for i in encrypted]):
+        raise IntegrityError(f"{image.ref} is a snapshot snap encrypted, but its {SEALED} annotation is gone "
+                             "(tampered): its files' parts and paths cannot be known")
     sealed = _unseal(ann.get(SEALED), private_keys)
     diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
     opened: dict[str, tuple[str, Opened, bool]] = {}
@@ -124,6 +127,16 @@ def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> 
     return view, DecryptingRemote(remote, opened)
 
 
+def _made_by_snap(image: Image, ann: dict, encrypted: list[dict]) -> bool:
+    """Whether an encrypted image is one snap encrypted, which always seals its annotations (SEALED):
+    its recipients' fingerprint on the manifest or a layer, or its layers' name in the config's
+    history. (skopeo's images have none of these, nor a seal.)"""
+    history = image.config.get("history") if isinstance(image.config.get("history"), list) else []
+    label = f"snap commit: {ENCRYPTED_LABEL} layer"
+    return (RECIPIENTS in ann or any(RECIPIENTS in annotations_of(d, "a layer") for d in encrypted)
+            or any(isinstance(h, dict) and h.get("created_by") == label for h in history))
+
+
 def _unseal(value: Optional[str], private_keys: list[PrivateKey]) -> dict:
     """snap's sealed annotations ({"manifest": {...}, "layers": {index: {...}}}); empty ones for an
     image without (skopeo's)."""
@@ -136,6 +149,8 @@ def _unseal(value: Optional[str], private_keys: list[PrivateKey]) -> dict:
         doc = json.loads(payload)
     except (binascii.Error, ValueError):
         raise IntegrityError(f"the image's {SEALED} annotation is malformed") from None
+    except IntegrityError as e:  # jwe's words are a layer's: this JWE is the manifest's
+        raise IntegrityError(f"the image's {SEALED} annotation is malformed or tampered ({e})") from None
     layers = doc.get("layers") if isinstance(doc, dict) else None
     maps = [doc.get("manifest"), *layers.values()] if isinstance(layers, dict) else [None]
     if not all(isinstance(m, dict) and all(isinstance(v, str) for v in m.values()) for m in maps):
