@@ -468,3 +468,45 @@ def test_a_tampered_or_stripped_seal_is_exit_6_and_nothing_is_written(registry, 
                  "--decryption-key", str(keys / "rsa.pem"))
         assert_one_line_error(r, 6, "dev.snap.sealed")
         assert not root.exists()
+
+
+def test_a_key_stream_never_covers_bytes_it_was_not_made_for(registry, proxy, base_ref, box, keys, tmp_path,
+                                                              state_dir):
+    """(8) With --encrypt-secret a weight's key is a function of the layer measured; rewritten after the
+    read that learns the encrypted digest, the upload's read gets other bytes. Those must never go out
+    under that key (the registry, which sees even a refused upload, would hold two plaintexts' XOR
+    once the right blob is pushed): every upload the registry received, decrypted with each key
+    the commit made (read back from its state dir with the private key), holds none of the new bytes."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from snapshotter.crypt import layer as crypt_layer
+    from snapshotter.crypt.keys import load_private_key
+
+    big = "opt/app/models/checkpoints/rewritten.safetensors"
+    write_tree(box, {big: os.urandom(3 << 20)})
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    new_bytes, reads = os.urandom(64 << 10), []
+
+    def after_read(rel, attempt):
+        if rel == big:
+            reads.append(attempt)
+            if len(reads) == 2:  # read to learn the encrypted digest: the upload's read is next
+                with open(os.path.join(box, big), "r+b") as f:
+                    f.seek(3 << 19)
+                    f.write(new_bytes)
+
+    proxy.uploads = {}
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
+                         encryption=load_encryption([str(keys / "rsa.pub")], str(keys / "secret"), print))
+    result = commit_box(f"{proxy.host}/enc-stream:v1", base_ref, opts, CommitHooks(after_read=after_read))
+    assert result.held.get(big) == "changed while read", (reads, result.held)
+    private = load_private_key(str(keys / "rsa.pem"))[0]
+    [kept] = (state_dir / "encrypted-layers").iterdir()
+    made = [crypt_layer.open_layer(d["annotations"], [private]).key
+            for d in json.loads(kept.read_text())["layers"].values()]
+    assert made and proxy.uploads
+    for key in made:
+        for body in proxy.uploads.values():
+            plain = Cipher(algorithms.AES(key.symkey), modes.CTR(key.nonce)).decryptor().update(bytes(body))
+            assert plain.find(new_bytes[:4096]) < 0, "the new bytes went out under a layer's key"

@@ -430,14 +430,14 @@ class _LayerSender:
         if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
             return there
         key = enc.layer_key(blob.diff_id, blob.digest)
-        counted = SealingWriter(None, key)
+        counted = SealingWriter(None, key, record=True)  # each block's hash: the upload's read is checked
         again = write_layer(counted, self.root, plan, self.zstd_level, as_seen=blob.seen, after_read=self.after_read)
         if counted.plain_digest != blob.digest:
             return _held_back(blob, again, IntegrityError(f"layer {plan.label!r} changed while it was encrypted"))
         sealed = enc.descriptor_of(counted, blob.digest, blob.media_type)
         if there := in_registry(self.remote, sealed["digest"], self.sources):
             return there
-        return self._upload_measured(plan, blob, lambda out: SealingWriter(out, key), sealed["digest"])
+        return self._upload_measured(plan, blob, lambda out: SealingWriter(out, key, expect=counted), sealed["digest"])
 
     def _upload_measured(self, plan: LayerPlan, blob: LayerBlob, wrap=None, digest: Optional[str] = None) -> str:
         """Send a measured layer (stored as is: read again from the box as it is sent), each file's

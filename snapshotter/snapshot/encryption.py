@@ -47,6 +47,7 @@ CLEAR = frozenset({BASE_NAME, BASE_DIGEST, CREATED, SNAP_BASE_LAYERS, SNAP_PROFI
 ENCRYPTED_LABEL = "encrypted"  # each snap layer's name in the config's history: its real name is sealed
 ENCRYPTED_DIR = "encrypted-layers"
 VERSION = 1
+CHECK_BLOCK = 1 << 20  # plain bytes checked at once when a stream is read a second time (SealingWriter)
 SNAPSHOTS_KEPT = 4  # seals kept in the state dir: the tag's snapshot is the last one pushed, or one before
 
 
@@ -182,6 +183,7 @@ class Encryption:
         """The descriptor of the blob `writer` encrypted (`plain_digest`'s), noted for that plain blob."""
         from snapshotter.crypt import layer
 
+        writer.end_block()
         done = writer.encryptor.finish(self.recipients, plain_digest)
         desc = {"mediaType": layer.encrypted_media_type(media_type), "digest": done.digest, "size": done.size,
                 "annotations": {**done.annotations, RECIPIENTS: self.id, KEY_ID: self.key_id}}
@@ -231,15 +233,16 @@ class Encryption:
         checks the plain digest."""
         key = self.layer_key(kept.diff_id, kept.digest)
 
-        def produce(out) -> SealingWriter:
-            writer = SealingWriter(out, key, hash_plain=False)
+        def stream(writer: SealingWriter) -> SealingWriter:
             for chunk in remote.iter_blob(kept.digest, size=kept.size):
                 writer.write(chunk)
             return writer
 
-        desc = self.descriptor_of(produce(None), kept.digest, kept.media_type)
+        counted = stream(SealingWriter(None, key, hash_plain=False, record=True))
+        desc = self.descriptor_of(counted, kept.digest, kept.media_type)
         if not in_registry(remote, desc["digest"], sources):
-            remote.upload_from(produce, desc["digest"], desc["size"], what="layers")
+            remote.upload_from(lambda out: stream(SealingWriter(out, key, hash_plain=False, expect=counted)),
+                               desc["digest"], desc["size"], what="layers")
         return desc
 
     def seal(self, image: NewImage) -> None:
@@ -270,21 +273,66 @@ class Encryption:
 
 class SealingWriter:
     """A layer blob's plain bytes in, encrypted on to `out` (None: only counted), the plain bytes
-    hashed (`hash_plain`): for a layer streamed from the box, which may have changed since it was measured."""
+    hashed (`hash_plain`): for a layer streamed from the box, which may have changed since it was measured.
 
-    def __init__(self, out, key, hash_plain: bool = True):
+    A stream read twice under one key (measured layers, carried ones: the digest must be known before
+    the upload) must never put that key stream over other bytes: whoever sees both ciphertexts (the
+    registry sees a refused upload too) would read their XOR. So the first pass records the sha256 of
+    each CHECK_BLOCK of plain bytes (`record`), and the second (`expect`: the first's writer) holds
+    each block until it hashes as recorded: from the first that does not, zeros go out in clear, the
+    key stream never used, and the registry refuses the blob as it would any changed one."""
+
+    def __init__(self, out, key, hash_plain: bool = True, record: bool = False,
+                 expect: Optional[SealingWriter] = None):
         from snapshotter.crypt import layer
 
         self.out, self.encryptor = out, layer.LayerEncryptor(key)
         self._plain = hashlib.sha256() if hash_plain else None
+        self._blocked = record or expect is not None
+        self.blocks: list[bytes] = []  # with record: each block's sha256
+        self._block, self._filled, self._total = hashlib.sha256(), 0, 0
+        self._expect, self._held, self.diverged = expect, [], False
 
     def write(self, data) -> int:
         if self._plain is not None:
             self._plain.update(data)
+        if not self._blocked:
+            self._seal(data)
+            return len(data)
+        view = memoryview(data)
+        while view:
+            take, view = view[:CHECK_BLOCK - self._filled], view[CHECK_BLOCK - self._filled:]
+            self._block.update(take)
+            self._filled, self._total = self._filled + len(take), self._total + len(take)
+            if self._expect is None:
+                self._seal(take)
+            else:
+                self._held.append(bytes(take))
+            if self._filled == CHECK_BLOCK or (self._expect is not None and self._total == self._expect.encryptor.size):
+                self.end_block()
+        return len(data)
+
+    def _seal(self, data) -> None:
         sealed = self.encryptor.update(data)
         if self.out is not None:
             self.out.write(sealed)
-        return len(data)
+
+    def end_block(self) -> None:
+        """The block so far ends (each CHECK_BLOCK; the last one when the bytes end): its hash is
+        recorded, or checked and its bytes sent."""
+        if not (self._blocked and self._filled):
+            return
+        self.blocks.append(self._block.digest())
+        if self._expect is not None:
+            at = len(self.blocks) - 1
+            expected = self._expect.blocks[at] if at < len(self._expect.blocks) else None
+            self.diverged = self.diverged or expected != self.blocks[-1]
+            for piece in self._held:
+                if self.diverged:
+                    self.out.write(bytes(len(piece)))
+                else:
+                    self._seal(piece)
+        self._block, self._filled, self._held = hashlib.sha256(), 0, []
 
     @property
     def plain_digest(self) -> str:
