@@ -510,3 +510,44 @@ def test_a_key_stream_never_covers_bytes_it_was_not_made_for(registry, proxy, ba
         for body in proxy.uploads.values():
             plain = Cipher(algorithms.AES(key.symkey), modes.CTR(key.nonce)).decryptor().update(bytes(body))
             assert plain.find(new_bytes[:4096]) < 0, "the new bytes went out under a layer's key"
+
+
+def test_a_watcher_keeps_a_torn_weight_at_its_last_encrypted_version(registry, base_ref, box, keys, tmp_path):
+    """(2) `snap watch --encrypt-to`: the watcher knows its last snapshot's file layers from what it
+    pushed (the seal's clear view), not from the sealed manifest: a weight that tears during every
+    read of the next snapshot keeps the version the last one holds."""
+    import threading
+
+    from snapshotter.watch.options import WatchOptions
+    from snapshotter.watch.watcher import Watcher
+    from support.watch import FakeClock
+
+    write_tree(box, {WEIGHT: os.urandom(2 << 20)})
+    v1 = open(os.path.join(box, WEIGHT), "rb").read()
+    poking = threading.Event()
+
+    def poke(path, attempt):
+        if poking.is_set() and path == WEIGHT:
+            with open(os.path.join(box, WEIGHT), "r+b") as f:
+                f.write(os.urandom(16))
+
+    lines, clock = [], FakeClock()
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    commit = CommitOptions(root=box, profile=load_profile(str(prof)),
+                           encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+    w = Watcher(f"{registry.host}/enc-watch-torn:v2", base_ref,
+                WatchOptions(commit=commit, log=lines.append, clock=clock, every=0, stable=5, after_read=poke))
+    clock.advance(10)
+    w.tick()
+    with open(os.path.join(box, WEIGHT), "r+b") as f:
+        f.write(os.urandom(1 << 20))
+    clock.advance(10)
+    poking.set()
+    w.tick()
+    assert any(f"held back: '/{WEIGHT}' (changed while read); kept the last snapshot's version" in line
+               for line in lines), lines
+    out = tmp_path / "out"
+    snap("restore", f"{registry.host}/enc-watch-torn:v2", "--root", str(out), "--decryption-key",
+         str(keys / "rsa.pem"), check=True)
+    assert (out / WEIGHT).read_bytes() == v1
