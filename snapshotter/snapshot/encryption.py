@@ -287,7 +287,8 @@ class SealingWriter:
         from snapshotter.crypt import layer
 
         self.out, self.encryptor = out, layer.LayerEncryptor(key)
-        self._plain = hashlib.sha256() if hash_plain else None
+        # a checked stream's bytes are checked block by block (and by the registry): no whole hash
+        self._plain = hashlib.sha256() if hash_plain and expect is None else None
         self._blocked = record or expect is not None
         self.blocks: list[bytes] = []  # with record: each block's sha256
         self._block, self._filled, self._total = hashlib.sha256(), 0, 0
