@@ -152,8 +152,8 @@ def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, ke
     """(4) A second commit of an unchanged box pushes nothing (the same sealed annotation: the tag's
     snapshot already); a changed
     file re-sends only its own layer (the state dir then maps this snapshot's layers, the old one's
-    gone); a new state dir with the derivation secret (and one without,
-    from the tag's snapshot) pushes no layer again."""
+    gone); a new state dir with the derivation secret pushes no layer again (its derived keys give the
+    same blobs), one without it re-keys them all (random keys: no blob of the secret's is reused)."""
     target = f"{registry.host}/enc4:v1"
     flags = ("--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"),
              "--encrypt-secret", str(keys / "secret"), "--json")
@@ -173,8 +173,12 @@ def test_an_unchanged_layer_keeps_its_encrypted_blob(registry, base_ref, box, ke
         state = tmp_path / f"state-{len(extra)}"
         fresh = json.loads(snap("commit", target, *flags[:-3], *extra, "--json", "--force",
                                 env={"SNAP_STATE_DIR": str(state)}, check=True).stdout)
-        assert [x["digest"] for x in fresh["layers"]] == [x["digest"] for x in changed["layers"]]
-        assert not [x for x in fresh["layers"] if x["status"] == "uploaded"]
+        if extra:
+            assert [x["digest"] for x in fresh["layers"]] == [x["digest"] for x in changed["layers"]]
+            assert not [x for x in fresh["layers"] if x["status"] == "uploaded"]
+        else:
+            assert not {x["digest"] for x in fresh["layers"]} & {x["digest"] for x in changed["layers"]}
+            assert all(x["status"] == "uploaded" for x in fresh["layers"])
 
 
 def test_skopeo_decrypts_a_snapshot_and_snap_restores_what_skopeo_encrypted(registry, base_ref, box, keys, tmp_path):
@@ -297,3 +301,253 @@ def test_only_the_snapshot_onto_its_base_with_the_key(registry, base_ref, base_r
     assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
     r = snap("verify", target, "--root", str(root), "--decryption-key", str(keys / "ec.pem"))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+WEIGHT = "opt/app/models/checkpoints/model.safetensors"
+
+
+def _keep_rewriting(box: str, *paths: str):
+    """An after_read hook: each of `paths` changes during every read (as test_reclaim.py's torn cases)."""
+    def rewrite(path, attempt):
+        if path in paths:
+            with open(os.path.join(box, path), "r+b") as f:
+                f.write(os.urandom(64))
+    return rewrite
+
+
+def _commit_held_weight(registry, base_ref, box, keys, tmp_path, repo: str, first_encrypted: bool):
+    """v1 of a weight committed (clear or encrypted), the weight changed, then rewritten during
+    every read of an encrypted commit to the same tag: (result, v1, target)."""
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    v1 = os.urandom(2 << 20)
+    write_tree(box, {WEIGHT: v1})
+    target = f"{registry.host}/{repo}:v1"
+    encryption = load_encryption([str(keys / "rsa.pub")], None, print)
+    commit_box(target, base_ref, CommitOptions(root=box, profile=load_profile(str(prof)),
+                                               encryption=encryption if first_encrypted else None))
+    with open(os.path.join(box, WEIGHT), "r+b") as f:
+        f.write(os.urandom(1 << 20))
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
+                         encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+    result = commit_box(target, base_ref, opts, CommitHooks(after_read=_keep_rewriting(box, WEIGHT)))
+    return result, v1, target
+
+
+def test_a_held_file_of_a_clear_snapshot_is_carried_encrypted(registry, base_ref, box, keys, tmp_path):
+    """A weight rewritten during every read, whose last snapshot (clear) holds it: the encrypted commit
+    to the same tag keeps that version, its layer encrypted from the registry's clear blob (a clear
+    layer never goes into an encrypted snapshot), and the restore with the key has it."""
+    result, v1, target = _commit_held_weight(registry, base_ref, box, keys, tmp_path, "enc-carry", False)
+    assert result.held == {WEIGHT: "changed while read"} and result.carried == [WEIGHT]
+    manifest = manifest_of(registry, "enc-carry", "v1")
+    own = manifest["layers"][int(manifest["annotations"]["dev.snap.base-layers"]):]
+    assert own and all(d["mediaType"] in ENCRYPTED_TYPES for d in own)
+    out = tmp_path / "out"
+    snap("restore", target, "--root", str(out), "--decryption-key", str(keys / "rsa.pem"), check=True)
+    assert (out / WEIGHT).read_bytes() == v1
+
+
+def test_a_held_file_of_an_encrypted_snapshot_keeps_its_version(registry, base_ref, box, keys, tmp_path, state_dir):
+    """Encrypted both times: the last snapshot's annotations that name files are sealed (a commit
+    holds only public keys), so the commit reads them from what its state dir kept of the seal when it
+    pushed that snapshot (0600): the weight rewritten during every read keeps v1."""
+    result, v1, target = _commit_held_weight(registry, base_ref, box, keys, tmp_path, "enc-carry2", True)
+    assert result.held == {WEIGHT: "changed while read"} and result.carried == [WEIGHT]
+    out = tmp_path / "out"
+    snap("restore", target, "--root", str(out), "--decryption-key", str(keys / "rsa.pem"), check=True)
+    assert (out / WEIGHT).read_bytes() == v1
+    kept = list((state_dir / "encrypted-layers").iterdir())
+    assert kept and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in kept)
+
+
+def test_key_material_given_where_a_file_name_goes_is_never_echoed(registry, base_ref, box, keys, tmp_path):
+    """A secret pasted into SNAP_ENCRYPT_SECRET (`$(openssl rand -base64 32)`), a private key's base64
+    DER in SNAP_DECRYPTION_KEY, a password tacked onto --decryption-key (skopeo's `key.pem:password`):
+    each is one line, exit 2, naming the setting or option, never a byte of the value."""
+    import base64
+
+    from cryptography.hazmat.primitives import serialization
+
+    secret = base64.b64encode(os.urandom(32)).decode()
+    r = snap("commit", f"{registry.host}/enc-echo:v1", "--base", base_ref, "--root", box,
+             "--encrypt-to", str(keys / "rsa.pub"), env={"SNAP_ENCRYPT_SECRET": secret})
+    assert_one_line_error(r, 2, "SNAP_ENCRYPT_SECRET")
+    assert secret not in r.stdout + r.stderr
+    key = serialization.load_pem_private_key((keys / "rsa.pem").read_bytes(), None)
+    der = base64.b64encode(key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption())).decode()
+    root = tmp_path / "never"
+    r = snap("restore", f"{registry.host}/enc-echo:v1", "--root", str(root), env={"SNAP_DECRYPTION_KEY": der})
+    assert_one_line_error(r, 2, "SNAP_DECRYPTION_KEY")
+    assert der[:40] not in r.stdout + r.stderr and der[-40:] not in r.stdout + r.stderr
+    r = snap("restore", f"{registry.host}/enc-echo:v1", "--root", str(root),
+             "--decryption-key", f"{keys / 'rsa.pem'}:hunter2")
+    assert_one_line_error(r, 2, "--decryption-key", "no such file")
+    assert "hunter2" not in r.stdout + r.stderr
+    assert not root.exists()
+
+
+def test_an_encrypted_private_key_opens_with_its_password_file(registry, base_ref, box, keys, tmp_path):
+    """(4) A private key openssl encrypted (`genpkey -aes256 -pass file:`) opens with
+    --decryption-key-password-file (or $SNAP_DECRYPTION_KEY_PASSWORD_FILE), the password only ever in
+    a file; without it: one line, exit 2, nothing written; a wrong one: exit 4, never shown."""
+    pw, locked, pub = tmp_path / "pw", tmp_path / "locked.pem", tmp_path / "locked.pub"
+    pw.write_text("correct horse\n")
+    pw.chmod(0o600)
+    subprocess.run(["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-aes256",
+                    "-pass", f"file:{pw}", "-out", str(locked)], check=True, capture_output=True)
+    subprocess.run(["openssl", "pkey", "-in", str(locked), "-passin", f"file:{pw}", "-pubout", "-out", str(pub)],
+                   check=True, capture_output=True)
+    target = f"{registry.host}/enc-locked:v1"
+    snap("commit", target, "--base", base_ref, "--root", box, "--encrypt-to", str(pub), check=True)
+    root = tmp_path / "root"
+    assert_one_line_error(snap("restore", target, "--root", str(root), "--decryption-key", str(locked)), 2,
+                          "encrypted", "--decryption-key-password-file")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not it\n")
+    r = snap("restore", target, "--root", str(root), "--decryption-key", str(locked),
+             "--decryption-key-password-file", str(wrong))
+    assert_one_line_error(r, 4, "password")
+    assert "not it" not in r.stderr + r.stdout and not root.exists()
+    snap("restore", target, "--root", str(root), "--decryption-key", str(locked), "--decryption-key-password-file",
+         str(pw), check=True)
+    assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
+    r = snap("verify", target, "--root", str(root), "--decryption-key", str(locked),
+             env={"SNAP_DECRYPTION_KEY_PASSWORD_FILE": str(pw)})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_new_secret_encrypts_every_layer_again(registry, base_ref, box, keys, tmp_path, state_dir):
+    """(5) A leaked secret rotated: after a commit with S1, a changed file and a commit with S2 to
+    the same tag (same state dir, and a new one reading the tag's snapshot) reuse no blob of S1: every
+    layer is encrypted again under S2. With S2 again, nothing is sent: dedup under the new secret."""
+    s2 = tmp_path / "s2"
+    s2.write_bytes(os.urandom(32))
+    s2.chmod(0o600)
+    target = f"{registry.host}/enc-rekey:v1"
+    flags = ("--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"), "--json")
+    first = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(keys / "secret"), check=True).stdout)
+    old = {x["digest"] for x in first["layers"]}
+    write_tree(box, {"etc/app.conf": "threads = 32\n"})
+    fresh = {"SNAP_STATE_DIR": str(tmp_path / "fresh-state")}
+    for env in ({}, fresh):
+        rotated = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(s2), "--force", env=env,
+                                  check=True).stdout)
+        assert not old & {x["digest"] for x in rotated["layers"]}, (first["layers"], rotated["layers"])
+    again = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(s2), "--force", check=True).stdout)
+    assert again["current"] or not [x for x in again["layers"] if x["status"] == "uploaded"]
+
+
+def _put_manifest(registry, repo, tag, manifest):
+    r = registry.session().put(f"{registry.url}/v2/{repo}/manifests/{tag}", data=json.dumps(manifest).encode(),
+                               headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert r.status_code == 201, r.text
+
+
+def test_a_tampered_or_stripped_seal_is_exit_6_and_nothing_is_written(registry, base_ref, box, keys, tmp_path):
+    """(6, 7) snap's sealed annotation with a field of the wrong JSON type (`"aad": 5`), or stripped
+    from a manifest whose layers carry dev.snap.recipients (a file cut into parts would be left
+    unjoined): one line, exit 6, the root not even created."""
+    import base64
+
+    marked_box(box, uuid.uuid4().hex)  # a file cut into part layers: what the seal says how to join
+    target = f"{registry.host}/enc-seal:v1"
+    snap("commit", target, "--base", base_ref, "--root", box, "--max-layer-size", "1MiB",
+         "--encrypt-to", str(keys / "rsa.pub"), check=True)
+    manifest = manifest_of(registry, "enc-seal", "v1")
+    jwe = json.loads(base64.b64decode(manifest["annotations"]["dev.snap.sealed"]))
+    forged = {**manifest, "annotations": {**manifest["annotations"], "dev.snap.sealed":
+                                          base64.b64encode(json.dumps({**jwe, "aad": 5}).encode()).decode()}}
+    stripped = {**manifest, "annotations": {k: v for k, v in manifest["annotations"].items()
+                                            if k != "dev.snap.sealed"}}
+    for tag, doc in (("stripped", stripped), ("aad", forged)):
+        _put_manifest(registry, "enc-seal", tag, doc)
+        root = tmp_path / tag
+        r = snap("restore", f"{registry.host}/enc-seal:{tag}", "--root", str(root),
+                 "--decryption-key", str(keys / "rsa.pem"))
+        assert_one_line_error(r, 6, "dev.snap.sealed")
+        assert not root.exists()
+
+
+def test_a_key_stream_never_covers_bytes_it_was_not_made_for(registry, proxy, base_ref, box, keys, tmp_path,
+                                                              state_dir):
+    """(8) With --encrypt-secret a weight's key is a function of the layer measured; rewritten after the
+    read that learns the encrypted digest, the upload's read gets other bytes. Those must never go out
+    under that key (the registry, which sees even a refused upload, would hold two plaintexts' XOR
+    once the right blob is pushed): every upload the registry received, decrypted with each key
+    the commit made (read back from its state dir with the private key), holds none of the new bytes."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from snapshotter.crypt import layer as crypt_layer
+    from snapshotter.crypt.keys import load_private_key
+
+    big = "opt/app/models/checkpoints/rewritten.safetensors"
+    write_tree(box, {big: os.urandom(3 << 20)})
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    new_bytes, reads = os.urandom(64 << 10), []
+
+    def after_read(rel, attempt):
+        if rel == big:
+            reads.append(attempt)
+            if len(reads) == 2:  # read to learn the encrypted digest: the upload's read is next
+                with open(os.path.join(box, big), "r+b") as f:
+                    f.seek(3 << 19)
+                    f.write(new_bytes)
+
+    proxy.uploads = {}
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
+                         encryption=load_encryption([str(keys / "rsa.pub")], str(keys / "secret"), print))
+    result = commit_box(f"{proxy.host}/enc-stream:v1", base_ref, opts, CommitHooks(after_read=after_read))
+    assert result.held.get(big) == "changed while read", (reads, result.held)
+    private = load_private_key(str(keys / "rsa.pem"))[0]
+    [kept] = (state_dir / "encrypted-layers").iterdir()
+    made = [crypt_layer.open_layer(d["annotations"], [private]).key
+            for d in json.loads(kept.read_text())["layers"].values()]
+    assert made and proxy.uploads
+    for key in made:
+        for body in proxy.uploads.values():
+            plain = Cipher(algorithms.AES(key.symkey), modes.CTR(key.nonce)).decryptor().update(bytes(body))
+            assert plain.find(new_bytes[:4096]) < 0, "the new bytes went out under a layer's key"
+
+
+def test_a_watcher_keeps_a_torn_weight_at_its_last_encrypted_version(registry, base_ref, box, keys, tmp_path):
+    """(2) `snap watch --encrypt-to`: the watcher knows its last snapshot's file layers from what it
+    pushed (the seal's clear view), not from the sealed manifest: a weight that tears during every
+    read of the next snapshot keeps the version the last one holds."""
+    import threading
+
+    from snapshotter.watch.options import WatchOptions
+    from snapshotter.watch.watcher import Watcher
+    from support.watch import FakeClock
+
+    write_tree(box, {WEIGHT: os.urandom(2 << 20)})
+    v1 = open(os.path.join(box, WEIGHT), "rb").read()
+    poking = threading.Event()
+
+    def poke(path, attempt):
+        if poking.is_set() and path == WEIGHT:
+            with open(os.path.join(box, WEIGHT), "r+b") as f:
+                f.write(os.urandom(16))
+
+    lines, clock = [], FakeClock()
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    commit = CommitOptions(root=box, profile=load_profile(str(prof)),
+                           encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+    w = Watcher(f"{registry.host}/enc-watch-torn:v2", base_ref,
+                WatchOptions(commit=commit, log=lines.append, clock=clock, every=0, stable=5, after_read=poke))
+    clock.advance(10)
+    w.tick()
+    with open(os.path.join(box, WEIGHT), "r+b") as f:
+        f.write(os.urandom(1 << 20))
+    clock.advance(10)
+    poking.set()
+    w.tick()
+    assert any(f"held back: '/{WEIGHT}' (changed while read); kept the last snapshot's version" in line
+               for line in lines), lines
+    out = tmp_path / "out"
+    snap("restore", f"{registry.host}/enc-watch-torn:v2", "--root", str(out), "--decryption-key",
+         str(keys / "rsa.pem"), check=True)
+    assert (out / WEIGHT).read_bytes() == v1

@@ -230,6 +230,42 @@ def test_forged_annotations_are_one_line_integrity_errors(keydir, forge):
     assert exit_code_of(caught.value) == 6 and "\n" not in str(caught.value)
 
 
+def _retyped(jwe_b64: str, change) -> str:
+    """A JWE annotation with one field given another JSON type (`change` edits the parsed document)."""
+    doc = json.loads(base64.b64decode(jwe_b64))
+    change(doc)
+    return base64.b64encode(json.dumps(doc).encode()).decode()
+
+
+def _set(path: tuple, value):
+    def change(doc):
+        for step in path[:-1]:
+            doc = doc[step]
+        doc[path[-1]] = value
+    return change
+
+
+@pytest.mark.parametrize("change", [
+    _set(("aad",), 5), _set(("iv",), 5), _set(("ciphertext",), {}), _set(("tag",), []),
+    _set(("protected",), 7), _set(("protected",), "WzFd"), _set(("unprotected",), "x"),
+    _set(("recipients", 1, "encrypted_key"), 5), _set(("recipients", 0, "header"), [1]),
+    _set(("recipients", 1, "header", "alg"), 5), _set(("recipients", 1, "header", "epk"), "x"),
+    _set(("recipients", 1, "header", "epk", "x"), 5),
+], ids=["aad", "iv", "ciphertext", "tag", "protected", "protected-a-list", "unprotected", "encrypted-key",
+        "header", "alg", "epk", "epk-x"])
+def test_a_jwe_field_of_the_wrong_type_is_an_integrity_error(keydir, change):
+    """(6) A tampered JWE (a layer's keys.jwe, as snap's sealed annotation) whose field is of another
+    JSON type (`"aad": 5`): IntegrityError, exit 6, one line; never a TypeError (exit 1)."""
+    gz, _ = a_layer(1000)
+    enc = io.BytesIO()
+    recipients = [keys.load_public_key(str(keydir / f"{r}.pub")) for r in ("rsa", "ec")]
+    done = layer.encrypt_layer(io.BytesIO(gz), enc, recipients, sha(gz))
+    forged = {**done.annotations, layer.KEYS_JWE: _retyped(done.annotations[layer.KEYS_JWE], change)}
+    with pytest.raises(IntegrityError) as caught:
+        layer.open_layer(forged, [private(keydir, "ec")])
+    assert exit_code_of(caught.value) == 6 and "\n" not in str(caught.value)
+
+
 def test_a_private_key_others_can_read_gets_a_warning(keydir, tmp_path):
     """A private key file readable by group or others loads with a warning line naming it (the caller
     prints it); mode 600 gives none. A public key is not a private one: exit 2, the path quoted."""

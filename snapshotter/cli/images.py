@@ -11,8 +11,8 @@ from snapshotter.registry.options import RegistryOptions
 
 from . import output
 from .app import sigterm_stops
-from .options import (DecryptionKey, Jobs, JsonOut, PasswordStdin, Ref, RestoreForce, RestoreProfile, Then, Username,
-                      Wait, with_registry)
+from .options import (DecryptionKey, DecryptionKeyPasswordFile, Jobs, JsonOut, PasswordStdin, Ref, RestoreForce,
+                      RestoreProfile, Then, Username, Wait, with_registry)
 from .output import say
 
 
@@ -38,7 +38,7 @@ def restore(
         "--fsync", help="fsync every file before renaming it into place (survives power loss; slower).")] = False,
     force: RestoreForce = False,
     profile: RestoreProfile = None,
-    jobs: Jobs = None, decryption_key: DecryptionKey = None,
+    jobs: Jobs = None, decryption_key: DecryptionKey = None, password_file: DecryptionKeyPasswordFile = None,
     as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Extract mode: pull the image's layers, verify every digest, and write them at their original paths.
@@ -61,17 +61,17 @@ def restore(
         only_snapshot=only_snapshot, force=force, profile=profile, jobs=resolve_jobs(jobs),
         on_app_ready=(lambda: _started(start_then(then), then)) if then is not None else None,
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
-        transport=registry.transport(), log=say, decryption_keys=_decryption_keys(decryption_key),
+        transport=registry.transport(), log=say, decryption_keys=_decryption_keys(decryption_key, password_file),
     )
     with sigterm_stops():
         result = restore_image(ref, root, opts)
     output.restored(result, root, as_json)
 
 
-def _decryption_keys(paths: Optional[List[str]]):
+def _decryption_keys(paths: Optional[List[str]], password_file: Optional[str]):
     from snapshotter.snapshot.decryption import load_decryption_keys
 
-    return load_decryption_keys(paths, say)
+    return load_decryption_keys(paths, say, password_file)
 
 
 def _started(app_process, command: str) -> None:
@@ -127,7 +127,7 @@ def verify(
         "--allow-setuid", help="Expect setuid/setgid bits (restored with --allow-setuid).")] = False,
     profile: Annotated[str, typer.Option(
         "--profile", help="Profile whose exclude list is not compared.")] = "default",
-    jobs: Jobs = None, decryption_key: DecryptionKey = None,
+    jobs: Jobs = None, decryption_key: DecryptionKey = None, password_file: DecryptionKeyPasswordFile = None,
     as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Compare a directory with the image, file by file: one line per path that differs (type, content,
@@ -141,7 +141,7 @@ def verify(
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
         profile=load_profile(profile), transport=registry.transport(), log=say, jobs=resolve_jobs(jobs),
-        decryption_keys=_decryption_keys(decryption_key),
+        decryption_keys=_decryption_keys(decryption_key, password_file),
     )
     result = do_verify(ref, root, opts)
     output.verified(result, root, as_json)

@@ -112,6 +112,10 @@ EncryptSecret = Annotated[Optional[str], typer.Option(
 DecryptionKey = Annotated[Optional[List[str]], typer.Option(
     "--decryption-key", help="A private key file (PEM) that opens an encrypted image. Repeatable. Default: "
     "$SNAP_DECRYPTION_KEY (files, separated by ':'). Without one that opens it: exit 4, nothing written.")]
+DecryptionKeyPasswordFile = Annotated[Optional[str], typer.Option(
+    "--decryption-key-password-file", help="A file holding the password of the encrypted --decryption-key "
+    "file(s) (its final newline dropped; never the password itself in argv or the environment). Default: "
+    "$SNAP_DECRYPTION_KEY_PASSWORD_FILE.")]
 WeightsFromOrigin = Annotated[bool, typer.Option(
     "--weights-from-origin", help="Keep the Hugging Face hub cache's weights (blobs named by their sha256, each "
     "checked) as references that `snap restore` fetches from the origin ($HF_ENDPOINT, $HF_TOKEN), not uploaded; "

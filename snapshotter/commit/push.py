@@ -29,7 +29,7 @@ from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
-from snapshotter.snapshot.encryption import RECIPIENTS, SealingWriter, side_blobs
+from snapshotter.snapshot.encryption import SealingWriter, side_blobs, with_sealed
 from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
@@ -76,6 +76,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     if cp.encryption is not None:  # a new state dir keeps the encrypted blobs of the tag's snapshot
         cp.encryption.learn_previous(remote, tagged[1] if tagged else None)
     layers = _push_settled_layers(cp, remote, opts)
+    if cp.encryption is not None:
+        _carry_encrypted(cp, remote)
     grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
     _warn_engine_limit(cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()), opts)
     # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
@@ -97,7 +99,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
         digest, _, config_digest = remote.write_image(image, target_ref.target)
     cp.cache.save()
     if cp.encryption is not None:
-        cp.encryption.save()
+        cp.encryption.save(digest)
     note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
     if not current:
         travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
@@ -107,7 +109,8 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
                         cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
                         len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
-                        snap_layers=list(image.layers), unreadable=cp.scan.unreadable,
+                        snap_layers=with_sealed(image.layers, cp.encryption.unsealed or {}) if cp.encryption
+                        else list(image.layers), unreadable=cp.scan.unreadable,
                         grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
                         current=current, **origin_counts(cp, opts))
 
@@ -193,15 +196,24 @@ def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) ->
                     "commit again once the box is quieter")
 
 
+def _carry_encrypted(cp: CommitPlan, remote: Remote) -> None:
+    """Each carried file's layers as an encrypted snapshot holds them (Encryption.carry); a file
+    one of whose layers cannot be is no longer carried: reported left out, never claimed kept."""
+    for path, kept in list(cp.carried.items()):
+        carried = [cp.encryption.carry(remote, layer, cp.sources) for layer in kept]
+        if all(carried):
+            cp.carried[path] = carried
+        else:
+            del cp.carried[path]
+
+
 def _insert_carried(rows: list[tuple[dict, str, LayerReport]], cp: CommitPlan) -> None:
     """Put the layers carried from the last snapshot among the weights' single-file layers: before
     the weights' last small layer (directories and deletions), which must stay on top of them."""
     carried = [(layer.descriptor, layer.diff_id,
                 LayerReport(layer.snap_label or layer.digest[:19], layer.digest, layer.size, layer.media_type, 1,
                             "kept from the last snapshot (being written, not read)"))
-               for path in sorted(cp.carried) for layer in cp.carried[path]
-               # never a clear layer in an encrypted snapshot
-               if cp.encryption is None or layer.annotations.get(RECIPIENTS) == cp.encryption.id]
+               for path in sorted(cp.carried) for layer in cp.carried[path]]
     if not carried:
         return
     at = len(rows)
@@ -418,14 +430,14 @@ class _LayerSender:
         if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
             return there
         key = enc.layer_key(blob.diff_id, blob.digest)
-        counted = SealingWriter(None, key)
+        counted = SealingWriter(None, key, record=True)  # each block's hash: the upload's read is checked
         again = write_layer(counted, self.root, plan, self.zstd_level, as_seen=blob.seen, after_read=self.after_read)
         if counted.plain_digest != blob.digest:
             return _held_back(blob, again, IntegrityError(f"layer {plan.label!r} changed while it was encrypted"))
         sealed = enc.descriptor_of(counted, blob.digest, blob.media_type)
         if there := in_registry(self.remote, sealed["digest"], self.sources):
             return there
-        return self._upload_measured(plan, blob, lambda out: SealingWriter(out, key), sealed["digest"])
+        return self._upload_measured(plan, blob, lambda out: SealingWriter(out, key, expect=counted), sealed["digest"])
 
     def _upload_measured(self, plan: LayerPlan, blob: LayerBlob, wrap=None, digest: Optional[str] = None) -> str:
         """Send a measured layer (stored as is: read again from the box as it is sent), each file's

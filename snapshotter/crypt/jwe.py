@@ -117,15 +117,45 @@ def parse(document: bytes) -> tuple[str, dict, list[tuple[dict, bytes]], dict]:
     and the document; a malformed one is an IntegrityError."""
     try:
         doc = json.loads(document)
+        _check_types(doc)
         protected_b64 = doc.get("protected", "")
         protected = json.loads(unb64url(protected_b64)) if protected_b64 else {}
+        if not isinstance(protected, dict):
+            raise ValueError("the protected header is not an object")
         shared = {**protected, **(doc.get("unprotected") or {})}
         flattened = {"header": doc.get("header") or {}, "encrypted_key": doc.get("encrypted_key", "")}
         listed = doc.get("recipients") or [flattened]
         recipients = [({**shared, **(r.get("header") or {})}, unb64url(r.get("encrypted_key", ""))) for r in listed]
+        for header, _ in recipients:
+            _check_fields(header, HEADER_FIELDS)
     except (ValueError, TypeError, AttributeError, binascii.Error):
         raise IntegrityError("the layer's JWE key annotation is malformed") from None
     return protected_b64, shared, recipients, doc
+
+
+# The type of each field snap reads, where present: a tampered document of another shape is an
+# IntegrityError here, never a TypeError deep in the decryption.
+DOC_FIELDS = {"protected": str, "unprotected": dict, "header": dict, "encrypted_key": str, "recipients": list,
+              "iv": str, "ciphertext": str, "tag": str, "aad": str}
+RECIPIENT_FIELDS = {"header": dict, "encrypted_key": str}
+HEADER_FIELDS = {"alg": str, "enc": str, "epk": dict}
+EPK_FIELDS = {"crv": str, "x": str, "y": str}
+
+
+def _check_fields(obj, fields: dict) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    for name, kind in fields.items():
+        if name in obj and obj[name] is not None and not isinstance(obj[name], kind):
+            raise ValueError(f"{name} is not a {kind.__name__}")
+    if isinstance(obj.get("epk"), dict):
+        _check_fields(obj["epk"], EPK_FIELDS)
+
+
+def _check_types(doc) -> None:
+    _check_fields(doc, DOC_FIELDS)
+    for r in doc.get("recipients") or []:
+        _check_fields(r, RECIPIENT_FIELDS)
 
 
 def decrypt(document: bytes, keys: Iterable[PrivateKey]) -> bytes:

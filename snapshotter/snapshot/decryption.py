@@ -20,26 +20,33 @@ from snapshotter.oci.image import Image, annotations_of, canonical, descriptor
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, LAYER_TAR
 from snapshotter.registry.remote import ProgressFn, Remote
 
-from .encryption import RECIPIENTS, SEALED, setting_paths
+from .encryption import ENCRYPTED_LABEL, LAYER_CLEAR, RECIPIENTS, SEALED, setting_paths
 
 if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported once an image is encrypted
     from snapshotter.crypt.keys import PrivateKey
     from snapshotter.crypt.layer import Opened
 
 DECRYPTION_KEY_ENV = "SNAP_DECRYPTION_KEY"  # private key files, separated by os.pathsep: as --decryption-key
+PASSWORD_FILE_ENV = "SNAP_DECRYPTION_KEY_PASSWORD_FILE"  # as --decryption-key-password-file
 
 
-def load_decryption_keys(paths: Optional[list[str]], log: Callable[[str], None]) -> list[PrivateKey]:
+def load_decryption_keys(paths: Optional[list[str]], log: Callable[[str], None],
+                         password_file: Optional[str] = None) -> list[PrivateKey]:
     """The private keys of `--decryption-key` (else $SNAP_DECRYPTION_KEY, which names files: a key's
-    own text there is refused). A file others may read gets a warning line."""
+    own text there is refused), an encrypted one opened with the password in `password_file`
+    (--decryption-key-password-file, else $SNAP_DECRYPTION_KEY_PASSWORD_FILE: a file, never the
+    password itself). A file others may read gets a warning line."""
+    origin = "--decryption-key" if paths else f"${DECRYPTION_KEY_ENV}"
     paths = paths or setting_paths(DECRYPTION_KEY_ENV)
+    password = (password_file, "--decryption-key-password-file") if password_file else \
+        (next(iter(setting_paths(PASSWORD_FILE_ENV)), None), f"${PASSWORD_FILE_ENV}")
     if not paths:
         return []
     from snapshotter.crypt import keys
 
     found = []
     for path in paths:
-        key, warnings = keys.load_private_key(path)
+        key, warnings = keys.load_private_key(path, *password, origin=origin)
         for w in warnings:
             log(w)
         found.append(key)
@@ -89,6 +96,9 @@ def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> 
     if not private_keys:
         raise KeyMismatch(f"{image.ref} is encrypted and no decryption key was given",
                           "pass --decryption-key FILE (or set SNAP_DECRYPTION_KEY to the key file's path)")
+    if SEALED not in ann and _made_by_snap(image, ann, [layers[i] for i in encrypted]):
+        raise IntegrityError(f"{image.ref} is a snapshot snap encrypted, but its {SEALED} annotation is gone "
+                             "(tampered): its files' parts and paths cannot be known")
     sealed = _unseal(ann.get(SEALED), private_keys)
     diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
     opened: dict[str, tuple[str, Opened, bool]] = {}
@@ -107,7 +117,7 @@ def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> 
         # diff_id as it is applied, and a second hash of its blob costs a restore ~10% more CPU.
         opened[digest] = (d["digest"], key, exact and plain_type == LAYER_TAR)
         clear = {k: v for k, v in d.get("annotations", {}).items()
-                 if not k.startswith(layer.ENC_PREFIX) and k != RECIPIENTS}
+                 if not k.startswith(layer.ENC_PREFIX) and k not in LAYER_CLEAR}
         layers[i] = descriptor(plain_type, digest, d.get("size"), clear)
     for i, hidden in sealed["layers"].items():
         if i.isdigit() and int(i) < len(layers) and isinstance(layers[int(i)], dict):
@@ -115,6 +125,16 @@ def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> 
     doc["annotations"] = {**{k: v for k, v in ann.items() if k != SEALED}, **sealed["manifest"]}
     view = Image(image.ref, canonical(doc), image.manifest_digest, image.config_bytes)
     return view, DecryptingRemote(remote, opened)
+
+
+def _made_by_snap(image: Image, ann: dict, encrypted: list[dict]) -> bool:
+    """Whether an encrypted image is one snap encrypted, which always seals its annotations (SEALED):
+    its recipients' fingerprint on the manifest or a layer, or its layers' name in the config's
+    history. (skopeo's images have none of these, nor a seal.)"""
+    history = image.config.get("history") if isinstance(image.config.get("history"), list) else []
+    label = f"snap commit: {ENCRYPTED_LABEL} layer"
+    return (RECIPIENTS in ann or any(RECIPIENTS in annotations_of(d, "a layer") for d in encrypted)
+            or any(isinstance(h, dict) and h.get("created_by") == label for h in history))
 
 
 def _unseal(value: Optional[str], private_keys: list[PrivateKey]) -> dict:
@@ -129,6 +149,8 @@ def _unseal(value: Optional[str], private_keys: list[PrivateKey]) -> dict:
         doc = json.loads(payload)
     except (binascii.Error, ValueError):
         raise IntegrityError(f"the image's {SEALED} annotation is malformed") from None
+    except IntegrityError as e:  # jwe's words are a layer's: this JWE is the manifest's
+        raise IntegrityError(f"the image's {SEALED} annotation is malformed or tampered ({e})") from None
     layers = doc.get("layers") if isinstance(doc, dict) else None
     maps = [doc.get("manifest"), *layers.values()] if isinstance(layers, dict) else [None]
     if not all(isinstance(m, dict) and all(isinstance(v, str) for v in m.values()) for m in maps):

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from snapshotter.digests import DIGEST
 from snapshotter.errors import SnapError, UsageError
-from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_MAX_LAYER, SNAP_PROFILE,
-                                   NewImage, annotations_of)
+from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_HEADERS, SNAP_MAX_LAYER,
+                                   SNAP_PROFILE, Layer, NewImage, annotations_of)
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
+from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
 from snapshotter.state import open_own, replace_file, sub
 
@@ -33,11 +37,18 @@ ENCRYPT_TO_ENV = "SNAP_ENCRYPT_TO"  # public key files, separated by os.pathsep:
 ENCRYPT_SECRET_ENV = "SNAP_ENCRYPT_SECRET"  # a secret file: as --encrypt-secret
 SEALED = "dev.snap.sealed"  # manifest annotation: base64 JWE of snap's annotations that name paths
 RECIPIENTS = "dev.snap.recipients"  # manifest and layer annotation: which set of keys (see recipients_id)
+# Layer annotation: which layer key made the blob (key_id): a blob is reused only under the same one.
+KEY_ID = "dev.snap.key-id"
+RANDOM_KEY_ID = "random"  # a random key per blob: no secret to rotate
+LAYER_CLEAR = frozenset({RECIPIENTS, KEY_ID})  # snap's layer annotations left clear (none names a path)
+KEY_ID_INFO = b"snap layer key id v1"
 # Manifest annotations left clear: none names a path; commit and restore read them before any key.
 CLEAR = frozenset({BASE_NAME, BASE_DIGEST, CREATED, SNAP_BASE_LAYERS, SNAP_PROFILE, SNAP_MAX_LAYER, RECIPIENTS})
 ENCRYPTED_LABEL = "encrypted"  # each snap layer's name in the config's history: its real name is sealed
 ENCRYPTED_DIR = "encrypted-layers"
 VERSION = 1
+CHECK_BLOCK = 1 << 20  # plain bytes checked at once when a stream is read a second time (SealingWriter)
+SNAPSHOTS_KEPT = 4  # seals kept in the state dir: the tag's snapshot is the last one pushed, or one before
 
 
 def jwe_path(value: str) -> str:
@@ -47,7 +58,8 @@ def jwe_path(value: str) -> str:
 
 def setting_paths(name: str) -> list[str]:
     """The files an environment setting names (os.pathsep between them). A key's own text there is
-    refused without a word of it: the setting names files, never holds keys."""
+    refused without a word of it: the setting names files, never holds keys (crypt/keys.py's
+    messages then name the setting, never its value: "$NAME" as their origin)."""
     value = os.environ.get(name, "").strip()
     if "-----BEGIN" in value or "\n" in value:
         raise UsageError(f"${name} holds a key, not a file name: put the key in a file and name that file",
@@ -78,52 +90,79 @@ class Encryption:
     # JWE again, so its manifest is the tag's (push.py's _same_image) and nothing is pushed.
     sealed: dict[str, str] = field(default_factory=dict)
     used: set[str] = field(default_factory=set)  # the plain blobs this commit looked up or pushed
+    unsealed: Optional[dict] = None  # what the last seal sealed (SEALED's payload)
+    # Those of the last snapshots pushed from here, by manifest digest: kept_seal
+    snapshots: dict[str, dict] = field(default_factory=dict)
     loaded: bool = False
+    _loading: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @functools.cached_property
     def id(self) -> str:
         return recipients_id(self.recipients)
 
+    @functools.cached_property
+    def key_id(self) -> str:
+        """Which layer keys this commit makes: an HMAC of a constant under the secret (equal only for
+        the same secret, which equal blobs reveal already), or RANDOM_KEY_ID. A rotated secret never
+        reuses a blob of the old one."""
+        if self.secret is None:
+            return RANDOM_KEY_ID
+        return "hmac-sha256:" + hmac.new(self.secret, KEY_ID_INFO, hashlib.sha256).hexdigest()
+
     def _path(self) -> str:
-        return os.path.join(sub(ENCRYPTED_DIR), self.id.split(":", 1)[1][:32] + ".json")
+        return _state_path(self.id)
 
     def _load(self) -> None:
-        if self.loaded:
-            return
-        self.loaded = True
-        try:
-            with open_own(self._path()) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            return
-        if isinstance(doc, dict) and doc.get("version") == VERSION and isinstance(doc.get("layers"), dict):
-            self.known.update({k: v for k, v in doc["layers"].items() if _well_formed(v)})
+        """Read the state file once. Under a lock: the layers' threads look up and note at once, and
+        one that noted a new blob must not see the file's older entry put over it."""
+        with self._loading:
+            if not self.loaded:
+                self._read()
+                self.loaded = True
+
+    def _read(self) -> None:
+        doc = _read_state(self.id)
+        if isinstance(doc.get("layers"), dict):
+            self.known = {**{k: v for k, v in doc["layers"].items() if _well_formed(v)}, **self.known}
             if isinstance(doc.get("sealed"), dict):
                 self.sealed.update({k: v for k, v in doc["sealed"].items() if isinstance(v, str)})
+            if isinstance(doc.get("snapshots"), dict):
+                self.snapshots.update({k: v for k, v in doc["snapshots"].items() if _is_seal(v)})
 
-    def save(self) -> None:
+    def save(self, manifest_digest: Optional[str] = None) -> None:
         """Keep what this commit used (the mapping holds descriptors and wrapped keys, no key): as the
-        stat cache, the layers gone from the box fall out, and a watcher's file does not grow forever."""
+        stat cache, the layers gone from the box fall out, and a watcher's file does not grow forever.
+        And what the snapshot pushed (`manifest_digest`) sealed: the next commit reads its files'
+        layers there (snapshot/files.py), as it holds no private key to unseal them."""
         self._load()
         self.known = {k: v for k, v in self.known.items() if k in self.used}
         self.used = set()
+        if manifest_digest and self.unsealed is not None:
+            self.snapshots.pop(manifest_digest, None)
+            self.snapshots[manifest_digest] = self.unsealed
+            self.snapshots = dict(list(self.snapshots.items())[-SNAPSHOTS_KEPT:])
         replace_file(self._path(), lambda f: json.dump({"version": VERSION, "layers": self.known,  # 0600
-                                                        "sealed": self.sealed}, f))
+                                                        "sealed": self.sealed, "snapshots": self.snapshots}, f))
 
     def lookup(self, plain_digest: str, diff_id: str, media_type: str) -> Optional[dict]:
         """The encrypted descriptor already pushed for this plain blob (or, from the target's last
-        snapshot, for a blob of the same tar and compression), if any."""
+        snapshot, for a blob of the same tar and compression), if any, made with this commit's kind
+        of key (key_id): after a new secret, every layer is encrypted again."""
         from snapshotter.crypt import layer
 
         self._load()
         found = self.known.get(plain_digest)
-        if found is None and media_type in layer.PLAIN_TYPES:
-            found = self.previous.get((diff_id, layer.encrypted_media_type(media_type)))
-            if found is not None:
-                self.known[plain_digest] = found
-        if found is not None:
-            self.used.add(plain_digest)
+        if not self._same_key(found):
+            plain = media_type in layer.PLAIN_TYPES
+            found = self.previous.get((diff_id, layer.encrypted_media_type(media_type))) if plain else None
+            if not self._same_key(found):
+                return None
+            self.known[plain_digest] = found
+        self.used.add(plain_digest)
         return found
+
+    def _same_key(self, desc: Optional[dict]) -> bool:
+        return desc is not None and desc["annotations"].get(KEY_ID) == self.key_id
 
     def layer_key(self, diff_id: str, plain_digest: str):
         """A layer's key: derived from the secret (the same layer, the same blob), else random."""
@@ -144,9 +183,10 @@ class Encryption:
         """The descriptor of the blob `writer` encrypted (`plain_digest`'s), noted for that plain blob."""
         from snapshotter.crypt import layer
 
+        writer.end_block()
         done = writer.encryptor.finish(self.recipients, plain_digest)
         desc = {"mediaType": layer.encrypted_media_type(media_type), "digest": done.digest, "size": done.size,
-                "annotations": {**done.annotations, RECIPIENTS: self.id}}
+                "annotations": {**done.annotations, RECIPIENTS: self.id, KEY_ID: self.key_id}}
         self.note(plain_digest, desc)
         return desc
 
@@ -169,6 +209,42 @@ class Encryption:
         except (SnapError, ValueError, KeyError, TypeError):
             return  # an optimisation only: the layers are encrypted and pushed afresh
 
+    def carry(self, remote: Remote, kept: Layer, sources: BlobSources) -> Optional[Layer]:
+        """A layer of the last snapshot carried into this one (a file being written keeps that
+        version): as it is if encrypted for these recipients; a clear one (the last snapshot was
+        clear) encrypted for them, read back from the registry, its digest checked; None for one
+        encrypted for other keys (it cannot be opened here: the caller leaves the file out)."""
+        from snapshotter.crypt import layer
+
+        if layer.is_encrypted(kept.media_type):
+            return kept if kept.annotations.get(RECIPIENTS) == self.id else None
+        if kept.media_type not in layer.PLAIN_TYPES:
+            return None
+        desc = self.lookup(kept.digest, kept.diff_id, kept.media_type)
+        if desc is None or not in_registry(remote, desc["digest"], sources):
+            desc = self._encrypt_from_registry(remote, kept, sources)
+        # its headers blob is a side blob: an encrypted snapshot names none (side_blobs)
+        ann = {k: v for k, v in kept.annotations.items() if k != SNAP_HEADERS}
+        return Layer(kept.index, {**desc, "annotations": {**desc["annotations"], **ann}}, kept.diff_id)
+
+    def _encrypt_from_registry(self, remote: Remote, kept: Layer, sources: BlobSources) -> dict:
+        """A clear blob of the registry encrypted as it streams, twice under one key (no copy on the
+        box's disk): once to learn the encrypted blob's digest, once as it is sent. The download
+        checks the plain digest."""
+        key = self.layer_key(kept.diff_id, kept.digest)
+
+        def stream(writer: SealingWriter) -> SealingWriter:
+            for chunk in remote.iter_blob(kept.digest, size=kept.size):
+                writer.write(chunk)
+            return writer
+
+        counted = stream(SealingWriter(None, key, hash_plain=False, record=True))
+        desc = self.descriptor_of(counted, kept.digest, kept.media_type)
+        if not in_registry(remote, desc["digest"], sources):
+            remote.upload_from(lambda out: stream(SealingWriter(out, key, hash_plain=False, expect=counted)),
+                               desc["digest"], desc["size"], what="layers")
+        return desc
+
     def seal(self, image: NewImage) -> None:
         """Move every annotation of snap's that is not CLEAR (paths: a layer's file, its parts, the
         secrets left out, the deletions...) into one JWE on the manifest, for the recipients alone;
@@ -180,12 +256,14 @@ class Encryption:
             sealed["manifest"][k] = image.annotations.pop(k)
         for lay in image.layers:
             ann = lay.descriptor.get("annotations", {})
-            hidden = {k: ann.pop(k) for k in [k for k in ann if not k.startswith(layer.ENC_PREFIX) and k != RECIPIENTS]}
+            hidden = {k: ann.pop(k) for k in [k for k in ann if not k.startswith(layer.ENC_PREFIX)
+                                               and k not in LAYER_CLEAR]}
             if hidden:
                 sealed["layers"][str(lay.index)] = hidden
         image.labels = [ENCRYPTED_LABEL] * len(image.labels)
         image.annotations[RECIPIENTS] = self.id
         payload = json.dumps(sealed, sort_keys=True).encode()
+        self.unsealed = sealed
         self._load()
         fingerprint = hashlib.sha256(payload).hexdigest()
         value = self.sealed.get(fingerprint) or layer.b64(jwe.encrypt(payload, self.recipients))
@@ -195,25 +273,109 @@ class Encryption:
 
 class SealingWriter:
     """A layer blob's plain bytes in, encrypted on to `out` (None: only counted), the plain bytes
-    hashed (`hash_plain`): for a layer streamed from the box, which may have changed since it was measured."""
+    hashed (`hash_plain`): for a layer streamed from the box, which may have changed since it was measured.
 
-    def __init__(self, out, key, hash_plain: bool = True):
+    A stream read twice under one key (measured layers, carried ones: the digest must be known before
+    the upload) must never put that key stream over other bytes: whoever sees both ciphertexts (the
+    registry sees a refused upload too) would read their XOR. So the first pass records the sha256 of
+    each CHECK_BLOCK of plain bytes (`record`), and the second (`expect`: the first's writer) holds
+    each block until it hashes as recorded: from the first that does not, zeros go out in clear, the
+    key stream never used, and the registry refuses the blob as it would any changed one."""
+
+    def __init__(self, out, key, hash_plain: bool = True, record: bool = False,
+                 expect: Optional[SealingWriter] = None):
         from snapshotter.crypt import layer
 
         self.out, self.encryptor = out, layer.LayerEncryptor(key)
-        self._plain = hashlib.sha256() if hash_plain else None
+        # a checked stream's bytes are checked block by block (and by the registry): no whole hash
+        self._plain = hashlib.sha256() if hash_plain and expect is None else None
+        self._blocked = record or expect is not None
+        self.blocks: list[bytes] = []  # with record: each block's sha256
+        self._block, self._filled, self._total = hashlib.sha256(), 0, 0
+        self._expect, self._held, self.diverged = expect, [], False
 
     def write(self, data) -> int:
         if self._plain is not None:
             self._plain.update(data)
+        if not self._blocked:
+            self._seal(data)
+            return len(data)
+        view = memoryview(data)
+        while view:
+            take, view = view[:CHECK_BLOCK - self._filled], view[CHECK_BLOCK - self._filled:]
+            self._block.update(take)
+            self._filled, self._total = self._filled + len(take), self._total + len(take)
+            if self._expect is None:
+                self._seal(take)
+            else:
+                self._held.append(bytes(take))
+            if self._filled == CHECK_BLOCK or (self._expect is not None and self._total == self._expect.encryptor.size):
+                self.end_block()
+        return len(data)
+
+    def _seal(self, data) -> None:
         sealed = self.encryptor.update(data)
         if self.out is not None:
             self.out.write(sealed)
-        return len(data)
+
+    def end_block(self) -> None:
+        """The block so far ends (each CHECK_BLOCK; the last one when the bytes end): its hash is
+        recorded, or checked and its bytes sent."""
+        if not (self._blocked and self._filled):
+            return
+        self.blocks.append(self._block.digest())
+        if self._expect is not None:
+            at = len(self.blocks) - 1
+            expected = self._expect.blocks[at] if at < len(self._expect.blocks) else None
+            self.diverged = self.diverged or expected != self.blocks[-1]
+            for piece in self._held:
+                if self.diverged:
+                    self.out.write(bytes(len(piece)))
+                else:
+                    self._seal(piece)
+        self._block, self._filled, self._held = hashlib.sha256(), 0, []
 
     @property
     def plain_digest(self) -> str:
         return "sha256:" + self._plain.hexdigest()
+
+
+def _is_seal(doc) -> bool:
+    return (isinstance(doc, dict) and isinstance(doc.get("layers"), dict)
+            and all(isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
+                    for v in doc["layers"].values()))
+
+
+def _state_path(recipients: str) -> str:
+    """The state file of a set of recipients (recipients_id), 0600: ENCRYPTED_DIR/<its 32 first hex>.json."""
+    return os.path.join(sub(ENCRYPTED_DIR), recipients.split(":", 1)[1][:32] + ".json")
+
+
+def _read_state(recipients: str) -> dict:
+    try:
+        with open_own(_state_path(recipients)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) and doc.get("version") == VERSION else {}
+
+
+def kept_seal(recipients: Optional[str], manifest_digest: str) -> Optional[dict]:
+    """What a snapshot pushed from this state dir sealed ({"manifest": ..., "layers": {index: ...}}),
+    if it is one of the last SNAPSHOTS_KEPT for these recipients (`recipients`: its RECIPIENTS,
+    as the registry says it: a digest, else nothing is read)."""
+    if not isinstance(recipients, str) or not DIGEST.fullmatch(recipients):
+        return None
+    snapshots = _read_state(recipients).get("snapshots")
+    found = snapshots.get(manifest_digest) if isinstance(snapshots, dict) else None
+    return found if _is_seal(found) else None
+
+
+def with_sealed(layers: list[Layer], sealed: dict) -> list[Layer]:
+    """`layers` with the annotations `sealed` (a seal's payload) holds of them put back."""
+    hidden = sealed.get("layers", {})
+    return [Layer(lay.index, {**lay.descriptor, "annotations": {**lay.annotations, **hidden[str(lay.index)]}},
+                  lay.diff_id) if str(lay.index) in hidden else lay for lay in layers]
 
 
 def _well_formed(desc) -> bool:
@@ -228,16 +390,18 @@ def load_encryption(encrypt_to: list[str], secret_file: Optional[str],
     $SNAP_ENCRYPT_SECRET); None when neither names a recipient. Bad keys: one line, exit 2."""
     from snapshotter.crypt import keys
 
+    to_origin, secret_origin = ("--encrypt-to" if encrypt_to else f"${ENCRYPT_TO_ENV}",
+                                "--encrypt-secret" if secret_file else f"${ENCRYPT_SECRET_ENV}")
     paths = [jwe_path(p) for p in (encrypt_to or setting_paths(ENCRYPT_TO_ENV))]
     secret_file = secret_file or next(iter(setting_paths(ENCRYPT_SECRET_ENV)), None)
     if not paths:
         if secret_file:
             raise UsageError("--encrypt-secret needs --encrypt-to", "name the public key(s) to encrypt to")
         return None
-    recipients = [keys.load_public_key(p) for p in paths]
+    recipients = [keys.load_public_key(p, to_origin) for p in paths]
     secret = None
     if secret_file:
-        secret, warnings = keys.load_secret(secret_file)
+        secret, warnings = keys.load_secret(secret_file, secret_origin)
         for w in warnings:
             log(w)
     return Encryption(recipients, secret)

@@ -8,9 +8,10 @@ from typing import Optional
 
 from snapshotter.errors import NotFound, SnapError
 from snapshotter.layer.plan import holds_one_file, parse_part_annotation
-from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, Image, Layer, snapshot_layer_count
+from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, Image, Layer, annotations_of, snapshot_layer_count
 from snapshotter.registry.remote import Remote
 
+from .encryption import RECIPIENTS, SEALED, kept_seal, with_sealed
 from .record import restored_from
 
 
@@ -48,13 +49,20 @@ def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> di
 
 
 def image_file_layers(image: Image) -> dict[str, list[Layer]]:
-    """file_layers of an image's own layers (none for an image snap did not make)."""
+    """file_layers of an image's own layers (none for an image snap did not make). An encrypted
+    snapshot's annotations that name files are sealed: read from what this state dir kept of the
+    seal when it pushed the snapshot (none kept: none known)."""
     try:
         count = snapshot_layer_count(image)
+        ann = annotations_of(image.manifest, "the last snapshot")
     except SnapError:
         return {}
     diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])
     if not count or len(diff_ids) != len(image.layers):
         return {}
     start = len(image.layers) - count
-    return file_layers([Layer(i, image.layers[i], diff_ids[i]) for i in range(start, len(diff_ids))])
+    layers = [Layer(i, image.layers[i], diff_ids[i]) for i in range(start, len(diff_ids))]
+    if SEALED in ann:
+        sealed = kept_seal(ann.get(RECIPIENTS), image.manifest_digest)
+        layers = with_sealed(layers, sealed) if sealed else []
+    return file_layers(layers)

@@ -31,6 +31,7 @@ class FaultProxy(ThreadedServer):
       connections are cut; the registry keeps what it got. One cut, then it resets to None.
     - `throttle`: bytes per second for blob download bodies, shared by all of them as on one
       link; `midway` is set once `midway_at` bytes of one have passed.
+    - `uploads`: set to {} to keep each blob upload's body bytes, by upload path (PATCH and PUT);
     - `body_bytes[method]`: request body bytes forwarded (manifests under "PUT manifest");
       `blob_bytes_sent`: blob download body bytes passed to the client; `log`: (method, path, status).
     - A lying registry: `lie(method, path)` may return (status, headers, body pieces) to answer
@@ -66,6 +67,7 @@ class FaultProxy(ThreadedServer):
         self.midway = threading.Event()
         self.body_bytes: dict[str, int] = {}
         self.blob_bytes_sent = 0
+        self.uploads: Optional[dict[str, bytearray]] = None  # a dict: each blob upload's body, by its path
         self.log: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
         self._link_free_at = 0.0  # monotonic time the throttled link has sent what it was given
@@ -135,6 +137,8 @@ class FaultProxy(ThreadedServer):
                         raise _Cut()
                     sent += len(data)
                     proxy._count(method, len(data))
+                    if proxy.uploads is not None and method in ("PATCH", "PUT"):
+                        proxy.uploads.setdefault(self.path.split("?")[0], bytearray()).extend(data)
                     yield data
                     stall_at = proxy.stall_uploads_after
                     if stall_at is not None and method == "PATCH" and sent >= stall_at:
