@@ -268,6 +268,23 @@ def test_upload_origin_makes_the_snapshot_self_contained(registry, base_ref, ori
     assert not os.path.lexists(os.path.join(out, TOKEN_PATH))
 
 
+def test_a_hub_cache_the_profile_excludes_is_neither_referenced_nor_restored(committed, registry, base_ref,
+                                                                             origin_box, hub, tmp_path):
+    profile = tmp_path / "no-tiny.yaml"
+    profile.write_text(f"extends: default\nexclude: [/{CACHE}/models--acme--tiny]\n")
+    ref = f"{registry.host}/origin-excluded:v1"
+    result = json.loads(snap("commit", ref, "--base", base_ref, "--root", origin_box, "--json", "--profile",
+                             str(profile), "--weights-from-origin", env=commit_env(hub), check=True).stdout)
+    tiny = {sha256_hex(d) for d in REPOS[("model", "acme/tiny")].files.values() if len(d) >= 1024}
+    assert result["references"] == len(LFS - tiny)
+    assert_holds_no_weights(registry, "origin-excluded")
+    out = str(tmp_path / "restored")  # the snapshot that references it, restored with the profile: not fetched
+    r = restore(committed[0], out, hub, "--profile", str(profile))
+    assert r.returncode == 0, r.stderr
+    assert not [p for p in cache_tree(out) if p.startswith(f"{CACHE}/models--acme--tiny/")]
+    assert present_blobs(out) == LFS - tiny
+
+
 def test_then_does_not_wait_for_the_weights_and_their_folder_keeps_its_times(committed, origin_box, hub, tmp_path):
     """`--then`'s app starts while a weight is held back at the CDN; the blob lands after the layers
     set its folder's times, which stay the box's."""
