@@ -174,6 +174,14 @@ def test_restore_fetches_the_weights_into_the_boxs_hub_cache(committed, origin_b
     assert not os.path.lexists(os.path.join(out, TOKEN_PATH))
     cdn = [s for s in cdn_seen(hub) if s.method == "GET"]
     assert all("authorization" not in s.headers for s in cdn)  # the token goes to the hub, never its CDN
+    # verify checks the fetched weights as the image's files: none is extra, and one overwritten is found.
+    strict = snap("verify", ref, "--root", out, "--strict")
+    assert strict.returncode == 0, strict.stdout + strict.stderr
+    weights = blob(out, "models--acme--tiny", BIG_SHA)
+    with open(weights, "r+b") as f:
+        f.write(b"\0" * 16)
+    r = snap("verify", ref, "--root", out)
+    assert r.returncode == 9 and f"{weights[len(out):]}: content differs" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("fault, code, words", [
