@@ -327,3 +327,29 @@ def test_a_redirect_to_a_forbidden_host_or_scheme_is_refused(box, hub, tmp_path)
     assert https.may_follow("http://cdn.example/x") and not https.may_follow("https://cdn.example/x")
     assert not Origin(hub.url).may_follow("http://127.0.0.2:1/x")
     assert https.url(ref) == f"https://huggingface.co/spaces/acme/demo/resolve/{C_SPACE}/app.bin"
+
+
+def test_a_symlinked_refs_or_snapshot_folder_is_not_followed(box, hub, tmp_path):
+    """At commit a refs/ or snapshots/COMMIT that is a symlink is no hub layout (it could lead out of
+    the root): what it holds stays in the layers; at restore one the layers put there stays, and the
+    rest of the layout is made around it, rerun after rerun."""
+    root = copy_box(box, str(tmp_path / "box"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "foreign").write_text(C_DATA)
+    tiny, demo = os.path.join(root, CACHE, "models--acme--tiny"), os.path.join(root, CACHE, "spaces--acme--demo")
+    shutil.rmtree(os.path.join(tiny, "refs"))
+    os.symlink(str(outside), os.path.join(tiny, "refs"))
+    os.rename(os.path.join(demo, "snapshots", C_SPACE), os.path.join(demo, "snapshots", "real"))
+    os.symlink("real", os.path.join(demo, "snapshots", C_SPACE))
+    found = recognise(root, default_candidates(root), endpoint=hub.url)
+    assert {(r.repo_id, r.name) for r in found.refs} == {("acme/demo", "main"), ("acme/gated", "main")}
+    assert {r.sha256 for r in found.references} == {f[4] for f in lfs_files() if f[1] != "acme/demo"}
+    restored = copy_box(box, str(tmp_path / "restored"))
+    refs = os.path.join(restored, CACHE, "models--acme--tiny", "refs")
+    os.rename(refs, refs + "-real")
+    os.symlink("refs-real", refs)
+    doc = recognise(box, default_candidates(box), endpoint=hub.url).document()
+    for _ in range(2):
+        assert complete_layout(restored, doc) == []
+    assert os.readlink(refs) == "refs-real" and open(os.path.join(refs, "main")).read() == C_MODEL

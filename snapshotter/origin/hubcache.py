@@ -136,6 +136,8 @@ def _read_refs(root: str, repo: str, found: Recognition, leaves_out: Callable[[s
     """A repository folder's refs/NAME files that hold a commit hash (and the profile keeps), into `found`."""
     repo_type, repo_id = _repo_kind(repo)
     refs_dir = os.path.join(root, repo, "refs")
+    if not _real_folder(refs_dir):
+        return  # a symlink would be followed out of the root: its files stay in the layers
     for folder, _, files in os.walk(refs_dir):
         for name in sorted(files):
             path = os.path.join(folder, name)
@@ -150,10 +152,11 @@ def _read_links(root: str, repo: str) -> list[tuple[Reference, str]]:
     (reference without hash check or file attributes, blob name)."""
     repo_type, repo_id = _repo_kind(repo)
     linked = []
-    for revision in _names(os.path.join(root, repo, "snapshots")):
-        if not COMMIT_HASH.fullmatch(revision):
-            continue
-        top = os.path.join(root, repo, "snapshots", revision)
+    snapshots = os.path.join(root, repo, "snapshots")
+    for revision in _names(snapshots) if _real_folder(snapshots) else ():
+        top = os.path.join(snapshots, revision)
+        if not COMMIT_HASH.fullmatch(revision) or not _real_folder(top):
+            continue  # a symlinked folder is not followed (it could lead out of the root): it stays in the layers
         for folder, dirs, files in os.walk(top):
             dirs.sort()
             for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]):
@@ -164,6 +167,11 @@ def _read_links(root: str, repo: str) -> list[tuple[Reference, str]]:
                     ref = Reference(posixpath.dirname(repo), repo_type, repo_id, revision, path, blob, 0, "")
                     linked.append((ref, blob))
     return linked
+
+
+def _real_folder(path: str) -> bool:
+    """A folder that is not a symlink: os.walk and listdir follow a top folder that is one."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _small_text(path: str) -> str:
