@@ -19,6 +19,7 @@ from snapshotter.errors import (
     OriginAuthError,
     RegistryError,
     RegistryUnreachable,
+    StorageError,
     UsageError,
     exit_code_of,
 )
@@ -179,7 +180,8 @@ def test_the_reference_list_round_trips_and_refuses_a_hostile_one(box, hub):
     raw = json.loads(data)
     for field, value in (("path", "../../../etc/passwd"), ("cache", "/etc"), ("sha256", "0" * 63),
                          ("repo_type", "bucket"), ("size", "12"), ("repo_id", "a--b"),
-                         ("mode", 0o4755), ("endpoint", "file:///etc")):
+                         ("mode", 0o4755), ("endpoint", "file:///etc"), ("mtime_ns", 10**30), ("uid", 2**40),
+                         ("gid", 2**32 - 1), ("size", 2**63)):
         hostile = json.loads(data)
         hostile["references"][0][field] = value
         with pytest.raises(IntegrityError):
@@ -280,6 +282,7 @@ def test_a_gated_file_needs_the_token_and_the_token_never_reaches_the_cdn(box, h
     assert exit_code_of(e.value) == 4 and "\n" not in str(e.value)
     assert "'w.bin'" in str(e.value) and hub.url in str(e.value) and "HF_TOKEN" in str(e.value)
     assert not os.path.exists(os.path.join(tmp_path, ref.blob_path))
+    assert not os.path.lexists(os.path.join(tmp_path, ref.blob_path + PART_SUFFIX))  # no empty part to capture
     seen = len(hub.seen_all)
     assert fetch(str(tmp_path), ref, Origin.from_env({"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN})) is True
     asked = hub.seen_all[seen:]
@@ -294,6 +297,7 @@ def test_not_found_mismatch_and_unreachable_are_one_line_errors(box, hub, tmp_pa
     with pytest.raises(NotFound) as e:
         fetch(str(tmp_path), gone, Origin(hub.url))
     assert exit_code_of(e.value) == 5 and "'data/deleted.parquet'" in str(e.value) and hub.url in str(e.value)
+    assert not os.path.lexists(os.path.join(tmp_path, gone.blob_path + PART_SUFFIX))
     hub.cdn.corrupt.add(ref.sha256)
     try:
         with pytest.raises(IntegrityError) as e:
@@ -309,6 +313,15 @@ def test_not_found_mismatch_and_unreachable_are_one_line_errors(box, hub, tmp_pa
         report.raise_first()
     assert exit_code_of(e.value) == 3 and closed in str(e.value) and "'data/train.parquet'" in str(e.value)
     assert fetch(str(tmp_path), ref, Origin(hub.url)) is True  # and a rerun with the origin back completes
+
+
+def test_a_folder_at_the_blobs_path_is_one_line_and_leaves_no_part(box, hub, tmp_path):
+    ref = gated_reference(box, hub)
+    os.makedirs(os.path.join(tmp_path, ref.blob_path))
+    with pytest.raises(StorageError) as e:
+        fetch(str(tmp_path), ref, Origin(hub.url, TOKEN))
+    assert exit_code_of(e.value) == 7 and repr(ref.blob_path) in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.lexists(os.path.join(tmp_path, ref.blob_path + PART_SUFFIX))
 
 
 def test_a_redirect_to_a_forbidden_host_or_scheme_is_refused(box, hub, tmp_path):

@@ -152,9 +152,12 @@ def _has_blob(blobs_fd: int, ref: Reference) -> bool:
         fd = os.open(ref.sha256, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=blobs_fd)
     except OSError:
         return False
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != ref.size:  # fdopen refuses a folder: not one to open as a file
+        os.close(fd)
+        return False
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        return stat.S_ISREG(st.st_mode) and st.st_size == ref.size and file_digest(f) == "sha256:" + ref.sha256
+        return file_digest(f) == "sha256:" + ref.sha256
 
 
 def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: Origin, on_bytes: OnBytes) -> None:
@@ -163,17 +166,32 @@ def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: 
     with _locked_part(blobs_fd, ref) as f:
         if f is None:
             return  # another fetch put the blob in place while we waited for its part
-        hasher = _resume(f, ref)
-        if f.tell() < ref.size:
-            hasher = _receive(session, f, hasher, ref, source, on_bytes)
+        try:
+            hasher = _resume(f, ref)
+            if f.tell() < ref.size:
+                hasher = _receive(session, f, hasher, ref, source, on_bytes)
+        except BaseException:
+            if not os.fstat(f.fileno()).st_size:
+                _drop_part(blobs_fd, part)  # nothing arrived (401, 404): no empty part for a commit to capture
+            raise
         if hasher.hexdigest() != ref.sha256:
             os.unlink(part, dir_fd=blobs_fd)  # a rerun starts afresh
             raise IntegrityError(f"{_what(ref, source)}: its content does not hash to the sha256 it is referenced by",
                                  "the origin serves other bytes than the box had: nothing was put in place")
-        _settle(f, ref)
-        with _folder_times_kept(blobs_fd):
-            os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)  # still locked: no one appends now
+        try:
+            _settle(f, ref)
+            with _folder_times_kept(blobs_fd):
+                os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)  # still locked: none appends
+        except OSError as e:  # a folder at the blob's path, an owner the file system refuses
+            _drop_part(blobs_fd, part)
+            raise storage_error(e, repr(ref.blob_path)) from None
     os.fsync(blobs_fd)
+
+
+def _drop_part(blobs_fd: int, part: str) -> None:
+    """Remove the part file, the folder's times kept (_folder_times_kept)."""
+    with _folder_times_kept(blobs_fd), contextlib.suppress(FileNotFoundError):
+        os.unlink(part, dir_fd=blobs_fd)
 
 
 @contextlib.contextmanager
