@@ -299,14 +299,16 @@ def test_not_found_mismatch_and_unreachable_are_one_line_errors(box, hub, tmp_pa
     assert exit_code_of(e.value) == 5 and "'data/deleted.parquet'" in str(e.value) and hub.url in str(e.value)
     assert not os.path.lexists(os.path.join(tmp_path, gone.blob_path + PART_SUFFIX))
     hub.cdn.corrupt.add(ref.sha256)
+    blob = os.path.join(tmp_path, ref.blob_path)
+    os.utime(os.path.dirname(blob), ns=(1_600_000_000 * 10**9,) * 2)  # as a restore's layers set it
     try:
         with pytest.raises(IntegrityError) as e:
             fetch(str(tmp_path), ref, Origin(hub.url))
     finally:
         hub.cdn.corrupt.discard(ref.sha256)
     assert exit_code_of(e.value) == 6 and "'data/train.parquet'" in str(e.value) and "\n" not in str(e.value)
-    blob = os.path.join(tmp_path, ref.blob_path)
     assert not os.path.exists(blob) and not os.path.exists(blob + PART_SUFFIX)
+    assert os.stat(os.path.dirname(blob)).st_mtime_ns == 1_600_000_000 * 10**9  # the part removed, its times kept
     closed = f"http://127.0.0.1:{free_port()}"
     report = fetch_all(str(tmp_path), [ref], Origin(closed))
     with pytest.raises(RegistryUnreachable) as e:

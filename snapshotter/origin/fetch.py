@@ -175,7 +175,7 @@ def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: 
                 _drop_part(blobs_fd, part)  # nothing arrived (401, 404): no empty part for a commit to capture
             raise
         if hasher.hexdigest() != ref.sha256:
-            os.unlink(part, dir_fd=blobs_fd)  # a rerun starts afresh
+            _drop_part(blobs_fd, part)  # a rerun starts afresh; the folder's times stay the box's
             raise IntegrityError(f"{_what(ref, source)}: its content does not hash to the sha256 it is referenced by",
                                  "the origin serves other bytes than the box had: nothing was put in place")
         try:
