@@ -151,6 +151,16 @@ def test_a_tampered_or_unnamed_blob_stays_in_the_layers(box, hub, tmp_path):
     assert left[f"{CACHE}/models--acme--tiny/blobs/{sha256_hex(orphan)}"] == "no snapshot names it"
 
 
+def test_a_hard_linked_blob_stays_in_the_layers(box, hub, tmp_path):
+    root = copy_box(box, str(tmp_path / "box"))
+    weights = sha256_hex(REPOS[("model", "acme/tiny")].files["model.safetensors"])
+    blob = f"{CACHE}/models--acme--tiny/blobs/{weights}"
+    os.link(os.path.join(root, blob), os.path.join(root, "weights.bin"))  # one inode, two names: the layers keep it
+    found = recognise(root, default_candidates(root), endpoint=hub.url)
+    assert {r.sha256 for r in found.references} == {f[4] for f in lfs_files()} - {weights}
+    assert dict(found.left)[blob] == "hard-linked to other names"
+
+
 def test_every_token_file_is_a_secret(box, hub, tmp_path):
     root = copy_box(box, str(tmp_path / "box"))
     for path in (f"{HF_HOME}/stored_tokens", "etc/hf/token-file"):

@@ -235,6 +235,8 @@ def _verified_blob(root_fd: int, blob: str, memo: Optional[dict] = None):
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
+        if st.st_nlink > 1:  # a reference would lose its other names' link: the layers keep it
+            return "hard-linked to other names"
         seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if memo is not None and memo.get(blob) == seen:
             return st
