@@ -345,6 +345,7 @@ def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_
     clock.advance(600)
     w.tick()  # nothing changed since: no snapshot (the token file left out is no change either)
     assert w.snapshots == 2
+    assert w.changes.committed_scan is w.changes.commit_scan  # a final snapshot can tell nothing changed unscanned
     # A watcher started again on the unchanged box never turns the self-contained tag back into references.
     again = Watcher(f"{registry.host}/origin-watch:v2", base_ref, WatchOptions(commit=commit, log=[].append,
                                                                                 clock=clock, every=60))
