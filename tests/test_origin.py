@@ -336,6 +336,18 @@ def test_a_folder_at_the_blobs_path_is_one_line_and_leaves_no_part(box, hub, tmp
     assert not os.path.lexists(os.path.join(tmp_path, ref.blob_path + PART_SUFFIX))
 
 
+def test_a_rate_limited_origin_says_to_rerun(box, hub, tmp_path):
+    ref = gated_reference(box, hub)
+    hub.cdn.refuse[ref.sha256] = 429
+    try:
+        with pytest.raises(RegistryError) as e:
+            fetch(str(tmp_path), ref, Origin(hub.url, TOKEN))
+    finally:
+        del hub.cdn.refuse[ref.sha256]
+    assert exit_code_of(e.value) == 10 and "HTTP 429" in str(e.value) and "rerun" in str(e.value)
+    assert not os.path.lexists(os.path.join(tmp_path, ref.blob_path + PART_SUFFIX))
+
+
 def test_a_redirect_to_a_forbidden_host_or_scheme_is_refused(box, hub, tmp_path):
     doc = recognise(box, default_candidates(box), endpoint=hub.url).document()
     ref = next(r for r in doc.references if r.repo_id == "acme/demo")

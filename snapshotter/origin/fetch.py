@@ -309,7 +309,8 @@ def _open(session: requests.Session, url: str, start: int, ref: Reference, sourc
 
 
 def _check_status(r: requests.Response, ref: Reference, source: Origin) -> None:
-    """One-line errors for an answer that is not the file: 401/403 auth, 404 not found, else the status."""
+    """One-line errors for an answer that is not the file: 401/403 auth, 404 not found, 429 rate-limited
+    (exit 10, rerun), 5xx unreachable (3), else the status."""
     if r.status_code in (200, 206):
         return
     r.close()
@@ -319,6 +320,9 @@ def _check_status(r: requests.Response, ref: Reference, source: Origin) -> None:
                               f"a gated or private repository: set {TOKEN_ENV} to a token that may read it")
     if r.status_code == 404:
         raise NotFound(f"{what}: HTTP 404: the origin does not have it (deleted, or the repository renamed)")
+    if r.status_code == 429:
+        raise RegistryError(f"{what}: HTTP 429: the origin limits the rate of downloads",
+                            "rerun in a while: it fetches only what is missing")
     if r.status_code >= 500:
         raise RegistryUnreachable(f"{what}: HTTP {r.status_code}: the origin is failing", "rerun later: it resumes")
     raise RegistryError(f"{what}: HTTP {r.status_code}")
