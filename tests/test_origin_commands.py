@@ -142,6 +142,14 @@ def test_commit_pushes_references_not_the_weights_nor_the_token(committed, regis
     assert_holds_no_weights(registry, "origin-box")
 
 
+def test_the_boxs_hub_token_files_are_left_out_without_the_flag_too(registry, base_ref, origin_box, hub):
+    ref = f"{registry.host}/origin-plain:v1"
+    result = json.loads(snap("commit", ref, "--base", base_ref, "--root", origin_box, "--json",
+                             env=commit_env(hub), check=True).stdout)
+    assert TOKEN_PATH in result["skipped_secrets"] and not result.get("references")
+    assert not any(TOKEN.encode() in data for data in registry_bytes(registry, "origin-plain"))
+
+
 def test_an_encrypted_snapshot_keeps_the_hub_weights_in_its_encrypted_layers(registry, base_ref, origin_box, hub,
                                                                             tmp_path, state_dir):
     """References would name the repositories and files in clear beside encrypted layers: with

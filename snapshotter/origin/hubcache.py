@@ -81,7 +81,7 @@ def recognise(root: str, candidates: Iterable[str], endpoint: str = DEFAULT_ENDP
             linked.extend((r, b) for r, b in _read_links(root, repo)
                           if not _left_out(r.link_path, leaves_out) and not _left_out(r.blob_path, leaves_out))
         _left_unnamed(root, repos, _keep_verified(root_fd, linked, endpoint, found, workers, memo), found)
-        found.secrets = _token_files(root, [*candidates, *(posixpath.dirname(r) for r in repos)], token_path)
+        found.secrets = token_files(root, [*candidates, *(posixpath.dirname(r) for r in repos)], token_path)
     finally:
         os.close(root_fd)
     return found
@@ -247,7 +247,7 @@ def _verified_blob(root_fd: int, blob: str, memo: Optional[dict] = None):
     return st
 
 
-def _token_files(root: str, folders: list[str], token_path: Optional[str]) -> list[str]:
+def token_files(root: str, folders: list[str], token_path: Optional[str]) -> list[str]:
     """The token files in each Hugging Face home (a hub cache's parent, a candidate) and at HF_TOKEN_PATH."""
     paths = [posixpath.join(f.strip("/"), n) for f in folders for n in TOKEN_FILES]
     if token_path and token_path.startswith("/"):

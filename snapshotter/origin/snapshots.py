@@ -30,7 +30,7 @@ from snapshotter.registry.transport import TransportOptions
 from snapshotter.state import sub
 
 from .fetch import ENDPOINT_ENV, FetchReport, Origin, fetch_all
-from .hubcache import Recognition, default_candidates, recognise
+from .hubcache import Recognition, default_candidates, recognise, token_files
 from .layout import complete_layout
 from .references import DEFAULT_ENDPOINT, MEDIA_TYPE, References
 
@@ -63,6 +63,14 @@ def recognise_box(root: str, leaves_out: Callable[[str], bool]) -> Recognition:
     return recognise(root, default_candidates(root, dict(os.environ)), endpoint=endpoint,
                      token_path=os.environ.get("HF_TOKEN_PATH"), memo=_HASHED.setdefault(root, {}),
                      leaves_out=leaves_out)
+
+
+def box_tokens(root: str) -> Recognition:
+    """The box's Hugging Face token files alone (each home's, HF_HOME's, HF_TOKEN_PATH): secrets a
+    commit leaves out with or without --weights-from-origin (a custom HF_HOME's are out of the
+    default profile's secret rules' sight)."""
+    return Recognition(secrets=token_files(root, default_candidates(root, dict(os.environ)),
+                                           os.environ.get("HF_TOKEN_PATH")))
 
 
 def leave_out(scan: Scan, diff: Diff, found: Recognition, references: bool = True) -> tuple[Scan, Diff, dict]:
