@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import os
 import stat
+import threading
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ MAX_REDIRECTS = 5  # the hub itself answers with one, to its CDN
 CHUNK = 1 << 20
 PART_SUFFIX = ".snap-part"
 REDIRECTS = (301, 302, 303, 307, 308)
+_FOLDER_TIMES = threading.Lock()  # _folder_times_kept's: one name made or removed at a time
 OnBytes = Optional[Callable[[int], None]]  # told each received chunk's size: progress
 
 
@@ -197,11 +199,13 @@ def _drop_part(blobs_fd: int, part: str) -> None:
 @contextlib.contextmanager
 def _folder_times_kept(folder_fd: int):
     """The folder's times as they were before a name is made or renamed in it: a restore's layers
-    set the blobs folder's times as the box had them, and a blob landing after must not change them."""
-    st = os.fstat(folder_fd)
-    yield
-    with contextlib.suppress(OSError):  # not ours to set (a restore as another user): only the time is off
-        os.utime(folder_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+    set the blobs folder's times as the box had them, and a blob landing after must not change them.
+    One at a time: two fetches in one folder interleaved would put back the time the other's made."""
+    with _FOLDER_TIMES:
+        st = os.fstat(folder_fd)
+        yield
+        with contextlib.suppress(OSError):  # not ours to set (a restore as another user): only the time is off
+            os.utime(folder_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @contextlib.contextmanager
