@@ -19,6 +19,7 @@ from snapshotter.errors import (
     OriginAuthError,
     RegistryError,
     RegistryUnreachable,
+    StorageError,
     UsageError,
     exit_code_of,
 )
@@ -150,6 +151,16 @@ def test_a_tampered_or_unnamed_blob_stays_in_the_layers(box, hub, tmp_path):
     assert left[f"{CACHE}/models--acme--tiny/blobs/{sha256_hex(orphan)}"] == "no snapshot names it"
 
 
+def test_a_hard_linked_blob_stays_in_the_layers(box, hub, tmp_path):
+    root = copy_box(box, str(tmp_path / "box"))
+    weights = sha256_hex(REPOS[("model", "acme/tiny")].files["model.safetensors"])
+    blob = f"{CACHE}/models--acme--tiny/blobs/{weights}"
+    os.link(os.path.join(root, blob), os.path.join(root, "weights.bin"))  # one inode, two names: the layers keep it
+    found = recognise(root, default_candidates(root), endpoint=hub.url)
+    assert {r.sha256 for r in found.references} == {f[4] for f in lfs_files()} - {weights}
+    assert dict(found.left)[blob] == "hard-linked to other names"
+
+
 def test_every_token_file_is_a_secret(box, hub, tmp_path):
     root = copy_box(box, str(tmp_path / "box"))
     for path in (f"{HF_HOME}/stored_tokens", "etc/hf/token-file"):
@@ -179,7 +190,8 @@ def test_the_reference_list_round_trips_and_refuses_a_hostile_one(box, hub):
     raw = json.loads(data)
     for field, value in (("path", "../../../etc/passwd"), ("cache", "/etc"), ("sha256", "0" * 63),
                          ("repo_type", "bucket"), ("size", "12"), ("repo_id", "a--b"),
-                         ("mode", 0o4755), ("endpoint", "file:///etc")):
+                         ("mode", 0o4755), ("endpoint", "file:///etc"), ("mtime_ns", 10**30), ("uid", 2**40),
+                         ("gid", 2**32 - 1), ("size", 2**63)):
         hostile = json.loads(data)
         hostile["references"][0][field] = value
         with pytest.raises(IntegrityError):
@@ -280,6 +292,7 @@ def test_a_gated_file_needs_the_token_and_the_token_never_reaches_the_cdn(box, h
     assert exit_code_of(e.value) == 4 and "\n" not in str(e.value)
     assert "'w.bin'" in str(e.value) and hub.url in str(e.value) and "HF_TOKEN" in str(e.value)
     assert not os.path.exists(os.path.join(tmp_path, ref.blob_path))
+    assert not os.path.lexists(os.path.join(tmp_path, ref.blob_path + PART_SUFFIX))  # no empty part to capture
     seen = len(hub.seen_all)
     assert fetch(str(tmp_path), ref, Origin.from_env({"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN})) is True
     asked = hub.seen_all[seen:]
@@ -294,21 +307,45 @@ def test_not_found_mismatch_and_unreachable_are_one_line_errors(box, hub, tmp_pa
     with pytest.raises(NotFound) as e:
         fetch(str(tmp_path), gone, Origin(hub.url))
     assert exit_code_of(e.value) == 5 and "'data/deleted.parquet'" in str(e.value) and hub.url in str(e.value)
+    assert not os.path.lexists(os.path.join(tmp_path, gone.blob_path + PART_SUFFIX))
     hub.cdn.corrupt.add(ref.sha256)
+    blob = os.path.join(tmp_path, ref.blob_path)
+    os.utime(os.path.dirname(blob), ns=(1_600_000_000 * 10**9,) * 2)  # as a restore's layers set it
     try:
         with pytest.raises(IntegrityError) as e:
             fetch(str(tmp_path), ref, Origin(hub.url))
     finally:
         hub.cdn.corrupt.discard(ref.sha256)
     assert exit_code_of(e.value) == 6 and "'data/train.parquet'" in str(e.value) and "\n" not in str(e.value)
-    blob = os.path.join(tmp_path, ref.blob_path)
     assert not os.path.exists(blob) and not os.path.exists(blob + PART_SUFFIX)
+    assert os.stat(os.path.dirname(blob)).st_mtime_ns == 1_600_000_000 * 10**9  # the part removed, its times kept
     closed = f"http://127.0.0.1:{free_port()}"
     report = fetch_all(str(tmp_path), [ref], Origin(closed))
     with pytest.raises(RegistryUnreachable) as e:
         report.raise_first()
     assert exit_code_of(e.value) == 3 and closed in str(e.value) and "'data/train.parquet'" in str(e.value)
     assert fetch(str(tmp_path), ref, Origin(hub.url)) is True  # and a rerun with the origin back completes
+
+
+def test_a_folder_at_the_blobs_path_is_one_line_and_leaves_no_part(box, hub, tmp_path):
+    ref = gated_reference(box, hub)
+    os.makedirs(os.path.join(tmp_path, ref.blob_path))
+    with pytest.raises(StorageError) as e:
+        fetch(str(tmp_path), ref, Origin(hub.url, TOKEN))
+    assert exit_code_of(e.value) == 7 and repr(ref.blob_path) in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.lexists(os.path.join(tmp_path, ref.blob_path + PART_SUFFIX))
+
+
+def test_a_rate_limited_origin_says_to_rerun(box, hub, tmp_path):
+    ref = gated_reference(box, hub)
+    hub.cdn.refuse[ref.sha256] = 429
+    try:
+        with pytest.raises(RegistryError) as e:
+            fetch(str(tmp_path), ref, Origin(hub.url, TOKEN))
+    finally:
+        del hub.cdn.refuse[ref.sha256]
+    assert exit_code_of(e.value) == 10 and "HTTP 429" in str(e.value) and "rerun" in str(e.value)
+    assert not os.path.lexists(os.path.join(tmp_path, ref.blob_path + PART_SUFFIX))
 
 
 def test_a_redirect_to_a_forbidden_host_or_scheme_is_refused(box, hub, tmp_path):
@@ -327,3 +364,29 @@ def test_a_redirect_to_a_forbidden_host_or_scheme_is_refused(box, hub, tmp_path)
     assert https.may_follow("http://cdn.example/x") and not https.may_follow("https://cdn.example/x")
     assert not Origin(hub.url).may_follow("http://127.0.0.2:1/x")
     assert https.url(ref) == f"https://huggingface.co/spaces/acme/demo/resolve/{C_SPACE}/app.bin"
+
+
+def test_a_symlinked_refs_or_snapshot_folder_is_not_followed(box, hub, tmp_path):
+    """At commit a refs/ or snapshots/COMMIT that is a symlink is no hub layout (it could lead out of
+    the root): what it holds stays in the layers; at restore one the layers put there stays, and the
+    rest of the layout is made around it, rerun after rerun."""
+    root = copy_box(box, str(tmp_path / "box"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "foreign").write_text(C_DATA)
+    tiny, demo = os.path.join(root, CACHE, "models--acme--tiny"), os.path.join(root, CACHE, "spaces--acme--demo")
+    shutil.rmtree(os.path.join(tiny, "refs"))
+    os.symlink(str(outside), os.path.join(tiny, "refs"))
+    os.rename(os.path.join(demo, "snapshots", C_SPACE), os.path.join(demo, "snapshots", "real"))
+    os.symlink("real", os.path.join(demo, "snapshots", C_SPACE))
+    found = recognise(root, default_candidates(root), endpoint=hub.url)
+    assert {(r.repo_id, r.name) for r in found.refs} == {("acme/demo", "main"), ("acme/gated", "main")}
+    assert {r.sha256 for r in found.references} == {f[4] for f in lfs_files() if f[1] != "acme/demo"}
+    restored = copy_box(box, str(tmp_path / "restored"))
+    refs = os.path.join(restored, CACHE, "models--acme--tiny", "refs")
+    os.rename(refs, refs + "-real")
+    os.symlink("refs-real", refs)
+    doc = recognise(box, default_candidates(box), endpoint=hub.url).document()
+    for _ in range(2):
+        assert complete_layout(restored, doc) == []
+    assert os.readlink(refs) == "refs-real" and open(os.path.join(refs, "main")).read() == C_MODEL

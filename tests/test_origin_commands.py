@@ -142,6 +142,14 @@ def test_commit_pushes_references_not_the_weights_nor_the_token(committed, regis
     assert_holds_no_weights(registry, "origin-box")
 
 
+def test_the_boxs_hub_token_files_are_left_out_without_the_flag_too(registry, base_ref, origin_box, hub):
+    ref = f"{registry.host}/origin-plain:v1"
+    result = json.loads(snap("commit", ref, "--base", base_ref, "--root", origin_box, "--json",
+                             env=commit_env(hub), check=True).stdout)
+    assert TOKEN_PATH in result["skipped_secrets"] and not result.get("references")
+    assert not any(TOKEN.encode() in data for data in registry_bytes(registry, "origin-plain"))
+
+
 def test_an_encrypted_snapshot_keeps_the_hub_weights_in_its_encrypted_layers(registry, base_ref, origin_box, hub,
                                                                             tmp_path, state_dir):
     """References would name the repositories and files in clear beside encrypted layers: with
@@ -174,6 +182,14 @@ def test_restore_fetches_the_weights_into_the_boxs_hub_cache(committed, origin_b
     assert not os.path.lexists(os.path.join(out, TOKEN_PATH))
     cdn = [s for s in cdn_seen(hub) if s.method == "GET"]
     assert all("authorization" not in s.headers for s in cdn)  # the token goes to the hub, never its CDN
+    # verify checks the fetched weights as the image's files: none is extra, and one overwritten is found.
+    strict = snap("verify", ref, "--root", out, "--strict")
+    assert strict.returncode == 0, strict.stdout + strict.stderr
+    weights = blob(out, "models--acme--tiny", BIG_SHA)
+    with open(weights, "r+b") as f:
+        f.write(b"\0" * 16)
+    r = snap("verify", ref, "--root", out)
+    assert r.returncode == 9 and f"{weights[len(out):]}: content differs" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("fault, code, words", [
@@ -268,6 +284,23 @@ def test_upload_origin_makes_the_snapshot_self_contained(registry, base_ref, ori
     assert not os.path.lexists(os.path.join(out, TOKEN_PATH))
 
 
+def test_a_hub_cache_the_profile_excludes_is_neither_referenced_nor_restored(committed, registry, base_ref,
+                                                                             origin_box, hub, tmp_path):
+    profile = tmp_path / "no-tiny.yaml"
+    profile.write_text(f"extends: default\nexclude: [/{CACHE}/models--acme--tiny]\n")
+    ref = f"{registry.host}/origin-excluded:v1"
+    result = json.loads(snap("commit", ref, "--base", base_ref, "--root", origin_box, "--json", "--profile",
+                             str(profile), "--weights-from-origin", env=commit_env(hub), check=True).stdout)
+    tiny = {sha256_hex(d) for d in REPOS[("model", "acme/tiny")].files.values() if len(d) >= 1024}
+    assert result["references"] == len(LFS - tiny)
+    assert_holds_no_weights(registry, "origin-excluded")
+    out = str(tmp_path / "restored")  # the snapshot that references it, restored with the profile: not fetched
+    r = restore(committed[0], out, hub, "--profile", str(profile))
+    assert r.returncode == 0, r.stderr
+    assert not [p for p in cache_tree(out) if p.startswith(f"{CACHE}/models--acme--tiny/")]
+    assert present_blobs(out) == LFS - tiny
+
+
 def test_then_does_not_wait_for_the_weights_and_their_folder_keeps_its_times(committed, origin_box, hub, tmp_path):
     """`--then`'s app starts while a weight is held back at the CDN; the blob lands after the layers
     set its folder's times, which stay the box's."""
@@ -320,6 +353,15 @@ def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_
     clock.advance(600)
     w.tick()  # nothing changed since: no snapshot (the token file left out is no change either)
     assert w.snapshots == 2
+    assert w.changes.committed_scan is w.changes.commit_scan  # a final snapshot can tell nothing changed unscanned
+    # A watcher started again on the unchanged box never turns the self-contained tag back into references.
+    said: list = []
+    again = Watcher(f"{registry.host}/origin-watch:v2", base_ref, WatchOptions(commit=commit, log=said.append,
+                                                                                clock=clock, every=60))
+    again.tick()
+    annotations = registry.manifest("origin-watch", "v2")["annotations"]  # a snapshot may be pushed, self-contained
+    assert "dev.snap.origin-references" not in annotations, said
+    assert annotations["dev.snap.origin-uploaded"] == str(len(LFS)), said
 
 
 @pytest.fixture

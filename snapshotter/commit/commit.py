@@ -178,9 +178,12 @@ def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry]
     --weights-from-origin, the box's hub caches recognised and their references left out."""
     scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash,
                                                                             opts.log)
-    found = origin.recognise_box(root) if opts.weights_from_origin else None
-    if found is not None:  # hub blobs as references (not with --upload-origin), the token files never pushed
-        scan, d, found.taken = origin.leave_out(scan, d, found, references=not weights_in_layers(opts))
+    # Hub blobs as references (with --weights-from-origin, not --upload-origin); the token files never pushed.
+    found = origin.recognise_box(root, opts.profile.leaves_out) if opts.weights_from_origin else origin.box_tokens(root)
+    references = opts.weights_from_origin and not weights_in_layers(opts)
+    if opts.profile.include_secrets:  # the profile keeps secrets: the token files too
+        found.secrets = []
+    scan, d, found.taken = origin.leave_out(scan, d, found, references=references)
     plans = plan_commit_layers(d, scan, index, opts, len(base_img.layers) if base_img else 0, hooks.plan_memo)
     for plan in plans:
         plan.fingerprint(opts.profile.zstd_level, hooks.plan_memo)

@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import os
 import stat
+import threading
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ MAX_REDIRECTS = 5  # the hub itself answers with one, to its CDN
 CHUNK = 1 << 20
 PART_SUFFIX = ".snap-part"
 REDIRECTS = (301, 302, 303, 307, 308)
+_FOLDER_TIMES = threading.Lock()  # _folder_times_kept's: one name made or removed at a time
 OnBytes = Optional[Callable[[int], None]]  # told each received chunk's size: progress
 
 
@@ -152,9 +154,12 @@ def _has_blob(blobs_fd: int, ref: Reference) -> bool:
         fd = os.open(ref.sha256, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=blobs_fd)
     except OSError:
         return False
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != ref.size:  # fdopen refuses a folder: not one to open as a file
+        os.close(fd)
+        return False
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        return stat.S_ISREG(st.st_mode) and st.st_size == ref.size and file_digest(f) == "sha256:" + ref.sha256
+        return file_digest(f) == "sha256:" + ref.sha256
 
 
 def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: Origin, on_bytes: OnBytes) -> None:
@@ -163,27 +168,44 @@ def _download(session: requests.Session, blobs_fd: int, ref: Reference, source: 
     with _locked_part(blobs_fd, ref) as f:
         if f is None:
             return  # another fetch put the blob in place while we waited for its part
-        hasher = _resume(f, ref)
-        if f.tell() < ref.size:
-            hasher = _receive(session, f, hasher, ref, source, on_bytes)
+        try:
+            hasher = _resume(f, ref)
+            if f.tell() < ref.size:
+                hasher = _receive(session, f, hasher, ref, source, on_bytes)
+        except BaseException:
+            if not os.fstat(f.fileno()).st_size:
+                _drop_part(blobs_fd, part)  # nothing arrived (401, 404): no empty part for a commit to capture
+            raise
         if hasher.hexdigest() != ref.sha256:
-            os.unlink(part, dir_fd=blobs_fd)  # a rerun starts afresh
+            _drop_part(blobs_fd, part)  # a rerun starts afresh; the folder's times stay the box's
             raise IntegrityError(f"{_what(ref, source)}: its content does not hash to the sha256 it is referenced by",
                                  "the origin serves other bytes than the box had: nothing was put in place")
-        _settle(f, ref)
-        with _folder_times_kept(blobs_fd):
-            os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)  # still locked: no one appends now
+        try:
+            _settle(f, ref)
+            with _folder_times_kept(blobs_fd):
+                os.replace(part, ref.sha256, src_dir_fd=blobs_fd, dst_dir_fd=blobs_fd)  # still locked: none appends
+        except OSError as e:  # a folder at the blob's path, an owner the file system refuses
+            _drop_part(blobs_fd, part)
+            raise storage_error(e, repr(ref.blob_path)) from None
     os.fsync(blobs_fd)
+
+
+def _drop_part(blobs_fd: int, part: str) -> None:
+    """Remove the part file, the folder's times kept (_folder_times_kept)."""
+    with _folder_times_kept(blobs_fd), contextlib.suppress(FileNotFoundError):
+        os.unlink(part, dir_fd=blobs_fd)
 
 
 @contextlib.contextmanager
 def _folder_times_kept(folder_fd: int):
     """The folder's times as they were before a name is made or renamed in it: a restore's layers
-    set the blobs folder's times as the box had them, and a blob landing after must not change them."""
-    st = os.fstat(folder_fd)
-    yield
-    with contextlib.suppress(OSError):  # not ours to set (a restore as another user): only the time is off
-        os.utime(folder_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+    set the blobs folder's times as the box had them, and a blob landing after must not change them.
+    One at a time: two fetches in one folder interleaved would put back the time the other's made."""
+    with _FOLDER_TIMES:
+        st = os.fstat(folder_fd)
+        yield
+        with contextlib.suppress(OSError):  # not ours to set (a restore as another user): only the time is off
+            os.utime(folder_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @contextlib.contextmanager
@@ -291,7 +313,8 @@ def _open(session: requests.Session, url: str, start: int, ref: Reference, sourc
 
 
 def _check_status(r: requests.Response, ref: Reference, source: Origin) -> None:
-    """One-line errors for an answer that is not the file: 401/403 auth, 404 not found, else the status."""
+    """One-line errors for an answer that is not the file: 401/403 auth, 404 not found, 429 rate-limited
+    (exit 10, rerun), 5xx unreachable (3), else the status."""
     if r.status_code in (200, 206):
         return
     r.close()
@@ -301,6 +324,9 @@ def _check_status(r: requests.Response, ref: Reference, source: Origin) -> None:
                               f"a gated or private repository: set {TOKEN_ENV} to a token that may read it")
     if r.status_code == 404:
         raise NotFound(f"{what}: HTTP 404: the origin does not have it (deleted, or the repository renamed)")
+    if r.status_code == 429:
+        raise RegistryError(f"{what}: HTTP 429: the origin limits the rate of downloads",
+                            "rerun in a while: it fetches only what is missing")
     if r.status_code >= 500:
         raise RegistryUnreachable(f"{what}: HTTP {r.status_code}: the origin is failing", "rerun later: it resumes")
     raise RegistryError(f"{what}: HTTP {r.status_code}")

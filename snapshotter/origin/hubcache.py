@@ -18,10 +18,11 @@ import posixpath
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from snapshotter.box.openat import DIR_FLAGS, open_beneath, open_root
 from snapshotter.digests import file_digest
+from snapshotter.index.entry import self_and_parents
 from snapshotter.origin.references import (COMMIT_HASH, DEFAULT_ENDPOINT, FOLDER_PREFIX, REPO_ID, SHA256_HEX,
                                            Reference, RefName, References, plain_relative)
 
@@ -58,12 +59,14 @@ def default_candidates(root: str, box_env: Optional[dict] = None) -> list[str]:
 
 
 def recognise(root: str, candidates: Iterable[str], endpoint: str = DEFAULT_ENDPOINT,
-              token_path: Optional[str] = None, workers: int = 4, memo: Optional[dict] = None) -> Recognition:
+              token_path: Optional[str] = None, workers: int = 4, memo: Optional[dict] = None,
+              leaves_out: Callable[[str], bool] = lambda path: False) -> Recognition:
     """The hub caches found in or at the root-relative folders `candidates` (a hub cache, or a folder
     above one), as references recorded with `endpoint` (the box's HF_ENDPOINT). `token_path`: the box's
     HF_TOKEN_PATH, absolute in the box. Each candidate blob is hashed, `workers` at a time, but for
     one `memo` (kept between the recognitions of one root: a watcher's) knows hashed with the same
-    stat data (device, inode, size, mtime, ctime: any write changes the last two)."""
+    stat data (device, inode, size, mtime, ctime: any write changes the last two). A path
+    `leaves_out` (the profile's: excluded or secret) is not captured, so neither referenced nor read."""
     found, candidates = Recognition(), list(candidates)
     root_fd = open_root(root)
     try:
@@ -71,13 +74,14 @@ def recognise(root: str, candidates: Iterable[str], endpoint: str = DEFAULT_ENDP
         for candidate in candidates:
             candidate = candidate.strip("/")
             if plain_relative(candidate) and _plain_folder(root_fd, candidate):
-                repos.update(dict.fromkeys(_repo_folders(root, candidate)))
+                repos.update(dict.fromkeys(r for r in _repo_folders(root, candidate) if not _left_out(r, leaves_out)))
         linked = []
         for repo in repos:
-            _read_refs(root, repo, found)
-            linked.extend(_read_links(root, repo))
+            _read_refs(root, repo, found, leaves_out)
+            linked.extend((r, b) for r, b in _read_links(root, repo)
+                          if not _left_out(r.link_path, leaves_out) and not _left_out(r.blob_path, leaves_out))
         _left_unnamed(root, repos, _keep_verified(root_fd, linked, endpoint, found, workers, memo), found)
-        found.secrets = _token_files(root, [*candidates, *(posixpath.dirname(r) for r in repos)], token_path)
+        found.secrets = token_files(root, [*candidates, *(posixpath.dirname(r) for r in repos)], token_path)
     finally:
         os.close(root_fd)
     return found
@@ -123,16 +127,23 @@ def _repo_kind(rel: str) -> Optional[tuple[str, str]]:
     return (TYPE_OF_PREFIX[prefix], repo_id) if rest.count("--") <= 1 and REPO_ID.fullmatch(repo_id) else None
 
 
-def _read_refs(root: str, repo: str, found: Recognition) -> None:
-    """A repository folder's refs/NAME files that hold a commit hash, into `found`."""
+def _left_out(path: str, leaves_out: Callable[[str], bool]) -> bool:
+    """Whether the profile leaves out `path` or a folder above it (as a scan does)."""
+    return any(leaves_out(p) for p in self_and_parents(path))
+
+
+def _read_refs(root: str, repo: str, found: Recognition, leaves_out: Callable[[str], bool]) -> None:
+    """A repository folder's refs/NAME files that hold a commit hash (and the profile keeps), into `found`."""
     repo_type, repo_id = _repo_kind(repo)
     refs_dir = os.path.join(root, repo, "refs")
+    if not _real_folder(refs_dir):
+        return  # a symlink would be followed out of the root: its files stay in the layers
     for folder, _, files in os.walk(refs_dir):
         for name in sorted(files):
             path = os.path.join(folder, name)
             commit = _small_text(path)
-            if COMMIT_HASH.fullmatch(commit):
-                ref = os.path.relpath(path, refs_dir).replace(os.sep, "/")
+            ref = os.path.relpath(path, refs_dir).replace(os.sep, "/")
+            if COMMIT_HASH.fullmatch(commit) and not _left_out(f"{repo}/refs/{ref}", leaves_out):
                 found.refs.append(RefName(posixpath.dirname(repo), repo_type, repo_id, ref, commit))
 
 
@@ -141,10 +152,11 @@ def _read_links(root: str, repo: str) -> list[tuple[Reference, str]]:
     (reference without hash check or file attributes, blob name)."""
     repo_type, repo_id = _repo_kind(repo)
     linked = []
-    for revision in _names(os.path.join(root, repo, "snapshots")):
-        if not COMMIT_HASH.fullmatch(revision):
-            continue
-        top = os.path.join(root, repo, "snapshots", revision)
+    snapshots = os.path.join(root, repo, "snapshots")
+    for revision in _names(snapshots) if _real_folder(snapshots) else ():
+        top = os.path.join(snapshots, revision)
+        if not COMMIT_HASH.fullmatch(revision) or not _real_folder(top):
+            continue  # a symlinked folder is not followed (it could lead out of the root): it stays in the layers
         for folder, dirs, files in os.walk(top):
             dirs.sort()
             for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]):
@@ -155,6 +167,11 @@ def _read_links(root: str, repo: str) -> list[tuple[Reference, str]]:
                     ref = Reference(posixpath.dirname(repo), repo_type, repo_id, revision, path, blob, 0, "")
                     linked.append((ref, blob))
     return linked
+
+
+def _real_folder(path: str) -> bool:
+    """A folder that is not a symlink: os.walk and listdir follow a top folder that is one."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _small_text(path: str) -> str:
@@ -218,6 +235,8 @@ def _verified_blob(root_fd: int, blob: str, memo: Optional[dict] = None):
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
+        if st.st_nlink > 1:  # a reference would lose its other names' link: the layers keep it
+            return "hard-linked to other names"
         seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if memo is not None and memo.get(blob) == seen:
             return st
@@ -228,7 +247,7 @@ def _verified_blob(root_fd: int, blob: str, memo: Optional[dict] = None):
     return st
 
 
-def _token_files(root: str, folders: list[str], token_path: Optional[str]) -> list[str]:
+def token_files(root: str, folders: list[str], token_path: Optional[str]) -> list[str]:
     """The token files in each Hugging Face home (a hub cache's parent, a candidate) and at HF_TOKEN_PATH."""
     paths = [posixpath.join(f.strip("/"), n) for f in folders for n in TOKEN_FILES]
     if token_path and token_path.startswith("/"):

@@ -92,9 +92,12 @@ def open_folder(root_fd: int, rel: str) -> int:
 
 def _make(root_fd: int, path: str, create) -> bool:
     """create(name, folder_fd) for the last part of `path` if nothing is there (folders made as
-    open_folder makes them). Whether it made it."""
+    open_folder makes them; none through a symlink). Whether it made it."""
     folder, _, name = path.rpartition("/")
-    fd = open_folder(root_fd, folder)
+    try:
+        fd = open_folder(root_fd, folder)
+    except IntegrityError:
+        return False  # a symlink (or file) the layers put where a folder goes: the box's, it stays
     try:
         os.lstat(name, dir_fd=fd)
         return False

@@ -24,6 +24,10 @@ FOLDER_PREFIX = {"model": "models", "dataset": "datasets", "space": "spaces"}
 URL_PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/"}
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")  # a git commit (or a git blob: the hub's name for a small file)
+# Bounds of what a file can have (a hostile document's huge numbers would overflow chown or utime):
+# uid_t's 32 bits less (uid_t)-1, which means "unchanged"; a signed 64-bit size and time in ns.
+MAX_ID = (1 << 32) - 1
+MAX_SIZE = MAX_MTIME_NS = (1 << 63) - 1
 # The hub's own rule for a repository id (validate_repo_id): NAME or ORG/NAME, no '--' nor '..' in it.
 REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
 
@@ -110,6 +114,8 @@ def _bad_reference_field(r: Reference) -> str:
         return "a hash that is not a sha256"
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in (r.size, r.mode, r.uid, r.gid, r.mtime_ns)):
         return "a size or file attribute that is not a number"
+    if r.uid >= MAX_ID or r.gid >= MAX_ID or r.size > MAX_SIZE or r.mtime_ns > MAX_MTIME_NS:
+        return "a size, owner or mtime no file can have"
     if r.mode > 0o777 or not r.endpoint.startswith(("https://", "http://")):
         return "a mode with special bits (a hub blob has none), or an odd endpoint"
     return ""

@@ -23,13 +23,14 @@ from snapshotter.box.scan import Scan
 from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.index.base import push_artifact
 from snapshotter.oci.reference import Reference
+from snapshotter.profile import Profile
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.state import sub
 
 from .fetch import ENDPOINT_ENV, FetchReport, Origin, fetch_all
-from .hubcache import Recognition, default_candidates, recognise
+from .hubcache import Recognition, default_candidates, recognise, token_files
 from .layout import complete_layout
 from .references import DEFAULT_ENDPOINT, MEDIA_TYPE, References
 
@@ -54,12 +55,22 @@ def wanted(flag: bool) -> bool:
 _HASHED: dict[str, dict] = {}
 
 
-def recognise_box(root: str) -> Recognition:
+def recognise_box(root: str, leaves_out: Callable[[str], bool]) -> Recognition:
     """The references a commit of `root` keeps: its hub caches (each home's, and HF_HOME's and
-    HF_HUB_CACHE's if set), recorded with the HF_ENDPOINT the box uses."""
+    HF_HUB_CACHE's if set), recorded with the HF_ENDPOINT the box uses; none the profile leaves out
+    (`leaves_out`: Profile.leaves_out), which the commit does not capture at all."""
     endpoint = os.environ.get(ENDPOINT_ENV, "").strip().rstrip("/") or DEFAULT_ENDPOINT
     return recognise(root, default_candidates(root, dict(os.environ)), endpoint=endpoint,
-                     token_path=os.environ.get("HF_TOKEN_PATH"), memo=_HASHED.setdefault(root, {}))
+                     token_path=os.environ.get("HF_TOKEN_PATH"), memo=_HASHED.setdefault(root, {}),
+                     leaves_out=leaves_out)
+
+
+def box_tokens(root: str) -> Recognition:
+    """The box's Hugging Face token files alone (each home's, HF_HOME's, HF_TOKEN_PATH): secrets a
+    commit leaves out with or without --weights-from-origin (a custom HF_HOME's are out of the
+    default profile's secret rules' sight)."""
+    return Recognition(secrets=token_files(root, default_candidates(root, dict(os.environ)),
+                                           os.environ.get("HF_TOKEN_PATH")))
 
 
 def leave_out(scan: Scan, diff: Diff, found: Recognition, references: bool = True) -> tuple[Scan, Diff, dict]:
@@ -158,14 +169,20 @@ class BackgroundFetch:
         return self.report
 
 
-def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str], None]) -> Optional[BackgroundFetch]:
+def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str], None],
+                profile: Optional[Profile] = None) -> Optional[BackgroundFetch]:
     """The snapshot's references fetched in the background (None for a snapshot without); a snapshot
-    whose hub files the layers hold (--upload-origin) is said so in one line."""
+    whose hub files the layers hold (--upload-origin) is said so in one line. A blob, symlink or ref
+    at a path the restore `profile` excludes (never written) is neither fetched nor made."""
     uploaded = annotations.get(SNAP_ORIGIN_UPLOADED, "")
     if uploaded.isdigit():
         log(f"weights from the origin: {int(uploaded)} hub file(s) come from the registry's copy "
             "(uploaded with --upload-origin), not the origin")
     doc = read_document(remote, annotations)
+    if doc is not None and profile is not None:
+        excluded = profile.exclude.match
+        doc = References(tuple(r for r in doc.references if not (excluded(r.blob_path) or excluded(r.link_path))),
+                         tuple(r for r in doc.refs if not excluded(r.file_path)))
     if doc is None or not doc.references:
         return None
     Origin.from_env()  # a bad HF_ENDPOINT is a usage error before anything is written

@@ -158,7 +158,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         if count == ready_at and opts.on_app_ready is not None:
             opts.on_app_ready()
 
-    weights_fetch = origin.start_fetch(run.extractor.root, run.remote, run.image.annotations, opts.log)
+    weights_fetch = origin.start_fetch(run.extractor.root, run.remote, run.image.annotations, opts.log, run.profile)
     forget_restore(run.files)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
     started = stamp()
     staging = StagingDirs(root, run.image.manifest_digest, opts.log)

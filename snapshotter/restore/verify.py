@@ -29,7 +29,7 @@ from typing import Callable, Optional
 from snapshotter import progress
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
 from snapshotter.box.openat import file_head
-from snapshotter.digests import chunks_digest, file_digest, hasher_digest
+from snapshotter.digests import chunks_digest, file_digest, hasher_digest, sha256_digest
 from snapshotter.errors import IntegrityError, UsageError, quoted_path
 from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, clean_path, entry_from_member,
                                      entry_from_stat, self_and_parents)
@@ -39,6 +39,8 @@ from snapshotter.layer.plan import parse_part_name
 from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
 from snapshotter.profile import Profile, load_profile
 from snapshotter.oci.reference import Reference
+from snapshotter.origin.references import References
+from snapshotter.origin.snapshots import read_document
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.decryption import open_image
@@ -403,6 +405,22 @@ def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyO
     return out
 
 
+def _add_references(index: dict[str, Entry], doc: Optional[References]) -> None:
+    """The weights a snapshot keeps as references (docs/weights-from-origin.md) are the image's files
+    too: each blob checked as a layer's file (content, size, mode, owner), and the snapshot symlinks
+    and refs files they imply where the layers hold none (restore's complete_layout makes those)."""
+    if doc is None:
+        return
+    for r in doc.references:
+        index[r.blob_path] = Entry(r.blob_path, FILE, r.mode, r.uid, r.gid, r.size, r.mtime_ns // 10**9,
+                                   digest="sha256:" + r.sha256, mtime_ns=r.mtime_ns)
+        index.setdefault(r.link_path, Entry(r.link_path, SYMLINK, 0o777, os.getuid(), os.getgid(),
+                                            linkname=r.link_target))
+    for ref in doc.refs:  # made by the restoring user, as the hub writes it
+        index.setdefault(ref.file_path, Entry(ref.file_path, FILE, 0o644, os.getuid(), os.getgid(), len(ref.revision),
+                                              digest=sha256_digest(ref.revision.encode())))
+
+
 def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyResult:
     opts = opts or VerifyOptions()
     if not os.path.isdir(root):
@@ -413,6 +431,7 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     remote = Remote(reference, opts.transport)
     image, remote = open_image(remote.resolve(), remote, opts.decryption_keys)
     index, deleted = image_index(remote, image, opts.only_snapshot, opts.log, opts.jobs)
+    _add_references(index, read_document(remote, image.annotations))
     listed, total = left_out_secrets(image.manifest)
     secrets = sorted(clean_path(p) for p in listed)
     checked, diffs = compare(root, index, deleted, opts, frozenset(secrets))

@@ -32,9 +32,10 @@ class WatchHooks(CommitHooks):
         self.opts, self.tracker, self.big, self.tags = opts, changes, big, tags
         self.now, self.final = now, final
         self.plan_memo, self.stopping = memo, stopping
+        self.scan: Optional[Scan] = None  # the commit scan this commit is planned from (changes)
 
     def changes(self, base_img: Optional[Image], index: dict[str, Entry]):
-        scan = self.tracker.commit_scan_now(self.final)
+        scan = self.scan = self.tracker.commit_scan_now(self.final)
         commit = self.opts.commit
         return scan, changes_in(scan, self.tracker.root, commit.profile, index, commit.rehash)
 

@@ -14,6 +14,7 @@ from snapshotter.box.deletions import SYSTEM_TOPS, refuse_commit
 from snapshotter.commit.model import CommitPlan
 from snapshotter.oci.image import BASE_DIGEST, Layer, snapshot_layer_count
 from snapshotter.oci.reference import Reference
+from snapshotter.origin.snapshots import SNAP_ORIGIN_UPLOADED, SNAP_REFERENCES
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.diverged import Line, own_names, prune
 from snapshotter.snapshot.files import last_snapshot_files
@@ -48,6 +49,14 @@ class TagMover:
             return False
         self.previous_files = last_snapshot_files(self.line.remote(), self.root, self.line.digest)
         return True
+
+    def holds_weights(self) -> bool:
+        """Whether the snapshot the target tag names holds the hub weights itself (--upload-origin's
+        annotation, or no references): a watcher started again never moves the tag back to references."""
+        if self.line.digest is None:
+            return False
+        annotations = self.line.remote().resolve(self.line.digest).annotations
+        return SNAP_ORIGIN_UPLOADED in annotations or SNAP_REFERENCES not in annotations
 
     def judge_deletions(self, cp: CommitPlan) -> bool:
         """A snapshot that deletes a system directory of the base (box/deletions.py: `rm -rf

@@ -249,6 +249,7 @@ class ChangeTracker:
         """A snapshot is in: the box as it holds it (`tokens`), made from `cp`."""
         self.committed = tokens
         self.committed_whole = not cp.held
-        self.committed_scan = cp.scan
+        # The scan it was planned from: with --weights-from-origin cp.scan is a copy without the weights.
+        self.committed_scan = getattr(cp.hooks, "scan", None) or cp.scan
         self.pending_stale = True
         self.committed_changed = {e.path: e for e in cp.diff.changed}

@@ -160,6 +160,8 @@ class Watcher:
         as not being written."""
         if self.tags.check():
             self.big.restored_at = restored_at_ns(self.root)
+            if self.commit_opts.weights_from_origin:  # as the target's snapshot has them, never back to references
+                self.origin_uploaded = self.origin_uploaded or self.tags.holds_weights()
 
     # ---- snapshots -----------------------------------------------------------------------------
 

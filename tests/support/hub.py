@@ -7,8 +7,9 @@ answered with a 302 to the CDN, a second server on another loopback address (127
 ETag and X-Linked-Etag (its sha256, quoted), X-Linked-Size and X-Repo-Commit; the CDN serves it
 with ranges. A gated repository answers 401 without its token; an unknown repository or file, 404.
 Both servers record each request's headers. Faults: `corrupt` (the CDN serves other bytes of the
-same size), `redirect_to` (the hub sends a blob's GET elsewhere), `pause` (the CDN stops after N
-bytes of a blob until `release` is set, `reached` telling the test it got there)."""
+same size), `refuse` (the CDN answers a status instead), `redirect_to` (the hub sends a blob's GET
+elsewhere), `pause` (the CDN stops after N bytes of a blob until `release` is set, `reached` telling
+the test it got there)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ class CdnServer(_Recording):
         super().__init__("127.0.0.2", "cdn", seen)
         self.blobs = blobs
         self.corrupt: set[str] = set()
+        self.refuse: dict[str, int] = {}  # sha256 -> the status answered instead (429: rate-limited)
         self.pause: dict[str, int] = {}  # sha256 -> bytes sent before waiting for `release`
         self.reached, self.release = threading.Event(), threading.Event()
 
@@ -102,6 +104,8 @@ class CdnServer(_Recording):
         data = self.blobs.get(sha)
         if data is None:
             return send_answer(h, 404, {}, [b"no such blob"])
+        if sha in self.refuse:
+            return send_answer(h, self.refuse[sha], {"Retry-After": "1"}, [b"slow down"])
         if sha in self.corrupt:
             data = bytes(b ^ 0xFF for b in data[:16]) + data[16:]
         start = int(h.headers.get("Range", "bytes=0-")[6:].partition("-")[0] or 0)
