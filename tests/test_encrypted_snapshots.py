@@ -315,9 +315,10 @@ def _keep_rewriting(box: str, *paths: str):
     return rewrite
 
 
-def _commit_held_weight(registry, base_ref, box, keys, tmp_path, repo: str, first_encrypted: bool):
+def _commit_held_weight(registry, base_ref, box, keys, tmp_path, repo: str, first_encrypted: bool,
+                        then_encrypted: bool = True):
     """v1 of a weight committed (clear or encrypted), the weight changed, then rewritten during
-    every read of an encrypted commit to the same tag: (result, v1, target)."""
+    every read of a commit (encrypted or clear) to the same tag: (result, v1, target)."""
     prof = tmp_path / "small.yaml"
     prof.write_text(SMALL_WEIGHTS)
     v1 = os.urandom(2 << 20)
@@ -328,8 +329,8 @@ def _commit_held_weight(registry, base_ref, box, keys, tmp_path, repo: str, firs
                                                encryption=encryption if first_encrypted else None))
     with open(os.path.join(box, WEIGHT), "r+b") as f:
         f.write(os.urandom(1 << 20))
-    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
-                         encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+    encryption = load_encryption([str(keys / "rsa.pub")], None, print) if then_encrypted else None
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)), encryption=encryption)
     result = commit_box(target, base_ref, opts, CommitHooks(after_read=_keep_rewriting(box, WEIGHT)))
     return result, v1, target
 
@@ -359,6 +360,20 @@ def test_a_held_file_of_an_encrypted_snapshot_keeps_its_version(registry, base_r
     assert (out / WEIGHT).read_bytes() == v1
     kept = list((state_dir / "encrypted-layers").iterdir())
     assert kept and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in kept)
+
+
+def test_a_clear_commit_after_an_encrypted_one_never_carries_an_encrypted_layer(registry, base_ref, box, keys,
+                                                                                tmp_path, state_dir):
+    """Encrypted, then clear to the same tag with the weight rewritten during every read: its last
+    version sits in an encrypted layer, which would make the clear snapshot unrestorable (no seal);
+    the weight is left out (held, not claimed kept), and the snapshot restores without a key."""
+    result, v1, target = _commit_held_weight(registry, base_ref, box, keys, tmp_path, "enc-to-clear", True, False)
+    assert result.held == {WEIGHT: "changed while read"} and result.carried == []
+    manifest = manifest_of(registry, "enc-to-clear", "v1")
+    assert not any(d["mediaType"] in ENCRYPTED_TYPES for d in manifest["layers"])
+    out = tmp_path / "out"
+    snap("restore", target, "--root", str(out), check=True)
+    assert not (out / WEIGHT).exists()
 
 
 def test_key_material_given_where_a_file_name_goes_is_never_echoed(registry, base_ref, box, keys, tmp_path):

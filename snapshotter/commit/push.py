@@ -24,6 +24,7 @@ from snapshotter.layer.plan import META_DETAIL, LayerPlan
 from snapshotter.oci.image import (CREATED, SNAP_CONTENT, SNAP_HEADERS, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART,
                                    SNAP_PART_FILE, SNAP_PART_LINKS, Image, NewImage, descriptor, scratch_config,
                                    secrets_annotations)
+from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote, host_platform
@@ -76,8 +77,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     if cp.encryption is not None:  # a new state dir keeps the encrypted blobs of the tag's snapshot
         cp.encryption.learn_previous(remote, tagged[1] if tagged else None)
     layers = _push_settled_layers(cp, remote, opts)
-    if cp.encryption is not None:
-        _carry_encrypted(cp, remote)
+    _carry(cp, remote)
     grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
     _warn_engine_limit(cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()), opts)
     # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
@@ -151,8 +151,7 @@ def _build_image(cp: CommitPlan, layers: list[tuple[LayerPlan, LayerBlob, str]],
     for desc, diff_id, report in rows:
         image.append(desc, diff_id, report.name)
     image.annotations.update({SNAP_MAX_LAYER: str(opts.max_layer_size), **secrets_annotations(cp.scan.skipped_secrets),
-                              # read by a restore onto a live system
-                              **(cp.deletes.annotation() if cp.deletes else {})})
+                              **(cp.deletes.annotation() if cp.deletes else {})})  # for a restore onto a live root
     return image, [report for _, _, report in rows]
 
 
@@ -196,11 +195,13 @@ def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) ->
                     "commit again once the box is quieter")
 
 
-def _carry_encrypted(cp: CommitPlan, remote: Remote) -> None:
-    """Each carried file's layers as an encrypted snapshot holds them (Encryption.carry); a file
-    one of whose layers cannot be is no longer carried: reported left out, never claimed kept."""
+def _carry(cp: CommitPlan, remote: Remote) -> None:
+    """Each carried file's layers as this snapshot can hold them: encrypted for its recipients
+    (Encryption.carry), or in a clear one, clear (an encrypted last snapshot's layer would make it
+    unrestorable). A file one of whose layers cannot be is left out, reported, never claimed kept."""
     for path, kept in list(cp.carried.items()):
-        carried = [cp.encryption.carry(remote, layer, cp.sources) for layer in kept]
+        carried = [cp.encryption.carry(remote, layer, cp.sources) if cp.encryption is not None
+                   else None if layer.media_type.endswith(ENCRYPTED_SUFFIX) else layer for layer in kept]
         if all(carried):
             cp.carried[path] = carried
         else:
@@ -214,12 +215,9 @@ def _insert_carried(rows: list[tuple[dict, str, LayerReport]], cp: CommitPlan) -
                 LayerReport(layer.snap_label or layer.digest[:19], layer.digest, layer.size, layer.media_type, 1,
                             "kept from the last snapshot (being written, not read)"))
                for path in sorted(cp.carried) for layer in cp.carried[path]]
-    if not carried:
-        return
-    at = len(rows)
-    if cp.plans and cp.plans[-1].detail == META_DETAIL:
-        at -= 1
-    rows[at:at] = carried
+    if carried:
+        at = len(rows) - (1 if cp.plans and cp.plans[-1].detail == META_DETAIL else 0)
+        rows[at:at] = carried
 
 
 def _annotations(plan: LayerPlan, headers: Optional[str]) -> dict:
