@@ -444,6 +444,9 @@ def test_a_new_secret_encrypts_every_layer_again(registry, base_ref, box, keys, 
     flags = ("--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"), "--json")
     first = json.loads(snap("commit", target, *flags, "--encrypt-secret", str(keys / "secret"), check=True).stdout)
     old = {x["digest"] for x in first["layers"]}
+    manifest = manifest_of(registry, "enc-rekey", "v1")
+    ids = [d["annotations"]["dev.snap.key-id"] for d in manifest["layers"] if d["mediaType"] in ENCRYPTED_TYPES]
+    assert len(ids) > 1 and len(set(ids)) == len(ids)  # no key id relates two different layers
     write_tree(box, {"etc/app.conf": "threads = 32\n"})
     fresh = {"SNAP_STATE_DIR": str(tmp_path / "fresh-state")}
     for env in ({}, fresh):

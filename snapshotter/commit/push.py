@@ -432,7 +432,7 @@ class _LayerSender:
         again = write_layer(counted, self.root, plan, self.zstd_level, as_seen=blob.seen, after_read=self.after_read)
         if counted.plain_digest != blob.digest:
             return _held_back(blob, again, IntegrityError(f"layer {plan.label!r} changed while it was encrypted"))
-        sealed = enc.descriptor_of(counted, blob.digest, blob.media_type)
+        sealed = enc.descriptor_of(counted, blob.digest, blob.diff_id, blob.media_type)
         if there := in_registry(self.remote, sealed["digest"], self.sources):
             return there
         return self._upload_measured(plan, blob, lambda out: SealingWriter(out, key, expect=counted), sealed["digest"])

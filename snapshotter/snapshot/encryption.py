@@ -100,14 +100,14 @@ class Encryption:
     def id(self) -> str:
         return recipients_id(self.recipients)
 
-    @functools.cached_property
-    def key_id(self) -> str:
-        """Which layer keys this commit makes: an HMAC of a constant under the secret (equal only for
-        the same secret, which equal blobs reveal already), or RANDOM_KEY_ID. A rotated secret never
-        reuses a blob of the old one."""
+    def key_id(self, diff_id: str, plain_digest: str) -> str:
+        """Which key this commit makes for a layer: an HMAC under the secret of what the key is derived
+        from (equal only for the same secret and the same blob, which equal blobs reveal already; no
+        id relates two different layers), or RANDOM_KEY_ID. A rotated secret reuses no old blob."""
         if self.secret is None:
             return RANDOM_KEY_ID
-        return "hmac-sha256:" + hmac.new(self.secret, KEY_ID_INFO, hashlib.sha256).hexdigest()
+        what = KEY_ID_INFO + f" {diff_id} {plain_digest}".encode()
+        return "hmac-sha256:" + hmac.new(self.secret, what, hashlib.sha256).hexdigest()
 
     def _path(self) -> str:
         return _state_path(self.id)
@@ -152,17 +152,17 @@ class Encryption:
 
         self._load()
         found = self.known.get(plain_digest)
-        if not self._same_key(found):
+        if not self._same_key(found, diff_id, plain_digest):
             plain = media_type in layer.PLAIN_TYPES
             found = self.previous.get((diff_id, layer.encrypted_media_type(media_type))) if plain else None
-            if not self._same_key(found):
+            if not self._same_key(found, diff_id, plain_digest):
                 return None
             self.known[plain_digest] = found
         self.used.add(plain_digest)
         return found
 
-    def _same_key(self, desc: Optional[dict]) -> bool:
-        return desc is not None and desc["annotations"].get(KEY_ID) == self.key_id
+    def _same_key(self, desc: Optional[dict], diff_id: str, plain_digest: str) -> bool:
+        return desc is not None and desc["annotations"].get(KEY_ID) == self.key_id(diff_id, plain_digest)
 
     def layer_key(self, diff_id: str, plain_digest: str):
         """A layer's key: derived from the secret (the same layer, the same blob), else random."""
@@ -177,16 +177,17 @@ class Encryption:
             writer = SealingWriter(dst, self.layer_key(diff_id, plain_digest), hash_plain=False)  # hashed as built
             while chunk := src.read(1 << 20):
                 writer.write(chunk)
-        return self.descriptor_of(writer, plain_digest, media_type)
+        return self.descriptor_of(writer, plain_digest, diff_id, media_type)
 
-    def descriptor_of(self, writer: SealingWriter, plain_digest: str, media_type: str) -> dict:
+    def descriptor_of(self, writer: SealingWriter, plain_digest: str, diff_id: str, media_type: str) -> dict:
         """The descriptor of the blob `writer` encrypted (`plain_digest`'s), noted for that plain blob."""
         from snapshotter.crypt import layer
 
         writer.end_block()
         done = writer.encryptor.finish(self.recipients, plain_digest)
         desc = {"mediaType": layer.encrypted_media_type(media_type), "digest": done.digest, "size": done.size,
-                "annotations": {**done.annotations, RECIPIENTS: self.id, KEY_ID: self.key_id}}
+                "annotations": {**done.annotations, RECIPIENTS: self.id,
+                                KEY_ID: self.key_id(diff_id, plain_digest)}}
         self.note(plain_digest, desc)
         return desc
 
@@ -239,7 +240,7 @@ class Encryption:
             return writer
 
         counted = stream(SealingWriter(None, key, hash_plain=False, record=True))
-        desc = self.descriptor_of(counted, kept.digest, kept.media_type)
+        desc = self.descriptor_of(counted, kept.digest, kept.diff_id, kept.media_type)
         if not in_registry(remote, desc["digest"], sources):
             remote.upload_from(lambda out: stream(SealingWriter(out, key, hash_plain=False, expect=counted)),
                                desc["digest"], desc["size"], what="layers")
