@@ -12,10 +12,12 @@ import select
 import shutil
 import signal
 import subprocess
+import threading
 
 import pytest
 import zstandard
 
+from snapshotter.commit import push as push_module
 from snapshotter.commit.model import CommitOptions
 from snapshotter.profile import load_profile
 from snapshotter.watch.watcher import Watcher, WatchOptions
@@ -87,6 +89,12 @@ def committed(registry, base_ref, origin_box, hub, tmp_path_factory):
 
 def registry_bytes(registry, repo: str):
     """Every blob the registry holds for `repo`, zstd layers decompressed: what it could give anyone."""
+    yield from registry_blobs(registry, repo).values()
+
+
+def registry_blobs(registry, repo: str) -> dict:
+    """registry_bytes by digest."""
+    found = {}
     v2 = os.path.join(registry.storage, "docker/registry/v2")
     for folder, _, files in os.walk(os.path.join(v2, "repositories", repo, "_layers")):
         if "link" in files:
@@ -95,7 +103,8 @@ def registry_bytes(registry, repo: str):
                 data = f.read()
             if data[:4] == b"\x28\xb5\x2f\xfd":
                 data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
-            yield data
+            found[digest] = data
+    return found
 
 
 def assert_holds_no_weights(registry, repo: str) -> None:
@@ -330,13 +339,18 @@ def test_then_does_not_wait_for_the_weights_and_their_folder_keeps_its_times(com
     assert cache_tree(out) == cache_tree(origin_box)
 
 
-def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_ref, origin_box, hub, tmp_path,
-                                                                  monkeypatch):
+@pytest.fixture
+def watched_box(origin_box, hub, tmp_path, monkeypatch) -> CommitOptions:
+    """A copy of the box to watch with --weights-from-origin (the box's hub settings in the environment)."""
     box = str(tmp_path / "box")
     shutil.copytree(origin_box, box, symlinks=True)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_TOKEN_PATH", "/" + TOKEN_PATH)
-    commit = CommitOptions(root=box, profile=load_profile(), weights_from_origin=True)
+    return CommitOptions(root=box, profile=load_profile(), weights_from_origin=True)
+
+
+def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_ref, watched_box):
+    commit = watched_box
     clock = FakeClock()
     w = Watcher(f"{registry.host}/origin-watch:v2", base_ref, WatchOptions(commit=commit, log=[].append,
                                                                             clock=clock, every=60))
@@ -345,7 +359,10 @@ def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_
     assert note["files"] == len(LFS)
     assert_holds_no_weights(registry, "origin-watch")
     clock.advance(600)
-    w.tick()  # the next snapshot uploads them: self-contained
+    w.tick()  # nothing else pending: the weights are sent in the background
+    w.origin.thread.join(TIMEOUT)
+    clock.advance(600)
+    w.tick()  # once they are in, the next snapshot holds them: self-contained
     manifest = registry.manifest("origin-watch", "v2")
     assert "dev.snap.origin-references" not in manifest["annotations"]
     assert manifest["annotations"]["dev.snap.origin-uploaded"] == str(len(LFS)) and w.snapshots == 2
@@ -362,6 +379,48 @@ def test_watch_keeps_the_weights_as_references_then_uploads_them(registry, base_
     annotations = registry.manifest("origin-watch", "v2")["annotations"]  # a snapshot may be pushed, self-contained
     assert "dev.snap.origin-references" not in annotations, said
     assert annotations["dev.snap.origin-uploaded"] == str(len(LFS)), said
+
+
+def test_watch_sends_the_weights_behind_the_changes_then_holds_them(registry, base_ref, watched_box, monkeypatch):
+    commit, box = watched_box, watched_box.root
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # a real box's weights are older than the window
+    weights = f"/blobs/{BIG_SHA}"
+    reading, release, reads = threading.Event(), threading.Event(), []
+
+    def after_read(path: str, attempt: int) -> None:  # holds the send of the big weight until the test says
+        if path.endswith(weights):
+            reads.append(path)
+            reading.set()
+            release.wait(20)  # today's watcher sends them inside its tick: this bound ends its wait
+
+    clock, said = FakeClock(), []
+    w = Watcher(f"{registry.host}/origin-behind:v1", base_ref, WatchOptions(commit=commit, log=said.append, clock=clock,
+                                                                             every=60, after_read=after_read))
+    try:
+        w.tick()  # the first snapshot: references
+        clock.advance(600)
+        w.tick()  # nothing pending: the weights go in the background, held mid-read
+        assert reading.wait(TIMEOUT)
+        with open(os.path.join(box, "root/notes.txt"), "w") as f:
+            f.write("a change made while the weights are being sent\n")
+        clock.advance(600)
+        w.tick()  # the change's snapshot, at once: it does not wait for the weights
+        assert not release.is_set() and w.snapshots == 2, said
+        annotations = registry.manifest("origin-behind", "v1")["annotations"]
+        assert "dev.snap.origin-references" in annotations and "dev.snap.origin-uploaded" not in annotations
+    finally:
+        release.set()
+    w.origin.thread.join(TIMEOUT)
+    before, read_behind = registry_blobs(registry, "origin-behind"), len(reads)
+    assert any(WEIGHTS[BIG // 2:BIG // 2 + 4096] in data for data in before.values())  # sent ahead
+    clock.advance(600)
+    w.tick()  # every weight in: the tag moves to a snapshot that holds them
+    manifest = registry.manifest("origin-behind", "v1")
+    assert "dev.snap.origin-references" not in manifest["annotations"], said
+    assert manifest["annotations"]["dev.snap.origin-uploaded"] == str(len(LFS)) and w.snapshots == 3
+    new = [data for digest, data in registry_blobs(registry, "origin-behind").items() if digest not in before]
+    assert not any(WEIGHTS[BIG // 2:BIG // 2 + 4096] in data for data in new)  # that snapshot sent no weight bytes
+    assert len(reads) == read_behind, said  # not even read: the snapshot found its layer in the stat cache
 
 
 @pytest.fixture

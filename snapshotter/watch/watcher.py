@@ -34,6 +34,7 @@ from .bigfiles import BigFiles
 from .final import Handover, final_snapshot
 from .hooks import WatchHooks
 from .options import WatchOptions, trace
+from .origin_upload import OriginUpload
 from .pacing import Pacing
 from .tags import TagMover
 from .tracking import ChangeTracker, token, tokens_as_snapshotted
@@ -77,6 +78,7 @@ class Watcher:
         self.handover = Handover()
         self.snapshots = 0
         self.origin_uploaded = False  # a snapshot uploaded the hub weights (--weights-from-origin): _options
+        self.origin = OriginUpload(self.handover.commit_lock, self.log)  # the referenced weights, sent behind
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -103,6 +105,7 @@ class Watcher:
         if not self.changes.events_tried:
             self.changes.start_events(self.opts.events, self.opts.max_watches)
         if not self._check(now):
+            self._origin_step(now)
             return
         first = self.changes.committed is None
         ready = set() if first else self.big.ready(now)
@@ -117,6 +120,22 @@ class Watcher:
                 self.big.send_ahead(self._plan(now, False, stopping), ready, self.moving, self.transport, stopping)
             if first or due or burst_over:
                 self.snapshot(first=first, stopping=stopping)
+
+    def _origin_step(self, now: float) -> None:
+        """Nothing else pending (the lowest priority): the weights a snapshot keeps as references are
+        sent in the background (origin_upload.py), and once they are in, the snapshot that holds them."""
+        up = self.origin
+        up.check()
+        if not up.owed or up.running() or self.origin_uploaded:
+            return
+        with self.handover.commit_lock, exclusive(self.log):
+            stopping = self.handover.loop_commit()
+            if stopping is None:
+                return  # the final snapshot is on its way
+            if up.sent:
+                self.snapshot(stopping=stopping)
+            else:
+                up.start(self._plan(now, False, stopping, upload=True), self.moving, self.transport)
 
     def _check(self, now: float) -> bool:
         """Scan what may have changed and compare: whether anything is pending. The pace budgets the
@@ -165,18 +184,20 @@ class Watcher:
 
     # ---- snapshots -----------------------------------------------------------------------------
 
-    def _plan(self, now: float, final: bool, stopping: Optional[threading.Event] = None) -> CommitPlan:
+    def _plan(self, now: float, final: bool, stopping: Optional[threading.Event] = None,
+              upload: bool = False) -> CommitPlan:
         """A commit planned on a fresh scan, with the files being written held back (hooks.py)."""
         hooks = WatchHooks(self.opts, self.changes, self.big, self.tags, self.plan_memo, now, final, stopping)
-        return plan_commit(self.base, self._options(final), self.transport, hooks=hooks)
+        return plan_commit(self.base, self._options(upload), self.transport, hooks=hooks)
 
-    def _options(self, final: bool) -> CommitOptions:
-        """With --weights-from-origin the first snapshot keeps the hub weights as references (a 40 GB
-        box is saved in a minute), and the next ones upload them (--upload-origin: self-contained, so
-        an origin that deletes or gates a model cannot lose the box); a final snapshot before that
-        upload keeps the references, to fit in the grace."""
+    def _options(self, upload: bool = False) -> CommitOptions:
+        """With --weights-from-origin the snapshots keep the hub weights as references (a 40 GB box is
+        saved in a minute) until the weights are sent in the background (_origin_step); from then on
+        they hold them (--upload-origin: self-contained, so an origin that deletes or gates a model
+        cannot lose the box), sending nothing big. A final snapshot before that keeps the references,
+        to fit in the grace."""
         opts = self.commit_opts
-        upload = opts.weights_from_origin and (self.origin_uploaded or (self.snapshots > 0 and not final))
+        upload = opts.weights_from_origin and (upload or self.origin_uploaded or self.origin.sent)
         return dataclasses.replace(opts, upload_origin=True) if upload else opts
 
     def snapshot(self, first: bool = False, final: bool = False,
@@ -197,10 +218,9 @@ class Watcher:
         tag = self.tags.target()
         trace(self.log, f"planned {len(cp.plans)} layer(s)")
         # A held file the last snapshot has stays as it was there: carried, or the base's version.
-        # The box as scanned, with the token files a commit takes out of its layers; the weights a
-        # snapshot keeps as references (--weights-from-origin) not: the next check sees them to upload.
-        secrets = {p: e for p, e in (cp.origin.taken if cp.origin else {}).items() if p in cp.origin.secrets}
-        scanned = {p: token(e) for p, e in {**cp.scan.entries, **secrets}.items()}
+        # The box as scanned, with what a commit takes out of its layers: the token files, and the weights
+        # kept as references (no change: _origin_step sends them behind the changes).
+        scanned = {p: token(e) for p, e in {**cp.scan.entries, **(cp.origin.taken if cp.origin else {})}.items()}
         tokens = tokens_as_snapshotted(scanned, cp.held, last, set(cp.held))
         if first and self.tags.is_current(cp):
             self.tags.current = self.tags.current or "its snapshot made before this watcher started"
@@ -209,7 +229,7 @@ class Watcher:
             return None
         if final and tokens == self.changes.committed:
             return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
-        opts = self._options(final)
+        opts = self._options()
         result = push_commit(cp, self.tags.line.ref(tag), self.transport, opts)
         self.origin_uploaded = self.origin_uploaded or opts.upload_origin
         self._pushed(cp, result, tag, seq, scanned, last, now)
@@ -253,10 +273,12 @@ class Watcher:
 
     def _snapshotted(self, tokens: dict[str, tuple], now: float, cp: CommitPlan) -> None:
         self.changes.snapshotted(tokens, cp)
+        self.origin.snapshotted(bool(cp.origin) and any(p not in cp.origin.secrets for p in cp.origin.taken))
         self.pacing.snapshotted(now)
 
     def final(self, reason: str) -> int:
         """One last commit, bounded by the grace (final.py). The exit code."""
+        self.origin.stopping.set()  # the weights' send gives the link to the final snapshot
         return final_snapshot(self, reason)
 
 
