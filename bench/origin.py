@@ -38,8 +38,9 @@ HF_HOME = "root/.cache/huggingface"
 
 
 def weights(files: int, mib: int) -> dict[str, bytes]:
-    rng = random.Random(7)
-    return {f"model-{i:05d}-of-{files:05d}.safetensors": rng.randbytes(mib << 20) for i in range(files)}
+    rng = random.Random(7)  # in 64 MiB pieces: randbytes takes at most 256 MiB at once
+    return {f"model-{i:05d}-of-{files:05d}.safetensors": b"".join(rng.randbytes(min(64, mib - j) << 20)
+                                                               for j in range(0, mib, 64)) for i in range(files)}
 
 
 def snap(*args: str, env: dict) -> tuple[float, subprocess.CompletedProcess]:
