@@ -18,6 +18,7 @@ import pytest
 import zstandard
 
 from snapshotter.commit import push as push_module
+from snapshotter.errors import SnapError
 from snapshotter.commit.model import CommitOptions
 from snapshotter.profile import load_profile
 from snapshotter.watch.watcher import Watcher, WatchOptions
@@ -477,3 +478,35 @@ def test_the_origin_is_checked_as_a_registry_is(committed, hub, tmp_path, where,
         os.path.join(out, "opt/app"))
     assert {s.headers.get("authorization") for s in hub.seen_all[before:]} <= {None, f"Bearer {TOKEN}"}
     assert all("authorization" not in s.headers for s in hub.seen_all[before:] if s.server == "cdn")
+
+
+def test_a_failed_send_of_the_weights_is_tried_again_and_they_go_up(registry, proxy, base_ref, watched_box,
+                                                                    monkeypatch):
+    """The registry refuses the weights' uploads while the first send runs: the error is told at the
+    next tick, and a later idle tick sends them (a failed send stops only itself, not every retry);
+    then the tag moves to a snapshot that holds them."""
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # a real box's weights are older than the window
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    refusing = threading.Event()
+    proxy.answer = lambda method, path: (403, {}) if refusing.is_set() and "/blobs/uploads" in path else None
+    clock, said = FakeClock(), []
+    w = Watcher(f"{proxy.host}/origin-retry:v1", base_ref, WatchOptions(commit=watched_box, log=said.append,
+                                                                         clock=clock, every=60))
+    w.tick()  # the snapshot with references
+    refusing.set()
+    clock.advance(600)
+    w.tick()  # nothing pending: the send starts, and fails
+    w.origin.thread.join(TIMEOUT)
+    assert not w.origin.sent and w.origin.error is not None
+    refusing.clear()
+    for _ in range(4):  # the failure told (a backoff), then a send that works, then the snapshot holding them
+        clock.advance(3600)
+        try:
+            w.tick()
+        except SnapError:
+            pass
+        if w.origin.thread is not None:
+            w.origin.thread.join(TIMEOUT)
+    manifest = registry.manifest("origin-retry", "v1")
+    assert manifest["annotations"].get("dev.snap.origin-uploaded") == str(len(LFS)), said[-6:]
+    assert "dev.snap.origin-references" not in manifest["annotations"]

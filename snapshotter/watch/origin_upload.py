@@ -32,15 +32,28 @@ class OriginUpload:
 
     def __init__(self, commit_lock: threading.Lock, log: Callable[[str], None]):
         self.commit_lock, self.log = commit_lock, log
-        self.owed = False  # the last snapshot keeps hub weights as references
-        self.sent = False  # every referenced weight's layer is in the registry
-        self.stopping = threading.Event()  # the final snapshot started: the send gives up at its next chunk
+        self.referenced: set[str] = set()  # the hub blobs the last snapshot keeps as references
+        self.sent_blobs: set[str] = set()  # those whose layers a finished send put in the registry
+        # Set by the final snapshot: the send gives up at its next chunk. One per send: a failed send
+        # sets its own (push_layers stops its other layers), which must not stop the next try.
+        self.stopping = threading.Event()
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[SnapError] = None
 
-    def snapshotted(self, references: bool) -> None:
-        """A snapshot is in: whether it keeps weights as references (then they are owed, if not sent)."""
-        self.owed = references and not self.sent
+    @property
+    def owed(self) -> bool:
+        """The last snapshot keeps weights as references that no finished send covers."""
+        return bool(self.referenced - self.sent_blobs)
+
+    @property
+    def sent(self) -> bool:
+        """Every weight the last snapshot keeps as a reference is in the registry: the next snapshot
+        may hold them without sending them (a blob downloaded since keeps it owed)."""
+        return bool(self.referenced) and not self.owed
+
+    def snapshotted(self, referenced: set[str]) -> None:
+        """A snapshot is in, keeping these hub blobs as references (none once it holds them)."""
+        self.referenced = set(referenced)
 
     def running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
@@ -54,16 +67,18 @@ class OriginUpload:
     def start(self, cp: CommitPlan, target: Reference, transport: TransportOptions) -> None:
         """Send the weights' layers of `cp` (planned with --upload-origin) in a thread of their own."""
         plans = weight_plans(cp)
+        covered = {r.blob_path for r in cp.origin.references} if cp.origin else set()
         if not plans:
-            self.sent = True  # nothing to send: the next snapshot holds the box as it is
+            self.sent_blobs |= covered  # nothing to send: the next snapshot holds the box as it is
             return
         remote = target_remote(cp, target, transport)
-        remote.stopping = self.stopping
+        self.stopping = remote.stopping = threading.Event()
         self.log(f"sending {len(plans)} layer(s) of hub weights to the registry in the background")
-        self.thread = threading.Thread(target=self._send, args=(cp, remote, plans), name="origin upload", daemon=True)
+        self.thread = threading.Thread(target=self._send, args=(cp, remote, plans, covered), name="origin upload",
+                                       daemon=True)
         self.thread.start()
 
-    def _send(self, cp: CommitPlan, remote, plans: list[LayerPlan]) -> None:
+    def _send(self, cp: CommitPlan, remote, plans: list[LayerPlan], covered: set[str]) -> None:
         try:
             results = push_layers(cp, remote, plans)
         except SnapError as e:
@@ -72,16 +87,18 @@ class OriginUpload:
         except BaseException as e:  # noqa: BLE001 - stopped by the final snapshot, or a bug: told, tried again
             self.error = SnapError(f"the hub weights were not sent: {type(e).__name__}: {e}")
             return
+        torn = [plan.label for plan, _, status in results if status == NOT_SENT_TORN]
         # Recorded after any snapshot made meanwhile (each keeps only the layers it used): the next
         # snapshot's plan finds the weights' layers in the stat cache, and their blobs in the registry.
+        # Noted sent under the commit lock: a snapshot plans and pushes with one view of it.
         with self.commit_lock, exclusive(self.log):
             cache = StatCache(cp.root, cp.cache.key["base"])
             cache.new.update(cp.cache.new)
             cache.save(keep_old=True)
-        torn = [plan.label for plan, _, status in results if status == NOT_SENT_TORN]
+            if not torn:
+                self.sent_blobs |= covered
         if torn:
             self.log(f"hub weights not sent: {torn!r} changed while read; tried again later")
             return
-        self.sent = True
         self.log(f"hub weights sent to the registry ({sum(b.size for _, b, _ in results)} bytes): "
                  "the next snapshot holds them")

@@ -117,7 +117,8 @@ class Watcher:
             if stopping is None:
                 return  # the final snapshot is on its way
             if ready:
-                self.big.send_ahead(self._plan(now, False, stopping), ready, self.moving, self.transport, stopping)
+                plan = self._plan(now, False, self._options(), stopping)
+                self.big.send_ahead(plan, ready, self.moving, self.transport, stopping)
             if first or due or burst_over:
                 self.snapshot(first=first, stopping=stopping)
 
@@ -126,7 +127,7 @@ class Watcher:
         sent in the background (origin_upload.py), and once they are in, the snapshot that holds them."""
         up = self.origin
         up.check()
-        if not up.owed or up.running() or self.origin_uploaded:
+        if not up.referenced or up.running() or self.origin_uploaded:
             return
         with self.handover.commit_lock, exclusive(self.log):
             stopping = self.handover.loop_commit()
@@ -135,7 +136,7 @@ class Watcher:
             if up.sent:
                 self.snapshot(stopping=stopping)
             else:
-                up.start(self._plan(now, False, stopping, upload=True), self.moving, self.transport)
+                up.start(self._plan(now, False, self._options(upload=True), stopping), self.moving, self.transport)
 
     def _check(self, now: float) -> bool:
         """Scan what may have changed and compare: whether anything is pending. The pace budgets the
@@ -184,20 +185,20 @@ class Watcher:
 
     # ---- snapshots -----------------------------------------------------------------------------
 
-    def _plan(self, now: float, final: bool, stopping: Optional[threading.Event] = None,
-              upload: bool = False) -> CommitPlan:
+    def _plan(self, now: float, final: bool, opts: CommitOptions,
+              stopping: Optional[threading.Event] = None) -> CommitPlan:
         """A commit planned on a fresh scan, with the files being written held back (hooks.py)."""
         hooks = WatchHooks(self.opts, self.changes, self.big, self.tags, self.plan_memo, now, final, stopping)
-        return plan_commit(self.base, self._options(upload), self.transport, hooks=hooks)
+        return plan_commit(self.base, opts, self.transport, hooks=hooks)
 
-    def _options(self, upload: bool = False) -> CommitOptions:
+    def _options(self, upload: bool = False, final: bool = False) -> CommitOptions:
         """With --weights-from-origin the snapshots keep the hub weights as references (a 40 GB box is
         saved in a minute) until the weights are sent in the background (_origin_step); from then on
         they hold them (--upload-origin: self-contained, so an origin that deletes or gates a model
         cannot lose the box), sending nothing big. A final snapshot before that keeps the references,
         to fit in the grace."""
         opts = self.commit_opts
-        upload = opts.weights_from_origin and (upload or self.origin_uploaded or self.origin.sent)
+        upload = opts.weights_from_origin and (upload or self.origin_uploaded or (self.origin.sent and not final))
         return dataclasses.replace(opts, upload_origin=True) if upload else opts
 
     def snapshot(self, first: bool = False, final: bool = False,
@@ -212,7 +213,8 @@ class Watcher:
         last = self.changes.committed or {}
         if final and self.changes.nothing_new():
             return None
-        cp = self._plan(now, final, stopping)
+        opts = self._options(final=final)  # one view of the weights' send for the plan and the push
+        cp = self._plan(now, final, opts, stopping)
         if self.tags.judge_deletions(cp):
             self.check_lineage()
         tag = self.tags.target()
@@ -229,7 +231,6 @@ class Watcher:
             return None
         if final and tokens == self.changes.committed:
             return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
-        opts = self._options()
         result = push_commit(cp, self.tags.line.ref(tag), self.transport, opts)
         self.origin_uploaded = self.origin_uploaded or opts.upload_origin
         self._pushed(cp, result, tag, seq, scanned, last, now)
@@ -273,7 +274,7 @@ class Watcher:
 
     def _snapshotted(self, tokens: dict[str, tuple], now: float, cp: CommitPlan) -> None:
         self.changes.snapshotted(tokens, cp)
-        self.origin.snapshotted(bool(cp.origin) and any(p not in cp.origin.secrets for p in cp.origin.taken))
+        self.origin.snapshotted({p for p in cp.origin.taken if p not in cp.origin.secrets} if cp.origin else set())
         self.pacing.snapshotted(now)
 
     def final(self, reason: str) -> int:
