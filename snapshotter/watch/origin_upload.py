@@ -27,7 +27,7 @@ def weight_plans(cp: CommitPlan) -> list[LayerPlan]:
 
 
 class OriginUpload:
-    """The background send of the referenced weights: `owed` after a snapshot with references, then
+    """The background send of the referenced weights: owed after a snapshot with references, then
     running, then `sent` (the next snapshot holds them) or failed (told at the next tick, retried)."""
 
     def __init__(self, commit_lock: threading.Lock, log: Callable[[str], None]):
@@ -41,15 +41,10 @@ class OriginUpload:
         self.error: Optional[SnapError] = None
 
     @property
-    def owed(self) -> bool:
-        """The last snapshot keeps weights as references that no finished send covers."""
-        return bool(self.referenced - self.sent_blobs)
-
-    @property
     def sent(self) -> bool:
         """Every weight the last snapshot keeps as a reference is in the registry: the next snapshot
-        may hold them without sending them (a blob downloaded since keeps it owed)."""
-        return bool(self.referenced) and not self.owed
+        may hold them without sending them (a blob downloaded since is owed until a send covers it)."""
+        return bool(self.referenced) and self.referenced <= self.sent_blobs
 
     def snapshotted(self, referenced: set[str]) -> None:
         """A snapshot is in, keeping these hub blobs as references (none once it holds them)."""
