@@ -261,9 +261,10 @@ def test_a_watcher_pushes_encrypted_snapshots(registry, base_ref, box, keys, tmp
 
 def test_a_weight_rewritten_while_it_is_encrypted_is_held_back_not_pushed(registry, base_ref, box, keys, tmp_path):
     """A weights file (a layer stored as is, streamed from the box: no copy of it on the box's disk)
-    is read three times in an encrypted commit: measured, encrypted to learn the blob's digest, then
-    encrypted as it is sent. Rewritten in place during the 2nd read, it is held back as changed while
-    read (never pushed with bytes its diff_id is not), and the rest restores with the key."""
+    is read three times in a commit with derived keys: measured, encrypted to learn the blob's digest
+    (it may be in the registry already), then encrypted as it is sent. Rewritten in place during the
+    2nd read, it is held back as changed while read (never pushed with bytes its diff_id is not), and
+    the rest restores with the key. (Random keys: test_encrypted_upload.py.)"""
     big = "opt/app/models/checkpoints/rewritten.safetensors"
     write_tree(box, {big: os.urandom(2 << 20)})
     prof = tmp_path / "small.yaml"
@@ -279,7 +280,7 @@ def test_a_weight_rewritten_while_it_is_encrypted_is_held_back_not_pushed(regist
 
     target = f"{registry.host}/enc7:v1"
     opts = CommitOptions(root=box, profile=load_profile(str(prof)),
-                         encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+                         encryption=load_encryption([str(keys / "rsa.pub")], str(keys / "secret"), print))
     result = commit_box(target, base_ref, opts, CommitHooks(after_read=after_read))
     assert len(reads) >= 3 and result.held.get(big) == "changed while read", (reads, result.held)
     snap("restore", target, "--root", str(tmp_path / "r"), "--decryption-key", str(keys / "rsa.pem"), check=True)

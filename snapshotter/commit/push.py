@@ -13,7 +13,7 @@ from typing import Optional
 from snapshotter import progress
 from snapshotter.box.scan import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
-from snapshotter.digests import file_digest, sha256_digest
+from snapshotter.digests import sha256_digest
 from snapshotter.errors import IntegrityError, SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
@@ -22,18 +22,20 @@ from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, wr
 from snapshotter.layer.packers import Packers, PackJob
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
 from snapshotter.oci.image import (CREATED, SNAP_CONTENT, SNAP_HEADERS, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART,
-                                   SNAP_PART_FILE, SNAP_PART_LINKS, Image, NewImage, descriptor, scratch_config,
+                                   SNAP_PART_FILE, SNAP_PART_LINKS, NewImage, descriptor, scratch_config,
                                    secrets_annotations)
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.oci.reference import Reference
-from snapshotter.registry.blobsources import BlobSources, in_registry
-from snapshotter.registry.remote import Remote, host_platform
+from snapshotter.registry.blobsources import in_registry
+from snapshotter.registry.remote import Remote, copy_file, host_platform
 from snapshotter.registry.transport import TransportOptions
+from snapshotter.registry.upload import PatchRefused
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.encryption import SealingWriter, side_blobs, with_sealed
 from snapshotter.snapshot.statcache import note_last_commit
 from snapshotter.state import sub
 
+from .base_layers import ensure_base_layers
 from .hold import hold_back
 from .weights import note_origin, origin_counts
 from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
@@ -61,7 +63,7 @@ def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOpt
     if tagged:
         remote.held_by(tagged[1])
     if cp.base_img is not None:
-        _ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources, cp.log)
+        ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources, cp.log)
     return remote
 
 
@@ -393,6 +395,12 @@ class _LayerSender:
             sealed = self.encryption.lookup(blob.digest, blob.diff_id, blob.media_type)
             if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
                 return there
+            if self.encryption.secret is None:
+                try:
+                    self._seal_and_send(blob, lambda out: copy_file(blob.path, out))
+                    return "uploaded"
+                except PatchRefused:
+                    pass  # encrypted in place and counted first, as a derived key's
             sealed = self.encryption.encrypt_in_place(blob.path, blob.digest, blob.diff_id, blob.media_type)
             if there := in_registry(self.remote, sealed["digest"], self.sources):
                 return there
@@ -417,16 +425,27 @@ class _LayerSender:
                                after_read=self.after_read)
         return blob, headers.finish(blob.diff_id)
 
+    def _seal_and_send(self, blob: LayerBlob, write_plain) -> None:
+        """Send the layer encrypted in one pass as `write_plain` writes its plain bytes (a random key: no
+        blob of it can be in the registry already). PatchRefused: its digest must come first."""
+        self.encryption.upload_sealing(self.remote, write_plain, blob.digest, blob.diff_id, blob.media_type,
+                                       blob.size, self.on_up)
+
     def _upload_measured_encrypted(self, plan: LayerPlan, blob: LayerBlob) -> str:
-        """A measured layer encrypted as it is read again, twice under one key: once to learn the
-        encrypted blob's digest (its plain bytes checked against the digest measured), once as it is
-        sent. As a clear one, no copy of it on the box's disk."""
+        """A measured layer encrypted as it is read again: in one pass (_seal_and_send), else twice under
+        one key, once to learn the encrypted blob's digest (its plain bytes checked against the digest
+        measured), once as it is sent. As a clear one, no copy of it on the box's disk."""
         if blob.not_whole:
             return NOT_SENT_TORN
         enc = self.encryption
         sealed = enc.lookup(blob.digest, blob.diff_id, blob.media_type)
         if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
             return there
+        if enc.secret is None:
+            try:
+                return self._upload_measured(plan, blob, lambda produce: self._seal_and_send(blob, produce))
+            except PatchRefused:
+                pass  # counted first, as a derived key's
         key = enc.layer_key(blob.diff_id, blob.digest)
         counted = SealingWriter(None, key, record=True)  # each block's hash: the upload's read is checked
         again = write_layer(counted, self.root, plan, self.zstd_level, as_seen=blob.seen, after_read=self.after_read)
@@ -435,22 +454,28 @@ class _LayerSender:
         sealed = enc.descriptor_of(counted, blob.digest, blob.diff_id, blob.media_type)
         if there := in_registry(self.remote, sealed["digest"], self.sources):
             return there
-        return self._upload_measured(plan, blob, lambda out: SealingWriter(out, key, expect=counted), sealed["digest"])
+        return self._upload_measured(plan, blob, lambda produce: self.remote.upload_from(
+            lambda out: produce(SealingWriter(out, key, expect=counted)), sealed["digest"], blob.size, self.on_up,
+            what="layers"))
 
-    def _upload_measured(self, plan: LayerPlan, blob: LayerBlob, wrap=None, digest: Optional[str] = None) -> str:
+    def _upload_measured(self, plan: LayerPlan, blob: LayerBlob, send=None) -> str:
         """Send a measured layer (stored as is: read again from the box as it is sent), each file's
         header as measured and its bytes up to the size measured. A file that only grew since (a log, a
         download) gives the bytes measured: it is sent as first seen, and named in blob.grown. One whose
         bytes changed gives others, which the registry refuses: it is held back as torn (blob's
-        changed_while_read; the caller builds the layer again without it)."""
+        changed_while_read; the caller builds the layer again without it). `send(produce)`: an
+        encrypted layer's upload, `produce(out)` writing its plain bytes."""
         again: list[LayerBlob] = []
 
         def produce(out) -> None:
-            again[:] = [write_layer(wrap(out) if wrap else out, self.root, plan, self.zstd_level, as_seen=blob.seen,
+            again[:] = [write_layer(out, self.root, plan, self.zstd_level, as_seen=blob.seen,
                                     after_read=self.after_read)]
 
         try:
-            self.remote.upload_from(produce, digest or blob.digest, blob.size, self.on_up, what="layers")
+            if send:
+                send(produce)
+            else:
+                self.remote.upload_from(produce, blob.digest, blob.size, self.on_up, what="layers")
         except IntegrityError as e:
             return _held_back(blob, again[0] if again else None, e)
         blob.grown = again[0].grown if again else {}
@@ -471,28 +496,3 @@ def grown_line(path: str, size: int) -> str:
     """The warning for a file that kept growing through a commit (LayerBlob.grown)."""
     return (f"warning: {'/' + path!r} kept growing while it was sent: the snapshot has it as first seen "
             f"({size} bytes); the next commit takes the rest")
-
-
-def _ensure_base_layers(target: Remote, source: Remote, base: Image, sources: BlobSources, sink: progress.Sink) -> None:
-    """Make the base's blobs available in the target repository: nothing to do in the same repo,
-    a cross-repository mount on the same registry (from the base's repository or another known to
-    hold the blob), else a copy through the local disk."""
-    if target is source:
-        return
-    missing = [d for d in base.layers + [base.manifest["config"]] if not target.blob_exists(d["digest"])]
-    if not missing:
-        return
-    same_registry = target.ref.api_host == source.ref.api_host
-    if same_registry:
-        sources.note(source.ref.api_host, source.ref.repository, [d["digest"] for d in missing])
-    tmp_dir = sub("blobs")
-    with progress.bar("copying base layers", sum(d["size"] for d in missing), sink=sink) as b:
-        for d in missing:
-            if in_registry(target, d["digest"], sources):
-                b.update(d["size"])
-                continue
-            path = os.path.join(tmp_dir, d["digest"].split(":", 1)[1])
-            if not (os.path.exists(path) and file_digest(path) == d["digest"]):  # a killed run's: checked first
-                source.download_blob(d["digest"], path, size=d["size"])
-            target.upload_blob(path, d["digest"], d["size"], progress.safe_update(b), what="base layers")
-            os.unlink(path)  # only a stop on the way to the other registry

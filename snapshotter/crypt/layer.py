@@ -146,6 +146,11 @@ class LayerEncryptor:
         self.size += len(sealed)
         return sealed
 
+    @property
+    def digest(self) -> str:
+        """The encrypted blob's digest so far (all of it once the plain bytes have ended)."""
+        return hasher_digest(self._hash)
+
     def finish(self, recipients: Iterable[PublicKey], plain_digest: str) -> Encrypted:
         """The encrypted blob's digest, size and annotations: its key wrapped for every recipient."""
         recipients = list(recipients)
@@ -153,7 +158,7 @@ class LayerEncryptor:
             raise ValueError("encrypting a layer needs at least one recipient")
         annotations = {KEYS_JWE: b64(jwe.encrypt(private_options(self._key, plain_digest), recipients)),
                        PUBOPTS: b64(public_options(self._mac.digest()))}
-        return Encrypted(hasher_digest(self._hash), self.size, annotations)
+        return Encrypted(self.digest, self.size, annotations)
 
 
 def encrypt_layer(src: BinaryIO, dst: BinaryIO, recipients: Iterable[PublicKey], plain_digest: str,

@@ -81,6 +81,7 @@ class Transport:
         self.session.mount("https://", _TimeoutAdapter())
         self.auth = authenticator(found.auth_kind, registry, repository, self.options.credentials_for(registry),
                                   self.session, self.scheme, verify)
+        self.chunks_refused = False  # the registry refused a PATCH: every later upload is one PUT (upload.py)
 
     def request(self, method: str, url: str, resend: bool = True, **kw) -> requests.Response:
         """One registry request, with who we are (a token renewed once if the registry asks),

@@ -9,7 +9,7 @@ import queue
 import re
 import threading
 import urllib.parse
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import requests
 
@@ -27,18 +27,30 @@ CHUNK_SIZE = 256 * 1024 * 1024  # bytes per PATCH: what a break can cost on a re
 PATCH_REFUSED = (405, 501)
 
 Produce = Callable[[object], None]
+Digest = Union[str, Callable[[], str]]  # a blob's digest, or a function that knows it once the bytes are written
 
 
-def upload(transport: Transport, produce: Produce, digest: str, size: int, *, exists: Callable[[], bool],
-           stopping: threading.Event, progress: Optional[Callable[[int], None]] = None) -> None:
+class PatchRefused(RegistryError):
+    """A registry that takes no chunked uploads, for a blob whose digest is known only at its end."""
+
+
+def upload(transport: Transport, produce: Produce, digest: Digest, size: int, *, exists: Callable[[], bool],
+           stopping: threading.Event, progress: Optional[Callable[[int], None]] = None) -> str:
     """Upload the blob whose `size` bytes `produce(out)` writes to `out`, into the transport's
-    repository. After a failed attempt the registry is asked whether it holds the blob after all
-    (`exists`), else where the upload stands (GET on its URL: the Range it holds); the next
+    repository; its digest. After a failed attempt the registry is asked whether it holds the blob
+    after all (`exists`), else where the upload stands (GET on its URL: the Range it holds); the next
     attempt runs `produce` again and sends only what follows. A registry that lost the upload
     (distribution 2.8 drops one whose PATCH broke mid-way) gets it again from zero. The registry
     accepts the blob only at the final PUT, and only if the bytes hash to `digest`. `stopping`
-    set: the upload gives up (Stopped), even one whose socket hangs."""
+    set: the upload gives up (Stopped), even one whose socket hangs.
+
+    `digest` may be known only once the bytes are written (a blob encrypted as it streams, in one
+    pass): a function called after each attempt's body, before its PUT. Such an upload never resumes
+    (each attempt writes the blob anew, from a new upload) and needs chunked uploads: a registry that
+    refuses them raises PatchRefused, as a monolithic PUT names the digest before the body."""
     # Not oras's upload_blob: it reads the whole blob into memory (20 GB of RAM for a 20 GB model).
+    deferred = callable(digest)
+    name = "(encrypted as it is sent)" if deferred else digest
     shown = 0  # bytes on the progress bar for this blob
 
     def count(n: int) -> None:
@@ -47,12 +59,14 @@ def upload(transport: Transport, produce: Produce, digest: str, size: int, *, ex
         if progress:
             progress(n)
 
-    monolithic = False
+    monolithic = transport.chunks_refused  # learned once: no PATCH refused again for each blob
+    if deferred and monolithic:
+        raise PatchRefused(f"registry {transport.registry} refuses chunked uploads")
     location, offset = None, 0
     for delay in RETRY_DELAYS:  # one attempt per step of the backoff
         if location is None:
-            location, offset = _start(transport, digest), 0
-        out = _StreamedUpload(transport, stopping, location, digest, size, offset, count, monolithic)
+            location, offset = _start(transport, name), 0
+        out = _StreamedUpload(transport, stopping, location, name, size, offset, count, monolithic)
         try:
             try:
                 produce(out)
@@ -60,19 +74,23 @@ def upload(transport: Transport, produce: Produce, digest: str, size: int, *, ex
                 out.abort()
                 raise
             location = out.finish()
+            done = digest() if deferred else digest
             if not monolithic:
-                _commit(transport, location, digest)
-            return
+                _commit(transport, location, done)
+            return done
         except RegistryError as e:
             last: RegistryError = e
+        transport.chunks_refused = transport.chunks_refused or out.patch_refused
+        if out.patch_refused and deferred:
+            raise PatchRefused(str(last))
         if out.patch_refused and not monolithic:
             monolithic, location, offset = True, out.location, 0  # same upload, one PUT
             continue
-        if exists():  # it went in after all (waits for a registry that restarts)
+        if not deferred and exists():  # it went in after all (waits for a registry that restarts)
             count(size - shown)
-            return
+            return digest
         transport.backoff(out.retry_after if out.retry_after is not None else delay)
-        status = None if monolithic else _status(transport, out.location)
+        status = None if monolithic or deferred else _status(transport, out.location)
         location, offset = status if status else (None, 0)
         count(offset - shown)  # the bar goes back to what the registry holds
     raise last

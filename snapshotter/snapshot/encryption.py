@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from snapshotter.digests import DIGEST
-from snapshotter.errors import SnapError, UsageError
+from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_HEADERS, SNAP_MAX_LAYER,
                                    SNAP_PROFILE, Layer, NewImage, annotations_of)
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
@@ -178,6 +178,30 @@ class Encryption:
             while chunk := src.read(1 << 20):
                 writer.write(chunk)
         return self.descriptor_of(writer, plain_digest, diff_id, media_type)
+
+    def upload_sealing(self, remote: Remote, write_plain: Callable[[SealingWriter], None], plain_digest: str,
+                       diff_id: str, media_type: str, size: int, progress=None) -> dict:
+        """Upload a layer encrypted as `write_plain` writes its plain bytes: one pass under a random key,
+        the encrypted blob's digest known at its end (registry/upload.py), where a derived key's blob
+        (which may be in the registry) needs its digest first. Each attempt takes a new key: one that
+        starts again must never put a key stream over other bytes. Plain bytes that are not
+        `plain_digest`'s: IntegrityError before the PUT (the blob is never committed). A registry that
+        takes no chunked uploads: PatchRefused."""
+        if self.secret is not None:
+            raise ValueError("a derived key's layer is encrypted and counted before it is sent")
+        writers: list[SealingWriter] = []
+
+        def produce(out) -> None:
+            writers[:] = [SealingWriter(out, self.layer_key(diff_id, plain_digest))]
+            write_plain(writers[0])
+
+        def digest() -> str:
+            if writers[0].plain_digest != plain_digest:
+                raise IntegrityError(f"layer {plain_digest} changed while it was encrypted and sent")
+            return writers[0].encryptor.digest
+
+        remote.upload_from(produce, digest, size, progress, what="layers")
+        return self.descriptor_of(writers[0], plain_digest, diff_id, media_type)
 
     def descriptor_of(self, writer: SealingWriter, plain_digest: str, diff_id: str, media_type: str) -> dict:
         """The descriptor of the blob `writer` encrypted (`plain_digest`'s), noted for that plain blob."""

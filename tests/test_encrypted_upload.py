@@ -1,0 +1,115 @@
+"""An encrypted layer under a random key goes up in one pass, its blob's digest known at its end
+(registry/upload.py's deferred digest): read once more than measured, not twice; an attempt that
+starts again takes a new key; plain bytes that are not the ones measured are never committed; a
+registry that takes no chunked uploads gets the layer counted first. Real registry, FaultProxy."""
+
+import hashlib
+import io
+import os
+
+import pytest
+
+from snapshotter import CommitOptions, commit_box
+from snapshotter.commit.model import CommitHooks
+from snapshotter.crypt import layer
+from snapshotter.crypt.keys import load_private_key
+from snapshotter.errors import IntegrityError
+from snapshotter.oci.mediatypes import LAYER_TAR
+from snapshotter.profile import load_profile
+from snapshotter.registry.remote import Reference, Remote
+from snapshotter.snapshot.encryption import load_encryption
+from support.ocicrypt import make_keys
+from support.registry import blobs_in
+from support.run import snap
+from support.trees import SMALL_WEIGHTS, snapshot_of_tree, write_tree
+
+MiB = 1 << 20
+WEIGHT = "opt/app/models/checkpoints/one-pass.safetensors"
+NOT_RESTORED = ("tmp", "proc", "sys", "dev", "run")
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    make_keys(d)
+    for p in d.iterdir():
+        p.chmod(0o600)
+    return d
+
+
+def sealing(keys, remote, plain: bytes, digest: str = ""):
+    """Encryption.upload_sealing of `plain` (named `digest`, its own by default): the descriptor."""
+    enc = load_encryption([str(keys / "rsa.pub")], None, print)
+    digest = digest or "sha256:" + hashlib.sha256(plain).hexdigest()
+    return enc.upload_sealing(remote, lambda out: out.write(plain), digest, digest, LAYER_TAR, len(plain))
+
+
+def decrypted(keys, desc: dict, blob: bytes) -> bytes:
+    key, _ = load_private_key(str(keys / "rsa.pem"))
+    out = io.BytesIO()
+    layer.decrypt_layer(io.BytesIO(blob), out, layer.open_layer(desc["annotations"], [key]))
+    return out.getvalue()
+
+
+def commit_counting_reads(registry_host, base_ref, box, keys, tmp_path, repo):
+    """An encrypted commit of `box` with a 2 MiB weight (a layer stored as is): the weight's reads."""
+    write_tree(box, {WEIGHT: os.urandom(2 * MiB)})
+    prof = tmp_path / "small.yaml"
+    prof.write_text(SMALL_WEIGHTS)
+    reads = []
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
+                         encryption=load_encryption([str(keys / "rsa.pub")], None, print))
+    commit_box(f"{registry_host}/{repo}:v1", base_ref, opts,
+               CommitHooks(after_read=lambda rel, attempt: reads.append(rel) if rel == WEIGHT else None))
+    return reads
+
+
+def test_a_measured_layer_is_encrypted_and_sent_in_one_pass(registry, base_ref, box, keys, tmp_path):
+    """Measured, then read once as it is encrypted and sent (it was read a third time, to learn the
+    encrypted blob's digest first); the snapshot restores with the key."""
+    reads = commit_counting_reads(registry.host, base_ref, box, keys, tmp_path, "onepass")
+    assert reads == [WEIGHT, WEIGHT]
+    root = tmp_path / "r"
+    snap("restore", f"{registry.host}/onepass:v1", "--root", str(root), "--decryption-key", str(keys / "rsa.pem"),
+         check=True)
+    assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
+
+
+def test_a_registry_without_chunked_uploads_gets_the_layer_counted_first(registry, proxy, base_ref, box, keys,
+                                                                         tmp_path):
+    """A monolithic PUT names the digest before its body: the layer is encrypted once to learn it,
+    then sent (after a first try in one pass, unless another blob's upload met the refusal first),
+    and the snapshot restores."""
+    proxy.answer = lambda method, path: (405, {}) if method == "PATCH" else None
+    reads = commit_counting_reads(proxy.host, base_ref, box, keys, tmp_path, "nopatch")
+    assert reads in ([WEIGHT] * 3, [WEIGHT] * 4)
+    assert not [s for m, _, s in proxy.log if m == "PATCH" and s != 405]
+    root = tmp_path / "r"
+    snap("restore", f"{registry.host}/nopatch:v1", "--root", str(root), "--decryption-key", str(keys / "rsa.pem"),
+         check=True)
+    assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
+
+
+def test_an_upload_that_starts_again_takes_a_new_key(registry, proxy, keys):
+    """The link cut mid-way: the blob goes up again from its start (its digest is not known to
+    resume by) under a new key, never one key stream over the bytes twice; the blob the registry
+    keeps decrypts to the plain bytes."""
+    plain = os.urandom(3 * MiB)
+    proxy.uploads, proxy.cut_upload_after = {}, MiB
+    remote = Remote(Reference.parse(f"{proxy.host}/cut:x"))
+    remote.transport.sleep = lambda seconds: None
+    desc = sealing(keys, remote, plain)
+    first, second = list(proxy.uploads.values())[:2]
+    assert len(first) >= 4096 and first[:4096] != second[:4096]  # the same plain bytes, another key stream
+    assert decrypted(keys, desc, registry.blob("cut", desc["digest"])) == plain
+
+
+def test_bytes_that_are_not_the_ones_measured_are_never_committed(registry, keys):
+    """The plain bytes written do not hash to the digest measured (a file rewritten since): nothing
+    is committed in the registry (the PUT never comes), and the error names the layer."""
+    other = os.urandom(MiB)
+    before = blobs_in(registry)
+    remote = Remote(Reference.parse(f"{registry.host}/changed:x"))
+    with pytest.raises(IntegrityError, match="changed while it was encrypted"):
+        sealing(keys, remote, other, digest="sha256:" + hashlib.sha256(b"what was measured").hexdigest())
+    assert blobs_in(registry) == before
