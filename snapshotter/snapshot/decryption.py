@@ -70,8 +70,10 @@ class DecryptingRemote(Remote):
 
         encrypted, opened, exact = self._opened[digest]
         h = hashlib.sha256()
-        # raises at the end on a wrong HMAC, as the encrypted blob's own stream on a wrong digest
-        for chunk in layer.decrypt_chunks(super().iter_blob(encrypted, progress, size), opened):
+        # Raises at the end on a wrong HMAC. The encrypted blob's digest is not checked too: the HMAC
+        # covers the same bytes, keyed by what the same manifest pins, and a second pass costs a
+        # restore of weights a third more CPU (docs/encryption.md).
+        for chunk in layer.decrypt_chunks(self.iter_blob_unhashed(encrypted, progress, size), opened):
             if exact:
                 h.update(chunk)
             yield chunk
