@@ -768,6 +768,8 @@ def measure_all(b: Bench, args) -> dict:
         step("walk_floor", "Python walk of the box", lambda: walk_floor(b, box))
 
     restic = not args.no_restic and restic_init(b)
+    if args.no_restic:
+        b.skipped["restic"] = "--no-restic"  # its rows say SKIP, not ERROR
     if b.lean:
         # At most two copies of the box at any time (the disk of a scale run): every peer that
         # makes a copy runs before snap fills the registry. The box itself is deleted once archived;
