@@ -72,10 +72,15 @@ def _commit_options(root: str, profile: str, include: Optional[List[str]], compr
     from snapshotter.profile import include_path, load_profile, parse_size
     from snapshotter.commit.model import CommitOptions
 
+    from snapshotter.commit.weights import in_layers_note
+
     prof = load_profile(profile)
     prof.include += tuple(include_path(p) for p in include or ())
-    return CommitOptions(root=root, profile=prof, compression=compression, max_layer_size=parse_size(max_layer_size),
+    opts = CommitOptions(root=root, profile=prof, compression=compression, max_layer_size=parse_size(max_layer_size),
                          transport=registry.transport(), **more)
+    if note := in_layers_note(opts):
+        say(note)
+    return opts
 
 
 def _encryption(encrypt_to: Optional[List[str]], encrypt_secret: Optional[str]):

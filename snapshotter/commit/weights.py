@@ -13,11 +13,16 @@ from .model import CommitOptions, CommitPlan
 
 
 def weights_in_layers(opts: CommitOptions) -> bool:
-    """Whether recognised hub weights go into the layers after all (said here, once a commit): with
-    --upload-origin, and in an encrypted snapshot, whose references would name its files in clear."""
-    if opts.encryption is not None and not opts.upload_origin:
-        opts.log("weights from the origin: kept in the encrypted layers (references would name them in clear)")
+    """Whether recognised hub weights go into the layers after all: with --upload-origin, and in an
+    encrypted snapshot, whose references would name its files in clear (in_layers_note says so)."""
     return _in_layers(opts)
+
+
+def in_layers_note(opts: CommitOptions) -> Optional[str]:
+    """The line that says --weights-from-origin is not followed (once a command: a watcher plans often)."""
+    if opts.weights_from_origin and opts.encryption is not None and not opts.upload_origin:
+        return "weights from the origin: kept in the encrypted layers (references would name them in clear)"
+    return None
 
 
 def _in_layers(opts: CommitOptions) -> bool:
