@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import zstandard
@@ -336,12 +337,16 @@ def _commit_held_weight(registry, base_ref, box, keys, tmp_path, repo: str, firs
     return result, v1, target
 
 
-def test_a_held_file_of_a_clear_snapshot_is_carried_encrypted(registry, base_ref, box, keys, tmp_path):
+def test_a_held_file_of_a_clear_snapshot_is_carried_encrypted(registry, proxy, base_ref, box, keys, tmp_path):
     """A weight rewritten during every read, whose last snapshot (clear) holds it: the encrypted commit
     to the same tag keeps that version, its layer encrypted from the registry's clear blob (a clear
-    layer never goes into an encrypted snapshot), and the restore with the key has it."""
-    result, v1, target = _commit_held_weight(registry, base_ref, box, keys, tmp_path, "enc-carry", False)
+    layer never goes into an encrypted snapshot) as it downloads, once (a random key's blob needs no
+    digest before its upload), and the restore with the key has it."""
+    via = SimpleNamespace(host=proxy.host)
+    result, v1, target = _commit_held_weight(via, base_ref, box, keys, tmp_path, "enc-carry", False)
     assert result.held == {WEIGHT: "changed while read"} and result.carried == [WEIGHT]
+    assert len(v1) <= proxy.blob_bytes_sent < 2 * len(v1)
+    target = target.replace(proxy.host, registry.host)
     manifest = manifest_of(registry, "enc-carry", "v1")
     own = manifest["layers"][int(manifest["annotations"]["dev.snap.base-layers"]):]
     assert own and all(d["mediaType"] in ENCRYPTED_TYPES for d in own)

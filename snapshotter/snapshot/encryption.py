@@ -28,6 +28,7 @@ from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LA
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
+from snapshotter.registry.upload import PatchRefused
 from snapshotter.state import open_own, replace_file, sub
 
 if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported where a key is used: a clear
@@ -253,9 +254,16 @@ class Encryption:
         return Layer(kept.index, {**desc, "annotations": {**desc["annotations"], **ann}}, kept.diff_id)
 
     def _encrypt_from_registry(self, remote: Remote, kept: Layer, sources: BlobSources) -> dict:
-        """A clear blob of the registry encrypted as it streams, twice under one key (no copy on the
-        box's disk): once to learn the encrypted blob's digest, once as it is sent. The download
-        checks the plain digest."""
+        """A clear blob of the registry encrypted as it streams (no copy on the box's disk): once, under
+        a random key (upload_sealing checks its plain digest); a derived key's (or where the registry
+        takes no chunked upload) twice under one key, to learn the encrypted blob's digest, then as it
+        is sent. The download checks the plain digest."""
+        if self.secret is None:
+            try:
+                return self.upload_sealing(remote, lambda out: _copy_blob(remote, kept, out), kept.digest,
+                                           kept.diff_id, kept.media_type, kept.size)
+            except PatchRefused:
+                pass
         key = self.layer_key(kept.diff_id, kept.digest)
 
         def stream(writer: SealingWriter) -> SealingWriter:
@@ -363,6 +371,12 @@ class SealingWriter:
     @property
     def plain_digest(self) -> str:
         return "sha256:" + self._plain.hexdigest()
+
+
+def _copy_blob(remote: Remote, kept: Layer, out) -> None:
+    """A blob of the registry written to `out` as it downloads, unhashed: upload_sealing checks it."""
+    for chunk in remote.iter_blob_unhashed(kept.digest, size=kept.size):
+        out.write(chunk)
 
 
 def _is_seal(doc) -> bool:
