@@ -27,6 +27,7 @@ from snapshotter.engine.run import cannot_read_zstd
 
 from support.engine import Dockerd, engine_api
 from support.faults import FaultProxy, HostileServer
+from support.ocicrypt import make_keys, skopeo_copy
 from support.images import label, layers_by_name, push_base_image
 from support.registry import RegistryServer, diverged_tags
 from support.run import (
@@ -121,6 +122,39 @@ def test_gzip_snapshot_runs_in_docker_with_the_box_files(registry, base_ref, box
     assert "Traceback" not in r.stderr
 
 
+def test_an_encrypted_snapshot_is_refused_by_run_and_runs_in_docker_once_skopeo_decrypts_it(
+        registry, base_ref, box, engine, tmp_path):
+    """Docker pulls no ocicrypt layer (containerd's imgcrypt would, given the key): snap run refuses
+    snap's encrypted image in one line before the engine pulls, naming both ways out; the copy that
+    `skopeo copy --decryption-key` makes runs on Docker 20.10 and the container sees the box."""
+    make_keys(tmp_path)
+    ref, clear = f"{registry.host}/dock-enc:gz", f"{registry.host}/dock-enc-clear:gz"
+    commit_json(ref, base_ref, box, "--compression", "gzip", "--encrypt-to", str(tmp_path / "ec.pub"))
+    manifest = registry.manifest("dock-enc", "gz")
+    box_layers = manifest["layers"][int(manifest["annotations"]["dev.snap.base-layers"]):]
+    assert box_layers and all(d["mediaType"].endswith("+encrypted") for d in box_layers)  # the base's stay clear
+
+    r = snap("run", ref, "--", "/bin/true")
+    assert_one_line_error(r, 8, repr(ref), "encrypted", "snap restore", "--decryption-key", "skopeo copy")
+    assert r.stderr.count("\n") == 1 and not r.stdout
+    with pytest.raises(docker.errors.ImageNotFound):
+        engine.images.get(ref)  # refused before the engine pulled a byte
+
+    skopeo_copy(tmp_path, f"docker://{ref}", f"docker://{clear}", "--decryption-key", str(tmp_path / "ec.pem"))
+    model = "opt/app/models/checkpoints/sd15.safetensors"
+    script = (f"cat /etc/app.conf; sha256sum /{model}; readlink /opt/app/venv/bin/python; "
+              "stat -c '%a %n' /opt/app/custom_nodes/NodeB/__init__.py; "
+              "test -e /opt/app/old_cache.bin || echo old_cache.bin is gone")
+    r = snap("run", clear, "--", "/bin/sh", "-c", script)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert "threads = 8" in out
+    assert f"{sha256_file(os.path.join(box, model))}  /{model}" in out
+    assert "/usr/bin/python3" in out
+    assert "600 /opt/app/custom_nodes/NodeB/__init__.py" in out
+    assert "old_cache.bin is gone" in out
+
+
 def test_zstd_is_the_default_and_docker_20_cannot_pull_it(registry, base_ref, box, engine):
     """snap commit compresses code and venvs with zstd by default. Docker before 23.0 cannot unpack
     zstd layers (20.10 fails with 'archive/tar: invalid tar header'), which is why the interop tests
@@ -201,6 +235,22 @@ def test_run_on_an_engine_too_old_for_zstd_says_so_before_the_engine_pulls(regis
         r = snap("run", ref, "--", "/bin/true")
         assert r.returncode == 10 and "this engine pulls nothing" in r.stderr, (version["Version"], r.stderr)
         assert any(call.endswith("/images/create") for call in engine_calls(fake_engine)), fake_engine.seen
+
+
+def test_run_refuses_encrypted_layers_before_any_engine_pulls(registry, fake_engine):
+    """Layers in ocicrypt's media types (skopeo's --encryption-key writes tar+gzip+encrypted): no
+    engine behind the Docker API decrypts them, old or new, so snap run says so in one line and the
+    engine is asked for nothing but its version."""
+    ref = f"{registry.host}/skopeo-encrypted:v1"
+    registry.push_image("skopeo-encrypted", "v1", [os.urandom(512)], diff_ids=["sha256:" + "ab" * 32],
+                        layer_media_type=LAYER_GZIP + "+encrypted")
+    for version in (DEBIAN_DOCKER_20, DOCKER_CE_24, PODMAN_4):
+        fake_engine.seen.clear()
+        fake_engine.answer = engine_api(version)
+        r = snap("run", ref, "--", "/bin/true")
+        assert_one_line_error(r, 8, f"{ref!r} has encrypted layers", "snap restore REF --root DIR --decryption-key",
+                              "skopeo copy --decryption-key")
+        assert all(call.endswith(("/version", "/_ping")) for call in engine_calls(fake_engine)), fake_engine.seen
 
 
 def test_an_old_engines_invalid_tar_header_is_the_same_line(registry, fake_engine):

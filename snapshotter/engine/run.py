@@ -15,7 +15,7 @@ from typing import BinaryIO, Callable, Optional, Sequence
 
 from snapshotter.errors import (AuthError, EngineUnavailable, IntegrityError, NotFound, RegistryError,
                                 RegistryUnreachable, SnapError, UsageError)
-from snapshotter.oci.mediatypes import compression_of
+from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, compression_of
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
@@ -173,27 +173,42 @@ def zstd_error(engine: str, image: str) -> EngineUnavailable:
                              "upgrade Docker, or commit the snapshot again with --compression gzip; or " + RESTORE_HINT)
 
 
+def encrypted_error(image: str) -> EngineUnavailable:
+    """The one line for an image with ocicrypt layers: no Docker engine decrypts them (containerd's
+    imgcrypt does, given the key, but the Docker API has no way to pass one)."""
+    return EngineUnavailable(f"{image!r} has encrypted layers, which the Docker engine cannot decrypt",
+                             "restore it with its key in extract mode: snap restore REF --root DIR "
+                             "--decryption-key FILE; or decrypt a copy and run that: skopeo copy "
+                             "--decryption-key FILE docker://REF docker://COPY")
+
+
 def refuse_unreadable_layers(client, reference: Reference, transport: Optional[TransportOptions]) -> None:
-    """Refuse, before the engine pulls anything, an image with zstd layers on an engine that cannot
-    unpack them. Only an old engine costs a look at the manifest; where snap cannot read it (a
-    registry only the engine's host reaches), the engine's pull goes ahead and its failure is
-    mapped to the same line (_pull_error)."""
+    """Refuse, before the engine pulls anything, an image it cannot unpack: encrypted layers on any
+    engine (Docker 20.10 pulls them and fails with 'invalid tar header'), zstd layers on an engine
+    too old for them. Where snap cannot read the manifest (a registry only the engine's host
+    reaches), the engine's pull goes ahead and its failure is mapped to one line (_pull_error)."""
     import docker
 
     try:
         version = client.version()
     except (docker.errors.DockerException, OSError):  # requests' errors are OSErrors
         return  # the pull says what is wrong with the engine
-    engine = cannot_read_zstd(version)
-    if engine is None:
-        return
     want = (version.get("Os") or "linux", version.get("Arch") or "amd64")
     try:
         layers = Remote(reference, transport).resolve(want=want).layers
     except SnapError:
         return
-    if any(_is_zstd(d) for d in layers):
+    if any(_is_encrypted(d) for d in layers):
+        raise encrypted_error(str(reference))
+    engine = cannot_read_zstd(version)
+    if engine is not None and any(_is_zstd(d) for d in layers):
         raise zstd_error(engine, str(reference))
+
+
+def _is_encrypted(desc) -> bool:
+    # mediatypes' suffix, not crypt.layer's is_encrypted: that module needs `cryptography`, which a
+    # clear snapshot's run does not.
+    return isinstance(desc, dict) and str(desc.get("mediaType", "")).endswith(ENCRYPTED_SUFFIX)
 
 
 def _is_zstd(desc) -> bool:
