@@ -16,7 +16,9 @@ from snapshotter.crypt.keys import load_private_key
 from snapshotter.errors import IntegrityError
 from snapshotter.oci.mediatypes import LAYER_TAR
 from snapshotter.profile import load_profile
+from snapshotter.registry import upload as upload_mod
 from snapshotter.registry.remote import Reference, Remote
+from snapshotter.registry.upload import DigestFirst
 from snapshotter.snapshot.encryption import load_encryption
 from support.ocicrypt import make_keys
 from support.registry import blobs_in
@@ -90,14 +92,17 @@ def test_a_registry_without_chunked_uploads_gets_the_layer_counted_first(registr
     assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
 
 
-def test_an_upload_that_starts_again_takes_a_new_key(registry, proxy, keys):
-    """The link cut mid-way: the blob goes up again from its start (its digest is not known to
-    resume by) under a new key, never one key stream over the bytes twice; the blob the registry
-    keeps decrypts to the plain bytes."""
+def test_a_one_pass_upload_cut_mid_way_is_digest_first_and_cancelled(registry, proxy, keys):
+    """The link cut mid-way: the one pass cannot resume (its digest is not known to resume by, and
+    its bytes again would be under a new key), so it says DigestFirst, the upload is cancelled, and
+    the bar goes back to zero; a new one-pass upload uses another key stream over the same bytes."""
     plain = os.urandom(3 * MiB)
     proxy.uploads, proxy.cut_upload_after = {}, MiB
     remote = Remote(Reference.parse(f"{proxy.host}/cut:x"))
     remote.transport.sleep = lambda seconds: None
+    with pytest.raises(DigestFirst):
+        sealing(keys, remote, plain)
+    assert any(m == "DELETE" and "/blobs/uploads/" in p for m, p, _ in proxy.log)
     desc = sealing(keys, remote, plain)
     first, second = list(proxy.uploads.values())[:2]
     assert len(first) >= 4096 and first[:4096] != second[:4096]  # the same plain bytes, another key stream
@@ -113,3 +118,30 @@ def test_bytes_that_are_not_the_ones_measured_are_never_committed(registry, keys
     with pytest.raises(IntegrityError, match="changed while it was encrypted"):
         sealing(keys, remote, other, digest="sha256:" + hashlib.sha256(b"what was measured").hexdigest())
     assert blobs_in(registry) == before
+
+
+def test_a_one_pass_upload_that_fails_goes_up_counted_and_resumes(registry, proxy, base_ref, box, keys, tmp_path,
+                                                                  monkeypatch):
+    """The 2nd PATCH of every upload fails (a token that expires, a link that breaks): the one-pass
+    upload cannot resume (its key is gone with it), so it is cancelled (DELETE: its bytes freed now)
+    and the layer goes up counted first, which resumes where the registry stands; the snapshot
+    restores. (Starting the one pass again would meet the same failure every time.)"""
+    monkeypatch.setattr(upload_mod, "CHUNK_SIZE", MiB)
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    patches: dict[str, int] = {}
+
+    def answer(method, path):
+        if method == "PATCH":
+            session = path.split("/blobs/uploads/", 1)[1].split("?", 1)[0]
+            patches[session] = patches.get(session, 0) + 1
+            return (500, {}) if patches[session] == 2 else None
+        return None
+
+    proxy.answer = answer
+    reads = commit_counting_reads(proxy.host, base_ref, box, keys, tmp_path, "flaky")
+    assert len(reads) >= 3  # measured, the one pass that failed, then counted and sent
+    assert any(m == "DELETE" and "/blobs/uploads/" in p for m, p, _ in proxy.log)
+    root = tmp_path / "r"
+    snap("restore", f"{registry.host}/flaky:v1", "--root", str(root), "--decryption-key", str(keys / "rsa.pem"),
+         check=True)
+    assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)

@@ -29,7 +29,7 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import in_registry
 from snapshotter.registry.remote import Remote, copy_file, host_platform
 from snapshotter.registry.transport import TransportOptions
-from snapshotter.registry.upload import PatchRefused
+from snapshotter.registry.upload import DigestFirst
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.encryption import SealingWriter, side_blobs, with_sealed
 from snapshotter.snapshot.statcache import note_last_commit
@@ -399,8 +399,8 @@ class _LayerSender:
                 try:
                     self._seal_and_send(blob, lambda out: copy_file(blob.path, out))
                     return "uploaded"
-                except PatchRefused:
-                    pass  # encrypted in place and counted first, as a derived key's
+                except DigestFirst:
+                    pass  # encrypted in place and counted first, as a derived key's: it can resume
             sealed = self.encryption.encrypt_in_place(blob.path, blob.digest, blob.diff_id, blob.media_type)
             if there := in_registry(self.remote, sealed["digest"], self.sources):
                 return there
@@ -427,7 +427,7 @@ class _LayerSender:
 
     def _seal_and_send(self, blob: LayerBlob, write_plain) -> None:
         """Send the layer encrypted in one pass as `write_plain` writes its plain bytes (a random key: no
-        blob of it can be in the registry already). PatchRefused: its digest must come first."""
+        blob of it can be in the registry already). DigestFirst: it goes up counted first, resumable."""
         self.encryption.upload_sealing(self.remote, write_plain, blob.digest, blob.diff_id, blob.media_type,
                                        blob.size, self.on_up)
 
@@ -444,8 +444,8 @@ class _LayerSender:
         if enc.secret is None:
             try:
                 return self._upload_measured(plan, blob, lambda produce: self._seal_and_send(blob, produce))
-            except PatchRefused:
-                pass  # counted first, as a derived key's
+            except DigestFirst:
+                pass  # counted first, as a derived key's: it can resume
         key = enc.layer_key(blob.diff_id, blob.digest)
         counted = SealingWriter(None, key, record=True)  # each block's hash: the upload's read is checked
         again = write_layer(counted, self.root, plan, self.zstd_level, as_seen=blob.seen, after_read=self.after_read)

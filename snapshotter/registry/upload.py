@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import requests
 
-from snapshotter.errors import IntegrityError, RegistryError
+from snapshotter.errors import IntegrityError, RegistryError, SnapError
 from snapshotter.progress import Stopped
 
 from .answers import check
@@ -30,8 +30,24 @@ Produce = Callable[[object], None]
 Digest = Union[str, Callable[[], str]]  # a blob's digest, or a function that knows it once the bytes are written
 
 
-class PatchRefused(RegistryError):
-    """A registry that takes no chunked uploads, for a blob whose digest is known only at its end."""
+class DigestFirst(RegistryError):
+    """A blob whose digest is known only at its end could not go up in one pass (a registry that takes
+    no chunked uploads, or a failed attempt, which cannot resume): count it first, then upload it."""
+
+
+class _Bar:
+    """A blob's bytes on the progress bar."""
+
+    def __init__(self, progress: Optional[Callable[[int], None]]):
+        self.progress, self.shown = progress, 0
+
+    def count(self, n: int) -> None:
+        self.shown += n
+        if self.progress:
+            self.progress(n)
+
+    def back_to(self, offset: int) -> None:
+        self.count(offset - self.shown)
 
 
 def upload(transport: Transport, produce: Produce, digest: Digest, size: int, *, exists: Callable[[], bool],
@@ -44,29 +60,18 @@ def upload(transport: Transport, produce: Produce, digest: Digest, size: int, *,
     accepts the blob only at the final PUT, and only if the bytes hash to `digest`. `stopping`
     set: the upload gives up (Stopped), even one whose socket hangs.
 
-    `digest` may be known only once the bytes are written (a blob encrypted as it streams, in one
-    pass): a function called after each attempt's body, before its PUT. Such an upload never resumes
-    (each attempt writes the blob anew, from a new upload) and needs chunked uploads: a registry that
-    refuses them raises PatchRefused, as a monolithic PUT names the digest before the body."""
+    `digest` may be a function that knows it only once the bytes are written (a blob encrypted as it
+    streams, in one pass): _upload_once."""
     # Not oras's upload_blob: it reads the whole blob into memory (20 GB of RAM for a 20 GB model).
-    deferred = callable(digest)
-    name = "(encrypted as it is sent)" if deferred else digest
-    shown = 0  # bytes on the progress bar for this blob
-
-    def count(n: int) -> None:
-        nonlocal shown
-        shown += n
-        if progress:
-            progress(n)
-
+    bar = _Bar(progress)
+    if callable(digest):
+        return _upload_once(transport, produce, digest, size, stopping, bar)
     monolithic = transport.chunks_refused  # learned once: no PATCH refused again for each blob
-    if deferred and monolithic:
-        raise PatchRefused(f"registry {transport.registry} refuses chunked uploads")
     location, offset = None, 0
     for delay in RETRY_DELAYS:  # one attempt per step of the backoff
         if location is None:
-            location, offset = _start(transport, name), 0
-        out = _StreamedUpload(transport, stopping, location, name, size, offset, count, monolithic)
+            location, offset = _start(transport, digest), 0
+        out = _StreamedUpload(transport, stopping, location, digest, size, offset, bar.count, monolithic)
         try:
             try:
                 produce(out)
@@ -74,26 +79,66 @@ def upload(transport: Transport, produce: Produce, digest: Digest, size: int, *,
                 out.abort()
                 raise
             location = out.finish()
-            done = digest() if deferred else digest
             if not monolithic:
-                _commit(transport, location, done)
-            return done
+                _commit(transport, location, digest)
+            return digest
         except RegistryError as e:
             last: RegistryError = e
-        transport.chunks_refused = transport.chunks_refused or out.patch_refused
-        if out.patch_refused and deferred:
-            raise PatchRefused(str(last))
         if out.patch_refused and not monolithic:
+            transport.chunks_refused = True
             monolithic, location, offset = True, out.location, 0  # same upload, one PUT
+            bar.back_to(0)
             continue
-        if not deferred and exists():  # it went in after all (waits for a registry that restarts)
-            count(size - shown)
+        if exists():  # it went in after all (waits for a registry that restarts)
+            bar.back_to(size)
             return digest
         transport.backoff(out.retry_after if out.retry_after is not None else delay)
-        status = None if monolithic or deferred else _status(transport, out.location)
+        status = None if monolithic else _status(transport, out.location)
         location, offset = status if status else (None, 0)
-        count(offset - shown)  # the bar goes back to what the registry holds
+        bar.back_to(offset)  # the bar goes back to what the registry holds
     raise last
+
+
+ONCE = "an encrypted layer"  # how _upload_once's blob is named in messages: its digest is not known yet
+
+
+def _upload_once(transport: Transport, produce: Produce, digest_of: Callable[[], str], size: int,
+                 stopping: threading.Event, bar: _Bar) -> str:
+    """One attempt, in PATCHes, of a blob whose digest `digest_of()` gives once `produce` has written
+    it, before the PUT (IntegrityError there: no PUT). It cannot resume (the bytes written again would
+    be others: a new key), so any failure of the registry or the link is DigestFirst, as is a registry
+    that takes no chunked uploads (a monolithic PUT names the digest before its body); the upload is
+    cancelled and the bar goes back to zero."""
+    if transport.chunks_refused:
+        raise DigestFirst(f"registry {transport.registry} refuses chunked uploads")
+    out = _StreamedUpload(transport, stopping, _start(transport, ONCE), ONCE, size, 0, bar.count, False)
+    try:
+        try:
+            produce(out)
+        except BaseException:
+            out.abort()
+            raise
+        location = out.finish()
+        done = digest_of()
+        _commit(transport, location, done)
+        return done
+    except RegistryError as e:
+        if out.patch_refused:
+            transport.chunks_refused = True
+        _cancel(transport, out.location)
+        bar.back_to(0)
+        raise DigestFirst(str(e)) from None
+    except IntegrityError:
+        _cancel(transport, out.location)
+        raise
+
+
+def _cancel(transport: Transport, location: str) -> None:
+    """Cancel an upload the registry holds (its bytes freed now, not days later): best effort."""
+    try:
+        transport.request("DELETE", location)
+    except SnapError:
+        pass
 
 
 def _start(transport: Transport, digest: str) -> str:

@@ -28,7 +28,7 @@ from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LA
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
-from snapshotter.registry.upload import PatchRefused
+from snapshotter.registry.upload import DigestFirst
 from snapshotter.state import open_own, replace_file, sub
 
 if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported where a key is used: a clear
@@ -184,10 +184,10 @@ class Encryption:
                        diff_id: str, media_type: str, size: int, progress=None) -> dict:
         """Upload a layer encrypted as `write_plain` writes its plain bytes: one pass under a random key,
         the encrypted blob's digest known at its end (registry/upload.py), where a derived key's blob
-        (which may be in the registry) needs its digest first. Each attempt takes a new key: one that
-        starts again must never put a key stream over other bytes. Plain bytes that are not
-        `plain_digest`'s: IntegrityError before the PUT (the blob is never committed). A registry that
-        takes no chunked uploads: PatchRefused."""
+        (which may be in the registry) needs its digest first. One attempt: a registry that takes no
+        chunked uploads, or a failed attempt (which cannot resume: its key is gone with it, and a key
+        stream must never cover other bytes) is DigestFirst, for the caller to count the layer first.
+        Plain bytes that are not `plain_digest`'s: IntegrityError before the PUT (never committed)."""
         if self.secret is not None:
             raise ValueError("a derived key's layer is encrypted and counted before it is sent")
         writers: list[SealingWriter] = []
@@ -262,7 +262,7 @@ class Encryption:
             try:
                 return self.upload_sealing(remote, lambda out: _copy_blob(remote, kept, out), kept.digest,
                                            kept.diff_id, kept.media_type, kept.size)
-            except PatchRefused:
+            except DigestFirst:
                 pass
         key = self.layer_key(kept.diff_id, kept.digest)
 
