@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Optional
 
@@ -14,12 +12,11 @@ from snapshotter import progress
 from snapshotter.box.scan import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
 from snapshotter.digests import sha256_digest
-from snapshotter.errors import IntegrityError, SnapError
+from snapshotter.errors import SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
-from snapshotter.jobs import cpu_count
-from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
-from snapshotter.layer.packers import Packers, PackJob
+from snapshotter.layer.generate import LayerBlob
+from snapshotter.layer.packers import Packers
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
 from snapshotter.oci.image import (CREATED, SNAP_CONTENT, SNAP_HEADERS, SNAP_LAYER, SNAP_MAX_LAYER, SNAP_PART,
                                    SNAP_PART_FILE, SNAP_PART_LINKS, NewImage, descriptor, scratch_config,
@@ -27,27 +24,24 @@ from snapshotter.oci.image import (CREATED, SNAP_CONTENT, SNAP_HEADERS, SNAP_LAY
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import in_registry
-from snapshotter.registry.remote import Remote, copy_file, host_platform
+from snapshotter.registry.remote import Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
-from snapshotter.registry.upload import DigestFirst
 from snapshotter.snapshot import skeleton
-from snapshotter.snapshot.encryption import SealingWriter, side_blobs, with_sealed
+from snapshotter.snapshot.encryption import side_blobs, with_sealed
 from snapshotter.snapshot.statcache import note_last_commit
-from snapshotter.state import sub
 
 from .base_layers import ensure_base_layers
 from .hold import hold_back
+from .sender import UPLOADS, LayerSender
 from .weights import note_origin, origin_counts
 from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
 
-UPLOADS = 3  # layers uploaded at once (memory: a few MiB each), while the next ones are packed
 # Less to compress than this: packed in this process (a packer process takes ~0.1 s of CPU to start).
 PACK_APART_MIN = 64 << 20
 MAX_ENGINE_LAYERS = 125  # Docker refuses images of more layers; podman fails at run from 126 to 133
 TORN = "changed while read"
 CHANGED_SINCE_SCAN = "changed since the scan"  # read whole and still, but written meanwhile: maybe half saved
 UNREADABLE = "could not be read"  # refused at open (permissions), or a read failed (then with why)
-NOT_SENT_TORN = "not sent: a file changed while read or since the scan"
 SETTLE_PASSES = 3  # builds of the layers, each leaving out what tore in the one before
 
 
@@ -300,7 +294,7 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
             Packers(packers, progress.Stopped) as apart_packers:
         # An error or Ctrl-C sets remote.stopping: layers being read or sent give up at their next
         # chunk, and the exit does not wait for a weight to finish on a slow link.
-        sender = _LayerSender(cp, remote, apart_packers if packers else None, packers,
+        sender = LayerSender(cp, remote, apart_packers if packers else None, packers,
                               progress.stoppable(progress.safe_update(pack), remote.stopping),
                               progress.stoppable(progress.safe_update(up), remote.stopping))
         futures = {}
@@ -342,154 +336,6 @@ def _reuse(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]
         else:
             todo.append((i, plan, fp))
     return results, todo
-
-
-class _LayerSender:
-    """Builds one planned layer (in this process, or a packer process) and sends it, at most
-    cp.jobs layers packed and UPLOADS sent at once."""
-
-    def __init__(self, cp: CommitPlan, remote: Remote, packers: Optional[Packers], count: int, on_pack, on_up):
-        self.root, self.zstd_level, self.sources, self.remote = cp.root, cp.zstd_level, cp.sources, remote
-        self.packers, self.on_pack, self.on_up = packers, on_pack, on_up
-        self.encryption = cp.encryption
-        self.after_read = cp.hooks.after_read  # into every read of a box file, here and in the packers
-        self.out_dir = sub("layers")
-        # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
-        # way the frames are the same (tar/compress.py).
-        self.zstd_threads = max(1, cpu_count() // count) if count else -1
-        self.slots = threading.Semaphore(cp.jobs)  # layers packed at once
-        self.sending = threading.Semaphore(UPLOADS)
-
-    def produce(self, plan: LayerPlan) -> tuple[LayerBlob, str]:
-        with self.slots:
-            blob, piece = self._pack(plan)
-        skeleton.keep(blob.diff_id, piece)
-        with self.sending:
-            return self._send(plan, blob)
-
-    def _send(self, plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
-        if self.encryption is not None:
-            return blob, (self._send_encrypted(blob) if blob.path else self._upload_measured_encrypted(plan, blob))
-        if plan.compression == "none":
-            if blob.not_whole:
-                return blob, NOT_SENT_TORN
-            if there := in_registry(self.remote, blob.digest, self.sources):
-                return blob, there
-            return blob, self._upload_measured(plan, blob)
-        try:
-            if blob.not_whole:
-                return blob, NOT_SENT_TORN
-            if there := in_registry(self.remote, blob.digest, self.sources):
-                return blob, there
-            self.remote.upload_blob(blob.path, blob.digest, blob.size, self.on_up, what="layers")
-            return blob, "uploaded"
-        finally:
-            os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
-
-    def _send_encrypted(self, blob: LayerBlob) -> str:
-        """Send the built blob encrypted: the encrypted blob already pushed for it (state dir, the
-        tag's snapshot), else the file encrypted in place (a derived key's blob may be there already)."""
-        try:
-            if blob.not_whole:
-                return NOT_SENT_TORN
-            sealed = self.encryption.lookup(blob.digest, blob.diff_id, blob.media_type)
-            if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
-                return there
-            if self.encryption.secret is None:
-                try:
-                    self._seal_and_send(blob, lambda out: copy_file(blob.path, out))
-                    return "uploaded"
-                except DigestFirst:
-                    pass  # encrypted in place and counted first, as a derived key's: it can resume
-            sealed = self.encryption.encrypt_in_place(blob.path, blob.digest, blob.diff_id, blob.media_type)
-            if there := in_registry(self.remote, sealed["digest"], self.sources):
-                return there
-            self.remote.upload_blob(blob.path, sealed["digest"], sealed["size"], self.on_up, what="layers")
-            return "uploaded"
-        finally:
-            os.unlink(blob.path)
-
-    def _pack(self, plan: LayerPlan) -> tuple[LayerBlob, bytes]:
-        """The layer's blob and its skeleton's piece (its headers, as written)."""
-        if plan.compression != "none" and self.packers is not None:
-            return self.packers.pack(PackJob(plan, self.root, self.out_dir, self.zstd_level, self.zstd_threads,
-                                             skeleton.PieceWriter, self.after_read), self.on_pack)
-        headers = skeleton.PieceWriter()
-        if plan.compression == "none":
-            # Stored as is: hash it in one read (the hash lets other threads run), then stream it
-            # again to the registry only if the registry lacks it. No copy of tens of GB on the
-            # box's (often full) disk.
-            blob = measure_layer(self.root, plan, self.zstd_level, self.on_pack, headers, self.after_read)
-        else:
-            blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, self.on_pack, headers,
-                               after_read=self.after_read)
-        return blob, headers.finish(blob.diff_id)
-
-    def _seal_and_send(self, blob: LayerBlob, write_plain) -> None:
-        """Send the layer encrypted in one pass as `write_plain` writes its plain bytes (a random key: no
-        blob of it can be in the registry already). DigestFirst: it goes up counted first, resumable."""
-        self.encryption.upload_sealing(self.remote, write_plain, blob.digest, blob.diff_id, blob.media_type,
-                                       blob.size, self.on_up)
-
-    def _upload_measured_encrypted(self, plan: LayerPlan, blob: LayerBlob) -> str:
-        """A measured layer encrypted as it is read again: in one pass (_seal_and_send), else twice under
-        one key, once to learn the encrypted blob's digest (its plain bytes checked against the digest
-        measured), once as it is sent. As a clear one, no copy of it on the box's disk."""
-        if blob.not_whole:
-            return NOT_SENT_TORN
-        enc = self.encryption
-        sealed = enc.lookup(blob.digest, blob.diff_id, blob.media_type)
-        if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
-            return there
-        if enc.secret is None:
-            try:
-                return self._upload_measured(plan, blob, lambda produce: self._seal_and_send(blob, produce))
-            except DigestFirst:
-                pass  # counted first, as a derived key's: it can resume
-        key = enc.layer_key(blob.diff_id, blob.digest)
-        counted = SealingWriter(None, key, record=True)  # each block's hash: the upload's read is checked
-        again = write_layer(counted, self.root, plan, self.zstd_level, as_seen=blob.seen, after_read=self.after_read)
-        if counted.plain_digest != blob.digest:
-            return _held_back(blob, again, IntegrityError(f"layer {plan.label!r} changed while it was encrypted"))
-        sealed = enc.descriptor_of(counted, blob.digest, blob.diff_id, blob.media_type)
-        if there := in_registry(self.remote, sealed["digest"], self.sources):
-            return there
-        return self._upload_measured(plan, blob, lambda produce: self.remote.upload_from(
-            lambda out: produce(SealingWriter(out, key, expect=counted)), sealed["digest"], blob.size, self.on_up,
-            what="layers"))
-
-    def _upload_measured(self, plan: LayerPlan, blob: LayerBlob, send=None) -> str:
-        """Send a measured layer (stored as is: read again from the box as it is sent), each file's
-        header as measured and its bytes up to the size measured. A file that only grew since (a log, a
-        download) gives the bytes measured: it is sent as first seen, and named in blob.grown. One whose
-        bytes changed gives others, which the registry refuses: it is held back as torn (blob's
-        changed_while_read; the caller builds the layer again without it). `send(produce)`: an
-        encrypted layer's upload, `produce(out)` writing its plain bytes."""
-        again: list[LayerBlob] = []
-
-        def produce(out) -> None:
-            again[:] = [write_layer(out, self.root, plan, self.zstd_level, as_seen=blob.seen,
-                                    after_read=self.after_read)]
-
-        try:
-            if send:
-                send(produce)
-            else:
-                self.remote.upload_from(produce, blob.digest, blob.size, self.on_up, what="layers")
-        except IntegrityError as e:
-            return _held_back(blob, again[0] if again else None, e)
-        blob.grown = again[0].grown if again else {}
-        return "uploaded"
-
-
-def _held_back(blob: LayerBlob, again: Optional[LayerBlob], error: IntegrityError) -> str:
-    """A measured layer whose bytes changed when read again: held back as torn if a file grew or
-    became unreadable (the caller builds the layer again without it), else `error`."""
-    if not (again and (again.grown or again.unreadable)):
-        raise error
-    blob.changed_while_read = sorted(set(again.grown) - set(again.unreadable))
-    blob.unreadable, blob.read_errors = again.unreadable, again.read_errors
-    return NOT_SENT_TORN
 
 
 def grown_line(path: str, size: int) -> str:

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 
 from snapshotter.box.writers import last_change
 from snapshotter.commit.model import CommitPlan
-from snapshotter.commit.push import NOT_SENT_TORN, grown_line, push_layers, target_remote
+from snapshotter.commit.push import grown_line, push_layers, target_remote
+from snapshotter.commit.sender import NOT_SENT_TORN
 from snapshotter.index.entry import FILE, Entry
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.transport import TransportOptions

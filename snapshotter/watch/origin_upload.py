@@ -11,7 +11,8 @@ import threading
 from typing import Callable, Optional
 
 from snapshotter.commit.model import CommitPlan
-from snapshotter.commit.push import NOT_SENT_TORN, push_layers, target_remote
+from snapshotter.commit.push import push_layers, target_remote
+from snapshotter.commit.sender import NOT_SENT_TORN
 from snapshotter.errors import SnapError
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.oci.reference import Reference
