@@ -43,7 +43,8 @@ def sealing(keys, remote, plain: bytes, digest: str = ""):
     """Encryption.upload_sealing of `plain` (named `digest`, its own by default): the descriptor."""
     enc = load_encryption([str(keys / "rsa.pub")], None, print)
     digest = digest or "sha256:" + hashlib.sha256(plain).hexdigest()
-    return enc.upload_sealing(remote, lambda out: out.write(plain), digest, digest, LAYER_TAR, len(plain))
+    return enc.upload_sealing(remote, lambda out: out.write(plain), LAYER_TAR, len(plain), plain_digest=digest,
+                              diff_id=digest)[1]
 
 
 def decrypted(keys, desc: dict, blob: bytes) -> bytes:
@@ -53,28 +54,68 @@ def decrypted(keys, desc: dict, blob: bytes) -> bytes:
     return out.getvalue()
 
 
-def commit_counting_reads(registry_host, base_ref, box, keys, tmp_path, repo):
-    """An encrypted commit of `box` with a 2 MiB weight (a layer stored as is): the weight's reads."""
-    write_tree(box, {WEIGHT: os.urandom(2 * MiB)})
+def commit_counting_reads(registry_host, base_ref, box, keys, tmp_path, repo, weight=None, rewrite_at=None,
+                          force=False):
+    """An encrypted commit of `box` with a 2 MiB weight (a layer stored as is; `weight`: its bytes, else
+    random ones; b"": left as it is), the weight rewritten after its read number `rewrite_at`: (its
+    reads, result)."""
+    if weight != b"":
+        write_tree(box, {WEIGHT: weight if weight is not None else os.urandom(2 * MiB)})
     prof = tmp_path / "small.yaml"
     prof.write_text(SMALL_WEIGHTS)
     reads = []
-    opts = CommitOptions(root=box, profile=load_profile(str(prof)),
+
+    def after_read(rel, attempt):
+        if rel == WEIGHT:
+            reads.append(rel)
+            if len(reads) == rewrite_at:
+                with open(os.path.join(box, WEIGHT), "r+b") as f:
+                    f.write(b"REWRITTEN")
+
+    opts = CommitOptions(root=box, profile=load_profile(str(prof)), force=force,
                          encryption=load_encryption([str(keys / "rsa.pub")], None, print))
-    commit_box(f"{registry_host}/{repo}:v1", base_ref, opts,
-               CommitHooks(after_read=lambda rel, attempt: reads.append(rel) if rel == WEIGHT else None))
-    return reads
+    result = commit_box(f"{registry_host}/{repo}:v1", base_ref, opts, CommitHooks(after_read=after_read))
+    return reads, result
 
 
-def test_a_measured_layer_is_encrypted_and_sent_in_one_pass(registry, base_ref, box, keys, tmp_path):
-    """Measured, then read once as it is encrypted and sent (it was read a third time, to learn the
-    encrypted blob's digest first); the snapshot restores with the key."""
-    reads = commit_counting_reads(registry.host, base_ref, box, keys, tmp_path, "onepass")
-    assert reads == [WEIGHT, WEIGHT]
-    root = tmp_path / "r"
-    snap("restore", f"{registry.host}/onepass:v1", "--root", str(root), "--decryption-key", str(keys / "rsa.pem"),
+def restored_equals_box(registry, repo, box, keys, tmp_path, skip=()):
+    root = tmp_path / f"r-{repo}"
+    snap("restore", f"{registry.host}/{repo}:v1", "--root", str(root), "--decryption-key", str(keys / "rsa.pem"),
          check=True)
-    assert snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED)
+    return snapshot_of_tree(str(root), skip=NOT_RESTORED) == snapshot_of_tree(box, skip=NOT_RESTORED + skip)
+
+
+def test_a_weight_is_read_once_as_it_is_encrypted_and_sent(registry, base_ref, box, keys, tmp_path):
+    """Under a random key no blob of the layer can be in the registry: it is surveyed (headers and
+    sizes, unread), then read once as it is encrypted and sent (it was measured first, then read
+    again, and before that a third time to learn the encrypted blob's digest); it restores."""
+    reads, _ = commit_counting_reads(registry.host, base_ref, box, keys, tmp_path, "onepass")
+    assert reads == [WEIGHT]
+    assert restored_equals_box(registry, "onepass", box, keys, tmp_path)
+
+
+def test_a_weight_rewritten_while_read_once_is_held_back_not_pushed(registry, base_ref, box, keys, tmp_path):
+    """Rewritten in place while it is read (after its bytes, before its re-stat): the upload is never
+    committed, the weight is held back as changed while read, and the rest restores."""
+    reads, result = commit_counting_reads(registry.host, base_ref, box, keys, tmp_path, "rewritten", rewrite_at=1)
+    assert result.held.get(WEIGHT) == "changed while read", result.held
+    assert restored_equals_box(registry, "rewritten", box, keys, tmp_path, skip=(WEIGHT,))
+
+
+def test_a_weight_of_a_known_size_is_measured_first_and_kept_if_unchanged(registry, base_ref, box, keys, tmp_path,
+                                                                           monkeypatch):
+    """A blob of the same size is known (the tag's snapshot): the layer may be it, so it is measured
+    first. Unchanged, committed from a new state dir (no stat cache): its encrypted blob is kept,
+    nothing sent, one read. Rewritten with other bytes of that size: measured, then sent in one pass
+    (two reads), and it restores."""
+    commit_counting_reads(registry.host, base_ref, box, keys, tmp_path, "known")
+    monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "another-state-dir"))
+    reads, result = commit_counting_reads(registry.host, base_ref, box, keys, tmp_path, "known", b"", force=True)
+    assert reads == [WEIGHT] and not [x for x in result.layers if x.status == "uploaded"]
+    assert result.uploaded_bytes < 64 << 10  # a new config and manifest at most (its seal is a new JWE)
+    reads, _ = commit_counting_reads(registry.host, base_ref, box, keys, tmp_path, "known")
+    assert reads == [WEIGHT, WEIGHT]
+    assert restored_equals_box(registry, "known", box, keys, tmp_path)
 
 
 def test_a_registry_without_chunked_uploads_gets_the_layer_counted_first(registry, proxy, base_ref, box, keys,
@@ -83,7 +124,7 @@ def test_a_registry_without_chunked_uploads_gets_the_layer_counted_first(registr
     then sent (after a first try in one pass, unless another blob's upload met the refusal first),
     and the snapshot restores."""
     proxy.answer = lambda method, path: (405, {}) if method == "PATCH" else None
-    reads = commit_counting_reads(proxy.host, base_ref, box, keys, tmp_path, "nopatch")
+    reads, _ = commit_counting_reads(proxy.host, base_ref, box, keys, tmp_path, "nopatch")
     assert reads in ([WEIGHT] * 3, [WEIGHT] * 4)
     assert not [s for m, _, s in proxy.log if m == "PATCH" and s != 405]
     root = tmp_path / "r"
@@ -138,7 +179,7 @@ def test_a_one_pass_upload_that_fails_goes_up_counted_and_resumes(registry, prox
         return None
 
     proxy.answer = answer
-    reads = commit_counting_reads(proxy.host, base_ref, box, keys, tmp_path, "flaky")
+    reads, _ = commit_counting_reads(proxy.host, base_ref, box, keys, tmp_path, "flaky")
     assert len(reads) >= 3  # measured, the one pass that failed, then counted and sent
     assert any(m == "DELETE" and "/blobs/uploads/" in p for m, p, _ in proxy.log)
     root = tmp_path / "r"

@@ -5,13 +5,14 @@ its key is random (snapshot/encryption.py's upload_sealing), else counted first.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Optional
 
 from snapshotter.errors import IntegrityError
 from snapshotter.jobs import cpu_count
-from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, write_layer
+from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, survey_layer, write_layer
 from snapshotter.layer.packers import Packers, PackJob
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.registry.blobsources import in_registry
@@ -44,6 +45,10 @@ class LayerSender:
         self.sending = threading.Semaphore(UPLOADS)
 
     def produce(self, plan: LayerPlan) -> tuple[LayerBlob, str]:
+        if self._reads_once(plan):
+            with self.sending:
+                if (done := self._read_once(plan)) is not None:
+                    return done
         with self.slots:
             blob, piece = self._pack(plan)
         skeleton.keep(blob.diff_id, piece)
@@ -108,11 +113,48 @@ class LayerSender:
                                after_read=self.after_read)
         return blob, headers.finish(blob.diff_id)
 
+    def _reads_once(self, plan: LayerPlan) -> bool:
+        """A layer stored as is, encrypted under a random key: no blob of it can be in the registry,
+        so it need not be measured first (_read_once)."""
+        enc = self.encryption
+        return (enc is not None and enc.secret is None and plan.compression == "none"
+                and not self.remote.transport.chunks_refused)
+
+    def _read_once(self, plan: LayerPlan) -> Optional[tuple[LayerBlob, str]]:
+        """The layer surveyed (its files' headers and sizes, unread), then read once as it is encrypted
+        and sent, its digest and diff_id learned on the way: the box's weights read once, not twice.
+        Files that did not hold still while read: the layer is not sent (the caller holds them back).
+        None: measured first after all (a blob of its size is known: it may be one; or the one pass
+        failed, DigestFirst)."""
+        surveyed = survey_layer(self.root, plan)
+        if surveyed.not_whole:
+            return surveyed, NOT_SENT_TORN
+        if self.encryption.may_hold(surveyed.size):
+            return None
+        headers, again = skeleton.PieceWriter(), []
+
+        def write_plain(out) -> None:
+            again[:] = [write_layer(out, self.root, plan, self.zstd_level, self.on_pack, as_seen=surveyed.seen,
+                                    after_read=self.after_read, headers=headers)]
+
+        def settled() -> bool:
+            return bool(again) and not (again[0].not_whole or again[0].grown)
+
+        try:
+            plain, _ = self.encryption.upload_sealing(self.remote, write_plain, surveyed.media_type, surveyed.size,
+                                                      self.on_up, settled=settled)
+        except DigestFirst:
+            return None
+        except IntegrityError as e:
+            return surveyed, _not_sent(surveyed, again[0] if again else None, e)
+        skeleton.keep(plain, headers.finish(plain))
+        return dataclasses.replace(surveyed, digest=plain, diff_id=plain), "uploaded"
+
     def _seal_and_send(self, blob: LayerBlob, write_plain) -> None:
         """Send the layer encrypted in one pass as `write_plain` writes its plain bytes (a random key: no
         blob of it can be in the registry already). DigestFirst: it goes up counted first, resumable."""
-        self.encryption.upload_sealing(self.remote, write_plain, blob.digest, blob.diff_id, blob.media_type,
-                                       blob.size, self.on_up)
+        self.encryption.upload_sealing(self.remote, write_plain, blob.media_type, blob.size, self.on_up,
+                                       plain_digest=blob.digest, diff_id=blob.diff_id)
 
     def _upload_measured_encrypted(self, plan: LayerPlan, blob: LayerBlob) -> str:
         """A measured layer encrypted as it is read again: in one pass (_seal_and_send), else twice under
@@ -163,6 +205,15 @@ class LayerSender:
             return held_back(blob, again[0] if again else None, e)
         blob.grown = again[0].grown if again else {}
         return "uploaded"
+
+
+def _not_sent(blob: LayerBlob, again: Optional[LayerBlob], error: IntegrityError) -> str:
+    """A layer read once whose files did not hold still: gone or swapped since the survey (as a
+    measure reports them), else as held_back."""
+    if again is not None and not (again.grown or again.unreadable) and again.not_whole:
+        blob.changed_while_read, blob.changed_since_scan = again.changed_while_read, again.changed_since_scan
+        return NOT_SENT_TORN
+    return held_back(blob, again, error)
 
 
 def held_back(blob: LayerBlob, again: Optional[LayerBlob], error: IntegrityError) -> str:

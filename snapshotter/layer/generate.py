@@ -73,6 +73,7 @@ class _Reads:
     unreadable: list[str] = field(default_factory=list)  # could not be opened or read
     read_errors: dict[str, str] = field(default_factory=dict)  # LayerBlob.read_errors
     record: bool = False  # keep `seen` (measure_layer)
+    survey: bool = False  # files' headers and sizes, their bytes not read (survey_layer)
     seen: dict[str, tuple] = field(default_factory=dict)  # LayerBlob.seen, as the files are read
     as_seen: Optional[dict[str, tuple]] = None  # LayerBlob.seen to write again: headers as measured
     grown: dict[str, int] = field(default_factory=dict)  # LayerBlob.grown
@@ -201,6 +202,28 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
     put(bytes(-ti.size % tarfile.BLOCKSIZE))
 
 
+def _survey_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: Beneath, source: str,
+                 fixed_size: bool, reads: _Reads) -> None:
+    """A file's header as it is now and its size counted in zeros, unread: `seen` as measure_layer
+    records it, for write_layer to read the file once (survey_layer). One that cannot be opened as
+    the scan's is reported as _put_file reports it."""
+    fd = _open_scanned(box, source, e, reads)
+    if fd is not None:
+        with os.fdopen(fd, "rb", buffering=0):
+            before = os.fstat(fd)
+        if not fixed_size:
+            _size_and_time(ti, e, before, None)
+        if e.stamp and (stat_stamp(before) != e.stamp or not fixed_size and before.st_size != e.size):
+            reads.stale.append(e.path)
+        else:
+            reads.seen[e.path] = (ti.size, ti.mtime, ti.pax_headers.get("mtime"), _stat_key(before))
+    _put_header(put, ti, reads, ti.size)
+    zeros = memoryview(bytes(min(ti.size, READ_SIZE)))  # counted, not kept: one buffer for the whole file
+    for at in range(0, ti.size, READ_SIZE):
+        put(zeros[:min(READ_SIZE, ti.size - at)])
+    put(bytes(-ti.size % tarfile.BLOCKSIZE))
+
+
 def _size_and_time(ti: tarfile.TarInfo, e: Entry, before: os.stat_result, first: Optional[tuple]) -> None:
     """A whole file's header size and mtime: as it is now, or as measured (`first`: LayerBlob.seen's)."""
     if first is not None:
@@ -288,13 +311,17 @@ def _write_members(put: Callable[[bytes], None], box: Beneath, plan: LayerPlan, 
             _put_header(put, ti, reads, 0)
             continue
         source, offset = plan.slices.get(e.path, (e.path, 0))
-        _put_file(put, ti, e, box, source, offset, bool(plan.slices), reads, on_bytes)
+        if reads.survey:
+            _survey_file(put, ti, e, box, source, bool(plan.slices), reads)
+        else:
+            _put_file(put, ti, e, box, source, offset, bool(plan.slices), reads, on_bytes)
 
 
 def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
           on_bytes: Optional[Callable[[int], None]], hashing: bool = True,
           headers: Optional[HeaderSink] = None, zstd_threads: int = -1,
-          as_seen: Optional[dict[str, tuple]] = None, record: bool = False, after_read: AfterRead = None) -> LayerBlob:
+          as_seen: Optional[dict[str, tuple]] = None, record: bool = False, after_read: AfterRead = None,
+          survey: bool = False) -> LayerBlob:
     """Tar -> compress -> hash in one pass, writing the blob to `out` (or nowhere), and its headers
     to `headers`. A big file that changes while it is streamed makes the layer start again, where
     `out` can be rewound (a file, or nowhere), up to SETTLE_TRIES times; the last build is kept."""
@@ -309,7 +336,7 @@ def _emit(out: Optional[BinaryIO], root: str, plan: LayerPlan, zstd_level: int,
         try:
             reads = _Reads(retry_streamed=rewindable and attempt < SETTLE_TRIES - 1,
                            on_header=headers.add if headers else None, as_seen=as_seen, record=record,
-                           after_read=after_read)
+                           after_read=after_read, survey=survey)
             write_tar(comp, root, plan, on_bytes, reads)
             break
         except _Torn:
@@ -331,14 +358,23 @@ def measure_layer(root: str, plan: LayerPlan, zstd_level: int = 3,
     return _emit(None, root, plan, zstd_level, on_bytes, headers=headers, record=True, after_read=after_read)
 
 
+def survey_layer(root: str, plan: LayerPlan) -> LayerBlob:
+    """A layer stored as is, its files opened and stat'ed but not read: its size and `seen` (no
+    digest), as measure_layer's, for write_layer to stream it once. Files no longer as the scan saw
+    them, or unreadable, are reported as measure_layer reports them."""
+    return _emit(None, root, plan, 0, None, hashing=False, record=True, survey=True)
+
+
 def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
                 on_bytes: Optional[Callable[[int], None]] = None,
-                as_seen: Optional[dict[str, tuple]] = None, after_read: AfterRead = None) -> LayerBlob:
+                as_seen: Optional[dict[str, tuple]] = None, after_read: AfterRead = None,
+                headers: Optional[HeaderSink] = None) -> LayerBlob:
     """Write the layer blob's bytes to `out`: the upload stream of a measured layer, not hashed
     again (the registry checks the bytes against the digest measured before). With `as_seen`
     (the measured blob's `seen`) each file's header is written as measured and its bytes read up
     to the size measured: a file that grew since is sent as first seen (and named in `grown`)."""
-    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False, as_seen=as_seen, after_read=after_read)
+    return _emit(out, root, plan, zstd_level, on_bytes, hashing=False, as_seen=as_seen, after_read=after_read,
+                 headers=headers)
 
 
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,

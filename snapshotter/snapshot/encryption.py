@@ -162,6 +162,12 @@ class Encryption:
         self.used.add(plain_digest)
         return found
 
+    def may_hold(self, size: int) -> bool:
+        """Whether an encrypted blob the state dir or the tag's snapshot has could be that of a plain
+        blob of `size` bytes (CTR keeps the length): only such a layer is measured before it is sent."""
+        self._load()
+        return any(d.get("size") == size for d in (*self.known.values(), *self.previous.values()))
+
     def _same_key(self, desc: Optional[dict], diff_id: str, plain_digest: str) -> bool:
         return desc is not None and desc["annotations"].get(KEY_ID) == self.key_id(diff_id, plain_digest)
 
@@ -180,29 +186,34 @@ class Encryption:
                 writer.write(chunk)
         return self.descriptor_of(writer, plain_digest, diff_id, media_type)
 
-    def upload_sealing(self, remote: Remote, write_plain: Callable[[SealingWriter], None], plain_digest: str,
-                       diff_id: str, media_type: str, size: int, progress=None) -> dict:
+    def upload_sealing(self, remote: Remote, write_plain: Callable[[SealingWriter], None], media_type: str,
+                       size: int, progress=None, *, plain_digest: Optional[str] = None,
+                       diff_id: Optional[str] = None, settled: Callable[[], bool] = lambda: True) -> tuple[str, dict]:
         """Upload a layer encrypted as `write_plain` writes its plain bytes: one pass under a random key,
         the encrypted blob's digest known at its end (registry/upload.py), where a derived key's blob
         (which may be in the registry) needs its digest first. One attempt: a registry that takes no
         chunked uploads, or a failed attempt (which cannot resume: its key is gone with it, and a key
         stream must never cover other bytes) is DigestFirst, for the caller to count the layer first.
-        Plain bytes that are not `plain_digest`'s: IntegrityError before the PUT (never committed)."""
+        The plain bytes must be `plain_digest`'s (as measured) or, for a layer read only now (None:
+        stored as is, its diff_id the same), whatever they hash to once `settled()` says its files held
+        still; else IntegrityError before the PUT (never committed). (plain digest, descriptor)."""
         if self.secret is not None:
             raise ValueError("a derived key's layer is encrypted and counted before it is sent")
         writers: list[SealingWriter] = []
 
         def produce(out) -> None:
-            writers[:] = [SealingWriter(out, self.layer_key(diff_id, plain_digest))]
+            writers[:] = [SealingWriter(out, self.layer_key(diff_id or "", plain_digest or ""))]
             write_plain(writers[0])
 
         def digest() -> str:
-            if writers[0].plain_digest != plain_digest:
-                raise IntegrityError(f"layer {plain_digest} changed while it was encrypted and sent")
+            got = writers[0].plain_digest
+            if got != (plain_digest or got) or not settled():
+                raise IntegrityError(f"layer {plain_digest or got} changed while it was encrypted and sent")
             return writers[0].encryptor.digest
 
         remote.upload_from(produce, digest, size, progress, what="layers")
-        return self.descriptor_of(writers[0], plain_digest, diff_id, media_type)
+        got = writers[0].plain_digest
+        return got, self.descriptor_of(writers[0], got, diff_id or got, media_type)
 
     def descriptor_of(self, writer: SealingWriter, plain_digest: str, diff_id: str, media_type: str) -> dict:
         """The descriptor of the blob `writer` encrypted (`plain_digest`'s), noted for that plain blob."""
@@ -260,8 +271,8 @@ class Encryption:
         is sent. The download checks the plain digest."""
         if self.secret is None:
             try:
-                return self.upload_sealing(remote, lambda out: _copy_blob(remote, kept, out), kept.digest,
-                                           kept.diff_id, kept.media_type, kept.size)
+                return self.upload_sealing(remote, lambda out: _copy_blob(remote, kept, out), kept.media_type,
+                                           kept.size, plain_digest=kept.digest, diff_id=kept.diff_id)[1]
             except DigestFirst:
                 pass
         key = self.layer_key(kept.diff_id, kept.digest)
