@@ -29,7 +29,7 @@ from support.engine import Dockerd
 from support.ocicrypt import make_keys
 from support.hub import HubServer, Repo, hub_download, sha256_hex
 from support.run import SNAP, TIMEOUT, assert_one_line_error, free_port, snap
-from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, make_box, snapshot_of_tree
 from support.watch import FakeClock
 
 pytest.importorskip("huggingface_hub")
@@ -565,3 +565,49 @@ def test_a_sweep_leaves_the_layer_the_background_send_is_building(registry, base
     w.origin.thread.join(TIMEOUT)
     assert w.origin.error is None and w.origin.sent, said
 
+
+def test_a_failed_send_keeps_the_stat_cache_rows_of_the_layers_that_went_up(registry, proxy, base_ref, watched_box,
+                                                                            tmp_path, monkeypatch):
+    """Two layers of weights (the big one a layer of its own, the small ones a bundle), sent one after
+    the other: the registry refuses the second's upload. The retry reads only the refused layer's
+    weights: the one that went up is found through the stat cache, its blob in the registry."""
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(push_module, "UPLOADS", 1)  # the first layer is in before the second is refused
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    commit = profiled(watched_box, tmp_path / "small-weights.yaml", SMALL_WEIGHTS)
+    refusing, uploads, reads = threading.Event(), [], []
+
+    def after_read(path: str, attempt: int) -> None:  # only the send reads a weight: the refusals start
+        if path.rpartition("/")[2] in LFS:
+            reads.append(path)
+            refusing.set()
+
+    def answer(method: str, path: str):
+        if refusing.is_set() and method == "POST" and "/blobs/uploads/" in path and "mount=" not in path:
+            uploads.append(path)
+            return (403, {}) if len(uploads) > 1 else None
+        return None
+
+    proxy.answer = answer
+    clock, said = FakeClock(), []
+    w = Watcher(f"{proxy.host}/origin-keep:v1", base_ref, WatchOptions(commit=commit, log=said.append, clock=clock,
+                                                                        every=60, after_read=after_read))
+    for _ in range(4):  # the snapshot with references, the big file sent ahead (a weight here), then the send
+        w.tick()
+        clock.advance(600)
+        if w.origin.thread is not None:
+            break
+    w.origin.thread.join(TIMEOUT)  # one layer went up, the other was refused
+    assert w.origin.error is not None and len(uploads) >= 2, said
+    first, reads[:] = set(reads), []
+    proxy.answer = lambda method, path: None
+    for _ in range(4):  # the failure told (a backoff), then a send that works, then the snapshot holding them
+        clock.advance(3600)
+        try:
+            w.tick()
+        except SnapError:
+            pass
+        if w.origin.thread is not None:
+            w.origin.thread.join(TIMEOUT)
+    assert registry.manifest("origin-keep", "v1")["annotations"].get("dev.snap.origin-uploaded") == str(len(LFS))
+    assert reads and set(reads) < first, (sorted(first), sorted(set(reads)))  # the layer that went up: not read
