@@ -28,7 +28,8 @@ def weight_plans(cp: CommitPlan) -> list[LayerPlan]:
 
 class OriginUpload:
     """The background send of the referenced weights: owed after a snapshot with references, then
-    running, then `sent` (the next snapshot holds them) or failed (told at the next tick, retried)."""
+    running, then `sent` (the next snapshot holds them) or failed (told at the next tick, retried,
+    reading only the layers that did not go up: the stat cache keeps those that did)."""
 
     def __init__(self, commit_lock: threading.Lock, log: Callable[[str], None]):
         self.commit_lock, self.log = commit_lock, log
