@@ -184,8 +184,8 @@ def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., I
 def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
     """Hold the state dir's lock for the block: a second snap process on the same state dir waits
     for the first (saying so in one line) and never touches its files. Once it is held, anything
-    a killed run left half-made (`.building-*` layers, `*.part` downloads, temp files) is swept:
-    no other process can be writing it."""
+    a killed run left half-made (`.building-*` layers, `*.part` downloads, temp files) is swept;
+    what a live process is still writing without the lock stays (sweep_leftovers)."""
     global _held
     with _held_guard:
         nested = _held > 0
@@ -221,16 +221,27 @@ def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
             _held -= 1
 
 
+def _writer_pid(name: str) -> Optional[int]:
+    """The pid a leftover's name gives its writer: a replace_file temp ("NAME.tmp.PID.THREAD") or a
+    layer being built (".building-PID-N", layer/generate.py); None for a name without one."""
+    if name.startswith(".building-"):
+        pid = name[len(".building-"):].partition("-")[0]
+    elif ".tmp." in name:
+        pid = name.rpartition(".tmp.")[2].partition(".")[0]
+    else:
+        return None
+    return int(pid) if pid.isdigit() else None
+
+
 def _writer_alive(name: str) -> bool:
-    """Whether a replace_file temp name ("NAME.tmp.PID.THREAD") names a process that is still running."""
-    _, _, rest = name.rpartition(".tmp.")
-    pid = rest.split(".", 1)[0]
-    if ".tmp." not in name or not pid.isdigit():
+    """Whether a leftover's name names a process that is still running (this one included)."""
+    pid = _writer_pid(name)
+    if pid is None:
         return False
-    if int(pid) == os.getpid():
+    if pid == os.getpid():
         return True  # another thread's, writing now
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -244,12 +255,16 @@ def is_leftover(name: str) -> bool:
 
 
 def sweep_leftovers(root: str) -> int:
-    """Remove what killed runs left half-made in the state dir. Returns how many entries. A temp
-    file of a process still running is its own (a watcher writes its files without the state lock:
-    its exit code, while a restore that took the lock sweeps) and stays."""
+    """Remove what killed runs left half-made in the state dir. Returns how many entries. What a
+    process still running is making stays, told by the pid its name carries (_writer_pid): some
+    are written without the state lock, while another command that took it sweeps: a watcher's
+    files (its exit code), and the layers its background send of the hub weights builds in
+    layers/ (origin_upload.py), in its threads or its packer processes. A name that carries no pid
+    (`*.part`) is written only under the lock. A dead run's pid that a new process took keeps its
+    leftover until that process ends: disk held a while, never a file lost."""
     removed = 0
     for dirpath, dirnames, filenames in os.walk(root):
-        for name in [n for n in dirnames if is_leftover(n)]:
+        for name in [n for n in dirnames if is_leftover(n) and not _writer_alive(n)]:
             shutil.rmtree(os.path.join(dirpath, name), ignore_errors=True)
             dirnames.remove(name)
             removed += 1

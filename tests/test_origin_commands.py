@@ -5,6 +5,8 @@ and `snap restore` fetches them back from the origin into the box's hub cache, b
 failure of the origin is one line and loses nothing else, and a rerun (after kill -9 too) fetches
 only what is missing; `--upload-origin` makes the snapshot self-contained."""
 
+import dataclasses
+import glob
 import json
 import os
 import random
@@ -27,7 +29,7 @@ from support.engine import Dockerd
 from support.ocicrypt import make_keys
 from support.hub import HubServer, Repo, hub_download, sha256_hex
 from support.run import SNAP, TIMEOUT, assert_one_line_error, free_port, snap
-from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree
+from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, make_box, snapshot_of_tree
 from support.watch import FakeClock
 
 pytest.importorskip("huggingface_hub")
@@ -510,3 +512,102 @@ def test_a_failed_send_of_the_weights_is_tried_again_and_they_go_up(registry, pr
     manifest = registry.manifest("origin-retry", "v1")
     assert manifest["annotations"].get("dev.snap.origin-uploaded") == str(len(LFS)), said[-6:]
     assert "dev.snap.origin-references" not in manifest["annotations"]
+
+
+DEFAULT_PROFILE = open(os.path.join(os.path.dirname(__file__), "..", "layers", "default.yaml")).read()
+
+
+def profiled(watched_box: CommitOptions, path, text: str) -> CommitOptions:
+    """watched_box with the layer profile `text` (written at `path`)."""
+    path.write_text(text)
+    return dataclasses.replace(watched_box, profile=load_profile(str(path)))
+
+
+@pytest.mark.parametrize("sweeper", ["this process", "another process"])
+def test_a_sweep_leaves_the_layer_the_background_send_is_building(registry, base_ref, watched_box, tmp_path,
+                                                                   state_dir, monkeypatch, sweeper):
+    """A profile whose weights layer is compressed: the send builds it in the state dir's layers/,
+    without the state lock. A commit meanwhile, the watcher's own or another snap process's, takes
+    the lock and sweeps what killed runs left half-made: the layer being built is a live process's
+    and stays, and the send goes through."""
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)  # a real box's weights are older than the window
+    commit = profiled(watched_box, tmp_path / "zstd-weights.yaml", DEFAULT_PROFILE.replace("compression: none",
+                                                                                           "compression: zstd"))
+    reading, release = threading.Event(), threading.Event()
+
+    def after_read(path: str, attempt: int) -> None:  # holds the weights' layer half-built
+        if path.endswith(f"/blobs/{BIG_SHA}") and not reading.is_set():
+            reading.set()
+            release.wait(TIMEOUT)
+
+    clock, said = FakeClock(), []
+    w = Watcher(f"{registry.host}/origin-sweep:v1", base_ref, WatchOptions(commit=commit, log=said.append, clock=clock,
+                                                                            every=60, after_read=after_read))
+    try:
+        w.tick()  # the snapshot with references
+        clock.advance(600)
+        w.tick()  # nothing pending: the send starts, held mid-build
+        assert reading.wait(TIMEOUT), said
+        building = glob.glob(os.path.join(state_dir, "layers", ".building-*"))
+        assert building, said
+        if sweeper == "this process":
+            with open(os.path.join(commit.root, "root/notes.txt"), "w") as f:
+                f.write("a change made while the weights are being sent\n")
+            clock.advance(600)
+            w.tick()  # the change's snapshot: it takes the state lock, and sweeps
+            assert w.snapshots == 2, said
+        else:  # a `snap commit` that takes the lock (and sweeps) before it refuses its target
+            r = snap("commit", f"{registry.host}/x@sha256:{'0' * 64}", "--base", base_ref, "--root", commit.root)
+            assert r.returncode == 2 and "needs a tag" in r.stderr, r.stderr
+        assert [p for p in building if os.path.exists(p)] == building
+    finally:
+        release.set()
+    w.origin.thread.join(TIMEOUT)
+    assert w.origin.error is None and w.origin.sent, said
+
+
+def test_a_failed_send_keeps_the_stat_cache_rows_of_the_layers_that_went_up(registry, proxy, base_ref, watched_box,
+                                                                            tmp_path, monkeypatch):
+    """Two layers of weights (the big one a layer of its own, the small ones a bundle), sent one after
+    the other: the registry refuses the second's upload. The retry reads only the refused layer's
+    weights: the one that went up is found through the stat cache, its blob in the registry."""
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(push_module, "UPLOADS", 1)  # the first layer is in before the second is refused
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    commit = profiled(watched_box, tmp_path / "small-weights.yaml", SMALL_WEIGHTS)
+    refusing, uploads, reads = threading.Event(), [], []
+
+    def after_read(path: str, attempt: int) -> None:  # only the send reads a weight: the refusals start
+        if path.rpartition("/")[2] in LFS:
+            reads.append(path)
+            refusing.set()
+
+    def answer(method: str, path: str):
+        if refusing.is_set() and method == "POST" and "/blobs/uploads/" in path and "mount=" not in path:
+            uploads.append(path)
+            return (403, {}) if len(uploads) > 1 else None
+        return None
+
+    proxy.answer = answer
+    clock, said = FakeClock(), []
+    w = Watcher(f"{proxy.host}/origin-keep:v1", base_ref, WatchOptions(commit=commit, log=said.append, clock=clock,
+                                                                        every=60, after_read=after_read))
+    for _ in range(4):  # the snapshot with references, the big file sent ahead (a weight here), then the send
+        w.tick()
+        clock.advance(600)
+        if w.origin.thread is not None:
+            break
+    w.origin.thread.join(TIMEOUT)  # one layer went up, the other was refused
+    assert w.origin.error is not None and len(uploads) >= 2, said
+    first, reads[:] = set(reads), []
+    proxy.answer = lambda method, path: None
+    for _ in range(4):  # the failure told (a backoff), then a send that works, then the snapshot holding them
+        clock.advance(3600)
+        try:
+            w.tick()
+        except SnapError:
+            pass
+        if w.origin.thread is not None:
+            w.origin.thread.join(TIMEOUT)
+    assert registry.manifest("origin-keep", "v1")["annotations"].get("dev.snap.origin-uploaded") == str(len(LFS))
+    assert reads and set(reads) < first, (sorted(first), sorted(set(reads)))  # the layer that went up: not read

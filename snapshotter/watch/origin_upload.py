@@ -29,7 +29,8 @@ def weight_plans(cp: CommitPlan) -> list[LayerPlan]:
 
 class OriginUpload:
     """The background send of the referenced weights: owed after a snapshot with references, then
-    running, then `sent` (the next snapshot holds them) or failed (told at the next tick, retried)."""
+    running, then `sent` (the next snapshot holds them) or failed (told at the next tick, retried,
+    reading only the layers that did not go up: the stat cache keeps those that did)."""
 
     def __init__(self, commit_lock: threading.Lock, log: Callable[[str], None]):
         self.commit_lock, self.log = commit_lock, log
@@ -75,24 +76,30 @@ class OriginUpload:
         self.thread.start()
 
     def _send(self, cp: CommitPlan, remote, plans: list[LayerPlan], covered: set[str]) -> None:
+        results = None
         try:
             results = push_layers(cp, remote, plans)
         except SnapError as e:
             self.error = e
-            return
         except BaseException as e:  # noqa: BLE001 - stopped by the final snapshot, or a bug: told, tried again
             self.error = SnapError(f"the hub weights were not sent: {type(e).__name__}: {e}")
-            return
-        torn = [plan.label for plan, _, status in results if status == NOT_SENT_TORN]
+        torn = [plan.label for plan, _, status in results or [] if status == NOT_SENT_TORN]
         # Recorded after any snapshot made meanwhile (each keeps only the layers it used): the next
         # snapshot's plan finds the weights' layers in the stat cache, and their blobs in the registry.
+        # A failed send's too: push_layers notes a layer there only once the registry has its blob,
+        # so a retry reads only the weights of the layers that did not go up.
         # Noted sent under the commit lock: a snapshot plans and pushes with one view of it.
-        with self.commit_lock, exclusive(self.log):
-            cache = StatCache(cp.root, cp.cache.key["base"])
-            cache.new.update(cp.cache.new)
-            cache.save(keep_old=True)
-            if not torn:
-                self.sent_blobs |= covered
+        try:
+            with self.commit_lock, exclusive(self.log):
+                cache = StatCache(cp.root, cp.cache.key["base"])
+                cache.new.update(cp.cache.new)
+                cache.save(keep_old=True)
+                if results is not None and not torn:
+                    self.sent_blobs |= covered
+        except SnapError as e:
+            self.error = self.error or e
+        if results is None or self.error is not None:
+            return
         if torn:
             self.log(f"hub weights not sent: {torn!r} changed while read; tried again later")
             return
