@@ -20,6 +20,7 @@ import pytest
 import zstandard
 
 from snapshotter.commit import push as push_module
+from snapshotter.commit import sender as sender_module
 from snapshotter.errors import SnapError
 from snapshotter.commit.model import CommitOptions
 from snapshotter.profile import load_profile
@@ -572,7 +573,7 @@ def test_a_failed_send_keeps_the_stat_cache_rows_of_the_layers_that_went_up(regi
     the other: the registry refuses the second's upload. The retry reads only the refused layer's
     weights: the one that went up is found through the stat cache, its blob in the registry."""
     monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
-    monkeypatch.setattr(push_module, "UPLOADS", 1)  # the first layer is in before the second is refused
+    monkeypatch.setattr(sender_module, "UPLOADS", 1)  # the first layer is in before the second is refused
     monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
     commit = profiled(watched_box, tmp_path / "small-weights.yaml", SMALL_WEIGHTS)
     refusing, uploads, reads = threading.Event(), [], []
