@@ -45,19 +45,24 @@ class LayerSender:
         self.sending = threading.Semaphore(UPLOADS)
 
     def produce(self, plan: LayerPlan) -> tuple[LayerBlob, str]:
+        one_pass = True  # an encrypted layer's upload may go in one pass (until one failed: DigestFirst)
         if self._reads_once(plan):
-            with self.sending:
-                if (done := self._read_once(plan)) is not None:
-                    return done
+            try:
+                with self.sending:
+                    if (done := self._read_once(plan)) is not None:
+                        return done
+            except DigestFirst:
+                one_pass = False
         with self.slots:
             blob, piece = self._pack(plan)
         skeleton.keep(blob.diff_id, piece)
         with self.sending:
-            return self._send(plan, blob)
+            return self._send(plan, blob, one_pass)
 
-    def _send(self, plan: LayerPlan, blob: LayerBlob) -> tuple[LayerBlob, str]:
+    def _send(self, plan: LayerPlan, blob: LayerBlob, one_pass: bool = True) -> tuple[LayerBlob, str]:
         if self.encryption is not None:
-            return blob, (self._send_encrypted(blob) if blob.path else self._upload_measured_encrypted(plan, blob))
+            return blob, (self._send_encrypted(blob) if blob.path
+                          else self._upload_measured_encrypted(plan, blob, one_pass))
         if plan.compression == "none":
             if blob.not_whole:
                 return blob, NOT_SENT_TORN
@@ -124,8 +129,8 @@ class LayerSender:
         """The layer surveyed (its files' headers and sizes, unread), then read once as it is encrypted
         and sent, its digest and diff_id learned on the way: the box's weights read once, not twice.
         Files that did not hold still while read: the layer is not sent (the caller holds them back).
-        None: measured first after all (a blob of its size is known: it may be one; or the one pass
-        failed, DigestFirst)."""
+        None: measured first after all (a blob of its size is known: it may be one). DigestFirst: the
+        one pass failed, and cannot resume: the layer is measured, then counted first."""
         surveyed = survey_layer(self.root, plan)
         if surveyed.not_whole:
             return surveyed, NOT_SENT_TORN
@@ -143,10 +148,8 @@ class LayerSender:
         try:
             plain, _ = self.encryption.upload_sealing(self.remote, write_plain, surveyed.media_type, surveyed.size,
                                                       self.on_up, settled=settled)
-        except DigestFirst:
-            return None
         except IntegrityError as e:
-            return surveyed, _not_sent(surveyed, again[0] if again else None, e)
+            return surveyed, held_back(surveyed, again[0] if again else None, e)
         skeleton.keep(plain, headers.finish(plain))
         return dataclasses.replace(surveyed, digest=plain, diff_id=plain), "uploaded"
 
@@ -156,17 +159,18 @@ class LayerSender:
         self.encryption.upload_sealing(self.remote, write_plain, blob.media_type, blob.size, self.on_up,
                                        plain_digest=blob.digest, diff_id=blob.diff_id)
 
-    def _upload_measured_encrypted(self, plan: LayerPlan, blob: LayerBlob) -> str:
-        """A measured layer encrypted as it is read again: in one pass (_seal_and_send), else twice under
-        one key, once to learn the encrypted blob's digest (its plain bytes checked against the digest
-        measured), once as it is sent. As a clear one, no copy of it on the box's disk."""
+    def _upload_measured_encrypted(self, plan: LayerPlan, blob: LayerBlob, one_pass: bool = True) -> str:
+        """A measured layer encrypted as it is read again: in one pass (_seal_and_send, unless one
+        failed already), else twice under one key, once to learn the encrypted blob's digest (its plain
+        bytes checked against the digest measured), once as it is sent. As a clear one, no copy of it
+        on the box's disk."""
         if blob.not_whole:
             return NOT_SENT_TORN
         enc = self.encryption
         sealed = enc.lookup(blob.digest, blob.diff_id, blob.media_type)
         if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
             return there
-        if enc.secret is None:
+        if enc.secret is None and one_pass:
             try:
                 return self._upload_measured(plan, blob, lambda produce: self._seal_and_send(blob, produce))
             except DigestFirst:
@@ -207,20 +211,13 @@ class LayerSender:
         return "uploaded"
 
 
-def _not_sent(blob: LayerBlob, again: Optional[LayerBlob], error: IntegrityError) -> str:
-    """A layer read once whose files did not hold still: gone or swapped since the survey (as a
-    measure reports them), else as held_back."""
-    if again is not None and not (again.grown or again.unreadable) and again.not_whole:
-        blob.changed_while_read, blob.changed_since_scan = again.changed_while_read, again.changed_since_scan
-        return NOT_SENT_TORN
-    return held_back(blob, again, error)
-
-
 def held_back(blob: LayerBlob, again: Optional[LayerBlob], error: IntegrityError) -> str:
-    """A measured layer whose bytes changed when read again: held back as torn if a file grew or
-    became unreadable (the caller builds the layer again without it), else `error`."""
-    if not (again and (again.grown or again.unreadable)):
+    """A layer whose bytes changed when read again (a measured one) or while read once: held back as
+    torn if any file did not hold still (grew, became unreadable, went or was swapped: all of them
+    named, the caller builds the layer again without them), else `error`."""
+    if again is None or not (again.grown or again.not_whole):
         raise error
-    blob.changed_while_read = sorted(set(again.grown) - set(again.unreadable))
+    blob.changed_while_read = sorted((set(again.grown) | set(again.changed_while_read)) - set(again.unreadable))
+    blob.changed_since_scan = again.changed_since_scan
     blob.unreadable, blob.read_errors = again.unreadable, again.read_errors
     return NOT_SENT_TORN

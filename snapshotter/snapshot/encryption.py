@@ -91,6 +91,7 @@ class Encryption:
     # JWE again, so its manifest is the tag's (push.py's _same_image) and nothing is pushed.
     sealed: dict[str, str] = field(default_factory=dict)
     used: set[str] = field(default_factory=set)  # the plain blobs this commit looked up or pushed
+    made: set[str] = field(default_factory=set)  # the plain blobs this commit encrypted (may_hold)
     unsealed: Optional[dict] = None  # what the last seal sealed (SEALED's payload)
     # Those of the last snapshots pushed from here, by manifest digest: kept_seal
     snapshots: dict[str, dict] = field(default_factory=dict)
@@ -137,7 +138,7 @@ class Encryption:
         layers there (snapshot/files.py), as it holds no private key to unseal them."""
         self._load()
         self.known = {k: v for k, v in self.known.items() if k in self.used}
-        self.used = set()
+        self.used, self.made = set(), set()
         if manifest_digest and self.unsealed is not None:
             self.snapshots.pop(manifest_digest, None)
             self.snapshots[manifest_digest] = self.unsealed
@@ -164,9 +165,12 @@ class Encryption:
 
     def may_hold(self, size: int) -> bool:
         """Whether an encrypted blob the state dir or the tag's snapshot has could be that of a plain
-        blob of `size` bytes (CTR keeps the length): only such a layer is measured before it is sent."""
+        blob of `size` bytes (CTR keeps the length): only such a layer is measured before it is sent.
+        Not one this commit made (the parts of one big file are all of one size, and no two layers of
+        one snapshot are one blob)."""
         self._load()
-        return any(d.get("size") == size for d in (*self.known.values(), *self.previous.values()))
+        earlier = [d for k, d in self.known.items() if k not in self.made]
+        return any(d.get("size") == size for d in (*earlier, *self.previous.values()))
 
     def _same_key(self, desc: Optional[dict], diff_id: str, plain_digest: str) -> bool:
         return desc is not None and desc["annotations"].get(KEY_ID) == self.key_id(diff_id, plain_digest)
@@ -231,6 +235,7 @@ class Encryption:
         self._load()
         self.known[plain_digest] = desc
         self.used.add(plain_digest)
+        self.made.add(plain_digest)
 
     def learn_previous(self, remote: Remote, manifest: Optional[bytes]) -> None:
         """The encrypted layers of the target tag's snapshot made for these recipients, by diff_id (its
