@@ -133,11 +133,11 @@ def _open_scanned(box: Beneath, source: str, e: Entry, reads: _Reads) -> Optiona
     try:
         return box.open_scanned(source, int(e.stamp.split(":", 1)[0]) if e.stamp else None)
     except FileNotFoundError:  # deleted while we committed
-        reads.torn.append(e.path)
+        reads.torn.append(source)
     except NotTheScanned:  # swapped since the scan: another file, a symlink, a directory, a FIFO...
-        reads.stale.append(e.path)
+        reads.stale.append(source)
     except OSError:  # unreadable, or a path the kernel refuses
-        reads.unreadable.append(e.path)
+        reads.unreadable.append(source)
     return None
 
 
@@ -181,16 +181,16 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
             if settled:
                 break
         if failed:
-            reads.unreadable.append(e.path)
-            reads.read_errors[e.path] = failed[0].strerror or str(failed[0])
+            reads.unreadable.append(source)
+            reads.read_errors[source] = failed[0].strerror or str(failed[0])
         elif first is not None:
             if not whole or _stat_key(os.fstat(fd)) != first[3]:
                 reads.grown[source] = first[3][0]  # the bytes sent are those measured if it only grew
         elif not settled:
-            reads.torn.append(e.path)
+            reads.torn.append(source)
         elif e.stamp and (stat_stamp(before) != e.stamp
                           or not fixed_size and before.st_size != e.size):
-            reads.stale.append(e.path)
+            reads.stale.append(source)
         elif reads.record:
             reads.seen[e.path] = (ti.size, ti.mtime, ti.pax_headers.get("mtime"), _stat_key(before))
         if ti.size <= BUFFERED_MAX:
@@ -214,7 +214,7 @@ def _survey_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, bo
         if not fixed_size:
             _size_and_time(ti, e, before, None)
         if e.stamp and (stat_stamp(before) != e.stamp or not fixed_size and before.st_size != e.size):
-            reads.stale.append(e.path)
+            reads.stale.append(source)
         else:
             reads.seen[e.path] = (ti.size, ti.mtime, ti.pax_headers.get("mtime"), _stat_key(before))
     _put_header(put, ti, reads, ti.size)
