@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from contextlib import contextmanager
 from typing import IO, Callable, Iterator, Optional
 
@@ -249,6 +250,36 @@ def _writer_alive(name: str) -> bool:
     return True
 
 
+BUILDING_QUIET = 60.0  # seconds a layer being built may go unwritten, unlocked, and still be a live build's
+
+
+def _being_built(path: str) -> bool:
+    """Whether a layer being built (`.building-*`, layer/generate.py) is still being written: its
+    writer holds a shared flock on it while it writes, or it was written within BUILDING_QUIET (the
+    moments before the lock is taken and after it is let go, before the rename). A flock is let go
+    when its process dies, whatever its pid now names (a restarted container's pid 1, this very
+    process) and in whichever pid namespace: a killed build's file is never kept for good."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_mtime > time.time() - BUILDING_QUIET:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:  # BlockingIOError: a live writer holds it
+        return True
+    finally:
+        os.close(fd)
+
+
+def _still_written(dirpath: str, name: str) -> bool:
+    if name.startswith(".building-"):
+        return _being_built(os.path.join(dirpath, name))
+    return _writer_alive(name)
+
+
 def is_leftover(name: str) -> bool:
     """A name snap gives only to what it is still making: built layers, downloads, temp files."""
     return name.startswith(".building-") or name.endswith(".part") or ".tmp." in name
@@ -256,12 +287,12 @@ def is_leftover(name: str) -> bool:
 
 def sweep_leftovers(root: str) -> int:
     """Remove what killed runs left half-made in the state dir. Returns how many entries. What a
-    process still running is making stays, told by the pid its name carries (_writer_pid): some
-    are written without the state lock, while another command that took it sweeps: a watcher's
-    files (its exit code), and the layers its background send of the hub weights builds in
-    layers/ (origin_upload.py), in its threads or its packer processes. A name that carries no pid
-    (`*.part`) is written only under the lock. A dead run's pid that a new process took keeps its
-    leftover until that process ends: disk held a while, never a file lost."""
+    process still running is making stays: some is written without the state lock, while another
+    command that took it sweeps: the layers a watcher's background send of the hub weights builds
+    in layers/ (origin_upload.py), in its threads or its packer processes, told by their writer's
+    flock (_being_built); a watcher's files (its exit code), by the pid their name carries
+    (_writer_pid: a dead run's pid that a new process took keeps such a small file until that
+    process ends). A name that carries neither (`*.part`) is written only under the lock."""
     removed = 0
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [n for n in dirnames if is_leftover(n) and not _writer_alive(n)]:
@@ -269,7 +300,7 @@ def sweep_leftovers(root: str) -> int:
             dirnames.remove(name)
             removed += 1
         for name in filenames:
-            if is_leftover(name) and not _writer_alive(name):
+            if is_leftover(name) and not _still_written(dirpath, name):
                 try:
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1

@@ -94,3 +94,28 @@ def test_wait_does_not_take_a_progress_file_of_another_version_for_a_landed_file
     next_version(path)
     with pytest.raises(WaitTimeout):
         landing.wait_landed(str(root / "w.bin"), str(root), timeout=0)
+
+
+def test_a_layer_being_built_is_kept_by_its_writers_lock_not_its_pid(tmp_path):
+    """A killed build's `.building-PID-N` is swept whatever its pid now names: this very process
+    (a container's restarted pid 1 has the dead one's pid) or a live one. A live build stays: its
+    writer holds a shared flock on it, or it was written within the last minute (before the lock is
+    taken, between its close and its rename)."""
+    import fcntl
+    import time
+
+    from snapshotter.state import BUILDING_QUIET, sweep_leftovers
+
+    layers = tmp_path / "layers"
+    layers.mkdir()
+    old = time.time() - BUILDING_QUIET - 60
+    dead_mine, dead_live_pid = layers / f".building-{os.getpid()}-1", layers / f".building-{os.getppid()}-2"
+    locked, fresh = layers / f".building-{os.getpid()}-3", layers / ".building-4000000-4"
+    for p in (dead_mine, dead_live_pid, locked, fresh):
+        p.write_bytes(b"x" * 4096)
+    for p in (dead_mine, dead_live_pid, locked):
+        os.utime(p, (old, old))
+    with open(locked, "rb") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_SH)  # as build_layer holds it while it writes
+        sweep_leftovers(str(tmp_path))
+        assert sorted(p.name for p in layers.iterdir()) == sorted([locked.name, fresh.name])

@@ -6,6 +6,7 @@ mtimes and numeric owners only, deterministic compression."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tarfile
 from dataclasses import dataclass, field
@@ -385,6 +386,7 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
     tmp = os.path.join(out_dir, f"{BUILDING_PREFIX}{os.getpid()}-{id(plan)}")
     try:
         with open(tmp, "wb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # live: a sweep leaves it (state.py's _being_built)
             blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers, zstd_threads=zstd_threads,
                          after_read=after_read)
         blob.path = os.path.join(out_dir, blob.digest.split(":", 1)[1])

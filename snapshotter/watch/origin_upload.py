@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from snapshotter.commit.model import CommitPlan
 from snapshotter.commit.push import push_layers, target_remote
 from snapshotter.commit.sender import NOT_SENT_TORN
-from snapshotter.errors import SnapError
+from snapshotter.errors import SnapError, storage_error
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.transport import TransportOptions
@@ -96,8 +96,8 @@ class OriginUpload:
                 cache.save(keep_old=True)
                 if results is not None and not torn:
                     self.sent_blobs |= covered
-        except SnapError as e:
-            self.error = self.error or e
+        except (SnapError, OSError) as e:  # the stat cache's file on a full disk: an error, not a dead thread
+            self.error = self.error or (e if isinstance(e, SnapError) else storage_error(e, "the state dir"))
         if results is None or self.error is not None:
             return
         if torn:
