@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -106,6 +107,8 @@ def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, p
     for p in leftovers:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"half-made")
+    # a killed build's layer, no longer written (one written in the last minute may be a live build's)
+    os.utime(leftovers[0], (time.time() - 3600,) * 2)
     (state_dir / "blobs" / "deadbeef.split.part").mkdir()
     keep = state_dir / "keep.json"
     keep.write_text("{}")
