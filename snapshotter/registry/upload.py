@@ -73,12 +73,7 @@ def upload(transport: Transport, produce: Produce, digest: Digest, size: int, *,
             location, offset = _start(transport, digest), 0
         out = _StreamedUpload(transport, stopping, location, digest, size, offset, bar.count, monolithic)
         try:
-            try:
-                produce(out)
-            except BaseException:
-                out.abort()
-                raise
-            location = out.finish()
+            location = _written(out, produce)
             if not monolithic:
                 _commit(transport, location, digest)
             return digest
@@ -113,12 +108,7 @@ def _upload_once(transport: Transport, produce: Produce, digest_of: Callable[[],
         raise DigestFirst(f"registry {transport.registry} refuses chunked uploads")
     out = _StreamedUpload(transport, stopping, _start(transport, ONCE), ONCE, size, 0, bar.count, False)
     try:
-        try:
-            produce(out)
-        except BaseException:
-            out.abort()
-            raise
-        location = out.finish()
+        location = _written(out, produce)
         done = digest_of()
         _commit(transport, location, done)
         return done
@@ -131,6 +121,17 @@ def _upload_once(transport: Transport, produce: Produce, digest_of: Callable[[],
     except IntegrityError:
         _cancel(transport, out.location)
         raise
+
+
+def _written(out: _StreamedUpload, produce: Produce) -> str:
+    """`produce` run into the upload's body, and the body ended: where the upload stands. A producer
+    that fails ends the request without a valid body."""
+    try:
+        produce(out)
+    except BaseException:
+        out.abort()
+        raise
+    return out.finish()
 
 
 def _cancel(transport: Transport, location: str) -> None:
