@@ -8,6 +8,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from support.faults import FaultProxy
 from support.images import push_base_image
+from support.ocicrypt import make_keys
 from support.registry import RegistryServer
 from support.trees import Jail, make_base_rootfs, make_box
 
@@ -126,6 +127,18 @@ def base_rootfs(tmp_path_factory):
 def base_ref(registry, base_rootfs):
     push_base_image(registry, "base", "1", base_rootfs)
     return f"{registry.host}/base:1"
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory):
+    """openssl-made key pairs (support/ocicrypt.py make_keys: rsa, ec, other: the wrong key) and a
+    derivation secret, all 0600, for encrypted snapshots."""
+    d = tmp_path_factory.mktemp("keys")
+    make_keys(d)
+    (d / "secret").write_bytes(os.urandom(32))
+    for p in d.iterdir():
+        p.chmod(0o600)
+    return d
 
 
 @pytest.fixture

@@ -13,10 +13,9 @@ import subprocess
 import uuid
 from types import SimpleNamespace
 
-import pytest
 import zstandard
 
-from support.ocicrypt import make_keys, skopeo_copy
+from support.ocicrypt import skopeo_copy
 from support.registry import blobs_in
 from support.run import assert_one_line_error, snap
 from snapshotter import CommitOptions, commit_box
@@ -30,17 +29,6 @@ ENCRYPTED_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd+encrypted",
                    "application/vnd.oci.image.layer.v1.tar+gzip+encrypted",
                    "application/vnd.oci.image.layer.v1.tar+encrypted")
 NOT_RESTORED = ("tmp", "proc", "sys", "dev", "run")
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    """make_keys' pairs (rsa, ec, other: the wrong key) and a derivation secret; all 0600."""
-    d = tmp_path_factory.mktemp("keys")
-    make_keys(d)
-    (d / "secret").write_bytes(os.urandom(32))
-    for p in d.iterdir():
-        p.chmod(0o600)
-    return d
 
 
 def marked_box(box, marker: str) -> str:

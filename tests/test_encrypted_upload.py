@@ -20,7 +20,6 @@ from snapshotter.registry import upload as upload_mod
 from snapshotter.registry.remote import Reference, Remote
 from snapshotter.registry.upload import DigestFirst
 from snapshotter.snapshot.encryption import load_encryption
-from support.ocicrypt import make_keys
 from support.registry import blobs_in
 from support.run import snap
 from support.trees import SMALL_WEIGHTS, snapshot_of_tree, write_tree
@@ -28,15 +27,6 @@ from support.trees import SMALL_WEIGHTS, snapshot_of_tree, write_tree
 MiB = 1 << 20
 WEIGHT = "opt/app/models/checkpoints/one-pass.safetensors"
 NOT_RESTORED = ("tmp", "proc", "sys", "dev", "run")
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    d = tmp_path_factory.mktemp("keys")
-    make_keys(d)
-    for p in d.iterdir():
-        p.chmod(0o600)
-    return d
 
 
 def sealing(keys, remote, plain: bytes, digest: str = ""):

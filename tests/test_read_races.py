@@ -10,22 +10,12 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.commit.model import CommitHooks
 from snapshotter.profile import load_profile
 from snapshotter.snapshot.encryption import load_encryption
-from support.ocicrypt import make_keys
 from support.run import snap
 from support.trees import SMALL_WEIGHTS, snapshot_of_tree, write_tree
 
 MiB = 1 << 20
 NOT_RESTORED = ("tmp", "proc", "sys", "dev", "run")
 BIG = "opt/app/models/checkpoints/cut.safetensors"
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    d = tmp_path_factory.mktemp("keys")
-    make_keys(d)
-    for p in d.iterdir():
-        p.chmod(0o600)
-    return d
 
 
 def commit_and_restore(registry, base_ref, box, tmp_path, repo, after_read, keys=None, **options):
