@@ -28,6 +28,7 @@ from snapshotter.watch.watcher import Watcher, WatchOptions
 
 from support.engine import Dockerd
 from support.ocicrypt import make_keys
+from support.registry import digest_of
 from support.hub import HubServer, Repo, hub_download, sha256_hex
 from support.run import SNAP, TIMEOUT, assert_one_line_error, free_port, snap
 from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, make_box, snapshot_of_tree
@@ -447,6 +448,8 @@ def test_run_bind_mounts_the_weights_read_only_at_their_paths(registry, base_ref
     assert r.returncode == 0, r.stderr
     assert f"{BIG_SHA}  {link}" in r.stdout and "read-only" in r.stdout
     assert "bind-mounted read-only" in r.stderr
+    # the engine pulls the snapshot whose weights are mounted, by digest (a watcher may move the tag)
+    assert f"pulling {registry.host}/origin-run@{digest_of(registry, 'origin-run', 'gz')}" in r.stderr
 
 
 def test_log_and_status_say_which_snapshots_depend_on_the_origin(committed, origin_box, base_ref, hub):

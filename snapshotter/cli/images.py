@@ -102,7 +102,7 @@ def run_image(
     from snapshotter.origin.snapshots import run_mounts
 
     transport = RegistryOptions(username=username, password_stdin=password_stdin).transport()
-    weights = run_mounts(ref, transport, say)  # weights from the origin, fetched here, mounted read-only
+    weights, ref = run_mounts(ref, transport, say)  # weights from the origin, fetched here, mounted read-only
     result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [],
                     volumes=[*(volume or []), *weights],
                     env=env or [], name=name, detach=detach, transport=transport, log=say)

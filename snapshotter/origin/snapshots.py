@@ -189,19 +189,23 @@ def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str
     return BackgroundFetch(root, doc, log)
 
 
-def run_mounts(ref: str, transport: TransportOptions, log: Callable[[str], None]) -> list[str]:
+def run_mounts(ref: str, transport: TransportOptions, log: Callable[[str], None]) -> tuple[list[str], str]:
     """`snap run` hands the image to an engine, which cannot fetch references: fetch them onto this
     host (the state dir, by manifest digest: a second run fetches nothing) and give each blob as a
-    read-only bind mount at its path ("HOST:PATH:ro"), under the symlinks the layers hold. [] for a
-    snapshot without references, or one snap cannot read (the engine's pull says what is wrong)."""
+    read-only bind mount at its path ("HOST:PATH:ro"), under the symlinks the layers hold. With them,
+    the ref the engine is to pull: pinned to that manifest's digest where there are weights (a watcher
+    may move the tag meanwhile: the engine must run the snapshot whose weights are mounted), else
+    `ref`. No mounts for a snapshot without references, or one snap cannot read (the engine's pull
+    says what is wrong)."""
     try:
-        remote = Remote(Reference.parse(ref), transport)
+        reference = Reference.parse(ref)
+        remote = Remote(reference, transport)
         image = remote.resolve()
     except SnapError:
-        return []
+        return [], ref
     note = noted(image.annotations)
     if not note or not note["files"]:
-        return []
+        return [], ref
     host = sub("origin-run", image.manifest_digest.split(":", 1)[1])
     doc = read_document(remote, image.annotations)
     try:
@@ -210,4 +214,5 @@ def run_mounts(ref: str, transport: TransportOptions, log: Callable[[str], None]
         raise type(e)(str(e.args[0]), "or commit it with `snap commit --upload-origin`, which makes it "
                       "self-contained") from None
     log(f"weights from the origin: {len(doc.references)} hub file(s) bind-mounted read-only from {host!r}")
-    return [f"{os.path.join(host, path)}:/{path}:ro" for path in sorted({r.blob_path for r in doc.references})]
+    mounts = [f"{os.path.join(host, path)}:/{path}:ro" for path in sorted({r.blob_path for r in doc.references})]
+    return mounts, f"{reference.name}@{image.manifest_digest}"
