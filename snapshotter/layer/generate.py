@@ -189,11 +189,10 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
                 reads.grown[source] = first[3][0]  # the bytes sent are those measured if it only grew
         elif not settled:
             reads.torn.append(source)
-        elif e.stamp and (stat_stamp(before) != e.stamp
-                          or not fixed_size and before.st_size != e.size):
+        elif _not_as_scanned(e, before, fixed_size):
             reads.stale.append(source)
         elif reads.record:
-            reads.seen[e.path] = (ti.size, ti.mtime, ti.pax_headers.get("mtime"), _stat_key(before))
+            reads.seen[e.path] = _seen(ti, before)
         if ti.size <= BUFFERED_MAX:
             _put_header(put, ti, reads, ti.size)
             for chunk in chunks:
@@ -201,6 +200,16 @@ def _put_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: 
             if on_bytes:
                 on_bytes(ti.size)
     put(bytes(-ti.size % tarfile.BLOCKSIZE))
+
+
+def _not_as_scanned(e: Entry, st: os.stat_result, fixed_size: bool) -> bool:
+    """Whether a file read (or surveyed) is no longer as the scan saw it: its stamp, a whole file's size."""
+    return bool(e.stamp) and (stat_stamp(st) != e.stamp or not fixed_size and st.st_size != e.size)
+
+
+def _seen(ti: tarfile.TarInfo, st: os.stat_result) -> tuple:
+    """A file's row in LayerBlob.seen: its header's size and mtimes, and its stat key then."""
+    return ti.size, ti.mtime, ti.pax_headers.get("mtime"), _stat_key(st)
 
 
 def _survey_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, box: Beneath, source: str,
@@ -214,10 +223,10 @@ def _survey_file(put: Callable[[bytes], None], ti: tarfile.TarInfo, e: Entry, bo
             before = os.fstat(fd)
         if not fixed_size:
             _size_and_time(ti, e, before, None)
-        if e.stamp and (stat_stamp(before) != e.stamp or not fixed_size and before.st_size != e.size):
+        if _not_as_scanned(e, before, fixed_size):
             reads.stale.append(source)
         else:
-            reads.seen[e.path] = (ti.size, ti.mtime, ti.pax_headers.get("mtime"), _stat_key(before))
+            reads.seen[e.path] = _seen(ti, before)
     _put_header(put, ti, reads, ti.size)
     zeros = memoryview(bytes(min(ti.size, READ_SIZE)))  # counted, not kept: one buffer for the whole file
     for at in range(0, ti.size, READ_SIZE):
