@@ -486,6 +486,19 @@ def test_the_origin_is_checked_as_a_registry_is(committed, hub, tmp_path, where,
     assert all("authorization" not in s.headers for s in hub.seen_all[before:] if s.server == "cdn")
 
 
+def _tick_until_the_weights_are_in(w, clock):
+    """After a failed send: the failure told (a backoff), then a send that works, then the snapshot
+    holding them."""
+    for _ in range(4):
+        clock.advance(3600)
+        try:
+            w.tick()
+        except SnapError:
+            pass
+        if w.origin.thread is not None:
+            w.origin.thread.join(TIMEOUT)
+
+
 def test_a_failed_send_of_the_weights_is_tried_again_and_they_go_up(registry, proxy, base_ref, watched_box,
                                                                     monkeypatch):
     """The registry refuses the weights' uploads while the first send runs: the error is told at the
@@ -505,14 +518,7 @@ def test_a_failed_send_of_the_weights_is_tried_again_and_they_go_up(registry, pr
     w.origin.thread.join(TIMEOUT)
     assert not w.origin.sent and w.origin.error is not None
     refusing.clear()
-    for _ in range(4):  # the failure told (a backoff), then a send that works, then the snapshot holding them
-        clock.advance(3600)
-        try:
-            w.tick()
-        except SnapError:
-            pass
-        if w.origin.thread is not None:
-            w.origin.thread.join(TIMEOUT)
+    _tick_until_the_weights_are_in(w, clock)
     manifest = registry.manifest("origin-retry", "v1")
     assert manifest["annotations"].get("dev.snap.origin-uploaded") == str(len(LFS)), said[-6:]
     assert "dev.snap.origin-references" not in manifest["annotations"]
@@ -605,13 +611,6 @@ def test_a_failed_send_keeps_the_stat_cache_rows_of_the_layers_that_went_up(regi
     assert w.origin.error is not None and len(uploads) >= 2, said
     first, reads[:] = set(reads), []
     proxy.answer = lambda method, path: None
-    for _ in range(4):  # the failure told (a backoff), then a send that works, then the snapshot holding them
-        clock.advance(3600)
-        try:
-            w.tick()
-        except SnapError:
-            pass
-        if w.origin.thread is not None:
-            w.origin.thread.join(TIMEOUT)
+    _tick_until_the_weights_are_in(w, clock)
     assert registry.manifest("origin-keep", "v1")["annotations"].get("dev.snap.origin-uploaded") == str(len(LFS))
     assert reads and set(reads) < first, (sorted(first), sorted(set(reads)))  # the layer that went up: not read
