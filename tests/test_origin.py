@@ -30,6 +30,7 @@ from snapshotter.origin.references import References
 
 from support.hub import HubServer, Repo, hub_download, sha256_hex
 from support.run import free_port
+from support.trees import flip_byte
 
 pytest.importorskip("huggingface_hub")
 
@@ -125,8 +126,7 @@ def test_a_memo_of_hashed_blobs_is_not_trusted_once_a_blob_is_written(box, hub, 
     weights = sha256_hex(REPOS[("model", "acme/tiny")].files["model.safetensors"])
     blob = os.path.join(root, CACHE, "models--acme--tiny", "blobs", weights)
     st = os.stat(blob)
-    with open(blob, "r+b") as f:
-        f.write(b"X")
+    flip_byte(blob)
     os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
     again = recognise(root, default_candidates(root), endpoint=hub.url, memo=memo)
     assert weights not in {r.sha256 for r in again.references}
@@ -137,8 +137,7 @@ def test_a_tampered_or_unnamed_blob_stays_in_the_layers(box, hub, tmp_path):
     root = copy_box(box, str(tmp_path / "box"))
     weights = sha256_hex(REPOS[("model", "acme/tiny")].files["model.safetensors"])
     blob = os.path.join(root, CACHE, "models--acme--tiny", "blobs", weights)
-    with open(blob, "r+b") as f:
-        f.write(b"X")
+    flip_byte(blob)
     orphan = _bytes(9, 2000)
     with open(os.path.join(root, CACHE, "models--acme--tiny", "blobs", sha256_hex(orphan)), "wb") as f:
         f.write(orphan)

@@ -13,7 +13,7 @@ import tarfile
 import pytest
 
 from support.run import snap
-from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
+from support.trees import NOT_CAPTURED, flip_byte, make_box, snapshot_of_tree, write_tree
 
 MiB = 1 << 20
 # The default profile's models layer with small thresholds: weights of a few MiB get layers of
@@ -153,8 +153,7 @@ def test_with_the_restore_record_nothing_is_hashed(committed, registry, proxy, b
     assert doc["hashed_bytes"] == 0
     assert not got - set(_headers(registry).values()) - {registry.manifest("skip", "v1")["config"]["digest"]}
     # A file changed since that restore (its ctime is newer) is hashed again, and its layer downloaded.
-    with open(root / SMALL[3], "r+b") as f:
-        f.write(b"x")
+    flip_byte(root / SMALL[3])
     os.utime(root / SMALL[3], (1_600_000_000, 1_600_000_000))
     doc, got, _ = _restore(proxy, root, state_dir)
     assert 0 < doc["hashed_bytes"] < 1 * MiB  # that file's layer only
@@ -177,8 +176,7 @@ def test_a_restore_record_ending_in_the_future_is_not_trusted(committed, registr
     with the clock set back is found and restored."""
     box, root = committed
     assert _restore_at(proxy, root, state_dir, "3600")["hashed_bytes"] == 0  # the record now ends an hour ahead
-    with open(root / SMALL[3], "r+b") as f:  # changed after the step back: its ctime is before the record's end
-        f.write(b"x")
+    flip_byte(root / SMALL[3])  # changed after the step back: its ctime is before the record's end
     os.utime(root / SMALL[3], (1_600_000_000, 1_600_000_000))
     doc = _restore_at(proxy, root, state_dir, "0")
     assert doc["hashed_bytes"] >= 3 * MiB  # every weight layer hashed

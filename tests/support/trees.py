@@ -31,6 +31,15 @@ def write_tree(root: str, files: dict[str, bytes | str], mtime: int = 1_600_000_
         os.utime(path, (mtime, mtime))
 
 
+def flip_byte(path, offset: int = 0) -> None:
+    """Change one byte in place, whatever it was (writing b"x" over random bytes is a no-op once in 256)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
 def make_base_rootfs(root: str) -> None:
     """A tiny rootfs: a few dirs, files, a symlink, a hardlink, and busybox if the machine has it."""
     write_tree(root, {
