@@ -73,12 +73,30 @@ def bar(desc: str, total: Optional[int] = None, unit: str = "B", sink: Sink = to
         except UsageError:  # check_settings refused it at the start; a library caller gets the default
             every = DEFAULT_EVERY
         return LineProgress(desc, total, unit, every, sink, clock)
+    if how == "off":
+        return Silent()
     from tqdm import tqdm  # here: a run without a terminal (a pod, a pipe) draws no bar and skips its import
 
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
-        disable=how == "off", leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
+        leave=False, file=sys.stderr, dynamic_ncols=True, lock_args=None,
     )
+
+
+class Silent:
+    """A transfer's progress that shows nothing (SNAP_QUIET, SNAP_PROGRESS=off), without tqdm's import."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self, ok: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> "Silent":
+        return self
+
+    def __exit__(self, *_) -> None:
+        pass
 
 
 class LineProgress:

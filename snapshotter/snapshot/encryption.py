@@ -443,8 +443,6 @@ def load_encryption(encrypt_to: list[str], secret_file: Optional[str],
                     log: Callable[[str], None]) -> Optional[Encryption]:
     """The Encryption of `--encrypt-to` (else $SNAP_ENCRYPT_TO) and `--encrypt-secret` (else
     $SNAP_ENCRYPT_SECRET); None when neither names a recipient. Bad keys: one line, exit 2."""
-    from snapshotter.crypt import keys
-
     to_origin, secret_origin = ("--encrypt-to" if encrypt_to else f"${ENCRYPT_TO_ENV}",
                                 "--encrypt-secret" if secret_file else f"${ENCRYPT_SECRET_ENV}")
     paths = [jwe_path(p) for p in (encrypt_to or setting_paths(ENCRYPT_TO_ENV))]
@@ -453,6 +451,8 @@ def load_encryption(encrypt_to: list[str], secret_file: Optional[str],
         if secret_file:
             raise UsageError("--encrypt-secret needs --encrypt-to", "name the public key(s) to encrypt to")
         return None
+    from snapshotter.crypt import keys  # here: a clear commit does not import the cryptography package
+
     recipients = [keys.load_public_key(p, to_origin) for p in paths]
     secret = None
     if secret_file:
