@@ -185,8 +185,9 @@ def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., I
 def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
     """Hold the state dir's lock for the block: a second snap process on the same state dir waits
     for the first (saying so in one line) and never touches its files. Once it is held, anything
-    a killed run left half-made (`.building-*` layers, `*.part` downloads, temp files) is swept;
-    what a live process is still writing without the lock stays (sweep_leftovers)."""
+    a killed run left half-made (`.building-*` layers, `*.part` downloads, temp files) or built and
+    never sent (layers/) is swept; what a live process is still writing or sending without the lock
+    stays (sweep_leftovers)."""
     global _held
     with _held_guard:
         nested = _held > 0
@@ -250,15 +251,18 @@ def _writer_alive(name: str) -> bool:
     return True
 
 
-BUILDING_QUIET = 60.0  # seconds a layer being built may go unwritten, unlocked, and still be a live build's
+BUILDING_QUIET = 60.0  # seconds a built layer may go unwritten, unlocked, and still be a live process's
+BUILT_LAYERS = "layers"  # the state dir's folder of built layers, each removed by its user once sent
 
 
-def _being_built(path: str) -> bool:
-    """Whether a layer being built (`.building-*`, layer/generate.py) is still being written: its
-    writer holds a shared flock on it while it writes, or it was written within BUILDING_QUIET (the
-    moments before the lock is taken and after it is let go, before the rename). A flock is let go
-    when its process dies, whatever its pid now names (a restarted container's pid 1, this very
-    process) and in whichever pid namespace: a killed build's file is never kept for good."""
+def _in_use(path: str) -> bool:
+    """Whether a built layer (in BUILT_LAYERS: `.building-*` while written, then named by its digest
+    and build, layer/generate.py) is still a live process's: its writer holds a shared flock on it
+    while it writes, its user (commit/sender.py) while it waits for and goes through its upload
+    (holding()), or it was written within BUILDING_QUIET (the moments before either lock is taken
+    and between them). A flock is let go when its process dies, whatever its pid now names (a
+    restarted container's pid 1, this very process) and in whichever pid namespace: a killed run's
+    layer is never kept for good."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
@@ -268,15 +272,31 @@ def _being_built(path: str) -> bool:
             return True
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
-    except OSError:  # BlockingIOError: a live writer holds it
+    except OSError:  # BlockingIOError: a live writer or user holds it
         return True
     finally:
         os.close(fd)
 
 
-def _still_written(dirpath: str, name: str) -> bool:
-    if name.startswith(".building-"):
-        return _being_built(os.path.join(dirpath, name))
+@contextmanager
+def holding(path: str) -> Iterator[None]:
+    """Use a built layer for the block, then remove it: a shared flock on it all the while (taken
+    at once after its build, let go only once it is gone) tells another snap process's sweep that
+    a live process uses it (_in_use), however long its upload waits or takes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        finally:
+            os.close(fd)  # after the unlink: no sweep finds it unlocked first
+
+
+def _still_written(dirpath: str, name: str, layers: str) -> bool:
+    if name.startswith(".building-") or dirpath == layers:
+        return _in_use(os.path.join(dirpath, name))
     return _writer_alive(name)
 
 
@@ -286,21 +306,22 @@ def is_leftover(name: str) -> bool:
 
 
 def sweep_leftovers(root: str) -> int:
-    """Remove what killed runs left half-made in the state dir. Returns how many entries. What a
-    process still running is making stays: some is written without the state lock, while another
-    command that took it sweeps: the layers a watcher's background send of the hub weights builds
-    in layers/ (origin_upload.py), in its threads or its packer processes, told by their writer's
-    flock (_being_built); a watcher's files (its exit code), by the pid their name carries
-    (_writer_pid: a dead run's pid that a new process took keeps such a small file until that
-    process ends). A name that carries neither (`*.part`) is written only under the lock."""
-    removed = 0
+    """Remove what killed runs left half-made in the state dir, and the layers they built and never
+    sent. Returns how many entries. What a process still running is making or using stays: some is
+    written without the state lock, while another command that took it sweeps: the layers a
+    watcher's background send of the hub weights builds in layers/ (origin_upload.py), in its
+    threads or its packer processes, and sends, told by their writer's or user's flock (_in_use);
+    a watcher's files (its exit code), by the pid their name carries (_writer_pid: a dead run's pid
+    that a new process took keeps such a small file until that process ends). A name that carries
+    neither (`*.part`) is written only under the lock."""
+    removed, layers = 0, os.path.join(root, BUILT_LAYERS)
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [n for n in dirnames if is_leftover(n) and not _writer_alive(n)]:
             shutil.rmtree(os.path.join(dirpath, name), ignore_errors=True)
             dirnames.remove(name)
             removed += 1
         for name in filenames:
-            if is_leftover(name) and not _still_written(dirpath, name):
+            if (is_leftover(name) or dirpath == layers) and not _still_written(dirpath, name, layers):
                 try:
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1

@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -119,3 +122,97 @@ def test_a_layer_being_built_is_kept_by_its_writers_lock_not_its_pid(tmp_path):
         fcntl.flock(writer.fileno(), fcntl.LOCK_SH)  # as build_layer holds it while it writes
         sweep_leftovers(str(tmp_path))
         assert sorted(p.name for p in layers.iterdir()) == sorted([locked.name, fresh.name])
+
+
+# A process that builds a layer of `root`'s file NAME into the state dir's layers/ as a commit's
+# sender does, and holds it as the sender holds it until its upload is done: it says the blob's
+# path, waits for a line on stdin, then reads the blob by its path (as an upload, or its resume,
+# does) and says its sha256, and ends (the blob removed, as after its upload).
+LAYER_USER = r"""
+import hashlib, os, sys
+from snapshotter.index.entry import entry_from_stat
+from snapshotter.layer.generate import build_layer
+from snapshotter.layer.plan import LayerPlan
+from snapshotter.state import BUILT_LAYERS, holding, sub
+
+root, name = sys.argv[1:3]
+plan = LayerPlan("models", "zstd", [entry_from_stat(name, os.lstat(os.path.join(root, name)))])
+blob = build_layer(root, plan, sub(BUILT_LAYERS))
+with holding(blob.path):
+    print(blob.path, flush=True)
+    sys.stdin.readline()
+    with open(blob.path, "rb") as f:
+        print("sha256:" + hashlib.sha256(f.read()).hexdigest(), flush=True)
+"""
+
+
+def layer_user(root, name: str) -> tuple[subprocess.Popen, str]:
+    """A LAYER_USER process, started, and its blob's path once it holds it."""
+    proc = subprocess.Popen([sys.executable, "-c", LAYER_USER, str(root), name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    path = proc.stdout.readline().strip()
+    assert path, "the layer user ended before it built its layer"
+    return proc, path
+
+
+def finish(proc: subprocess.Popen) -> str:
+    """Let a LAYER_USER read its blob and end: the digest it read."""
+    out, _ = proc.communicate("go\n", timeout=60)
+    assert proc.returncode == 0, "the layer user could not read its blob"
+    return out.strip()
+
+
+def box_with(tmp_path, **files: bytes):
+    root = tmp_path / "box"
+    root.mkdir()
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root
+
+
+def test_two_builds_of_one_layer_never_remove_each_others_blob(tmp_path):
+    """A watcher's background send and a commit of the same root (or two threads) build the same
+    layer: the one whose upload ends first removes its blob; the other's blob is still whole for
+    its upload (or its resume), which reads it by its path."""
+    from snapshotter.index.entry import entry_from_stat
+    from snapshotter.layer.generate import build_layer
+    from snapshotter.layer.plan import LayerPlan
+    from snapshotter.state import BUILT_LAYERS, holding, sub
+
+    root = box_with(tmp_path, **{"w.bin": os.urandom(64 << 10)})
+    other, other_path = layer_user(root, "w.bin")  # built and held, its upload not started
+    plan = LayerPlan("models", "zstd", [entry_from_stat("w.bin", os.lstat(root / "w.bin"))])
+    blob = build_layer(str(root), plan, sub(BUILT_LAYERS))  # the same layer, built here
+    with holding(blob.path):
+        pass  # sent: removed
+    assert finish(other) == blob.digest  # the other's blob, read whole after this one went
+    assert not os.path.exists(other_path) and not os.listdir(sub(BUILT_LAYERS))
+
+
+def test_a_killed_runs_built_layer_is_swept_and_a_live_ones_kept(state_dir, tmp_path):
+    """A built layer in layers/ (named by its digest) that a killed run never sent is swept once the
+    state lock is taken, as is an older snap's (named by its digest alone); one a live process holds
+    for its upload stays however old, as does one written within BUILDING_QUIET (its user about to
+    hold it)."""
+    import signal
+
+    from snapshotter.state import BUILDING_QUIET, BUILT_LAYERS, exclusive, sub
+
+    root = box_with(tmp_path, **{"live.bin": os.urandom(32 << 10), "killed.bin": os.urandom(32 << 10)})
+    live, live_path = layer_user(root, "live.bin")
+    killed, killed_path = layer_user(root, "killed.bin")
+    killed.send_signal(signal.SIGKILL)  # killed while it held its blob, before its upload
+    killed.wait()
+    layers = sub(BUILT_LAYERS)
+    older_snaps, fresh = os.path.join(layers, "c" * 64), os.path.join(layers, "d" * 64 + "-1-1")
+    for path in (older_snaps, fresh):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    old = time.time() - BUILDING_QUIET - 60  # as if the blobs were built long ago, not waited for
+    for path in (live_path, killed_path, older_snaps):
+        os.utime(path, (old, old))
+    with exclusive():
+        pass
+    assert sorted(os.listdir(layers)) == sorted(os.path.basename(p) for p in (live_path, fresh))
+    assert finish(live).startswith("sha256:")  # whole for its upload
+    assert sorted(os.listdir(layers)) == [os.path.basename(fresh)]

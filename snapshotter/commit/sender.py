@@ -5,8 +5,8 @@ its key is random (snapshot/encryption.py's upload_sealing), else counted first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import threading
 from typing import Optional
 
@@ -20,7 +20,7 @@ from snapshotter.registry.remote import Remote, copy_file
 from snapshotter.registry.upload import DigestFirst
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.encryption import SealingWriter
-from snapshotter.state import sub
+from snapshotter.state import BUILT_LAYERS, holding, sub
 
 from .model import CommitPlan
 
@@ -37,7 +37,7 @@ class LayerSender:
         self.packers, self.on_pack, self.on_up = packers, on_pack, on_up
         self.encryption = cp.encryption
         self.after_read = cp.hooks.after_read  # into every read of a box file, here and in the packers
-        self.out_dir = sub("layers")
+        self.out_dir = sub(BUILT_LAYERS)
         # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
         # way the frames are the same (tar/compress.py).
         self.zstd_threads = max(1, cpu_count() // count) if count else -1
@@ -55,9 +55,12 @@ class LayerSender:
                 one_pass = False
         with self.slots:
             blob, piece = self._pack(plan)
-        skeleton.keep(blob.diff_id, piece)
-        with self.sending:
-            return self._send(plan, blob, one_pass)
+        # A built blob is held from now until it is sent and removed: a sweep by another snap process
+        # leaves it, however long it waits for an upload slot (state.holding).
+        with holding(blob.path) if blob.path else contextlib.nullcontext():
+            skeleton.keep(blob.diff_id, piece)
+            with self.sending:
+                return self._send(plan, blob, one_pass)
 
     def _send(self, plan: LayerPlan, blob: LayerBlob, one_pass: bool = True) -> tuple[LayerBlob, str]:
         if self.encryption is not None:
@@ -69,38 +72,32 @@ class LayerSender:
             if there := in_registry(self.remote, blob.digest, self.sources):
                 return blob, there
             return blob, self._upload_measured(plan, blob)
-        try:
-            if blob.not_whole:
-                return blob, NOT_SENT_TORN
-            if there := in_registry(self.remote, blob.digest, self.sources):
-                return blob, there
-            self.remote.upload_blob(blob.path, blob.digest, blob.size, self.on_up, what="layers")
-            return blob, "uploaded"
-        finally:
-            os.unlink(blob.path)  # the registry has it now; the local copy was only for the upload
+        if blob.not_whole:  # the built blob is removed once sent, or not sent (produce)
+            return blob, NOT_SENT_TORN
+        if there := in_registry(self.remote, blob.digest, self.sources):
+            return blob, there
+        self.remote.upload_blob(blob.path, blob.digest, blob.size, self.on_up, what="layers")
+        return blob, "uploaded"
 
     def _send_encrypted(self, blob: LayerBlob) -> str:
         """Send the built blob encrypted: the encrypted blob already pushed for it (state dir, the
         tag's snapshot), else the file encrypted in place (a derived key's blob may be there already)."""
-        try:
-            if blob.not_whole:
-                return NOT_SENT_TORN
-            sealed = self.encryption.lookup(blob.digest, blob.diff_id, blob.media_type)
-            if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
-                return there
-            if self.encryption.secret is None:
-                try:
-                    self._seal_and_send(blob, lambda out: copy_file(blob.path, out))
-                    return "uploaded"
-                except DigestFirst:
-                    pass  # encrypted in place and counted first, as a derived key's: it can resume
-            sealed = self.encryption.encrypt_in_place(blob.path, blob.digest, blob.diff_id, blob.media_type)
-            if there := in_registry(self.remote, sealed["digest"], self.sources):
-                return there
-            self.remote.upload_blob(blob.path, sealed["digest"], sealed["size"], self.on_up, what="layers")
-            return "uploaded"
-        finally:
-            os.unlink(blob.path)
+        if blob.not_whole:
+            return NOT_SENT_TORN
+        sealed = self.encryption.lookup(blob.digest, blob.diff_id, blob.media_type)
+        if sealed and (there := in_registry(self.remote, sealed["digest"], self.sources)):
+            return there
+        if self.encryption.secret is None:
+            try:
+                self._seal_and_send(blob, lambda out: copy_file(blob.path, out))
+                return "uploaded"
+            except DigestFirst:
+                pass  # encrypted in place and counted first, as a derived key's: it can resume
+        sealed = self.encryption.encrypt_in_place(blob.path, blob.digest, blob.diff_id, blob.media_type)
+        if there := in_registry(self.remote, sealed["digest"], self.sources):
+            return there
+        self.remote.upload_blob(blob.path, sealed["digest"], sealed["size"], self.on_up, what="layers")
+        return "uploaded"
 
     def _pack(self, plan: LayerPlan) -> tuple[LayerBlob, bytes]:
         """The layer's blob and its skeleton's piece (its headers, as written)."""

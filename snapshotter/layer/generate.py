@@ -7,6 +7,7 @@ mtimes and numeric owners only, deterministic compression."""
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import tarfile
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ READ_SIZE = 1 << 20  # per read of a file's content
 SETTLE_TRIES = 3  # reads of a file that keeps changing while read; the last one is kept, with a warning
 BUFFERED_MAX = 8 << 20  # a file up to this size is read into memory, and read again alone if it changed
 BUILDING_PREFIX = ".building-"  # a layer being built: BUILDING_PREFIX + "<pid>-<n>" in its out_dir
+_builds = itertools.count()  # the <n> of this process's builds (next() is atomic: no two threads draw one)
 # Called after each read of a file's content with (path, attempt), before the re-stat: lets a test
 # change the file at that exact point (model.CommitHooks.after_read). None in normal runs.
 AfterRead = Optional[Callable[[str, int], None]]
@@ -390,15 +392,19 @@ def write_layer(out: BinaryIO, root: str, plan: LayerPlan, zstd_level: int = 3,
 def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
                 on_bytes: Optional[Callable[[int], None]] = None, headers: Optional[HeaderSink] = None,
                 zstd_threads: int = -1, after_read: AfterRead = None) -> LayerBlob:
-    """Build one layer blob into `out_dir` (temp name, renamed to its digest when complete)."""
+    """Build one layer blob into `out_dir`: a temp name, renamed when complete to "<digest hex>-<pid>-<n>",
+    this build's own. Two builds of one layer (a watcher's background send and a commit of the same
+    root, or two threads) each keep their file: one's removal after its upload, or its encryption
+    in place, never reaches the file the other sends."""
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f"{BUILDING_PREFIX}{os.getpid()}-{id(plan)}")
+    build = f"{os.getpid()}-{next(_builds)}"
+    tmp = os.path.join(out_dir, BUILDING_PREFIX + build)
     try:
         with open(tmp, "wb") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # live: a sweep leaves it (state.py's _being_built)
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # live: a sweep leaves it (state.py's _in_use)
             blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers, zstd_threads=zstd_threads,
                          after_read=after_read)
-        blob.path = os.path.join(out_dir, blob.digest.split(":", 1)[1])
+        blob.path = os.path.join(out_dir, f"{blob.digest.split(':', 1)[1]}-{build}")
         os.replace(tmp, blob.path)
     except OSError as e:
         if os.path.exists(tmp):
