@@ -69,6 +69,34 @@ def test_nothing_changed_commit_reads_no_model_bytes(registry, base_ref, model_b
     assert not any("not read" in s for s in statuses(third).values())
 
 
+_MODULES_WRAPPER = """
+import os, runpy, sys
+try:
+    runpy.run_module("snapshotter", run_name="__main__", alter_sys=True)
+finally:
+    with open(os.environ["SNAP_TEST_MODULES"], "w") as f:
+        f.write("\\n".join(sorted({m.partition(".")[0] for m in sys.modules})))
+"""
+
+
+@pytest.mark.parametrize("progress", ["off", "lines"])  # SNAP_QUIET (the suite's), or lines (no terminal)
+def test_a_clear_commit_imports_no_package_it_does_not_use(registry, base_ref, box, tmp_path, progress):
+    """What a command imports is most of a nothing-changed commit's time: a clear commit loads no
+    cipher (cryptography), no progress bar where none is drawn (tqdm), no pydantic (typer 0.29's
+    option coercion), and no Docker SDK."""
+    ref = f"{registry.host}/imports-{progress}:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, check=True)
+    modules = tmp_path / "modules"
+    r = snap("commit", ref, "--base", base_ref, "--root", box, command=[sys.executable, "-c", _MODULES_WRAPPER],
+             env={"SNAP_TEST_MODULES": str(modules), "SNAP_PROGRESS": progress,
+                  "SNAP_QUIET": "1" if progress == "off" else ""}, check=True)
+    assert "nothing changed" in r.stdout + r.stderr
+    assert (progress == "lines") == ("scanning box: " in r.stderr), r.stderr  # the lines were shown or not
+    loaded = set(modules.read_text().split())
+    assert "snapshotter" in loaded, loaded
+    assert not loaded & {"cryptography", "tqdm", "pydantic", "docker"}
+
+
 def test_file_rewritten_with_old_mtime_is_still_detected(registry, base_ref, model_box):
     path = os.path.join(model_box, "opt/app/models/checkpoints/big.safetensors")
     first = commit_box(f"{registry.host}/ctime:v1", base_ref, CommitOptions(root=model_box))
