@@ -193,3 +193,24 @@ def test_the_parts_of_a_big_file_are_each_read_once(registry, base_ref, box, key
                CommitHooks(after_read=lambda rel, attempt: reads.append(rel) if WEIGHT in rel else None))
     assert len(set(reads)) == 8 and len(reads) == 8  # eight parts, each read once
     assert restored_equals_box(registry, "parts", box, keys, tmp_path)
+
+
+def test_other_bytes_at_the_registry_of_a_one_pass_upload_go_up_counted(registry, proxy, base_ref, box, keys,
+                                                                          tmp_path):
+    """The registry saw other bytes than the ones hashed as they were sent (DIGEST_INVALID at the final
+    PUT of a one-pass upload: the link, not the box, changed them): the layer goes up counted first,
+    the commit does not fail nor hold the weight back, and the snapshot restores."""
+    commit_box(f"{proxy.host}/lied:clear", base_ref, CommitOptions(root=box))  # the base's layers copied there
+    lied: list[str] = []
+
+    def lie(method, path):
+        if method == "PUT" and "/blobs/uploads/" in path and "digest=" in path and not lied:
+            lied.append(path)
+            return 400, {"Content-Type": "application/json"}, [
+                b'{"errors":[{"code":"DIGEST_INVALID","message":"provided digest did not match uploaded content"}]}']
+        return None
+
+    proxy.lie = lie
+    _, result = commit_counting_reads(proxy.host, base_ref, box, keys, tmp_path, "lied")
+    assert lied and not result.held, result.held
+    assert restored_equals_box(registry, "lied", box, keys, tmp_path)

@@ -107,20 +107,30 @@ def _upload_once(transport: Transport, produce: Produce, digest_of: Callable[[],
     if transport.chunks_refused:
         raise DigestFirst(f"registry {transport.registry} refuses chunked uploads")
     out = _StreamedUpload(transport, stopping, _start(transport, ONCE), ONCE, size, 0, bar.count, False)
+    # Not cancelled where the registry is out of reach or the command stops (no request then): the
+    # registry frees an upload it holds in its own time, and its key is gone with this attempt.
     try:
         location = _written(out, produce)
-        done = digest_of()
-        _commit(transport, location, done)
-        return done
+        done = digest_of()  # IntegrityError: the plain bytes were not the ones measured (never committed)
     except RegistryError as e:
-        if out.patch_refused:
-            transport.chunks_refused = True
-        _cancel(transport, out.location)
-        bar.back_to(0)
-        raise DigestFirst(str(e)) from None
+        raise _once_failed(transport, out, bar, e) from None
     except IntegrityError:
         _cancel(transport, out.location)
         raise
+    try:
+        _commit(transport, location, done)
+    except (RegistryError, IntegrityError) as e:  # DIGEST_INVALID: the link changed bytes hashed as they were sent
+        raise _once_failed(transport, out, bar, e) from None
+    return done
+
+
+def _once_failed(transport: Transport, out: _StreamedUpload, bar: _Bar, e: Exception) -> DigestFirst:
+    """A one-pass upload that failed: cancelled, its bar back to zero, DigestFirst for the caller."""
+    if out.patch_refused:
+        transport.chunks_refused = True
+    _cancel(transport, out.location)
+    bar.back_to(0)
+    return DigestFirst(str(e))
 
 
 def _written(out: _StreamedUpload, produce: Produce) -> str:
