@@ -304,13 +304,19 @@ def test_run_refuses_encrypted_layers_before_any_engine_pulls(registry, fake_eng
         assert all(call.endswith(("/version", "/_ping")) for call in engine_calls(fake_engine)), fake_engine.seen
 
 
-def test_an_old_engines_invalid_tar_header_is_the_same_line(registry, fake_engine):
+def test_an_old_engines_invalid_tar_header_names_both_causes(registry, fake_engine):
     """snap cannot read the image itself (here: not in its registry; on a box, a registry only the
-    engine's host reaches), so the engine pulls, and its failure reads as the zstd line."""
+    engine's host reaches), so the engine pulls the ref as given. Docker 20.10 says 'invalid tar
+    header' of zstd layers and of encrypted ones alike: the one line names both, and each way out."""
     ref = f"{registry.host}/engine-only:v1"
     said = "failed to register layer: Error processing tar file(exit status 1): archive/tar: invalid tar header"
     fake_engine.answer = engine_api(DEBIAN_DOCKER_20, said)
-    assert_one_line_error(snap("run", ref), 8, "Docker 20.10.24+dfsg1 cannot read zstd layers", "--compression gzip")
+    r = snap("run", ref)
+    assert_one_line_error(r, 8, f"Docker 20.10.24+dfsg1 failed to unpack {ref}", "invalid tar header",
+                          "zstd, which Docker 20.10.24+dfsg1 cannot read (needs 23.0 or later)",
+                          "encrypted, which no Docker engine decrypts", "upgrade Docker", "--compression gzip",
+                          "--decryption-key FILE", "skopeo copy")
+    assert f"pulling {ref}\n" in r.stderr  # the ref as given: snap read no manifest to pin
     fake_engine.answer = engine_api(DOCKER_CE_24, said)  # a new engine: its own words, not a guess
     assert_one_line_error(snap("run", ref), 10, "archive/tar: invalid tar header")
 

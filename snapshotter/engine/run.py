@@ -271,7 +271,7 @@ def _pull_error(client, image: str, msg: str) -> SnapError:
     if "invalid tar header" in low or "zstd" in low:
         engine = cannot_read_zstd(_version_of(client))
         if engine is not None:
-            return zstd_error(engine, image)
+            return zstd_error(engine, image) if "zstd" in low else _unpack_error(engine, image)
     if any(k in low for k in ("unauthorized", "authentication required", "no basic auth credentials", "denied")):
         return AuthError(f"the registry refused the engine's pull of {image}: {msg}")
     if "not found" in low or "manifest unknown" in low:
@@ -283,6 +283,15 @@ def _pull_error(client, image: str, msg: str) -> SnapError:
         return RegistryUnreachable(f"the Docker engine cannot reach the registry of {image}: {msg}",
                                    "check the host and port from the engine's host")
     return RegistryError(f"the Docker engine failed to pull {image}: {msg}")
+
+
+def _unpack_error(engine: str, image: str) -> EngineUnavailable:
+    """Docker before 23.0 says 'invalid tar header' of zstd layers and of encrypted ones alike: snap
+    could not read the manifest to tell which, so the line names both, and the ways out of each."""
+    return EngineUnavailable(f"{engine} failed to unpack {image} (archive/tar: invalid tar header): its layers are "
+                             f"either zstd, which {engine} cannot read (needs {'.'.join(map(str, DOCKER_ZSTD))} "
+                             "or later), or encrypted, which no Docker engine decrypts",
+                             f"if zstd: {zstd_error(engine, image).hint}; if encrypted: {encrypted_error(image).hint}")
 
 
 def _version_of(client) -> dict:
