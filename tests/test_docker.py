@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import tarfile
+import threading
 import time
 import uuid
 
@@ -29,7 +30,7 @@ from support.engine import Dockerd, engine_api
 from support.faults import FaultProxy, HostileServer
 from support.ocicrypt import make_keys, skopeo_copy
 from support.images import label, layers_by_name, push_base_image
-from support.registry import RegistryServer, diverged_tags
+from support.registry import RegistryServer, digest_of, diverged_tags
 from support.run import (
     WHEELS,
     assert_one_line_error,
@@ -39,7 +40,7 @@ from support.run import (
     snap,
     snap_dist,
 )
-from support.tars import tar_of_files
+from support.tars import gzip_bytes, tar_of_files
 from support.trees import (
     LINKED,
     NOT_CAPTURED,
@@ -155,6 +156,56 @@ def test_an_encrypted_snapshot_is_refused_by_run_and_runs_in_docker_once_skopeo_
     assert "old_cache.bin is gone" in out
 
 
+class TagMover(FaultProxy):
+    """A FaultProxy that calls `move` (once) when the engine first asks the registry for anything
+    (dockerd's User-Agent says docker/): after every read of snap's, before the engine's pull."""
+
+    def __init__(self, upstream: str, move):
+        self.move, self.moved, self._once = move, threading.Event(), threading.Lock()
+        super().__init__(upstream)
+
+    def _handler(self):
+        proxy, forward = self, super()._handler()
+
+        class Handler(forward):
+            def _any(self):
+                with proxy._once:
+                    if self.headers.get("User-Agent", "").startswith("docker/") and not proxy.moved.is_set():
+                        proxy.move()
+                        proxy.moved.set()
+                forward._any(self)
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
+
+        return Handler
+
+
+def test_run_runs_the_manifest_it_checked_though_a_watcher_moves_the_tag(registry, base_ref, engine):
+    """snap reads the tag's manifest once and checks it; the engine pulls and runs that manifest by
+    its digest. Here the tag moves, once snap has read it, to an encrypted image (which snap would
+    refuse and Docker cannot unpack): the container still runs the snapshot snap checked, and the
+    engine names it by the tag, as a pull of the tag would."""
+    base = [registry.blob("base", d["digest"]) for d in registry.manifest("base", "1")["layers"]]
+    checked = registry.push_image("moving", "v1", base + [gzip_bytes(tar_of_files({"etc/which": b"checked\n"}))])
+    registry.push_image("moving", "encrypted", [os.urandom(512)], diff_ids=["sha256:" + "ab" * 32],
+                        layer_media_type=LAYER_GZIP + "+encrypted")
+    s, oci = registry.session(), {"Content-Type": "application/vnd.oci.image.manifest.v1+json"}
+    encrypted = s.get(f"{registry.url}/v2/moving/manifests/encrypted", headers={"Accept": oci["Content-Type"]})
+    proxy = TagMover(registry.host, lambda: s.put(f"{registry.url}/v2/moving/manifests/v1", data=encrypted.content,
+                                                  headers=oci).raise_for_status()).start()
+    try:
+        ref = f"{proxy.host}/moving:v1"
+        r = snap("run", ref, "--", "/bin/sh", "-c", "cat /etc/which")
+        assert proxy.moved.is_set() and digest_of(registry, "moving", "v1") != checked
+        assert r.returncode == 0 and r.stdout == "checked\n", r.stderr
+        assert f"pulling {proxy.host}/moving@{checked}, which {ref} names" in r.stderr
+        # snap read the tag's manifest once (not once more to refuse unreadable layers); the engine, by digest
+        assert [m for m, path, _ in proxy.log if path.endswith("/manifests/v1")] == ["GET"], proxy.log
+        assert engine.images.get(ref).id == engine.images.get(f"{proxy.host}/moving@{checked}").id
+    finally:
+        proxy.stop()
+
+
 def test_zstd_is_the_default_and_docker_20_cannot_pull_it(registry, base_ref, box, engine):
     """snap commit compresses code and venvs with zstd by default. Docker before 23.0 cannot unpack
     zstd layers (20.10 fails with 'archive/tar: invalid tar header'), which is why the interop tests
@@ -253,13 +304,19 @@ def test_run_refuses_encrypted_layers_before_any_engine_pulls(registry, fake_eng
         assert all(call.endswith(("/version", "/_ping")) for call in engine_calls(fake_engine)), fake_engine.seen
 
 
-def test_an_old_engines_invalid_tar_header_is_the_same_line(registry, fake_engine):
+def test_an_old_engines_invalid_tar_header_names_both_causes(registry, fake_engine):
     """snap cannot read the image itself (here: not in its registry; on a box, a registry only the
-    engine's host reaches), so the engine pulls, and its failure reads as the zstd line."""
+    engine's host reaches), so the engine pulls the ref as given. Docker 20.10 says 'invalid tar
+    header' of zstd layers and of encrypted ones alike: the one line names both, and each way out."""
     ref = f"{registry.host}/engine-only:v1"
     said = "failed to register layer: Error processing tar file(exit status 1): archive/tar: invalid tar header"
     fake_engine.answer = engine_api(DEBIAN_DOCKER_20, said)
-    assert_one_line_error(snap("run", ref), 8, "Docker 20.10.24+dfsg1 cannot read zstd layers", "--compression gzip")
+    r = snap("run", ref)
+    assert_one_line_error(r, 8, f"Docker 20.10.24+dfsg1 failed to unpack {ref}", "invalid tar header",
+                          "zstd, which Docker 20.10.24+dfsg1 cannot read (needs 23.0 or later)",
+                          "encrypted, which no Docker engine decrypts", "upgrade Docker", "--compression gzip",
+                          "--decryption-key FILE", "skopeo copy")
+    assert f"pulling {ref}\n" in r.stderr  # the ref as given: snap read no manifest to pin
     fake_engine.answer = engine_api(DOCKER_CE_24, said)  # a new engine: its own words, not a guess
     assert_one_line_error(snap("run", ref), 10, "archive/tar: invalid tar header")
 

@@ -102,10 +102,10 @@ def run_image(
     from snapshotter.origin.snapshots import run_mounts
 
     transport = RegistryOptions(username=username, password_stdin=password_stdin).transport()
-    weights, ref = run_mounts(ref, transport, say)  # weights from the origin, fetched here, mounted read-only
-    result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [],
-                    volumes=[*(volume or []), *weights],
-                    env=env or [], name=name, detach=detach, transport=transport, log=say)
+    result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
+                    env=env or [], name=name, detach=detach, transport=transport, log=say,
+                    # weights from the origin of the image snap read, fetched here, mounted read-only
+                    mounts_of=lambda image: run_mounts(image, transport, say))
     if detach:
         output.out(result.container_id)
         return

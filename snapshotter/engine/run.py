@@ -15,6 +15,7 @@ from typing import BinaryIO, Callable, Optional, Sequence
 
 from snapshotter.errors import (AuthError, EngineUnavailable, IntegrityError, NotFound, RegistryError,
                                 RegistryUnreachable, SnapError, UsageError)
+from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, compression_of
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
@@ -33,7 +34,7 @@ class Interrupted(SnapError):
 class RunResult:
     container_id: str
     name: str
-    image: str  # what the container was created from: repo:tag or repo@digest
+    image: str  # what the container was created from: repo@digest (repo:tag where snap could not read it)
     exit_code: Optional[int]  # None when detached
 
 
@@ -97,10 +98,12 @@ def parse_env(specs: Sequence[str]) -> list[str]:
 def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", ports: Sequence[str] = (),
         volumes: Sequence[str] = (), env: Sequence[str] = (), name: Optional[str] = None, detach: bool = False,
         transport: Optional[TransportOptions] = None, stdout: Optional[BinaryIO] = None,
-        stderr: Optional[BinaryIO] = None, log: Callable[[str], None] = lambda msg: None) -> RunResult:
+        stderr: Optional[BinaryIO] = None, log: Callable[[str], None] = lambda msg: None,
+        mounts_of: Callable[[Image], list[str]] = lambda image: []) -> RunResult:
     """Pull `ref` into the engine and start it. Not detached: stream its output to stdout/stderr
     and return its exit code. The container is kept (like docker run without --rm), so its
-    changes can be captured later with `snap commit --from-container`."""
+    changes can be captured later with `snap commit --from-container`. `mounts_of` gives the bind
+    mounts ("HOST:PATH:ro") the image snap read needs beside its layers (weights from the origin)."""
     reference = Reference.parse(ref)
     if gpus not in GPU_MODES:
         raise UsageError(f"gpus={gpus!r} is not one of {', '.join(GPU_MODES)}")
@@ -114,8 +117,9 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
     client = connect()
     import docker  # importable: connect() checked
 
-    refuse_unreadable_layers(client, reference, transport)
-    image = pull(client, reference, transport, log)
+    snapshot = checked_snapshot(client, reference, transport)
+    binds += mounts_of(snapshot) if snapshot is not None else []
+    image = pull(client, reference, snapshot, transport, log)
     device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if want_gpus else None
     try:
         ct = client.containers.create(
@@ -182,27 +186,30 @@ def encrypted_error(image: str) -> EngineUnavailable:
                              "--decryption-key FILE docker://REF docker://COPY")
 
 
-def refuse_unreadable_layers(client, reference: Reference, transport: Optional[TransportOptions]) -> None:
+def checked_snapshot(client, reference: Reference, transport: Optional[TransportOptions]) -> Optional[Image]:
+    """Read the snapshot's manifest, once, for the engine's platform, and refuse what the engine
+    cannot unpack (refuse_unreadable_layers). The image read is what the engine then pulls, by its
+    digest (pull). None where snap cannot read it (a registry only the engine's host reaches): the
+    engine's pull goes ahead and its failure is mapped to one line (_pull_error)."""
+    version = _version_of(client)
+    platform = (version.get("Os"), version.get("Arch"))
+    try:
+        image = Remote(reference, transport).resolve(want=platform if all(platform) else None)
+    except SnapError:
+        return None
+    refuse_unreadable_layers(version, image, str(reference))
+    return image
+
+
+def refuse_unreadable_layers(version: dict, image: Image, name: str) -> None:
     """Refuse, before the engine pulls anything, an image it cannot unpack: encrypted layers on any
     engine (Docker 20.10 pulls them and fails with 'invalid tar header'), zstd layers on an engine
-    too old for them. Where snap cannot read the manifest (a registry only the engine's host
-    reaches), the engine's pull goes ahead and its failure is mapped to one line (_pull_error)."""
-    import docker
-
-    try:
-        version = client.version()
-    except (docker.errors.DockerException, OSError):  # requests' errors are OSErrors
-        return  # the pull says what is wrong with the engine
-    want = (version.get("Os") or "linux", version.get("Arch") or "amd64")
-    try:
-        layers = Remote(reference, transport).resolve(want=want).layers
-    except SnapError:
-        return
-    if any(_is_encrypted(d) for d in layers):
-        raise encrypted_error(str(reference))
+    (of this /version answer) too old for them."""
+    if any(_is_encrypted(d) for d in image.layers):
+        raise encrypted_error(name)
     engine = cannot_read_zstd(version)
-    if engine is not None and any(_is_zstd(d) for d in layers):
-        raise zstd_error(engine, str(reference))
+    if engine is not None and any(_is_zstd(d) for d in image.layers):
+        raise zstd_error(engine, name)
 
 
 def _is_encrypted(desc) -> bool:
@@ -218,18 +225,23 @@ def _is_zstd(desc) -> bool:
         return False  # a type snap does not read: the engine judges it
 
 
-def pull(client, reference: Reference, transport: Optional[TransportOptions], log: Callable[[str], None]) -> str:
-    """Have the engine pull the image; returns the name to create the container from.
-    Credentials given to snap (--username) go to the engine; else it uses its own docker config."""
+def pull(client, reference: Reference, snapshot: Optional[Image], transport: Optional[TransportOptions],
+         log: Callable[[str], None]) -> str:
+    """Have the engine pull the image; returns the name to create the container from: the manifest
+    snap read and checked, by its digest (a watcher may move the tag meanwhile: the engine must run
+    the snapshot that was judged, and whose weights are mounted), then tagged as a pull of the tag
+    would. Credentials given to snap (--username) go to the engine; else it uses its own docker config."""
     import docker
 
-    target = reference.target
-    image = f"{reference.name}{'@' if reference.digest else ':'}{target}"
+    # snap could not read the manifest (a registry only the engine's host reaches): the ref as given.
+    pinned = snapshot.manifest_digest if snapshot is not None else reference.digest
+    target = pinned or reference.target
+    image = f"{reference.name}@{pinned}" if pinned else f"{reference.name}:{target}"
     creds = transport.credentials if transport else None
     auth = None
     if creds and creds.username is not None:
         auth = {"username": creds.username, "password": creds.password or ""}
-    log(f"pulling {image}")
+    log(f"pulling {image}" if image == str(reference) else f"pulling {image}, which {reference} names")
     try:
         # The high-level images.pull drops errors reported inside the stream: read it ourselves.
         for event in client.api.pull(reference.name, tag=target, stream=True, decode=True, auth_config=auth):
@@ -237,7 +249,20 @@ def pull(client, reference: Reference, transport: Optional[TransportOptions], lo
                 raise _pull_error(client, image, event["error"])
     except docker.errors.APIError as e:
         raise _pull_error(client, image, e.explanation or str(e))
+    if snapshot is not None and reference.digest is None:
+        _tag(client, image, reference, log)
     return image
+
+
+def _tag(client, image: str, reference: Reference, log: Callable[[str], None]) -> None:
+    """Name the pulled image by its tag in the engine, as a pull of the tag would have: `docker
+    images` shows it, `docker run REF` finds it."""
+    import docker
+
+    try:
+        client.api.tag(image, reference.name, reference.tag)
+    except docker.errors.APIError as e:
+        log(f"the engine did not tag {image} as {reference}: {' '.join(str(e.explanation or e).split())}")
 
 
 def _pull_error(client, image: str, msg: str) -> SnapError:
@@ -246,7 +271,7 @@ def _pull_error(client, image: str, msg: str) -> SnapError:
     if "invalid tar header" in low or "zstd" in low:
         engine = cannot_read_zstd(_version_of(client))
         if engine is not None:
-            return zstd_error(engine, image)
+            return zstd_error(engine, image) if "zstd" in low else _unpack_error(engine, image)
     if any(k in low for k in ("unauthorized", "authentication required", "no basic auth credentials", "denied")):
         return AuthError(f"the registry refused the engine's pull of {image}: {msg}")
     if "not found" in low or "manifest unknown" in low:
@@ -258,6 +283,15 @@ def _pull_error(client, image: str, msg: str) -> SnapError:
         return RegistryUnreachable(f"the Docker engine cannot reach the registry of {image}: {msg}",
                                    "check the host and port from the engine's host")
     return RegistryError(f"the Docker engine failed to pull {image}: {msg}")
+
+
+def _unpack_error(engine: str, image: str) -> EngineUnavailable:
+    """Docker before 23.0 says 'invalid tar header' of zstd layers and of encrypted ones alike: snap
+    could not read the manifest to tell which, so the line names both, and the ways out of each."""
+    return EngineUnavailable(f"{engine} failed to unpack {image} (archive/tar: invalid tar header): its layers are "
+                             f"either zstd, which {engine} cannot read (needs {'.'.join(map(str, DOCKER_ZSTD))} "
+                             "or later), or encrypted, which no Docker engine decrypts",
+                             f"if zstd: {zstd_error(engine, image).hint}; if encrypted: {encrypted_error(image).hint}")
 
 
 def _version_of(client) -> dict:

@@ -22,7 +22,7 @@ from snapshotter.box.diff import Diff
 from snapshotter.box.scan import Scan
 from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.index.base import push_artifact
-from snapshotter.oci.reference import Reference
+from snapshotter.oci.image import Image
 from snapshotter.profile import Profile
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
@@ -189,30 +189,21 @@ def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str
     return BackgroundFetch(root, doc, log)
 
 
-def run_mounts(ref: str, transport: TransportOptions, log: Callable[[str], None]) -> tuple[list[str], str]:
+def run_mounts(image: Image, transport: TransportOptions, log: Callable[[str], None]) -> list[str]:
     """`snap run` hands the image to an engine, which cannot fetch references: fetch them onto this
     host (the state dir, by manifest digest: a second run fetches nothing) and give each blob as a
-    read-only bind mount at its path ("HOST:PATH:ro"), under the symlinks the layers hold. With them,
-    the ref the engine is to pull: pinned to that manifest's digest where there are weights (a watcher
-    may move the tag meanwhile: the engine must run the snapshot whose weights are mounted), else
-    `ref`. No mounts for a snapshot without references, or one snap cannot read (the engine's pull
-    says what is wrong)."""
-    try:
-        reference = Reference.parse(ref)
-        remote = Remote(reference, transport)
-        image = remote.resolve()
-    except SnapError:
-        return [], ref
+    read-only bind mount at its path ("HOST:PATH:ro"), under the symlinks the layers hold. `image` is
+    the manifest snap read (engine/run.py), which the engine pulls by that digest: the weights
+    mounted are its own, wherever a watcher moves the tag. No mounts for a snapshot without references."""
     note = noted(image.annotations)
     if not note or not note["files"]:
-        return [], ref
+        return []
     host = sub("origin-run", image.manifest_digest.split(":", 1)[1])
-    doc = read_document(remote, image.annotations)
+    doc = read_document(Remote(image.ref, transport), image.annotations)
     try:
         fetch_into(host, doc, log).raise_first()
     except SnapError as e:
         raise type(e)(str(e.args[0]), "or commit it with `snap commit --upload-origin`, which makes it "
                       "self-contained") from None
     log(f"weights from the origin: {len(doc.references)} hub file(s) bind-mounted read-only from {host!r}")
-    mounts = [f"{os.path.join(host, path)}:/{path}:ro" for path in sorted({r.blob_path for r in doc.references})]
-    return mounts, f"{reference.name}@{image.manifest_digest}"
+    return [f"{os.path.join(host, path)}:/{path}:ro" for path in sorted({r.blob_path for r in doc.references})]

@@ -179,7 +179,10 @@ class FaultProxy(ThreadedServer):
                     proxy.back.wait(300)  # refused once already: this one waits for the registry's restart
                     upstream.connect()
                 hop_by_hop = ("transfer-encoding", "content-length", "connection")
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop_by_hop}
+                headers: dict[str, str] = {}
+                for k, v in self.headers.items():  # Docker sends Accept once per media type: one list, not the last
+                    if k.lower() not in hop_by_hop:
+                        headers[k] = f"{headers[k]}, {v}" if k in headers else v
                 chunked = self.headers.get("Transfer-Encoding", "").lower() == "chunked"
                 try:
                     if chunked or self.headers.get("Content-Length") not in (None, "0"):
