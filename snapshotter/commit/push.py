@@ -95,7 +95,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
         digest, _, config_digest = remote.write_image(image, target_ref.target)
     cp.cache.save()
     if cp.encryption is not None:
-        cp.encryption.save(digest)
+        cp.encryption.save(digest, str(target_ref))  # each tag keeps its last snapshot's seal
     note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
     if not current:
         travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \

@@ -5,7 +5,7 @@ blobs snap pushes beside the layers (headers, base index, any other side blob) a
 (side_blobs). What stays clear: the config (the base's, with diff_ids), the base's layers, sizes.
 
 Dedup: an unchanged layer keeps its encrypted blob. The state dir maps each plain blob to the
-encrypted descriptor pushed for it (per set of recipients: ENCRYPTED_DIR, 0600, wrapped keys only);
+encrypted descriptor pushed for it (per set of recipients: encryption_state.py, 0600, wrapped keys only);
 a new state dir reuses the target tag's snapshot's descriptor of the same diff_id and recipients;
 with a secret (`--encrypt-secret`) the layer key is derived (crypt/layer.py's derived_key), so the
 same layer is the same blob on any box that has the secret."""
@@ -21,15 +21,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_HEADERS, SNAP_MAX_LAYER,
                                    SNAP_PROFILE, Layer, NewImage, annotations_of)
-from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.upload import DigestFirst
-from snapshotter.state import open_own, replace_file, sub
+from snapshotter.state import replace_file
+
+from .encryption_state import VERSION, merged, read_state, state_path, well_formed
 
 if TYPE_CHECKING:  # crypt/ (and the cryptography package) is imported where a key is used: a clear
     from snapshotter.crypt.keys import PublicKey  # commit or restore does not pay for it
@@ -46,10 +46,7 @@ KEY_ID_INFO = b"snap layer key id v1"
 # Manifest annotations left clear: none names a path; commit and restore read them before any key.
 CLEAR = frozenset({BASE_NAME, BASE_DIGEST, CREATED, SNAP_BASE_LAYERS, SNAP_PROFILE, SNAP_MAX_LAYER, RECIPIENTS})
 ENCRYPTED_LABEL = "encrypted"  # each snap layer's name in the config's history: its real name is sealed
-ENCRYPTED_DIR = "encrypted-layers"
-VERSION = 1
 CHECK_BLOCK = 1 << 20  # plain bytes checked at once when a stream is read a second time (SealingWriter)
-SNAPSHOTS_KEPT = 4  # seals kept in the state dir: the tag's snapshot is the last one pushed, or one before
 
 
 def jwe_path(value: str) -> str:
@@ -96,7 +93,10 @@ class Encryption:
     # Those of the last snapshots pushed from here, by manifest digest: kept_seal
     snapshots: dict[str, dict] = field(default_factory=dict)
     loaded: bool = False
-    _loading: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # The layers' threads look up and note at once while others read: known, used and made are
+    # replaced whole under this lock, never changed in place, so a reader walks one whole version.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _seen: dict[str, dict] = field(default_factory=dict, repr=False)  # the file's layers when last read or written
 
     @functools.cached_property
     def id(self) -> str:
@@ -111,40 +111,32 @@ class Encryption:
         what = KEY_ID_INFO + f" {diff_id} {plain_digest}".encode()
         return "hmac-sha256:" + hmac.new(self.secret, what, hashlib.sha256).hexdigest()
 
-    def _path(self) -> str:
-        return _state_path(self.id)
-
     def _load(self) -> None:
-        """Read the state file once. Under a lock: the layers' threads look up and note at once, and
-        one that noted a new blob must not see the file's older entry put over it."""
-        with self._loading:
+        """Read the state file once. Under the lock: one thread that noted a new blob must not see
+        the file's older entry put over it."""
+        with self._lock:
             if not self.loaded:
-                self._read()
+                doc = read_state(self.id)
+                self._seen = doc.get("layers", {})
+                self.known = {**self._seen, **self.known}
+                self.sealed.update(doc.get("sealed", {}))
+                self.snapshots.update(doc.get("snapshots", {}))
                 self.loaded = True
 
-    def _read(self) -> None:
-        doc = _read_state(self.id)
-        if isinstance(doc.get("layers"), dict):
-            self.known = {**{k: v for k, v in doc["layers"].items() if _well_formed(v)}, **self.known}
-            if isinstance(doc.get("sealed"), dict):
-                self.sealed.update({k: v for k, v in doc["sealed"].items() if isinstance(v, str)})
-            if isinstance(doc.get("snapshots"), dict):
-                self.snapshots.update({k: v for k, v in doc["snapshots"].items() if _is_seal(v)})
-
-    def save(self, manifest_digest: Optional[str] = None) -> None:
+    def save(self, manifest_digest: Optional[str] = None, tag: Optional[str] = None) -> None:
         """Keep what this commit used (the mapping holds descriptors and wrapped keys, no key): as the
         stat cache, the layers gone from the box fall out, and a watcher's file does not grow forever.
-        And what the snapshot pushed (`manifest_digest`) sealed: the next commit reads its files'
-        layers there (snapshot/files.py), as it holds no private key to unseal them."""
+        And what the snapshot pushed (`manifest_digest`, to `tag`) sealed: the next commit reads its
+        files' layers there (snapshot/files.py), as it holds no private key to unseal them. Called under
+        the state dir's lock (commit_box, the watcher's snapshots): the file is read again and what
+        other processes saved since this one read it is kept (encryption_state.merged)."""
         self._load()
-        self.known = {k: v for k, v in self.known.items() if k in self.used}
-        self.used, self.made = set(), set()
-        if manifest_digest and self.unsealed is not None:
-            self.snapshots.pop(manifest_digest, None)
-            self.snapshots[manifest_digest] = self.unsealed
-            self.snapshots = dict(list(self.snapshots.items())[-SNAPSHOTS_KEPT:])
-        replace_file(self._path(), lambda f: json.dump({"version": VERSION, "layers": self.known,  # 0600
-                                                        "sealed": self.sealed, "snapshots": self.snapshots}, f))
+        pushed = (manifest_digest, tag, self.unsealed) if manifest_digest and self.unsealed is not None else None
+        with self._lock:
+            doc = merged(read_state(self.id), self._seen, self.known, self.used, self.snapshots, self.sealed, pushed)
+            self.known, self.used, self.made, self._seen = dict(doc["layers"]), set(), set(), doc["layers"]
+            self.sealed, self.snapshots = dict(doc["sealed"]), dict(doc["snapshots"])
+        replace_file(state_path(self.id), lambda f: json.dump({"version": VERSION, **doc}, f))  # 0600
 
     def lookup(self, plain_digest: str, diff_id: str, media_type: str) -> Optional[dict]:
         """The encrypted descriptor already pushed for this plain blob (or, from the target's last
@@ -159,8 +151,7 @@ class Encryption:
             found = self.previous.get((diff_id, layer.encrypted_media_type(media_type))) if plain else None
             if not self._same_key(found, diff_id, plain_digest):
                 return None
-            self.known[plain_digest] = found
-        self.used.add(plain_digest)
+        self._remember(plain_digest, found, made=False)
         return found
 
     def may_hold(self, size: int) -> bool:
@@ -169,7 +160,9 @@ class Encryption:
         Not one this commit made (the parts of one big file are all of one size, and no two layers of
         one snapshot are one blob)."""
         self._load()
-        earlier = [d for k, d in self.known.items() if k not in self.made]
+        with self._lock:
+            known, made = self.known, self.made  # whole versions (_remember): other threads note meanwhile
+        earlier = [d for k, d in known.items() if k not in made]
         return any(d.get("size") == size for d in (*earlier, *self.previous.values()))
 
     def _same_key(self, desc: Optional[dict], diff_id: str, plain_digest: str) -> bool:
@@ -233,9 +226,17 @@ class Encryption:
 
     def note(self, plain_digest: str, desc: dict) -> None:
         self._load()
-        self.known[plain_digest] = desc
-        self.used.add(plain_digest)
-        self.made.add(plain_digest)
+        self._remember(plain_digest, desc, made=True)
+
+    def _remember(self, plain_digest: str, desc: dict, made: bool) -> None:
+        """`plain_digest`'s blob used by this commit (`made`: encrypted by it): known, used and made
+        replaced by new versions (copy on write, a few hundred rows), as may_hold and save read them."""
+        with self._lock:
+            if self.known.get(plain_digest) is not desc:
+                self.known = {**self.known, plain_digest: desc}
+            self.used = self.used | {plain_digest}
+            if made:
+                self.made = self.made | {plain_digest}
 
     def learn_previous(self, remote: Remote, manifest: Optional[bytes]) -> None:
         """The encrypted layers of the target tag's snapshot made for these recipients, by diff_id (its
@@ -246,7 +247,7 @@ class Encryption:
                 return
             config = json.loads(remote.fetch_bytes(doc["config"]["digest"], doc["config"]["size"]))
             for desc, diff_id in zip(doc["layers"], config["rootfs"]["diff_ids"]):
-                if _well_formed(desc) and annotations_of(desc, "a layer").get(RECIPIENTS) == self.id:
+                if well_formed(desc) and annotations_of(desc, "a layer").get(RECIPIENTS) == self.id:
                     self.previous[(diff_id, desc["mediaType"])] = desc
         except (SnapError, ValueError, KeyError, TypeError):
             return  # an optimisation only: the layers are encrypted and pushed afresh
@@ -395,48 +396,11 @@ def _copy_blob(remote: Remote, kept: Layer, out) -> None:
         out.write(chunk)
 
 
-def _is_seal(doc) -> bool:
-    return (isinstance(doc, dict) and isinstance(doc.get("layers"), dict)
-            and all(isinstance(v, dict) and all(isinstance(x, str) for x in v.values())
-                    for v in doc["layers"].values()))
-
-
-def _state_path(recipients: str) -> str:
-    """The state file of a set of recipients (recipients_id), 0600: ENCRYPTED_DIR/<its 32 first hex>.json."""
-    return os.path.join(sub(ENCRYPTED_DIR), recipients.split(":", 1)[1][:32] + ".json")
-
-
-def _read_state(recipients: str) -> dict:
-    try:
-        with open_own(_state_path(recipients)) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) and doc.get("version") == VERSION else {}
-
-
-def kept_seal(recipients: Optional[str], manifest_digest: str) -> Optional[dict]:
-    """What a snapshot pushed from this state dir sealed ({"manifest": ..., "layers": {index: ...}}),
-    if it is one of the last SNAPSHOTS_KEPT for these recipients (`recipients`: its RECIPIENTS,
-    as the registry says it: a digest, else nothing is read)."""
-    if not isinstance(recipients, str) or not DIGEST.fullmatch(recipients):
-        return None
-    snapshots = _read_state(recipients).get("snapshots")
-    found = snapshots.get(manifest_digest) if isinstance(snapshots, dict) else None
-    return found if _is_seal(found) else None
-
-
 def with_sealed(layers: list[Layer], sealed: dict) -> list[Layer]:
     """`layers` with the annotations `sealed` (a seal's payload) holds of them put back."""
     hidden = sealed.get("layers", {})
     return [Layer(lay.index, {**lay.descriptor, "annotations": {**lay.annotations, **hidden[str(lay.index)]}},
                   lay.diff_id) if str(lay.index) in hidden else lay for lay in layers]
-
-
-def _well_formed(desc) -> bool:
-    return (isinstance(desc, dict) and isinstance(desc.get("digest"), str) and type(desc.get("size")) is int
-            and isinstance(desc.get("mediaType"), str) and desc["mediaType"].endswith(ENCRYPTED_SUFFIX)
-            and isinstance(desc.get("annotations"), dict))
 
 
 def load_encryption(encrypt_to: list[str], secret_file: Optional[str],

@@ -11,7 +11,8 @@ from snapshotter.layer.plan import holds_one_file, parse_part_annotation
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, Image, Layer, annotations_of, snapshot_layer_count
 from snapshotter.registry.remote import Remote
 
-from .encryption import RECIPIENTS, SEALED, kept_seal, with_sealed
+from .encryption import RECIPIENTS, SEALED, with_sealed
+from .encryption_state import kept_seal
 from .record import restored_from
 
 
