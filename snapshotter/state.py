@@ -2,7 +2,8 @@
 (a restore downloads into staging dirs in its own root, not here); the lock that gives one
 snap process at a time the state dir; and the rules its files share: a box root's files are
 named by the root's key, and every format names its version, so that a file of another version
-is never misread. The state dir is the user's alone, as ~/.ssh is (see private())."""
+is never misread. The state dir is the user's alone, as ~/.ssh is (see private()), and snap's
+alone: a dir of the user's files is refused, never swept (see _check_claim())."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ from typing import IO, Callable, Iterator, Optional
 from .errors import StorageError
 
 LOCK_NAME = "lock"
+MARKER = ".snap-state-dir"  # in a state dir snap made or claimed: only such a dir is swept and tightened
+BUILT_LAYERS = "layers"  # the state dir's folder of built layers, each removed by its user once sent
+# Every name snap gives what it keeps at the top of its state dir: sub()'s first part, and its files
+# there. Only these are snap's to sweep and tighten; a dir without MARKER that holds only these is an
+# older snap's state dir, claimed as it is (see _check_claim()).
+OWN_NAMES = frozenset({
+    MARKER, LOCK_NAME, "blob-sources.json", BUILT_LAYERS, "blobs", "base-index", "stat-cache", "last-commit",
+    "walk-memo", "record-memo", "plan-memo", "skeletons", "containers", "restored", "restore-journal",
+    "restore-progress", "encrypted-layers", "origin-run", "watch"})
 _held = 0  # how deep this process is in exclusive() (a commit from a container commits inside)
 _held_guard = threading.Lock()
 _checked: dict[str, str] = {}  # state dirs this process found private: as configured -> real path
@@ -38,12 +48,56 @@ def state_dir() -> str:
         return _checked[d]
     if not os.path.lexists(d):
         return os.path.realpath(d)  # nothing to check yet: sub() makes it, then checks it
-    _checked[d] = real = private(d)
+    marked = _check_claim(d)  # a user's dir is refused before anything in it is changed
+    real = private(d)
+    if not marked:
+        _mark(d)
+    _checked[d] = real
     return real
 
 
+def _own(name: str) -> bool:
+    """Whether a name at the top of the state dir is one snap gives (OWN_NAMES), or a temp file of one."""
+    return name.partition(".tmp.")[0] in OWN_NAMES
+
+
+def _check_claim(top: str) -> bool:
+    """Refuse the existing dir `top` if it is the user's, not snap's; return whether it is marked as
+    snap's already. One not marked is snap's to claim if it is empty or an older snap's (only names
+    snap gives); one that holds anything else is refused in one line, before snap removes what
+    looks half-made in it or makes it private."""
+    try:
+        if not stat.S_ISDIR(os.lstat(top).st_mode):
+            return True  # nothing to claim: private() refuses a symlink; a file fails where it is used
+        names = os.listdir(top)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # unreadable: private() or the first use says so
+    if MARKER in names:
+        return True
+    foreign = sorted(n for n in names if not _own(n))
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise StorageError(f"{top!r} is not snap's state dir: it holds {foreign[0]!r}{more}, which snap never made",
+                           "point SNAP_STATE_DIR at a new empty directory, or at snap's own")
+    return False
+
+
+def _mark(top: str) -> None:
+    """Mark `top` as snap's state dir (an empty file, made once, never through a symlink)."""
+    try:
+        os.close(os.open(os.path.join(top, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))
+    except OSError:
+        pass  # claimed by another snap process meanwhile, or read-only: its first write says why
+
+
 def sub(*parts: str) -> str:
-    """A directory in the state dir, made private (it holds layer blobs of the box)."""
+    """A directory in the state dir, made private (it holds layer blobs of the box). Its first part
+    is one of OWN_NAMES: only those are swept and tightened."""
+    if parts and parts[0] not in OWN_NAMES:
+        raise ValueError(f"{parts[0]!r} is not in state.OWN_NAMES")  # a new folder: name it there
     if not os.path.lexists(_configured()):
         os.makedirs(_configured(), mode=0o700, exist_ok=True)
     path = os.path.join(state_dir(), *parts)
@@ -55,9 +109,9 @@ def private(top: str) -> str:
     """Check that the state dir at `top` is ours alone, as ssh checks ~/.ssh: it holds layers built
     from root-only files, and what snap reads back from it (stat cache, base indexes, journals, the
     watcher's pid) decides what a commit leaves out and what a restore or `watch --stop` trusts.
-    Refused (one line): `top` itself a symlink; the dir, or what snap keeps in it (two levels: no
-    more is snap's own; deeper is a container's mirror), owned by another uid or writable by group
-    or others; a symlink, hard link or special file there. What is ours but readable by others
+    Refused (one line): `top` itself a symlink; the dir, or what snap keeps in it (OWN_NAMES and
+    one level in them: no more is snap's own; deeper is a container's mirror), owned by another
+    uid or writable by group or others; a symlink, hard link or special file there. What is ours but readable by others
     (an older snap's 0755 dirs and 0644 files) is tightened to 0700 / 0600. Returns the real path."""
     me = os.geteuid()
 
@@ -90,7 +144,8 @@ def private(top: str) -> str:
             except FileNotFoundError:
                 return
             for name in names:
-                check(os.path.join(path, name), depth + 1)
+                if depth or _own(name):  # the top's other names are the user's: never checked nor tightened
+                    check(os.path.join(path, name), depth + 1)
 
     check(top, 0)
     return os.path.realpath(top)
@@ -185,8 +240,8 @@ def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., I
 def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
     """Hold the state dir's lock for the block: a second snap process on the same state dir waits
     for the first (saying so in one line) and never touches its files. Once it is held, anything
-    a killed run left half-made (`.building-*` layers, `*.part` downloads, temp files) or built and
-    never sent (layers/) is swept; what a live process is still writing or sending without the lock
+    a killed run left half-made in snap's folders (`.building-*` layers, `*.part` downloads, temp
+    files) or built and never sent (layers/) is swept; what a live process is still writing or sending without the lock
     stays (sweep_leftovers)."""
     global _held
     with _held_guard:
@@ -252,8 +307,6 @@ def _writer_alive(name: str) -> bool:
 
 
 BUILDING_QUIET = 60.0  # seconds a built layer may go unwritten, unlocked, and still be a live process's
-BUILT_LAYERS = "layers"  # the state dir's folder of built layers, each removed by its user once sent
-
 
 def _in_use(path: str) -> bool:
     """Whether a built layer (in BUILT_LAYERS: `.building-*` while written, then named by its digest
@@ -294,8 +347,8 @@ def holding(path: str) -> Iterator[None]:
             os.close(fd)  # after the unlink: no sweep finds it unlocked first
 
 
-def _still_written(dirpath: str, name: str, layers: str) -> bool:
-    if name.startswith(".building-") or dirpath == layers:
+def _still_written(dirpath: str, name: str, layers_dir: Optional[str]) -> bool:
+    if name.startswith(".building-") or dirpath == layers_dir:
         return _in_use(os.path.join(dirpath, name))
     return _writer_alive(name)
 
@@ -313,18 +366,39 @@ def sweep_leftovers(root: str) -> int:
     threads or its packer processes, and sends, told by their writer's or user's flock (_in_use);
     a watcher's files (its exit code), by the pid their name carries (_writer_pid: a dead run's pid
     that a new process took keeps such a small file until that process ends). A name that carries
-    neither (`*.part`) is written only under the lock."""
-    removed, layers = 0, os.path.join(root, BUILT_LAYERS)
-    for dirpath, dirnames, filenames in os.walk(root):
+    neither (`*.part`) is written only under the lock. Only what snap names (OWN_NAMES) is looked
+    at: what else a user put in the state dir stays."""
+    removed = 0
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return 0
+    for name in names:  # only what snap gives a name at the top (OWN_NAMES): the rest is the user's
+        path = os.path.join(root, name)
+        if name in OWN_NAMES and os.path.isdir(path) and not os.path.islink(path):
+            removed += _sweep_folder(path, path if name == BUILT_LAYERS else None)
+        elif _own(name) and is_leftover(name) and not _writer_alive(name):
+            removed += _unlink(path)
+    return removed
+
+
+def _sweep_folder(top: str, layers_dir: Optional[str]) -> int:
+    """sweep_leftovers() in one of snap's folders of the state dir (`layers_dir`: it is BUILT_LAYERS)."""
+    removed = 0
+    for dirpath, dirnames, filenames in os.walk(top):
         for name in [n for n in dirnames if is_leftover(n) and not _writer_alive(n)]:
             shutil.rmtree(os.path.join(dirpath, name), ignore_errors=True)
             dirnames.remove(name)
             removed += 1
         for name in filenames:
-            if (is_leftover(name) or dirpath == layers) and not _still_written(dirpath, name, layers):
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+            if (is_leftover(name) or dirpath == layers_dir) and not _still_written(dirpath, name, layers_dir):
+                removed += _unlink(os.path.join(dirpath, name))
     return removed
+
+
+def _unlink(path: str) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0  # another snap process swept it meanwhile

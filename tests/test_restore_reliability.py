@@ -283,7 +283,7 @@ def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path
     root = tmp_path / "root"
     # Downloaded and verified by an earlier run (an uncompressed layer is kept split: staging.py).
     download_split([data], str(staged(root, manifest_digest) / (sha(data) + SPLIT_SUFFIX)))
-    fd = os.open(state / "filler", os.O_WRONLY | os.O_CREAT)
+    fd = os.open(state / "restore-journal" / "filler", os.O_WRONLY | os.O_CREAT)  # in snap's own folder
     try:
         while True:
             os.write(fd, b"\0" * 4096)
@@ -293,7 +293,7 @@ def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path
         os.close(fd)
     r = snap("restore", f"{registry.host}/journalfull:v1", "--root", str(root), env={"SNAP_STATE_DIR": str(state)})
     assert_one_line_error(r, 7, "disk full", "restore journal", "SNAP_STATE_DIR")
-    os.unlink(state / "filler")
+    os.unlink(state / "restore-journal" / "filler")
     r = snap("restore", f"{registry.host}/journalfull:v1", "--root", str(root), env={"SNAP_STATE_DIR": str(state)})
     assert r.returncode == 0, r.stderr
     assert (root / "f.txt").read_bytes() == b"x\n"

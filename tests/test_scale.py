@@ -17,6 +17,7 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.commit import push as push_module
 from snapshotter.index.indexer import apply_layer_to_index
 from snapshotter.index.store import load_index
+from snapshotter.state import sub
 
 from support.images import snap_layer_files
 from support.run import SNAP, snap
@@ -110,6 +111,7 @@ def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, p
     # a killed build's layer, no longer written (one written in the last minute may be a live build's)
     os.utime(leftovers[0], (time.time() - 3600,) * 2)
     (state_dir / "blobs" / "deadbeef.split.part").mkdir()
+    sub()  # snap's own state dir (marked): what else a user keeps in it stays
     keep = state_dir / "keep.json"
     keep.write_text("{}")
     # A blob a killed run left in the cache, damaged: it is checked, found bad, and fetched again.

@@ -15,7 +15,7 @@ import pytest
 
 from snapshotter.restore.journal import Journal
 from snapshotter.snapshot import statcache
-from snapshotter.state import RootFiles, root_key, sub
+from snapshotter.state import MARKER, RootFiles, exclusive, root_key, sub
 from snapshotter.watch import daemon
 
 from support.images import repo_for
@@ -162,3 +162,101 @@ def test_stop_never_signals_a_process_that_does_not_hold_the_watch_lock(box, sta
         bystander.kill()
         bystander.wait()
     assert_one_line_error(r, 7, repr(files.pid), f"pid {bystander.pid}", "nothing signalled")
+
+
+def tree_of(top) -> dict[str, tuple]:
+    """Each entry under `top` (itself included): its mode, and its bytes or its link's target."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for path in [dirpath, *(os.path.join(dirpath, n) for n in filenames + dirnames)]:
+            st = os.lstat(path)
+            content = (os.readlink(path) if stat.S_ISLNK(st.st_mode) else
+                       open(path, "rb").read() if stat.S_ISREG(st.st_mode) else None)
+            out[os.path.relpath(path, top)] = (stat.S_IMODE(st.st_mode), content)
+    return out
+
+
+def users_files(top) -> None:
+    """What a user keeps in a folder: a name of each kind snap sweeps (a dead writer's temp file, a
+    download's `.part`, a `.building-*`, any old file in layers/), 0644 and 0755 as a user makes
+    them, and a symlink."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = 1_000_000_000  # 2001: long past BUILDING_QUIET
+    for rel in ("README.md", "layers/checkpoint-3.pt", "datasets/c4/shard-00007.json.part",
+                f"runs/exp1/metrics.tmp.{dead.pid}.1", "runs/.building-1-1/part-0"):
+        path = top / rel
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        path.write_bytes(rel.encode())
+        path.chmod(0o644)
+        os.utime(path, (old, old))
+    (top / "runs" / "exp1" / "latest").symlink_to(f"metrics.tmp.{dead.pid}.1")
+
+
+def test_a_users_folder_as_state_dir_is_refused_and_left_as_it_was(registry, base_ref, box, state_dir):
+    """SNAP_STATE_DIR at a folder of the user's (not empty, never snap's): one line, exit 7, before
+    anything in it is removed, made private or written."""
+    state_dir.mkdir(mode=0o755)
+    state_dir.chmod(0o755)
+    users_files(state_dir)
+    before = tree_of(state_dir)
+    assert_one_line_error(commit(registry, base_ref, box), 7, repr(str(state_dir)), "not snap's state dir",
+                          "'README.md'", "point SNAP_STATE_DIR at a new empty directory")
+    assert tree_of(state_dir) == before
+
+
+def test_an_empty_folder_is_claimed_as_state_dir(registry, base_ref, box, state_dir, request):
+    state_dir.mkdir(mode=0o700)
+    assert commit(registry, base_ref, box, repo_for(request)).returncode == 0
+    assert (state_dir / MARKER).is_file()
+    assert commit(registry, base_ref, box, repo_for(request), "v2").returncode == 0  # its own now
+
+
+def test_an_older_snaps_state_dir_is_claimed_and_swept(state_dir):
+    """An older snap's state dir has no mark: it holds only names snap gives, so it is snap's; its
+    leftovers are swept as ever."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftovers = [state_dir / "layers" / ("c" * 64), state_dir / "blobs" / "0123abcd.part",
+                 state_dir / f"blob-sources.json.tmp.{dead.pid}.1"]
+    kept = [state_dir / "lock", state_dir / "blob-sources.json", state_dir / "stat-cache" / "x.json"]
+    for path in leftovers + kept:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.write_bytes(b"{}")
+        os.utime(path, (1_000_000_000,) * 2)
+    with exclusive():
+        pass
+    assert [p for p in leftovers if p.exists()] == [] and all(p.exists() for p in kept)
+    assert (state_dir / MARKER).is_file()
+
+
+def test_a_users_folder_in_snaps_state_dir_is_never_swept_nor_tightened(state_dir):
+    """What a user drops into snap's own (marked) state dir is not snap's: nothing in it is removed
+    or made private, and its symlink is not refused."""
+    sub()  # snap's own state dir, marked
+    users_files(state_dir / "mine")
+    (state_dir / "mine" / "latest").symlink_to("runs")
+    (state_dir / "notes.part").write_bytes(b"mine too")
+    before = tree_of(state_dir / "mine"), (state_dir / "notes.part").read_bytes()
+    with exclusive():
+        pass
+    assert (tree_of(state_dir / "mine"), (state_dir / "notes.part").read_bytes()) == before
+
+
+def test_every_name_snap_gives_at_the_top_of_its_state_dir_is_listed_as_its_own():
+    """What is not in OWN_NAMES is never swept nor tightened, and makes an unmarked dir the user's:
+    each folder sub() is asked for, and each file snap keeps at the top, is listed there."""
+    import re
+    from pathlib import Path
+
+    import snapshotter
+    from snapshotter.registry.blobsources import FILE_NAME
+    from snapshotter.restore.landing import PROGRESS_DIR
+    from snapshotter.snapshot.encryption import ENCRYPTED_DIR
+    from snapshotter.state import BUILT_LAYERS, LOCK_NAME, OWN_NAMES
+
+    asked = set()
+    for path in Path(snapshotter.__file__).parent.rglob("*.py"):
+        asked |= set(re.findall(r'(?<![.\w])(?:_state_)?sub\("([^"]+)"', path.read_text()))
+    assert len(asked) > 10, asked
+    assert asked | {FILE_NAME, PROGRESS_DIR, ENCRYPTED_DIR, BUILT_LAYERS, LOCK_NAME, MARKER} <= OWN_NAMES

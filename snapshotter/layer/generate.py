@@ -404,13 +404,14 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
             fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # live: a sweep leaves it (state.py's _in_use)
             blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers, zstd_threads=zstd_threads,
                          after_read=after_read)
-        blob.path = os.path.join(out_dir, f"{blob.digest.split(':', 1)[1]}-{build}")
-        os.replace(tmp, blob.path)
+            f.flush()  # a full disk fails here, before the rename, so no torn blob is named
+            blob.path = os.path.join(out_dir, f"{blob.digest.split(':', 1)[1]}-{build}")
+            os.replace(tmp, blob.path)  # still locked: unlocked only from here to its user's holding()
     except OSError as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise StorageError(f"cannot write layer {plan.name} to {out_dir!r}: {e.strerror}",
-                           "free disk space or set SNAP_STATE_DIR to a larger disk")
+                           "free disk space, or point SNAP_STATE_DIR at a new empty directory on a larger disk")
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
