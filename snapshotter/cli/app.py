@@ -117,7 +117,7 @@ def main() -> None:
         sys.exit(exit_code_of(KeyboardInterrupt()))
     finally:
         # The process ends here: the cycle collector's passes over every object still alive (typer's,
-        # pydantic's and requests' modules) while the interpreter tears down cost ~0.07 CPU s, a tenth
+        # click's and requests' modules) while the interpreter tears down cost ~0.07 CPU s, a tenth
         # of a nothing-changed commit. Reference counts still free them.
         gc.freeze()
     sys.exit(code if isinstance(code, int) else 0)
