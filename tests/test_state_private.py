@@ -252,7 +252,7 @@ def test_every_name_snap_gives_at_the_top_of_its_state_dir_is_listed_as_its_own(
     import snapshotter
     from snapshotter.registry.blobsources import FILE_NAME
     from snapshotter.restore.landing import PROGRESS_DIR
-    from snapshotter.snapshot.encryption import ENCRYPTED_DIR
+    from snapshotter.snapshot.encryption_state import ENCRYPTED_DIR
     from snapshotter.state import BUILT_LAYERS, LOCK_NAME, OWN_NAMES
 
     asked = set()
