@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import tarfile
 import threading
-import time
 import uuid
 
 import pytest
@@ -752,7 +751,8 @@ def python_layer() -> bytes:
     for w in os.listdir("/usr/share/python-wheels"):
         files[f"usr/share/python-wheels/{w}"] = f"/usr/share/python-wheels/{w}"
     for w in os.listdir(WHEELS):
-        files[f"wheels/{w}"] = os.path.join(WHEELS, w)
+        if not re.search(r"-cp3\d+-cp3\d+", w) or "-cp311-" in w:  # another Python's build: half the bytes, unused
+            files[f"wheels/{w}"] = os.path.join(WHEELS, w)
     # What the manylinux extensions in the wheels load (Rust's, C++'s), beyond what Python's own do.
     needed = {f"/lib/x86_64-linux-gnu/{n}" for n in ("libgcc_s.so.1", "librt.so.1", "libpthread.so.0", "libdl.so.2")}
     for so in ["/usr/bin/python3.11"] + [os.path.join(lib, "lib-dynload", n) for n in os.listdir(lib + "/lib-dynload")]:
@@ -780,175 +780,237 @@ def _dir_info(name: str) -> tarfile.TarInfo:
 
 
 def wait_for_line(ct, text: str, count: int = 1, timeout: float = 120) -> str:
-    """The container's output once `text` is in it `count` times (polled, with a deadline)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        out = ct.logs(stdout=True, stderr=True).decode(errors="replace")
-        if out.count(text) >= count:
-            return out
-        ct.reload()
-        assert ct.status == "running" and time.monotonic() < deadline, f"no {text!r} x{count} in:\n{out}"
-        time.sleep(0.2)
+    """The container's output once `text` is in it `count` times, read as the engine streams it (an event,
+    not a poll). The stream ends when the container stops; the docker client reads it without a timeout,
+    so a timer closes it after `timeout` seconds (a hang)."""
+    seen, want = b"", text.encode()
+    stream, timed_out = ct.logs(stream=True, follow=True), threading.Event()
+    timer = threading.Timer(timeout, lambda: (timed_out.set(), stream.close()))
+    timer.start()
+    try:
+        for chunk in stream:
+            seen += chunk
+            if seen.count(want) >= count:
+                return seen.decode(errors="replace")
+    except Exception:
+        if not timed_out.is_set():  # not closed by the timer: a real error
+            raise
+    finally:
+        timer.cancel()
+        stream.close()
+    raise AssertionError(f"no {text!r} x{count} before the container stopped or {timeout} s passed in:\n"
+                         + seen.decode(errors="replace"))
 
 
-def test_container_recipe_from_the_readme(registry, base_ref, engine, tmp_path_factory, tmp_path):
-    """The container recipe of docs/providers.md on a new box every time, as in the field: the Dockerfile puts snap
-    and start.sh into the image (nothing on the volume), credentials come from SNAP_USERNAME and
-    SNAP_PASSWORD (a password-protected snapshot registry, htpasswd over plain http on loopback),
-    and the cycle is: first start (no snapshot yet), changes (a pip install, a custom node, a
-    weight), `docker stop -t 5`, a new container with a new empty volume (the tree byte for byte,
-    the app up), a restart with the volume kept (the weight not downloaded again), the app crashing (the
-    watcher's final snapshot all the same, the app's exit code), and a registry
-    outage at start (the watcher all the same: the tag stays on the good snapshot, the work goes to a
-    diverged tag of the box's own, which holds every file once `docker stop -t 5` is over)."""
+SITE = "/usr/local/lib/python3.11/dist-packages"  # where a pip install in the box puts a package
+RECIPE_USER, RECIPE_PASSWORD = "snapuser", "s3cret-Recipe-Pa55"
+RECIPE_APP = ("/bin/sh -c 'echo app up; cat /workspace/ComfyUI/custom_nodes/NodeX/nodes.py 2>/dev/null; "
+              "echo $$ > /tmp/app.pid; exec sleep 1000'")
+
+
+@pytest.fixture(scope="session")
+def recipe_base(registry, base_ref) -> str:
+    """The provider's base, pushed once per worker: the suite's base image plus a Python; each recipe test
+    builds the recipe's image on it."""
     if not (shutil.which("busybox") and os.path.exists("/usr/bin/python3.11")
             and os.path.isdir("/usr/share/python-wheels")):
         pytest.skip("needs busybox and Debian 12's python3.11 (with python3-venv's wheels) for the test base image")
     if not have_wheels("setuptools", "typer", "docker", "oras", "zstandard"):
         pytest.skip("no wheels of snap's dependencies in .ci/wheels (run .ci/setup)")
-    dockerfile, script = readme_recipe()
-    assert "pip install" in dockerfile and "COPY start.sh" in dockerfile and "CMD" in dockerfile
-    assert "snap restore" in script and "snap watch" in script and "SNAP_" not in script  # credentials: env only
-
-    # The provider's base: the suite's base image plus a Python; the recipe's image is built on it.
     base = registry.manifest("base", "1")
     layers = [registry.blob("base", d["digest"]) for d in base["layers"]] + [gzip.compress(python_layer(), 1, mtime=0)]
     registry.push_image("pybase", "1", layers, config={"config": {"Cmd": ["/bin/sh"], "Env": [
         "PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE=1", "PIP_NO_INDEX=1", "PIP_FIND_LINKS=/wheels",
         "PIP_DISABLE_PIP_VERSION_CHECK=1"]}})
-    user, password = "snapuser", "s3cret-Recipe-Pa55"
-    snaps_registry = RegistryServer(str(tmp_path / "snapshots"), auth=(user, password)).start()
-    proxy = FaultProxy(snaps_registry.host).start()  # counts what the boxes download
-    box_repo, image = f"{proxy.host}/box", f"{registry.host}/recipe-box-base"
-    box_ref = f"{box_repo}:v2"
-    app = ("/bin/sh -c 'echo app up; cat /workspace/ComfyUI/custom_nodes/NodeX/nodes.py 2>/dev/null; "
-           "echo $$ > /tmp/app.pid; exec sleep 1000'")
-    ctx = tmp_path / "context"
-    ctx.mkdir()
-    shutil.copy(snap_dist(tmp_path_factory)["wheel"], ctx)  # the wheel `make dist` builds
-    (ctx / "Dockerfile").write_text(with_own_base(dockerfile, f"{registry.host}/pybase:1"))
-    (ctx / "start.sh").write_text(with_own(script, box_ref, f"{image}:1", app))
-    engine.images.build(path=str(ctx), tag=f"{image}:1", network_mode="none", rm=True)
-    for event in engine.api.push(image, tag="1", stream=True, decode=True):
-        assert "error" not in event, event
-    env = {"SNAP_USERNAME": user, "SNAP_PASSWORD": password}  # the pod's secret env vars, and nothing else
-    outputs = []
+    return f"{registry.host}/pybase:1"
 
-    def new_box(volume) -> "docker.models.containers.Container":
+
+class Recipe:
+    """The container recipe of docs/providers.md for one test: its image (this very Dockerfile and start.sh,
+    with the test's names and app) built in the test dockerd and pushed, a password-protected snapshot
+    registry (htpasswd over plain http on loopback) behind a FaultProxy that counts what the boxes
+    download, and what the test does to boxes and reads of them."""
+
+    def __init__(self, engine, workdir, registry_host: str):
+        self.engine, self.workdir = engine, workdir
+        self.image = f"{registry_host}/recipe-box-base"  # the pod's image, and the watcher's --base
+        self.snaps = RegistryServer(str(workdir / "snapshots"), auth=(RECIPE_USER, RECIPE_PASSWORD)).start()
+        self.proxy = FaultProxy(self.snaps.host).start()
+        self.box_ref = f"{self.proxy.host}/box:v2"
+        self.env = {"SNAP_USERNAME": RECIPE_USER, "SNAP_PASSWORD": RECIPE_PASSWORD}  # the pod's secret env vars only
+        self.outputs: list[str] = []  # each container's output, none of which may hold the password
+
+    def build(self, pybase: str, wheel: str) -> None:
+        """Build the image and push it (the watcher's --base): a second test on this dockerd builds from cache."""
+        dockerfile, script = readme_recipe()
+        assert "pip install" in dockerfile and "COPY start.sh" in dockerfile and "CMD" in dockerfile
+        assert "snap restore" in script and "snap watch" in script and "SNAP_" not in script  # credentials: env only
+        ctx = self.workdir / "context"
+        ctx.mkdir()
+        shutil.copy(wheel, ctx)  # the wheel `make dist` builds
+        (ctx / "Dockerfile").write_text(with_own_base(dockerfile, pybase))
+        (ctx / "start.sh").write_text(with_own(script, self.box_ref, f"{self.image}:1", RECIPE_APP))
+        self.engine.images.build(path=str(ctx), tag=f"{self.image}:1", network_mode="none", rm=True)
+        for event in self.engine.api.push(self.image, tag="1", stream=True, decode=True):
+            assert "error" not in event, event
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        self.snaps.stop()
+
+    def new_box(self, name: str):
+        """A new container of the image with a new, empty volume at /workspace (workdir/name), started."""
+        volume = self.workdir / name
         volume.mkdir()
-        host = engine.api.create_host_config(network_mode="host",
-                                             mounts=[docker.types.Mount("/workspace", str(volume), type="bind")])
+        host = self.engine.api.create_host_config(network_mode="host",
+                                                  mounts=[docker.types.Mount("/workspace", str(volume), type="bind")])
         # --stop-timeout 5
-        created = engine.api.create_container(f"{image}:1", environment=env, host_config=host, stop_timeout=5)
-        engine.api.start(created["Id"])
-        return engine.containers.get(created["Id"])
+        created = self.engine.api.create_container(f"{self.image}:1", environment=self.env, host_config=host,
+                                                   stop_timeout=5)
+        self.engine.api.start(created["Id"])
+        return self.engine.containers.get(created["Id"])
 
-    def tree(ct, volume, name) -> dict:
-        export = tmp_path / name
+    def change(self, ct, command: str) -> None:
+        res = ct.exec_run(["/bin/sh", "-c", command])
+        assert res.exit_code == 0, res.output
+
+    def stopped(self, ct) -> str:
+        """`docker stop -t 5`: its output, in which the watcher's final snapshot ran and ended with 0."""
+        ct.stop(timeout=5)
+        out = ct.logs().decode(errors="replace")
+        self.outputs.append(out)
+        assert "signal SIGTERM: final snapshot" in out and "snap watch ended with exit code 0" in out, out
+        return out
+
+    def tree(self, ct, name: str) -> dict:
+        """The container's files (as the engine exports them) and its volume's, as snapshot_of_tree sees them."""
+        export = self.workdir / f"export-{name}"
         _export(ct, export)
         skip = NOT_CAPTURED + ENGINE_FILES + ("workspace", "root/.cache")  # the volume apart; snap's state dir
-        return {"rootfs": snapshot_of_tree(str(export), skip=skip), "volume": snapshot_of_tree(str(volume))}
+        return {"rootfs": snapshot_of_tree(str(export), skip=skip),
+                "volume": snapshot_of_tree(str(self.workdir / f"volume-{name}"))}
 
-    def tagged() -> str:
-        r = snaps_registry.session().head(f"{snaps_registry.url}/v2/box/manifests/v2",
-                                          headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    def tagged(self) -> str:
+        r = self.snaps.session().head(f"{self.snaps.url}/v2/box/manifests/v2",
+                                      headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
         return r.headers.get("Docker-Content-Digest") if r.status_code == 200 else None
 
-    def snap_layers() -> list:
-        return [d["digest"] for d in snaps_registry.manifest("box", "v2")["layers"]]
+    def snap_layers(self) -> list:
+        return [d["digest"] for d in self.snaps.manifest("box", "v2")["layers"]]
 
+    def downloads(self, digest: str) -> int:
+        """How many times the boxes downloaded this blob whole."""
+        return sum(1 for m, path, code in self.proxy.log if m == "GET" and path.endswith(digest) and code == 200)
+
+
+@pytest.fixture
+def recipe(registry, recipe_base, engine, tmp_path_factory, tmp_path):
+    r = Recipe(engine, tmp_path, registry.host)
     try:
-        # 1. The first start: no snapshot yet (restore's 5), the watcher makes the first.
-        a = new_box(tmp_path / "volume-a")
-        out = wait_for_line(a, " moved to it")
-        assert "no snapshot of" in out and "app up" in out and "watching '/'" in out, out
-        first = tagged()
-        # 2. Changes: a pip install (package and .dist-info), /etc, a weight, a custom node; then the
-        # reclaim: the final snapshot (--every 5m: none before it) carries them.
-        site = "/usr/local/lib/python3.11/dist-packages"
-        res = a.exec_run(["/bin/sh", "-c", f"mkdir -p {site}/tinypkg {site}/tinypkg-1.0.dist-info "
-                          f"&& echo 'VERSION = 1' > {site}/tinypkg/__init__.py "
-                          f"&& printf 'Name: tinypkg\nVersion: 1.0\n' > {site}/tinypkg-1.0.dist-info/METADATA "
-                          f"&& echo pip > {site}/tinypkg-1.0.dist-info/INSTALLER && echo 'gpu = 1' > /etc/box.conf"])
-        assert res.exit_code == 0, res.output
-        weight = os.urandom(4 << 20)
-        a.put_archive("/workspace", tar_of_files({"ComfyUI/models/checkpoints/w.safetensors": weight},
-                                                 dirs=("ComfyUI", "ComfyUI/models", "ComfyUI/models/checkpoints")))
-        res = a.exec_run(["/bin/sh", "-c", "mkdir -p /workspace/ComfyUI/custom_nodes/NodeX "
-                          "&& echo 'class X: pass' > /workspace/ComfyUI/custom_nodes/NodeX/nodes.py"])
-        assert res.exit_code == 0, res.output
-        a.stop(timeout=5)  # docker stop -t 5
-        out = a.logs().decode(errors="replace")
-        outputs.append(out)
-        assert "signal SIGTERM: final snapshot" in out and "snap watch ended with exit code 0" in out, out
-        good, good_layers = tagged(), snap_layers()
-        assert good != first and "final snapshot v2-" in out, out
-        before = tree(a, tmp_path / "volume-a", "export-a")
-        assert "usr/local/lib/python3.11/dist-packages/tinypkg-1.0.dist-info/METADATA" in before["rootfs"]
-        assert "ComfyUI/custom_nodes/NodeX/nodes.py" in before["volume"]
-        a.remove()
-
-        # 3. A new box: a new container with a new, empty volume.
-        b = new_box(tmp_path / "volume-b")
-        out = wait_for_line(b, "class X: pass")  # what the app prints after "app up": the restored node
-        assert f"restored {box_ref}@sha256:" in out and "app up" in out, out
-        assert tree(b, tmp_path / "volume-b", "export-b") == before
-        weight_digest = next(d["digest"] for d in snaps_registry.manifest("box", "v2")["layers"]
-                             if d.get("annotations", {}).get("dev.snap.layer", "").startswith("models"))
-        def downloads() -> int:
-            return sum(1 for m, path, code in proxy.log if m == "GET" and path.endswith(weight_digest) and code == 200)
-
-        assert downloads() == 1
-
-        # 4. The same container restarted, its volume kept: the weight is not downloaded again.
-        b.stop(timeout=5)
-        assert snap_layers() == good_layers, b.logs().decode()  # nothing changed since the restore
-        b.start()
-        out = wait_for_line(b, "app up", 2)
-        outputs.append(out)
-        assert out.count(f"restored {box_ref}@sha256:") == 2, out
-        assert downloads() == 1, f"the weight was downloaded again: {downloads()} downloads"
-        # The app crashes (killed): the watcher's final snapshot still runs, and the container ends
-        # with the app's code (before, PID 1 exited and the watcher was killed without it).
-        wait_for_line(b, "watching '/'", 2)  # this start's watcher has its signal handlers
-        assert b.exec_run(["/bin/sh", "-c", "kill $(cat /tmp/app.pid)"]).exit_code == 0
-        assert b.wait(timeout=120)["StatusCode"] == 143
-        out = b.logs().decode(errors="replace").split("the app ended with exit code 143")
-        assert len(out) == 2 and "final snapshot" in out[1] and "snap watch ended with exit code 0" in out[1], out
-        b.remove()
-
-        # 5. The registry down at start: restore's 3, asked again, then the watcher all the same (and the
-        # app). Once the registry answers, the box, which is not the last one, saves its work to a
-        # diverged tag of its own; the tag stays on the good snapshot.
-        good = tagged()
-        snaps_registry.stop()
-        c = new_box(tmp_path / "volume-c")
-        out = wait_for_line(c, "app up")
-        assert out.count("registry unreachable: restoring again") == 3, out
-        assert "exit code 3" in out and "diverged tag" in out, out
-        snaps_registry.start()
-        out = wait_for_line(c, "v2 not moved")  # its first snapshot: to the diverged tag
-        [diverged] = diverged_tags(snaps_registry, "box")
-        assert f"box:{diverged}" in out, out
-        res = c.exec_run(["/bin/sh", "-c", f"mkdir -p {site}/outage-1.0.dist-info && echo 'V = 2' > {site}/outage.py "
-                          f"&& printf 'Name: outage\nVersion: 1.0\n' > {site}/outage-1.0.dist-info/METADATA "
-                          "&& mkdir -p /workspace/ComfyUI/output && echo made > /workspace/ComfyUI/output/img-1.png"])
-        assert res.exit_code == 0, res.output
-        c.stop(timeout=5)  # docker stop -t 5
-        out = c.logs().decode(errors="replace")
-        outputs.append(out)
-        assert "signal SIGTERM: final snapshot" in out and "snap watch ended with exit code 0" in out, out
-        assert tagged() == good and snap_layers() == good_layers
-        assert diverged_tags(snaps_registry, "box") == [diverged]
-        work = tree(c, tmp_path / "volume-c", "export-c")
-        got = tmp_path / "diverged"
-        snap("restore", f"{snaps_registry.host}/box:{diverged}", "--root", str(got), "--only-snapshot", env=env,
-             check=True)
-        for path in (f"{site[1:]}/outage.py", f"{site[1:]}/outage-1.0.dist-info/METADATA"):
-            assert snapshot_of_tree(str(got))[path] == work["rootfs"][path], path
-        assert snapshot_of_tree(str(got / "workspace")) == work["volume"]  # every file of the volume
-        c.remove()
-        assert all(password not in o for o in outputs)
+        r.build(recipe_base, snap_dist(tmp_path_factory)["wheel"])
+        yield r
     finally:
-        proxy.stop()
-        snaps_registry.stop()
+        r.stop()
+
+
+# The two recipe tests are independent (each builds the image: from the build cache when the other built it
+# on this dockerd first). Their own xdist group: with --dist loadgroup they share one worker while another
+# runs the rest of this file.
+@pytest.mark.xdist_group("recipe")
+def test_container_recipe_from_the_readme(recipe):
+    """The container recipe of docs/providers.md on a new box every time, as in the field: the Dockerfile puts
+    snap and start.sh into the image (nothing on the volume), credentials come from SNAP_USERNAME and
+    SNAP_PASSWORD, and the cycle is: first start (no snapshot yet), changes (a pip install, a custom node, a
+    weight), `docker stop -t 5`, a new container with a new empty volume (the tree byte for byte, the app
+    up), a restart with the volume kept (the weight not downloaded again), the app crashing (the watcher's
+    final snapshot all the same, the app's exit code). The registry outage at start: the next test."""
+    # 1. The first start: no snapshot yet (restore's 5), the watcher makes the first.
+    a = recipe.new_box("volume-a")
+    out = wait_for_line(a, " moved to it")
+    assert "no snapshot of" in out and "app up" in out and "watching '/'" in out, out
+    first = recipe.tagged()
+    # 2. Changes: a pip install (package and .dist-info), /etc, a weight, a custom node; then the
+    # reclaim: the final snapshot (--every 5m: none before it) carries them.
+    recipe.change(a, f"mkdir -p {SITE}/tinypkg {SITE}/tinypkg-1.0.dist-info "
+                     f"&& echo 'VERSION = 1' > {SITE}/tinypkg/__init__.py "
+                     f"&& printf 'Name: tinypkg\nVersion: 1.0\n' > {SITE}/tinypkg-1.0.dist-info/METADATA "
+                     f"&& echo pip > {SITE}/tinypkg-1.0.dist-info/INSTALLER && echo 'gpu = 1' > /etc/box.conf")
+    a.put_archive("/workspace", tar_of_files({"ComfyUI/models/checkpoints/w.safetensors": os.urandom(4 << 20)},
+                                             dirs=("ComfyUI", "ComfyUI/models", "ComfyUI/models/checkpoints")))
+    recipe.change(a, "mkdir -p /workspace/ComfyUI/custom_nodes/NodeX "
+                     "&& echo 'class X: pass' > /workspace/ComfyUI/custom_nodes/NodeX/nodes.py")
+    out = recipe.stopped(a)  # docker stop -t 5
+    good, good_layers = recipe.tagged(), recipe.snap_layers()
+    assert good != first and "final snapshot v2-" in out, out
+    before = recipe.tree(a, "a")
+    assert "usr/local/lib/python3.11/dist-packages/tinypkg-1.0.dist-info/METADATA" in before["rootfs"]
+    assert "ComfyUI/custom_nodes/NodeX/nodes.py" in before["volume"]
+    a.remove()
+
+    # 3. A new box: a new container with a new, empty volume.
+    b = recipe.new_box("volume-b")
+    out = wait_for_line(b, "class X: pass")  # what the app prints after "app up": the restored node
+    assert f"restored {recipe.box_ref}@sha256:" in out and "app up" in out, out
+    assert recipe.tree(b, "b") == before
+    weight = next(d["digest"] for d in recipe.snaps.manifest("box", "v2")["layers"]
+                  if d.get("annotations", {}).get("dev.snap.layer", "").startswith("models"))
+    assert recipe.downloads(weight) == 1
+
+    # 4. The same container restarted, its volume kept: the weight is not downloaded again.
+    b.stop(timeout=5)
+    assert recipe.snap_layers() == good_layers, b.logs().decode()  # nothing changed since the restore
+    # The first start's watcher may not have said it watches before the stop (a loaded machine): this
+    # start's is the next one.
+    watchers = b.logs().count(b"watching '/'")
+    b.start()
+    out = wait_for_line(b, "app up", 2)
+    recipe.outputs.append(out)
+    assert out.count(f"restored {recipe.box_ref}@sha256:") == 2, out
+    assert recipe.downloads(weight) == 1, f"the weight was downloaded again: {recipe.downloads(weight)} downloads"
+    # The app crashes (killed): the watcher's final snapshot still runs, and the container ends
+    # with the app's code (before, PID 1 exited and the watcher was killed without it).
+    wait_for_line(b, "watching '/'", watchers + 1)  # this start's watcher has its signal handlers
+    recipe.change(b, "kill $(cat /tmp/app.pid)")
+    assert b.wait(timeout=120)["StatusCode"] == 143
+    out = b.logs().decode(errors="replace").split("the app ended with exit code 143")
+    assert len(out) == 2 and "final snapshot" in out[1] and "snap watch ended with exit code 0" in out[1], out
+    b.remove()
+    assert all(RECIPE_PASSWORD not in o for o in recipe.outputs)
+
+
+@pytest.mark.xdist_group("recipe")
+def test_container_recipe_from_the_readme_through_a_registry_outage(recipe):
+    """The recipe's registry outage at start (the last step of docs/providers.md's cycle, on a box of its own):
+    restore's 3, asked again, then the watcher all the same (and the app). Once the registry answers, the
+    box, which is not the last one, saves its work to a diverged tag of its own, which holds every file once
+    `docker stop -t 5` is over; the tag stays on the good snapshot."""
+    first = recipe.new_box("volume-first")  # the first start: its watcher makes the good snapshot
+    wait_for_line(first, " moved to it")
+    good, good_layers = recipe.tagged(), recipe.snap_layers()
+    assert good
+    first.remove(force=True)
+
+    recipe.snaps.stop()
+    c = recipe.new_box("volume-c")
+    out = wait_for_line(c, "app up")
+    assert out.count("registry unreachable: restoring again") == 3, out
+    assert "exit code 3" in out and "diverged tag" in out, out
+    recipe.snaps.start()
+    out = wait_for_line(c, "v2 not moved")  # its first snapshot: to the diverged tag
+    [diverged] = diverged_tags(recipe.snaps, "box")
+    assert f"box:{diverged}" in out, out
+    recipe.change(c, f"mkdir -p {SITE}/outage-1.0.dist-info && echo 'V = 2' > {SITE}/outage.py "
+                     f"&& printf 'Name: outage\nVersion: 1.0\n' > {SITE}/outage-1.0.dist-info/METADATA "
+                     "&& mkdir -p /workspace/ComfyUI/output && echo made > /workspace/ComfyUI/output/img-1.png")
+    recipe.stopped(c)  # docker stop -t 5
+    assert recipe.tagged() == good and recipe.snap_layers() == good_layers
+    assert diverged_tags(recipe.snaps, "box") == [diverged]
+    work = recipe.tree(c, "c")
+    got = recipe.workdir / "diverged"
+    snap("restore", f"{recipe.snaps.host}/box:{diverged}", "--root", str(got), "--only-snapshot", env=recipe.env,
+         check=True)
+    for path in (f"{SITE[1:]}/outage.py", f"{SITE[1:]}/outage-1.0.dist-info/METADATA"):
+        assert snapshot_of_tree(str(got))[path] == work["rootfs"][path], path
+    assert snapshot_of_tree(str(got / "workspace")) == work["volume"]  # every file of the volume
+    c.remove()
+    assert all(RECIPE_PASSWORD not in o for o in recipe.outputs)
