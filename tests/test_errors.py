@@ -23,6 +23,15 @@ def test_registry_not_reachable(box):
     assert_one_line_error(r, 3, "not reachable", f"127.0.0.1:{port}")
 
 
+def test_a_plain_http_registry_that_is_down_behind_its_proxy_is_not_reachable_not_a_tls_error(proxy, box):
+    """A loopback proxy whose registry is down hangs up on plain http and answers TLS with plain http
+    (a 400): the registry is not reachable; no TLS advice (--ca-cert) for a registry without TLS."""
+    proxy.down.set()
+    r = snap("restore", f"{proxy.host}/x:v1", "--root", box)
+    assert_one_line_error(r, 3, "not reachable", proxy.host)
+    assert "TLS" not in r.stderr and "--ca-cert" not in r.stderr, r.stderr
+
+
 def test_root_that_does_not_exist(registry, base_ref, tmp_path):
     r = snap("commit", f"{registry.host}/x:v1", "--base", base_ref, "--root", str(tmp_path / "missing"))
     assert_one_line_error(r, 2, "does not exist")

@@ -21,7 +21,7 @@ from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 # snap's dependencies that are compiled, so have a wheel per Python (the rest are py3-none-any).
-BINARY_WHEELS = ("zstandard", "pyyaml", "charset_normalizer", "pydantic_core", "rpds_py", "cryptography", "cffi")
+BINARY_WHEELS = ("zstandard", "pyyaml", "charset_normalizer", "rpds_py", "cryptography", "cffi")
 
 # Every module of the package, imported the way the CLI's commands import them.
 IMPORT_ALL = ("import importlib, pkgutil, snapshotter\n"

@@ -41,7 +41,11 @@ def ping(host: str, plain_http: Optional[bool], verify: Union[bool, str]) -> Pin
                 r = s.get(f"{scheme}://{host}/v2/", timeout=PING_TIMEOUT, verify=verify, stream=True)
                 r.close()
         except requests.exceptions.SSLError as e:
-            first_error = e  # the TLS error is the real cause, whatever plain http said
+            # The TLS error is the real cause, whatever plain http said; but a TLS hello answered in
+            # plain http (a loopback proxy whose registry is down) says the server speaks no TLS: then
+            # plain http's failure is.
+            if first_error is None or not _answered_in_plain_http(e):
+                first_error = e
             continue
         except requests.exceptions.RequestException as e:
             first_error = first_error or e
@@ -59,6 +63,14 @@ def ping(host: str, plain_http: Optional[bool], verify: Union[bool, str]) -> Pin
         f"registry {host} is not reachable: {short_error(first_error)}",
         "check the host and port, and that the registry is running",
     )
+
+
+_PLAIN_HTTP_ANSWER = ("wrong version number", "record layer failure", "packet length too long")  # OpenSSL's words
+
+
+def _answered_in_plain_http(e: Exception) -> bool:
+    text = str(e).lower()
+    return any(words in text for words in _PLAIN_HTTP_ANSWER)
 
 
 def is_loopback(host: str) -> bool:
