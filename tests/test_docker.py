@@ -950,7 +950,8 @@ def test_container_recipe_from_the_readme(recipe):
     # 3. A new box: a new container with a new, empty volume.
     b = recipe.new_box("volume-b")
     wait_for_line(b, "class X: pass")  # what the app prints after "app up": the restored node
-    out = wait_for_line(b, f"restored {recipe.box_ref}@sha256:")  # snap's, in either order with the app's
+    wait_for_line(b, f"restored {recipe.box_ref}@sha256:")  # snap's, in either order with the app's
+    out = b.logs().decode(errors="replace")
     assert "app up" in out, out
     assert recipe.tree(b, "b") == before
     weight = next(d["digest"] for d in recipe.snaps.manifest("box", "v2")["layers"]
@@ -965,8 +966,8 @@ def test_container_recipe_from_the_readme(recipe):
     watchers = b.logs().count(b"watching '/'")
     b.start()
     wait_for_line(b, "app up", 2)
-    out = wait_for_line(b, f"restored {recipe.box_ref}@sha256:", 2)  # snap's, in either order with the app's
-    recipe.outputs.append(out)
+    wait_for_line(b, f"restored {recipe.box_ref}@sha256:", 2)  # snap's, in either order with the app's
+    recipe.outputs.append(b.logs().decode(errors="replace"))
     assert recipe.downloads(weight) == 1, f"the weight was downloaded again: {recipe.downloads(weight)} downloads"
     # The app crashes (killed): the watcher's final snapshot still runs, and the container ends
     # with the app's code (before, PID 1 exited and the watcher was killed without it).
@@ -995,7 +996,8 @@ def test_container_recipe_from_the_readme_through_a_registry_outage(recipe):
     c = recipe.new_box("volume-c")
     wait_for_line(c, "app up")
     # start.sh's lines are its stderr, the app's its stdout: the engine may log the two in either order
-    out = wait_for_line(c, "diverged tag of its own")
+    wait_for_line(c, "diverged tag of its own")
+    out = c.logs().decode(errors="replace")
     assert out.count("registry unreachable: restoring again") == 3, out
     assert "exit code 3" in out and "not reachable" in out and "TLS" not in out, out
     recipe.snaps.start()
