@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import threading
@@ -23,6 +24,8 @@ from .errors import StorageError
 LOCK_NAME = "lock"
 MARKER = ".snap-state-dir"  # in a state dir snap made or claimed: only such a dir is swept and tightened
 BUILT_LAYERS = "layers"  # the state dir's folder of built layers, each removed by its user once sent
+# A built layer's name (layer/generate.py: "<digest hex>-<pid>-<n>"; an older snap's, the hex alone).
+BUILT_NAME = re.compile(r"[0-9a-f]{64}(-[0-9]+-[0-9]+)?")
 # Every name snap gives what it keeps at the top of its state dir: sub()'s first part, and its files
 # there. Only these are snap's to sweep and tighten; a dir without MARKER that holds only these is an
 # older snap's state dir, claimed as it is (see _check_claim()).
@@ -63,9 +66,9 @@ def _own(name: str) -> bool:
 
 def _check_claim(top: str) -> bool:
     """Refuse the existing dir `top` if it is the user's, not snap's; return whether it is marked as
-    snap's already. One not marked is snap's to claim if it is empty or an older snap's (only names
-    snap gives); one that holds anything else is refused in one line, before snap removes what
-    looks half-made in it or makes it private."""
+    snap's already. One not marked is snap's to claim if it is empty (a new disk's lost+found aside)
+    or an older snap's (only names snap gives, its lock among them); any other is refused in one
+    line, before snap removes what looks half-made in it or makes it private."""
     try:
         if not stat.S_ISDIR(os.lstat(top).st_mode):
             return True  # nothing to claim: private() refuses a symlink; a file fails where it is used
@@ -76,12 +79,17 @@ def _check_claim(top: str) -> bool:
         return True  # unreadable: private() or the first use says so
     if MARKER in names:
         return True
-    foreign = sorted(n for n in names if not _own(n))
+    names = sorted(n for n in names if n != "lost+found")  # a new disk's: empty, the filesystem's own
+    foreign = [n for n in names if not _own(n)]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise StorageError(f"{top!r} is not snap's state dir: it holds {foreign[0]!r}{more}, which snap never made",
-                           "point SNAP_STATE_DIR at a new empty directory, or at snap's own")
-    return False
+        why = f"it holds {foreign[0]!r}{more}, which snap never made"
+    elif names and LOCK_NAME not in names:  # an older snap's holds the lock its commands take: not "layers" alone
+        why = f"it holds {names[0]!r} but not snap's {LOCK_NAME!r}"
+    else:
+        return False
+    raise StorageError(f"{top!r} is not snap's state dir: {why}",
+                       "point SNAP_STATE_DIR at a new empty directory, or at snap's own")
 
 
 def _mark(top: str) -> None:
@@ -391,7 +399,8 @@ def _sweep_folder(top: str, layers_dir: Optional[str]) -> int:
             dirnames.remove(name)
             removed += 1
         for name in filenames:
-            if (is_leftover(name) or dirpath == layers_dir) and not _still_written(dirpath, name, layers_dir):
+            built = dirpath == layers_dir and BUILT_NAME.fullmatch(name)
+            if (is_leftover(name) or built) and not _still_written(dirpath, name, layers_dir):
                 removed += _unlink(os.path.join(dirpath, name))
     return removed
 

@@ -189,10 +189,10 @@ def test_the_parts_of_a_big_file_are_each_read_once(registry, base_ref, box, key
     reads = []
     opts = CommitOptions(root=box, profile=load_profile(str(prof)), max_layer_size=MiB,
                          encryption=load_encryption([str(keys / "rsa.pub")], None, print))
-    commit_box(f"{registry.host}/parts:v1", base_ref, opts,
+    commit_box(f"{registry.host}/enc-parts:v1", base_ref, opts,
                CommitHooks(after_read=lambda rel, attempt: reads.append(rel) if WEIGHT in rel else None))
     assert len(set(reads)) == 8 and len(reads) == 8  # eight parts, each read once
-    assert restored_equals_box(registry, "parts", box, keys, tmp_path)
+    assert restored_equals_box(registry, "enc-parts", box, keys, tmp_path)
 
 
 def test_other_bytes_at_the_registry_of_a_one_pass_upload_go_up_counted(registry, proxy, base_ref, box, keys,

@@ -68,6 +68,7 @@ def test_an_older_snaps_modes_are_tightened_and_new_files_are_private(registry, 
         (state_dir / "stat-cache").mkdir(parents=True)  # as an older snap left them: 0755, 0644
         state_dir.chmod(0o755)
         (state_dir / "stat-cache" / "old.json").write_text("{}")
+        (state_dir / "lock").write_text("")
         assert commit(registry, base_ref, box, repo_for(request)).returncode == 0
     finally:
         os.umask(old)
@@ -107,6 +108,7 @@ def test_a_journal_symlink_is_refused(registry, base_ref, jail, state_dir, tmp_p
     """A forged journal would make a restore report success on an empty root."""
     journals = state_dir / "restore-journal"
     journals.mkdir(parents=True, mode=0o700)
+    (state_dir / ".snap-state-dir").write_text("")  # snap's own state dir
     forged = tmp_path / "forged.json"
     forged.write_text("{}\n")
     link = journals / f"{root_key(str(jail.root))}.json"
@@ -203,6 +205,42 @@ def test_a_users_folder_as_state_dir_is_refused_and_left_as_it_was(registry, bas
     assert_one_line_error(commit(registry, base_ref, box), 7, repr(str(state_dir)), "not snap's state dir",
                           "'README.md'", "point SNAP_STATE_DIR at a new empty directory")
     assert tree_of(state_dir) == before
+
+
+def test_a_users_folder_of_names_snap_also_gives_is_refused(registry, base_ref, box, state_dir):
+    """A user's folder that holds only names snap gives too ("layers", "blobs") but no lock of snap's:
+    not an older snap's state dir; refused, nothing in it removed or made private."""
+    (state_dir / "layers").mkdir(parents=True, mode=0o755)
+    state_dir.chmod(0o755)
+    (state_dir / "layers" / "conv1.pt").write_bytes(b"weights")
+    (state_dir / "blobs").mkdir(mode=0o755)
+    for path in (state_dir / "layers" / "conv1.pt", state_dir / "layers", state_dir / "blobs"):
+        os.utime(path, (1_000_000_000,) * 2)
+    before = tree_of(state_dir)
+    assert_one_line_error(commit(registry, base_ref, box), 7, repr(str(state_dir)), "not snap's state dir",
+                          "'blobs'", "'lock'")
+    assert tree_of(state_dir) == before
+
+
+def test_a_new_disks_lost_and_found_is_not_the_users(registry, base_ref, box, state_dir, request):
+    """A state dir on a disk of its own holds the filesystem's lost+found: claimed as empty; lost+found
+    is neither swept nor made private."""
+    (state_dir / "lost+found").mkdir(parents=True, mode=0o755)
+    assert commit(registry, base_ref, box, repo_for(request)).returncode == 0
+    assert (state_dir / MARKER).is_file() and stat.S_IMODE((state_dir / "lost+found").stat().st_mode) == 0o755
+
+
+def test_only_built_layers_are_swept_from_snaps_layers_folder(state_dir):
+    """In snap's own layers/ folder, a killed run's built layer (digest-named) goes; a file of another
+    name, which snap never builds there, stays."""
+    built, other = state_dir / "layers" / (("d" * 64) + "-123-0"), state_dir / "layers" / "conv1.pt"
+    sub("layers")
+    for path in (built, other):
+        path.write_bytes(b"x")
+        os.utime(path, (1_000_000_000,) * 2)
+    with exclusive():
+        pass
+    assert not built.exists() and other.read_bytes() == b"x"
 
 
 def test_an_empty_folder_is_claimed_as_state_dir(registry, base_ref, box, state_dir, request):

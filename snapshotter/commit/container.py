@@ -32,7 +32,7 @@ from snapshotter.layer.extract import Extractor
 from snapshotter.layer.extract_model import ExtractOptions
 from snapshotter.oci.image import Image
 from snapshotter.profile import Profile, VenvRoots
-from snapshotter.state import sub
+from snapshotter.state import exclusive, sub
 from snapshotter.tar.compress import IterReader
 
 from .commit import commit_box
@@ -60,13 +60,16 @@ def commit_from_container(container: str, target: str, base: Optional[str], opts
     origins = tuple(d.split("@", 1)[1] for d in _repo_digests(ct) if "@" in d)
     # One mirror per container: a stable root keeps commit's stat cache file from piling up.
     mirror = os.path.join(sub("containers"), ct.id[:12])
-    shutil.rmtree(mirror, ignore_errors=True)
-    os.makedirs(mirror)
-    try:
-        return commit_box(target, base, replace(opts, root=mirror, origins=opts.origins + origins),
-                          _ContainerChanges(ct, mirror, opts))
-    finally:
+    # Under the state lock from the start (commit_box takes it again, nested): a second commit of this
+    # container waits, and never wipes the mirror the first one reads.
+    with exclusive(opts.log):
         shutil.rmtree(mirror, ignore_errors=True)
+        os.makedirs(mirror)
+        try:
+            return commit_box(target, base, replace(opts, root=mirror, origins=opts.origins + origins),
+                              _ContainerChanges(ct, mirror, opts))
+        finally:
+            shutil.rmtree(mirror, ignore_errors=True)
 
 
 class _ContainerChanges(CommitHooks):
