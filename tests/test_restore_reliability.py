@@ -26,6 +26,7 @@ from snapshotter.restore import journal as journal_module
 from snapshotter.restore import restore as restore_module
 from snapshotter.restore.applier import ExtractWorker
 from snapshotter.restore.restore import RestoreOptions, restore_image
+from snapshotter.state import MARKER
 
 from support.faults import FaultProxy
 from support.images import TAR, part_ann, push_annotated
@@ -279,6 +280,7 @@ def test_journal_write_on_a_full_disk_is_one_line(registry, small_disk, tmp_path
     manifest_digest = registry.push_image("journalfull", "v1", [data], layer_media_type=TAR)
     state = small_disk("state", "1m")
     state.chmod(0o700)  # a fresh tmpfs is 1777: a state dir must be ours alone (state.private)
+    (state / MARKER).touch()  # snap's own state dir
     (state / "restore-journal").mkdir()
     root = tmp_path / "root"
     # Downloaded and verified by an earlier run (an uncompressed layer is kept split: staging.py).
@@ -565,6 +567,7 @@ def test_a_journal_of_another_version_is_not_resumed_from(registry, tmp_path, st
     root_key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
     journal = state_dir / "restore-journal" / (root_key + ".json")
     journal.parent.mkdir(parents=True)
+    (state_dir / MARKER).touch()  # snap's own state dir
     layers = [d["digest"] for d in registry.manifest("journalfmt", "v1")["layers"]]
     journal.write_text(json.dumps({"version": journal_module.VERSION + 1, "manifest": manifest_digest,
                                    "layers": layers, "applied": 2, "joined": []}))

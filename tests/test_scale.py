@@ -95,6 +95,7 @@ def test_a_second_snap_process_waits_for_the_first(registry, base_ref, box, stat
 def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, proxy, base_ref, box, state_dir):
     base = registry.manifest("base", "1")
     layer = base["layers"][0]["digest"]
+    sub()  # snap's own state dir (marked): what else a user keeps in it stays
     dead = subprocess.Popen(["true"])
     dead.wait()
     leftovers = [state_dir / "layers" / ".building-venv-123-456", state_dir / "blobs" / "0123abcd.part",
@@ -111,7 +112,6 @@ def test_leftovers_of_killed_runs_are_swept_and_cached_blobs_checked(registry, p
     # a killed build's layer, no longer written (one written in the last minute may be a live build's)
     os.utime(leftovers[0], (time.time() - 3600,) * 2)
     (state_dir / "blobs" / "deadbeef.split.part").mkdir()
-    sub()  # snap's own state dir (marked): what else a user keeps in it stays
     keep = state_dir / "keep.json"
     keep.write_text("{}")
     # A blob a killed run left in the cache, damaged: it is checked, found bad, and fetched again.
