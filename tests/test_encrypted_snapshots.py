@@ -22,7 +22,7 @@ from snapshotter import CommitOptions, commit_box
 from snapshotter.commit.model import CommitHooks
 from snapshotter.profile import load_profile
 from snapshotter.snapshot.encryption import load_encryption
-from support.trees import SMALL_WEIGHTS, snapshot_of_tree, write_tree
+from support.trees import SMALL_WEIGHTS, rewrite_on_read, snapshot_of_tree, write_tree
 from support.watch import WatchProcess
 
 ENCRYPTED_TYPES = ("application/vnd.oci.image.layer.v1.tar+zstd+encrypted",
@@ -258,15 +258,7 @@ def test_a_weight_rewritten_while_it_is_encrypted_is_held_back_not_pushed(regist
     write_tree(box, {big: os.urandom(2 << 20)})
     prof = tmp_path / "small.yaml"
     prof.write_text(SMALL_WEIGHTS)
-    reads = []
-
-    def after_read(rel, attempt):
-        if rel == big:
-            reads.append(attempt)
-            if len(reads) == 2:
-                with open(os.path.join(box, big), "r+b") as f:
-                    f.write(b"REWRITTEN")
-
+    reads, after_read = rewrite_on_read(box, big, 2)
     target = f"{registry.host}/enc7:v1"
     opts = CommitOptions(root=box, profile=load_profile(str(prof)),
                          encryption=load_encryption([str(keys / "rsa.pub")], str(keys / "secret"), print))

@@ -22,7 +22,7 @@ from snapshotter.registry.upload import DigestFirst
 from snapshotter.snapshot.encryption import load_encryption
 from support.registry import blobs_in
 from support.run import snap
-from support.trees import SMALL_WEIGHTS, snapshot_of_tree, write_tree
+from support.trees import SMALL_WEIGHTS, rewrite_on_read, snapshot_of_tree, write_tree
 
 MiB = 1 << 20
 WEIGHT = "opt/app/models/checkpoints/one-pass.safetensors"
@@ -53,14 +53,7 @@ def commit_counting_reads(registry_host, base_ref, box, keys, tmp_path, repo, we
         write_tree(box, {WEIGHT: weight if weight is not None else os.urandom(2 * MiB)})
     prof = tmp_path / "small.yaml"
     prof.write_text(SMALL_WEIGHTS)
-    reads = []
-
-    def after_read(rel, attempt):
-        if rel == WEIGHT:
-            reads.append(rel)
-            if len(reads) == rewrite_at:
-                with open(os.path.join(box, WEIGHT), "r+b") as f:
-                    f.write(b"REWRITTEN")
+    reads, after_read = rewrite_on_read(box, WEIGHT, rewrite_at)
 
     opts = CommitOptions(root=box, profile=load_profile(str(prof)), force=force,
                          encryption=load_encryption([str(keys / "rsa.pub")], None, print))

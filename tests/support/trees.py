@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+from typing import Callable
 
 import pytest
 
@@ -38,6 +39,21 @@ def flip_byte(path, offset: int = 0) -> None:
         byte = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([byte ^ 0xFF]))
+
+
+def rewrite_on_read(box: str, rel: str, at: int | None) -> tuple[list[str], Callable[[str, int], None]]:
+    """A commit's after_read hook (model.CommitHooks) that notes each read of the box's file `rel` and
+    rewrites it in place after read number `at` (None: never): (the reads, the hook)."""
+    reads: list[str] = []
+
+    def after_read(path: str, attempt: int) -> None:
+        if path == rel:
+            reads.append(path)
+            if len(reads) == at:
+                with open(os.path.join(box, rel), "r+b") as f:
+                    f.write(b"REWRITTEN")
+
+    return reads, after_read
 
 
 def make_base_rootfs(root: str) -> None:
