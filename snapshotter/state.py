@@ -119,8 +119,9 @@ def private(top: str) -> str:
     watcher's pid) decides what a commit leaves out and what a restore or `watch --stop` trusts.
     Refused (one line): `top` itself a symlink; the dir, or what snap keeps in it (OWN_NAMES and
     one level in them: no more is snap's own; deeper is a container's mirror), owned by another
-    uid or writable by group or others; a symlink, hard link or special file there. What is ours but readable by others
-    (an older snap's 0755 dirs and 0644 files) is tightened to 0700 / 0600. Returns the real path."""
+    uid or writable by group or others; a symlink, hard link or special file there. What is ours
+    but readable by others (an older snap's 0755 dirs and 0644 files) is tightened to 0700 / 0600.
+    Returns the real path."""
     me = os.geteuid()
 
     def check(path: str, depth: int) -> None:
@@ -249,8 +250,8 @@ def exclusive(log: Callable[[str], None] = lambda msg: None) -> Iterator[None]:
     """Hold the state dir's lock for the block: a second snap process on the same state dir waits
     for the first (saying so in one line) and never touches its files. Once it is held, anything
     a killed run left half-made in snap's folders (`.building-*` layers, `*.part` downloads, temp
-    files) or built and never sent (layers/) is swept; what a live process is still writing or sending without the lock
-    stays (sweep_leftovers)."""
+    files) or built and never sent (layers/) is swept; what a live process is still writing or
+    sending without the lock stays (sweep_leftovers)."""
     global _held
     with _held_guard:
         nested = _held > 0
@@ -315,6 +316,7 @@ def _writer_alive(name: str) -> bool:
 
 
 BUILDING_QUIET = 60.0  # seconds a built layer may go unwritten, unlocked, and still be a live process's
+
 
 def _in_use(path: str) -> bool:
     """Whether a built layer (in BUILT_LAYERS: `.building-*` while written, then named by its digest
