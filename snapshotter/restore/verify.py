@@ -1,8 +1,8 @@
 """`snap verify`: compare a directory with the files of an image, path by path.
 
 The expected tree is built from the image's layers (streamed from the registry, each blob checked
-against its digest and diff_id, an encrypted one against its HMAC instead of its own digest:
-decryption.py; nothing is written to disk), the way restore would apply them:
+against its digest and diff_id, an encrypted one against its HMAC or its plain digest instead of its
+own digest: decryption.py; nothing is written to disk), the way restore would apply them:
 whiteouts, replaced trees, files joined from part layers. Every path of it is then checked in the
 directory: type, content digest, mode, owner, symlink target, device number.
 

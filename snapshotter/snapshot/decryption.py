@@ -3,8 +3,8 @@ An image with encrypted layers (snap's, or one skopeo or podman encrypted) is op
 keys given before anything is written: every layer's wrapped key and snap's sealed annotations
 (encryption.py's SEALED). What the rest of restore sees is the plain image (each layer's plain media
 type, digest and annotations) and a Remote whose blobs of those digests are the encrypted ones,
-decrypted as they stream: each checked against its HMAC when it ends (an uncompressed one against its
-plain digest too, which is its diff_id), so a tampered blob fails as a corrupt one does (exit 6), before
+decrypted as they stream: each checked when it ends, against its HMAC (an uncompressed one against its
+plain digest instead, which is its diff_id), so a tampered blob fails as a corrupt one does (exit 6), before
 its last byte is kept; and, as any layer, its tar against the config's diff_id as it is applied."""
 
 from __future__ import annotations
@@ -70,14 +70,15 @@ class DecryptingRemote(Remote):
 
         encrypted, opened, exact = self._opened[digest]
         h = hashlib.sha256()
-        # Raises at the end on a wrong HMAC. The encrypted blob's digest is not checked too where the
-        # layer is known by its plain digest: the HMAC covers the same bytes, keyed by what the same
-        # manifest pins, and a second pass costs a restore of weights a third more CPU
-        # (docs/encryption.md). A layer known by its encrypted digest (skopeo's, whose private options
-        # name no decrypted byte) is checked against it: a blob staged under that name is its.
+        # One check of every byte, at the end, as cheap as the format allows (docs/encryption.md): a
+        # layer whose decrypted bytes are hashed here against the plain digest its wrapped options
+        # name (`exact`: an uncompressed one, its diff_id) needs no HMAC, which is keyed by those same
+        # options; any other, its HMAC. The encrypted blob's digest is hashed only where the layer is
+        # known by it (skopeo's, whose options name no decrypted byte): a blob staged under that name
+        # is its. Each pass more costs a restore of weights a third more CPU.
         known_by_it = digest == encrypted
         src = super().iter_blob if known_by_it else self.iter_blob_unhashed
-        for chunk in layer.decrypt_chunks(src(encrypted, progress, size), opened):
+        for chunk in layer.decrypt_chunks(src(encrypted, progress, size), opened, check_hmac=not exact):
             if exact:
                 h.update(chunk)
             yield chunk
