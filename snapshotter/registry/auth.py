@@ -4,17 +4,16 @@ sends every request to the registry's own origin through one of these; nothing e
 Authorization header.
 
 oras-py's public auth API (`oras.auth.utils`: not `oras.provider`, whose import of jsonschema
-cost every restore's start ~0.1 s) parses challenges and encodes Basic credentials; the token
-requests are ours, bounded and checked."""
+cost every restore's start ~0.1 s) parses challenges and encodes Basic credentials, imported where
+they are (~12 ms a command that meets neither); the token requests are ours, bounded and checked."""
 
 from __future__ import annotations
 
 import re
 import threading
 import urllib.parse
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
-import oras.auth.utils
 import requests
 
 from snapshotter.errors import AuthError, RegistryError
@@ -22,9 +21,18 @@ from snapshotter.errors import AuthError, RegistryError
 from .answers import json_object, read_capped
 from .destinations import check_destination
 
+if TYPE_CHECKING:
+    import oras.auth.utils
+
 Send = Callable[[dict], requests.Response]  # one request with these headers
 TOKEN_LIMIT = 1 << 20  # bytes of a token service's answer: its tokens are a few KiB
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # what an Authorization header can carry: no space, no newline
+
+
+def _oras_auth():
+    import oras.auth.utils
+
+    return oras.auth.utils
 
 
 class CredentialsRefused(AuthError):
@@ -50,7 +58,7 @@ class Basic(_Auth):
 
     def __init__(self, registry: str, repository: str, credentials: Optional[tuple[str, str]]):
         super().__init__(registry, repository, credentials)
-        self.header = {"Authorization": f"Basic {oras.auth.utils.get_basic_auth(*credentials)}"} if credentials else {}
+        self.header = {"Authorization": f"Basic {_oras_auth().get_basic_auth(*credentials)}"} if credentials else {}
 
     def send(self, send: Send, headers: dict) -> requests.Response:
         return send({**self.header, **headers})
@@ -86,7 +94,7 @@ class Bearer(_Auth):
         r.close()
         if not challenge.lower().startswith("bearer"):
             raise self.refusal()
-        token = self._request_token(oras.auth.utils.parse_auth_header(challenge))
+        token = self._request_token(_oras_auth().parse_auth_header(challenge))
         if not token:
             raise self.refusal()
         self.token = token
@@ -107,7 +115,7 @@ class Bearer(_Auth):
         with self._lock:
             if self.token and sent != f"Bearer {self.token}":
                 return True  # another thread replaced the token after this request was sent
-            h = oras.auth.utils.parse_auth_header(challenge)
+            h = _oras_auth().parse_auth_header(challenge)
             for one in (h.scope or "").split():
                 resource, _, actions = one.rpartition(":")
                 self._scopes.setdefault(resource, set()).update(a for a in actions.split(",") if a)

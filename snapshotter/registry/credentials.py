@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional, TextIO
 
-import oras.utils
 
 from snapshotter.errors import UsageError
 from snapshotter.oci.reference import DOCKER_HUB_NAMES
@@ -101,7 +100,11 @@ def docker_credentials(registry: str) -> Optional[tuple[str, str]]:
 
 
 def _names(registry: str) -> Iterator[str]:
-    return iter(["docker.io"]) if registry in DOCKER_HUB_NAMES else oras.utils.iter_localhosts(registry)
+    if registry in DOCKER_HUB_NAMES:
+        return iter(["docker.io"])
+    import oras.utils  # only where a Docker config is read: its import costs every command ~7 ms
+
+    return oras.utils.iter_localhosts(registry)
 
 
 def _index_name(key: str) -> str:
