@@ -3,6 +3,7 @@ with openssl-made keys: layers in ocicrypt's format, nothing of a file's name or
 the registry stores (read from its storage directory, decompressed), dedup kept, keys kept secret."""
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -18,9 +19,17 @@ import zstandard
 from support.ocicrypt import skopeo_copy
 from support.registry import blobs_in
 from support.run import assert_one_line_error, snap
+from support.tars import gzip_bytes, tar_of_files
 from snapshotter import CommitOptions, commit_box
 from snapshotter.commit.model import CommitHooks
+from snapshotter.crypt import keys as crypt_keys
+from snapshotter.crypt import layer
+from snapshotter.oci.image import Image
+from snapshotter.oci.mediatypes import LAYER_GZIP, LAYER_TAR
+from snapshotter.oci.reference import Reference
 from snapshotter.profile import load_profile
+from snapshotter.registry.remote import Remote
+from snapshotter.snapshot.decryption import open_image
 from snapshotter.snapshot.encryption import load_encryption
 from support.trees import SMALL_WEIGHTS, rewrite_on_read, snapshot_of_tree, write_tree
 from support.watch import WatchProcess
@@ -112,12 +121,14 @@ def test_without_the_key_or_with_a_wrong_one_nothing_is_written(registry, base_r
 
 def test_a_tampered_layer_is_exit_6_and_leaves_nothing(registry, base_ref, box, keys, tmp_path):
     """(2) One flipped byte in an encrypted layer's blob (the biggest: the weights), in the registry's
-    storage: the restore fails its HMAC, exit 6, and nothing of that layer is in the root."""
+    storage: the restore fails its check (a weight's: its decrypted bytes against the plain digest its
+    wrapped options name), exit 6, and nothing of that layer is in the root."""
     target = f"{registry.host}/enc3:v1"
     snap("commit", target, "--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"),
          "--compression", "gzip", check=True)
     manifest = manifest_of(registry, "enc3", "v1")
     victim = max((d for d in manifest["layers"] if d["mediaType"] in ENCRYPTED_TYPES), key=lambda d: d["size"])
+    assert victim["mediaType"] == LAYER_TAR + "+encrypted"  # a weight, stored as is: checked by its plain digest
     hexdigest = victim["digest"].split(":", 1)[1]
     path = os.path.join(registry.storage, "docker/registry/v2/blobs/sha256", hexdigest[:2], hexdigest, "data")
     with open(path, "rb") as f:
@@ -555,3 +566,32 @@ def test_a_watcher_keeps_a_torn_weight_at_its_last_encrypted_version(registry, b
     snap("restore", f"{registry.host}/enc-watch-torn:v2", "--root", str(out), "--decryption-key",
          str(keys / "rsa.pem"), check=True)
     assert (out / WEIGHT).read_bytes() == v1
+
+
+def test_a_plain_digest_two_layers_name_is_read_checked(registry, keys):
+    """(hostile image) A tar layer and, after it, a compressed one whose wrapped options claim the
+    tar's plain digest: the blob a restore reads for that digest is the one checked against it (the
+    tar's, decrypted and hashed), not the later layer's bytes under the tar's name unchecked."""
+    def sha(b: bytes) -> str:
+        return "sha256:" + hashlib.sha256(b).hexdigest()
+
+    tar, other = tar_of_files({"weights.bin": b"w" * 4096}), tar_of_files({"evil.bin": b"e" * 4096})
+    pub = crypt_keys.load_public_key(str(keys / "rsa.pub"))
+    repo, descs = "enc-same-digest", []
+    for blob, media_type in ((tar, LAYER_TAR), (gzip_bytes(other), LAYER_GZIP)):
+        out = io.BytesIO()
+        done = layer.encrypt_layer(io.BytesIO(blob), out, [pub], sha(tar))  # both claim the tar's digest
+        registry.push_blob(repo, out.getvalue())
+        descs.append({"mediaType": media_type + "+encrypted", "digest": done.digest, "size": done.size,
+                      "annotations": done.annotations})
+    config = json.dumps({"architecture": "amd64", "os": "linux",
+                         "rootfs": {"type": "layers", "diff_ids": [sha(tar), sha(other)]}}).encode()
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                      "digest": registry.push_blob(repo, config), "size": len(config)},
+                           "layers": descs}).encode()
+    ref = Reference.parse(f"{registry.host}/{repo}:v1")
+    image = Image(ref, manifest, sha(manifest), config)
+    private = crypt_keys.load_private_key(str(keys / "rsa.pem"))[0]
+    _, remote = open_image(image, Remote(ref), [private])
+    assert b"".join(remote.iter_blob(sha(tar))) == tar

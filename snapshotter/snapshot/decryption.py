@@ -83,7 +83,8 @@ class DecryptingRemote(Remote):
                 h.update(chunk)
             yield chunk
         if exact and hasher_digest(h) != digest:
-            raise IntegrityError(f"the decrypted layer {encrypted[:19]} is not the {digest} its key names (tampered)")
+            raise IntegrityError(f"the decrypted layer {encrypted[:19]} is not the {digest} its key names "
+                                 "(tampered or truncated)")
 
 
 def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> tuple[Image, Remote]:
@@ -122,7 +123,10 @@ def open_image(image: Image, remote: Remote, private_keys: list[PrivateKey]) -> 
         # Hashed again only where the download's digest is the one check of the tar (an uncompressed
         # layer is kept split, never read again: download.py); any other tar is checked against its
         # diff_id as it is applied, and a second hash of its blob costs a restore ~10% more CPU.
-        opened[digest] = (d["digest"], key, exact and plain_type == LAYER_TAR)
+        # A digest two layers name (a hostile image's compressed layer claiming a tar's) keeps the
+        # layer whose bytes are hashed against it: whichever blob is read for it is then checked.
+        if not (digest in opened and opened[digest][2]):
+            opened[digest] = (d["digest"], key, exact and plain_type == LAYER_TAR)
         clear = {k: v for k, v in d.get("annotations", {}).items()
                  if not k.startswith(layer.ENC_PREFIX) and k not in LAYER_CLEAR}
         layers[i] = descriptor(plain_type, digest, d.get("size"), clear)
