@@ -380,8 +380,7 @@ def walk_stack(root_fd: int, walk: _Walk, progress: Optional[Callable[[int], Non
             continue  # replaced by a symlink while we walked
         try:
             try:
-                with os.scandir(fd) as it:
-                    names = [de.name for de in it]
+                names = os.listdir(fd)  # names only: a DirEntry each cost ~1 us more at 35k paths
             except PermissionError:
                 unreadable.add(rel_dir or "/")
                 continue

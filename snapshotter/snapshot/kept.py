@@ -123,7 +123,7 @@ class StoredWalk:
         """Keep what the memo's last scan (`scan`) kept, unless it is what was loaded. The scan's
         kept_as names the stored walk if it holds every entry of the scan."""
         seen = self._memo.seen
-        if not (len(seen) == len(self.loaded) and all(_same(seen.get(p), v) for p, v in self.loaded.items())):
+        if seen != self.loaded:  # dict equality, in C: a kept entry is the loaded object itself (`is` first)
             entries = [v for v in seen.values() if not isinstance(v, str)]
             columns = [list(map(attrgetter(f), entries)) for f in _FIELDS]
             self.digest = _write(self.path, self.key, (columns, {p: v for p, v in seen.items() if isinstance(v, str)}))
@@ -228,6 +228,3 @@ def _paths_digest(paths: list[str]) -> str:
     joined = "\0".join(paths) + "\0" if paths else ""
     return hashlib.sha256(joined.encode("utf-8", "surrogateescape")).hexdigest()
 
-
-def _same(now: Optional[Entry | str], then: Entry | str) -> bool:
-    return now is then or (isinstance(then, str) and now == then)
