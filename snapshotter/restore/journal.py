@@ -162,8 +162,8 @@ class Journal:
         except OSError as e:
             raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}",
                                 " while writing the restore journal",
-                                "free space or point SNAP_STATE_DIR at a bigger disk, and run the restore again: "
-                                "it resumes") from e
+                                "free space there and run the restore again: it resumes (or point SNAP_STATE_DIR "
+                                "at a new empty directory on another disk)") from e
 
     def remove(self) -> None:
         try:
