@@ -30,6 +30,7 @@ def pytest_addoption(parser):
                      help="note each test's seconds in tests/durations.json (the order make test starts them in)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups marked here
 def pytest_collection_modifyitems(config, items):
     """For `--dist loadgroup` (make test): the tests of a file with a module or session fixture of its own
     (a dockerd, a TLS or token registry, an S3 server) share one worker, where it is built once; every
@@ -43,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
         if any(d.scope in ("module", "session") and d.baseid.endswith(".py") for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
             groups.setdefault(item.path.name, []).append(item)
-    if config.getoption("dist", None) != "loadgroup":
+    if not _loadgroup(config):
         return
     seconds = {}
     if os.path.exists(DURATIONS):
@@ -61,6 +62,12 @@ def pytest_collection_modifyitems(config, items):
             return -cost[group], first[group]
         return -seconds.get(item.nodeid, QUICK), first[id(item)]
     items.sort(key=longest_first)
+
+
+def _loadgroup(config) -> bool:
+    """`--dist loadgroup`: as the controller's option, or on a worker (which collects, and whose own
+    `dist` xdist sets to "no") as xdist's `loadgroup` flag."""
+    return config.getoption("dist", None) == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
 
 
 def pytest_configure(config):
