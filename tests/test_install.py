@@ -106,10 +106,10 @@ def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, reg
     assert r.returncode == 0, r.stderr
     for command in ("commit", "restore", "verify", "run", "login", "logout"):
         assert command in r.stdout
-    # Both commands start at cli.main, which takes SNAP_USERNAME/SNAP_PASSWORD out of the environment
-    # before anything can start a process (app() alone would skip that).
+    # Both commands start at __main__.run, which runs cli.main: that takes SNAP_USERNAME/SNAP_PASSWORD
+    # out of the environment before anything can start a process (app() alone would skip that).
     for command in ("snap", "boxsnap"):
-        assert "from snapshotter.cli import main" in open(os.path.join(venv, "bin", command)).read()
+        assert "from snapshotter.__main__ import run" in open(os.path.join(venv, "bin", command)).read()
     # Both commands, one app; the version is the installed distribution's.
     r = run("python", "-c", "import importlib.metadata as m; print(m.version('boxsnap'))")
     assert r.returncode == 0, r.stderr

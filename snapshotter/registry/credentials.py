@@ -12,7 +12,6 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional, TextIO
 
-
 from snapshotter.errors import UsageError
 from snapshotter.oci.reference import DOCKER_HUB_NAMES
 
