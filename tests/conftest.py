@@ -82,8 +82,10 @@ class DurationRecorder:
         self.seconds = {}
 
     def pytest_runtest_logreport(self, report):
-        group = "@" + os.path.basename(report.nodeid.split("::")[0])  # xdist's suffix for the file's group
-        nodeid = report.nodeid.removesuffix(group)
+        # xdist's suffix for a test's group ("@test_docker.py", "@recipe_test_docker.py"): a test's own
+        # id never ends in one, since a group's name holds no "/", "::" or "]"
+        head, at, group = report.nodeid.rpartition("@")
+        nodeid = head if at and not any(c in group for c in ("/", "::", "]")) else report.nodeid
         self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
 
     def pytest_sessionfinish(self):
