@@ -155,6 +155,8 @@ def test_a_tampered_layer_is_exit_6_and_leaves_nothing(registry, base_ref, box, 
         assert_one_line_error(r, 6)
         # the layers before it may be applied (the next restore resumes); not one byte of this one
         assert not (root / "opt/app/models/checkpoints/sd15.safetensors").exists()
+        # verify reads the layers as restore does: the same check refuses the same byte
+        assert_one_line_error(snap("verify", target, "--root", box, "--decryption-key", str(keys / "rsa.pem")), 6)
     finally:
         with open(path, "wb") as f:
             f.write(original)
