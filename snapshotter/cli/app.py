@@ -106,8 +106,7 @@ def error_line(e: BaseException) -> str:
 
 
 def main() -> None:
-    take_secret_env()  # before anything can start a process
-    gc.freeze()  # what the imports made lives as long as the process: no collector pass need walk it again
+    take_secret_env()  # before anything can start a process (what the imports made: frozen in __main__.run)
     try:
         code = app(standalone_mode=False)
     except click.exceptions.ClickException as e:

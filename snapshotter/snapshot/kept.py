@@ -227,4 +227,3 @@ def _paths_digest(paths: list[str]) -> str:
     """sha256 of each path with a NUL after it (one string joined: an update per path cost twice as much)."""
     joined = "\0".join(paths) + "\0" if paths else ""
     return hashlib.sha256(joined.encode("utf-8", "surrogateescape")).hexdigest()
-
