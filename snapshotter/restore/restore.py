@@ -212,7 +212,7 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     # restore onto one is refused above, or forced.
     live = holds_system(root) if base_layers == 0 and not opts.force else None
     # Fetched once, when the guard or skip.py first needs them.
-    skeletons = functools.cache(lambda: _skeletons(remote, image, opts.log))
+    skeletons = functools.cache(lambda: skeleton.image_skeletons(remote, image, opts.log))
     joins = {rel: links.get(rel, []) for rel in parts}
     claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(never_write),
                              opts.extract.allow_devices, joins, opts.log) if live else None
@@ -260,21 +260,6 @@ def _result(run: _Run, applied: list[str], resumed: int, stats: ExtractStats, se
                          stats.skipped_devices_count, stats.stripped_setuid_count,
                          len(skips.skipped), skips.skipped_bytes, skips.hashed_bytes,
                          *((len(weights.fetched), len(weights.present)) if weights else ()))
-
-
-def _skeletons(remote: Remote, image: Image, log: Callable[[str], None]) -> dict[str, skeleton.Skeleton]:
-    """The skeletons of the snapshot's layers, by diff_id (snapshot/skeleton.py): from each layer's
-    headers blob, or an older snapshot's one skeleton blob; {} for an image without."""
-    named = _headers_blobs(image)
-    if named:
-        return skeleton.fetch_headers(remote, named, log)
-    digest = image.annotated_digest(SNAP_SKELETON)
-    return skeleton.fetch(remote, digest, log) if digest else {}
-
-
-def _headers_blobs(image: Image) -> dict[str, str]:
-    """{diff_id: headers blob digest} of the image's layers that name one (dev.snap.headers)."""
-    return {layer.diff_id: layer.headers for layer in select_layers(image, False) if layer.headers}
 
 
 def _skips(run: _Run, resumed: int) -> SkipPlan:
@@ -443,7 +428,7 @@ def _note_sources(reference: Reference, image: Image) -> None:
     of the registry mounts them from here instead of uploading them (registry/blobsources.py)."""
     ann = image.annotations
     travelled = [d for d in (ann.get(baseindex.SNAP_BASE_INDEX), ann.get(SNAP_SKELETON)) if isinstance(d, str)]
-    travelled += list(_headers_blobs(image).values())
+    travelled += list(skeleton.headers_blobs(image).values())
     travelled += [baseindex.EMPTY_CONFIG_DIGEST] if travelled else []
     sources = BlobSources()
     sources.note(reference.api_host, reference.repository,

@@ -38,6 +38,7 @@ from snapshotter.errors import IntegrityError, NotFound, SnapError
 from snapshotter.index.base import push_artifact
 from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import LayerPlan
+from snapshotter.oci.image import SNAP_SKELETON, Image, select_layers
 from snapshotter.oci.mediatypes import SKELETON, SKELETON_ARTIFACT
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.registry.remote import Remote
@@ -116,14 +117,32 @@ def push(remote: Remote, layers: list[tuple[LayerPlan, str]], sources: BlobSourc
     return named
 
 
-def fetch_headers(remote: Remote, named: dict[str, str], log: Callable[[str], None]) -> dict[str, Skeleton]:
+def image_skeletons(remote: Remote, image: Image, log: Callable[[str], None], kept: bool = True
+                    ) -> dict[str, Skeleton]:
+    """The skeletons of a snapshot's layers, by diff_id: from each layer's headers blob, or an older
+    snapshot's one skeleton blob; {} for an image without. `kept`: each layer's piece is kept in the
+    state dir too (a restore's, for the next commit of the root)."""
+    named = headers_blobs(image)
+    if named:
+        return fetch_headers(remote, named, log, kept)
+    digest = image.annotated_digest(SNAP_SKELETON)
+    return fetch(remote, digest, log, kept) if digest else {}
+
+
+def headers_blobs(image: Image) -> dict[str, str]:
+    """{diff_id: headers blob digest} of the image's layers that name one (dev.snap.headers)."""
+    return {layer.diff_id: layer.headers for layer in select_layers(image, False) if layer.headers}
+
+
+def fetch_headers(remote: Remote, named: dict[str, str], log: Callable[[str], None],
+                  kept: bool = True) -> dict[str, Skeleton]:
     """{diff_id: skeleton} from the headers blobs `named` ({diff_id: digest}), FETCHES at once, each
     digest-checked, size-capped and naming its own layer; a blob missing or not usable is left out
     (never trusted: that layer then downloads), with one warning line for them all."""
     def one(item: tuple[str, str]) -> tuple[str, Optional[Skeleton], str]:
         diff_id, digest = item
         try:
-            got = parse(_read(remote, digest), keep)
+            got = parse(_read(remote, digest), keep if kept else None)
             if list(got) != [diff_id]:
                 raise ValueError(f"it names another layer than {diff_id[:19]}")
             return diff_id, got[diff_id], ""
@@ -141,11 +160,11 @@ def fetch_headers(remote: Remote, named: dict[str, str], log: Callable[[str], No
     return {diff_id: skel for diff_id, skel, _ in results if skel is not None}
 
 
-def fetch(remote: Remote, digest: str, log: Callable[[str], None]) -> dict[str, Skeleton]:
+def fetch(remote: Remote, digest: str, log: Callable[[str], None], kept: bool = True) -> dict[str, Skeleton]:
     """{diff_id: skeleton} from an older snapshot's one skeleton blob `digest`, digest-checked and
     size-capped; {} when it is missing or malformed (never trusted: the layers then download)."""
     try:
-        return parse(_read(remote, digest), keep)
+        return parse(_read(remote, digest), keep if kept else None)
     except NotFound:
         return {}
     except (SnapError, ValueError, struct.error, OSError, zlib.error, EOFError) as e:
