@@ -128,7 +128,8 @@ def verified(result, root: str, json_out: bool) -> None:
     if json_out:
         as_json({"ref": str(result.ref), "manifest_digest": result.manifest_digest, "checked": result.checked,
                  "ok": result.ok, "differences": [asdict(d) for d in result.differences],
-                 "left_out_secrets": result.left_out_secrets, "left_out_total": result.left_out_total})
+                 "left_out_secrets": result.left_out_secrets, "left_out_total": result.left_out_total,
+                 "layers_read": result.layers_read, "layers_held": result.layers_held})
         return
     for d in result.differences:
         out(str(d))

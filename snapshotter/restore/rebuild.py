@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from snapshotter import progress
+from snapshotter.digests import hasher_digest
 from snapshotter.errors import IntegrityError
 from snapshotter.snapshot.skeleton import Skeleton
 from snapshotter.tar.reader import READ_BUFFER, EntryCount, ForwardStream, TarReader
@@ -93,23 +94,29 @@ def members_of(skeleton: Skeleton, label: str, entries: Optional[EntryCount] = N
 
 
 def rebuilt_diff_id(skeleton: Skeleton, sources: list[Optional[Source]], root: str,
-                    on_bytes: Callable[[int], None], stop: threading.Event) -> Optional[str]:
+                    on_bytes: Callable[[int], None], stop: threading.Event,
+                    contents: Optional[list[Optional[str]]] = None) -> Optional[str]:
     """The sha256 of the layer's tar rebuilt from its headers and the bytes on disk; None if a file
-    changed while it was read (or went away)."""
+    changed while it was read (or went away). With `contents`, the digest of each member's bytes
+    read from disk is appended to it (None for a member without): what a verify compares with."""
     h = hashlib.sha256()
     total = 0
     for (header, size), source in zip(skeleton, sources):
         h.update(header)
         total += len(header) + size + (-size % tarfile.BLOCKSIZE)
-        if source is not None and not _hash_content(h, os.path.join(root, source.path), source, on_bytes, stop):
+        own = hashlib.sha256() if contents is not None and source is not None else None
+        if source is not None and not _hash_content((h, own) if own else (h,), os.path.join(root, source.path),
+                                                    source, on_bytes, stop):
             return None
+        if contents is not None:
+            contents.append(hasher_digest(own) if own else None)
         h.update(bytes(-size % tarfile.BLOCKSIZE))
     h.update(bytes(_trailer(total)))
-    return "sha256:" + h.hexdigest()
+    return hasher_digest(h)
 
 
-
-def _hash_content(h, path: str, source: Source, on_bytes: Callable[[int], None], stop: threading.Event) -> bool:
+def _hash_content(hashers: tuple, path: str, source: Source, on_bytes: Callable[[int], None],
+                  stop: threading.Event) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -125,7 +132,8 @@ def _hash_content(h, path: str, source: Source, on_bytes: Callable[[int], None],
             data = os.pread(fd, min(left, 4 * READ_BUFFER), offset)
             if not data:
                 return False
-            h.update(data)
+            for h in hashers:
+                h.update(data)
             offset += len(data)
             left -= len(data)
             on_bytes(len(data))

@@ -352,6 +352,33 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     return SkipPlan(skipped, sum(todo[n][1]["size"] for n in skipped), hashed.bytes, reasons)
 
 
+def held_layers(layers: list[tuple[int, dict, str]], skeletons: dict[str, Skeleton], rules: RootRules
+                ) -> dict[int, list[tuple[tarfile.TarInfo, Optional[str]]]]:
+    """The layers the root holds, each taken alone (`snap verify`: the order of the layers is its
+    index's to apply): the stat pass, directories' mtimes left out, then the rebuilt hash, always
+    (no restore record vouches for a verify). A part layer is not taken. {n: the layer's members
+    with, for each regular one, the digest of its bytes as read from the root}: those are the
+    layer's own bytes, as the rebuilt tar hashes to its diff_id."""
+    root = _Root(rules.root)
+    parsed: dict[int, tuple[Skeleton, list[tarfile.TarInfo]]] = {}
+    checks: dict[int, LayerCheck] = {}
+    entries = EntryCount()
+    for n, (_, desc, diff_id) in enumerate(layers):
+        skeleton = skeletons.get(diff_id)
+        if skeleton is None or _part_of(desc)[0] is not None:
+            continue
+        try:
+            members = members_of(skeleton, f"{desc['digest'][:19]}", entries)
+            check = check_layer(members, desc, rules, root, {m.name.strip("/") for m in members if m.isdir()})
+        except IntegrityError:
+            continue  # a hostile name or an unusable skeleton: the layer is read from the registry
+        if check.ok:
+            parsed[n], checks[n] = (skeleton, members), check
+    contents: dict[int, list] = {}
+    hashed = _hash_layers(sorted(parsed), parsed, checks, layers, 0, rules.root, {}, contents)
+    return {n: list(zip(members, contents[n])) for n, (_, members) in parsed.items() if n not in hashed.failed}
+
+
 @dataclass
 class _Hashed:
     failed: set[int]
@@ -359,8 +386,9 @@ class _Hashed:
 
 
 def _hash_layers(to_hash: list[int], parsed: dict, checks: dict[int, LayerCheck], pending: list, start: int,
-                 root: str, reasons: dict[int, str]) -> _Hashed:
-    """Rebuild and hash the layers `to_hash`, several at once; those whose hash is not their diff_id fail."""
+                 root: str, reasons: dict[int, str], contents: Optional[dict[int, list]] = None) -> _Hashed:
+    """Rebuild and hash the layers `to_hash`, several at once; those whose hash is not their diff_id
+    fail. With `contents`, each layer's members' content digests (rebuilt_diff_id) go there."""
     total = sum(s.size for n in to_hash for s in checks[n].sources if s is not None)
     failed: set[int] = set()
     read = [0]
@@ -375,8 +403,10 @@ def _hash_layers(to_hash: list[int], parsed: dict, checks: dict[int, LayerCheck]
             update(k)
 
         def one(n: int) -> bool:
+            digests: Optional[list] = None if contents is None else contents.setdefault(n, [])
             try:
-                return rebuilt_diff_id(parsed[n][0], checks[n].sources, root, on_bytes, stop) == pending[n - start][2]
+                return rebuilt_diff_id(parsed[n][0], checks[n].sources, root, on_bytes, stop,
+                                       digests) == pending[n - start][2]
             except OSError:
                 return False  # unreadable: the layer downloads
 

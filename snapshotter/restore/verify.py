@@ -3,8 +3,11 @@
 The expected tree is built from the image's layers (streamed from the registry, each blob checked
 against its digest and diff_id, an encrypted one against its HMAC or its plain digest instead of its
 own digest: decryption.py; nothing is written to disk), the way restore would apply them:
-whiteouts, replaced trees, files joined from part layers. Every path of it is then checked in the
-directory: type, content digest, mode, owner, symlink target, device number.
+whiteouts, replaced trees, files joined from part layers. A snapshot layer the directory holds
+whole (skip.held_layers: its headers blob and the directory's bytes rebuild a tar that hashes to
+its diff_id) is not streamed: its members come from its headers, each file's digest from the bytes
+that hash read. Every path of the tree is then checked in the directory: type, content digest,
+mode, owner, symlink target, device number (a file whose bytes were read already is not read again).
 
 What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
 profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), the secrets commit left
@@ -37,19 +40,21 @@ from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entr
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.plan import parse_part_name
-from snapshotter.oci.image import SNAP_PART_FILE, Image, layer_label, left_out_secrets, select_layers
-from snapshotter.profile import Profile, load_profile
+from snapshotter.oci.image import SNAP_PART_FILE, Image, Layer, layer_label, left_out_secrets, select_layers
+from snapshotter.profile import PathSet, Profile, load_profile
 from snapshotter.oci.reference import Reference
 from snapshotter.origin.references import References
 from snapshotter.origin.snapshots import read_document
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot.decryption import open_image
+from snapshotter.snapshot.skeleton import image_skeletons
 from snapshotter.tar.compress import IterReader, check_layer
 from snapshotter.tar.reader import EntryCount, data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 
 from .parts import part_files, part_links
+from .skip import RootRules, held_layers
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 HASH_BATCH = 1024  # files whose content is compared at once: what is kept per file stays bounded
@@ -88,6 +93,8 @@ class VerifyResult:
     differences: list[Difference]
     left_out_secrets: list[str] = field(default_factory=list)  # what commit left out as secrets ("/root/.ssh")
     left_out_total: int = 0  # how many it left out (more than listed when the image's list was cut)
+    layers_read: int = 0  # layers streamed from the registry
+    layers_held: int = 0  # layers found whole in the root by their headers and its bytes (not downloaded)
 
     @property
     def ok(self) -> bool:
@@ -97,36 +104,42 @@ class VerifyResult:
 # ---- the expected tree ------------------------------------------------------------------------
 
 
-def image_index(remote: Remote, image: Image, only_snapshot: bool,
-                log: Callable[[str], None] = lambda msg: None, jobs: int = 1) -> tuple[dict[str, Entry], set[str]]:
+Members = list[tuple[tarfile.TarInfo, Optional[str]]]  # a layer's, each regular one's with its content digest
+
+
+def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] = lambda msg: None, jobs: int = 1,
+                held: Optional[dict[int, Members]] = None) -> tuple[dict[str, Entry], set[str]]:
     """(index of the image's paths, paths its layers delete that no later layer brings back).
     Layers are read with restore's checks: an image restore refuses is refused here too. `jobs`
     layers are downloaded, decompressed and hashed at once (threads: zstd, zlib and hashlib let go
-    of Python's lock); their members go into the index in layer order."""
+    of Python's lock); their members go into the index in layer order. The layers of `held` (by
+    their place in `layers`: skip.held_layers) are not read: their members are given."""
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
-    layers = select_layers(image, only_snapshot)
+    held = held or {}
     links = part_links(layers)
     for rel in (*part_files(layers), *links, *(n for names in links.values() for n in names)):
         _check_fits(rel)  # the part annotations restore refuses are refused here too
 
     entries = EntryCount()  # the image's members: the layers read ahead and the index are bounded by it
 
-    def read(layer: tuple[int, dict, str]) -> Optional[list[tuple[tarfile.TarInfo, Optional[str]]]]:
+    def read(n: int, layer: tuple[int, dict, str]) -> Optional[Members]:
         """Layer's members with their content digests; None for a part layer, read in order below."""
         i, desc, diff_id = layer
+        if n in held:
+            return list(held[n])  # (a copy: the index consumes it)
         if SNAP_PART_FILE in desc.get("annotations", {}):
             return None
         return _read_layer(remote, desc, diff_id, layer_label(desc, i), log, entries)
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        waiting = iter(layers)
+        waiting = iter(enumerate(layers))
         ahead: deque = deque()  # (layer, its future): `jobs` read at once, each dropped once indexed
 
         def read_ahead() -> None:
-            while len(ahead) < max(1, jobs) and (layer := next(waiting, None)) is not None:
-                ahead.append((layer, pool.submit(read, layer)))
+            while len(ahead) < max(1, jobs) and (item := next(waiting, None)) is not None:
+                ahead.append((item[1], pool.submit(read, *item)))
 
         read_ahead()
         try:
@@ -169,10 +182,10 @@ def read_blob(remote: Remote, desc: dict, diff_id: str, label: str, log: Callabl
 
 
 def _read_layer(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
-                entries: EntryCount) -> list[tuple[tarfile.TarInfo, Optional[str]]]:
+                entries: EntryCount) -> Members:
     """A layer's members, each regular file's with the digest of its data (ImageIndexer.add wants
     it only for those)."""
-    out: list[tuple[tarfile.TarInfo, Optional[str]]] = []
+    out: Members = []
 
     def consume(stream, check) -> None:
         for reader, m in iter_members(stream, f"layer {label}", entries):
@@ -230,12 +243,15 @@ def _kind_name(kind: str) -> str:
 
 
 def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions,
-            left_out: frozenset[str] = frozenset()) -> tuple[int, list[Difference]]:
+            left_out: frozenset[str] = frozenset(), read: Optional[dict[str, str]] = None
+            ) -> tuple[int, list[Difference]]:
     """Compare the directory with the image's paths. `left_out` holds the paths commit left out as
-    secrets: neither they nor what lies under them are compared."""
-    c = _Comparison(os.path.realpath(root), opts, left_out)
+    secrets: neither they nor what lies under them are compared. `read`: the digests of files whose
+    bytes this verify has read already (held layers'): those are not read again."""
+    c = _Comparison(os.path.realpath(root), opts, left_out, read or {})
     # What the contents' check reads, as far as the image tells: its files the profile does not leave out.
-    content_bytes = sum(e.size for rel, e in index.items() if e.kind == FILE and e.digest and not c.excluded(rel))
+    content_bytes = sum(e.size for rel, e in index.items()
+                        if e.kind == FILE and e.digest and rel not in c.read and not c.excluded(rel))
     with progress.bar("comparing paths", len(index), unit="paths") as bar, \
             progress.bar("checking contents", content_bytes) as hashed:
         update = progress.safe_update(hashed)
@@ -256,8 +272,8 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
 class _Comparison:
     """What compare() found so far, and the paths it no longer looks into."""
 
-    def __init__(self, root: str, opts: VerifyOptions, left_out: frozenset[str]):
-        self.root, self.opts, self.left_out = root, opts, left_out
+    def __init__(self, root: str, opts: VerifyOptions, left_out: frozenset[str], read: dict[str, str]):
+        self.root, self.opts, self.left_out, self.read = root, opts, left_out, read
         self.diffs: list[Difference] = []
         self.covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
         self.real_dirs: dict[str, bool] = {"": True}
@@ -313,7 +329,8 @@ class _Comparison:
             self.diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
             self.covered.add(rel)
             return
-        self.diffs.extend(_compare_entry(shown, full, have, e, self.opts.allow_setuid, self.contents))
+        self.diffs.extend(_compare_entry(shown, full, have, e, self.opts.allow_setuid, self.contents,
+                                         self.read.get(rel)))
 
     def check_deleted(self, deleted: set[str]) -> None:
         """The paths the image deletes that are there."""
@@ -326,8 +343,9 @@ class _Comparison:
 
 
 def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid: bool,
-                   contents: list[tuple[str, str, str, int]]) -> list[Difference]:
-    """The differences of one path but its content's, whose check is added to `contents`."""
+                   contents: list[tuple[str, str, str, int]], read: Optional[str] = None) -> list[Difference]:
+    """The differences of one path but its content's, whose check is added to `contents` unless its
+    digest was `read` already."""
     out: list[Difference] = []
     if want.kind != SYMLINK and have.mode != want.mode:
         stripped = want.kind != DIR and not allow_setuid and have.mode == want.mode & ~_PRIVILEGE_BITS
@@ -343,6 +361,8 @@ def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid
     if want.kind == FILE:
         if have.size != want.size:
             out.append(Difference(shown, "content", f"content differs: {have.size} bytes, expected {want.size}"))
+        elif want.digest and read is not None:
+            out.extend(_content_difference(shown, read, want.digest))
         elif want.digest:
             contents.append((shown, full, want.digest, want.size))
     return out
@@ -355,8 +375,15 @@ def _content_differences(contents: list[tuple[str, str, str, int]], jobs: int,
     holding one read buffer; `on_bytes` is told what is read (progress)."""
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         digests = list(pool.map(lambda full: _content_digest(full, on_bytes), [c[1] for c in contents]))
-    return [Difference(shown, "content", f"content differs: {_short(digest)}, expected {want[:19]}")
-            for (shown, _, want, _), digest in zip(contents, digests) if digest != want]
+    return [d for (shown, _, want, _), digest in zip(contents, digests)
+            for d in _content_difference(shown, digest, want)]
+
+
+def _content_difference(shown: str, digest: str, want: str) -> list[Difference]:
+    """A file's content difference, if its `digest` (or why it could not be read) is not `want`."""
+    if digest == want:
+        return []
+    return [Difference(shown, "content", f"content differs: {_short(digest)}, expected {want[:19]}")]
 
 
 def _short(digest: str) -> str:
@@ -431,9 +458,25 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     reference = Reference.parse(ref)
     remote = Remote(reference, opts.transport)
     image, remote = open_image(remote.resolve(), remote, opts.decryption_keys)
-    index, deleted = image_index(remote, image, opts.only_snapshot, opts.log, opts.jobs)
+    layers = select_layers(image, opts.only_snapshot)
+    held = _held(remote, image, layers, root, opts)
+    index, deleted = image_index(remote, layers, opts.log, opts.jobs, held)
     _add_references(index, read_document(remote, image.annotations))
     listed, total = left_out_secrets(image.manifest)
     secrets = sorted(clean_path(p) for p in listed)
-    checked, diffs = compare(root, index, deleted, opts, frozenset(secrets))
-    return VerifyResult(image.ref, image.manifest_digest, checked, diffs, ["/" + p for p in secrets], total)
+    read = {check_name(m.name): digest for members in held.values() for m, digest in members if digest}
+    checked, diffs = compare(root, index, deleted, opts, frozenset(secrets), read)
+    return VerifyResult(image.ref, image.manifest_digest, checked, diffs, ["/" + p for p in secrets], total,
+                        len(layers) - len(held), len(held))
+
+
+def _held(remote: Remote, image: Image, layers: list[Layer], root: str, opts: VerifyOptions) -> dict[int, Members]:
+    """The snapshot layers the root holds whole, by their headers blobs and its bytes (skip.py): their
+    blobs are not downloaded, and each file's bytes are read once (one hash for the layer's tar, one
+    for the file)."""
+    skeletons = image_skeletons(remote, image, opts.log, kept=False)
+    if not skeletons:
+        return {}
+    rules = RootRules(os.path.realpath(root), PathSet(opts.profile.exclude.patterns), same_owner=False,
+                      keep_privileges=opts.allow_setuid, max_layer_size=None, part_links=part_links(layers))
+    return held_layers(layers, skeletons, rules)
