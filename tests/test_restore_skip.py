@@ -324,7 +324,8 @@ def test_verify_checks_the_layers_the_root_holds_without_downloading_them(commit
     blob and the root's bytes hash to its diff_id): no layer blob but the part layers' is downloaded,
     and the verdict and paths compared are those of a verify that reads every layer."""
     _, root = committed
-    layers = {d["digest"] for d in registry.manifest("skip", "v1")["layers"] if "dev.snap.layer" in d.get("annotations", {})}
+    layers = {d["digest"] for d in registry.manifest("skip", "v1")["layers"]
+              if "dev.snap.layer" in d.get("annotations", {})}  # the snapshot's (--only-snapshot)
     parts = _part_layers(registry)
     assert len(parts) >= 2
     code, doc, got = _verify_json(proxy, root)
