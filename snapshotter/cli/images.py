@@ -127,12 +127,17 @@ def verify(
         "--allow-setuid", help="Expect setuid/setgid bits (restored with --allow-setuid).")] = False,
     profile: Annotated[str, typer.Option(
         "--profile", help="Profile whose exclude list is not compared.")] = "default",
+    read_layers: Annotated[bool, typer.Option(
+        "--read-layers", help="Download every layer and check it, even one the directory holds whole "
+                              "(checks the registry's copy too; slower).")] = False,
     jobs: Jobs = None, decryption_key: DecryptionKey = None, password_file: DecryptionKeyPasswordFile = None,
     as_json: JsonOut = False, registry: RegistryOptions = RegistryOptions(),
 ):
     """Compare a directory with the image, file by file: one line per path that differs (type, content,
     mode, owner, symlink target; missing; present though deleted). Exit 0 when equal, 9 when not.
-    Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0."""
+    Paths the commit left out as secrets are listed as "left out (secret)": not compared, exit still 0.
+    A snapshot layer the directory holds whole (its headers and the directory's bytes hash to the
+    layer's digest) is not downloaded; --read-layers downloads it all the same."""
     from snapshotter.profile import load_profile
     from snapshotter.jobs import resolve_jobs
     from snapshotter.restore.verify import VerifyOptions
@@ -141,7 +146,7 @@ def verify(
     opts = VerifyOptions(
         only_snapshot=only_snapshot, strict=strict, allow_setuid=allow_setuid, allow_devices=allow_devices,
         profile=load_profile(profile), transport=registry.transport(), log=say, jobs=resolve_jobs(jobs),
-        decryption_keys=_decryption_keys(decryption_key, password_file),
+        decryption_keys=_decryption_keys(decryption_key, password_file), read_layers=read_layers,
     )
     result = do_verify(ref, root, opts)
     output.verified(result, root, as_json)

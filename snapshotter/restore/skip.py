@@ -88,7 +88,7 @@ class SkipPlan:
     reasons: dict[int, str] = field(default_factory=dict)  # why a layer with a skeleton is applied
 
 
-class _Root:
+class RootPaths:
     """lstat of root-relative paths, reached through real directories only (no symlink followed)."""
 
     def __init__(self, root: str):
@@ -99,15 +99,21 @@ class _Root:
         return os.path.join(self.root, rel)
 
     def real_dir(self, rel: str) -> bool:
-        if rel not in self._dirs:
-            ok = self.real_dir(rel.rpartition("/")[0])
+        """Is root/rel a directory reached without following any symlink? (Parents first, each
+        looked at once; a loop, not a recursion: a hostile image's path may be thousands deep.)"""
+        todo = []
+        while rel not in self._dirs:
+            todo.append(rel)
+            rel = rel.rpartition("/")[0]
+        ok = self._dirs[rel]
+        for rel in reversed(todo):
             if ok:
                 try:
                     ok = stat.S_ISDIR(os.lstat(self.full(rel)).st_mode)
                 except OSError:
                     ok = False
             self._dirs[rel] = ok
-        return self._dirs[rel]
+        return ok
 
     def absent(self, rel: str) -> bool:
         """Is there nothing at `rel`, with no symlink on the way that the extractor would follow?"""
@@ -137,7 +143,7 @@ class _Fail(Exception):
     pass
 
 
-def check_layer(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, root: _Root,
+def check_layer(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, root: RootPaths,
                 later_dirs: set[str]) -> LayerCheck:
     """The paths of one layer and its stat pass (see the module's doc)."""
     digest = HeadersDigest()
@@ -195,7 +201,7 @@ def _expected(m: tarfile.TarInfo, rules: RootRules) -> tuple[int, tuple]:
     return mode, tuple(sorted(xattrs.items()))
 
 
-def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, root: _Root,
+def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, root: RootPaths,
                later_dirs: set[str]) -> list[Optional[Source]]:
     part_file, part = _part_of(desc)
     links_to: dict[str, int] = {}
@@ -247,7 +253,7 @@ def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, roo
 
 
 def _regular(m: tarfile.TarInfo, rel: str, part_file: Optional[str], part: Optional[tuple[int, int]],
-             rules: RootRules, root: _Root, links_to: dict[str, int]) -> Source:
+             rules: RootRules, root: RootPaths, links_to: dict[str, int]) -> Source:
     """Where a regular member's content is: its path, or for a part of a file the joined file's slice."""
     cut = parse_part_name(rel)
     if cut is not None and part is not None and cut == (part_file, *part):
@@ -301,7 +307,7 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     """Which of todo[start:] (the restore's layers not applied yet) the root already holds.
     `unchanged_since(desc, headers digest)`: the end of this root's last restore, if it applied
     this very layer and its times can be trusted (the restore record); None otherwise."""
-    root = _Root(rules.root)
+    root = RootPaths(rules.root)
     pending = todo[start:]
     parsed: dict[int, tuple[Skeleton, list[tarfile.TarInfo]]] = {}
     reasons: dict[int, str] = {}
@@ -352,31 +358,31 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
     return SkipPlan(skipped, sum(todo[n][1]["size"] for n in skipped), hashed.bytes, reasons)
 
 
-def held_layers(layers: list[tuple[int, dict, str]], skeletons: dict[str, Skeleton], rules: RootRules
-                ) -> dict[int, list[tuple[tarfile.TarInfo, Optional[str]]]]:
-    """The layers the root holds, each taken alone (`snap verify`: the order of the layers is its
-    index's to apply): the stat pass, directories' mtimes left out, then the rebuilt hash, always
-    (no restore record vouches for a verify). A part layer is not taken. {n: the layer's members
-    with, for each regular one, the digest of its bytes as read from the root}: those are the
-    layer's own bytes, as the rebuilt tar hashes to its diff_id."""
-    root = _Root(rules.root)
-    parsed: dict[int, tuple[Skeleton, list[tarfile.TarInfo]]] = {}
-    checks: dict[int, LayerCheck] = {}
-    entries = EntryCount()
-    for n, (_, desc, diff_id) in enumerate(layers):
-        skeleton = skeletons.get(diff_id)
-        if skeleton is None or _part_of(desc)[0] is not None:
-            continue
-        try:
-            members = members_of(skeleton, f"{desc['digest'][:19]}", entries)
-            check = check_layer(members, desc, rules, root, {m.name.strip("/") for m in members if m.isdir()})
-        except IntegrityError:
-            continue  # a hostile name or an unusable skeleton: the layer is read from the registry
-        if check.ok:
-            parsed[n], checks[n] = (skeleton, members), check
-    contents: dict[int, list] = {}
-    hashed = _hash_layers(sorted(parsed), parsed, checks, layers, 0, rules.root, {}, contents)
-    return {n: list(zip(members, contents[n])) for n, (_, members) in parsed.items() if n not in hashed.failed}
+def hold_layer(skeleton: Skeleton, desc: dict, diff_id: str, rules: RootRules, root: RootPaths, label: str,
+               count: EntryCount, on_bytes: Callable[[int], None]
+               ) -> Optional[list[tuple[tarfile.TarInfo, Optional[str]]]]:
+    """Does the root hold this layer whole, taken alone (`snap verify`: the order of the layers is
+    its index's to apply)? Its stat pass, directories' mtimes left out, then its rebuilt hash, always
+    (no restore record vouches for a verify). A part layer is never held, nor one whose skeleton is
+    not usable. Its members with, for each regular one, the digest of its bytes as read from the root
+    (the layer's own bytes: the rebuilt tar hashes to its diff_id); None if it is not held. `count`
+    gets its members as parsed (the caller's to add to the image's)."""
+    if _part_of(desc)[0] is not None:
+        return None
+    try:
+        members = members_of(skeleton, label, count)
+        check = check_layer(members, desc, rules, root, {m.name.strip("/") for m in members if m.isdir()})
+    except IntegrityError:
+        return None  # a hostile name, or past the entry cap: the layer is read, with the image's checks
+    contents: list[Optional[str]] = []
+    if not check.ok:
+        return None
+    try:
+        if rebuilt_diff_id(skeleton, check.sources, rules.root, on_bytes, threading.Event(), contents) != diff_id:
+            return None
+    except OSError:
+        return None  # unreadable: the layer is read from the registry
+    return list(zip(members, contents))
 
 
 @dataclass
@@ -386,9 +392,8 @@ class _Hashed:
 
 
 def _hash_layers(to_hash: list[int], parsed: dict, checks: dict[int, LayerCheck], pending: list, start: int,
-                 root: str, reasons: dict[int, str], contents: Optional[dict[int, list]] = None) -> _Hashed:
-    """Rebuild and hash the layers `to_hash`, several at once; those whose hash is not their diff_id
-    fail. With `contents`, each layer's members' content digests (rebuilt_diff_id) go there."""
+                 root: str, reasons: dict[int, str]) -> _Hashed:
+    """Rebuild and hash the layers `to_hash`, several at once; those whose hash is not their diff_id fail."""
     total = sum(s.size for n in to_hash for s in checks[n].sources if s is not None)
     failed: set[int] = set()
     read = [0]
@@ -403,10 +408,8 @@ def _hash_layers(to_hash: list[int], parsed: dict, checks: dict[int, LayerCheck]
             update(k)
 
         def one(n: int) -> bool:
-            digests: Optional[list] = None if contents is None else contents.setdefault(n, [])
             try:
-                return rebuilt_diff_id(parsed[n][0], checks[n].sources, root, on_bytes, stop,
-                                       digests) == pending[n - start][2]
+                return rebuilt_diff_id(parsed[n][0], checks[n].sources, root, on_bytes, stop) == pending[n - start][2]
             except OSError:
                 return False  # unreadable: the layer downloads
 

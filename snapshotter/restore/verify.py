@@ -4,9 +4,9 @@ The expected tree is built from the image's layers (streamed from the registry, 
 against its digest and diff_id, an encrypted one against its HMAC or its plain digest instead of its
 own digest: decryption.py; nothing is written to disk), the way restore would apply them:
 whiteouts, replaced trees, files joined from part layers. A snapshot layer the directory holds
-whole (skip.held_layers: its headers blob and the directory's bytes rebuild a tar that hashes to
-its diff_id) is not streamed: its members come from its headers, each file's digest from the bytes
-that hash read. Every path of the tree is then checked in the directory: type, content digest,
+whole (skip.hold_layer: its headers blob and the directory's bytes rebuild a tar that hashes to
+its diff_id) is not streamed, unless `read_layers`: its members come from its headers, each file's
+digest from the bytes that hash read; its blob is only asked for (HEAD). Every path of the tree is then checked in the directory: type, content digest,
 mode, owner, symlink target, device number (a file whose bytes were read already is not read again).
 
 What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
@@ -40,7 +40,7 @@ from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entr
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.plan import parse_part_name
-from snapshotter.oci.image import SNAP_PART_FILE, Image, Layer, layer_label, left_out_secrets, select_layers
+from snapshotter.oci.image import SNAP_PART_FILE, Layer, layer_label, left_out_secrets, select_layers
 from snapshotter.profile import PathSet, Profile, load_profile
 from snapshotter.oci.reference import Reference
 from snapshotter.origin.references import References
@@ -54,7 +54,7 @@ from snapshotter.tar.reader import EntryCount, data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 
 from .parts import part_files, part_links
-from .skip import RootRules, held_layers
+from .skip import RootPaths, RootRules, hold_layer
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 HASH_BATCH = 1024  # files whose content is compared at once: what is kept per file stays bounded
@@ -72,6 +72,7 @@ class VerifyOptions:
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None
     decryption_keys: list = field(default_factory=list)  # private keys that open an encrypted image
+    read_layers: bool = False  # download every layer, even one the directory holds whole (the registry's copy)
 
 
 @dataclass
@@ -108,38 +109,36 @@ Members = list[tuple[tarfile.TarInfo, Optional[str]]]  # a layer's, each regular
 
 
 def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] = lambda msg: None, jobs: int = 1,
-                held: Optional[dict[int, Members]] = None) -> tuple[dict[str, Entry], set[str]]:
+                holder: Optional["_Holder"] = None) -> tuple[dict[str, Entry], set[str]]:
     """(index of the image's paths, paths its layers delete that no later layer brings back).
     Layers are read with restore's checks: an image restore refuses is refused here too. `jobs`
     layers are downloaded, decompressed and hashed at once (threads: zstd, zlib and hashlib let go
-    of Python's lock); their members go into the index in layer order. The layers of `held` (by
-    their place in `layers`: skip.held_layers) are not read: their members are given."""
+    of Python's lock); their members go into the index in layer order. A layer the `holder` finds
+    whole in the directory is not downloaded: its members come from its headers."""
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
-    held = held or {}
     links = part_links(layers)
     for rel in (*part_files(layers), *links, *(n for names in links.values() for n in names)):
         _check_fits(rel)  # the part annotations restore refuses are refused here too
 
     entries = EntryCount()  # the image's members: the layers read ahead and the index are bounded by it
 
-    def read(n: int, layer: tuple[int, dict, str]) -> Optional[Members]:
+    def read(layer: tuple[int, dict, str]) -> Optional[Members]:
         """Layer's members with their content digests; None for a part layer, read in order below."""
         i, desc, diff_id = layer
-        if n in held:
-            return list(held[n])  # (a copy: the index consumes it)
         if SNAP_PART_FILE in desc.get("annotations", {}):
             return None
-        return _read_layer(remote, desc, diff_id, layer_label(desc, i), log, entries)
+        held = holder.hold(remote, layer, entries) if holder else None
+        return held if held is not None else _read_layer(remote, desc, diff_id, layer_label(desc, i), log, entries)
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        waiting = iter(enumerate(layers))
+        waiting = iter(layers)
         ahead: deque = deque()  # (layer, its future): `jobs` read at once, each dropped once indexed
 
         def read_ahead() -> None:
-            while len(ahead) < max(1, jobs) and (item := next(waiting, None)) is not None:
-                ahead.append((item[1], pool.submit(read, *item)))
+            while len(ahead) < max(1, jobs) and (layer := next(waiting, None)) is not None:
+                ahead.append((layer, pool.submit(read, layer)))
 
         read_ahead()
         try:
@@ -243,12 +242,12 @@ def _kind_name(kind: str) -> str:
 
 
 def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions,
-            left_out: frozenset[str] = frozenset(), read: Optional[dict[str, str]] = None
-            ) -> tuple[int, list[Difference]]:
+            left_out: frozenset[str] = frozenset(), read: Optional[dict[str, str]] = None,
+            paths: Optional[RootPaths] = None) -> tuple[int, list[Difference]]:
     """Compare the directory with the image's paths. `left_out` holds the paths commit left out as
     secrets: neither they nor what lies under them are compared. `read`: the digests of files whose
     bytes this verify has read already (held layers'): those are not read again."""
-    c = _Comparison(os.path.realpath(root), opts, left_out, read or {})
+    c = _Comparison(paths or RootPaths(os.path.realpath(root)), opts, left_out, read or {})
     # What the contents' check reads, as far as the image tells: its files the profile does not leave out.
     content_bytes = sum(e.size for rel, e in index.items()
                         if e.kind == FILE and e.digest and rel not in c.read and not c.excluded(rel))
@@ -272,11 +271,10 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
 class _Comparison:
     """What compare() found so far, and the paths it no longer looks into."""
 
-    def __init__(self, root: str, opts: VerifyOptions, left_out: frozenset[str], read: dict[str, str]):
-        self.root, self.opts, self.left_out, self.read = root, opts, left_out, read
+    def __init__(self, paths: RootPaths, opts: VerifyOptions, left_out: frozenset[str], read: dict[str, str]):
+        self.paths, self.root, self.opts, self.left_out, self.read = paths, paths.root, opts, left_out, read
         self.diffs: list[Difference] = []
         self.covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
-        self.real_dirs: dict[str, bool] = {"": True}
         self.checked = 0
         self.contents: list[tuple[str, str, str, int]] = []  # (shown, path, digest, size): hashed in batches
 
@@ -291,19 +289,6 @@ class _Comparison:
             parent = parent.rpartition("/")[0]
         return False
 
-    def is_real_dir(self, rel: str) -> bool:
-        """Is root/rel a directory reached without following any symlink?"""
-        if rel not in self.real_dirs:
-            parent = rel.rpartition("/")[0]
-            ok = self.is_real_dir(parent)
-            if ok:
-                try:
-                    ok = stat.S_ISDIR(os.lstat(os.path.join(self.root, rel)).st_mode)
-                except OSError:
-                    ok = False
-            self.real_dirs[rel] = ok
-        return self.real_dirs[rel]
-
     def check(self, rel: str, e: Entry) -> None:
         """Compare one path of the image (its content's check is queued in `contents`)."""
         if self.excluded(rel) or self.under_covered(rel):
@@ -316,7 +301,7 @@ class _Comparison:
         shown = "/" + rel
         full = os.path.join(self.root, rel)
         try:
-            if not self.is_real_dir(rel.rpartition("/")[0]):
+            if not self.paths.real_dir(rel.rpartition("/")[0]):
                 raise FileNotFoundError(full)
             st = os.lstat(full)
             have = entry_from_stat(rel, st, os.readlink(full) if stat.S_ISLNK(st.st_mode) else "")
@@ -337,7 +322,7 @@ class _Comparison:
         for rel in sorted(deleted):
             if self.excluded(rel) or self.under_covered(rel) or rel.rpartition("/")[0] in deleted:
                 continue
-            if self.is_real_dir(rel.rpartition("/")[0]) and os.path.lexists(os.path.join(self.root, rel)):
+            if self.paths.real_dir(rel.rpartition("/")[0]) and os.path.lexists(os.path.join(self.root, rel)):
                 self.diffs.append(Difference("/" + rel, "extra", "present, but the image deletes it"))
                 self.covered.add(rel)
 
@@ -459,24 +444,46 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     remote = Remote(reference, opts.transport)
     image, remote = open_image(remote.resolve(), remote, opts.decryption_keys)
     layers = select_layers(image, opts.only_snapshot)
-    held = _held(remote, image, layers, root, opts)
-    index, deleted = image_index(remote, layers, opts.log, opts.jobs, held)
+    skeletons = {} if opts.read_layers else image_skeletons(remote, image, opts.log, kept=False)
+    rules = RootRules(os.path.realpath(root), PathSet(opts.profile.exclude.patterns), same_owner=False,
+                      keep_privileges=opts.allow_setuid, max_layer_size=None, part_links=part_links(layers))
+    holder = _Holder(skeletons, rules) if skeletons else None
+    index, deleted = image_index(remote, layers, opts.log, opts.jobs, holder)
     _add_references(index, read_document(remote, image.annotations))
     listed, total = left_out_secrets(image.manifest)
     secrets = sorted(clean_path(p) for p in listed)
-    read = {check_name(m.name): digest for members in held.values() for m, digest in members if digest}
-    checked, diffs = compare(root, index, deleted, opts, frozenset(secrets), read)
+    read = holder.read if holder else {}
+    checked, diffs = compare(root, index, deleted, opts, frozenset(secrets), read, holder.root if holder else None)
+    held = holder.held if holder else 0
     return VerifyResult(image.ref, image.manifest_digest, checked, diffs, ["/" + p for p in secrets], total,
-                        len(layers) - len(held), len(held))
+                        len(layers) - held, held)
 
 
-def _held(remote: Remote, image: Image, layers: list[Layer], root: str, opts: VerifyOptions) -> dict[int, Members]:
-    """The snapshot layers the root holds whole, by their headers blobs and its bytes (skip.py): their
-    blobs are not downloaded, and each file's bytes are read once (one hash for the layer's tar, one
-    for the file)."""
-    skeletons = image_skeletons(remote, image, opts.log, kept=False)
-    if not skeletons:
-        return {}
-    rules = RootRules(os.path.realpath(root), PathSet(opts.profile.exclude.patterns), same_owner=False,
-                      keep_privileges=opts.allow_setuid, max_layer_size=None, part_links=part_links(layers))
-    return held_layers(layers, skeletons, rules)
+class _Holder:
+    """Finds a snapshot layer whole in the directory by its headers blob and the directory's bytes
+    (skip.hold_layer), so that it is not downloaded; keeps the digests of the files it read (each
+    file's bytes are read once: one hash for the layer's tar, one for the file)."""
+
+    def __init__(self, skeletons: dict, rules: RootRules):
+        self.skeletons, self.rules, self.root = skeletons, rules, RootPaths(rules.root)
+        self.read: dict[str, str] = {}  # path -> the digest of the bytes read there
+        self.held = 0
+
+    def hold(self, remote: Remote, layer: Layer, entries: EntryCount) -> Optional[Members]:
+        i, desc, diff_id = layer
+        skeleton = self.skeletons.get(diff_id)
+        # A blob the registry lost is reported as when it is read (restore needs it).
+        if skeleton is None or not remote.blob_exists(desc["digest"]):
+            return None
+        label = layer_label(desc, i)
+        count = EntryCount(entries.cap)
+        with progress.bar(f"checking {label} in the directory", sum(size for _, size in skeleton)) as bar:
+            got = hold_layer(skeleton, desc, diff_id, self.rules, self.root, f"the skeleton of layer {label}", count,
+                             progress.safe_update(bar))
+        if got is None:
+            return None
+        entries.add(count.total, f"layer {label}")  # counted as if read: the image's cap holds
+        entries.add_meta(count.meta, f"layer {label}")
+        self.read.update((check_name(m.name), digest) for m, digest in got if digest)
+        self.held += 1
+        return got
