@@ -6,8 +6,9 @@ own digest: decryption.py; nothing is written to disk), the way restore would ap
 whiteouts, replaced trees, files joined from part layers. A snapshot layer the directory holds
 whole (skip.hold_layer: its headers blob and the directory's bytes rebuild a tar that hashes to
 its diff_id) is not streamed, unless `read_layers`: its members come from its headers, each file's
-digest from the bytes that hash read; its blob is only asked for (HEAD). Every path of the tree is then checked in the directory: type, content digest,
-mode, owner, symlink target, device number (a file whose bytes were read already is not read again).
+digest from the bytes that hash read; its blob is only asked for (HEAD). Every path of the tree
+is then checked in the directory: type, content digest, mode, owner, symlink target, device number
+(a file whose bytes were read already is not read again).
 
 What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
 profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), the secrets commit left
