@@ -103,7 +103,10 @@ def test_a_held_layer_the_registry_lost_or_changed(registry, tmp_path):
 def test_a_path_thousands_of_directories_deep_is_compared(registry, tmp_path, args):
     """A path 1,200 directories deep (2,401 bytes, under PATH_MAX): compared, not a crash of the
     directory walk (its parents are looked at in a loop, not by recursion)."""
-    ref = _image(registry, "held-deep", [{"a/" * 1200 + "f": b"x\n"}], tmp_path / "root")
-    r = _verify(ref, tmp_path / "root", *args)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["layers_held"] == (0 if args else 1)
+    try:
+        ref = _image(registry, "held-deep", [{"a/" * 1200 + "f": b"x\n"}], tmp_path / "root")
+        r = _verify(ref, tmp_path / "root", *args)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["layers_held"] == (0 if args else 1)
+    finally:  # rm: pytest's own clean-up of old temp dirs recurses once per directory too
+        subprocess.run(["rm", "-rf", str(tmp_path / "root")], check=True)

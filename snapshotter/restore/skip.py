@@ -359,30 +359,29 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
 
 
 def hold_layer(skeleton: Skeleton, desc: dict, diff_id: str, rules: RootRules, root: RootPaths, label: str,
-               count: EntryCount, on_bytes: Callable[[int], None]
-               ) -> Optional[list[tuple[tarfile.TarInfo, Optional[str]]]]:
+               on_bytes: Callable[[int], None]) -> Optional[list[Optional[str]]]:
     """Does the root hold this layer whole, taken alone (`snap verify`: the order of the layers is
     its index's to apply)? Its stat pass, directories' mtimes left out, then its rebuilt hash, always
     (no restore record vouches for a verify). A part layer is never held, nor one whose skeleton is
-    not usable. Its members with, for each regular one, the digest of its bytes as read from the root
-    (the layer's own bytes: the rebuilt tar hashes to its diff_id); None if it is not held. `count`
-    gets its members as parsed (the caller's to add to the image's)."""
+    not usable. Per member of the skeleton, the digest of its bytes as read from the root (None for
+    a member without): the layer's own bytes, as the rebuilt tar hashes to its diff_id. None if the
+    layer is not held."""
     if _part_of(desc)[0] is not None:
         return None
     try:
-        members = members_of(skeleton, label, count)
+        members = members_of(skeleton, label, EntryCount())
         check = check_layer(members, desc, rules, root, {m.name.strip("/") for m in members if m.isdir()})
     except IntegrityError:
         return None  # a hostile name, or past the entry cap: the layer is read, with the image's checks
-    contents: list[Optional[str]] = []
     if not check.ok:
         return None
+    contents: list[Optional[str]] = []
     try:
         if rebuilt_diff_id(skeleton, check.sources, rules.root, on_bytes, threading.Event(), contents) != diff_id:
             return None
     except OSError:
         return None  # unreadable: the layer is read from the registry
-    return list(zip(members, contents))
+    return contents
 
 
 @dataclass

@@ -55,6 +55,7 @@ from snapshotter.tar.reader import EntryCount, data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 
 from .parts import part_files, part_links
+from .rebuild import members_of
 from .skip import RootPaths, RootRules, hold_layer
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
@@ -449,6 +450,8 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     rules = RootRules(os.path.realpath(root), PathSet(opts.profile.exclude.patterns), same_owner=False,
                       keep_privileges=opts.allow_setuid, max_layer_size=None, part_links=part_links(layers))
     holder = _Holder(skeletons, rules) if skeletons else None
+    if holder:
+        holder.find(layers, opts.jobs)
     index, deleted = image_index(remote, layers, opts.log, opts.jobs, holder)
     _add_references(index, read_document(remote, image.annotations))
     listed, total = left_out_secrets(image.manifest)
@@ -461,30 +464,43 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
 
 
 class _Holder:
-    """Finds a snapshot layer whole in the directory by its headers blob and the directory's bytes
-    (skip.hold_layer), so that it is not downloaded; keeps the digests of the files it read (each
-    file's bytes are read once: one hash for the layer's tar, one for the file)."""
+    """The snapshot layers the directory holds whole, found by their headers blobs and its bytes
+    (skip.hold_layer) before any layer is read, `jobs` at once and the biggest first, so that their
+    blobs are not downloaded; the digests of the files it read (each file's bytes are read once: one
+    hash for the layer's tar, one for the file)."""
 
     def __init__(self, skeletons: dict, rules: RootRules):
-        self.skeletons, self.rules, self.root = skeletons, rules, RootPaths(rules.root)
+        self.skeletons, self.rules = skeletons, rules
+        self.root = RootPaths(rules.root)
+        self.found: dict[str, list[Optional[str]]] = {}  # diff_id -> its members' digests, as read
         self.read: dict[str, str] = {}  # path -> the digest of the bytes read there
         self.held = 0
 
+    def find(self, layers: list[Layer], jobs: int) -> None:
+        todo = sorted({layer.diff_id: layer for layer in layers if layer.diff_id in self.skeletons}.values(),
+                      key=lambda layer: -sum(size for _, size in self.skeletons[layer.diff_id]))
+        total = sum(size for layer in todo for _, size in self.skeletons[layer.diff_id])
+        with progress.bar("checking the directory against the layers' headers", total) as bar:
+            update = progress.safe_update(bar)
+
+            def one(layer: Layer) -> None:
+                i, desc, diff_id = layer
+                got = hold_layer(self.skeletons[diff_id], desc, diff_id, self.rules, self.root,
+                                 f"the skeleton of layer {layer_label(desc, i)}", update)
+                if got is not None:
+                    self.found[diff_id] = got
+
+            with ThreadPoolExecutor(max(1, jobs)) as pool:
+                list(pool.map(one, todo))
+
     def hold(self, remote: Remote, layer: Layer, entries: EntryCount) -> Optional[Members]:
+        """A held layer's members (counted as the image's, as when read), or None: read it."""
         i, desc, diff_id = layer
-        skeleton = self.skeletons.get(diff_id)
-        # A blob the registry lost is reported as when it is read (restore needs it).
-        if skeleton is None or not remote.blob_exists(desc["digest"]):
+        digests = self.found.get(diff_id)
+        # A blob the registry lost is reported as when it is read (a restore needs it).
+        if digests is None or not remote.blob_exists(desc["digest"]):
             return None
-        label = layer_label(desc, i)
-        count = EntryCount(entries.cap)
-        with progress.bar(f"checking {label} in the directory", sum(size for _, size in skeleton)) as bar:
-            got = hold_layer(skeleton, desc, diff_id, self.rules, self.root, f"the skeleton of layer {label}", count,
-                             progress.safe_update(bar))
-        if got is None:
-            return None
-        entries.add(count.total, f"layer {label}")  # counted as if read: the image's cap holds
-        entries.add_meta(count.meta, f"layer {label}")
-        self.read.update((check_name(m.name), digest) for m, digest in got if digest)
+        members = members_of(self.skeletons[diff_id], f"layer {layer_label(desc, i)}", entries)
+        self.read.update((check_name(m.name), d) for m, d in zip(members, digests) if d)
         self.held += 1
-        return got
+        return list(zip(members, digests))
