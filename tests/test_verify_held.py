@@ -110,3 +110,22 @@ def test_a_path_thousands_of_directories_deep_is_compared(registry, tmp_path, ar
         assert json.loads(r.stdout)["layers_held"] == (0 if args else 1)
     finally:  # rm: pytest's own clean-up of old temp dirs recurses once per directory too
         subprocess.run(["rm", "-rf", str(tmp_path / "root")], check=True)
+
+
+def test_one_images_skeletons_share_one_budget(monkeypatch):
+    """The headers blobs of one image are parsed against one budget of entries and bytes (a hostile
+    registry's blobs, each under the cap alone, cannot together hold more than the image may)."""
+    from snapshotter.snapshot.skeleton import Budget, parse
+    monkeypatch.setenv("SNAP_MAX_ENTRIES", "4")
+    pieces = [_layer({f"d{k}/f{i}": b"x" for i in range(3)})[2] for k in range(2)]
+    for piece in pieces:
+        assert len(parse(piece)) == 1  # each alone: 4 entries (its directory and 3 files)
+    budget = Budget()
+    parse(pieces[0], budget=budget)
+    with pytest.raises(ValueError, match="more than 4 entries"):
+        parse(pieces[1], budget=budget)
+    monkeypatch.setenv("SNAP_MAX_ENTRIES", "1000")
+    budget = Budget()
+    budget.take(budget.bytes_left - 1000)  # bytes: 4 headers of 512 bytes
+    with pytest.raises(ValueError, match="too big"):
+        parse(pieces[0], budget=budget)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import struct
 import tarfile
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
@@ -51,6 +52,7 @@ MAGIC = b"snap-skeleton-v1\n"
 MAX_BLOB = 256 << 20  # compressed: a 200k-file box's headers compress to a few MB
 FETCHES = 8  # headers blobs fetched at once: each a round trip
 MAX_TOTAL = 2 << 30  # uncompressed: a gzip bomb stops here
+INFLATE_STEP = 16 << 20  # a blob is inflated this much at a time, each step counted first
 MAX_HEADER = 8 << 20  # one member's header bytes (PAX records included)
 _U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
 
@@ -139,10 +141,12 @@ def fetch_headers(remote: Remote, named: dict[str, str], log: Callable[[str], No
     """{diff_id: skeleton} from the headers blobs `named` ({diff_id: digest}), FETCHES at once, each
     digest-checked, size-capped and naming its own layer; a blob missing or not usable is left out
     (never trusted: that layer then downloads), with one warning line for them all."""
+    budget = Budget()  # one for all the image's blobs
+
     def one(item: tuple[str, str]) -> tuple[str, Optional[Skeleton], str]:
         diff_id, digest = item
         try:
-            got = parse(_read(remote, digest), keep if kept else None)
+            got = parse(_read(remote, digest), keep if kept else None, budget)
             if list(got) != [diff_id]:
                 raise ValueError(f"it names another layer than {diff_id[:19]}")
             return diff_id, got[diff_id], ""
@@ -183,27 +187,53 @@ def _read(remote: Remote, digest: str) -> bytes:
     return b"".join(got)
 
 
-def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None) -> dict[str, Skeleton]:
+class Budget:
+    """What the skeletons of one image may hold, all its blobs together (fetched several at once):
+    their bytes as decompressed and their entries, bounded as the image's own layers are (tar/reader.py's
+    EntryCount): a hostile registry's headers blobs cost no more memory than its layers could."""
+
+    def __init__(self):
+        self.cap = max_entries()
+        self.bytes_left = min(MAX_TOTAL, self.cap * (tarfile.BLOCKSIZE + META_PER_ENTRY))
+        self.entries_left = self.cap
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int = 0, entries: int = 0) -> None:
+        with self._lock:
+            self.bytes_left -= nbytes
+            self.entries_left -= entries
+            if self.bytes_left < 0:
+                raise ValueError("the skeletons are too big")
+            if self.entries_left < 0:
+                raise ValueError(f"the skeletons list more than {self.cap} entries (SNAP_MAX_ENTRIES)")
+
+
+def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None,
+          budget: Optional[Budget] = None) -> dict[str, Skeleton]:
     """The skeletons of a blob; ValueError (or zlib.error, struct.error) for anything not as
-    `layer_piece` writes it. `keep(diff_id, piece)` is given each layer's gzip member."""
+    `layer_piece` writes it, or past the `budget` (this blob's alone by default). `keep(diff_id,
+    piece)` is given each layer's gzip member."""
     out: dict[str, Skeleton] = {}
-    pos, total, entries = 0, 0, 0
-    # What is kept grows with the members: bounded as the image's layers are (tar/reader.py's EntryCount).
-    cap = max_entries()
-    max_total = min(MAX_TOTAL, cap * (tarfile.BLOCKSIZE + META_PER_ENTRY))
+    budget = budget or Budget()
+    layer_cap = min(budget.cap, LAYER_MAX_ENTRIES)
+    pos = 0
     while pos < len(data):
         d = zlib.decompressobj(wbits=31)
-        raw = d.decompress(data[pos:], max_total - total + 1)
-        total += len(raw)
-        if total > max_total or not d.eof:
-            raise ValueError("a skeleton is too big or truncated")
+        parts, rest = [], data[pos:]
+        while True:  # in steps, each taken from the budget first: a gzip bomb stops at it
+            part = d.decompress(rest, INFLATE_STEP)
+            budget.take(len(part))
+            parts.append(part)
+            rest = d.unconsumed_tail
+            if d.eof or (not rest and len(part) < INFLATE_STEP):  # (a full step may leave output pending)
+                break
+        if not d.eof:
+            raise ValueError("a skeleton is truncated")
         end = len(data) - len(d.unused_data)
-        diff_id, skeleton = _parse_piece(raw)
-        entries += len(skeleton)
-        if len(skeleton) > min(cap, LAYER_MAX_ENTRIES):
-            raise ValueError(f"a layer's skeleton lists more than {min(cap, LAYER_MAX_ENTRIES)} entries")
-        if entries > cap:
-            raise ValueError(f"the skeletons list more than {cap} entries (SNAP_MAX_ENTRIES)")
+        diff_id, skeleton = _parse_piece(b"".join(parts))
+        if len(skeleton) > layer_cap:
+            raise ValueError(f"a layer's skeleton lists more than {layer_cap} entries")
+        budget.take(entries=len(skeleton))
         out[diff_id] = skeleton
         if keep is not None:
             keep(diff_id, data[pos:end])
