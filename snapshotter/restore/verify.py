@@ -25,7 +25,6 @@ import functools
 import hashlib
 import os
 import stat
-import tarfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -54,9 +53,9 @@ from snapshotter.tar.compress import IterReader, check_layer
 from snapshotter.tar.reader import EntryCount, data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 
+from .held import HeldLayers, Members
 from .parts import part_files, part_links
-from .rebuild import members_of
-from .skip import RootPaths, RootRules, hold_layer
+from .skip import RootPaths, RootRules
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 HASH_BATCH = 1024  # files whose content is compared at once: what is kept per file stays bounded
@@ -107,11 +106,8 @@ class VerifyResult:
 # ---- the expected tree ------------------------------------------------------------------------
 
 
-Members = list[tuple[tarfile.TarInfo, Optional[str]]]  # a layer's, each regular one's with its content digest
-
-
 def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] = lambda msg: None, jobs: int = 1,
-                holder: Optional["_Holder"] = None) -> tuple[dict[str, Entry], set[str]]:
+                holder: Optional[HeldLayers] = None) -> tuple[dict[str, Entry], set[str]]:
     """(index of the image's paths, paths its layers delete that no later layer brings back).
     Layers are read with restore's checks: an image restore refuses is refused here too. `jobs`
     layers are downloaded, decompressed and hashed at once (threads: zstd, zlib and hashlib let go
@@ -449,10 +445,12 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     skeletons = {} if opts.read_layers else image_skeletons(remote, image, opts.log, kept=False)
     rules = RootRules(os.path.realpath(root), PathSet(opts.profile.exclude.patterns), same_owner=False,
                       keep_privileges=opts.allow_setuid, max_layer_size=None, part_links=part_links(layers))
-    holder = _Holder(skeletons, rules) if skeletons else None
+    holder = HeldLayers(skeletons, rules) if skeletons else None
     if holder:
         holder.find(layers, opts.jobs)
     index, deleted = image_index(remote, layers, opts.log, opts.jobs, holder)
+    if holder:
+        holder.done()
     _add_references(index, read_document(remote, image.annotations))
     listed, total = left_out_secrets(image.manifest)
     secrets = sorted(clean_path(p) for p in listed)
@@ -461,46 +459,3 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     held = holder.held if holder else 0
     return VerifyResult(image.ref, image.manifest_digest, checked, diffs, ["/" + p for p in secrets], total,
                         len(layers) - held, held)
-
-
-class _Holder:
-    """The snapshot layers the directory holds whole, found by their headers blobs and its bytes
-    (skip.hold_layer) before any layer is read, `jobs` at once and the biggest first, so that their
-    blobs are not downloaded; the digests of the files it read (each file's bytes are read once: one
-    hash for the layer's tar, one for the file)."""
-
-    def __init__(self, skeletons: dict, rules: RootRules):
-        self.skeletons, self.rules = skeletons, rules
-        self.root = RootPaths(rules.root)
-        self.found: dict[str, list[Optional[str]]] = {}  # diff_id -> its members' digests, as read
-        self.read: dict[str, str] = {}  # path -> the digest of the bytes read there
-        self.held = 0
-
-    def find(self, layers: list[Layer], jobs: int) -> None:
-        todo = sorted({layer.diff_id: layer for layer in layers if layer.diff_id in self.skeletons}.values(),
-                      key=lambda layer: -sum(size for _, size in self.skeletons[layer.diff_id]))
-        total = sum(size for layer in todo for _, size in self.skeletons[layer.diff_id])
-        with progress.bar("checking the directory against the layers' headers", total) as bar:
-            update = progress.safe_update(bar)
-
-            def one(layer: Layer) -> None:
-                i, desc, diff_id = layer
-                got = hold_layer(self.skeletons[diff_id], desc, diff_id, self.rules, self.root,
-                                 f"the skeleton of layer {layer_label(desc, i)}", update)
-                if got is not None:
-                    self.found[diff_id] = got
-
-            with ThreadPoolExecutor(max(1, jobs)) as pool:
-                list(pool.map(one, todo))
-
-    def hold(self, remote: Remote, layer: Layer, entries: EntryCount) -> Optional[Members]:
-        """A held layer's members (counted as the image's, as when read), or None: read it."""
-        i, desc, diff_id = layer
-        digests = self.found.get(diff_id)
-        # A blob the registry lost is reported as when it is read (a restore needs it).
-        if digests is None or not remote.blob_exists(desc["digest"]):
-            return None
-        members = members_of(self.skeletons[diff_id], f"layer {layer_label(desc, i)}", entries)
-        self.read.update((check_name(m.name), d) for m, d in zip(members, digests) if d)
-        self.held += 1
-        return list(zip(members, digests))
