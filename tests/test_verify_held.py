@@ -18,13 +18,15 @@ from support.run import snap
 MT = 1_600_000_000
 
 
-def _layer(files: dict[str, bytes]) -> tuple[bytes, str, bytes]:
-    """(a tar of `files` with their parent directories, its diff_id, its headers blob as commit makes it)."""
+def _layer(files) -> tuple[bytes, str, bytes]:
+    """(a tar of `files` (a dict, or (name, bytes) pairs) with their parent directories, its diff_id,
+    its headers blob as commit makes it)."""
     from snapshotter.snapshot.skeleton import PieceWriter
-    dirs = sorted({os.path.dirname(n) for n in files} - {""})
+    items = list(files.items()) if isinstance(files, dict) else files
+    dirs = sorted({os.path.dirname(n) for n, _ in items} - {""})
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
-        for name, data in [(d, None) for d in dirs] + list(files.items()):
+        for name, data in [(d, None) for d in dirs] + items:
             ti = tarfile.TarInfo(name)
             ti.mtime, ti.uid, ti.gid = MT, os.getuid(), os.getgid()
             if data is None:
@@ -129,3 +131,13 @@ def test_one_images_skeletons_share_one_budget(monkeypatch):
     budget.take(budget.bytes_left - 1000)  # bytes: 4 headers of 512 bytes
     with pytest.raises(ValueError, match="too big"):
         parse(pieces[0], budget=budget)
+
+
+def test_a_file_listed_twice_is_read_from_the_registry(registry, tmp_path):
+    """A layer that lists a file twice is not checked in the directory: each listing would read the
+    file again for one hash (a hostile headers blob could list a big file a million times, and only
+    the hash at the end would tell). It is read from the registry."""
+    ref = _image(registry, "held-twice", [[("d/f", b"same\n"), ("d/f", b"same\n")]], tmp_path / "root")
+    r = _verify(ref, tmp_path / "root")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and (doc["layers_held"], doc["layers_read"]) == (0, 1), r.stdout + r.stderr

@@ -228,6 +228,8 @@ def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, roo
             raise _Fail(f"/{rel} is a path the restore never writes")
         shown = "/" + rel
         if m.isreg():
+            if rel in regular:  # read twice for one hash: a hostile skeleton could list a file a million times
+                raise _Fail(f"{shown} is listed twice")
             source = _regular(m, rel, part_file, part, rules, root, links_to)
             sources[-1] = source
             regular.add(rel)

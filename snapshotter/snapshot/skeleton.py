@@ -219,18 +219,19 @@ def parse(data: bytes, keep: Optional[Callable[[str, bytes], None]] = None,
     pos = 0
     while pos < len(data):
         d = zlib.decompressobj(wbits=31)
-        parts, rest = [], data[pos:]
-        while True:  # in steps, each taken from the budget first: a gzip bomb stops at it
+        raw, rest = bytearray(), memoryview(data)[pos:]
+        while True:  # in steps, each counted: a gzip bomb stops at the budget
             part = d.decompress(rest, INFLATE_STEP)
             budget.take(len(part))
-            parts.append(part)
+            raw += part  # (one buffer: a list of steps and their join held the blob twice)
             rest = d.unconsumed_tail
             if d.eof or (not rest and len(part) < INFLATE_STEP):  # (a full step may leave output pending)
                 break
         if not d.eof:
             raise ValueError("a skeleton is truncated")
         end = len(data) - len(d.unused_data)
-        diff_id, skeleton = _parse_piece(b"".join(parts))
+        diff_id, skeleton = _parse_piece(raw)
+        del raw
         if len(skeleton) > layer_cap:
             raise ValueError(f"a layer's skeleton lists more than {layer_cap} entries")
         budget.take(entries=len(skeleton))
@@ -249,9 +250,10 @@ def keep(diff_id: str, piece: bytes) -> None:
         pass  # an optimisation only
 
 
-def _parse_piece(raw: bytes) -> tuple[str, Skeleton]:
+def _parse_piece(raw: bytearray) -> tuple[str, Skeleton]:
     if not raw.startswith(MAGIC):
         raise ValueError("not a layer skeleton of this version")
+    view = memoryview(raw)  # each header copied out once
     pos = len(MAGIC)
     members: Skeleton = []
     while True:
@@ -260,10 +262,11 @@ def _parse_piece(raw: bytes) -> tuple[str, Skeleton]:
             break
         if n % tarfile.BLOCKSIZE or n > MAX_HEADER or pos + n + 8 > len(raw):
             raise ValueError("a malformed member in a layer skeleton")
-        header, pos = raw[pos:pos + n], pos + n
+        header, pos = view[pos:pos + n].tobytes(), pos + n
         (size,), pos = _U64.unpack_from(raw, pos), pos + 8
         members.append((header, size))
-    diff_id = raw[pos:]
+    diff_id = view[pos:].tobytes()
+    view.release()
     if not DIGEST_BYTES.fullmatch(diff_id):
         raise ValueError("a layer skeleton names no diff_id")
     return diff_id.decode(), members
