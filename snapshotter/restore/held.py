@@ -53,11 +53,13 @@ class HeldLayers:
     def hold(self, remote: Remote, layer: Layer, entries: EntryCount) -> Optional[Members]:
         """A held layer's members (counted as the image's, as when read), or None: read it."""
         i, desc, diff_id = layer
-        digests = self.found.get(diff_id)
+        # Taken, not looked up: its skeleton is freed once parsed (a second layer of the same diff_id is read).
+        digests, skeleton = self.found.pop(diff_id, None), self.skeletons.pop(diff_id, None)
         # A blob the registry lost is reported as when it is read (a restore needs it).
-        if digests is None or not remote.blob_exists(desc["digest"]):
+        if digests is None or skeleton is None or not remote.blob_exists(desc["digest"]):
             return None
-        members = members_of(self.skeletons[diff_id], layer_label(desc, i), entries)
+        members = members_of(skeleton, layer_label(desc, i), entries)
+        del skeleton
         self.read.update((check_name(m.name), d) for m, d in zip(members, digests) if d)
         self._held.append(diff_id)
         return list(zip(members, digests))
