@@ -189,8 +189,9 @@ def _read(remote: Remote, digest: str) -> bytes:
 
 class Budget:
     """What the skeletons of one image may hold, all its blobs together (fetched several at once):
-    their bytes as decompressed and their entries, bounded as the image's own layers are (tar/reader.py's
-    EntryCount): a hostile registry's headers blobs cost no more memory than its layers could."""
+    their bytes as decompressed and their entries, bounded by the figures that bound its layers'
+    headers (tar/reader.py's EntryCount: entries, and BLOCKSIZE + META_PER_ENTRY bytes per entry).
+    Parsing holds a blob's inflated bytes and its headers' copies at once: up to about twice this."""
 
     def __init__(self):
         self.cap = max_entries()
