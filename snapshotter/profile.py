@@ -8,6 +8,9 @@ A pattern matches a path when it matches the path or one of its parent directori
 
 from __future__ import annotations
 
+import hashlib
+import marshal
+import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,9 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-import yaml
-
-from snapshotter.errors import UsageError
+from snapshotter.errors import SnapError, UsageError
+from snapshotter.state import configured_state_dir, open_own, replace_file, state_dir
 
 COMPRESSIONS = ("zstd", "gzip", "none")
 REST = "rest"
@@ -286,23 +288,13 @@ def load_profile(name_or_path: str = "default") -> Profile:
     return parse_profile(text, source)
 
 
-# libyaml's safe loader where PyYAML was built with it: the same documents, ~10x faster than the
-# pure-Python one (3 of every command's first ms went to the default profile)
-_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
 @lru_cache(maxsize=None)
 def _default_text() -> str:
     return (resources.files("snapshotter.layers") / "default.yaml").read_text()
 
 
 def parse_profile(text: str, source: str = "<profile>") -> Profile:
-    try:
-        doc = yaml.load(text, Loader=_SAFE_LOADER)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"profile {source} is not valid YAML{where}")
+    doc = _yaml_document(text, source)
     if not isinstance(doc, dict):
         raise UsageError(f"profile {source} must be a YAML mapping with a 'layers' list")
     unknown = set(doc) - {"name", "description", "extends", "layers", "exclude", "secrets", "private_keys",
@@ -313,7 +305,7 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
     if doc.get("extends"):
         if doc["extends"] != "default":
             raise UsageError(f"profile {source}: only 'extends: default' is supported")
-        base = yaml.load(_default_text(), Loader=_SAFE_LOADER)
+        base = _yaml_document(_default_text(), "layers/default.yaml")
     layers_doc = doc.get("layers", base.get("layers"))
     if not isinstance(layers_doc, list) or not layers_doc:
         raise UsageError(f"profile {source}: 'layers' must be a non-empty list")
@@ -386,3 +378,69 @@ def _str_list(value, where: str, key: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise UsageError(f"profile {where}: '{key}' must be a list of strings")
     return value
+
+
+# Parsed profiles kept in the state dir, so that a command whose profile was read before does not
+# import PyYAML (~20 ms of CPU, a tenth of a nothing-changed commit of a 36k-path venv). One file:
+# the sha256 of its body, then marshal's form of {sha256 of a profile's text: its document}.
+_PARSED = "parsed-profiles"
+_PARSED_KEEP = 16  # the most recent texts kept (a profile edited often leaves no trail)
+_PARSED_FORMAT = 1
+
+
+def _yaml_document(text: str, source: str):
+    """The YAML document of a profile's `text`: as the state dir keeps it, else parsed by PyYAML's
+    safe loader (libyaml's where PyYAML was built with it) and kept there."""
+    key = hashlib.sha256(f"{_PARSED_FORMAT}\0{text}".encode("utf-8", "surrogateescape")).hexdigest()
+    kept = _read_parsed()
+    if key in kept:
+        return kept[key]
+    import yaml  # only here: most commands find their profile kept
+
+    try:
+        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"profile {source} is not valid YAML{where}")
+    _keep_parsed(kept, key, doc)
+    return doc
+
+
+def _parsed_path() -> Optional[str]:
+    """Where the parsed profiles are kept; None while there is no state dir (none is made for them).
+    The dir is checked as ours (state_dir) before anything in it is read: a profile decides what
+    is captured."""
+    return os.path.join(state_dir(), _PARSED) if os.path.isdir(configured_state_dir()) else None
+
+
+def _read_parsed() -> dict:
+    """What the state dir keeps ({} when it keeps nothing whole, or has no state dir yet)."""
+    try:
+        path = _parsed_path()
+        if path is None:
+            return {}
+        with open_own(path, "rb") as f:
+            data = f.read()
+        body = data[64:]
+        if hashlib.sha256(body).hexdigest().encode() != data[:64]:
+            return {}  # damaged or cut short
+        kept = marshal.loads(body)
+        return kept if type(kept) is dict else {}
+    except (OSError, ValueError, EOFError, TypeError, SnapError):
+        return {}
+
+
+def _keep_parsed(kept: dict, key: str, doc) -> None:
+    """Add `doc` to what the state dir keeps, if there is a state dir."""
+    kept = {k: v for k, v in kept.items() if k != key}
+    kept[key] = doc
+    try:
+        path = _parsed_path()
+        if path is None:
+            return
+        body = marshal.dumps(dict(list(kept.items())[-_PARSED_KEEP:]))
+        replace_file(path, lambda f: f.write(hashlib.sha256(body).hexdigest().encode() + body),
+                     opener=open_own, mode="wb")
+    except (OSError, ValueError, SnapError):  # a document marshal cannot hold (a YAML date), a read-only dir
+        pass

@@ -32,13 +32,14 @@ BUILT_NAME = re.compile(r"[0-9a-f]{64}(-[0-9]+-[0-9]+)?")
 OWN_NAMES = frozenset({
     MARKER, LOCK_NAME, "blob-sources.json", BUILT_LAYERS, "blobs", "base-index", "stat-cache", "last-commit",
     "walk-memo", "record-memo", "plan-memo", "skeletons", "containers", "restored", "restore-journal",
-    "restore-progress", "encrypted-layers", "origin-run", "watch"})
+    "restore-progress", "encrypted-layers", "origin-run", "watch", "parsed-profiles"})
 _held = 0  # how deep this process is in exclusive() (a commit from a container commits inside)
 _held_guard = threading.Lock()
 _checked: dict[str, str] = {}  # state dirs this process found private: as configured -> real path
 
 
-def _configured() -> str:
+def configured_state_dir() -> str:
+    """The state dir as configured (not checked, perhaps not made yet)."""
     return os.environ.get("SNAP_STATE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "snap")
 
@@ -46,7 +47,7 @@ def _configured() -> str:
 def state_dir() -> str:
     """$SNAP_STATE_DIR, else $XDG_CACHE_HOME/snap, else ~/.cache/snap; its real path (commit
     compares it with the box root to leave it out). Checked by private() once per process."""
-    d = _configured()
+    d = configured_state_dir()
     if d in _checked:
         return _checked[d]
     if not os.path.lexists(d):
@@ -106,8 +107,8 @@ def sub(*parts: str) -> str:
     is one of OWN_NAMES: only those are swept and tightened."""
     if parts and parts[0] not in OWN_NAMES:
         raise ValueError(f"{parts[0]!r} is not in state.OWN_NAMES")  # a new folder: name it there
-    if not os.path.lexists(_configured()):
-        os.makedirs(_configured(), mode=0o700, exist_ok=True)
+    if not os.path.lexists(configured_state_dir()):
+        os.makedirs(configured_state_dir(), mode=0o700, exist_ok=True)
     path = os.path.join(state_dir(), *parts)
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
