@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from snapshotter.errors import SnapError, UsageError
-from snapshotter.state import configured_state_dir, open_own, replace_file, state_dir
+from snapshotter.state import MARKER, configured_state_dir, open_own, replace_file, state_dir
+from snapshotter.version import __version__
 
 COMPRESSIONS = ("zstd", "gzip", "none")
 REST = "rest"
@@ -384,14 +385,15 @@ def _str_list(value, where: str, key: str) -> list[str]:
 # import PyYAML (~20 ms of CPU, a tenth of a nothing-changed commit of a 36k-path venv). One file:
 # the sha256 of its body, then marshal's form of {sha256 of a profile's text: its document}.
 _PARSED = "parsed-profiles"
-_PARSED_KEEP = 16  # the most recent texts kept (a profile edited often leaves no trail)
+_PARSED_KEEP = 16  # the texts parsed last are kept (a profile edited often leaves no trail)
 _PARSED_FORMAT = 1
 
 
 def _yaml_document(text: str, source: str):
     """The YAML document of a profile's `text`: as the state dir keeps it, else parsed by PyYAML's
     safe loader (libyaml's where PyYAML was built with it) and kept there."""
-    key = hashlib.sha256(f"{_PARSED_FORMAT}\0{text}".encode("utf-8", "surrogateescape")).hexdigest()
+    # surrogatepass: one key per text (surrogateescape would give a lone surrogate another text's)
+    key = hashlib.sha256(f"{_PARSED_FORMAT}\0{__version__}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
     kept = _read_parsed()
     if key in kept:
         return kept[key]
@@ -408,10 +410,11 @@ def _yaml_document(text: str, source: str):
 
 
 def _parsed_path() -> Optional[str]:
-    """Where the parsed profiles are kept; None while there is no state dir (none is made for them).
-    The dir is checked as ours (state_dir) before anything in it is read: a profile decides what
-    is captured."""
-    return os.path.join(state_dir(), _PARSED) if os.path.isdir(configured_state_dir()) else None
+    """Where the parsed profiles are kept; None unless the state dir is already snap's (marked): none
+    is made, claimed or tightened for them. It is checked as ours (state_dir) before anything in it
+    is read: a profile decides what is captured."""
+    marked = os.path.lexists(os.path.join(configured_state_dir(), MARKER))
+    return os.path.join(state_dir(), _PARSED) if marked else None
 
 
 def _read_parsed() -> dict:

@@ -36,8 +36,10 @@ def load(state: str, profile: str = "default") -> dict:
 
 @pytest.fixture
 def state(tmp_path):
+    """A state dir snap made (marked as its own)."""
     d = tmp_path / "state"
     d.mkdir(mode=0o700)
+    (d / ".snap-state-dir").touch(mode=0o600)
     return str(d)
 
 
@@ -72,10 +74,16 @@ def test_a_damaged_memo_is_parsed_again_and_written_whole(state, damage):
     assert not load(state, "default")["yaml"]  # written whole again
 
 
-def test_no_state_dir_is_made_for_a_parsed_profile(tmp_path):
+def test_no_state_dir_is_made_or_claimed_for_a_parsed_profile(tmp_path):
     state = tmp_path / "none-yet"
     assert load(str(state), "default")["yaml"]
     assert not state.exists()
+    # One that exists but is not marked as snap's yet: not claimed, tightened or written to.
+    state.mkdir(mode=0o755)
+    state.chmod(0o755)
+    for _ in range(2):
+        assert load(str(state), "default")["yaml"]
+    assert os.listdir(state) == [] and state.stat().st_mode & 0o777 == 0o755
 
 
 def test_a_memo_in_a_state_dir_that_is_not_snaps_is_not_read(state, tmp_path):
