@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import marshal
 import os
 import re
 import shutil
@@ -212,6 +213,32 @@ def read_versioned(path: str, version: int) -> Optional[dict]:
 def write_versioned(path: str, version: int, fields: dict) -> None:
     """Write {"version": version, **fields} as the JSON document at `path`, whole or not at all."""
     replace_file(path, lambda f: json.dump({"version": version, **fields}, f))
+
+
+_DIGEST_LEN = 64  # a marshalled file's sha256, in hex, ahead of its body
+
+
+def read_marshalled(path: str) -> tuple[object, Optional[str]]:
+    """The value write_marshalled() stored at `path`, and the file's digest; (None, None) if there is
+    none, or it is damaged or cut short (its sha256 is checked before it is loaded)."""
+    try:
+        with open_own(path, "rb") as f:
+            data = f.read()
+        body = data[_DIGEST_LEN:]
+        digest = hashlib.sha256(body).hexdigest()
+        if digest.encode() != data[:_DIGEST_LEN]:
+            return None, None
+        return marshal.loads(body), digest
+    except (OSError, ValueError, EOFError, TypeError):
+        return None, None
+
+
+def write_marshalled(path: str, value) -> str:
+    """Store `value` at `path` (marshal's form, its sha256 ahead of it), whole or not at all; the digest."""
+    body = marshal.dumps(value)
+    digest = hashlib.sha256(body).hexdigest()
+    replace_file(path, lambda f: f.write(digest.encode() + body), opener=open_own, mode="wb")
+    return digest
 
 
 def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., IO] = open, mode: str = "w",

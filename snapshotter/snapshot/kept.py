@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import marshal
 import os
 from operator import attrgetter
 from typing import Optional
@@ -31,13 +30,12 @@ from snapshotter.index.entry import Entry
 from snapshotter.layer.parents import parent_copy
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.profile import Profile
-from snapshotter.state import open_own, replace_file, root_key, sub
+from snapshotter.state import read_marshalled, root_key, sub, write_marshalled
 from snapshotter.version import __version__
 
 VERSION = 3  # 2: a plan's paths as one string; 3: the walk stored by field, not by row
 _FIELDS = ("path", "kind", "mode", "uid", "gid", "size", "mtime", "linkname", "rdev", "digest", "inode", "stamp",
            "xattrs", "mtime_ns")  # an Entry's, in the order Entry() takes them
-_DIGEST_LEN = 64
 
 
 _TYPES = ({str}, {str}, {int}, {int}, {int}, {int}, {int}, {str}, {int}, {str, type(None)}, {str, type(None)}, {str},
@@ -67,25 +65,15 @@ def _key(*context) -> str:
 def _read(path: str, key: str) -> tuple[object, Optional[str]]:
     """The data stored at `path` for `key`, and the digest of the file; (None, None) if there is none,
     it is damaged, or it is for another key."""
-    try:
-        with open_own(path, "rb") as f:
-            data = f.read()
-        body = data[_DIGEST_LEN:]
-        digest = hashlib.sha256(body).hexdigest()
-        if digest.encode() != data[:_DIGEST_LEN]:
-            return None, None  # damaged or cut short
-        stored_key, value = marshal.loads(body)
-        return (value, digest) if stored_key == key else (None, None)
-    except (OSError, ValueError, EOFError, TypeError):
-        return None, None
+    stored, digest = read_marshalled(path)
+    if type(stored) is tuple and len(stored) == 2 and stored[0] == key:
+        return stored[1], digest
+    return None, None
 
 
 def _write(path: str, key: str, value) -> str:
     """Store `value` for `key` at `path`; the digest of what was written."""
-    body = marshal.dumps((key, value))
-    digest = hashlib.sha256(body).hexdigest()
-    replace_file(path, lambda f: f.write(digest.encode() + body), opener=open_own, mode="wb")
-    return digest
+    return write_marshalled(path, (key, value))
 
 
 class StoredWalk:
