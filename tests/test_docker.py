@@ -320,7 +320,7 @@ def test_an_old_engines_invalid_tar_header_names_both_causes(registry, fake_engi
     assert_one_line_error(snap("run", ref), 10, "archive/tar: invalid tar header")
 
 
-def test_run_keeps_the_image_entrypoint_cmd_env_and_workdir(registry, base_rootfs, engine, tmp_path):
+def test_run_keeps_the_image_entrypoint_cmd_env_and_workdir(registry, base_ref, base_rootfs, engine, tmp_path):
     """Only the command is replaced, and only when given after --."""
     base = registry.manifest("base", "1")
     registry.push_image("appbase", "1", [registry.blob("base", d["digest"]) for d in base["layers"]], config={
