@@ -13,6 +13,7 @@ import random
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 
@@ -26,7 +27,8 @@ from snapshotter.commit.model import CommitOptions
 from snapshotter.profile import load_profile
 from snapshotter.watch.watcher import Watcher, WatchOptions
 
-from support.engine import Dockerd
+from support.engine import Dockerd, engine_api
+from support.faults import HostileServer
 from support.ocicrypt import make_keys
 from support.registry import digest_of
 from support.hub import HubServer, Repo, hub_download, sha256_hex
@@ -450,6 +452,35 @@ def test_run_bind_mounts_the_weights_read_only_at_their_paths(registry, base_ref
     assert "bind-mounted read-only" in r.stderr
     # the engine pulls the snapshot whose weights are mounted, by digest (a watcher may move the tag)
     assert f"pulling {registry.host}/origin-run@{digest_of(registry, 'origin-run', 'gz')}" in r.stderr
+
+
+def test_run_refuses_to_bind_the_weights_for_an_engine_on_another_machine(registry, base_ref, origin_box, hub,
+                                                                          monkeypatch):
+    """An engine whose host is another machine (docker info's Name: DOCKER_HOST over TCP or SSH, or
+    the host of a container snap runs in) would bind that machine's paths: empty folders where the
+    weights belong. Refused in one line before a weight is fetched or anything pulled; the same
+    engine saying it is this machine gets the weights fetched and is asked to pull."""
+    ref = f"{registry.host}/origin-elsewhere:gz"
+    snap("commit", ref, "--base", base_ref, "--root", origin_box, "--weights-from-origin", "--compression", "gzip",
+         env=commit_env(hub), check=True)
+    engine = HostileServer().start()
+    monkeypatch.setenv("DOCKER_HOST", f"tcp://{engine.host}")
+    version = {"Version": "27.3.1", "ApiVersion": "1.47", "Os": "linux", "Arch": "amd64"}
+    try:
+        engine.answer = engine_api(version, info={"Name": "gpu-box-elsewhere"})
+        hub.seen_all.clear()
+        r = snap("run", ref, "--", "/bin/true", env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN})
+        assert_one_line_error(r, 8, "'gpu-box-elsewhere'", repr(socket.gethostname()), "bind-mounted",
+                              "snap restore", "--upload-origin")
+        assert not hub.seen_all, hub.seen_all  # nothing fetched
+        assert not [p for m, p, _ in engine.seen if "images/create" in p or "containers" in p], engine.seen
+
+        engine.answer = engine_api(version, info={"Name": socket.gethostname()})
+        r = snap("run", ref, "--", "/bin/true", env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN})
+        assert r.returncode == 10 and "this engine pulls nothing" in r.stderr, r.stderr
+        assert "bind-mounted read-only" in r.stderr and hub.seen_all
+    finally:
+        engine.stop()
 
 
 def test_log_and_status_say_which_snapshots_depend_on_the_origin(committed, origin_box, base_ref, hub):

@@ -105,7 +105,7 @@ def run_image(
     result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
                     env=env or [], name=name, detach=detach, transport=transport, log=say,
                     # weights from the origin of the image snap read, fetched here, mounted read-only
-                    mounts_of=lambda image: run_mounts(image, transport, say))
+                    mounts_of=lambda image, elsewhere: run_mounts(image, transport, say, elsewhere))
     if detach:
         output.out(result.container_id)
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
@@ -49,6 +50,20 @@ def connect():
     except docker.errors.DockerException as e:
         where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         raise EngineUnavailable(f"no Docker engine answers at {where}: {_why(e)}", RESTORE_HINT)
+
+
+def engine_elsewhere(client) -> Optional[str]:
+    """The engine's host name when it is not this machine's (docker info's Name): an engine reached
+    over TCP or SSH, or the host of a container snap runs in. A path snap binds names a file of that
+    machine, not the one snap wrote. None when the names are the same or the engine does not say."""
+    import docker  # importable: connect() checked
+    import requests
+
+    try:
+        name = client.info().get("Name")
+    except (docker.errors.DockerException, requests.RequestException, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name and name != socket.gethostname() else None
 
 
 def host_has_gpus() -> bool:
@@ -99,11 +114,12 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
         volumes: Sequence[str] = (), env: Sequence[str] = (), name: Optional[str] = None, detach: bool = False,
         transport: Optional[TransportOptions] = None, stdout: Optional[BinaryIO] = None,
         stderr: Optional[BinaryIO] = None, log: Callable[[str], None] = lambda msg: None,
-        mounts_of: Callable[[Image], list[str]] = lambda image: []) -> RunResult:
+        mounts_of: Callable[[Image, Optional[str]], list[str]] = lambda image, elsewhere: []) -> RunResult:
     """Pull `ref` into the engine and start it. Not detached: stream its output to stdout/stderr
     and return its exit code. The container is kept (like docker run without --rm), so its
     changes can be captured later with `snap commit --from-container`. `mounts_of` gives the bind
-    mounts ("HOST:PATH:ro") the image snap read needs beside its layers (weights from the origin)."""
+    mounts ("HOST:PATH:ro") the image snap read needs beside its layers (weights from the origin),
+    told the engine's host when it is another machine (engine_elsewhere)."""
     reference = Reference.parse(ref)
     if gpus not in GPU_MODES:
         raise UsageError(f"gpus={gpus!r} is not one of {', '.join(GPU_MODES)}")
@@ -118,7 +134,7 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
     import docker  # importable: connect() checked
 
     snapshot = checked_snapshot(client, reference, transport)
-    binds += mounts_of(snapshot) if snapshot is not None else []
+    binds += mounts_of(snapshot, engine_elsewhere(client)) if snapshot is not None else []
     image = pull(client, reference, snapshot, transport, log)
     device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if want_gpus else None
     try:

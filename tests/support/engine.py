@@ -74,12 +74,12 @@ class Dockerd:
 
 
 
-def engine_api(version: dict, pull_error: str | None = None):
+def engine_api(version: dict, pull_error: str | None = None, info: dict | None = None):
     """An `answer` for support.faults.HostileServer that speaks as a Docker engine of `version` (its
     GET /version document; /_ping too, under any /vX.Y prefix): a pull (POST .../images/create)
     fails in its stream with `pull_error` (one event, unchunked), or is refused with 500 when
-    none is given; anything else is 404. Point DOCKER_HOST at tcp://HOST and read what reached
-    the engine in `seen`."""
+    none is given; GET /info answers `info` where one is given; anything else is 404. Point
+    DOCKER_HOST at tcp://HOST and read what reached the engine in `seen`."""
     def answer(method: str, path: str):
         route = path.split("?")[0]
         route = route.split("/", 2)[2] if route.startswith("/v1.") else route.lstrip("/")
@@ -87,6 +87,8 @@ def engine_api(version: dict, pull_error: str | None = None):
             return 200, {"Content-Type": "text/plain", "Api-Version": version.get("ApiVersion", "")}, [b"OK"]
         if method == "GET" and route == "version":
             return 200, {"Content-Type": "application/json"}, [json.dumps(version).encode()]
+        if method == "GET" and route == "info" and info is not None:
+            return 200, {"Content-Type": "application/json"}, [json.dumps(info).encode()]
         if method == "POST" and route == "images/create" and pull_error is not None:
             event = {"errorDetail": {"message": pull_error}, "error": pull_error}
             return 200, {"Content-Type": "application/json"}, [json.dumps(event).encode()]
