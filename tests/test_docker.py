@@ -285,6 +285,8 @@ def test_run_on_an_engine_too_old_for_zstd_says_so_before_the_engine_pulls(regis
         r = snap("run", ref, "--", "/bin/true")
         assert r.returncode == 10 and "this engine pulls nothing" in r.stderr, (version["Version"], r.stderr)
         assert any(call.endswith("/images/create") for call in engine_calls(fake_engine)), fake_engine.seen
+        # no weights from the origin to bind: the engine is not asked where it runs
+        assert not any(call.endswith("/info") for call in engine_calls(fake_engine)), fake_engine.seen
 
 
 def test_run_refuses_encrypted_layers_before_any_engine_pulls(registry, fake_engine):

@@ -61,7 +61,7 @@ def engine_elsewhere(client) -> Optional[str]:
 
     try:
         name = client.info().get("Name")
-    except (docker.errors.DockerException, requests.RequestException, ValueError, AttributeError):
+    except (docker.errors.DockerException, requests.RequestException, OSError, ValueError, AttributeError):
         return None
     return name if isinstance(name, str) and name and name != socket.gethostname() else None
 
@@ -114,12 +114,13 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
         volumes: Sequence[str] = (), env: Sequence[str] = (), name: Optional[str] = None, detach: bool = False,
         transport: Optional[TransportOptions] = None, stdout: Optional[BinaryIO] = None,
         stderr: Optional[BinaryIO] = None, log: Callable[[str], None] = lambda msg: None,
-        mounts_of: Callable[[Image, Optional[str]], list[str]] = lambda image, elsewhere: []) -> RunResult:
+        mounts_of: Callable[[Image, Callable[[], Optional[str]]], list[str]] = lambda image, elsewhere: []
+        ) -> RunResult:
     """Pull `ref` into the engine and start it. Not detached: stream its output to stdout/stderr
     and return its exit code. The container is kept (like docker run without --rm), so its
     changes can be captured later with `snap commit --from-container`. `mounts_of` gives the bind
     mounts ("HOST:PATH:ro") the image snap read needs beside its layers (weights from the origin),
-    told the engine's host when it is another machine (engine_elsewhere)."""
+    with a way to ask for the engine's host when it is another machine (engine_elsewhere)."""
     reference = Reference.parse(ref)
     if gpus not in GPU_MODES:
         raise UsageError(f"gpus={gpus!r} is not one of {', '.join(GPU_MODES)}")
@@ -134,7 +135,7 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
     import docker  # importable: connect() checked
 
     snapshot = checked_snapshot(client, reference, transport)
-    binds += mounts_of(snapshot, engine_elsewhere(client)) if snapshot is not None else []
+    binds += mounts_of(snapshot, lambda: engine_elsewhere(client)) if snapshot is not None else []
     image = pull(client, reference, snapshot, transport, log)
     device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if want_gpus else None
     try:

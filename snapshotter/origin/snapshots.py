@@ -191,21 +191,22 @@ def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str
 
 
 def run_mounts(image: Image, transport: TransportOptions, log: Callable[[str], None],
-               engine_elsewhere: Optional[str] = None) -> list[str]:
+               engine_elsewhere: Callable[[], Optional[str]] = lambda: None) -> list[str]:
     """`snap run` hands the image to an engine, which cannot fetch references: fetch them onto this
     host (the state dir, by manifest digest: a second run fetches nothing) and give each blob as a
     read-only bind mount at its path ("HOST:PATH:ro"), under the symlinks the layers hold. `image` is
     the manifest snap read (engine/run.py), which the engine pulls by that digest: the weights
     mounted are its own, wherever a watcher moves the tag. No mounts for a snapshot without references.
-    Refused, before anything is fetched, for an engine on another machine (`engine_elsewhere`, its
-    host): there the bind mounts would name that machine's paths, and the weights be empty folders."""
+    Refused, before anything is fetched, for an engine on another machine (`engine_elsewhere()`: its
+    host, asked only here): the bind mounts would name that machine's paths, the weights be empty folders."""
     note = noted(image.annotations)
     if not note or not note["files"]:
         return []
-    if engine_elsewhere is not None:
+    elsewhere = engine_elsewhere()
+    if elsewhere is not None:
         raise EngineUnavailable(
             f"this snapshot's weights ({note['files']} hub file(s) from the origin) are bind-mounted from this "
-            f"machine's disk, and the engine runs on another machine ({engine_elsewhere!r}, this one is "
+            f"machine's disk, and the engine runs on another machine ({elsewhere!r}, this one is "
             f"{socket.gethostname()!r}): the container would find empty folders where they belong",
             "run snap on the engine's machine, or `snap restore` the box there; a snapshot committed with "
             "`snap commit --upload-origin` carries its weights in its layers")
