@@ -3,6 +3,7 @@
 snap's state dir are gone, downloads no weight byte."""
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import tarfile
 import pytest
 
 from support.run import snap
+from support.tars import member, tar_bytes
 from support.trees import NOT_CAPTURED, flip_byte, make_box, snapshot_of_tree, write_tree
 
 MiB = 1 << 20
@@ -374,3 +376,62 @@ def test_verify_never_trusts_a_lying_skeleton(committed, registry, proxy):
     code, doc, _ = _verify_json(proxy, root, "lying")
     assert code == 9
     assert sorted(d["path"] for d in doc["differences"]) == ["/" + SMALL[0], "/workspace/models/loras/l0_link.pt"]
+
+
+def _skeleton(tar: bytes, diff_id: str) -> bytes:
+    """The headers blob (skeleton piece) snap pushes for a layer whose tar is `tar`, naming `diff_id`."""
+    from snapshotter.snapshot.skeleton import PieceWriter
+
+    piece = PieceWriter()
+    piece.start()
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        for m in t.getmembers():
+            piece.add(tar[m.offset:m.offset_data], m.size if m.isreg() else 0)
+    return piece.finish(diff_id)
+
+
+def _hand_made(registry, repo: str, layers: list[tuple[bytes, bytes | None]]) -> str:
+    """A snapshot of snap's own layers from (tar, the tar its headers blob describes or None for
+    itself): each layer's headers blob names the layer's diff_id."""
+    diff_ids = ["sha256:" + hashlib.sha256(tar).hexdigest() for tar, _ in layers]
+    heads = [registry.push_blob(repo, _skeleton(said or tar, d)) for (tar, said), d in zip(layers, diff_ids)]
+    registry.push_image(repo, "v1", [gzip.compress(tar, mtime=0) for tar, _ in layers], diff_ids=diff_ids,
+                        layer_annotations=[{"dev.snap.headers": h, "dev.snap.layer": "rest"} for h in heads],
+                        manifest_annotations={"dev.snap.base-layers": "0"})
+    return f"{registry.host}/{repo}:v1"
+
+
+def _restore_again(ref, root, state_dir) -> tuple[dict, str]:
+    r = snap("restore", ref, "--root", str(root), "--json", env={"SNAP_STATE_DIR": str(state_dir)}, check=True)
+    return json.loads(r.stdout), r.stderr
+
+
+def test_a_layer_misdescribed_by_its_skeleton_does_not_decide_what_is_skipped_above_it(registry, tmp_path):
+    """Layer 1's headers blob says it writes e/g; it writes d/f. Layer 2 writes d/f, which the root
+    holds: skipped on layer 1's word, layer 1 applied would leave its d/f in place of layer 2's. Once
+    layer 1 is applied and its headers are seen not to be what it said, layer 2 is checked again."""
+    said = tar_bytes(member("e", "dir"), member("e/g", data=b"whatever\n"))
+    ref = _hand_made(registry, "misdescribed", [
+        (tar_bytes(member("d", "dir"), member("d/f", data=b"EVIL\n")), said),
+        (tar_bytes(member("d", "dir"), member("d/f", data=b"GOOD\n")), None)])
+    root = tmp_path / "root"
+    snap("restore", ref, "--root", str(root), env={"SNAP_STATE_DIR": str(tmp_path / "s0")}, check=True)
+    assert (root / "d/f").read_bytes() == b"GOOD\n"
+    for state in ("s1", "s2"):  # a fresh state dir (a pod restart), then the same one again
+        doc, err = _restore_again(ref, root, tmp_path / state)
+        assert (root / "d/f").read_bytes() == b"GOOD\n", err
+        assert "is not what its skeleton said: the layers above it are checked again" in err
+        assert doc["skipped_layers"] == 0 and len(doc["applied"]) == 2
+
+
+def test_a_path_an_applied_layer_deletes_then_makes_again_is_not_skipped_below(registry, tmp_path):
+    """Layer 1 deletes d (a whiteout) and makes it again, empty; layer 2 puts d/f in it. Restored
+    again, layer 1 is applied (d is there, its whiteout says absent): layer 2 must be too."""
+    ref = _hand_made(registry, "deleted", [
+        (tar_bytes(member(".wh.d"), member("d", "dir")), None),
+        (tar_bytes(member("d", "dir"), member("d/f", data=b"precious\n")), None)])
+    root = tmp_path / "root"
+    snap("restore", ref, "--root", str(root), env={"SNAP_STATE_DIR": str(tmp_path / "s0")}, check=True)
+    doc, err = _restore_again(ref, root, tmp_path / "s1")
+    assert (root / "d/f").read_bytes() == b"precious\n", err
+    assert doc["skipped_layers"] == 0

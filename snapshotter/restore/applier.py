@@ -143,3 +143,16 @@ class _CountingFile:
         n = self.f.readinto(b)
         self.on_bytes(n or 0)
         return n
+
+
+WORKER_MEMORY = 256 << 20  # an extraction process: Python, a zstd window (8 MiB at snap's levels), 1 MiB buffers
+
+
+def workers_memory_allows() -> int:
+    """How many extraction processes fit in half the memory available now (at least one)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 1 << 16  # not Linux's /proc: the cores bound it
+    return max(1, (kib << 10) // 2 // WORKER_MEMORY)

@@ -1,4 +1,4 @@
-"""The deletion guard of a restore onto a live root (restore.py's holds_system), unless --force.
+"""The deletion guard of a restore onto a live root (holds_system, below), unless --force.
 
 Before anything is written, what each layer deletes is read from its tar headers: whiteouts
 (`.wh.NAME`) and opaque markers (`.wh..wh..opq`) at any depth, non-directories that would
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 from snapshotter.box.deletions import Deleting, LiveRoot, count_live, refuse_live
-from snapshotter.errors import IntegrityError
+from snapshotter.errors import IntegrityError, UsageError
 from snapshotter.layer.extract_model import creates
 from snapshotter.oci.image import Image, Layer
 from snapshotter.profile import PathSet
@@ -169,3 +169,28 @@ def _replaceable(live: LiveRoot, there: str) -> dict[str, Optional[str]]:
     except OSError:
         pass
     return out
+
+
+def holds_system(root: str) -> Optional[str]:
+    """What shows that `root` holds an operating system (an os-release, a populated usr/), or None."""
+    for rel in ("etc/os-release", "usr/lib/os-release"):
+        if os.path.lexists(os.path.join(root, rel)):
+            return rel
+    try:
+        if os.listdir(os.path.join(root, "usr")):
+            return "a populated usr/"
+    except OSError:
+        pass
+    return None
+
+
+def refuse_live_system(root: str, image: Image, base_layers: int) -> None:
+    """A full image applied onto a running system replaces its libc, /etc/passwd and /bin and applies
+    the base's whiteouts: refused, before anything is written."""
+    sign = holds_system(root)
+    if sign:
+        raise UsageError(
+            f"{root!r} already holds an operating system ({sign}): restoring all of {image.ref}, "
+            f"{base_layers} base layer(s) included, would overwrite its system files",
+            "pass --only-snapshot if it runs the snapshot's base image, or restore into an empty directory "
+            "(or start the image with `snap run` on a Docker host), or pass --force to overwrite it")

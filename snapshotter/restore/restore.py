@@ -55,15 +55,16 @@ from snapshotter.snapshot.record import applied_since, forget_restore, note_rest
 from snapshotter.state import RootFiles, exclusive, state_dir, sub
 from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_head
 
-from .applier import ExtractWorker, LayerJob
-from .deletion_guard import Claims, guard_live_root
+from .applier import ExtractWorker, LayerJob, workers_memory_allows
+from .deletion_guard import Claims, guard_live_root, holds_system, refuse_live_system
 from .download import Blob, Downloads
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
 from .resume import first_missing
-from .schedule import Scheduler
-from .skip import RootRules, SkipPlan, plan_skips, skipped_part_files
+from .schedule import Scheduler, SkipsUntrusted
+from .skip import RootRules, SkipPlan, plan_skips
+from .skip_order import skipped_part_files
 
 
 @dataclass
@@ -142,12 +143,8 @@ class _Run:
 def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     run = _open_run(ref, root, opts)
     resumed = _resume(run, root, opts.log)
-    skips = _skips(run, resumed)
-    if skips.skipped:
-        opts.log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
-                 f"{root}: not downloaded")
-        done = skipped_part_files(run.todo, skips.skipped)  # nothing to join: the file is there
-        run.parts = {rel: n for rel, n in run.parts.items() if rel not in done}
+    parts = run.parts  # every file cut into parts; one whose part layers are all skipped is not joined
+    skips = _planned_skips(run, resumed, parts, opts.log)
     weights = {r.name for r in run.profile.layers if r.weights}
     progress = Progress(run.files, run.todo, weights)
     ready_at = app_ready_after(run.todo, weights)
@@ -167,9 +164,9 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
             after_layer(ready_at, None)
         # A resumed restore applied some base layers in an earlier run: it cannot index the base.
         index_to = _base_index_to_build(run.image, run.base_layers) if not resumed else None
-        applied, headers, stats = _apply_layers(run, staging, opts, after_layer,
-                                                (run.base_layers, index_to) if index_to else None, ready_at,
-                                                frozenset(weights), skips.skipped)
+        applied, headers, stats, skips = _apply_checked(run, staging, opts, after_layer,
+                                                        (run.base_layers, index_to) if index_to else None, ready_at,
+                                                        frozenset(weights), skips, parts)
         staging.remove()  # the layers are applied: the root holds nothing of ours
         if run.parts:
             join_parts(run.extractor, run.parts, run.links, opts.extract.fsync, run.journal)
@@ -262,6 +259,47 @@ def _result(run: _Run, applied: list[str], resumed: int, stats: ExtractStats, se
                          *((len(weights.fetched), len(weights.present)) if weights else ()))
 
 
+def _planned_skips(run: _Run, resumed: int, parts: dict[str, int], log: Callable[[str], None]) -> SkipPlan:
+    """_skips(), said, and the files to join (run.parts) those of `parts` not all skipped."""
+    skips = _skips(run, resumed)
+    if skips.skipped:
+        log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
+            f"{run.extractor.root}: not downloaded")
+    done = skipped_part_files(run.todo, skips.skipped)  # nothing to join: the file is there
+    run.parts = {rel: n for rel, n in parts.items() if rel not in done}
+    return skips
+
+
+def _apply_checked(run: _Run, staging: StagingDirs, opts: RestoreOptions,
+                   after_layer: Callable[[int, Optional[Layer]], None], index_base: Optional[tuple[int, str]],
+                   ready_at: int, weights: frozenset[str], skips: SkipPlan, parts: dict[str, int]
+                   ) -> tuple[list[str], dict[str, str], ExtractStats, SkipPlan]:
+    """_apply_layers, with the skips planned; and where a layer applied was not what its skeleton
+    said (a layer above it was skipped on its word: schedule.SkipsUntrusted), again from where the
+    journal stands, with the layers above checked again against the root as it is now (a resume's
+    plan: the misdescribed layer is below it). Each round starts higher: it ends. Returns
+    _apply_layers' three, and the skips of all the rounds."""
+    applied: list[str] = []
+    headers: dict[str, str] = {}
+    stats = ExtractStats()
+    while True:
+        try:
+            more, more_headers = _apply_layers(run, staging, opts, after_layer, stats, index_base, ready_at, weights,
+                                               skips)
+            return applied + more, {**headers, **more_headers}, stats, skips
+        except SkipsUntrusted as e:
+            opts.log(f"{e}: the layers above it are checked again")
+            applied += e.applied
+            headers.update(e.headers)
+            done = run.journal.applied
+            kept = {n: h for n, h in skips.skipped.items() if n < done}  # recorded as skipped
+            again = _planned_skips(run, done, parts, opts.log)
+            skipped = {**kept, **again.skipped}
+            skips = SkipPlan(skipped, sum(run.todo[n].size for n in skipped),
+                             skips.hashed_bytes + again.hashed_bytes, again.reasons, again.headers_said)
+            index_base = None  # the base's layers, if any, are applied
+
+
 def _skips(run: _Run, resumed: int) -> SkipPlan:
     """The pending layers the root already holds (skip.py), by the skeletons the snapshot carries.
     None while base layers are still to apply: what they write is not known (a full restore goes
@@ -298,22 +336,25 @@ def _open_root(root: str, opts: ExtractOptions) -> Extractor:
 
 
 def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
-                  after_layer: Callable[[int, Optional[Layer]], None], index_base: Optional[tuple[int, str]] = None,
-                  ready_at: int = 0, weights: frozenset[str] = frozenset(),
-                  skipped: Optional[dict[int, str]] = None) -> tuple[list[str], dict[str, str], ExtractStats]:
+                  after_layer: Callable[[int, Optional[Layer]], None], stats: ExtractStats,
+                  index_base: Optional[tuple[int, str]] = None, ready_at: int = 0,
+                  weights: frozenset[str] = frozenset(), skips: Optional[SkipPlan] = None
+                  ) -> tuple[list[str], dict[str, str]]:
     """Apply the layers the journal does not list as applied, each as soon as its blob is downloaded
     and verified while the later ones still download (download.py), snap's own several at once
     (schedule.py), noting them in the journal in order (and telling `after_layer` how many are
     applied). `index_base` (n, path), for a restore from the first layer: the applier indexes the
     first n layers, the base's, and saves the index at path. Returns (labels of the layers applied,
-    {layer digest: digest of its tar headers} for snap's own layers, extraction stats). The blobs of
+    {layer digest: digest of its tar headers} for snap's own layers); adds the extraction's to `stats`. The blobs of
     the first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
     any other (AppFirst), and those that are not `weights` layers write their new files in place. The
-    layers `skipped` ({index in todo: digest of its tar headers}: the root holds them, skip.py) are
-    neither downloaded nor applied, and count as applied."""
+    layers `skips` skips (the root holds them, skip.py) are neither downloaded nor applied, and count
+    as applied once the layers below them whose skeletons it went by are seen to be as they said."""
     resumed, journal = run.journal.applied, run.journal
     pending = run.todo[resumed:]
-    skipped = {n - resumed: headers for n, headers in (skipped or {}).items()}
+    skips = skips or SkipPlan({})
+    skipped = {n - resumed: headers for n, headers in skips.skipped.items()}
+    said = {n - resumed: headers for n, headers in skips.headers_said.items() if n >= resumed}
     fetched = [layer for n, layer in enumerate(pending) if n not in skipped]
     downloads = Downloads(run.remote, fetched, {layer.digest for n, layer in enumerate(pending)
                                                 if n not in skipped and n < ready_at - resumed},
@@ -332,7 +373,7 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
     alone = {n for n, layer in enumerate(pending) if not layer.snap_label or downloads.kept_split(layer.digest)
              or (index_base is not None and n < index_base[0])}
     # One extraction process per layer applied at once, each holding one layer's stream (schedule.py).
-    count = max(1, min(resolve_jobs(opts.jobs), _workers_memory_allows(),
+    count = max(1, min(resolve_jobs(opts.jobs), workers_memory_allows(),
                        sum(1 for n in range(len(pending)) if n not in alone and n not in skipped)))
     with ExitStack() as stack:
         # Started before the download threads (a fork copies only the thread that forks), and stopped
@@ -343,12 +384,13 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
         for worker in workers:
             stack.enter_context(worker)
         scheduler = Scheduler(pending, alone, skipped, resumed, downloads, layer_job, workers, journal, after_layer,
-                              run.extractor, lambda layer, blob, label: _note_mislabelled(layer, blob, label, opts.log))
-        applied, headers = _run_scheduler(scheduler, downloads, journal, len(run.todo), staging, opts.log)
-    stats = ExtractStats()
-    for worker in workers:
-        stats.add(worker.stats)
-    return applied, headers, stats
+                              run.extractor, lambda layer, blob, label: _note_mislabelled(layer, blob, label, opts.log),
+                              said)
+        try:
+            return _run_scheduler(scheduler, downloads, journal, len(run.todo), staging, opts.log)
+        finally:
+            for worker in workers:
+                stats.add(worker.stats)
 
 
 def _run_scheduler(scheduler: Scheduler, downloads: Downloads, journal: Journal, total: int, staging: StagingDirs,
@@ -357,6 +399,9 @@ def _run_scheduler(scheduler: Scheduler, downloads: Downloads, journal: Journal,
     resumed = journal.applied
     try:
         return scheduler.run()
+    except SkipsUntrusted:
+        downloads.stop()  # this run goes on from where the journal stands (_apply_checked)
+        raise
     except BaseException as e:
         downloads.stop()
         if journal.applied > resumed:
@@ -366,19 +411,6 @@ def _run_scheduler(scheduler: Scheduler, downloads: Downloads, journal: Journal,
             raise storage_error(e, f"a staging dir of the restore root {staging.root!r}", " while downloading layers",
                                 "free space on the target's disk, and run the restore again: it resumes") from e
         raise
-
-
-WORKER_MEMORY = 256 << 20  # an extraction process: Python, a zstd window (8 MiB at snap's levels), 1 MiB buffers
-
-
-def _workers_memory_allows() -> int:
-    """How many extraction processes fit in half the memory available now (at least one)."""
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 1 << 16  # not Linux's /proc: the cores bound it
-    return max(1, (kib << 10) // 2 // WORKER_MEMORY)
 
 
 def _layer_job(pending: list[Layer], n: int, blob: Blob, in_place: bool,
@@ -437,31 +469,6 @@ def _note_sources(reference: Reference, image: Image) -> None:
         sources.save()
     except OSError:
         pass  # an optimisation only: the next commit uploads instead of mounting
-
-
-def holds_system(root: str) -> Optional[str]:
-    """What shows that `root` holds an operating system (an os-release, a populated usr/), or None."""
-    for rel in ("etc/os-release", "usr/lib/os-release"):
-        if os.path.lexists(os.path.join(root, rel)):
-            return rel
-    try:
-        if os.listdir(os.path.join(root, "usr")):
-            return "a populated usr/"
-    except OSError:
-        pass
-    return None
-
-
-def refuse_live_system(root: str, image: Image, base_layers: int) -> None:
-    """A full image applied onto a running system replaces its libc, /etc/passwd and /bin and applies
-    the base's whiteouts: refused, before anything is written."""
-    sign = holds_system(root)
-    if sign:
-        raise UsageError(
-            f"{root!r} already holds an operating system ({sign}): restoring all of {image.ref}, "
-            f"{base_layers} base layer(s) included, would overwrite its system files",
-            "pass --only-snapshot if it runs the snapshot's base image, or restore into an empty directory "
-            "(or start the image with `snap run` on a Docker host), or pass --force to overwrite it")
 
 
 def restore_profile(image: Image, name: Optional[str] = None) -> Profile:

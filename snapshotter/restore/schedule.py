@@ -45,6 +45,16 @@ class LayerBlobs(Protocol):
         """A layer of `digest` is applied: its blob may go once no later layer needs it."""
 
 
+class SkipsUntrusted(Exception):
+    """A layer was applied whose tar headers are not those its skeleton claimed, and a layer above
+    it was skipped on that skeleton's word (skip.py's order pass): the restore checks the layers
+    above it again. Carries what this run recorded: the labels applied and their headers."""
+
+    def __init__(self, label: str, applied: list[str], headers: dict[str, str]):
+        super().__init__(f"layer {label} is not what its skeleton said")
+        self.applied, self.headers = applied, headers
+
+
 @dataclasses.dataclass
 class _Done:
     result: LayerResult
@@ -57,15 +67,18 @@ class Scheduler:
     `journal` (as the `offset`+k-th layer of its list) once it and every layer before it are done.
     Those of `alone` (their places in `layers`) are applied only with every layer before them
     applied and no other running; those of `skipped` ({place: the digest of its tar headers}: the
-    root holds it, skip.py) are not applied at all.
+    root holds it, skip.py) are not applied at all; those of `headers_said` ({place: the digest of the tar
+    headers its skeleton claimed}) must turn out to have those headers before a layer above them
+    counts as skipped.
     `layer_job(n, blob)` says what applying layer n takes; `after_layer(count, layer)` is told each
     time the journal is; `settle` is the parent's extractor (settle_dirs)."""
 
     def __init__(self, layers: list[Layer], alone: set[int], skipped: dict[int, str], offset: int, blobs: LayerBlobs,
                  layer_job: Callable[[int, Blob], LayerJob], workers: list[ExtractWorker], journal: Journal,
                  after_layer: Callable[[int, Optional[Layer]], None], settle: Extractor,
-                 note: Callable[[Layer, Blob, str], None]):
+                 note: Callable[[Layer, Blob, str], None], headers_said: Optional[dict[int, str]] = None):
         self.layers, self.alone, self.skipped = layers, alone, skipped
+        self.headers_said = headers_said or {}
         self.offset, self.blobs, self.layer_job = offset, blobs, layer_job
         self.workers, self.journal, self.after_layer = workers, journal, after_layer
         self.settle, self.note = settle, note
@@ -100,8 +113,11 @@ class Scheduler:
         headers: dict[str, str] = {}
         group_start = 0  # the first layer after the last one applied alone
         group_files: set[str] = set()  # what the layers of the group recorded so far wrote
+        misclaimed: Optional[str] = None  # the first layer applied that its skeleton misdescribed
         for n, layer in enumerate(self.layers):
             at, digest = self.offset + n, layer.digest
+            if n in self.skipped and misclaimed is not None:
+                raise SkipsUntrusted(misclaimed, applied, headers)
             if n in self.skipped:  # the root holds it: as if applied now
                 headers[digest] = self.skipped[n]
                 self.journal.record_applied(at + 1)
@@ -129,6 +145,8 @@ class Scheduler:
                 group_files.clear()
             if done.result.record is not None:
                 headers[digest] = done.result.record
+            if n in self.headers_said and done.result.record != self.headers_said[n] and misclaimed is None:
+                misclaimed = done.label
             self._entries.add(len(done.result.files) + len(done.result.gone), f"layer {done.label}")
             self.journal.record_applied(at + 1, done.result.files, done.result.shapes, done.result.gone)
             applied.append(done.label)

@@ -17,11 +17,13 @@ is checked against the root:
    (snapshot/record.py) says the root got this very layer, its times can be trusted (this boot, no
    clock set back since) and no file of it changed since (ctime, with its filesystem's granularity;
    none on a network filesystem), the hash is not needed.
-3. Order: a layer passes only if no earlier layer that is applied writes one of its paths or a
-   parent of them (it would overwrite what was checked), save a directory written with the same
-   mode, owner and xattrs whose mtime a later layer decides; the parts of a file pass together or
-   not at all (the restore joins only what it applies). A layer without a skeleton is applied, and
-   writes anything: no later layer passes.
+3. Order: a layer passes only if no earlier layer that is applied writes or deletes one of its
+   paths or a parent of them (it would overwrite what was checked), save a directory written with
+   the same mode, owner and xattrs whose mtime a later layer decides; the parts of a file pass
+   together or not at all (the restore joins only what it applies). A layer without a skeleton is
+   applied, and writes anything: no later layer passes. What an applied layer writes is taken from
+   its skeleton before its blob is downloaded; once it is applied, its real headers must be the
+   ones its skeleton claimed (SkipPlan.headers_said, schedule.py), or the layers above it are checked again.
 
 A layer that passes is neither downloaded nor applied; the restore counts it as applied."""
 
@@ -45,13 +47,14 @@ from snapshotter.snapshot.record import Since
 from snapshotter.snapshot.skeleton import Skeleton
 from snapshotter.tar.reader import EntryCount
 from .rebuild import Source, members_of, rebuilt_diff_id
+from .skip_order import WHITEOUT, in_order
 from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, member_xattrs,
                                    whiteout_target)
 
 HASH_WORKERS = max(1, min(16, cpu_count()))  # layers hashed at once (a GPU box has 16+ cores)
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 _CAPABILITY = "security.capability"
-_WHITEOUT = "whiteout"  # a path kind in LayerCheck.paths beside stat's S_IFMT values
+
 
 
 @dataclass
@@ -86,6 +89,10 @@ class SkipPlan:
     skipped_bytes: int = 0  # blob bytes not downloaded
     hashed_bytes: int = 0  # bytes of the root read to check them
     reasons: dict[int, str] = field(default_factory=dict)  # why a layer with a skeleton is applied
+    # The layers to apply whose skeletons said what they write (the order pass took their word):
+    # index -> the digest of the tar headers they claim. Their skeletons are checked against nothing
+    # before they are applied, so the restore checks each claim once it is (schedule.py).
+    headers_said: dict[int, str] = field(default_factory=dict)
 
 
 class RootPaths:
@@ -169,8 +176,8 @@ def _paths(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, later_d
         if not rel:
             continue
         if base.startswith(WHITEOUT_PREFIX):
-            out.append((parent or "", _WHITEOUT, ()) if base == OPAQUE else
-                       (f"{parent}/{whiteout_target(base)}" if parent else whiteout_target(base), _WHITEOUT, ()))
+            out.append((parent or "", WHITEOUT, ()) if base == OPAQUE else
+                       (f"{parent}/{whiteout_target(base)}" if parent else whiteout_target(base), WHITEOUT, ()))
         elif m.isdir():
             mode, xattrs = _expected(m, rules)
             out.append((rel, stat.S_IFDIR, (mode, m.uid, m.gid, xattrs, int(m.mtime), rel in later_dirs)))
@@ -342,7 +349,7 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
             if not checks[n].ok:
                 reasons[n] = checks[n].why
     passed = {n for n, c in checks.items() if c.ok}
-    passed = _in_order(todo, start, checks, passed)
+    passed = in_order(todo, start, checks, passed)
     # The hash, where the restore record does not vouch for the layer.
     to_hash = []
     for n in sorted(passed):
@@ -352,12 +359,13 @@ def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[st
             to_hash.append(n)
     hashed = _hash_layers(to_hash, parsed, checks, pending, start, rules.root, reasons)
     passed -= hashed.failed
-    passed = _in_order(todo, start, checks, passed)
+    passed = in_order(todo, start, checks, passed)
     for n in set(checks) - passed:
         reasons.setdefault(n, "an earlier layer that is applied writes one of its paths, "
                               "or a part of its file is applied")
     skipped = {n: checks[n].headers for n in sorted(passed)}
-    return SkipPlan(skipped, sum(todo[n][1]["size"] for n in skipped), hashed.bytes, reasons)
+    said = {n: c.headers for n, c in checks.items() if n not in passed}
+    return SkipPlan(skipped, sum(todo[n][1]["size"] for n in skipped), hashed.bytes, reasons, said)
 
 
 def hold_layer(skeleton: Skeleton, desc: dict, diff_id: str, rules: RootRules, root: RootPaths, label: str,
@@ -427,76 +435,3 @@ def _hash_layers(to_hash: list[int], parsed: dict, checks: dict[int, LayerCheck]
                 stop.set()
                 raise
     return _Hashed(failed, read[0])
-
-
-def _in_order(todo: list[tuple[int, dict, str]], start: int, checks: dict[int, LayerCheck],
-              passed: set[int]) -> set[int]:
-    """The layers of `passed` that stay skipped once the layers applied before them are (see the
-    module's doc, 3.), and the parts of a file only all together. Repeated until nothing changes."""
-    while True:
-        kept = _order_pass(todo, start, checks, passed)
-        kept = _whole_files(todo, start, kept)
-        if kept == passed:
-            return kept
-        passed = kept
-
-
-def _order_pass(todo: list, start: int, checks: dict[int, LayerCheck], passed: set[int]) -> set[int]:
-    written: dict[str, tuple[object, tuple]] = {}  # what the layers applied so far write
-    kept: set[int] = set()
-    for n in range(start, len(todo)):
-        check = checks.get(n)
-        if check is None:
-            return kept  # applied, and what it writes is not known: nothing after it is skipped
-        if n in passed and not any(_clashes(path, kind, attrs, written) for path, kind, attrs in check.paths):
-            kept.add(n)
-            continue
-        for path, kind, attrs in check.paths:
-            written[path] = (kind, attrs)
-    return kept
-
-
-def _clashes(path: str, kind: object, attrs: tuple, written: dict[str, tuple[object, tuple]]) -> bool:
-    """Does an applied layer's write of `path` or of a parent of it change what a skipped layer checked?"""
-    have = written.get(path)
-    if have is not None:
-        if not (kind == stat.S_IFDIR and have[0] == stat.S_IFDIR):
-            return True
-        # The same directory: harmless if it keeps the mode, owner and xattrs, and its mtime is
-        # decided later (or is the same).
-        (mode, uid, gid, xattrs, mtime, decided_later), theirs = attrs, have[1]
-        if (mode, uid, gid, xattrs) != theirs[:4] or (not decided_later and mtime != theirs[4]):
-            return True
-    parent = path.rpartition("/")[0]
-    while parent:
-        above = written.get(parent)
-        if above is not None and above[0] != stat.S_IFDIR:
-            return True
-        parent = parent.rpartition("/")[0]
-    return False
-
-
-def _whole_files(todo: list, start: int, kept: set[int]) -> set[int]:
-    """The part layers of a file stay skipped only if all its parts are (a resumed run applied none)."""
-    parts: dict[str, list[int]] = {}
-    for n, (_, desc, _) in enumerate(todo):
-        ann = desc.get("annotations") or {}
-        rel = ann.get(SNAP_PART_FILE) if isinstance(ann, dict) else None
-        if isinstance(rel, str):
-            parts.setdefault(rel, []).append(n)
-    out = set(kept)
-    for ns in parts.values():
-        if not all(n in kept for n in ns):
-            out -= set(ns)
-    return out
-
-
-def skipped_part_files(todo: list[tuple[int, dict, str]], skipped: dict[int, str]) -> set[str]:
-    """The files cut into parts whose part layers are all skipped: nothing to join."""
-    out = set()
-    for n, (_, desc, _) in enumerate(todo):
-        ann = desc.get("annotations") or {}
-        rel = ann.get(SNAP_PART_FILE) if isinstance(ann, dict) else None
-        if isinstance(rel, str) and n in skipped:
-            out.add(check_name(rel))
-    return out
