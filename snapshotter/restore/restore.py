@@ -345,15 +345,16 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
     (schedule.py), noting them in the journal in order (and telling `after_layer` how many are
     applied). `index_base` (n, path), for a restore from the first layer: the applier indexes the
     first n layers, the base's, and saves the index at path. Returns (labels of the layers applied,
-    {layer digest: digest of its tar headers} for snap's own layers); adds the extraction's to `stats`. The blobs of
-    the first `ready_at` layers (the app's: `--then` starts it once they are applied) download before
-    any other (AppFirst), and those that are not `weights` layers write their new files in place. The
-    layers `skips` skips (the root holds them, skip.py) are neither downloaded nor applied, and count
-    as applied once the layers below them whose skeletons it went by are seen to be as they said."""
+    {layer digest: digest of its tar headers} for snap's own layers), the extraction's counts added
+    to `stats`. The blobs of the first `ready_at` layers (the app's: `--then` starts it once they are
+    applied) download before any other (AppFirst), and those that are not `weights` layers write
+    their new files in place. The layers `skips` skips (the root holds them, skip.py) are neither
+    downloaded nor applied, and count as applied once the layers below them whose skeletons it went
+    by are seen to be as they said."""
     resumed, journal = run.journal.applied, run.journal
     pending = run.todo[resumed:]
     skips = skips or SkipPlan({})
-    skipped = {n - resumed: headers for n, headers in skips.skipped.items()}
+    skipped = {n - resumed: headers for n, headers in skips.skipped.items() if n >= resumed}
     said = {n - resumed: headers for n, headers in skips.headers_said.items() if n >= resumed}
     fetched = [layer for n, layer in enumerate(pending) if n not in skipped]
     downloads = Downloads(run.remote, fetched, {layer.digest for n, layer in enumerate(pending)
