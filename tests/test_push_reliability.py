@@ -220,3 +220,58 @@ def test_password_never_printed_nor_stored(tmp_path, base_rootfs, box):
                     assert password.encode() not in f.read()
     finally:
         reg.stop()
+
+
+# ---- a blob the tag's snapshot lists, lost by the registry ------------------------------------------
+
+def _lose_blob(registry, repo: str, digest: str) -> str:
+    """Delete a blob's data from the registry's storage, as damage or a hand would: the registry
+    answers 404 for it, though the tag's manifest lists it."""
+    hexd = digest.split(":", 1)[1]
+    os.unlink(os.path.join(registry.storage, "docker/registry/v2/blobs/sha256", hexd[:2], hexd, "data"))
+    assert not registry.has_blob(repo, digest)
+    return digest
+
+
+def _lose_layer(registry, repo: str, tag: str, layer: str) -> str:
+    """_lose_blob of the snapshot's `layer` (its dev.snap.layer name)."""
+    return _lose_blob(registry, repo, next(d["digest"] for d in registry.manifest(repo, tag)["layers"]
+                                           if d.get("annotations", {}).get("dev.snap.layer") == layer))
+
+
+def test_a_layer_blob_the_registry_lost_is_sent_again_by_the_next_commit(registry, base_ref, box, tmp_path):
+    ref = f"{registry.host}/lostblob:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, check=True)
+    lost = _lose_layer(registry, "lostblob", "v1", "models")
+    write_tree(box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: changed = True\n"})
+    # The manifest PUT is refused (MANIFEST_BLOB_UNKNOWN): the commit looks again, sends the lost blob.
+    r = snap("commit", ref, "--base", base_ref, "--root", box)
+    assert r.returncode == 0, r.stderr
+    assert registry.has_blob("lostblob", lost)
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_rehash_commit_of_an_unchanged_box_sends_a_lost_blob_again(registry, base_ref, box):
+    ref = f"{registry.host}/lostrehash:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, check=True)
+    lost = [_lose_layer(registry, "lostrehash", "v1", "models"),
+            _lose_blob(registry, "lostrehash", registry.manifest("lostrehash", "v1")["config"]["digest"])]
+    # --rehash trusts no cache, the tag's manifest included: every blob is looked up, the lost ones sent.
+    r = snap("commit", ref, "--base", base_ref, "--root", box, "--rehash", check=True)
+    assert r.stdout.splitlines()[-1] == f"nothing changed: {ref} is current", r.stdout
+    assert all(registry.has_blob("lostrehash", digest) for digest in lost)
+
+
+def test_a_lost_base_layer_the_box_cannot_send_again_is_one_line_exit_10(own_registry, box):
+    reg = own_registry
+    ref = f"{reg.host}/base:snap"  # the base's own repository: its layers are not copied in, nor held here
+    snap("commit", ref, "--base", f"{reg.host}/base:1", "--root", box, check=True)
+    digest = _lose_blob(reg, "base", reg.manifest("base", "1")["layers"][0]["digest"])
+    write_tree(box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: changed = True\n"})
+    r = snap("commit", ref, "--base", f"{reg.host}/base:1", "--root", box)
+    assert r.returncode == 10, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("snap: error:")]
+    assert f"layer 1 of the base image {reg.host}/base:1 ({digest}) is missing" in line, r.stderr
+    assert "Traceback" not in r.stderr

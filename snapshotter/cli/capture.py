@@ -35,7 +35,7 @@ def commit(
         "uncompressed.")] = None,
     rehash: Annotated[bool, typer.Option(
         "--rehash", help="Read every changed-looking file: compare contents with the base, ignore the stat "
-        "cache.")] = False,
+        "cache, and look up every blob of the image in the registry (a lost one is sent again).")] = False,
     max_layer_size: MaxLayerSize = "9.5GB", jobs: Jobs = None, force: PushForce = False, diverge: Diverge = False,
     encrypt_to: EncryptTo = None, encrypt_secret: EncryptSecret = None,
     weights_from_origin: WeightsFromOrigin = False, upload_origin: UploadOrigin = False,

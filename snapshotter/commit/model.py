@@ -42,7 +42,7 @@ class CommitOptions:
     root: str = "/"
     profile: Profile = field(default_factory=load_profile)
     compression: Optional[str] = None  # "gzip" turns every zstd layer into gzip (for old engines)
-    rehash: bool = False  # compare file contents with the base, and ignore the stat cache
+    rehash: bool = False  # compare file contents with the base; ignore the stat cache and the tag's list of blobs
     max_layer_size: int = DEFAULT_MAX_LAYER_SIZE  # bigger files are cut into part layers
     transport: TransportOptions = field(default_factory=TransportOptions)
     log: Callable[[str], None] = lambda msg: None

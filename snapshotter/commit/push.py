@@ -12,7 +12,7 @@ from snapshotter import progress
 from snapshotter.box.scan import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
 from snapshotter.digests import sha256_digest
-from snapshotter.errors import SnapError
+from snapshotter.errors import RegistryError, SnapError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE
 from snapshotter.layer.generate import LayerBlob
@@ -24,7 +24,7 @@ from snapshotter.oci.image import (CREATED, SNAP_CONTENT, SNAP_HEADERS, SNAP_LAY
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.blobsources import in_registry
-from snapshotter.registry.remote import Remote, host_platform
+from snapshotter.registry.remote import BlobsUnknown, Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.encryption import side_blobs, with_sealed
@@ -49,16 +49,29 @@ def target_remote(cp: CommitPlan, target_ref: Reference, transport: TransportOpt
                   tagged: Optional[tuple[str, bytes]] = None, held: Optional[Remote] = None) -> Remote:
     """The repository the snapshot goes to (`held`: the caller's connection to it, reused), with the
     base's blobs made available in it; the blobs the manifest its tag names now lists (`tagged`:
-    digest, bytes) known held there, unasked."""
+    digest, bytes) known held there, unasked: unless --rehash, which trusts no cache, that list
+    included (each blob is looked up: one the registry lost is sent again)."""
     if cp.base_img is not None and target_ref.name == cp.base_ref.name:
         remote = cp.base_remote
     else:
         remote = held or Remote(target_ref, transport)
-    if tagged:
+    if tagged and not cp.rehash:
         remote.held_by(tagged[1])
     if cp.base_img is not None:
         ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources, cp.log)
     return remote
+
+
+@dataclasses.dataclass
+class _Pushed:
+    """What one pass of push_commit sent, and the image built of it."""
+
+    layers: list[tuple[LayerPlan, LayerBlob, str]]
+    image: NewImage
+    reports: list[LayerReport]
+    digest: str  # of the manifest the tag names now
+    current: bool  # the tag named this very image already: no manifest was put
+    travelled: list[str]  # the config's digest, then the side blobs' (_note_pushed); [] when current
 
 
 def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptions, opts: CommitOptions,
@@ -72,9 +85,47 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
         remote.stopping = cp.hooks.stopping
     if cp.encryption is not None:  # a new state dir keeps the encrypted blobs of the tag's snapshot
         cp.encryption.learn_previous(remote, tagged[1] if tagged else None)
+    try:
+        pushed = _push_image(cp, remote, target_ref, opts, tagged, look_up=cp.rehash)
+    except BlobsUnknown:
+        pushed = _push_again(cp, remote, target_ref, opts, tagged)
+    digest, image = pushed.digest, pushed.image
+    cp.cache.save()
+    if cp.encryption is not None:
+        cp.encryption.save(digest, str(target_ref))  # each tag keeps its last snapshot's seal
+    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
+    if not pushed.current:
+        _note_pushed(cp, target_ref, image, pushed.travelled)
+    grown = {path: size for _, blob, _ in pushed.layers for path, size in blob.grown.items()}
+    return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, pushed.reports,
+                        cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
+                        len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
+                        snap_layers=with_sealed(image.layers, cp.encryption.unsealed or {}) if cp.encryption
+                        else list(image.layers), unreadable=cp.scan.unreadable,
+                        grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
+                        current=pushed.current, **origin_counts(cp, opts))
+
+
+def _push_again(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: CommitOptions,
+                tagged: Optional[tuple[str, bytes]]) -> _Pushed:
+    """The registry refused the manifest for a blob it lacks: one the tag's snapshot lists, taken as
+    held unasked (held_by), that it lost since (damaged storage, a blob deleted by hand). Once more,
+    each blob looked up: the lost ones sent again (a layer built from the box again), then the manifest."""
+    cp.log(f"warning: registry {remote.ref.registry!r} lacks a blob that {remote.ref.name}'s snapshot lists "
+           "(lost or deleted): looking each blob up and sending the lost ones again")
+    remote.forget_held()
+    if cp.base_img is not None:
+        ensure_base_layers(remote, cp.base_remote, cp.base_img, cp.sources, cp.log)
+    return _push_image(cp, remote, target_ref, opts, tagged, look_up=True)
+
+
+def _push_image(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: CommitOptions,
+                tagged: Optional[tuple[str, bytes]], look_up: bool) -> _Pushed:
+    """The layers sent, then the image built of them under the target's tag, unless the tag names it
+    already. `look_up`: no blob is taken as held unasked (--rehash, or a registry that lost one):
+    those this box cannot send (_check_held) are looked up too, and so is the tag's config."""
     layers = _push_settled_layers(cp, remote, opts)
     _carry(cp, remote)
-    grown = {path: size for _, blob, _ in layers for path, size in blob.grown.items()}
     _warn_engine_limit(cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()), opts)
     # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
     sides = side_blobs(cp.encryption)  # none in clear beside encrypted layers
@@ -88,41 +139,47 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     refs_digest = note_origin(cp, remote, image, opts)
     if cp.encryption is not None:
         cp.encryption.seal(image)  # the paths snap's annotations name: for the recipients alone
-    current = tagged is not None and _same_image(image, *tagged)
-    if current:
-        digest = tagged[0]  # the tag names this box's snapshot already: no config or manifest sent again
-    else:
-        digest, _, config_digest = remote.write_image(image, target_ref.target)
-    cp.cache.save()
-    if cp.encryption is not None:
-        cp.encryption.save(digest, str(target_ref))  # each tag keeps its last snapshot's seal
-    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
-    if not current:
-        travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
-            + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []) \
-            + ([refs_digest, baseindex.EMPTY_CONFIG_DIGEST] if refs_digest else [])
-        _note_pushed(cp, target_ref, image, [config_digest] + travelled)
-    return CommitResult(target_ref.with_digest(digest), digest, cp.base_layers, reports,
-                        cp.scan.skipped_secrets, sorted(p for p, why in cp.held.items() if why == TORN),
-                        len(cp.diff.deleted), cp.scan.host_files, held=dict(cp.held), carried=sorted(cp.carried),
-                        snap_layers=with_sealed(image.layers, cp.encryption.unsealed or {}) if cp.encryption
-                        else list(image.layers), unreadable=cp.scan.unreadable,
-                        grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
-                        current=current, **origin_counts(cp, opts))
+    if look_up:
+        _check_held(cp, remote)
+    as_tagged = _as_tagged(image, *tagged) if tagged else None
+    if as_tagged is not None:  # the tag names this box's snapshot already: no manifest sent again
+        if look_up:
+            remote.write_config(as_tagged)
+        return _Pushed(layers, image, reports, tagged[0], True, [])
+    digest, _, config_digest = remote.write_image(image, target_ref.target)
+    travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
+        + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []) \
+        + ([refs_digest, baseindex.EMPTY_CONFIG_DIGEST] if refs_digest else [])
+    return _Pushed(layers, image, reports, digest, False, [config_digest] + travelled)
 
 
-def _same_image(image: NewImage, digest: str, manifest: bytes) -> bool:
-    """Whether `manifest` (`digest`) is `image` to the byte, given its creation time: the same
-    layers, base, profile, annotations and config. The time is all a commit of an unchanged box
-    would change, and a tag is not moved for that."""
+def _check_held(cp: CommitPlan, remote: Remote) -> None:
+    """Look up the image's blobs that neither push_layers nor ensure_base_layers did: the base's
+    layers in the base's own repository, and the last snapshot's layers carried for files being
+    written. The registry lost one: this box cannot send it again, the commit is refused."""
+    base = [(d, f"layer {i + 1} of the base image {cp.base_name}", "push the base image there again")
+            for i, d in enumerate(cp.base_img.layers)] if cp.base_img and remote is cp.base_remote else []
+    carried = [(layer.descriptor, f"the last snapshot's layer of {'/' + path!r}, kept while the file is written",
+                "commit again once the file is no longer being written: it is read then")
+               for path, kept in sorted(cp.carried.items()) for layer in kept]
+    for desc, what, hint in base + carried:
+        if not remote.blob_exists(desc["digest"]):
+            raise RegistryError(f"{what} ({desc['digest']}) is missing from {remote.ref.name} on registry "
+                                f"{remote.ref.registry!r}, and this box does not hold it to send again", hint)
+
+
+def _as_tagged(image: NewImage, digest: str, manifest: bytes) -> Optional[NewImage]:
+    """`image` as `manifest` (`digest`) has it, if that is `image` to the byte given its creation time:
+    the same layers, base, profile, annotations and config; else None. The time is all a commit of
+    an unchanged box would change, and a tag is not moved for that."""
     try:
         created = json.loads(manifest)["annotations"][CREATED]
     except (ValueError, KeyError, TypeError):
-        return False
+        return None
     if not isinstance(created, str):
-        return False
+        return None
     same = dataclasses.replace(image, created=created)
-    return sha256_digest(same.manifest_bytes(same.config_bytes())) == digest
+    return same if sha256_digest(same.manifest_bytes(same.config_bytes())) == digest else None
 
 
 def _warn_engine_limit(count: int, opts: CommitOptions) -> None:

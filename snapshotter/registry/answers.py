@@ -27,19 +27,23 @@ def json_object(body: bytes) -> Optional[dict]:
     return doc if isinstance(doc, dict) else None
 
 
-def check(r: requests.Response, what: str) -> None:
-    """A RegistryError with the registry's own error codes, for an answer that is not a success.
+def check(r: requests.Response, what: str, by_code: Optional[dict[str, type[RegistryError]]] = None) -> None:
+    """A RegistryError with the registry's own error codes, for an answer that is not a success:
+    of the class `by_code` names for one of those codes, if any (one a caller recovers from).
     Whatever the body's size or shape (a hostile registry's), the message is one printable line."""
     if r.status_code < 300:
         return
     body = _error_body(r)
     doc = json_object(body)
     errors = doc.get("errors") if doc is not None else None
-    if isinstance(errors, list) and any(isinstance(e, dict) for e in errors):
-        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    errors = [e for e in errors if isinstance(e, dict)] if isinstance(errors, list) else []
+    if errors:
+        detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
     else:
         detail = body[:200].decode(errors="replace")
-    raise RegistryError(f"{what} failed: HTTP {r.status_code} {printable(detail.strip())[:500]}".strip())
+    codes = [e["code"] for e in errors if isinstance(e.get("code"), str)]
+    kind = next((by_code[c] for c in codes if c in (by_code or {})), RegistryError)
+    raise kind(f"{what} failed: HTTP {r.status_code} {printable(detail.strip())[:500]}".strip())
 
 
 def read_answer(r: requests.Response, what: str) -> None:

@@ -48,7 +48,13 @@ DOWNLOAD_GRACE_ENV = "SNAP_DOWNLOAD_GRACE"
 DEFAULT_DOWNLOAD_GRACE = 10.0
 MIN_DEADLINE = 1.0  # seconds: a small blob's size at the minimum throughput is a few ms, less than a round trip
 BODY_PIECE = 1 << 20
+BLOB_UNKNOWN = "MANIFEST_BLOB_UNKNOWN"  # the distribution spec's code for a manifest naming blobs the registry lacks
 _RATE = re.compile(r"([0-9]+)\s*([kmg]?)(?:i?b)?(?:/s)?", re.I)
+
+
+class BlobsUnknown(RegistryError):
+    """The registry refused a manifest for blobs it lacks (MANIFEST_BLOB_UNKNOWN): one a manifest of
+    the repository lists, lost since (held_by), or one never sent."""
 
 
 def host_platform() -> tuple[str, str]:
@@ -126,22 +132,28 @@ class Remote:
         return Image(self.ref.with_digest(digest), body, digest, config)
 
     def put_manifest(self, body: bytes, media_type: str, target: str) -> str:
-        """PUT the exact bytes (never re-serialised, so the digest is what we computed)."""
+        """PUT the exact bytes (never re-serialised, so the digest is what we computed). BlobsUnknown:
+        the registry lacks a blob the manifest lists."""
         r = self.transport.request("PUT", self.transport.url(f"manifests/{target}"), data=body,
                                    headers={"Content-Type": media_type})
-        check(r, f"push manifest to {self.ref.name}:{target}")
+        check(r, f"push manifest to {self.ref.name}:{target}", {BLOB_UNKNOWN: BlobsUnknown})
         self._count("manifests", len(body))
         return sha256_digest(body)
 
-    def write_image(self, image: NewImage, target: str) -> tuple[str, bytes, str]:
-        """Push a built image whose layers are already in: its config (unless the registry has it),
-        then its manifest under `target`; the tag moves only now, after every blob is in. Returns
-        (the manifest's digest, its bytes, the config's digest)."""
+    def write_config(self, image: NewImage) -> tuple[bytes, str]:
+        """Push a built image's config unless the registry has it: (its bytes, its digest)."""
         config = image.config_bytes()
-        manifest = image.manifest_bytes(config)
         config_digest = sha256_digest(config)
         if not self.blob_exists(config_digest):
             self.upload_from(lambda out: out.write(config), config_digest, len(config), what="config")
+        return config, config_digest
+
+    def write_image(self, image: NewImage, target: str) -> tuple[str, bytes, str]:
+        """Push a built image whose layers are already in: its config (write_config), then its
+        manifest under `target`; the tag moves only now, after every blob is in. Returns (the
+        manifest's digest, its bytes, the config's digest)."""
+        config, config_digest = self.write_config(image)
+        manifest = image.manifest_bytes(config)
         return self.put_manifest(manifest, OCI_MANIFEST, target), manifest, config_digest
 
     def _count(self, what: str, n: int) -> None:
@@ -158,13 +170,19 @@ class Remote:
 
     def held_by(self, body: bytes) -> None:
         """Note the blobs an image manifest of this repository lists (its config and layers) as held:
-        a registry refuses a manifest whose blobs it lacks, and its garbage collection keeps them."""
+        a registry refuses a manifest whose blobs it lacks, and its garbage collection keeps them.
+        A registry that lost one since (damaged storage, a blob deleted by hand) refuses the next
+        manifest that lists it (BlobsUnknown): the caller then forgets these (forget_held) and asks."""
         try:
             doc = json.loads(body)
             self.listed.update(d["digest"] for d in [doc["config"], *doc["layers"]]
                                if isinstance(d, dict) and isinstance(d.get("digest"), str))
         except (ValueError, KeyError, TypeError):
             pass  # not an image manifest (an index, an artifact of another shape): nothing is known
+
+    def forget_held(self) -> None:
+        """Trust no manifest's list of blobs any more (held_by): each blob is looked up (HEAD)."""
+        self.listed.clear()
 
     def manifest_digest(self, tag: str) -> Optional[str]:
         """The digest a tag points at (HEAD, nothing downloaded); None if there is no such tag."""

@@ -85,7 +85,7 @@ class Encryption:
     known: dict[str, dict] = field(default_factory=dict)
     previous: dict[tuple[str, str], dict] = field(default_factory=dict)  # (diff_id, media type): descriptor
     # The last seal made, by the sha256 of what it sealed: a commit of an unchanged box seals the same
-    # JWE again, so its manifest is the tag's (push.py's _same_image) and nothing is pushed.
+    # JWE again, so its manifest is the tag's (push.py's _as_tagged) and nothing is pushed.
     sealed: dict[str, str] = field(default_factory=dict)
     used: set[str] = field(default_factory=set)  # the plain blobs this commit looked up or pushed
     made: set[str] = field(default_factory=set)  # the plain blobs this commit encrypted (may_hold)
