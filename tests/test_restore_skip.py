@@ -210,7 +210,8 @@ def test_a_layer_after_an_applied_one_that_writes_its_paths_is_applied(committed
     _pod_restart(base_rootfs, str(root))
     with open(root / A, "r+b") as f:
         f.write(os.urandom(4096))
-    doc, _, _ = _restore(proxy, root, tmp_path / "fresh-state")
+    doc, _, err = _restore(proxy, root, tmp_path / "fresh-state")
+    assert "checked again" not in err  # the applied layer is what its skeleton said
     assert "models (directories and deletions)" in doc["applied"]
     assert doc["skipped_layers"] == len(_weight_layers(registry)) - 1  # all but the changed weight's
     assert os.stat(root / "workspace/models/checkpoints").st_mtime == 1_700_000_000
