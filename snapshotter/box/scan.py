@@ -100,9 +100,10 @@ class ScanMemo:
     read again. The rule is the stat cache's: chmod, chown, a write, an xattr or ACL change, a new
     link all move the ctime, which cannot be set back, and a symlink's target changes only with a
     new inode. A path whose ctime is within RACY_WINDOW_NS of the scan is not kept (a later change
-    in the same clock tick could leave the same stat data). Every directory is still listed and
-    every path still lstat'ed: a name created, deleted or renamed is seen whatever the directory's
-    times say, and no rule about directory mtimes is relied on."""
+    in the same clock tick could leave the same stat data), nor one some process writes or maps
+    (scan_box's `writing`: a write through a mapping may change no stat data). Every directory is
+    still listed and every path still lstat'ed: a name created, deleted or renamed is seen whatever
+    the directory's times say, and no rule about directory mtimes is relied on."""
 
     def __init__(self, clock: Callable[[], int] = time.time_ns):
         self.clock = clock  # ns; injectable for tests
@@ -134,7 +135,7 @@ def scan_context(root: str, profile: Profile, extra_excludes: tuple[str, ...] = 
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
              memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
-             dirty: Optional[set[str]] = None) -> Scan:
+             dirty: Optional[set[str]] = None, writing: frozenset[str] = frozenset()) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
     left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
     `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
@@ -145,7 +146,12 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     With `previous` (this root's last scan, with the same memo) and `dirty`, only the directories in
     `dirty` are listed again (a watcher's change notifications, box/events.py): the rest of the box
     is as `previous` had it, a directory that appeared is walked whole, and one that went is dropped
-    with all below it. The full scan is the same walk with every directory dirty."""
+    with all below it. The full scan is the same walk with every directory dirty.
+
+    `writing`: the paths some process holds open for writing or maps shared-writable (box/writers.py).
+    The memo keeps none of them, as if changed within its racy window: a write through a mapping
+    moves the times only at its first write to a clean page, and the writes after it change no stat
+    data at all."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
     context = scan_context(root, profile, extra_excludes, metadata_only)
@@ -153,7 +159,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     old, _, settled_ns = (memo or ScanMemo()).start(context)
     partial = previous is not None and dirty is not None and memo is not None and bool(old) and not profile.include
     walk = _Walk(root, profile, extra, metadata_only, old, settled_ns if memo is not None else None,
-                 previous if partial else None)
+                 previous if partial else None, writing)
     root_fd = open_root(root)  # (the root itself may be a symlink: --root names it)
     try:
         if profile.include:
@@ -175,8 +181,10 @@ class _Walk:
     given) starts from the last scan's findings and forgets what it finds gone."""
 
     def __init__(self, root: str, profile: Profile, extra: frozenset[str], metadata_only: bool,
-                 old: dict[str, Entry | str], settled_ns: Optional[int], previous: Optional[Scan]):
+                 old: dict[str, Entry | str], settled_ns: Optional[int], previous: Optional[Scan],
+                 writing: frozenset[str] = frozenset()):
         self.root, self.profile, self.extra, self.metadata_only = root, profile, extra, metadata_only
+        self.writing = writing  # paths a process writes or maps: not kept for the next scan (scan_box)
         self.skip_mounts = pseudo_mounts(root)
         self.mounted = bind_mounted_files(root)
         self.old = old  # the last scan's paths (ScanMemo)
@@ -293,7 +301,7 @@ class _Walk:
             e = self._read(rel, dir_fd, name, st)
             if e is _NOT_CONTENT:
                 return 0
-        if st.st_ctime_ns < self.settled_ns and rel not in self.unsure:
+        if st.st_ctime_ns < self.settled_ns and rel not in self.unsure and rel not in self.writing:
             self.new[rel] = e if e is not None else _memo_stamp(st)
         elif self.keeping:
             self.new.pop(rel, None)
