@@ -88,3 +88,26 @@ def test_a_file_mapped_for_writing_is_read_again_but_sent_only_when_changed(regi
     read = [name for name, status in statuses.items() if "not read" not in status]
     assert len(read) == 1 and statuses[read[0]] == "exists, skipped", statuses
     assert again.uploaded.get("layers", 0) == 0, again.uploaded
+
+
+def test_a_file_mapped_for_writing_keeps_the_plan_only_while_its_stat_data_is_the_same(registry, base_ref, old_box,
+                                                                                       monkeypatch):
+    """The kept walk holds no file some process maps (snapshot/kept.py): the kept plan is reused
+    while such a file's entry is as the plan had it, and made again when it moved (it grew)."""
+    planned = []
+    real = model_module.plan_layers
+    monkeypatch.setattr(model_module, "plan_layers", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    path = os.path.join(old_box, STATE)
+    write_tree(old_box, {STATE: b"\0" * 8192})
+    writer = MappedWriter(path)
+    try:
+        writer.write("AAAA")
+        for tag in ("v1", "v2"):
+            commit_box(f"{registry.host}/mapped-plan:{tag}", base_ref, CommitOptions(root=old_box))
+        assert len(planned) == 1
+        os.truncate(path, 3 * 8192)  # its size and times move; the kept walk's digest would not
+        commit_box(f"{registry.host}/mapped-plan:v3", base_ref, CommitOptions(root=old_box))
+    finally:
+        writer.exit()
+    assert len(planned) == 2
+    assert image_bytes(registry, "mapped-plan", "v3", STATE) == b"AAAA" + b"\0" * (3 * 8192 - 4)

@@ -43,6 +43,7 @@ class Scan:
     racy_dirs: set[str] = field(default_factory=set)
     touched: Optional[set[str]] = None  # a scan of some directories: the paths it looked at, gone ones too
     kept_as: Optional[str] = None  # the digest of the stored walk that holds every entry (snapshot/kept.py)
+    unkept: frozenset[str] = frozenset()  # entries some process writes or maps: in no memo (scan_box's `writing`)
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
@@ -149,9 +150,9 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     with all below it. The full scan is the same walk with every directory dirty.
 
     `writing`: the paths some process holds open for writing or maps shared-writable (box/writers.py).
-    The memo keeps none of them, as if changed within its racy window: a write through a mapping
-    moves the times only at its first write to a clean page, and the writes after it change no stat
-    data at all."""
+    The memo keeps none of them (the scan's `unkept`), and takes their entries anew: a write through
+    a mapping moves the times only at its first write to a clean page, and the writes after it change
+    no stat data, so a verdict read from the content (a private key's head) is not kept either."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
     context = scan_context(root, profile, extra_excludes, metadata_only)
@@ -295,13 +296,15 @@ class _Walk:
         except PermissionError:
             self.unreadable.add(rel)
             return 0
-        if last is not None and _unchanged(last, st):
+        if last is not None and rel not in self.writing and _unchanged(last, st):
             e = None if isinstance(last, str) else last
         else:
             e = self._read(rel, dir_fd, name, st)
             if e is _NOT_CONTENT:
                 return 0
-        if st.st_ctime_ns < self.settled_ns and rel not in self.unsure and rel not in self.writing:
+        if rel in self.writing:
+            self.new.pop(rel, None)  # its stat data does not tell its bytes (scan_box)
+        elif st.st_ctime_ns < self.settled_ns and rel not in self.unsure:
             self.new[rel] = e if e is not None else _memo_stamp(st)
         elif self.keeping:
             self.new.pop(rel, None)
@@ -349,7 +352,8 @@ class _Walk:
         # rest of the box its snapshot (a reclaim gives no second try).
         return Scan(entries, venvs, sorted(self.secrets), self.skip_mounts, sorted(self.host_files),
                     sorted(self.unreadable), listed=self.listed, racy_dirs=self.racy,
-                    touched=self.touched if self.previous is not None else None)
+                    touched=self.touched if self.previous is not None else None,
+                    unkept=frozenset(p for p in self.writing if p in entries))
 
 
 def _refuse_whiteout_name(rel: str) -> None:
