@@ -111,3 +111,22 @@ def test_a_file_mapped_for_writing_keeps_the_plan_only_while_its_stat_data_is_th
         writer.exit()
     assert len(planned) == 2
     assert image_bytes(registry, "mapped-plan", "v3", STATE) == b"AAAA" + b"\0" * (3 * 8192 - 4)
+
+
+def test_a_file_held_open_for_writing_but_not_mapped_keeps_its_stat_cache(registry, base_ref, old_box):
+    """write(2) moves a file's times whenever the clock has moved: a file a process only holds open
+    for writing (a log) is trusted to its stat data as any other, its layer not read again."""
+    import subprocess
+    import sys
+
+    write_tree(old_box, {STATE: b"a log line\n"})
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'ab'); print('open', "
+                               "flush=True); sys.stdin.readline()", os.path.join(old_box, STATE)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        commit_box(f"{registry.host}/held-open:v1", base_ref, CommitOptions(root=old_box))
+        again = commit_box(f"{registry.host}/held-open:v2", base_ref, CommitOptions(root=old_box))
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert all("not read" in layer.status for layer in again.layers), {x.name: x.status for x in again.layers}

@@ -43,7 +43,7 @@ class Scan:
     racy_dirs: set[str] = field(default_factory=set)
     touched: Optional[set[str]] = None  # a scan of some directories: the paths it looked at, gone ones too
     kept_as: Optional[str] = None  # the digest of the stored walk that holds every entry (snapshot/kept.py)
-    unkept: frozenset[str] = frozenset()  # entries some process writes or maps: in no memo (scan_box's `writing`)
+    unkept: frozenset[str] = frozenset()  # entries some process maps shared-writable: in no memo (scan_box's `writing`)
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
@@ -101,7 +101,7 @@ class ScanMemo:
     read again. The rule is the stat cache's: chmod, chown, a write, an xattr or ACL change, a new
     link all move the ctime, which cannot be set back, and a symlink's target changes only with a
     new inode. A path whose ctime is within RACY_WINDOW_NS of the scan is not kept (a later change
-    in the same clock tick could leave the same stat data), nor one some process writes or maps
+    in the same clock tick could leave the same stat data), nor one some process maps shared-writable
     (scan_box's `writing`: a write through a mapping may change no stat data). Every directory is
     still listed and every path still lstat'ed: a name created, deleted or renamed is seen whatever
     the directory's times say, and no rule about directory mtimes is relied on."""
@@ -149,7 +149,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     is as `previous` had it, a directory that appeared is walked whole, and one that went is dropped
     with all below it. The full scan is the same walk with every directory dirty.
 
-    `writing`: the paths some process holds open for writing or maps shared-writable (box/writers.py).
+    `writing`: the paths some process maps shared-writable (box/writers.py's `mapped`).
     The memo keeps none of them (the scan's `unkept`), and takes their entries anew: a write through
     a mapping moves the times only at its first write to a clean page, and the writes after it change
     no stat data, so a verdict read from the content (a private key's head) is not kept either."""
@@ -185,7 +185,7 @@ class _Walk:
                  old: dict[str, Entry | str], settled_ns: Optional[int], previous: Optional[Scan],
                  writing: frozenset[str] = frozenset()):
         self.root, self.profile, self.extra, self.metadata_only = root, profile, extra, metadata_only
-        self.writing = writing  # paths a process writes or maps: not kept for the next scan (scan_box)
+        self.writing = writing  # paths a process maps shared-writable: not kept for the next scan (scan_box)
         self.skip_mounts = pseudo_mounts(root)
         self.mounted = bind_mounted_files(root)
         self.old = old  # the last scan's paths (ScanMemo)

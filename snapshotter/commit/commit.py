@@ -94,7 +94,7 @@ def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, prev
     `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
     the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
     last commit's, kept in the state dir (snapshot/kept.py). `writing`: the paths some process
-    writes or maps, which the memo does not keep (scan_box)."""
+    maps shared-writable, which the memo does not keep (scan_box)."""
     extra = own_excludes(root)
     stored = StoredWalk(root, profile, extra) if memo is None else None
     with progress.bar("scanning box", unit="files", sink=sink) as b:
@@ -156,7 +156,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     # Once, before the walk: the hold rule's writers, and the files whose stat data says nothing of
     # their bytes (a write through a shared mapping may change none): never trusted to it (CommitPlan.known).
     hooks.writers = open_for_writing()
-    writing = frozenset(hooks.writers.under(root))
+    writing = frozenset(hooks.writers.under(root, mapped=True))
     scan_started_ns = time.time_ns()
     with gc_paused():
         scan, d, plans, found = _scan_and_plan(root, base_img, index, opts, hooks, writing)
@@ -185,7 +185,7 @@ def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry]
                    ) -> tuple[Scan, Diff, list[LayerPlan], Optional[Recognition]]:
     """Walk (or take hooks.changes), diff, plan, and compute the layers' stat-cache keys; with
     --weights-from-origin, the box's hub caches recognised and their references left out. `writing`:
-    the paths some process writes or maps, which the walk's memo does not keep."""
+    the paths some process maps shared-writable, which the walk's memo does not keep."""
     scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash, opts.log,
                                                             writing)
     # Hub blobs as references (with --weights-from-origin, not --upload-origin); the token files never pushed.

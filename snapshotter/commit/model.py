@@ -191,7 +191,7 @@ class CommitPlan:
     log: Callable[[str], None] = lambda msg: None  # CommitOptions.log: its progress lines go there too
     encryption: Optional[Encryption] = None  # CommitOptions.encryption
     origin: Optional[Recognition] = None  # the box's hub caches, with --weights-from-origin (origin/snapshots.py)
-    # The scan's files some process holds open for writing or maps shared-writable (CommitHooks.writers):
+    # The scan's files some process maps shared-writable (CommitHooks.writers' `mapped`):
     # a write through a mapping moves the times only at its first write to a clean page, so their stat
     # data does not tell their bytes. Their layers are read each commit (known), and never cached.
     writing: frozenset[str] = frozenset()
@@ -205,7 +205,7 @@ class CommitPlan:
         return len(self.base_img.layers) if self.base_img else 0
 
     def known(self, plan: LayerPlan) -> Optional[dict]:
-        """None with --rehash, or for a layer that reads a file some process writes or maps
+        """None with --rehash, or for a layer that reads a file some process maps shared-writable
         (`writing`; a held file kept at its old entry is not read: its old layer stands)."""
         if self.rehash or self.reads_writing(plan):
             return None
@@ -213,7 +213,7 @@ class CommitPlan:
         return hit or (self.restored.blob_for(plan) if self.restored else None)
 
     def reads_writing(self, plan: LayerPlan) -> bool:
-        """Whether building `plan` reads a file some process writes or maps (`writing`)."""
+        """Whether building `plan` reads a file some process maps shared-writable (`writing`)."""
         return bool(self.writing) and not self.writing.isdisjoint(files_read(plan) - self.unreadable)
 
 

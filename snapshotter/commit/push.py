@@ -234,7 +234,7 @@ def _cacheable(cp: CommitPlan, plan: LayerPlan, blob: LayerBlob) -> bool:
     """Whether a built layer may go into the stat cache. Not if a file changed while it was read
     (the blob may hold a torn copy) or since the scan (the blob is not what its stat data says), nor
     if a file changed just before the scan: within a coarse ctime tick a later write can leave the
-    same stat (git's "racy clean" rule); nor if it read a file some process writes or maps: its
+    same stat (git's "racy clean" rule); nor if it read a file some process maps shared-writable: its
     next writes may leave the same stat (CommitPlan.writing), after the writer is gone too."""
     if blob.not_whole or cp.reads_writing(plan):
         return False

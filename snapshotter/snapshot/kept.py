@@ -110,7 +110,7 @@ class StoredWalk:
     def save(self, scan: Scan) -> None:
         """Keep what the memo's last scan (`scan`) kept, unless it is what was loaded. The scan's
         kept_as names the stored walk if it holds every entry of the scan, with the entries it may
-        not hold (`unkept`: files some process writes or maps) as they are now."""
+        not hold (`unkept`: files some process maps shared-writable) as they are now."""
         seen = self._memo.seen
         if seen != self.loaded:  # dict equality, in C: a kept entry is the loaded object itself (`is` first)
             entries = [v for v in seen.values() if not isinstance(v, str)]

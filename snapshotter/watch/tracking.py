@@ -167,7 +167,7 @@ class ChangeTracker:
         self.drain()
         dirty = self._take_dirty("commit")
         previous = self.commit_scan
-        writing = frozenset((writers or open_for_writing()).under(self.root))
+        writing = frozenset((writers or open_for_writing()).under(self.root, mapped=True))
         if dirty is None or previous is None or (final and not self.complete):
             dirty = previous = None
         else:
@@ -231,10 +231,10 @@ class ChangeTracker:
         return {p: self.entries[p] for p in self.differing if p in self.entries}
 
     def mapped_dirs(self) -> set[str]:
-        """The directories of the box's files some process holds open for writing or maps
-        shared-writable: a write through a mapping sends no notification (and after its first,
-        changes no stat data), so the commits look at such files themselves (commit_scan_now)."""
-        return {p.rpartition("/")[0] for p in open_for_writing().under(self.root)}
+        """The directories of the box's files some process maps shared-writable: a write through a
+        mapping sends no notification (and after its first, changes no stat data), so the commits
+        look at such files themselves (commit_scan_now)."""
+        return {p.rpartition("/")[0] for p in open_for_writing().under(self.root, mapped=True)}
 
     def nothing_new(self) -> bool:
         """The box is as the last snapshot holds it, by the change notifications alone (no scan): the
