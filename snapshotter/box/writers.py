@@ -29,12 +29,17 @@ _DELETED = " (deleted)"
 class Writers:
     paths: set[str] = field(default_factory=set)  # absolute paths, as the writing processes see them
     complete: bool = True  # False when some process's files could not be read (another user's)
+    # Those of `paths` mapped shared-writable: a write through a mapping moves the file's times only at
+    # its first write to a clean page, so the writes after it change no stat data (a write(2) moves
+    # them each time the clock has moved: no stat data there is older than the write).
+    mapped: set[str] = field(default_factory=set)
 
-    def under(self, root: str) -> set[str]:
-        """The paths being written inside `root`, relative to it (as scans name them)."""
+    def under(self, root: str, mapped: bool = False) -> set[str]:
+        """The paths being written inside `root` (`mapped`: through a mapping), relative to it (as
+        scans name them)."""
         root = os.path.realpath(root)
         prefix = root.rstrip("/") + "/"
-        return {p[len(prefix):] for p in self.paths if p.startswith(prefix)}
+        return {p[len(prefix):] for p in (self.mapped if mapped else self.paths) if p.startswith(prefix)}
 
 
 def open_for_writing(proc: str = "/proc") -> Writers:
@@ -55,9 +60,10 @@ def open_for_writing(proc: str = "/proc") -> Writers:
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
             continue  # the process ended while we looked
         try:
-            _shared_writable_maps(os.path.join(proc, pid), found.paths)
+            _shared_writable_maps(os.path.join(proc, pid), found.mapped)
         except (PermissionError, FileNotFoundError, ProcessLookupError, NotADirectoryError):
             pass  # a container's init may hide its maps even from root; writes through a mapping are rare
+    found.paths |= found.mapped
     return found
 
 

@@ -20,6 +20,7 @@ from snapshotter import progress
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff, diff
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
+from snapshotter.box.writers import open_for_writing
 from snapshotter.errors import IntegrityError, UsageError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE, Entry, gc_paused
@@ -87,16 +88,18 @@ def own_excludes(root: str) -> tuple[str, ...]:
 
 
 def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
-              dirty: Optional[set[str]] = None, sink: progress.Sink = progress.to_stderr) -> Scan:
+              dirty: Optional[set[str]] = None, sink: progress.Sink = progress.to_stderr,
+              writing: frozenset[str] = frozenset()) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
     `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
     the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
-    last commit's, kept in the state dir (snapshot/kept.py)."""
+    last commit's, kept in the state dir (snapshot/kept.py). `writing`: the paths some process
+    maps shared-writable, which the memo does not keep (scan_box)."""
     extra = own_excludes(root)
     stored = StoredWalk(root, profile, extra) if memo is None else None
     with progress.bar("scanning box", unit="files", sink=sink) as b:
         scan = scan_box(root, profile, extra, progress.safe_update(b), memo=stored.memo() if stored else memo,
-                        previous=previous, dirty=dirty)
+                        previous=previous, dirty=dirty, writing=writing)
     if stored is not None:
         stored.save(scan)
     return scan
@@ -113,9 +116,9 @@ def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry],
 
 
 def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False,
-                sink: progress.Sink = progress.to_stderr) -> tuple[Scan, Diff]:
+                sink: progress.Sink = progress.to_stderr, writing: frozenset[str] = frozenset()) -> tuple[Scan, Diff]:
     """Walk the box and diff it against the base index."""
-    scan = scan_root(root, profile, sink=sink)
+    scan = scan_root(root, profile, sink=sink, writing=writing)
     return scan, changes_in(scan, root, profile, index, rehash)
 
 
@@ -150,9 +153,13 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
         base_img = base_remote.resolve()
         travelled = base_remote if target is not None and target.ref.name == base_ref.name else target
         index = base_index(base_remote, base_img, opts.log, travelled)
+    # Once, before the walk: the hold rule's writers, and the files whose stat data says nothing of
+    # their bytes (a write through a shared mapping may change none): never trusted to it (CommitPlan.known).
+    hooks.writers = open_for_writing()
+    writing = frozenset(hooks.writers.under(root, mapped=True))
     scan_started_ns = time.time_ns()
     with gc_paused():
-        scan, d, plans, found = _scan_and_plan(root, base_img, index, opts, hooks)
+        scan, d, plans, found = _scan_and_plan(root, base_img, index, opts, hooks, writing)
         deleted = deletions.count(index, d.deleted) if base_img else None
     if deleted is not None and not opts.force:
         deletions.refuse_commit(root, deleted)  # before anything is read or pushed
@@ -167,17 +174,20 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     restored = RestoreRecord.load(root, base_digest, opts.profile.name, opts.max_layer_size)
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                     opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs), hooks=hooks,
-                    log=opts.log, encryption=opts.encryption, origin=found)
+                    log=opts.log, encryption=opts.encryption, origin=found,
+                    writing=frozenset(p for p in writing if (e := scan.entries.get(p)) is not None and e.kind == FILE))
     hold_back(cp, held, opts)
     return cp
 
 
 def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry], opts: CommitOptions,
-                   hooks: CommitHooks) -> tuple[Scan, Diff, list[LayerPlan], Optional[Recognition]]:
+                   hooks: CommitHooks, writing: frozenset[str]
+                   ) -> tuple[Scan, Diff, list[LayerPlan], Optional[Recognition]]:
     """Walk (or take hooks.changes), diff, plan, and compute the layers' stat-cache keys; with
-    --weights-from-origin, the box's hub caches recognised and their references left out."""
-    scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash,
-                                                                            opts.log)
+    --weights-from-origin, the box's hub caches recognised and their references left out. `writing`:
+    the paths some process maps shared-writable, which the walk's memo does not keep."""
+    scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash, opts.log,
+                                                            writing)
     # Hub blobs as references (with --weights-from-origin, not --upload-origin); the token files never pushed.
     found = origin.recognise_box(root, opts.profile.leaves_out) if opts.weights_from_origin else origin.box_tokens(root)
     references = opts.weights_from_origin and not weights_in_layers(opts)

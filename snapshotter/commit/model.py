@@ -12,8 +12,8 @@ from snapshotter.box import deletions
 from snapshotter.box.diff import Diff
 from snapshotter.box.records import owners_of
 from snapshotter.box.scan import Scan
-from snapshotter.box.writers import WRITING_QUIET_S, being_written
-from snapshotter.index.entry import Entry
+from snapshotter.box.writers import WRITING_QUIET_S, Writers, being_written
+from snapshotter.index.entry import FILE, Entry
 from snapshotter.layer.generate import AfterRead
 from snapshotter.layer.memo import PlanMemo
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
@@ -79,7 +79,9 @@ class CommitHooks:
     - old_entry(path): the last snapshot's entry of a changed path, whose layer the stat cache may
       still have (snap watch): a held file in a bundle keeps that version; None: no such entry.
 
-    Three attributes travel with a plan (CommitPlan.hooks): plan_memo, the last plan's splits and rows
+    Four attributes travel with a plan (CommitPlan.hooks): writers, the files some process holds
+    open for writing or maps shared-writable (box/writers.py), looked up by each commit once, before
+    its walk (plan_commit sets it; hold and changes use it); plan_memo, the last plan's splits and rows
     (layer/plan.py's PlanMemo) kept between the plans of one watcher; stopping, an event another
     thread sets: the push gives up at its next chunk (the watcher's final snapshot wants the lock);
     and after_read(path, attempt), called after each read of a box file's content, before it is
@@ -88,6 +90,7 @@ class CommitHooks:
     module-level class, not a lambda) when the commit packs with jobs > 1."""
 
     def __init__(self, after_read: AfterRead = None) -> None:
+        self.writers: Optional[Writers] = None
         self.plan_memo: Optional[PlanMemo] = None
         self.stopping: Optional[threading.Event] = None
         self.after_read = after_read
@@ -102,7 +105,7 @@ class CommitHooks:
 
     def hold(self, scan: Scan, root: str) -> dict[str, str]:
         """The files some process is writing (box/writers.py) that changed in the last WRITING_QUIET_S seconds."""
-        return being_written(scan, root, WRITING_QUIET_S, restored_at=restored_at_ns(root))
+        return being_written(scan, root, WRITING_QUIET_S, writers=self.writers, restored_at=restored_at_ns(root))
 
     def previous_files(self) -> dict[str, list[Layer]]:
         """The target tag's snapshot's (read once, when first asked); none without a target."""
@@ -188,6 +191,10 @@ class CommitPlan:
     log: Callable[[str], None] = lambda msg: None  # CommitOptions.log: its progress lines go there too
     encryption: Optional[Encryption] = None  # CommitOptions.encryption
     origin: Optional[Recognition] = None  # the box's hub caches, with --weights-from-origin (origin/snapshots.py)
+    # The scan's files some process maps shared-writable (CommitHooks.writers' `mapped`):
+    # a write through a mapping moves the times only at its first write to a clean page, so their stat
+    # data does not tell their bytes. Their layers are read each commit (known), and never cached.
+    writing: frozenset[str] = frozenset()
 
     @property
     def base_name(self) -> str:
@@ -198,10 +205,21 @@ class CommitPlan:
         return len(self.base_img.layers) if self.base_img else 0
 
     def known(self, plan: LayerPlan) -> Optional[dict]:
-        if self.rehash:
+        """None with --rehash, or for a layer that reads a file some process maps shared-writable
+        (`writing`; a held file kept at its old entry is not read: its old layer stands)."""
+        if self.rehash or self.reads_writing(plan):
             return None
         hit = self.cache.lookup(plan.fingerprint(self.zstd_level))
         return hit or (self.restored.blob_for(plan) if self.restored else None)
+
+    def reads_writing(self, plan: LayerPlan) -> bool:
+        """Whether building `plan` reads a file some process maps shared-writable (`writing`)."""
+        return bool(self.writing) and not self.writing.isdisjoint(files_read(plan) - self.unreadable)
+
+
+def files_read(plan: LayerPlan) -> set[str]:
+    """The box files whose bytes building the layer reads (a part layer reads its slice's file)."""
+    return {plan.slices.get(e.path, (e.path, 0))[0] for e in plan.entries if e.kind == FILE}
 
 
 def plan_commit_layers(d: Diff, scan: Scan, index: dict[str, Entry], opts: CommitOptions,

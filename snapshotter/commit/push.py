@@ -14,7 +14,6 @@ from snapshotter.box.writers import BEING_WRITTEN
 from snapshotter.digests import sha256_digest
 from snapshotter.errors import RegistryError, SnapError
 from snapshotter.index import base as baseindex
-from snapshotter.index.entry import FILE
 from snapshotter.layer.generate import LayerBlob
 from snapshotter.layer.packers import Packers
 from snapshotter.layer.plan import META_DETAIL, LayerPlan
@@ -34,7 +33,7 @@ from .base_layers import ensure_base_layers
 from .hold import hold_back
 from .sender import UPLOADS, LayerSender
 from .weights import note_origin, origin_counts
-from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, plan_commit_layers
+from .model import CommitOptions, CommitPlan, CommitResult, LayerReport, files_read, plan_commit_layers
 
 # Less to compress than this: packed in this process (a packer process takes ~0.1 s of CPU to start).
 PACK_APART_MIN = 64 << 20
@@ -288,19 +287,15 @@ def _annotations(plan: LayerPlan, headers: Optional[str]) -> dict:
     return ann
 
 
-def _cacheable(plan: LayerPlan, blob: LayerBlob, scan_started_ns: int) -> bool:
+def _cacheable(cp: CommitPlan, plan: LayerPlan, blob: LayerBlob) -> bool:
     """Whether a built layer may go into the stat cache. Not if a file changed while it was read
     (the blob may hold a torn copy) or since the scan (the blob is not what its stat data says), nor
     if a file changed just before the scan: within a coarse ctime tick a later write can leave the
-    same stat (git's "racy clean" rule)."""
-    if blob.not_whole:
+    same stat (git's "racy clean" rule); nor if it read a file some process maps shared-writable: its
+    next writes may leave the same stat (CommitPlan.writing), after the writer is gone too."""
+    if blob.not_whole or cp.reads_writing(plan):
         return False
-    return all(e.ctime_ns < scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
-
-
-def _files_read(plan: LayerPlan) -> set[str]:
-    """The box files whose bytes building the layer reads (a part layer reads its slice's file)."""
-    return {plan.slices.get(e.path, (e.path, 0))[0] for e in plan.entries if e.kind == FILE}
+    return all(e.ctime_ns < cp.scan_started_ns - RACY_WINDOW_NS for e in plan.entries if e.stamp)
 
 
 def _reused(cp: CommitPlan, remote: Remote, plan: LayerPlan) -> tuple[Optional[dict], str]:
@@ -321,7 +316,7 @@ def _leave_out_unreadable(cp: CommitPlan, remote: Remote, opts: CommitOptions) -
     and written now and then from every snapshot. One that tore is left out. Then plan again:
     leaving one out can change the layer of another (a bundle of two), hence the loop."""
     while True:
-        stuck = {path for plan in cp.plans if (paths := _files_read(plan) & cp.unreadable)
+        stuck = {path for plan in cp.plans if (paths := files_read(plan) & cp.unreadable)
                  and not _reused(cp, remote, plan)[1] for path in paths}
         if not stuck:
             return
@@ -362,7 +357,7 @@ def push_layers(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]) -> list[
                 i, plan, fp = futures[fut]
                 blob, status = fut.result()
                 results[i] = (plan, blob, status)
-                if _cacheable(plan, blob, cp.scan_started_ns):
+                if _cacheable(cp, plan, blob):
                     cp.cache.record(fp, {"digest": blob.digest, "diff_id": blob.diff_id, "size": blob.size,
                                          "media_type": blob.media_type})
         except BaseException:
@@ -387,7 +382,7 @@ def _reuse(cp: CommitPlan, remote: Remote, plans: list[LayerPlan]
             blob = LayerBlob(plan.name, None, hit["digest"], hit["diff_id"], hit["size"], hit["media_type"])
             results[i] = (plan, blob, f"{there} (unchanged, not read)")
             cp.cache.record(fp, hit)
-        elif unread := sorted(_files_read(plan) & cp.unreadable):  # the registry lost the blob since push_commit looked
+        elif unread := sorted(files_read(plan) & cp.unreadable):  # the registry lost the blob since push_commit looked
             raise SnapError(f"layer {plan.label!r} would have to read {'/' + unread[0]!r}, which is being rewritten",
                             "nothing was pushed; the next try leaves the file out")
         else:

@@ -109,13 +109,15 @@ class StoredWalk:
 
     def save(self, scan: Scan) -> None:
         """Keep what the memo's last scan (`scan`) kept, unless it is what was loaded. The scan's
-        kept_as names the stored walk if it holds every entry of the scan."""
+        kept_as names the stored walk if it holds every entry of the scan, with the entries it may
+        not hold (`unkept`: files some process maps shared-writable) as they are now."""
         seen = self._memo.seen
         if seen != self.loaded:  # dict equality, in C: a kept entry is the loaded object itself (`is` first)
             entries = [v for v in seen.values() if not isinstance(v, str)]
             columns = [list(map(attrgetter(f), entries)) for f in _FIELDS]
             self.digest = _write(self.path, self.key, (columns, {p: v for p, v in seen.items() if isinstance(v, str)}))
-        scan.kept_as = self.digest if not scan.racy_dirs else None
+        unkept = [[getattr(scan.entries[p], f) for f in _FIELDS] for p in sorted(scan.unkept)]
+        scan.kept_as = None if scan.racy_dirs else _key(self.digest, unkept) if unkept else self.digest
 
 
 class StoredRecords:

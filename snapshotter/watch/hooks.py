@@ -35,14 +35,14 @@ class WatchHooks(CommitHooks):
         self.scan: Optional[Scan] = None  # the commit scan this commit is planned from (changes)
 
     def changes(self, base_img: Optional[Image], index: dict[str, Entry]):
-        scan = self.scan = self.tracker.commit_scan_now(self.final)
+        scan = self.scan = self.tracker.commit_scan_now(self.final, self.writers)
         commit = self.opts.commit
         return scan, changes_in(scan, self.tracker.root, commit.profile, index, commit.rehash)
 
     def hold(self, scan: Scan, root: str) -> dict[str, str]:
         """Open for writing and changed within `stable` seconds, big ones still changing, and (final)
         big ones that would not fit in the grace."""
-        writers = open_for_writing()
+        writers = self.writers or open_for_writing()
         held = self.big.held(scan.entries, self.now, self.final, writers.complete)
         held.update(being_written(scan, root, self.opts.stable, self.now, writers, restored_at=restored_at_ns(root)))
         return held

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from snapshotter.box.events import ChangeEvents, EventsUnavailable
 from snapshotter.profile import Profile
 from snapshotter.box.scan import Scan, ScanMemo, scan_box
-from snapshotter.box.writers import open_for_writing
+from snapshotter.box.writers import Writers, open_for_writing
 from snapshotter.commit.commit import own_excludes, scan_root
 from snapshotter.commit.model import CommitPlan
 from snapshotter.index.entry import Entry, gc_paused
@@ -157,20 +157,24 @@ class ChangeTracker:
         trace(self.log, "scan: the whole box" if dirty is None else f"scan: {len(dirty)} changed directories")
         return scan
 
-    def commit_scan_now(self, final: bool) -> Scan:
+    def commit_scan_now(self, final: bool, writers: Optional[Writers] = None) -> Scan:
         """A commit's scan: of the directories changed since the last commit's, where notifications
         say which (and the loop's scans saw nothing they missed: their changes are added). The final
         snapshot's is whole where notifications miss some directories: no later full scan finds a
-        change made there since the loop's last."""
+        change made there since the loop's last. The directories of the files some process writes
+        or maps (`writers`, the commit's: see mapped_dirs) are listed again, and the memo keeps none
+        of those files (box/scan.py's scan_box)."""
         self.drain()
         dirty = self._take_dirty("commit")
         previous = self.commit_scan
+        writing = frozenset((writers or open_for_writing()).under(self.root, mapped=True))
         if dirty is None or previous is None or (final and not self.complete):
             dirty = previous = None
         else:
-            dirty = dirty | previous.racy_dirs | (self.mapped_dirs() if final else set())
+            dirty = dirty | previous.racy_dirs | {p.rpartition("/")[0] for p in writing}
         try:
-            scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty, sink=self.log)
+            scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty, sink=self.log,
+                             writing=writing)
         except BaseException:
             with self.events_lock:
                 self.commit_dirty = None
@@ -227,10 +231,10 @@ class ChangeTracker:
         return {p: self.entries[p] for p in self.differing if p in self.entries}
 
     def mapped_dirs(self) -> set[str]:
-        """The directories of the box's files some process holds open for writing or maps
-        shared-writable: a write through a mapping sends no notification, so the final snapshot,
-        which no later full scan follows, looks at them itself."""
-        return {p.rpartition("/")[0] for p in open_for_writing().under(self.root)}
+        """The directories of the box's files some process maps shared-writable: a write through a
+        mapping sends no notification (and after its first, changes no stat data), so the commits
+        look at such files themselves (commit_scan_now)."""
+        return {p.rpartition("/")[0] for p in open_for_writing().under(self.root, mapped=True)}
 
     def nothing_new(self) -> bool:
         """The box is as the last snapshot holds it, by the change notifications alone (no scan): the

@@ -229,8 +229,10 @@ class Watcher:
             self.log(f"{self.tags.line.ref(self.tags.line.tag)} already holds this box: nothing to send")
             self._snapshotted(tokens, now, cp)
             return None
-        if final and tokens == self.changes.committed:
-            return None  # one scan, the commit's own, tells: the box is as the last snapshot has it
+        if final and tokens == self.changes.committed and not cp.writing:
+            # One scan, the commit's own, tells: the box is as the last snapshot has it. Not while
+            # a file is mapped for writing: its writes after the first change no stat data.
+            return None
         result = push_commit(cp, self.tags.line.ref(tag), self.transport, opts)
         self.origin_uploaded = self.origin_uploaded or opts.upload_origin
         self._pushed(cp, result, tag, seq, scanned, last, now)

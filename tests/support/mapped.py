@@ -1,0 +1,43 @@
+"""A real process that keeps a box file mapped shared and writable and writes through the map on
+demand (a database keeping its file mapped): the kernel moves the file's times at the first write
+to a clean page only, the writes after it change no stat data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+TIMEOUT = 60
+
+# Maps the file (its descriptor closed: the map alone holds it) and writes each word it is given at
+# the file's start, through the map, answering "wrote"; an empty line ends it.
+_WRITER = ("import mmap, sys\n"
+           "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); f.close()\n"
+           "for line in sys.stdin:\n"
+           "    word = line.strip().encode()\n"
+           "    if not word:\n"
+           "        break\n"
+           "    m[:len(word)] = word\n"
+           "    print('wrote', flush=True)\n")
+
+
+class MappedWriter:
+    def __init__(self, path: str):
+        self.proc = subprocess.Popen([sys.executable, "-c", _WRITER, path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def write(self, word: str) -> None:
+        """Write `word` through the map; returns once it is written."""
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline() == "wrote\n"
+
+    def exit(self) -> None:
+        self.proc.communicate("\n", timeout=TIMEOUT)
+
+
+def stat_data(path: str) -> tuple:
+    """What the stat cache and the walk memo compare of a file."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

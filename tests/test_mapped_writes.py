@@ -1,0 +1,132 @@
+"""A file some process maps shared-writable: the kernel moves its times at the first write to a
+clean page only, and the writes after it change no stat data (on tmpfs for good, on ext4 until
+writeback). Its stat data is never trusted: its layer is read by each commit, never put into the
+stat cache, and its path never kept by the walk memo, so the commit after the writer is gone reads
+it again too. (commit/model.py's CommitPlan.writing)"""
+
+import os
+
+import pytest
+
+from snapshotter import CommitOptions, commit_box, restore_image
+from snapshotter.box import scan as scan_module
+from snapshotter.commit import model as model_module
+from snapshotter.commit import push as push_module
+
+from support.images import layer_tar, layers_by_name
+from support.mapped import MappedWriter, stat_data
+from support.trees import write_tree
+
+STATE = "opt/app/db/state.bin"
+
+
+def image_bytes(registry, repo: str, tag: str, rel: str) -> bytes:
+    """`rel` as the image's own layers hold it (the topmost layer that has it)."""
+    found = None
+    for desc in layers_by_name(registry.manifest(repo, tag)).values():
+        with layer_tar(registry, repo, desc) as t:
+            for m in t.getmembers():
+                if m.name.rstrip("/") == rel and m.isreg():
+                    found = t.extractfile(m).read()
+    assert found is not None, f"{rel} is in no layer of {repo}:{tag}"
+    return found
+
+
+@pytest.fixture
+def old_box(box, monkeypatch):
+    """The box's files count as old (a real box's are older than the racy windows), and a file
+    written a moment ago is not held back as being written (the hold is another rule)."""
+    monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(model_module, "WRITING_QUIET_S", 0)
+    return box
+
+
+def test_writes_through_a_shared_map_that_change_no_stat_data_are_committed(registry, base_ref, old_box,
+                                                                            tmp_path):
+    path = os.path.join(old_box, STATE)
+    write_tree(old_box, {STATE: b"\0" * 8192})
+    writer = MappedWriter(path)
+    try:
+        writer.write("AAAA")  # the first write to the clean page moves the file's times
+        first = commit_box(f"{registry.host}/mapped:v1", base_ref, CommitOptions(root=old_box))
+        assert image_bytes(registry, "mapped", "v1", STATE)[:4] == b"AAAA"
+        before = stat_data(path)
+        writer.write("BBBB")  # the page is dirty already: nothing of its stat data moves
+        if stat_data(path) != before:
+            pytest.skip("this filesystem moves a file's times at every write through a map")
+        second = commit_box(f"{registry.host}/mapped:v2", base_ref, CommitOptions(root=old_box))
+        assert image_bytes(registry, "mapped", "v2", STATE)[:4] == b"BBBB"
+        assert [x.digest for x in second.layers] != [x.digest for x in first.layers]
+        writer.write("CCCC")
+        if stat_data(path) != before:
+            pytest.skip("this filesystem moves a file's times at every write through a map")
+    finally:
+        writer.exit()
+    # The writer is gone, the file's stat data still as when the second commit read BBBB: the
+    # stat cache must not have kept that layer for it.
+    assert stat_data(path) == before
+    commit_box(f"{registry.host}/mapped:v3", base_ref, CommitOptions(root=old_box))
+    assert image_bytes(registry, "mapped", "v3", STATE)[:4] == b"CCCC"
+    out = tmp_path / "out"
+    restore_image(f"{registry.host}/mapped:v3", str(out))
+    assert (out / STATE).read_bytes() == b"CCCC" + b"\0" * 8188
+
+
+def test_a_file_mapped_for_writing_is_read_again_but_sent_only_when_changed(registry, base_ref, old_box):
+    """Its layer is built and its digest compared: the same bytes are not sent again; the box's
+    other layers come from the stat cache, unread, as ever."""
+    write_tree(old_box, {STATE: b"\0" * 8192})
+    writer = MappedWriter(os.path.join(old_box, STATE))
+    try:
+        writer.write("AAAA")
+        commit_box(f"{registry.host}/mapped-same:v1", base_ref, CommitOptions(root=old_box))
+        again = commit_box(f"{registry.host}/mapped-same:v2", base_ref, CommitOptions(root=old_box))
+    finally:
+        writer.exit()
+    statuses = {layer.name: layer.status for layer in again.layers}
+    read = [name for name, status in statuses.items() if "not read" not in status]
+    assert len(read) == 1 and statuses[read[0]] == "exists, skipped", statuses
+    assert again.uploaded.get("layers", 0) == 0, again.uploaded
+
+
+def test_a_file_mapped_for_writing_keeps_the_plan_only_while_its_stat_data_is_the_same(registry, base_ref, old_box,
+                                                                                       monkeypatch):
+    """The kept walk holds no file some process maps (snapshot/kept.py): the kept plan is reused
+    while such a file's entry is as the plan had it, and made again when it moved (it grew)."""
+    planned = []
+    real = model_module.plan_layers
+    monkeypatch.setattr(model_module, "plan_layers", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    path = os.path.join(old_box, STATE)
+    write_tree(old_box, {STATE: b"\0" * 8192})
+    writer = MappedWriter(path)
+    try:
+        writer.write("AAAA")
+        for tag in ("v1", "v2"):
+            commit_box(f"{registry.host}/mapped-plan:{tag}", base_ref, CommitOptions(root=old_box))
+        assert len(planned) == 1
+        os.truncate(path, 3 * 8192)  # its size and times move; the kept walk's digest would not
+        commit_box(f"{registry.host}/mapped-plan:v3", base_ref, CommitOptions(root=old_box))
+    finally:
+        writer.exit()
+    assert len(planned) == 2
+    assert image_bytes(registry, "mapped-plan", "v3", STATE) == b"AAAA" + b"\0" * (3 * 8192 - 4)
+
+
+def test_a_file_held_open_for_writing_but_not_mapped_keeps_its_stat_cache(registry, base_ref, old_box):
+    """write(2) moves a file's times whenever the clock has moved: a file a process only holds open
+    for writing (a log) is trusted to its stat data as any other, its layer not read again."""
+    import subprocess
+    import sys
+
+    write_tree(old_box, {STATE: b"a log line\n"})
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'ab'); print('open', "
+                               "flush=True); sys.stdin.readline()", os.path.join(old_box, STATE)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        commit_box(f"{registry.host}/held-open:v1", base_ref, CommitOptions(root=old_box))
+        again = commit_box(f"{registry.host}/held-open:v2", base_ref, CommitOptions(root=old_box))
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert all("not read" in layer.status for layer in again.layers), {x.name: x.status for x in again.layers}
