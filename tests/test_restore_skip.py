@@ -374,3 +374,69 @@ def test_verify_never_trusts_a_lying_skeleton(committed, registry, proxy):
     code, doc, _ = _verify_json(proxy, root, "lying")
     assert code == 9
     assert sorted(d["path"] for d in doc["differences"]) == ["/" + SMALL[0], "/workspace/models/loras/l0_link.pt"]
+
+
+# A file capability (v2: effective, cap_net_bind_service permitted): setuid by another name.
+CAP_NET_BIND = (0x02000001).to_bytes(4, "little") + (1 << 10).to_bytes(4, "little") + bytes(12)
+TOOL = "srv/app/bin/tool"
+
+
+def _small_snapshot(registry, tmp_path, repo: str, prepare) -> str:
+    """A small box on no base, `prepare(box)` giving it its xattrs, committed as REPO:v1."""
+    box = tmp_path / "small-box"
+    write_tree(str(box), {"srv/app/a.txt": "alpha\n", TOOL: os.urandom(3000)})
+    try:
+        prepare(box)
+    except OSError as e:
+        pytest.skip(f"this filesystem refuses the xattrs: {e}")
+    ref = f"{registry.host}/{repo}:v1"
+    snap("commit", ref, "--base", "scratch", "--root", str(box), check=True)
+    return ref
+
+
+def _skipped(ref, root, tmp_path, *extra) -> tuple[int, int]:
+    """Restore REF into `root` as after a pod restart (a fresh state dir): (layers skipped, applied)."""
+    state = tmp_path / f"state-{len(list(tmp_path.glob('state-*')))}"
+    r = snap("restore", ref, "--root", str(root), "--json", *extra, env={"SNAP_STATE_DIR": str(state)}, check=True)
+    doc = json.loads(r.stdout)
+    return doc["skipped_layers"], len(doc["applied"])
+
+
+def test_a_file_with_an_xattr_its_layer_does_not_set_is_applied_again(registry, tmp_path):
+    """A file's layer sets its xattrs on a file it makes new: one with another xattr (user.evil) is
+    not what applying the layer leaves, and its layer is applied (the file then holds the layer's
+    alone). A directory keeps the xattrs it has when a layer is applied over it: one more there does
+    not fail the layer."""
+    ref = _small_snapshot(registry, tmp_path, "skip-xattr",
+                          lambda box: os.setxattr(box / "srv/app/a.txt", "user.tag", b"blue"))
+    root = tmp_path / "root"
+    _skipped(ref, root, tmp_path)
+    held, applied = _skipped(ref, root, tmp_path)
+    assert held >= 1 and applied == 0
+    os.setxattr(root / "srv/app", "user.dir", b"the volume's own")
+    assert _skipped(ref, root, tmp_path) == (held, 0)
+    os.setxattr(root / "srv/app/a.txt", "user.evil", b"1")
+    assert _skipped(ref, root, tmp_path)[1] >= 1
+    assert sorted(os.listxattr(root / "srv/app/a.txt")) == ["user.tag"]
+    assert _skipped(ref, root, tmp_path) == (held, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="file capabilities need root")
+def test_a_capability_kept_by_allow_setuid_is_applied_again_without_it(registry, tmp_path):
+    """A file committed with a capability, restored with --allow-setuid, then restored without it:
+    its layer is applied again (as a setuid bit's is), and the file is left as a fresh restore
+    leaves it: no capability."""
+    def prepare(box):
+        os.chmod(box / TOOL, 0o755)
+        os.setxattr(box / TOOL, "security.capability", CAP_NET_BIND)
+
+    ref = _small_snapshot(registry, tmp_path, "skip-capability", prepare)
+    root, fresh = tmp_path / "root", tmp_path / "fresh"
+    _skipped(ref, root, tmp_path, "--allow-setuid")
+    assert "security.capability" in os.listxattr(root / TOOL)
+    held, applied = _skipped(ref, root, tmp_path, "--allow-setuid")
+    assert held >= 1 and applied == 0
+    assert _skipped(ref, root, tmp_path)[1] >= 1
+    _skipped(ref, fresh, tmp_path)
+    assert "security.capability" not in os.listxattr(root / TOOL)
+    assert snapshot_of_tree(str(root)) == snapshot_of_tree(str(fresh))
