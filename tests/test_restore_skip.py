@@ -12,6 +12,7 @@ import tarfile
 
 import pytest
 
+from support.images import CAP_NET_BIND, xattr_snapshot
 from support.run import snap
 from support.trees import NOT_CAPTURED, flip_byte, make_box, snapshot_of_tree, write_tree
 
@@ -376,22 +377,7 @@ def test_verify_never_trusts_a_lying_skeleton(committed, registry, proxy):
     assert sorted(d["path"] for d in doc["differences"]) == ["/" + SMALL[0], "/workspace/models/loras/l0_link.pt"]
 
 
-# A file capability (v2: effective, cap_net_bind_service permitted): setuid by another name.
-CAP_NET_BIND = (0x02000001).to_bytes(4, "little") + (1 << 10).to_bytes(4, "little") + bytes(12)
 TOOL = "srv/app/bin/tool"
-
-
-def _small_snapshot(registry, tmp_path, repo: str, prepare) -> str:
-    """A small box on no base, `prepare(box)` giving it its xattrs, committed as REPO:v1."""
-    box = tmp_path / "small-box"
-    write_tree(str(box), {"srv/app/a.txt": "alpha\n", TOOL: os.urandom(3000)})
-    try:
-        prepare(box)
-    except OSError as e:
-        pytest.skip(f"this filesystem refuses the xattrs: {e}")
-    ref = f"{registry.host}/{repo}:v1"
-    snap("commit", ref, "--base", "scratch", "--root", str(box), check=True)
-    return ref
 
 
 def _skipped(ref, root, tmp_path, *extra) -> tuple[int, int]:
@@ -407,7 +393,7 @@ def test_a_file_with_an_xattr_its_layer_does_not_set_is_applied_again(registry, 
     not what applying the layer leaves, and its layer is applied (the file then holds the layer's
     alone). A directory keeps the xattrs it has when a layer is applied over it: one more there does
     not fail the layer."""
-    ref = _small_snapshot(registry, tmp_path, "skip-xattr",
+    ref = xattr_snapshot(registry, tmp_path, "skip-xattr",
                           lambda box: os.setxattr(box / "srv/app/a.txt", "user.tag", b"blue"))
     root = tmp_path / "root"
     _skipped(ref, root, tmp_path)
@@ -430,7 +416,7 @@ def test_a_capability_kept_by_allow_setuid_is_applied_again_without_it(registry,
         os.chmod(box / TOOL, 0o755)
         os.setxattr(box / TOOL, "security.capability", CAP_NET_BIND)
 
-    ref = _small_snapshot(registry, tmp_path, "skip-capability", prepare)
+    ref = xattr_snapshot(registry, tmp_path, "skip-capability", prepare)
     root, fresh = tmp_path / "root", tmp_path / "fresh"
     _skipped(ref, root, tmp_path, "--allow-setuid")
     assert "security.capability" in os.listxattr(root / TOOL)

@@ -3,7 +3,10 @@ restore's skip check (skip.py) and `snap verify` (verify.py)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from snapshotter.box.scan import read_xattrs
+from snapshotter.tar.rules import applied_xattrs
 
 
 def xattrs_differ(path: str, want: dict[str, str], exact: bool) -> str:
@@ -20,3 +23,14 @@ def xattrs_differ(path: str, want: dict[str, str], exact: bool) -> str:
             return f"extended attribute {name!r} {'missing' if name not in have else 'differs'}"
     extra = sorted(have.keys() - want.keys()) if exact else []
     return f"extended attribute {extra[0]!r} extra (not in the image)" if extra else ""
+
+
+def image_xattrs_differ(path: str, xattrs: Optional[dict[str, str]], allow_setuid: bool) -> str:
+    """`snap verify`: how the xattrs of `path` differ from the image's `xattrs` (Entry.xattrs), all of
+    them: a directory's extra ones too. Its file capability, as its setuid bits: required with
+    --allow-setuid; without, stripped or kept alike (a restore with --allow-setuid left it)."""
+    differ = xattrs_differ(path, applied_xattrs(xattrs, allow_setuid), exact=True)
+    kept = applied_xattrs(xattrs, True)
+    if differ and not allow_setuid and kept != applied_xattrs(xattrs, False) and not xattrs_differ(path, kept, True):
+        return ""
+    return differ
