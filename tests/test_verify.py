@@ -131,6 +131,22 @@ def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp
     assert [(d["path"], d["kind"]) for d in doc["differences"]] == [("/opt/app/models/huge.safetensors", "content")]
 
 
+def test_a_file_joined_from_part_layers_keeps_its_xattrs(registry, tmp_path):
+    """A file cut into part layers is joined with the xattrs commit took from it: verify finds it as
+    the image has it, and a restart's restore finds its parts in the root (not downloaded)."""
+    big, url = "m/big.bin", b"https://example.com/big.bin"
+    ref = xattr_snapshot(registry, tmp_path, "verify-parts-xattrs",
+                         lambda box: os.setxattr(box / big, "user.xdg.origin.url", url),
+                         {big: os.urandom(2 * 1024 * 1024 + 77)}, "--max-layer-size", "1MiB")
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    assert os.getxattr(out / big, "user.xdg.origin.url") == url
+    assert verify(ref, out).returncode == 0
+    r = snap("restore", ref, "--root", str(out), "--json", env={"SNAP_STATE_DIR": str(tmp_path / "restart")},
+             check=True)
+    assert not [name for name in json.loads(r.stdout)["applied"] if "part" in name], r.stdout
+
+
 def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
     import hashlib
 
