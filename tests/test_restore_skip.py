@@ -13,6 +13,7 @@ import tarfile
 
 import pytest
 
+from support.images import CAP_NET_BIND, xattr_snapshot
 from support.run import snap
 from support.tars import member, tar_bytes
 from support.trees import NOT_CAPTURED, flip_byte, make_box, snapshot_of_tree, write_tree
@@ -436,3 +437,54 @@ def test_a_path_an_applied_layer_deletes_then_makes_again_is_not_skipped_below(r
     doc, err = _restore_again(ref, root, tmp_path / "s1")
     assert (root / "d/f").read_bytes() == b"precious\n", err
     assert doc["skipped_layers"] == 0
+
+
+TOOL = "srv/app/bin/tool"
+
+
+def _skipped(ref, root, tmp_path, *extra) -> tuple[int, int]:
+    """Restore REF into `root` as after a pod restart (a fresh state dir): (layers skipped, applied)."""
+    state = tmp_path / f"state-{len(list(tmp_path.glob('state-*')))}"
+    r = snap("restore", ref, "--root", str(root), "--json", *extra, env={"SNAP_STATE_DIR": str(state)}, check=True)
+    doc = json.loads(r.stdout)
+    return doc["skipped_layers"], len(doc["applied"])
+
+
+def test_a_file_with_an_xattr_its_layer_does_not_set_is_applied_again(registry, tmp_path):
+    """A file's layer sets its xattrs on a file it makes new: one with another xattr (user.evil) is
+    not what applying the layer leaves, and its layer is applied (the file then holds the layer's
+    alone). A directory keeps the xattrs it has when a layer is applied over it: one more there does
+    not fail the layer."""
+    ref = xattr_snapshot(registry, tmp_path, "skip-xattr",
+                          lambda box: os.setxattr(box / "srv/app/a.txt", "user.tag", b"blue"))
+    root = tmp_path / "root"
+    _skipped(ref, root, tmp_path)
+    held, applied = _skipped(ref, root, tmp_path)
+    assert held >= 1 and applied == 0
+    os.setxattr(root / "srv/app", "user.dir", b"the volume's own")
+    assert _skipped(ref, root, tmp_path) == (held, 0)
+    os.setxattr(root / "srv/app/a.txt", "user.evil", b"1")
+    assert _skipped(ref, root, tmp_path)[1] >= 1
+    assert sorted(os.listxattr(root / "srv/app/a.txt")) == ["user.tag"]
+    assert _skipped(ref, root, tmp_path) == (held, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="file capabilities need root")
+def test_a_capability_kept_by_allow_setuid_is_applied_again_without_it(registry, tmp_path):
+    """A file committed with a capability, restored with --allow-setuid, then restored without it:
+    its layer is applied again (as a setuid bit's is), and the file is left as a fresh restore
+    leaves it: no capability."""
+    def prepare(box):
+        os.chmod(box / TOOL, 0o755)
+        os.setxattr(box / TOOL, "security.capability", CAP_NET_BIND)
+
+    ref = xattr_snapshot(registry, tmp_path, "skip-capability", prepare)
+    root, fresh = tmp_path / "root", tmp_path / "fresh"
+    _skipped(ref, root, tmp_path, "--allow-setuid")
+    assert "security.capability" in os.listxattr(root / TOOL)
+    held, applied = _skipped(ref, root, tmp_path, "--allow-setuid")
+    assert held >= 1 and applied == 0
+    assert _skipped(ref, root, tmp_path)[1] >= 1
+    _skipped(ref, fresh, tmp_path)
+    assert "security.capability" not in os.listxattr(root / TOOL)
+    assert snapshot_of_tree(str(root)) == snapshot_of_tree(str(fresh))

@@ -2,11 +2,13 @@
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
 
 from support.run import snap
+from support.images import CAP_NET_BIND, xattr_snapshot
 from support.trees import flip_byte, make_box
 
 
@@ -129,6 +131,22 @@ def test_files_joined_from_part_layers_are_verified(registry, base_ref, box, tmp
     assert [(d["path"], d["kind"]) for d in doc["differences"]] == [("/opt/app/models/huge.safetensors", "content")]
 
 
+def test_a_file_joined_from_part_layers_keeps_its_xattrs(registry, tmp_path):
+    """A file cut into part layers is joined with the xattrs commit took from it: verify finds it as
+    the image has it, and a restart's restore finds its parts in the root (not downloaded)."""
+    big, url = "m/big.bin", b"https://example.com/big.bin"
+    ref = xattr_snapshot(registry, tmp_path, "verify-parts-xattrs",
+                         lambda box: os.setxattr(box / big, "user.xdg.origin.url", url),
+                         {big: os.urandom(2 * 1024 * 1024 + 77)}, "--max-layer-size", "1MiB")
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    assert os.getxattr(out / big, "user.xdg.origin.url") == url
+    assert verify(ref, out).returncode == 0
+    r = snap("restore", ref, "--root", str(out), "--json", env={"SNAP_STATE_DIR": str(tmp_path / "restart")},
+             check=True)
+    assert not [name for name in json.loads(r.stdout)["applied"] if "part" in name], r.stdout
+
+
 def test_tampered_blob_fails_verify_with_integrity_error(registry, tmp_path):
     import hashlib
 
@@ -196,3 +214,74 @@ def test_parallel_hashing_finds_what_one_job_finds(restored):
     assert paths == ["/etc/app.conf", "/opt/app/config.yaml", "/opt/app/main.py"], many[1]["differences"]
     bad = verify(ref, out, "--jobs", "0")
     assert bad.returncode != 0 and "--jobs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_split_hardlink_is_reported(restored):
+    """Two names the image gives one file, made two files of the same bytes: the second name is
+    reported, whether its layer is read from the registry or checked in the directory."""
+    ref, out = restored
+    first, link = out / "opt/app/custom_nodes/NodeA/nodes.py", out / "opt/app/custom_nodes/NodeA/nodes_link.py"
+    assert os.stat(first).st_ino == os.stat(link).st_ino
+    os.unlink(link)
+    shutil.copy2(first, link)
+    for args in ((), ("--read-layers",)):
+        code, doc = verify_json(ref, out, *args)
+        assert code == 9 and [(d["path"], d["kind"]) for d in doc["differences"]] == [
+            ("/opt/app/custom_nodes/NodeA/nodes_link.py", "hardlink")], doc
+    r = verify(ref, out)
+    assert r.stdout.splitlines()[0] == ("/opt/app/custom_nodes/NodeA/nodes_link.py: not a hardlink to "
+                                        "'/opt/app/custom_nodes/NodeA/nodes.py', as in the image"), r.stdout
+
+
+XATTR_CHANGES = {
+    "removed": (lambda out: os.removexattr(out / "srv/app/a.txt", "user.tag"), "/srv/app/a.txt", "'user.tag' missing"),
+    "changed": (lambda out: os.setxattr(out / "srv/app/a.txt", "user.tag", b"red"), "/srv/app/a.txt",
+                "'user.tag' differs"),
+    "added": (lambda out: os.setxattr(out / "srv/app/b.txt", "user.evil", b"1"), "/srv/app/b.txt",
+              "'user.evil' extra"),
+    "added to a directory": (lambda out: os.setxattr(out / "srv/app", "user.evil", b"1"), "/srv/app",
+                             "'user.evil' extra"),
+}
+
+
+def test_each_xattr_change_is_reported(registry, tmp_path):
+    """An xattr of the image removed or changed, or one it does not have added (to a file or a
+    directory), in a restored tree: that path is reported, one line naming the attribute."""
+    ref = xattr_snapshot(registry, tmp_path, "verify-xattrs",
+                          lambda box: os.setxattr(box / "srv/app/a.txt", "user.tag", b"blue"))
+    restored = tmp_path / "restored"
+    snap("restore", ref, "--root", str(restored), check=True)
+    assert verify(ref, restored).returncode == 0
+    for change, (modify, path, what) in XATTR_CHANGES.items():
+        out = tmp_path / change.replace(" ", "-")
+        subprocess.run(["cp", "-a", str(restored), str(out)], check=True)
+        modify(out)
+        code, doc = verify_json(ref, out, *(("--read-layers",) if change == "removed" else ()))
+        assert code == 9 and [(d["path"], d["kind"], d["detail"]) for d in doc["differences"]] == [
+            (path, "xattrs", f"extended attribute {what}" + (" (not in the image)" if what.endswith("extra") else ""))
+        ], (change, doc)
+    r = verify(ref, tmp_path / "added")
+    assert r.returncode == 9 and r.stdout.splitlines()[0] == \
+        "/srv/app/b.txt: extended attribute 'user.evil' extra (not in the image)", r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="file capabilities need root")
+def test_a_file_capability_follows_what_restore_writes(registry, tmp_path):
+    """A capability is compared as setuid bits are: the image's, stripped by a plain restore, is
+    required with --allow-setuid and no difference without; one the image never had is reported."""
+    def prepare(box):
+        os.chmod(box / "srv/app/bin/tool", 0o755)
+        os.setxattr(box / "srv/app/bin/tool", "security.capability", CAP_NET_BIND)
+
+    ref = xattr_snapshot(registry, tmp_path, "verify-capability", prepare)
+    plain, kept = tmp_path / "plain", tmp_path / "kept"
+    snap("restore", ref, "--root", str(plain), check=True)
+    snap("restore", ref, "--root", str(kept), "--allow-setuid", check=True)
+    assert verify(ref, plain).returncode == 0 and verify(ref, kept).returncode == 0
+    assert verify(ref, kept, "--allow-setuid").returncode == 0
+    code, doc = verify_json(ref, plain, "--allow-setuid")
+    assert code == 9 and [(d["path"], d["detail"]) for d in doc["differences"]] == [
+        ("/srv/app/bin/tool", "extended attribute 'security.capability' missing")], doc
+    os.setxattr(kept / "srv/app/b.txt", "security.capability", CAP_NET_BIND)
+    code, doc = verify_json(ref, kept)
+    assert code == 9 and [(d["path"], d["kind"]) for d in doc["differences"]] == [("/srv/app/b.txt", "xattrs")], doc

@@ -51,8 +51,11 @@ class ImageIndexer:
     paths, a non-directory replaces a lower directory tree, a path below a symlink lands where the
     symlink leads. Linear in the index and the layer."""
 
-    def __init__(self, index: Optional[dict[str, Entry]] = None):
+    def __init__(self, index: Optional[dict[str, Entry]] = None, links: Optional[dict[str, object]] = None):
         self.index: dict[str, Entry] = {} if index is None else index
+        # path -> a key its file's other names share, for the paths the layers make hardlinks of one
+        # file (`snap verify` checks they share an inode); kept across layers by the caller's dict.
+        self.links = links
         self._start_layer()
 
     def _start_layer(self) -> None:
@@ -89,12 +92,16 @@ class ImageIndexer:
                 return
             e = Entry(rel, FILE, src.mode, src.uid, src.gid, src.size, src.mtime, digest=src.digest, xattrs=src.xattrs,
                       mtime_ns=src.mtime_ns)
+            if self.links is not None:  # one key per file: a later file at `target` is another one
+                self.links[rel] = self.links.setdefault(target, object())
         else:
             e = entry_from_member(m, rel)
             if e is None:
                 return
             if e.kind == FILE:
                 e.digest = content_digest()
+            if self.links is not None:
+                self.links.pop(rel, None)  # a new path: no link of what was there before
         layer[rel] = e
 
     def end_layer(self) -> set[str]:
@@ -112,7 +119,11 @@ class ImageIndexer:
         for rel, e in layer.items():
             index[rel] = e
         self._start_layer()
-        return removed - index.keys()
+        removed -= index.keys()
+        if self.links:
+            for rel in removed:
+                self.links.pop(rel, None)
+        return removed
 
 
 def _gone(rel: str, whiteouts: set[str], opaques: set[str], replaced: set[str]) -> bool:

@@ -54,7 +54,7 @@ def set_attrs(path, m: tarfile.TarInfo, same_owner: bool, keep_privileges: bool,
     if m.type != tarfile.SYMTYPE and (created is None or created[0] != mode):
         os.chmod(path, mode)
     for name, value in xattrs.items():
-        _set_xattr(path, name, value, nofollow)
+        set_xattr(path, name, value, nofollow)
     if not set_time:
         return
     # A PAX mtime to the ns, as Docker sets it: the next commit's diff tells an untouched base file by it.
@@ -75,7 +75,8 @@ def umask() -> Optional[int]:
     return None
 
 
-def _set_xattr(path, name: str, value: str, nofollow: dict) -> None:
+def set_xattr(path, name: str, value: str, nofollow: dict) -> None:
+    """One xattr (a PAX value: surrogate-escaped text) on a path or fd; one the disk refuses is left out."""
     if name.startswith(SKIP_XATTRS):
         return
     data = value.encode("utf-8", "surrogateescape")

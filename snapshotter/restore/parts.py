@@ -12,12 +12,14 @@ import os
 import shutil
 import stat
 
+from snapshotter.box.scan import read_xattrs
 from snapshotter.errors import IntegrityError, printable, quoted_path, storage_error
 from snapshotter.layer.extract import Extractor
+from snapshotter.layer.fileops import set_xattr
 from snapshotter.layer.roottree import TMP_PREFIX
 from snapshotter.layer.plan import parse_part_annotation, part_name
 from snapshotter.oci.image import SNAP_PART, SNAP_PART_FILE, SNAP_PART_LINKS, layer_label
-from snapshotter.tar.rules import check_name
+from snapshotter.tar.rules import applied_xattrs, check_name
 
 from .journal import Journal
 
@@ -152,7 +154,7 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
 
 def _write_joined(extractor: Extractor, rel: str, names: list[str], dfd: int, fsync: bool) -> None:
     """Write the parts `names` (in directory dfd) end to end as /rel, with the first part's owner,
-    mode and times: in a temp file renamed into place."""
+    mode, xattrs and times: in a temp file renamed into place."""
     count, base = len(names), rel.rpartition("/")[2]
     tmp = f"{TMP_PREFIX}join-{os.getpid()}"
     out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
@@ -170,11 +172,16 @@ def _write_joined(extractor: Extractor, rel: str, names: list[str], dfd: int, fs
             if extractor.opts.same_owner:
                 os.fchown(out.fileno(), first_st.st_uid, first_st.st_gid)
             mode = stat.S_IMODE(first_st.st_mode)
-            if mode & (stat.S_ISUID | stat.S_ISGID) and not (extractor.opts.allow_setuid and os.geteuid() == 0):
+            keep = extractor.opts.allow_setuid and os.geteuid() == 0
+            if mode & (stat.S_ISUID | stat.S_ISGID) and not keep:
                 # The first part may be a hardlink to any setuid file already in the tree.
                 mode &= ~(stat.S_ISUID | stat.S_ISGID)
                 extractor.stats.stripped("/" + rel)
-            os.fchmod(out.fileno(), mode)  # after chown: chown clears setuid bits
+            os.fchmod(out.fileno(), mode)  # after chown: chown clears setuid bits and capabilities
+            # Its member's xattrs, as the extractor left them on the first part (the part's name
+            # in the directory's handle, the name not followed: as the scan reads a path's).
+            for name, value in applied_xattrs(read_xattrs(f"/proc/self/fd/{dfd}/{names[0]}"), keep).items():
+                set_xattr(out.fileno(), name, value, {})
             os.utime(out.fileno(), ns=(first_st.st_atime_ns, first_st.st_mtime_ns))
         os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
     finally:

@@ -6,11 +6,12 @@ is checked against the root:
 
 1. A stat pass over the layer's members, by the extractor's rules (layer/extract.py): every path there,
    reached through real directories, of the right type, size, mode (setuid bits as the extractor
-   leaves them), owner (when the restore sets owners), xattrs, symlink target and mtime; each
-   hardlink the same inode as its target, each file with no other links than the layer's; each
-   whiteout's path absent. A directory's mtime is left to the last layer that carries it (the one
-   that decides it). A part of a file cut at the layer cap is read from the joined file. Any
-   other member type, an opaque whiteout or a path the restore never writes fails the layer.
+   leaves them), owner (when the restore sets owners), xattrs (a file's or symlink's those alone, as
+   the extractor makes it new: xattrs.py), symlink target and mtime; each hardlink the same inode as
+   its target, each file with no other links than the layer's; each whiteout's path absent. A
+   directory's mtime is left to the last layer that carries it (the one that decides it). A part
+   of a file cut at the layer cap is read from the joined file. Any other member type, an opaque
+   whiteout or a path the restore never writes fails the layer.
 2. The layer's tar rebuilt from its headers and the bytes on disk, hashed: equal to its diff_id
    means applying it writes exactly what is there. A file that differs never passes: its bytes
    differ (the hash) or its stat data does (the stat pass). Where this state dir's restore record
@@ -48,12 +49,12 @@ from snapshotter.snapshot.skeleton import Skeleton
 from snapshotter.tar.reader import EntryCount
 from .rebuild import Source, members_of, rebuilt_diff_id
 from .skip_order import WHITEOUT, in_order
-from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, member_xattrs,
-                                   whiteout_target)
+from .xattrs import xattrs_differ
+from snapshotter.tar.rules import (OPAQUE, WHITEOUT_PREFIX, HeadersDigest, applied_xattrs, check_name, header_key,
+                                   member_xattrs, whiteout_target)
 
 HASH_WORKERS = max(1, min(16, cpu_count()))  # layers hashed at once (a GPU box has 16+ cores)
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
-_CAPABILITY = "security.capability"
 
 
 
@@ -201,11 +202,9 @@ def _expected(m: tarfile.TarInfo, rules: RootRules) -> tuple[int, tuple]:
     """The mode and xattrs applying `m` leaves (the extractor strips setuid bits and file
     capabilities unless --allow-setuid as root)."""
     mode = m.mode & 0o7777
-    xattrs = member_xattrs(m) or {}
     if not rules.keep_privileges and not m.isdir():
         mode &= ~_PRIVILEGE_BITS
-        xattrs.pop(_CAPABILITY, None)
-    return mode, tuple(sorted(xattrs.items()))
+    return mode, tuple(sorted(applied_xattrs(member_xattrs(m), rules.keep_privileges).items()))
 
 
 def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, root: RootPaths,
@@ -240,17 +239,17 @@ def _stat_pass(members: list[tarfile.TarInfo], desc: dict, rules: RootRules, roo
             source = _regular(m, rel, part_file, part, rules, root, links_to)
             sources[-1] = source
             regular.add(rel)
-            _attrs(m, source.st, rules, shown, mtime=True)
+            _attrs(m, source.st, rules, source.path, mtime=True)  # a part's: the joined file's
         elif m.isdir():
             st = root.lstat(rel)
             if st is None or not stat.S_ISDIR(st.st_mode):
                 raise _Fail(f"{shown} is not a directory")
-            _attrs(m, st, rules, shown, mtime=rel not in later_dirs)
+            _attrs(m, st, rules, rel, mtime=rel not in later_dirs)
         elif m.issym():
             st = root.lstat(rel)
             if st is None or not stat.S_ISLNK(st.st_mode) or os.readlink(root.full(rel)) != m.linkname:
                 raise _Fail(f"{shown} is not the symlink to {m.linkname!r}")
-            _attrs(m, st, rules, shown, mtime=True)
+            _attrs(m, st, rules, rel, mtime=True)
         elif m.islnk():
             target = check_name(m.linkname)
             st, tst = root.lstat(rel), root.lstat(target)
@@ -293,22 +292,20 @@ def _regular(m: tarfile.TarInfo, rel: str, part_file: Optional[str], part: Optio
     return Source(rel, 0, m.size, st)
 
 
-def _attrs(m: tarfile.TarInfo, st: os.stat_result, rules: RootRules, shown: str, mtime: bool) -> None:
-    """Fail unless the mode, owner, xattrs (and `mtime`) of a path are what applying `m` leaves."""
+def _attrs(m: tarfile.TarInfo, st: os.stat_result, rules: RootRules, rel: str, mtime: bool) -> None:
+    """Fail unless the mode, owner, xattrs (and `mtime`) of `rel` are what applying `m` leaves."""
     mode, xattrs = _expected(m, rules)
+    shown = "/" + rel
     if not m.issym() and stat.S_IMODE(st.st_mode) != mode:
         raise _Fail(f"{shown} has mode {stat.S_IMODE(st.st_mode):04o}, the layer {mode:04o}")
     if rules.same_owner and (st.st_uid, st.st_gid) != (m.uid, m.gid):
         raise _Fail(f"{shown} is owned by {st.st_uid}:{st.st_gid}, in the layer by {m.uid}:{m.gid}")
     if mtime and int(st.st_mtime) != int(m.mtime):
         raise _Fail(f"{shown} has another mtime than in the layer")
-    for name, value in xattrs:
-        try:
-            have = os.getxattr(os.path.join(rules.root, shown[1:]), name, follow_symlinks=False)
-        except OSError:
-            have = None
-        if have != value.encode("utf-8", "surrogateescape"):
-            raise _Fail(f"{shown} lacks the extended attribute {name!r} the layer sets")
+    # A directory the extractor finds there keeps the xattrs it has; any other path is made new.
+    differ = xattrs_differ(os.path.join(rules.root, rel), dict(xattrs), exact=not m.isdir())
+    if differ:
+        raise _Fail(f"{shown}: {differ}")
 
 
 def plan_skips(todo: list[tuple[int, dict, str]], start: int, skeletons: dict[str, Skeleton], rules: RootRules,

@@ -8,12 +8,15 @@ whole (skip.hold_layer: its headers blob and the directory's bytes rebuild a tar
 its diff_id) is not streamed, unless `read_layers`: its members come from its headers, each file's
 digest from the bytes that hash read; its blob is only asked for (HEAD). Every path of the tree
 is then checked in the directory: type, content digest, mode, owner, symlink target, device number
-(a file whose bytes were read already is not read again).
+(a file whose bytes were read already is not read again), extended attributes (exactly those restore
+sets: xattrs.py; a directory's extra ones too, though a restore over it leaves them), and that the
+names the image gives one file (hardlinks) are one inode.
 
 What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
 profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), the secrets commit left
-out (listed in the image's manifest, and reported as left out instead), and, as restore does
-not write them by default, device nodes and setuid/setgid bits (unless --allow-devices /
+out (listed in the image's manifest, and reported as left out instead), `trusted.*` xattrs and
+SELinux labels (the host's: commit never takes them), and, as restore does not write them by
+default, device nodes, setuid/setgid bits and file capabilities (unless --allow-devices /
 --allow-setuid). Files in the directory that the image does not have are reported only with
 `strict` (a live root has much the image never held); paths the image deletes (whiteouts) are
 reported when they are still there.
@@ -56,6 +59,7 @@ from snapshotter.tar.rules import check_name
 from .held import HeldLayers, Members
 from .parts import part_files, part_links
 from .skip import RootPaths, RootRules
+from .xattrs import image_xattrs_differ
 
 _PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
 HASH_BATCH = 1024  # files whose content is compared at once: what is kept per file stays bounded
@@ -79,12 +83,21 @@ class VerifyOptions:
 @dataclass
 class Difference:
     path: str  # "/opt/app/x"
-    kind: str  # missing | extra | type | content | mode | owner | symlink | device
+    kind: str  # missing | extra | type | content | mode | owner | symlink | device | xattrs | hardlink
     detail: str
 
     def __str__(self) -> str:
         # A name with a newline or a control character in it is quoted: it cannot forge a line.
         return f"{self.path if self.path.isprintable() else quoted_path(self.path)}: {self.detail}"
+
+
+@dataclass
+class ImageTree:
+    """What the image's layers leave, as restore applies them."""
+
+    index: dict[str, Entry]  # its paths
+    deleted: set[str]  # paths its layers delete that no later layer brings back
+    linked: dict[str, object]  # path -> a key its file's other names share (the hardlinks the layers make)
 
 
 @dataclass
@@ -107,14 +120,15 @@ class VerifyResult:
 
 
 def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] = lambda msg: None, jobs: int = 1,
-                holder: Optional[HeldLayers] = None) -> tuple[dict[str, Entry], set[str]]:
-    """(index of the image's paths, paths its layers delete that no later layer brings back).
-    Layers are read with restore's checks: an image restore refuses is refused here too. `jobs`
-    layers are downloaded, decompressed and hashed at once (threads: zstd, zlib and hashlib let go
-    of Python's lock); their members go into the index in layer order. A layer the `holder` finds
-    whole in the directory is not downloaded: its members come from its headers."""
+                holder: Optional[HeldLayers] = None) -> ImageTree:
+    """The image's paths, those its layers delete, its hardlinks. Layers are read with restore's
+    checks: an image restore refuses is refused here too. `jobs` layers are downloaded, decompressed
+    and hashed at once (threads: zstd, zlib and hashlib let go of Python's lock); their members go
+    into the index in layer order. A layer the `holder` finds whole in the directory is not
+    downloaded: its members come from its headers."""
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
+    linked: dict[str, object] = {}
     joins: dict[str, tuple[hashlib._Hash, int]] = {}  # part-layer file -> (running sha256, size so far)
     links = part_links(layers)
     for rel in (*part_files(layers), *links, *(n for names in links.values() for n in names)):
@@ -148,11 +162,11 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
                 read_ahead()
                 if got is None:
                     def consume(stream, check) -> None:  # check: left to check_layer (an index shows nothing early)
-                        deleted.update(_apply_part_layer(index, stream, joins, links, label, entries))
+                        deleted.update(_apply_part_layer(index, stream, joins, links, label, entries, linked))
 
                     read_blob(remote, desc, diff_id, label, log, consume)
                 else:
-                    indexer = ImageIndexer(index)
+                    indexer = ImageIndexer(index, linked)
                     got.reverse()
                     while got:  # each member dropped as it is indexed
                         m, digest = got.pop()
@@ -164,7 +178,7 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
                 f.cancel()
     for rel in (*index, *deleted):
         _check_fits(rel)
-    return index, deleted
+    return ImageTree(index, deleted, linked)
 
 
 def read_blob(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
@@ -203,12 +217,12 @@ def _check_fits(rel: str) -> None:
 
 
 def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[str, list[str]],
-                      label: str, entries: EntryCount) -> set[str]:
+                      label: str, entries: EntryCount, linked: dict[str, object]) -> set[str]:
     """A layer holding one part of a file cut at the layer size cap: hash it into the joined file,
-    which is what restore leaves at the path once the last part is in (and at its other names).
-    Its other members are indexed with the indexer's checks (hardlinks, whiteouts, symlinks), as in
-    any layer. Returns the paths it removed."""
-    indexer = ImageIndexer(index)
+    which is what restore leaves at the path once the last part is in (and at its other names,
+    hardlinks to it: `linked`). Its other members are indexed with the indexer's checks (hardlinks,
+    whiteouts, symlinks), as in any layer. Returns the paths it removed."""
+    indexer = ImageIndexer(index, linked)
     for reader, m in iter_members(stream, f"layer {label}", entries):
         rel = check_name(m.name)
         part = parse_part_name(rel) if m.isreg() else None
@@ -226,8 +240,10 @@ def _apply_part_layer(index: dict[str, Entry], stream, joins: dict, links: dict[
         e = entry_from_member(m, path)
         e.size, e.digest = size, hasher_digest(h)
         index[path] = e
+        key = linked[path] = object()  # a new file: no link of what was there before
         for name in links.get(path, ()):
             index[name] = replace(e, path=name)
+            linked[name] = key
     return indexer.end_layer()
 
 
@@ -239,13 +255,13 @@ def _kind_name(kind: str) -> str:
     return {FILE: "a file", DIR: "a directory", SYMLINK: "a symlink"}.get(kind, other)
 
 
-def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyOptions,
-            left_out: frozenset[str] = frozenset(), read: Optional[dict[str, str]] = None,
-            paths: Optional[RootPaths] = None) -> tuple[int, list[Difference]]:
+def compare(root: str, tree: ImageTree, opts: VerifyOptions, left_out: frozenset[str] = frozenset(),
+            read: Optional[dict[str, str]] = None, paths: Optional[RootPaths] = None) -> tuple[int, list[Difference]]:
     """Compare the directory with the image's paths. `left_out` holds the paths commit left out as
     secrets: neither they nor what lies under them are compared. `read`: the digests of files whose
     bytes this verify has read already (held layers'): those are not read again."""
-    c = _Comparison(paths or RootPaths(os.path.realpath(root)), opts, left_out, read or {})
+    index = tree.index
+    c = _Comparison(paths or RootPaths(os.path.realpath(root)), opts, left_out, read or {}, tree.linked)
     # What the contents' check reads, as far as the image tells: its files the profile does not leave out.
     content_bytes = sum(e.size for rel, e in index.items()
                         if e.kind == FILE and e.digest and rel not in c.read and not c.excluded(rel))
@@ -259,7 +275,8 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
                 c.diffs.extend(_content_differences(c.contents, opts.jobs, update))
                 c.contents.clear()
         c.diffs.extend(_content_differences(c.contents, opts.jobs, update))
-    c.check_deleted(deleted)
+    c.check_links()
+    c.check_deleted(tree.deleted)
     if opts.strict:
         c.diffs.extend(_extras(c.root, index, c.covered, opts, c.excluded))
     c.diffs.sort(key=lambda d: d.path)
@@ -269,8 +286,11 @@ def compare(root: str, index: dict[str, Entry], deleted: set[str], opts: VerifyO
 class _Comparison:
     """What compare() found so far, and the paths it no longer looks into."""
 
-    def __init__(self, paths: RootPaths, opts: VerifyOptions, left_out: frozenset[str], read: dict[str, str]):
+    def __init__(self, paths: RootPaths, opts: VerifyOptions, left_out: frozenset[str], read: dict[str, str],
+                 linked: dict[str, object]):
         self.paths, self.root, self.opts, self.left_out, self.read = paths, paths.root, opts, left_out, read
+        self.linked = linked
+        self.inodes: dict[str, tuple[int, int]] = {}  # the image's hardlinked files found as files: their inodes
         self.diffs: list[Difference] = []
         self.covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
         self.checked = 0
@@ -312,8 +332,22 @@ class _Comparison:
             self.diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
             self.covered.add(rel)
             return
+        if rel in self.linked:
+            self.inodes[rel] = (st.st_dev, st.st_ino)
         self.diffs.extend(_compare_entry(shown, full, have, e, self.opts.allow_setuid, self.contents,
                                          self.read.get(rel)))
+
+    def check_links(self) -> None:
+        """The names the image gives one file (hardlinks) that are not one inode in the directory:
+        each name not its first's (in path order) is reported."""
+        names: dict[object, list[str]] = {}
+        for rel in sorted(self.inodes):
+            names.setdefault(self.linked[rel], []).append(rel)
+        for first, *others in names.values():
+            for rel in others:
+                if self.inodes[rel] != self.inodes[first]:
+                    self.diffs.append(Difference("/" + rel, "hardlink",
+                                                 f"not a hardlink to {quoted_path(first)}, as in the image"))
 
     def check_deleted(self, deleted: set[str]) -> None:
         """The paths the image deletes that are there."""
@@ -338,6 +372,9 @@ def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid
         out.append(Difference(shown, "owner", f"owner {have.uid}:{have.gid}, expected {want.uid}:{want.gid}"))
     if want.kind == SYMLINK and have.linkname != want.linkname:
         out.append(Difference(shown, "symlink", f"symlink to {have.linkname!r}, expected {want.linkname!r}"))
+    differ = image_xattrs_differ(full, want.xattrs, allow_setuid)
+    if differ:
+        out.append(Difference(shown, "xattrs", differ))
     if want.kind in (CHAR, BLOCK) and have.rdev != want.rdev:
         out.append(Difference(shown, "device", f"device {os.major(have.rdev)}:{os.minor(have.rdev)}, "
                                                f"expected {os.major(want.rdev)}:{os.minor(want.rdev)}"))
@@ -448,14 +485,14 @@ def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyR
     holder = HeldLayers(skeletons, rules) if skeletons else None
     if holder:
         holder.find(layers, opts.jobs)
-    index, deleted = image_index(remote, layers, opts.log, opts.jobs, holder)
+    tree = image_index(remote, layers, opts.log, opts.jobs, holder)
     if holder:
         holder.done()
-    _add_references(index, read_document(remote, image.annotations))
+    _add_references(tree.index, read_document(remote, image.annotations))
     listed, total = left_out_secrets(image.manifest)
     secrets = sorted(clean_path(p) for p in listed)
     read = holder.read if holder else {}
-    checked, diffs = compare(root, index, deleted, opts, frozenset(secrets), read, holder.root if holder else None)
+    checked, diffs = compare(root, tree, opts, frozenset(secrets), read, holder.root if holder else None)
     held = holder.held if holder else 0
     return VerifyResult(image.ref, image.manifest_digest, checked, diffs, ["/" + p for p in secrets], total,
                         len(layers) - held, held)

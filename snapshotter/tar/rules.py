@@ -14,6 +14,7 @@ WHITEOUT_PREFIX = ".wh."
 OPAQUE = ".wh..wh..opq"
 XATTR_PAX = "SCHILY.xattr."
 SKIP_XATTRS = ("trusted.", "security.selinux")  # privileged, or labels of the host they were made on
+CAPABILITY = "security.capability"  # a file capability: setuid by another name
 MAX_SYMLINK_HOPS = 40  # resolving a path through the image's symlinks (as the kernel's limit)
 
 
@@ -59,6 +60,16 @@ def member_xattrs(m) -> Optional[dict[str, str]]:
     out = {k[len(XATTR_PAX):]: v for k, v in (m.pax_headers or {}).items()
            if k.startswith(XATTR_PAX) and not k[len(XATTR_PAX):].startswith(SKIP_XATTRS)}
     return out or None
+
+
+def applied_xattrs(xattrs: Optional[dict[str, str]], keep_privileges: bool) -> dict[str, str]:
+    """The extended attributes applying a path that carries `xattrs` (member_xattrs, Entry.xattrs:
+    SKIP_XATTRS left out) leaves on it: a file capability only where privileges are kept
+    (--allow-setuid as root; layer/fileops.set_attrs strips it otherwise, from a path of any kind)."""
+    out = dict(xattrs or {})
+    if not keep_privileges:
+        out.pop(CAPABILITY, None)
+    return out
 
 
 def member_mtime_ns(m) -> Optional[int]:

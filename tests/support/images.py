@@ -9,6 +9,7 @@ import os
 import subprocess
 import tarfile
 import tempfile
+from pathlib import Path
 
 import zstandard
 
@@ -124,3 +125,26 @@ def snap_layer_files(registry: RegistryServer, repo: str, tag: str) -> dict[str,
             out.update((m.name.rstrip("/"), m) for m in t.getmembers())
     return out
 
+
+# A file capability (v2: effective, cap_net_bind_service permitted): setuid by another name.
+CAP_NET_BIND = (0x02000001).to_bytes(4, "little") + (1 << 10).to_bytes(4, "little") + bytes(12)
+XATTR_BOX = {"srv/app/a.txt": "alpha\n", "srv/app/b.txt": "beta\n", "srv/app/bin/tool": "#!/bin/sh\n"}
+
+
+def xattr_snapshot(registry: RegistryServer, workdir, repo: str, prepare, files: dict | None = None,
+                   *commit_args: str) -> str:
+    """XATTR_BOX (or `files`) on no base, `prepare(box)` giving it its xattrs, committed as REPO:v1
+    (the test is skipped where the filesystem refuses them)."""
+    import pytest  # here alone: the bench imports support modules where pytest is not installed
+
+    from support.run import snap
+    from support.trees import write_tree
+    box = Path(workdir) / "xattr-box"
+    write_tree(str(box), files or XATTR_BOX)
+    try:
+        prepare(box)
+    except OSError as e:
+        pytest.skip(f"this filesystem refuses the xattrs: {e}")
+    ref = f"{registry.host}/{repo}:v1"
+    snap("commit", ref, "--base", "scratch", "--root", str(box), *commit_args, check=True)
+    return ref
