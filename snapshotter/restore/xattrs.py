@@ -6,14 +6,20 @@ from __future__ import annotations
 from typing import Optional
 
 from snapshotter.box.scan import read_xattrs
-from snapshotter.tar.rules import applied_xattrs
+from snapshotter.tar.rules import CAPABILITY, applied_xattrs
+
+# Namespaces a filesystem may fill by itself on a file the extractor makes (NFSv4's system.nfs4_acl,
+# an ACL inherited from its directory's default, IMA/EVM's security.ima): one of those more than the
+# image sets is what applying the layer would leave too. A file capability always counts.
+_FILESYSTEMS_OWN = ("system.", "security.")
 
 
 def xattrs_differ(path: str, want: dict[str, str], exact: bool) -> str:
     """How the extended attributes of `path` (never followed) differ from `want`, those applying its
     member leaves (applied_xattrs): one missing or of another value, or with `exact` one more (the
-    extractor makes a file or symlink new, so it holds those alone; a directory there keeps its own).
-    Names snap never carries (SKIP_XATTRS, as box/scan.read_xattrs reads them) do not count. "" if none."""
+    extractor makes a file or symlink new, so it holds those alone; a directory there keeps its own),
+    but for one a filesystem adds by itself (_FILESYSTEMS_OWN). Names snap never carries (SKIP_XATTRS,
+    as box/scan.read_xattrs reads them) do not count. "" if none."""
     unreadable: list[bool] = []
     have = read_xattrs(path, lambda: unreadable.append(True)) or {}
     if unreadable:
@@ -21,7 +27,8 @@ def xattrs_differ(path: str, want: dict[str, str], exact: bool) -> str:
     for name in sorted(want):
         if have.get(name) != want[name]:
             return f"extended attribute {name!r} {'missing' if name not in have else 'differs'}"
-    extra = sorted(have.keys() - want.keys()) if exact else []
+    extra = sorted(n for n in have.keys() - want.keys() if n == CAPABILITY or not n.startswith(_FILESYSTEMS_OWN)) \
+        if exact else []
     return f"extended attribute {extra[0]!r} extra (not in the image)" if extra else ""
 
 
