@@ -345,6 +345,41 @@ def test_a_diverged_tag_is_never_moved_again_once_a_restore_wrote_into_the_root(
         str(root), skip=NOT_CAPTURED)
 
 
+def test_a_watcher_on_the_tag_stops_moving_it_once_a_restore_into_its_root_fails(registry, proxy, base_ref, box,
+                                                                                tmp_path, monkeypatch):
+    """Red-team finding: a box restored from v2 and watched, then a restore of v1 into it failed
+    half-way; `snap commit v2` refused (right), but the watcher went on moving v2, to a tree of v1's
+    notes beside v2's files, and v2's good snapshot lost its tag. A snapshot made before a restore
+    wrote into the root is no longer this box's work: the watcher sees the restore at its next
+    snapshot and saves to a diverged tag, as `snap commit` refuses."""
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    for tag, notes in (("v1", "v1 notes\n"), ("v2", "v2 notes\n")):
+        write_tree(box, {"opt/app/notes.txt": notes, f"opt/app/{tag}-only.txt": tag})
+        snap("commit", f"{registry.host}/rollback:{tag}", "--base", base_ref, "--root", box, check=True)
+    root = tmp_path / "root"
+    restore_image(f"{registry.host}/rollback:v2", str(root))
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, str(root), "rollback", lines, clock, every=0)
+    write_tree(str(root), {"opt/app/work.txt": "work on v2\n"})
+    w.tick()
+    made = digest_of(registry, "rollback", "v2")  # this box's snapshot now
+    work = _restored_tree(f"{registry.host}/rollback:v2", tmp_path / "made")
+    assert work == snapshot_of_tree(str(root), skip=NOT_CAPTURED)
+
+    _failing_restore(registry, proxy, "rollback", "v1", root)
+    write_tree(str(root), {"opt/app/notes.txt": "v1 notes\n"})  # what the half-way restore wrote
+    r = snap("commit", f"{registry.host}/rollback:v2", "--base", base_ref, "--root", str(root))
+    assert r.returncode == 2 and "neither came from" in r.stderr, r.stderr
+    clock.advance(1)
+    w.tick()
+    assert digest_of(registry, "rollback", "v2") == made, lines
+    [tag] = diverged_tags(registry, "rollback")
+    assert any("neither came from" in line and f"rollback:{tag}" in line for line in lines), lines
+    assert _restored_tree(f"{registry.host}/rollback:{tag}", tmp_path / "out") == snapshot_of_tree(
+        str(root), skip=NOT_CAPTURED)
+    assert _restored_tree(f"{registry.host}/rollback:v2", tmp_path / "v2") == work
+
+
 def test_a_diverged_tag_adopted_with_snap_tag_puts_the_watcher_back_on_the_tag(registry, base_ref, box, base_rootfs,
                                                                               tmp_path):
     """Adopting: `snap tag` moves the tag onto the diverged snapshot (only with --force where it names
