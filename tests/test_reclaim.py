@@ -254,6 +254,28 @@ def test_a_watcher_whose_tag_another_box_moves_goes_on_in_a_tag_of_its_own(regis
     assert _restored_tree(f"{registry.host}/race:{tag}", tmp_path / "out2") == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
+def _tag_and_bare_box(registry, base_ref, box, base_rootfs, tmp_path, repo: str, files: dict):
+    """REPO:v2 committed from `box` with `files`, and a bare box (the base alone): the tag's name, its
+    digest, and the bare box's root."""
+    target = f"{registry.host}/{repo}:v2"
+    write_tree(box, files)
+    snap("commit", target, "--base", base_ref, "--root", box, check=True)
+    root = tmp_path / "root"
+    subprocess.run(["cp", "-a", base_rootfs, str(root)], check=True)
+    return target, digest_of(registry, repo, "v2"), root
+
+
+def _failing_restore(registry, proxy, repo: str, tag: str, root) -> None:
+    """A restore of `tag` into `root` that stops with an error before its snap layers are in (the
+    registry answers 503 for them), as one that fails half-way: it wrote into the root (the restore
+    record is the mark of its start), and the root is neither the image nor what it was."""
+    layers = {d["digest"] for d in snap_layers(registry.manifest(repo, tag)).values()}
+    proxy.answer = lambda method, path: (503, {}) if method == "GET" and path.rsplit("/", 1)[-1] in layers else None
+    with pytest.raises(SnapError):
+        restore_image(f"{proxy.host}/{repo}:{tag}", str(root), RestoreOptions(only_snapshot=True))
+    proxy.answer = lambda method, path: None
+
+
 def test_a_restore_of_the_tag_that_finishes_later_puts_the_watcher_back_on_it(registry, proxy, base_ref, box,
                                                                              base_rootfs, tmp_path, monkeypatch):
     """The rule for a restore that succeeds later (the registry came back), docs/watch.md: while
@@ -261,12 +283,8 @@ def test_a_restore_of_the_tag_that_finishes_later_puts_the_watcher_back_on_it(re
     replaces the work: its snapshots go to a new diverged tag); once a restore of the tag's snapshot
     has finished, the watcher moves the tag again, and the diverged tags stay, untouched."""
     monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
-    target = f"{registry.host}/later:v2"
-    write_tree(box, {"opt/app/shared.txt": "the tag's version\n"})
-    snap("commit", target, "--base", base_ref, "--root", box, check=True)
-    good = digest_of(registry, "later", "v2")
-    root = tmp_path / "root"
-    subprocess.run(["cp", "-a", base_rootfs, str(root)], check=True)
+    target, good, root = _tag_and_bare_box(registry, base_ref, box, base_rootfs, tmp_path, "later",
+                                           {"opt/app/shared.txt": "the tag's version\n"})
     lines, clock = [], FakeClock()
     w = watcher(registry, base_ref, str(root), "later", lines, clock, every=0)
     write_tree(str(root), {"opt/app/shared.txt": "this box's version\n", "opt/app/mine.txt": "work\n"})
@@ -274,10 +292,7 @@ def test_a_restore_of_the_tag_that_finishes_later_puts_the_watcher_back_on_it(re
     [first] = diverged_tags(registry, "later")
     work, kept = snapshot_of_tree(str(root), skip=NOT_CAPTURED), digest_of(registry, "later", first)
 
-    layers = {d["digest"] for d in snap_layers(registry.manifest("later", "v2")).values()}
-    proxy.answer = lambda method, path: (503, {}) if method == "GET" and path.rsplit("/", 1)[-1] in layers else None
-    with pytest.raises(SnapError):  # a restore that fails half-way: the box is neither
-        restore_image(f"{proxy.host}/later:v2", str(root), RestoreOptions(only_snapshot=True))
+    _failing_restore(registry, proxy, "later", "v2", root)  # a restore that fails half-way: the box is neither
     write_tree(str(root), {"opt/app/during.txt": "after the failed restore\n"})
     clock.advance(1)
     w.tick()
@@ -285,7 +300,6 @@ def test_a_restore_of_the_tag_that_finishes_later_puts_the_watcher_back_on_it(re
     second = diverged_tags(registry, "later")[1]
     assert any("a restore into" in line and f"later:{first} keeps the work" in line for line in lines), lines
 
-    proxy.answer = lambda method, path: None
     restore_image(f"{proxy.host}/later:v2", str(root), RestoreOptions(only_snapshot=True))
     write_tree(str(root), {"opt/app/after.txt": "on the tag again\n"})
     clock.advance(1)
@@ -295,6 +309,75 @@ def test_a_restore_of_the_tag_that_finishes_later_puts_the_watcher_back_on_it(re
     assert _restored_tree(f"{registry.host}/later:{first}", tmp_path / "first") == work
     assert _restored_tree(target, tmp_path / "main") == snapshot_of_tree(str(root), skip=NOT_CAPTURED)
     assert (root / "opt/app/shared.txt").read_text() == "the tag's version\n"  # the restore's; the work's is in `first`
+
+
+def test_a_diverged_tag_is_never_moved_again_once_a_restore_wrote_into_the_root(registry, proxy, base_ref, box,
+                                                                                base_rootfs, tmp_path, monkeypatch):
+    """Red-team finding: the restore failed, the watcher saved the work to v2-diverged-T1; the box
+    restarted, the restore failed half-way again and wrote over the work, and the next watcher (or a
+    cron `snap commit --diverge`) went on in T1, "its own from before": T1 then restored to the
+    restore's text and the work was in no tag. A diverged tag goes on only from a snapshot the box
+    made since the last restore into it: after a restore, a new one; T1 keeps the work."""
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    target, good, root = _tag_and_bare_box(registry, base_ref, box, base_rootfs, tmp_path, "rewritten",
+                                           {"opt/app/notes.txt": "the tag's notes\n"})
+    _failing_restore(registry, proxy, "rewritten", "v2", root)
+    lines = []
+    w = watcher(registry, base_ref, str(root), "rewritten", lines, every=0)
+    write_tree(str(root), {"opt/app/notes.txt": "USER WORK\n"})
+    w.tick()
+    [first] = diverged_tags(registry, "rewritten")
+    work, kept = snapshot_of_tree(str(root), skip=NOT_CAPTURED), digest_of(registry, "rewritten", first)
+
+    # The box starts again: its restore fails half-way again, writing over the work.
+    _failing_restore(registry, proxy, "rewritten", "v2", root)
+    write_tree(str(root), {"opt/app/notes.txt": "the restore's notes\n"})
+    r = snap("commit", target, "--base", base_ref, "--root", str(root), "--diverge", check=True)
+    assert "a tag of its own" in r.stderr and digest_of(registry, "rewritten", first) == kept, r.stderr
+    [second] = set(diverged_tags(registry, "rewritten")) - {first}
+    again = watcher(registry, base_ref, str(root), "rewritten", lines, every=0)
+    write_tree(str(root), {"opt/app/later.txt": "the same line of work\n"})
+    again.tick()  # goes on in the tag it made since the restore
+    assert set(diverged_tags(registry, "rewritten")) == {first, second}, lines
+    assert digest_of(registry, "rewritten", first) == kept and digest_of(registry, "rewritten", "v2") == good
+    assert _restored_tree(f"{registry.host}/rewritten:{first}", tmp_path / "first") == work
+    assert _restored_tree(f"{registry.host}/rewritten:{second}", tmp_path / "second") == snapshot_of_tree(
+        str(root), skip=NOT_CAPTURED)
+
+
+def test_a_watcher_on_the_tag_stops_moving_it_once_a_restore_into_its_root_fails(registry, proxy, base_ref, box,
+                                                                                tmp_path, monkeypatch):
+    """Red-team finding: a box restored from v2 and watched, then a restore of v1 into it failed
+    half-way; `snap commit v2` refused (right), but the watcher went on moving v2, to a tree of v1's
+    notes beside v2's files, and v2's good snapshot lost its tag. A snapshot made before a restore
+    wrote into the root is no longer this box's work: the watcher sees the restore at its next
+    snapshot and saves to a diverged tag, as `snap commit` refuses."""
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    for tag, notes in (("v1", "v1 notes\n"), ("v2", "v2 notes\n")):
+        write_tree(box, {"opt/app/notes.txt": notes, f"opt/app/{tag}-only.txt": tag})
+        snap("commit", f"{registry.host}/rollback:{tag}", "--base", base_ref, "--root", box, check=True)
+    root = tmp_path / "root"
+    restore_image(f"{registry.host}/rollback:v2", str(root))
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, str(root), "rollback", lines, clock, every=0)
+    write_tree(str(root), {"opt/app/work.txt": "work on v2\n"})
+    w.tick()
+    made = digest_of(registry, "rollback", "v2")  # this box's snapshot now
+    work = _restored_tree(f"{registry.host}/rollback:v2", tmp_path / "made")
+    assert work == snapshot_of_tree(str(root), skip=NOT_CAPTURED)
+
+    _failing_restore(registry, proxy, "rollback", "v1", root)
+    write_tree(str(root), {"opt/app/notes.txt": "v1 notes\n"})  # what the half-way restore wrote
+    r = snap("commit", f"{registry.host}/rollback:v2", "--base", base_ref, "--root", str(root))
+    assert r.returncode == 2 and "neither came from" in r.stderr, r.stderr
+    clock.advance(1)
+    w.tick()
+    assert digest_of(registry, "rollback", "v2") == made, lines
+    [tag] = diverged_tags(registry, "rollback")
+    assert any("neither came from" in line and f"rollback:{tag}" in line for line in lines), lines
+    assert _restored_tree(f"{registry.host}/rollback:{tag}", tmp_path / "out") == snapshot_of_tree(
+        str(root), skip=NOT_CAPTURED)
+    assert _restored_tree(f"{registry.host}/rollback:v2", tmp_path / "v2") == work
 
 
 def test_a_diverged_tag_adopted_with_snap_tag_puts_the_watcher_back_on_the_tag(registry, base_ref, box, base_rootfs,

@@ -27,6 +27,7 @@ from snapshotter.registry.remote import BlobsUnknown, Remote, host_platform
 from snapshotter.registry.transport import TransportOptions
 from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.encryption import side_blobs, with_sealed
+from snapshotter.snapshot.record import restore_mark
 from snapshotter.snapshot.statcache import note_last_commit
 
 from .base_layers import ensure_base_layers
@@ -92,7 +93,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     cp.cache.save()
     if cp.encryption is not None:
         cp.encryption.save(digest, str(target_ref))  # each tag keeps its last snapshot's seal
-    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest)
+    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest, restore_mark(cp.root))
     if not pushed.current:
         _note_pushed(cp, target_ref, image, pushed.travelled)
     grown = {path: size for _, blob, _ in pushed.layers for path, size in blob.grown.items()}

@@ -4,8 +4,10 @@ tags' names, this box's own among them, the listing `snap log` and `snap status`
 pruning, and Line, which says where a box's next snapshot goes.
 
 The rule (docs/watch.md): a snapshot goes to the moving tag while this box came from or made the
-snapshot it names; else to the box's diverged tag (its own from before, if it made one: a
-restarted watcher goes on in it). Before each diverged snapshot the moving tag is looked at again:
+snapshot it names; else to the box's diverged tag (its own from before, if one names a snapshot
+the box made since the last restore into it: a restarted watcher goes on in it; else a new one, so
+a diverged tag only ever moves forward by one line of work). Before each diverged snapshot, and
+before any snapshot after a restore into the root, the moving tag is looked at again:
 once this box may move it (a `snap restore` of it finished here, or it was put on a snapshot this
 box made: adopted), the snapshots go back to it. A restore into the root while diverged leaves the
 diverged tag as it was and opens a new one: a half-restored box never replaces the work. A
@@ -28,7 +30,7 @@ from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
 
-from .lineage import known_origins, movable
+from .lineage import known_origins, made_here, movable
 from .record import restore_mark
 from .statcache import made_from
 
@@ -63,10 +65,8 @@ def new_name(tag: str, at: float, taken: Iterable[str]) -> str:
     return name
 
 
-def _made(remote: Remote, tag: str, root: str, tags: list[str]) -> Iterator[tuple[str, str]]:
-    """(tag, digest) of each diverged tag of `tag` that names a snapshot `root` made (statcache's
-    made_from), newest first."""
-    made = set(made_from(root))
+def _made(remote: Remote, tag: str, made: set[str], tags: list[str]) -> Iterator[tuple[str, str]]:
+    """(tag, digest) of each diverged tag of `tag` that names one of the snapshots `made`, newest first."""
     for name in reversed(names(tag, tags)):
         digest = remote.manifest_digest(name)
         if digest in made:
@@ -74,14 +74,17 @@ def _made(remote: Remote, tag: str, root: str, tags: list[str]) -> Iterator[tupl
 
 
 def own(remote: Remote, tag: str, root: str, tags: list[str]) -> Optional[tuple[str, str]]:
-    """(tag, digest) of the newest diverged tag of `tag` that names a snapshot `root` made, if any."""
-    return next(_made(remote, tag, root, tags), None)
+    """(tag, digest) of the newest diverged tag of `tag` that names a snapshot `root` made since the
+    last restore into it (lineage.made_here), if any: the one line of work a box goes on in. One a
+    restore wrote over since (finished or not), or that a lost state dir no longer knows, is never
+    moved again: it keeps the work from before."""
+    return next(_made(remote, tag, set(made_here(root)), tags), None)
 
 
 def own_names(remote: Remote, tag: str, root: str, tags: list[str]) -> list[str]:
     """The diverged tags of `tag` that name a snapshot `root` made, oldest first: the only ones its
     --keep prunes (another box's, however old, holds that box's work)."""
-    return [name for name, _ in _made(remote, tag, root, tags)][::-1]
+    return [name for name, _ in _made(remote, tag, set(made_from(root)), tags)][::-1]
 
 
 @dataclass
@@ -141,7 +144,7 @@ class Line:
         self.checked = False
         self.diverged: Optional[str] = None  # the diverged tag, while the snapshots go there
         self.digest: Optional[str] = None  # what the target tag names, as this box last saw or moved it
-        self.record: tuple = ()  # the root's restore mark (record.py) when it diverged
+        self.mark: tuple = ()  # the root's restore mark (record.py) at the last check
         # Why the box's snapshot may not go on the moving tag whatever its lineage (it deletes the
         # base's system: box/deletions.py), while that holds; the snapshot goes to the diverged tag.
         self.refused: Optional[str] = None
@@ -168,9 +171,12 @@ class Line:
         self._remote = None
 
     def check(self) -> bool:
-        """Decide the target tag (the rule above). True on the first check and whenever the target
-        changed: what its snapshot holds (self.digest) is then to be read again."""
+        """Decide the target tag (the rule above). True on the first check, whenever the target
+        changed, and after a restore into the root since the last check: what its snapshot holds
+        (self.digest) and which files a restore wrote are then to be read again."""
         first, remote = not self.checked, self.remote()
+        mark = restore_mark(self.root)  # first: a restore after this look is seen at the next one
+        restored, self.mark = self.checked and mark != self.mark, mark
         current, ok = movable(remote, self.main, self.root, self.force, self.origins)
         self.checked = True
         if ok and self.refused is None:
@@ -179,26 +185,32 @@ class Line:
                 self.log(f"{self.main} names {str(current)[:19]}, which {self.root!r} came from (a finished "
                          f"`snap restore`) or made, and its snapshot no longer deletes the base's system: moving it "
                          f"again; {self.main.name}:{was} keeps the work made before (docs/watch.md: adopt it)")
-            return first or was is not None
+            return first or was is not None or restored
         if self.diverged is None:
             self._diverge(remote, f"{self.main} names {current[:19]}, a snapshot {self.root!r} neither came from "
-                          "(no finished `snap restore` of it here) nor made")
+                          "(no finished `snap restore` of it here) nor made" + (" since the last restore into it"
+                                                                                 if restored else ""))
             return True
-        if restore_mark(self.root) != self.record:
+        if restored:
             self._diverge(remote, f"a restore into {self.root!r} ran since this box diverged: "
-                          f"{self.main.name}:{self.diverged} keeps the work from before it", again=True)
+                          f"{self.main.name}:{self.diverged} keeps the work from before it")
             return True
         return False
 
-    def _diverge(self, remote: Remote, why: str, again: bool = False) -> None:
-        """Send the snapshots to this box's diverged tag from now on: its own from before, else a new one."""
+    def restored(self) -> bool:
+        """Whether a restore wrote into the root since the last check (a state-dir file read): the
+        box may no longer be the one whose tag it moves, and check() is due before its next snapshot."""
+        return restore_mark(self.root) != self.mark
+
+    def _diverge(self, remote: Remote, why: str) -> None:
+        """Send the snapshots to this box's diverged tag from now on: its own from before (own(): one
+        that names a snapshot made since the last restore into the root), else a new one."""
         tags = remote.list_tags()
-        found = None if again else own(remote, self.main.tag, self.root, tags)
+        found = own(remote, self.main.tag, self.root, tags)
         if found:
             (self.diverged, self.digest), how = found, "its own from before"
         else:
             self.diverged, self.digest, how = new_name(self.main.tag, self.clock(), tags), None, "a tag of its own"
-        self.record = restore_mark(self.root)
         self.log(f"{why}: {self.main.tag} is not moved; this box's snapshots go to {self.main.name}:{self.diverged}, "
                  f"{how} (`snap log {self.main}` lists it; docs/watch.md says how to adopt it)")
 

@@ -4,7 +4,9 @@ A moving tag (box:v2) names the snapshot a reclaimed box comes back to. A commit
 box that never held that snapshot (a restore that failed or stopped half-way, a fresh box, a wrong
 --root) would replace the good snapshot with a worse one. So a tag only moves forward: from a snapshot
 this box came from (the last finished `snap restore` into this root, record.py) or made itself
-(this state dir's snapshots of the root, statcache.made_from), or from nothing (a new tag)."""
+since the last restore into it (this state dir's snapshots of the root under its restore mark now,
+statcache.made_from: a restore, finished or not, writes over what the box made before), or from
+nothing (a new tag)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,21 @@ from snapshotter.errors import UsageError
 from snapshotter.oci.reference import Reference
 from snapshotter.registry.remote import Remote
 
-from .record import restored_from
+from .record import restore_mark, restored_from
 from .statcache import made_from
+
+
+def made_here(root: str) -> list[str]:
+    """The snapshots this state dir pushed of `root` since the last restore into it (its restore mark
+    now), oldest first: the box still holds their work. A lost state dir knows none."""
+    return made_from(root, restore_mark(root))
 
 
 def known_origins(root: str, also: Iterable[str] = ()) -> set[str]:
     """Manifest digests of the snapshots `root` came from or made (`also`: others the caller knows,
     such as the image a container was started from)."""
     came = restored_from(root)
-    return {*made_from(root), *([came] if came else []), *also}
+    return {*made_here(root), *([came] if came else []), *also}
 
 
 def movable(remote: Remote, ref: Reference, root: str, force: bool = False,

@@ -59,7 +59,8 @@ class StatCache:
 # ---- what a commit leaves for `snap status` and for the next commit of the root ----------------
 
 
-LAST_COMMIT_VERSION = 2
+# 3: each made digest with the root's restore mark it was pushed under (record.restore_mark)
+LAST_COMMIT_VERSION = 3
 MADE_KEPT = 32  # digests of the snapshots made from a root that are remembered (lineage.py)
 
 
@@ -71,12 +72,13 @@ def _last_commit(root: str) -> dict:
     return read_versioned(_last_commit_path(root), LAST_COMMIT_VERSION) or {}
 
 
-def note_last_commit(root: str, base: str, target: str, digest: str) -> None:
+def note_last_commit(root: str, base: str, target: str, digest: str, mark: tuple = ()) -> None:
     """Remembered per root: the base, so that `snap status` needs no --base after a commit or a
     watch; the tag its snapshots are for (the moving one: `snap status` lists its diverged tags);
-    the manifest digests of the last snapshots made from it, so that a later commit may move
-    a tag that names one of them (lineage.py)."""
-    made = [d for d in made_from(root) if d != digest][-(MADE_KEPT - 1):] + [digest]
+    the manifest digests of the last snapshots made from it, each with the root's restore mark
+    (record.restore_mark) it was pushed under, so that a later commit may move a tag that names one
+    made since the last restore into the root (lineage.py). No mark (): never counted as such."""
+    made = [m for m in _made(root) if m[0] != digest][-(MADE_KEPT - 1):] + [[digest, list(mark)]]
     write_versioned(_last_commit_path(root), LAST_COMMIT_VERSION, {"base": base, "target": target, "made": made})
 
 
@@ -91,7 +93,16 @@ def last_target(root: str) -> Optional[str]:
     return target if isinstance(target, str) else None
 
 
-def made_from(root: str) -> list[str]:
-    """The manifest digests of the last snapshots this state dir pushed of `root`, oldest first."""
+def _made(root: str) -> list[list]:
+    """[digest, restore mark] of each snapshot made from `root`, oldest first, as this version writes them."""
     made = _last_commit(root).get("made")
-    return [d for d in made if isinstance(d, str)] if isinstance(made, list) else []
+    return [m for m in made if isinstance(m, list) and len(m) == 2 and isinstance(m[0], str)
+            and isinstance(m[1], list)] if isinstance(made, list) else []
+
+
+def made_from(root: str, mark: Optional[tuple] = None) -> list[str]:
+    """The manifest digests of the last snapshots this state dir pushed of `root`, oldest first.
+    With `mark` (the root's restore mark now), only those pushed under it: made since the last
+    restore into the root began or ended, so the box still holds their work. A restore writes
+    over it, finished or not: a snapshot made before then is no longer this box's line of work."""
+    return [d for d, m in _made(root) if mark is None or tuple(m) == tuple(mark)]

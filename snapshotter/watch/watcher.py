@@ -206,8 +206,11 @@ class Watcher:
         """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
         name, or None when the box matched the moving tag's snapshot already (first, final).
         `stopping` set: the commit gives up at its next chunk (the final snapshot wants the lock)."""
-        if self.tags.line.diverged:
-            self.check_lineage()  # the moving tag again, or (after a restore here) a new diverged tag
+        if self.tags.line.diverged or self.tags.line.restored():
+            # Diverged: the moving tag again, or (after a restore here) a new diverged tag. On the moving
+            # tag: a restore wrote into the root since the last look (failed half-way: the box no longer
+            # came from the tag's snapshot), so the lineage is decided again, as `snap commit` would.
+            self.check_lineage()
         seq = self.tags.begin()
         now = self.opts.clock()
         last = self.changes.committed or {}
