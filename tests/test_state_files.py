@@ -216,3 +216,20 @@ def test_a_killed_runs_built_layer_is_swept_and_a_live_ones_kept(state_dir, tmp_
     assert sorted(os.listdir(layers)) == sorted(os.path.basename(p) for p in (live_path, fresh))
     assert finish(live).startswith("sha256:")  # whole for its upload
     assert sorted(os.listdir(layers)) == [os.path.basename(fresh)]
+
+
+def test_an_older_snaps_last_commit_file_keeps_its_base_and_its_made_snapshots_where_no_restore_ran(state_dir,
+                                                                                                      tmp_path):
+    """Format 2 had no restore marks: its base and target are read as they are, and the snapshots it
+    says this box made count for a root never restored into (the box's own line of work), not for
+    one a restore wrote into (made before or after it: not known)."""
+    from snapshotter.snapshot.lineage import made_here
+
+    root = str(tmp_path)
+    write_versioned(statcache._last_commit_path(root), 2,
+                    {"base": "reg/base:1", "target": "reg/box:v1", "made": [MANIFEST]})
+    assert statcache.last_base(root) == "reg/base:1" and statcache.last_target(root) == "reg/box:v1"
+    assert made_here(root) == [MANIFEST]
+    write_versioned(record._path(RootFiles(root)), record.VERSION,
+                    {"root": os.path.realpath(root), "manifest": MANIFEST, "restored_at_ns": 1})
+    assert made_here(root) == []

@@ -69,7 +69,22 @@ def _last_commit_path(root: str) -> str:
 
 
 def _last_commit(root: str) -> dict:
-    return read_versioned(_last_commit_path(root), LAST_COMMIT_VERSION) or {}
+    path = _last_commit_path(root)
+    doc = read_versioned(path, LAST_COMMIT_VERSION)
+    if doc is None and (old := read_versioned(path, 2)) is not None:
+        doc = _from_version_2(old)
+    return doc or {}
+
+
+def _from_version_2(old: dict) -> dict:
+    """An older snap's file (format 2, no restore marks): its base and target as they are; its made
+    digests as made under the mark of a root no restore wrote into (record.restore_mark's (None,
+    None, None)). So they count for such a root alone: for one restored, whether they were made
+    before or after the restore is not known, and they are not counted (a commit then diverges once
+    rather than move a tag over work a restore replaced)."""
+    made = old.get("made")
+    return {**old, "made": [[d, [None, None, None]] for d in made if isinstance(d, str)] if isinstance(made, list)
+            else []}
 
 
 def note_last_commit(root: str, base: str, target: str, digest: str, mark: tuple = ()) -> None:
