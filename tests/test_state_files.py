@@ -72,7 +72,7 @@ def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
     lock = daemon.take_lock(files, root)
     daemon.note_pid(files, lock, "reg/box:v1", 4)
     os.close(lock)
-    statcache.note_last_commit(root, MANIFEST, "reg/box:v1", MANIFEST)
+    statcache.note_last_commit(root, MANIFEST, "reg/box:v1", MANIFEST, ())
     write_versioned(record._path(RootFiles(root)), record.VERSION,
                     {"root": os.path.realpath(root), "manifest": MANIFEST})
     sources = BlobSources()

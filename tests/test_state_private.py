@@ -126,7 +126,7 @@ def test_snap_reads_its_files_without_following_a_symlink(state_dir, tmp_path):
     cache = statcache.StatCache(root, "sha256:" + "b" * 64)
     cache.record("fp", {"digest": "sha256:" + "c" * 64, "diff_id": "sha256:" + "d" * 64, "size": 1, "media_type": "x"})
     cache.save()
-    statcache.note_last_commit(root, "base", "reg/box:v1", "sha256:" + "e" * 64)
+    statcache.note_last_commit(root, "base", "reg/box:v1", "sha256:" + "e" * 64, ())
     journal = Journal(sub("restore-journal"), RootFiles(root), "sha256:" + "f" * 64, ["sha256:" + "1" * 64],
                       fsync=False)
     journal.record_applied(1)

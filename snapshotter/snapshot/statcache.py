@@ -87,12 +87,12 @@ def _from_version_2(old: dict) -> dict:
             else []}
 
 
-def note_last_commit(root: str, base: str, target: str, digest: str, mark: tuple = ()) -> None:
+def note_last_commit(root: str, base: str, target: str, digest: str, mark: tuple) -> None:
     """Remembered per root: the base, so that `snap status` needs no --base after a commit or a
     watch; the tag its snapshots are for (the moving one: `snap status` lists its diverged tags);
     the manifest digests of the last snapshots made from it, each with the root's restore mark
     (record.restore_mark) it was pushed under, so that a later commit may move a tag that names one
-    made since the last restore into the root (lineage.py). No mark (): never counted as such."""
+    made since the last restore into the root (lineage.py)."""
     made = [m for m in _made(root) if m[0] != digest][-(MADE_KEPT - 1):] + [[digest, list(mark)]]
     write_versioned(_last_commit_path(root), LAST_COMMIT_VERSION, {"base": base, "target": target, "made": made})
 
