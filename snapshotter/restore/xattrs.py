@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Optional
 
 from snapshotter.box.scan import read_xattrs
-from snapshotter.tar.rules import CAPABILITY, applied_xattrs
+from snapshotter.tar.rules import applied_xattrs
 
-# Namespaces a filesystem may fill by itself on a file the extractor makes (NFSv4's system.nfs4_acl,
-# an ACL inherited from its directory's default, IMA/EVM's security.ima): one of those more than the
-# image sets is what applying the layer would leave too. A file capability always counts.
-_FILESYSTEMS_OWN = ("system.", "security.")
+# Names a filesystem or the kernel sets by itself on every file the extractor makes (NFSv4's ACL, IMA
+# and EVM's hashes): one of those more than the image sets is what applying the layer leaves too. A
+# POSIX ACL is not among them: any file's owner may set one (an ACL whose mask keeps the mode bits
+# gives another uid access), and a layer applied would drop it.
+_FILESYSTEMS_OWN = ("system.nfs4_acl", "system.nfs4_dacl", "system.nfs4_sacl", "security.ima", "security.evm")
 
 
 def xattrs_differ(path: str, want: dict[str, str], exact: bool) -> str:
@@ -27,8 +28,7 @@ def xattrs_differ(path: str, want: dict[str, str], exact: bool) -> str:
     for name in sorted(want):
         if have.get(name) != want[name]:
             return f"extended attribute {name!r} {'missing' if name not in have else 'differs'}"
-    extra = sorted(n for n in have.keys() - want.keys() if n == CAPABILITY or not n.startswith(_FILESYSTEMS_OWN)) \
-        if exact else []
+    extra = sorted(n for n in have.keys() - want.keys() if n not in _FILESYSTEMS_OWN) if exact else []
     return f"extended attribute {extra[0]!r} extra (not in the image)" if extra else ""
 
 
