@@ -14,7 +14,7 @@ from snapshotter.commit import model as model_module
 from snapshotter.commit import push as push_module
 
 from support.images import layer_tar, layers_by_name
-from support.mapped import MappedWriter, stat_data
+from support.mapped import MappedWriter, mapped_name, stat_data
 from support.trees import write_tree
 
 STATE = "opt/app/db/state.bin"
@@ -42,21 +42,38 @@ def old_box(box, monkeypatch):
     return box
 
 
+@pytest.mark.parametrize("via", ["box", "hardlink", "hardlink-gone", "bind"])
 def test_writes_through_a_shared_map_that_change_no_stat_data_are_committed(registry, base_ref, old_box,
-                                                                            tmp_path):
+                                                                            tmp_path, via):
+    """Whatever name the writer mapped the file by (/proc shows that one): the box's own, a hard
+    link outside the box, the box's directory bind-mounted elsewhere. The file is known by its
+    identity (box/writers.py's mapped_ids), also once the other name is gone ("hardlink-gone": /proc
+    then says the mapped file is deleted)."""
     path = os.path.join(old_box, STATE)
     write_tree(old_box, {STATE: b"\0" * 8192})
-    writer = MappedWriter(path)
+    repo = f"mapped-{via}"
+    with mapped_name(path, str(tmp_path / "elsewhere"), via.removesuffix("-gone")) as name:
+        _commit_writes_through_a_map(registry, base_ref, old_box, name, repo, unlink=via.endswith("-gone"))
+    out = tmp_path / "out"
+    restore_image(f"{registry.host}/{repo}:v3", str(out))
+    assert (out / STATE).read_bytes() == b"CCCC" + b"\0" * 8188
+
+
+def _commit_writes_through_a_map(registry, base_ref, old_box, name: str, repo: str, unlink: bool) -> None:
+    path = os.path.join(old_box, STATE)
+    writer = MappedWriter(name)
     try:
         writer.write("AAAA")  # the first write to the clean page moves the file's times
-        first = commit_box(f"{registry.host}/mapped:v1", base_ref, CommitOptions(root=old_box))
-        assert image_bytes(registry, "mapped", "v1", STATE)[:4] == b"AAAA"
+        if unlink:
+            os.unlink(name)  # the map holds the file; the box's name stays
+        first = commit_box(f"{registry.host}/{repo}:v1", base_ref, CommitOptions(root=old_box))
+        assert image_bytes(registry, repo, "v1", STATE)[:4] == b"AAAA"
         before = stat_data(path)
         writer.write("BBBB")  # the page is dirty already: nothing of its stat data moves
         if stat_data(path) != before:
             pytest.skip("this filesystem moves a file's times at every write through a map")
-        second = commit_box(f"{registry.host}/mapped:v2", base_ref, CommitOptions(root=old_box))
-        assert image_bytes(registry, "mapped", "v2", STATE)[:4] == b"BBBB"
+        second = commit_box(f"{registry.host}/{repo}:v2", base_ref, CommitOptions(root=old_box))
+        assert image_bytes(registry, repo, "v2", STATE)[:4] == b"BBBB"
         assert [x.digest for x in second.layers] != [x.digest for x in first.layers]
         writer.write("CCCC")
         if stat_data(path) != before:
@@ -66,11 +83,8 @@ def test_writes_through_a_shared_map_that_change_no_stat_data_are_committed(regi
     # The writer is gone, the file's stat data still as when the second commit read BBBB: the
     # stat cache must not have kept that layer for it.
     assert stat_data(path) == before
-    commit_box(f"{registry.host}/mapped:v3", base_ref, CommitOptions(root=old_box))
-    assert image_bytes(registry, "mapped", "v3", STATE)[:4] == b"CCCC"
-    out = tmp_path / "out"
-    restore_image(f"{registry.host}/mapped:v3", str(out))
-    assert (out / STATE).read_bytes() == b"CCCC" + b"\0" * 8188
+    commit_box(f"{registry.host}/{repo}:v3", base_ref, CommitOptions(root=old_box))
+    assert image_bytes(registry, repo, "v3", STATE)[:4] == b"CCCC"
 
 
 def test_a_file_mapped_for_writing_is_read_again_but_sent_only_when_changed(registry, base_ref, old_box):

@@ -43,7 +43,7 @@ class Scan:
     racy_dirs: set[str] = field(default_factory=set)
     touched: Optional[set[str]] = None  # a scan of some directories: the paths it looked at, gone ones too
     kept_as: Optional[str] = None  # the digest of the stored walk that holds every entry (snapshot/kept.py)
-    unkept: frozenset[str] = frozenset()  # entries some process maps shared-writable: in no memo (scan_box's `writing`)
+    unkept: frozenset[str] = frozenset()  # entries some process maps shared-writable: in no memo (scan_box's `mapped`)
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
@@ -102,7 +102,7 @@ class ScanMemo:
     link all move the ctime, which cannot be set back, and a symlink's target changes only with a
     new inode. A path whose ctime is within RACY_WINDOW_NS of the scan is not kept (a later change
     in the same clock tick could leave the same stat data), nor one some process maps shared-writable
-    (scan_box's `writing`: a write through a mapping may change no stat data). Every directory is
+    (scan_box's `mapped`: a write through a mapping may change no stat data). Every directory is
     still listed and every path still lstat'ed: a name created, deleted or renamed is seen whatever
     the directory's times say, and no rule about directory mtimes is relied on."""
 
@@ -136,7 +136,7 @@ def scan_context(root: str, profile: Profile, extra_excludes: tuple[str, ...] = 
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
              memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
-             dirty: Optional[set[str]] = None, writing: frozenset[str] = frozenset()) -> Scan:
+             dirty: Optional[set[str]] = None, mapped: frozenset[tuple[int, int]] = frozenset()) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
     left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
     `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
@@ -149,10 +149,12 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     is as `previous` had it, a directory that appeared is walked whole, and one that went is dropped
     with all below it. The full scan is the same walk with every directory dirty.
 
-    `writing`: the paths some process maps shared-writable (box/writers.py's `mapped`).
-    The memo keeps none of them (the scan's `unkept`), and takes their entries anew: a write through
-    a mapping moves the times only at its first write to a clean page, and the writes after it change
-    no stat data, so a verdict read from the content (a private key's head) is not kept either."""
+    `mapped`: the (st_dev, st_ino) of the files some process maps shared-writable (box/writers.py's
+    `mapped_ids`): a path is matched by its lstat, whatever name the mapping was made through (a hard
+    link outside the root, a bind mount). The memo keeps none of them (the scan's `unkept`), and
+    takes their entries anew: a write through a mapping moves the times only at its first write to a
+    clean page, and the writes after it change no stat data, so a verdict read from the content (a
+    private key's head) is not kept either."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root} does not exist or is not a directory")
     context = scan_context(root, profile, extra_excludes, metadata_only)
@@ -160,7 +162,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     old, _, settled_ns = (memo or ScanMemo()).start(context)
     partial = previous is not None and dirty is not None and memo is not None and bool(old) and not profile.include
     walk = _Walk(root, profile, extra, metadata_only, old, settled_ns if memo is not None else None,
-                 previous if partial else None, writing)
+                 previous if partial else None, mapped)
     root_fd = open_root(root)  # (the root itself may be a symlink: --root names it)
     try:
         if profile.include:
@@ -183,9 +185,10 @@ class _Walk:
 
     def __init__(self, root: str, profile: Profile, extra: frozenset[str], metadata_only: bool,
                  old: dict[str, Entry | str], settled_ns: Optional[int], previous: Optional[Scan],
-                 writing: frozenset[str] = frozenset()):
+                 mapped: frozenset[tuple[int, int]] = frozenset()):
         self.root, self.profile, self.extra, self.metadata_only = root, profile, extra, metadata_only
-        self.writing = writing  # paths a process maps shared-writable: not kept for the next scan (scan_box)
+        self.mapped_ids = mapped  # files a process maps shared-writable: not kept for the next scan (scan_box)
+        self.mapped: set[str] = set()  # the paths looked at that are such a file
         self.skip_mounts = pseudo_mounts(root)
         self.mounted = bind_mounted_files(root)
         self.old = old  # the last scan's paths (ScanMemo)
@@ -296,13 +299,16 @@ class _Walk:
         except PermissionError:
             self.unreadable.add(rel)
             return 0
-        if last is not None and rel not in self.writing and _unchanged(last, st):
+        mapped = bool(self.mapped_ids) and (st.st_dev, st.st_ino) in self.mapped_ids
+        if mapped:
+            self.mapped.add(rel)
+        if last is not None and not mapped and _unchanged(last, st):
             e = None if isinstance(last, str) else last
         else:
             e = self._read(rel, dir_fd, name, st)
             if e is _NOT_CONTENT:
                 return 0
-        if rel in self.writing:
+        if mapped:
             self.new.pop(rel, None)  # its stat data does not tell its bytes (scan_box)
         elif st.st_ctime_ns < self.settled_ns and rel not in self.unsure:
             self.new[rel] = e if e is not None else _memo_stamp(st)
@@ -353,7 +359,7 @@ class _Walk:
         return Scan(entries, venvs, sorted(self.secrets), self.skip_mounts, sorted(self.host_files),
                     sorted(self.unreadable), listed=self.listed, racy_dirs=self.racy,
                     touched=self.touched if self.previous is not None else None,
-                    unkept=frozenset(p for p in self.writing if p in entries))
+                    unkept=frozenset(p for p in self.mapped if p in entries))
 
 
 def _refuse_whiteout_name(rel: str) -> None:

@@ -9,6 +9,7 @@ is refused only a process of an outer namespace, which is not the box's)."""
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,13 +34,25 @@ class Writers:
     # its first write to a clean page, so the writes after it change no stat data (a write(2) moves
     # them each time the clock has moved: no stat data there is older than the write).
     mapped: set[str] = field(default_factory=set)
+    # The files of `mapped` by identity, (st_dev, st_ino) as this process's stat sees them: the walk
+    # matches box files by these, not by path. The same file mapped through another name (a hard link
+    # outside the root, a bind mount of a box directory elsewhere) shows another path in /proc.
+    mapped_ids: set[tuple[int, int]] = field(default_factory=set)
 
-    def under(self, root: str, mapped: bool = False) -> set[str]:
-        """The paths being written inside `root` (`mapped`: through a mapping), relative to it (as
-        scans name them)."""
+    def under(self, root: str) -> set[str]:
+        """The paths being written inside `root`, relative to it (as scans name them)."""
         root = os.path.realpath(root)
         prefix = root.rstrip("/") + "/"
-        return {p[len(prefix):] for p in (self.mapped if mapped else self.paths) if p.startswith(prefix)}
+        return {p[len(prefix):] for p in self.paths if p.startswith(prefix)}
+
+    def maybe_mapped(self, entries: dict[str, Entry]) -> set[str]:
+        """The files of `entries` (a scan's) that may be mapped shared-writable, by the inode an
+        Entry's stamp starts with: a match by inode alone may name a file of another filesystem too
+        (safe where it only makes a caller look at the file again). No pass at all when none is mapped."""
+        if not self.mapped_ids:
+            return set()
+        inodes = {str(ino) for _, ino in self.mapped_ids}
+        return {p for p, e in entries.items() if e.kind == FILE and e.stamp.partition(":")[0] in inodes}
 
 
 def open_for_writing(proc: str = "/proc") -> Writers:
@@ -50,6 +63,7 @@ def open_for_writing(proc: str = "/proc") -> Writers:
         pids = [p for p in os.listdir(proc) if p.isdigit() and p != me]
     except OSError:
         return Writers(complete=False)
+    resolved: dict[bytes, Optional[tuple[int, int]]] = {}  # a maps line's "dev inode" -> its file's identity
     for pid in pids:
         try:
             _fds_for_writing(os.path.join(proc, pid), found.paths)
@@ -60,7 +74,7 @@ def open_for_writing(proc: str = "/proc") -> Writers:
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
             continue  # the process ended while we looked
         try:
-            _shared_writable_maps(os.path.join(proc, pid), found.mapped)
+            _shared_writable_maps(os.path.join(proc, pid), found, resolved)
         except (PermissionError, FileNotFoundError, ProcessLookupError, NotADirectoryError):
             pass  # a container's init may hide its maps even from root; writes through a mapping are rare
     found.paths |= found.mapped
@@ -111,20 +125,47 @@ def _fds_for_writing(pid_dir: str, out: set[str]) -> None:
                 break
 
 
-def _shared_writable_maps(pid_dir: str, out: set[str]) -> None:
+def _shared_writable_maps(pid_dir: str, found: Writers, resolved: dict[bytes, Optional[tuple[int, int]]]) -> None:
     """An mmap'ed file written through memory changes without a write(2), and stays mapped after
-    its descriptor is closed."""
+    its descriptor is closed. Each such file's path goes to found.mapped and its identity to
+    found.mapped_ids (`resolved`: the identities already found, by the maps line's dev and inode)."""
     with open(os.path.join(pid_dir, "maps"), "rb") as f:
         maps = f.read()
     if b"w-s " not in maps and b"wxs " not in maps:
         return  # no mapping of this process is shared and writable (its permissions would read -w-s or -wxs)
     for line in maps.split(b"\n"):  # the kernel writes a newline in a name as \012: one line per mapping
         fields = line.split(None, 5)
-        if len(fields) == 6 and fields[1][1:2] == b"w" and fields[1][3:4] == b"s":
+        if len(fields) == 6 and fields[1][1:2] == b"w" and fields[1][3:4] == b"s" and fields[4] != b"0":
+            key = fields[3] + b" " + fields[4]
+            if key not in resolved:
+                resolved[key] = _mapped_identity(pid_dir, fields)
+            if resolved[key] is not None:
+                found.mapped_ids.add(resolved[key])
             raw = fields[5]
             # A backslash is written as is: a name that holds "\012" itself reads the same as one
             # with a newline, so both are kept (only box paths count).
             for name in {raw, raw.replace(b"\\012", b"\n")}:
                 path = name.decode(errors="surrogateescape")
                 if path.startswith("/") and not path.endswith(_DELETED):
-                    out.add(path)
+                    found.mapped.add(path)
+
+
+def _mapped_identity(pid_dir: str, fields: list[bytes]) -> Optional[tuple[int, int]]:
+    """(st_dev, st_ino) of the file a maps line maps, as this process's stat of it would read: through
+    the process's map_files link (root may follow it: any name, a deleted one too), else its path
+    through the process's root (its owner may), else the maps line's own dev and inode (under
+    overlayfs, another filesystem's than a stat of the box path gives)."""
+    name = fields[5].decode(errors="surrogateescape")
+    for via in (os.path.join(pid_dir, "map_files", fields[0].decode()),
+                pid_dir + "/root" + name if name.startswith("/") and not name.endswith(_DELETED) else None):
+        try:
+            st = os.stat(via) if via is not None else None
+        except (OSError, ValueError):
+            continue  # not root (EPERM), the mapping or the name gone meanwhile, a NUL
+        if st is not None:  # a device's map (a GPU's) is no box file's
+            return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+    try:
+        major, minor = (int(x, 16) for x in fields[3].split(b":"))
+        return os.makedev(major, minor), int(fields[4])
+    except ValueError:
+        return None

@@ -89,17 +89,17 @@ def own_excludes(root: str) -> tuple[str, ...]:
 
 def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
               dirty: Optional[set[str]] = None, sink: progress.Sink = progress.to_stderr,
-              writing: frozenset[str] = frozenset()) -> Scan:
+              mapped: frozenset[tuple[int, int]] = frozenset()) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
     `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
     the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
-    last commit's, kept in the state dir (snapshot/kept.py). `writing`: the paths some process
-    maps shared-writable, which the memo does not keep (scan_box)."""
+    last commit's, kept in the state dir (snapshot/kept.py). `mapped`: the files (st_dev, st_ino) some
+    process maps shared-writable, which the memo does not keep (scan_box)."""
     extra = own_excludes(root)
     stored = StoredWalk(root, profile, extra) if memo is None else None
     with progress.bar("scanning box", unit="files", sink=sink) as b:
         scan = scan_box(root, profile, extra, progress.safe_update(b), memo=stored.memo() if stored else memo,
-                        previous=previous, dirty=dirty, writing=writing)
+                        previous=previous, dirty=dirty, mapped=mapped)
     if stored is not None:
         stored.save(scan)
     return scan
@@ -116,9 +116,10 @@ def changes_in(scan: Scan, root: str, profile: Profile, index: dict[str, Entry],
 
 
 def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bool = False,
-                sink: progress.Sink = progress.to_stderr, writing: frozenset[str] = frozenset()) -> tuple[Scan, Diff]:
+                sink: progress.Sink = progress.to_stderr, mapped: frozenset[tuple[int, int]] = frozenset()
+                ) -> tuple[Scan, Diff]:
     """Walk the box and diff it against the base index."""
-    scan = scan_root(root, profile, sink=sink, writing=writing)
+    scan = scan_root(root, profile, sink=sink, mapped=mapped)
     return scan, changes_in(scan, root, profile, index, rehash)
 
 
@@ -156,10 +157,10 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     # Once, before the walk: the hold rule's writers, and the files whose stat data says nothing of
     # their bytes (a write through a shared mapping may change none): never trusted to it (CommitPlan.known).
     hooks.writers = open_for_writing()
-    writing = frozenset(hooks.writers.under(root, mapped=True))
+    mapped = frozenset(hooks.writers.mapped_ids)
     scan_started_ns = time.time_ns()
     with gc_paused():
-        scan, d, plans, found = _scan_and_plan(root, base_img, index, opts, hooks, writing)
+        scan, d, plans, found = _scan_and_plan(root, base_img, index, opts, hooks, mapped)
         deleted = deletions.count(index, d.deleted) if base_img else None
     if deleted is not None and not opts.force:
         deletions.refuse_commit(root, deleted)  # before anything is read or pushed
@@ -175,19 +176,19 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     cp = CommitPlan(root, base_ref, base_remote, base_img, index, scan, d, plans, cache, restored, scan_started_ns,
                     opts.profile.zstd_level, opts.rehash, deletes=deleted, jobs=resolve_jobs(opts.jobs), hooks=hooks,
                     log=opts.log, encryption=opts.encryption, origin=found,
-                    writing=frozenset(p for p in writing if (e := scan.entries.get(p)) is not None and e.kind == FILE))
+                    writing=frozenset(p for p in scan.unkept if p in scan.entries and scan.entries[p].kind == FILE))
     hold_back(cp, held, opts)
     return cp
 
 
 def _scan_and_plan(root: str, base_img: Optional[Image], index: dict[str, Entry], opts: CommitOptions,
-                   hooks: CommitHooks, writing: frozenset[str]
+                   hooks: CommitHooks, mapped: frozenset[tuple[int, int]]
                    ) -> tuple[Scan, Diff, list[LayerPlan], Optional[Recognition]]:
     """Walk (or take hooks.changes), diff, plan, and compute the layers' stat-cache keys; with
-    --weights-from-origin, the box's hub caches recognised and their references left out. `writing`:
-    the paths some process maps shared-writable, which the walk's memo does not keep."""
+    --weights-from-origin, the box's hub caches recognised and their references left out. `mapped`:
+    the files (st_dev, st_ino) some process maps shared-writable, which the walk's memo does not keep."""
     scan, d = hooks.changes(base_img, index) or box_changes(root, opts.profile, index, opts.rehash, opts.log,
-                                                            writing)
+                                                            mapped)
     # Hub blobs as references (with --weights-from-origin, not --upload-origin); the token files never pushed.
     found = origin.recognise_box(root, opts.profile.leaves_out) if opts.weights_from_origin else origin.box_tokens(root)
     references = opts.weights_from_origin and not weights_in_layers(opts)

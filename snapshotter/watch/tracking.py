@@ -161,20 +161,20 @@ class ChangeTracker:
         """A commit's scan: of the directories changed since the last commit's, where notifications
         say which (and the loop's scans saw nothing they missed: their changes are added). The final
         snapshot's is whole where notifications miss some directories: no later full scan finds a
-        change made there since the loop's last. The directories of the files some process writes
-        or maps (`writers`, the commit's: see mapped_dirs) are listed again, and the memo keeps none
-        of those files (box/scan.py's scan_box)."""
+        change made there since the loop's last. The directories of the files some process maps
+        shared-writable (`writers`, the commit's: see mapped_dirs) are listed again, and the memo
+        keeps none of those files, found by identity (box/scan.py's scan_box)."""
         self.drain()
         dirty = self._take_dirty("commit")
         previous = self.commit_scan
-        writing = frozenset((writers or open_for_writing()).under(self.root, mapped=True))
+        writers = writers or open_for_writing()
         if dirty is None or previous is None or (final and not self.complete):
             dirty = previous = None
         else:
-            dirty = dirty | previous.racy_dirs | {p.rpartition("/")[0] for p in writing}
+            dirty = dirty | previous.racy_dirs | self.mapped_dirs(writers)
         try:
             scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty, sink=self.log,
-                             writing=writing)
+                             mapped=frozenset(writers.mapped_ids))
         except BaseException:
             with self.events_lock:
                 self.commit_dirty = None
@@ -230,11 +230,16 @@ class ChangeTracker:
     def differing_entries(self) -> dict[str, Entry]:
         return {p: self.entries[p] for p in self.differing if p in self.entries}
 
-    def mapped_dirs(self) -> set[str]:
-        """The directories of the box's files some process maps shared-writable: a write through a
-        mapping sends no notification (and after its first, changes no stat data), so the commits
-        look at such files themselves (commit_scan_now)."""
-        return {p.rpartition("/")[0] for p in open_for_writing().under(self.root, mapped=True)}
+    def mapped_dirs(self, writers: Optional[Writers] = None) -> set[str]:
+        """The directories of the last commit scan's files some process maps shared-writable (matched
+        by inode: the mapping may have been made through another name, a hard link outside the root
+        or a bind mount): a write through a mapping sends no notification (and after its first,
+        changes no stat data), so the commits look at such files themselves (commit_scan_now). A
+        file new since that scan notified its directory when it came."""
+        if self.commit_scan is None:
+            return set()
+        found = (writers or open_for_writing()).maybe_mapped(self.commit_scan.entries)
+        return {p.rpartition("/")[0] for p in found}
 
     def nothing_new(self) -> bool:
         """The box is as the last snapshot holds it, by the change notifications alone (no scan): the

@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
 
 TIMEOUT = 60
 
@@ -35,6 +39,31 @@ class MappedWriter:
 
     def exit(self) -> None:
         self.proc.communicate("\n", timeout=TIMEOUT)
+
+
+@contextmanager
+def mapped_name(path: str, elsewhere: str, via: str) -> Iterator[str]:
+    """The name a writer maps the box file `path` through: `path` itself ("box"), a hard link at
+    `elsewhere` ("hardlink": outside the box, on its filesystem), or `path` seen through a bind mount of
+    its directory at `elsewhere` ("bind": root only, skipped where mount is refused, unmounted after).
+    /proc shows the mapping by that name: only the file's identity says it is the box's."""
+    if via == "box":
+        yield path
+        return
+    if via == "hardlink":
+        os.link(path, elsewhere)
+        yield elsewhere
+        return
+    os.makedirs(elsewhere)
+    if os.geteuid() != 0:
+        pytest.skip("a bind mount needs root")
+    mounted = subprocess.run(["mount", "--bind", os.path.dirname(path), elsewhere], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"mount --bind refused: {mounted.stderr.strip()}")
+    try:
+        yield os.path.join(elsewhere, os.path.basename(path))
+    finally:
+        subprocess.run(["umount", "--lazy", elsewhere], check=True, timeout=TIMEOUT)
 
 
 def stat_data(path: str) -> tuple:
