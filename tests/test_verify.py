@@ -234,6 +234,27 @@ def test_a_split_hardlink_is_reported(restored):
                                         "'/opt/app/custom_nodes/NodeA/nodes.py', as in the image"), r.stdout
 
 
+def test_files_the_image_keeps_apart_made_one_inode_are_reported(registry, tmp_path):
+    """Two files of the image with the same bytes made one inode (`ln -f x y`: an edit of one would
+    change both): the second is reported, whether the layer is first checked in the directory
+    (held.py, which refuses it then: its link counts differ) or read at once (--read-layers); a third
+    name the image links to the first is not."""
+    ref = xattr_snapshot(registry, tmp_path, "verify-joined-files",
+                         lambda box: os.link(box / "opt/x.cfg", box / "opt/z.cfg"),
+                         {"opt/x.cfg": "same\n", "opt/y.cfg": "same\n"})
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), check=True)
+    code, doc = verify_json(ref, out)
+    assert code == 0 and doc["layers_held"] == 1, doc  # held.py checks the layer in the directory, unread
+    os.unlink(out / "opt/y.cfg")
+    os.link(out / "opt/x.cfg", out / "opt/y.cfg")
+    for args in ((), ("--read-layers",)):
+        code, doc = verify_json(ref, out, *args)
+        assert code == 9 and [(d["path"], d["kind"]) for d in doc["differences"]] == [("/opt/y.cfg", "hardlink")], doc
+    r = verify(ref, out)
+    assert r.stdout.splitlines()[0] == "/opt/y.cfg: a hardlink to '/opt/x.cfg', not in the image", r.stdout
+
+
 XATTR_CHANGES = {
     "removed": (lambda out: os.removexattr(out / "srv/app/a.txt", "user.tag"), "/srv/app/a.txt", "'user.tag' missing"),
     "changed": (lambda out: os.setxattr(out / "srv/app/a.txt", "user.tag", b"red"), "/srv/app/a.txt",

@@ -10,7 +10,7 @@ digest from the bytes that hash read; its blob is only asked for (HEAD). Every p
 is then checked in the directory: type, content digest, mode, owner, symlink target, device number
 (a file whose bytes were read already is not read again), extended attributes (exactly those restore
 sets: xattrs.py; a directory's extra ones too, though a restore over it leaves them), and that the
-names the image gives one file (hardlinks) are one inode.
+names the image gives one file (hardlinks) are one inode, its other files not (hardlinks.py).
 
 What is not compared: mtimes (a restore sets them, but a touched file has not changed), paths the
 profile never captures (its `exclude` list: /proc, /tmp, /etc/hosts, ...), the secrets commit left
@@ -56,6 +56,7 @@ from snapshotter.tar.compress import IterReader, check_layer
 from snapshotter.tar.reader import EntryCount, data_chunks, iter_members
 from snapshotter.tar.rules import check_name
 
+from .hardlinks import HardlinkCheck
 from .held import HeldLayers, Members
 from .parts import part_files, part_links
 from .skip import RootPaths, RootRules
@@ -289,8 +290,7 @@ class _Comparison:
     def __init__(self, paths: RootPaths, opts: VerifyOptions, left_out: frozenset[str], read: dict[str, str],
                  linked: dict[str, object]):
         self.paths, self.root, self.opts, self.left_out, self.read = paths, paths.root, opts, left_out, read
-        self.linked = linked
-        self.inodes: dict[str, tuple[int, int]] = {}  # the image's hardlinked files found as files: their inodes
+        self.links = HardlinkCheck(linked)
         self.diffs: list[Difference] = []
         self.covered: set[str] = set()  # paths whose subtree is not looked into (reported, or not a directory)
         self.checked = 0
@@ -332,22 +332,14 @@ class _Comparison:
             self.diffs.append(Difference(shown, "type", f"is {_kind_name(kind)}, expected {_kind_name(e.kind)}"))
             self.covered.add(rel)
             return
-        if rel in self.linked:
-            self.inodes[rel] = (st.st_dev, st.st_ino)
+        if e.kind == FILE:
+            self.links.note(rel, st)
         self.diffs.extend(_compare_entry(shown, full, have, e, self.opts.allow_setuid, self.contents,
                                          self.read.get(rel)))
 
     def check_links(self) -> None:
-        """The names the image gives one file (hardlinks) that are not one inode in the directory:
-        each name not its first's (in path order) is reported."""
-        names: dict[object, list[str]] = {}
-        for rel in sorted(self.inodes):
-            names.setdefault(self.linked[rel], []).append(rel)
-        for first, *others in names.values():
-            for rel in others:
-                if self.inodes[rel] != self.inodes[first]:
-                    self.diffs.append(Difference("/" + rel, "hardlink",
-                                                 f"not a hardlink to {quoted_path(first)}, as in the image"))
+        """The image's hardlinks that are not one inode in the directory, and its files apart that are."""
+        self.diffs.extend(Difference("/" + rel, "hardlink", detail) for rel, detail in self.links.differences())
 
     def check_deleted(self, deleted: set[str]) -> None:
         """The paths the image deletes that are there."""
