@@ -144,3 +144,46 @@ def test_a_file_held_open_for_writing_but_not_mapped_keeps_its_stat_cache(regist
     finally:
         holder.communicate("\n", timeout=60)
     assert all("not read" in layer.status for layer in again.layers), {x.name: x.status for x in again.layers}
+
+
+def test_a_shared_map_switched_read_only_between_writes_still_counts(registry, base_ref, old_box):
+    """A map of a file opened for writing, read-only (mprotect) while a commit looks: it may be made
+    writable again, and its dirty pages then take writes with no fault, so no time moves. It counts
+    as long as it may be written (VM_MAYWRITE), read-only now or not."""
+    path = os.path.join(old_box, STATE)
+    write_tree(old_box, {STATE: b"\0" * 8192})
+    writer = MappedWriter(path)
+    try:
+        writer.write("AAAA")
+        writer.write("!ro")
+        commit_box(f"{registry.host}/mapped-ro:v1", base_ref, CommitOptions(root=old_box))
+        assert image_bytes(registry, "mapped-ro", "v1", STATE)[:4] == b"AAAA"
+        before = stat_data(path)
+        for word in ("!rw", "BBBB", "!ro"):
+            writer.write(word)
+        if stat_data(path) != before:
+            pytest.skip("this kernel moves a file's times at a write through a map made writable again")
+        commit_box(f"{registry.host}/mapped-ro:v2", base_ref, CommitOptions(root=old_box))
+    finally:
+        writer.exit()
+    assert image_bytes(registry, "mapped-ro", "v2", STATE)[:4] == b"BBBB"
+
+
+def test_a_file_mapped_only_to_be_read_keeps_its_stat_cache(registry, base_ref, old_box):
+    """A weight opened read-only and mapped shared (numpy, safetensors): no write can come through
+    that map, so its layer comes from the stat cache, unread, as any other."""
+    import subprocess
+    import sys
+
+    write_tree(old_box, {STATE: b"\0" * 8192})
+    reader = subprocess.Popen([sys.executable, "-c", "import mmap, sys; f = open(sys.argv[1], 'rb'); "
+                               "m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); print('mapped', flush=True); "
+                               "sys.stdin.readline()", os.path.join(old_box, STATE)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "mapped\n"
+        commit_box(f"{registry.host}/mapped-read:v1", base_ref, CommitOptions(root=old_box))
+        again = commit_box(f"{registry.host}/mapped-read:v2", base_ref, CommitOptions(root=old_box))
+    finally:
+        reader.communicate("\n", timeout=60)
+    assert all("not read" in layer.status for layer in again.layers), {x.name: x.status for x in again.layers}

@@ -9,6 +9,7 @@ is refused only a process of an outer namespace, which is not the box's)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -131,11 +132,16 @@ def _shared_writable_maps(pid_dir: str, found: Writers, resolved: dict[bytes, Op
     found.mapped_ids (`resolved`: the identities already found, by the maps line's dev and inode)."""
     with open(os.path.join(pid_dir, "maps"), "rb") as f:
         maps = f.read()
-    if b"w-s " not in maps and b"wxs " not in maps:
-        return  # no mapping of this process is shared and writable (its permissions would read -w-s or -wxs)
+    if b"s " not in maps:
+        return  # no mapping of this process is shared (its permissions would read ---s)
+    # A shared map of a file opened for writing, read-only now, may be made writable again with
+    # mprotect: its dirty pages then take writes with no fault, which move no time. It counts as
+    # writable (smaps' VM_MAYWRITE); one of a file opened read-only (a weight mapped to be read) not.
+    may_write = _may_write(pid_dir) if re.search(rb" r-[-x]s [0-9a-f]+ \S+ [1-9]", maps) else set()
     for line in maps.split(b"\n"):  # the kernel writes a newline in a name as \012: one line per mapping
         fields = line.split(None, 5)
-        if len(fields) == 6 and fields[1][1:2] == b"w" and fields[1][3:4] == b"s" and fields[4] != b"0":
+        if len(fields) == 6 and fields[1][3:4] == b"s" and fields[4] != b"0" and (
+                fields[1][1:2] == b"w" or fields[0] in may_write):
             key = fields[3] + b" " + fields[4]
             if key not in resolved:
                 resolved[key] = _mapped_identity(pid_dir, fields)
@@ -148,6 +154,23 @@ def _shared_writable_maps(pid_dir: str, found: Writers, resolved: dict[bytes, Op
                 path = name.decode(errors="surrogateescape")
                 if path.startswith("/") and not path.endswith(_DELETED):
                     found.mapped.add(path)
+
+
+def _may_write(pid_dir: str) -> set[bytes]:
+    """The address ranges (as maps names them) of the process's mappings that may be made writable
+    (smaps' VmFlags holds "mw"), read only where a shared file map is read-only now."""
+    out, current = set(), None
+    with open(os.path.join(pid_dir, "smaps"), "rb") as f:
+        for line in f:
+            if line.startswith(b"VmFlags:"):
+                if current is not None and b" mw" in line:
+                    out.add(current)
+            elif b"-" in line.split(b" ", 1)[0] and line[:1] in _HEX:
+                current = line.split(b" ", 1)[0]
+    return out
+
+
+_HEX = frozenset(b"0123456789abcdef"[i:i + 1] for i in range(16))
 
 
 def _mapped_identity(pid_dir: str, fields: list[bytes]) -> Optional[tuple[int, int]]:

@@ -15,14 +15,21 @@ import pytest
 TIMEOUT = 60
 
 # Maps the file (its descriptor closed: the map alone holds it) and writes each word it is given at
-# the file's start, through the map, answering "wrote"; an empty line ends it.
-_WRITER = ("import mmap, sys\n"
+# the file's start, through the map, answering "wrote"; "!ro" and "!rw" switch the map read-only and
+# back (mprotect); an empty line ends it.
+_WRITER = ("import ctypes, mmap, sys\n"
            "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); f.close()\n"
+           "libc = ctypes.CDLL(None, use_errno=True)\n"
+           "libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n"
+           "at = ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
            "for line in sys.stdin:\n"
-           "    word = line.strip().encode()\n"
+           "    word = line.strip()\n"
            "    if not word:\n"
            "        break\n"
-           "    m[:len(word)] = word\n"
+           "    if word in ('!ro', '!rw'):\n"
+           "        assert libc.mprotect(at, len(m), 1 if word == '!ro' else 3) == 0\n"
+           "    else:\n"
+           "        m[:len(word)] = word.encode()\n"
            "    print('wrote', flush=True)\n")
 
 
