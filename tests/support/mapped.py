@@ -48,6 +48,22 @@ class MappedWriter:
         self.proc.communicate("\n", timeout=TIMEOUT)
 
 
+_HOLDS = {"open for append": "f = open(sys.argv[1], 'ab')",
+          "mapped to be read": "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)"}
+
+
+@contextmanager
+def held(path: str, how: str) -> Iterator[None]:
+    """A real process holding `path` as `how` says (a key of _HOLDS) until the block ends."""
+    proc = subprocess.Popen([sys.executable, "-c", f"import mmap, sys; {_HOLDS[how]}; print('held', flush=True); "
+                             "sys.stdin.readline()", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        yield
+    finally:
+        proc.communicate("\n", timeout=TIMEOUT)
+
+
 @contextmanager
 def mapped_name(path: str, elsewhere: str, via: str) -> Iterator[str]:
     """The name a writer maps the box file `path` through: `path` itself ("box"), a hard link at
