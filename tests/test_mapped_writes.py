@@ -162,3 +162,29 @@ def test_a_shared_map_switched_read_only_between_writes_still_counts(registry, b
     finally:
         writer.exit()
     assert image_bytes(registry, "mapped-ro", "v2", STATE)[:4] == b"BBBB"
+
+
+def test_smaps_tells_a_map_that_may_write_from_one_that_may_not(old_box):
+    """Where map_files is closed to snap (not root), smaps' VmFlags tell the maps of a file opened for
+    writing (read-only now or not) from those of a file opened read-only."""
+    from snapshotter.box.writers import _smaps_may_write
+
+    written, read = os.path.join(old_box, STATE), os.path.join(old_box, "opt/app/db/weights.bin")
+    write_tree(old_box, {STATE: b"\0" * 8192, "opt/app/db/weights.bin": b"\0" * 8192})
+    writer = MappedWriter(written)
+    try:
+        writer.write("!ro")
+        with held(read, "mapped to be read") as reader:
+            spans = {}
+            for pid in (writer.proc.pid, reader):
+                with open(f"/proc/{pid}/maps", "rb") as f:
+                    for line in f:
+                        fields = line.split(None, 5)
+                        if len(fields) == 6 and fields[5].strip().decode() in (written, read):
+                            spans[fields[5].strip().decode()] = (pid, fields[0])
+            assert set(spans) == {written, read}, spans
+            assert {path: span in _smaps_may_write(f"/proc/{pid}") for path, (pid, span) in spans.items()} == \
+                {written: True, read: False}
+    finally:
+        writer.exit()
+

@@ -9,7 +9,6 @@ is refused only a process of an outer namespace, which is not the box's)."""
 from __future__ import annotations
 
 import os
-import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -134,14 +133,11 @@ def _shared_writable_maps(pid_dir: str, found: Writers, resolved: dict[bytes, Op
         maps = f.read()
     if b"s " not in maps:
         return  # no mapping of this process is shared (its permissions would read ---s)
-    # A shared map of a file opened for writing, read-only now, may be made writable again with
-    # mprotect: its dirty pages then take writes with no fault, which move no time. It counts as
-    # writable (smaps' VM_MAYWRITE); one of a file opened read-only (a weight mapped to be read) not.
-    may_write = _may_write(pid_dir) if re.search(rb" r-[-x]s [0-9a-f]+ \S+ [1-9]", maps) else set()
+    may_write = _MayWrite(pid_dir)
     for line in maps.split(b"\n"):  # the kernel writes a newline in a name as \012: one line per mapping
         fields = line.split(None, 5)
         if len(fields) == 6 and fields[1][3:4] == b"s" and fields[4] != b"0" and (
-                fields[1][1:2] == b"w" or fields[0] in may_write):
+                fields[1][1:2] == b"w" or may_write(fields[0])):
             key = fields[3] + b" " + fields[4]
             if key not in resolved:
                 resolved[key] = _mapped_identity(pid_dir, fields)
@@ -156,9 +152,32 @@ def _shared_writable_maps(pid_dir: str, found: Writers, resolved: dict[bytes, Op
                     found.mapped.add(path)
 
 
-def _may_write(pid_dir: str) -> set[bytes]:
-    """The address ranges (as maps names them) of the process's mappings that may be made writable
-    (smaps' VmFlags holds "mw"), read only where a shared file map is read-only now."""
+class _MayWrite:
+    """Whether a shared file map of one process, read-only now, may be made writable again: with
+    mprotect, whose dirty pages then take writes with no fault, which move no time. So it is for a
+    file opened for writing (VM_MAYWRITE), not one opened read-only (a weight mapped to be read,
+    glibc's gconv cache). Asked of the map's /proc/PID/map_files link, whose mode is the file's open
+    mode (root may look); else, once per process, of smaps' VmFlags ("mw"), dearer to read."""
+
+    def __init__(self, pid_dir: str):
+        self.pid_dir = pid_dir
+        self.smaps: Optional[set[bytes]] = None  # the ranges smaps says may write, once read
+
+    def __call__(self, span: bytes) -> bool:
+        try:
+            return bool(os.lstat(os.path.join(self.pid_dir, "map_files", span.decode())).st_mode & stat.S_IWUSR)
+        except PermissionError:
+            pass
+        except OSError:
+            return False  # unmapped meanwhile
+        if self.smaps is None:
+            self.smaps = _smaps_may_write(self.pid_dir)
+        return span in self.smaps
+
+
+def _smaps_may_write(pid_dir: str) -> set[bytes]:
+    """The address ranges (as maps names them) of the process's mappings smaps says may be made
+    writable (VmFlags "mw")."""
     out, current = set(), None
     with open(os.path.join(pid_dir, "smaps"), "rb") as f:
         for line in f:

@@ -53,13 +53,13 @@ _HOLDS = {"open for append": "f = open(sys.argv[1], 'ab')",
 
 
 @contextmanager
-def held(path: str, how: str) -> Iterator[None]:
-    """A real process holding `path` as `how` says (a key of _HOLDS) until the block ends."""
+def held(path: str, how: str) -> Iterator[int]:
+    """A real process holding `path` as `how` says (a key of _HOLDS) until the block ends; its pid."""
     proc = subprocess.Popen([sys.executable, "-c", f"import mmap, sys; {_HOLDS[how]}; print('held', flush=True); "
                              "sys.stdin.readline()", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "held\n"
-        yield
+        yield proc.pid
     finally:
         proc.communicate("\n", timeout=TIMEOUT)
 
