@@ -33,7 +33,7 @@ from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.state import RootFiles, read_versioned, sub, write_versioned
 from snapshotter.tar.rules import header_key, headers_digest
 
-from .statcache import blob_entry
+from .statcache import NO_RESTORE, blob_entry
 
 VERSION = 1
 
@@ -88,7 +88,9 @@ def forget_restore(files: RootFiles) -> None:
 def restore_mark(root: str) -> tuple:
     """What tells the restores into `root` apart: the last finished one's image and end, or the
     start of one that has not finished (running, failed or stopped)."""
-    doc = _load(RootFiles(root)) or {}
+    doc = _load(RootFiles(root))
+    if not doc:
+        return NO_RESTORE
     return doc.get("manifest"), doc.get("restored_at_ns"), doc.get("started_ns")
 
 

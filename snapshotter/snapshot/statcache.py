@@ -76,14 +76,16 @@ def _last_commit(root: str) -> dict:
     return doc or {}
 
 
+NO_RESTORE = (None, None, None)  # the restore mark (record.restore_mark) of a root no restore wrote into
+
+
 def _from_version_2(old: dict) -> dict:
     """An older snap's file (format 2, no restore marks): its base and target as they are; its made
-    digests as made under the mark of a root no restore wrote into (record.restore_mark's (None,
-    None, None)). So they count for such a root alone: for one restored, whether they were made
-    before or after the restore is not known, and they are not counted (a commit then diverges once
-    rather than move a tag over work a restore replaced)."""
+    digests as made under NO_RESTORE. So they count for such a root alone: for one restored, whether
+    they were made before or after the restore is not known, and they are not counted (a commit then
+    diverges once rather than move a tag over work a restore replaced)."""
     made = old.get("made")
-    return {**old, "made": [[d, [None, None, None]] for d in made if isinstance(d, str)] if isinstance(made, list)
+    return {**old, "made": [[d, list(NO_RESTORE)] for d in made if isinstance(d, str)] if isinstance(made, list)
             else []}
 
 
