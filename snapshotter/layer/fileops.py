@@ -11,11 +11,10 @@ from typing import Callable, Optional
 
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.errors import IntegrityError
-from snapshotter.tar.rules import SKIP_XATTRS, XATTR_PAX, member_mtime_ns
+from snapshotter.tar.rules import CAPABILITY, SKIP_XATTRS, XATTR_PAX, member_mtime_ns
 
 READ_BUFFER = 1 << 20
 XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
-_CAPABILITY = "security.capability"
 _ON_FD: dict = {}
 _NOFOLLOW = {"follow_symlinks": False}
 Attrs = tuple[int, int, int]  # (mode, uid, gid) a path has: set_attrs's `created`
@@ -41,8 +40,8 @@ def set_attrs(path, m: tarfile.TarInfo, same_owner: bool, keep_privileges: bool,
     if mode & (stat.S_ISUID | stat.S_ISGID) and not m.isdir() and not keep_privileges:
         mode &= ~(stat.S_ISUID | stat.S_ISGID)
         strip = True
-    if xattrs and _CAPABILITY in xattrs and not keep_privileges:
-        del xattrs[_CAPABILITY]  # file capabilities are setuid by another name
+    if xattrs and CAPABILITY in xattrs and not keep_privileges:
+        del xattrs[CAPABILITY]  # file capabilities are setuid by another name
         strip = True
     if strip:
         stripped()
