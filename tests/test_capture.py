@@ -25,7 +25,7 @@ from snapshotter.layer.plan import LayerPlan
 from snapshotter.profile import holds_private_key, load_profile
 
 from support.images import snap_layer_files
-from support.run import have_wheels, pip_install_offline, snap
+from support.run import have_wheels, make_venv, pip_install_offline, snap
 from support.trees import SMALL_WEIGHTS, write_tree
 
 CUDA_DIR = "usr/lib/x86_64-linux-gnu"
@@ -86,7 +86,7 @@ CERTIFICATE = "-----BEGIN CERTIFICATE-----\nMIIDdzCCAl+gAwIBAgIEAgAAuTANBgkq-PUB
 
 def _make_venv(path):
     """A real venv with requests (and so certifi's CA bundle, cacert.pem), installed offline."""
-    subprocess.run([sys.executable, "-m", "venv", path], check=True)
+    make_venv(path)
     r = pip_install_offline(path, "requests")
     assert r.returncode == 0, r.stderr
 

@@ -16,7 +16,7 @@ from typing import Optional
 import pytest
 
 from support.images import snap_layer_files
-from support.run import PIP_OFFLINE, WHEELS, commit_json, pip_install_offline, snap_dist
+from support.run import PIP_OFFLINE, WHEELS, commit_json, make_venv, pip_install_offline, snap_dist
 from support.trees import NOT_CAPTURED, make_box, snapshot_of_tree, write_tree
 
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
@@ -31,7 +31,7 @@ IMPORT_ALL = ("import importlib, pkgutil, snapshotter\n"
 
 
 def find_python(version: str) -> Optional[str]:
-    """An interpreter of `version` that can make a venv with pip: this one, pythonX.Y on PATH (pyenv's
+    """An interpreter of `version` that can make a venv: this one, pythonX.Y on PATH (pyenv's
     shims only run the selected versions), or one of pyenv's installed versions."""
     if sys.version.startswith(version + "."):
         return sys.executable
@@ -39,7 +39,7 @@ def find_python(version: str) -> Optional[str]:
     candidates = [shutil.which(f"python{version}"),
                   *sorted(glob.glob(f"{pyenv}/versions/{version}.*/bin/python{version}"))]
     for python in filter(None, candidates):
-        r = subprocess.run([python, "-c", "import sys, venv, ensurepip; print('%d.%d' % sys.version_info[:2])"],
+        r = subprocess.run([python, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
                            capture_output=True, text=True)
         if r.returncode == 0 and r.stdout.strip() == version:
             return python
@@ -54,11 +54,12 @@ def missing_wheels(version: str) -> list[str]:
 
 
 def installed_snap(python: str, wheel: str, tmp_path) -> str:
-    """A fresh venv of `python` with snap's wheel pip-installed from .ci/wheels alone; the venv's path.
+    """A fresh venv of `python` with snap's wheel pip-installed from .ci/wheels alone (by this suite's pip,
+    run under `python`: the same choice of wheels as the venv's own pip would make); the venv's path.
     --no-compile: no .pyc of every dependency written at install (most of an install's time); each
     module is compiled as it is first imported, as from a user's `pip install --no-compile`."""
     venv = tmp_path / "venv"
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    make_venv(str(venv), python)
     r = pip_install_offline(str(venv), "--no-compile", wheel)
     assert r.returncode == 0, r.stderr
     return str(venv)
@@ -89,7 +90,7 @@ def test_install_on_each_python_then_a_commit_makes_the_same_layers(version, reg
                                                                     tmp_path_factory, tmp_path):
     python = find_python(version)
     if python is None:
-        pytest.skip(f"no Python {version} with venv and ensurepip on this machine")
+        pytest.skip(f"no Python {version} with venv on this machine")
     if not os.path.isdir(WHEELS) or missing_wheels(version):
         pytest.skip(f"no wheels of {', '.join(missing_wheels(version)) or 'snap dependencies'} for Python {version} "
                     "in .ci/wheels (run .ci/setup)")

@@ -163,9 +163,16 @@ def _build_dist(src: Path) -> dict[str, str]:
     return {kind: paths[0] for kind, paths in found.items()}
 
 
+def make_venv(path: str, python: str = sys.executable) -> None:
+    """A fresh venv of `python` with no pip of its own: pip_install_offline installs into it with this
+    suite's pip (its own, from ensurepip, took ~5 s per venv)."""
+    subprocess.run([python, "-m", "venv", "--without-pip", path], check=True)
+
+
 def pip_install_offline(venv: str, *args: str) -> subprocess.CompletedProcess:
-    """`VENV/bin/pip install ARGS` from .ci/wheels alone."""
+    """`pip install ARGS` into the venv at `venv` (pip's --python: it runs under the venv's interpreter,
+    which decides what fits), from .ci/wheels alone."""
     env = {**os.environ, **PIP_OFFLINE}
     env.pop("PYTHONPATH", None)
-    return subprocess.run([os.path.join(venv, "bin/pip"), "install", "-q", "--no-index", "--find-links", WHEELS, *args],
-                          capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "pip", "--python", os.path.join(venv, "bin/python"), "install", "-q",
+                           "--no-index", "--find-links", WHEELS, *args], capture_output=True, text=True, env=env)
