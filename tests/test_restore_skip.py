@@ -425,6 +425,7 @@ def test_a_layer_misdescribed_by_its_skeleton_does_not_decide_what_is_skipped_ab
         assert (root / "d/f").read_bytes() == b"GOOD\n", err
         assert "is not what its skeleton said: the layers above it are checked again" in err
         assert doc["skipped_layers"] == 0 and len(doc["applied"]) == 2
+        assert "skipped" not in err, err  # layer 2, first planned as skipped, was applied: no line says otherwise
 
 
 def test_a_path_an_applied_layer_deletes_then_makes_again_is_not_skipped_below(registry, tmp_path):

@@ -144,7 +144,7 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     run = _open_run(ref, root, opts)
     resumed = _resume(run, root, opts.log)
     parts = run.parts  # every file cut into parts; one whose part layers are all skipped is not joined
-    skips = _planned_skips(run, resumed, parts, opts.log)
+    skips = _planned_skips(run, resumed, parts)
     weights = {r.name for r in run.profile.layers if r.weights}
     progress = Progress(run.files, run.todo, weights)
     ready_at = app_ready_after(run.todo, weights)
@@ -167,6 +167,9 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         applied, headers, stats, skips = _apply_checked(run, staging, opts, after_layer,
                                                         (run.base_layers, index_to) if index_to else None, ready_at,
                                                         frozenset(weights), skips, parts)
+        if skips.skipped:  # said once applied: a layer checked again may have been applied after all
+            opts.log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
+                     f"{run.extractor.root}: not downloaded")
         staging.remove()  # the layers are applied: the root holds nothing of ours
         if run.parts:
             join_parts(run.extractor, run.parts, run.links, opts.extract.fsync, run.journal)
@@ -259,12 +262,9 @@ def _result(run: _Run, applied: list[str], resumed: int, stats: ExtractStats, se
                          *((len(weights.fetched), len(weights.present)) if weights else ()))
 
 
-def _planned_skips(run: _Run, resumed: int, parts: dict[str, int], log: Callable[[str], None]) -> SkipPlan:
-    """_skips(), said, and the files to join (run.parts) those of `parts` not all skipped."""
+def _planned_skips(run: _Run, resumed: int, parts: dict[str, int]) -> SkipPlan:
+    """_skips(), and the files to join (run.parts) those of `parts` not all skipped."""
     skips = _skips(run, resumed)
-    if skips.skipped:
-        log(f"skipped {len(skips.skipped)} layer(s) ({human_size(skips.skipped_bytes)}) already in "
-            f"{run.extractor.root}: not downloaded")
     done = skipped_part_files(run.todo, skips.skipped)  # nothing to join: the file is there
     run.parts = {rel: n for rel, n in parts.items() if rel not in done}
     return skips
@@ -293,7 +293,7 @@ def _apply_checked(run: _Run, staging: StagingDirs, opts: RestoreOptions,
             headers.update(e.headers)
             done = run.journal.applied
             kept = {n: h for n, h in skips.skipped.items() if n < done}  # recorded as skipped
-            again = _planned_skips(run, done, parts, opts.log)
+            again = _planned_skips(run, done, parts)
             skipped = {**kept, **again.skipped}
             skips = SkipPlan(skipped, sum(run.todo[n].size for n in skipped),
                              skips.hashed_bytes + again.hashed_bytes, again.reasons, again.headers_said)
