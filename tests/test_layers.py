@@ -296,15 +296,24 @@ def test_a_weight_layer_keeps_its_digest_when_its_base_directory_first_changes(r
 
 def test_a_snapshot_past_the_engines_layer_limit_is_warned_of_naming_docker_and_podman(registry, request, tmp_path):
     """Docker refuses images of more than about 125 layers, podman fails to start them from 126 to 133;
-    snap restore has no limit. A base of 125 layers and one snap layer on it: 126."""
+    snap restore has no limit. A base of 125 layers and two snap layers on it: 127."""
     base = push(registry, request, *(tar_of_files({f"l/{i:03d}": b"x"}, dirs=("l",)) for i in range(125)))
     box = str(tmp_path / "box")
     snap("restore", base, "--root", box, check=True)
-    write_tree(box, {"opt/new.txt": "new\n"})
+    write_tree(box, {"opt/new.txt": "new\n", "opt/app/custom_nodes/N/nodes.py": "n = 1\n"})
     r = snap("commit", f"{registry.host}/many-layers:v1", "--base", base, "--root", box, check=True)
-    warning = [line for line in r.stderr.splitlines() if line.startswith("warning: the image has 126 layers")]
-    assert len(warning) == 1, r.stderr
+    warning = [line for line in r.stderr.splitlines() if "Docker cannot run" in line]
+    assert len(warning) == 1 and warning[0].startswith("warning: the image has 127 layers"), r.stderr
     assert all(word in warning[0] for word in ("Docker", "125", "podman", "126 and 133", "snap restore")), warning
+    # A commit that pushes twice (the registry lost the layer it reuses): the image is warned of once.
+    (rest,) = [d for d in registry.manifest("many-layers", "v1")["layers"]
+               if d.get("annotations", {}).get("dev.snap.layer") == "rest"]
+    hexd = rest["digest"].split(":", 1)[1]
+    os.unlink(os.path.join(registry.storage, "docker/registry/v2/blobs/sha256", hexd[:2], hexd, "data"))
+    write_tree(box, {"opt/app/custom_nodes/N/nodes.py": "n = 2\n"})
+    r = snap("commit", f"{registry.host}/many-layers:v1", "--base", base, "--root", box, check=True)
+    assert "looking each blob up and sending the lost ones again" in r.stderr, r.stderr
+    assert [line for line in r.stderr.splitlines() if "Docker cannot run" in line] == warning, r.stderr
 
 
 def test_a_new_directory_below_its_topmost_layer_carries_the_newest_mtime_of_that_layers_paths_under_it():

@@ -90,6 +90,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     except BlobsUnknown:
         pushed = _push_again(cp, remote, target_ref, opts, tagged)
     digest, image = pushed.digest, pushed.image
+    _warn_engine_limit(cp.base_layers + len(pushed.layers) + sum(len(v) for v in cp.carried.values()), opts)
     cp.cache.save()
     if cp.encryption is not None:
         cp.encryption.save(digest, str(target_ref))  # each tag keeps its last snapshot's seal
@@ -126,7 +127,6 @@ def _push_image(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: Com
     those this box cannot send (_check_held) are looked up too, and so is the tag's config."""
     layers = _push_settled_layers(cp, remote, opts)
     _carry(cp, remote)
-    _warn_engine_limit(cp.base_layers + len(layers) + sum(len(v) for v in cp.carried.values()), opts)
     # The layers' headers, for a restore onto a root that already holds some of them (restore/skip.py).
     sides = side_blobs(cp.encryption)  # none in clear beside encrypted layers
     headers = skeleton.push(remote, [(p, b.diff_id) for p, b, _ in layers], cp.sources) if sides else {}
