@@ -116,6 +116,11 @@ def hostile(registry, which: str) -> str:
         others = [tar_bytes(member(f"opt/app/m{i}.py", data=b"m\n")) for i in range(3)]
         return push_snapshot(registry, repo, [*others, HOSTILE_WHITEOUTS],
                              [*(skeleton_of(t) for t in others), skeleton_of(decoy, key=HOSTILE_WHITEOUTS)], zstd=True)
+    if which == "skeleton-credit":  # layer 2's skeleton says it writes again all layer 1 deletes; it writes one file
+        claim = written_again()
+        innocent = tar_bytes(member("opt/app/innocent.py", data=b"x\n"))
+        return push_snapshot(registry, repo, [HOSTILE_OPAQUE, innocent],
+                             [skeleton_of(HOSTILE_OPAQUE), skeleton_of(claim, key=innocent)])
     if which == "file-over-dir":  # a regular file where usr/lib is: the extractor removes the tree
         tar = tar_bytes(member("usr/lib", data=b"not a directory\n"))
         return push_snapshot(registry, repo, [tar], [skeleton_of(tar)])
@@ -126,7 +131,16 @@ def hostile(registry, which: str) -> str:
 
 
 KINDS = ["whiteouts", "opaque", "forged-record", "no-skeleton", "skeleton-without-it", "lying-skeleton",
-         "lying-skeleton-one-blob", "file-over-dir", "big-system-dir"]
+         "lying-skeleton-one-blob", "skeleton-credit", "file-over-dir", "big-system-dir"]
+# the files live_root holds in the directories HOSTILE_OPAQUE empties
+SYSTEM_FILES = [*(f"usr/bin/tool{i}" for i in range(60)), *(f"usr/lib/lib{i}.so" for i in range(60)),
+                *(f"usr/share/doc/pkg{i}/README" for i in range(40))]
+
+
+def written_again() -> bytes:
+    """A layer that writes again every path HOSTILE_OPAQUE deletes of live_root, directories too."""
+    dirs = ["usr/share/doc/", *(f"usr/share/doc/pkg{i}/" for i in range(40))]
+    return tar_bytes(*(member(d, "dir") for d in dirs), *(member(p, data=b"again\n") for p in SYSTEM_FILES))
 
 
 @pytest.mark.parametrize("which", KINDS)
@@ -141,11 +155,26 @@ def test_a_snapshot_that_deletes_the_live_system_is_refused_and_the_root_is_unch
         assert "'/etc/.wh.passwd'" in line, line
     else:  # counted: the directories named, each with the paths it deletes (a re-added one not)
         shown = {"big-system-dir": ["'/etc/ssl' 122 paths"], "opaque": ["'/usr/bin' 59 paths", "'/usr/lib' 60 paths"],
+                 "skeleton-credit": ["'/usr/bin' 59 paths", "'/usr/lib' 60 paths"],
                  "skeleton-without-it": ["'/usr/bin' 59 paths"], "file-over-dir": ["'/usr/lib' 60 paths"]
                  }.get(which, ["'/usr/bin' 61 paths", "'/usr/lib' 61 paths"])
         assert all(s in line for s in shown), line
     assert snapshot_of_tree(root) == before  # nothing written, nothing deleted
     assert not [n for n in os.listdir(root) if n.startswith(".snap-")]
+
+
+def test_a_snapshot_that_empties_system_directories_and_writes_them_again_restores(registry, tmp_path):
+    """The deletions a later layer makes good are not counted: on its skeleton's word once its own
+    headers are read (the deletions would be the system's without it), and the root is the image's."""
+    again = written_again()
+    ref = push_snapshot(registry, "guard33/written-again", [HOSTILE_OPAQUE, again],
+                        [skeleton_of(HOSTILE_OPAQUE), skeleton_of(again)])
+    root = live_root(tmp_path)
+    snap("restore", ref, "--root", root, "--only-snapshot", check=True)
+    tree = snapshot_of_tree(root)
+    assert sorted(p for p in tree if p.startswith(("usr/bin/", "usr/lib/")) or p.endswith("/README")) == sorted(
+        SYSTEM_FILES)
+    assert all(open(os.path.join(root, p)).read() == "again\n" for p in SYSTEM_FILES)
 
 
 def test_a_lying_skeleton_among_layers_applied_at_once_deletes_nothing(registry, tmp_path):

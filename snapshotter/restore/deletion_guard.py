@@ -1,18 +1,20 @@
 """The deletion guard of a restore onto a live root (holds_system, below), unless --force.
 
 Before anything is written, what each layer deletes is read from its tar headers: whiteouts
-(`.wh.NAME`) and opaque markers (`.wh..wh..opq`) at any depth, non-directories that would
-replace a directory the root holds (the extractor removes that tree), and any member, a directory
-too, that would replace a link to a directory holding anything (/bin -> usr/bin; the same link
-written again is no deletion). A path counts as written again only where the extractor makes it
-(extract.creates: no device node without --allow-devices, no never-write path), by the deleting
-layer or a later one. Files joined from part layers (parts.py) and their other names must not
-land on a directory or a link to one. The headers come from the
-snapshot's skeleton blob (snapshot/skeleton.py) where it has the layer's diff_id, without a
-download; any other layer (a foreign one, a skeleton missing, malformed or too big) is streamed
-from the registry, its digest and diff_id checked, its headers read and its contents dropped
-(nothing is written: it downloads again to be applied). The manifest's `dev.snap.deletes` is never
-read: an image can say anything there.
+(`.wh.NAME`) and opaque markers (`.wh..wh..opq`) at any depth, non-directories that would replace a
+directory the root holds (the extractor removes that tree), and any member, a directory too, that
+would replace a link to a directory holding anything (/bin -> usr/bin; the same link written again
+is no deletion). A path counts as written again only where the extractor makes it (extract.creates:
+no device node without --allow-devices, no never-write path), by the deleting layer or a later one:
+on a skeleton's word only where the verdict does not hang on it (where, without that word, the
+deletions would be the system's, those layers are streamed and their own headers counted: a skeleton
+that claims a layer writes the system again cannot empty it). Files joined from part layers
+(parts.py) and their other names must not land on a directory or a link to one. The headers come
+from the snapshot's skeleton blob (snapshot/skeleton.py) where it has the layer's diff_id, without a
+download; any other layer (a foreign one, a skeleton missing, malformed or too big) is streamed from
+the registry, its digest and diff_id checked, its headers read and its contents dropped (nothing is
+written: it downloads again to be applied). The manifest's `dev.snap.deletes` is never read: an
+image can say anything there.
 
 They are counted against the paths the root holds (box/deletions.py: count_live, and the rule for
 when that is the system). Over it: exit 6, one line, the root untouched. Under it: each layer is
@@ -29,7 +31,7 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from snapshotter.box.deletions import Deleting, LiveRoot, count_live, refuse_live
+from snapshotter.box.deletions import Deleting, Deletions, LiveRoot, count_live, refuse_live
 from snapshotter.errors import IntegrityError, UsageError
 from snapshotter.layer.extract_model import creates
 from snapshotter.oci.image import Image, Layer
@@ -83,22 +85,44 @@ def guard_live_root(remote: Remote, image: Image, todo: list[Layer], skeletons: 
     would replace a directory there; else what each may delete (Claims). Nothing is written to the
     root either way."""
     layers: dict[str, LayerDeletions] = {}
+    said: set[str] = set()  # the layers read from their skeletons: their bytes are not checked yet
     for layer in todo:
         if layer.digest not in layers:
-            layers[layer.digest] = _layer_deletions(remote, layer.descriptor, layer.diff_id, layer.label,
-                                                    skeletons.get(layer.diff_id), allow_devices, log)
+            layers[layer.digest], from_skeleton = _layer_deletions(
+                remote, layer.descriptor, layer.diff_id, layer.label, skeletons.get(layer.diff_id), allow_devices, log)
+            if from_skeleton:
+                said.add(layer.digest)
     live = LiveRoot(root, never_write.match)
     replacing = {digest: _replacing(live, ld.writing) for digest, ld in layers.items()}
-    deleting, written = [], {}
-    for n, layer in enumerate(todo):  # in order: a layer deletes what those before it wrote
-        ld = layers[layer.digest]
-        deleting += [dataclasses.replace(d, layer=n) for d in (*ld.deleting, *replacing[layer.digest])]
-        written.update((rel, n) for rel in ld.created if not live.never(rel))
-    counted, where = count_live(live, deleting, written)
+    counted, where = _count(live, todo, layers, replacing, said=set())
+    # A deleted path a later layer writes again is not counted, but a skeleton's word that it does is
+    # not taken where the deletions would be the system's without it: those layers' own headers are.
+    crediting = [layer for layer in todo if layer.digest in said and layers[layer.digest].created]
+    if not counted.deletes_system and crediting and _count(live, todo, layers, replacing, said)[0].deletes_system:
+        for layer in crediting:
+            if layer.digest in said:
+                said.discard(layer.digest)
+                layers[layer.digest], _ = _layer_deletions(remote, layer.descriptor, layer.diff_id, layer.label,
+                                                           None, allow_devices, log)
+                replacing[layer.digest] = _replacing(live, layers[layer.digest].writing)
+        counted, where = _count(live, todo, layers, replacing, said=set())
     refuse_live(root, str(image.ref), sign, counted)
     _refuse_joins_over_dirs(live, joins, set(where.values()))
     return {digest: {d.member: where[d.member] for d in (*ld.deleting, *replacing[digest])}
             for digest, ld in layers.items()}
+
+
+def _count(live: LiveRoot, todo: list[Layer], layers: dict[str, LayerDeletions],
+           replacing: dict[str, list[Deleting]], said: set[str]) -> tuple[Deletions, dict[str, Optional[str]]]:
+    """count_live of the layers' deletions, in order (a layer deletes what those before it wrote),
+    with the paths each writes again, but those of the layers in `said`."""
+    deleting, written = [], {}
+    for n, layer in enumerate(todo):
+        ld = layers[layer.digest]
+        deleting += [dataclasses.replace(d, layer=n) for d in (*ld.deleting, *replacing[layer.digest])]
+        if layer.digest not in said:
+            written.update((rel, n) for rel in ld.created if not live.never(rel))
+    return count_live(live, deleting, written)
 
 
 def _refuse_joins_over_dirs(live: LiveRoot, joins: dict[str, list[str]], deleted: set[Optional[str]]) -> None:
@@ -117,11 +141,12 @@ def _refuse_joins_over_dirs(live: LiveRoot, joins: dict[str, list[str]], deleted
 
 
 def _layer_deletions(remote: Remote, desc: dict, diff_id: str, label: str, skeleton: Optional[Skeleton],
-                     allow_devices: bool, log: Callable[[str], None]) -> LayerDeletions:
-    """From the skeleton when there is one that reads; else from the layer, streamed and checked."""
+                     allow_devices: bool, log: Callable[[str], None]) -> tuple[LayerDeletions, bool]:
+    """From the skeleton when there is one that reads; else from the layer, streamed and checked.
+    And whether they came from the skeleton."""
     if skeleton is not None:
         try:
-            return read_deletions(members_of(skeleton, label), allow_devices)
+            return read_deletions(members_of(skeleton, label), allow_devices), True
         except IntegrityError as e:
             log(f"warning: {e}: reading the layer's own headers")
     got: list[LayerDeletions] = []
@@ -130,7 +155,7 @@ def _layer_deletions(remote: Remote, desc: dict, diff_id: str, label: str, skele
         got.append(read_deletions((m for _, m in iter_members(stream, f"layer {label}")), allow_devices))
 
     read_blob(remote, desc, diff_id, label, log, consume)
-    return got[0]
+    return got[0], False
 
 
 def _replacing(live: LiveRoot, writing: list[tuple[Deleting, tarfile.TarInfo]]) -> list[Deleting]:
