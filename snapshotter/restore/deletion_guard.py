@@ -97,7 +97,8 @@ def guard_live_root(remote: Remote, image: Image, todo: list[Layer], skeletons: 
     counted, where = _count(live, todo, layers, replacing, said=set())
     # A deleted path a later layer writes again is not counted, but a skeleton's word that it does is
     # not taken where the deletions would be the system's without it: those layers' own headers are.
-    crediting = [layer for layer in todo if layer.digest in said and layers[layer.digest].created]
+    crediting = [layer for layer in todo if layer.digest in said
+                 and _writes_into(layers[layer.digest].created, {t for t in where.values() if t is not None})]
     if not counted.deletes_system and crediting and _count(live, todo, layers, replacing, said)[0].deletes_system:
         for layer in crediting:
             if layer.digest in said:
@@ -110,6 +111,19 @@ def guard_live_root(remote: Remote, image: Image, todo: list[Layer], skeletons: 
     _refuse_joins_over_dirs(live, joins, set(where.values()))
     return {digest: {d.member: where[d.member] for d in (*ld.deleting, *replacing[digest])}
             for digest, ld in layers.items()}
+
+
+def _writes_into(created: set[str], deleted: set[str]) -> bool:
+    """Whether a path of `created` is one of the `deleted` targets or below one ("": the root's)."""
+    if not (created and deleted):
+        return False
+    if "" in deleted:
+        return True
+    for rel in created:  # each path's own ancestors: the deleted targets may be many
+        parts = rel.split("/")
+        if any("/".join(parts[:k]) in deleted for k in range(1, len(parts) + 1)):
+            return True
+    return False
 
 
 def _count(live: LiveRoot, todo: list[Layer], layers: dict[str, LayerDeletions],
