@@ -13,7 +13,7 @@ from snapshotter.profile import load_profile
 
 from support.faults import FaultProxy
 from support.images import push_base_image, snap_layer_files
-from support.registry import RegistryServer
+from support.registry import RegistryServer, digest_of
 from support.run import SNAP, snap
 from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
@@ -104,6 +104,37 @@ def test_killed_push_leaves_no_tag_and_the_next_commit_finishes(own_registry, st
     out = tmp_path / "out"
     snap("restore", f"{reg.host}/box:v1", "--root", str(out), check=True)
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(big_box, skip=NOT_CAPTURED)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_commit_stopped_once_the_tag_moved_leaves_the_box_its_tag(own_registry, box, sig):
+    """Stopped after the registry moved the tag and before snap heard so: the tag names this box's
+    snapshot, and the next commit, and a watcher, go on moving it (not refused as another box's)."""
+    reg = own_registry
+    proxy = FaultProxy(reg.host).start()
+    try:
+        base_ref, ref = f"{reg.host}/base:1", f"{proxy.host}/stopped:v1"
+        snap("commit", ref, "--base", base_ref, "--root", box, check=True)
+        first = digest_of(reg, "stopped", "v1")
+        write_tree(box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: changed = True\n"})
+        proxy.hold_answer = lambda method, path: method == "PUT" and path.endswith("/manifests/v1")
+        proc = subprocess.Popen([*SNAP, "commit", ref, "--base", base_ref, "--root", box],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proxy.holding.wait(120), proc.communicate()
+            proc.send_signal(sig)
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proxy.unhold.set()
+        moved = digest_of(reg, "stopped", "v1")
+        assert moved != first  # the registry moved the tag; snap was stopped before it heard
+        r = snap("commit", f"{reg.host}/stopped:v1", "--base", base_ref, "--root", box)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[-1] == f"nothing changed: {reg.host}/stopped:v1 is current", r.stdout
+        assert digest_of(reg, "stopped", "v1") == moved
+    finally:
+        proxy.stop()
 
 
 def test_registry_restarted_mid_upload(own_registry, stalling_proxy, big_box, tmp_path):

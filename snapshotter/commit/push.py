@@ -94,7 +94,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
     cp.cache.save()
     if cp.encryption is not None:
         cp.encryption.save(digest, str(target_ref))  # each tag keeps its last snapshot's seal
-    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest, restore_mark(cp.root))
+    _note_made(cp, target_ref, opts, digest)
     if not pushed.current:
         _note_pushed(cp, target_ref, image, pushed.travelled)
     grown = {path: size for _, blob, _ in pushed.layers for path, size in blob.grown.items()}
@@ -105,6 +105,11 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
                         else list(image.layers), unreadable=cp.scan.unreadable,
                         grown=grown, uploaded_bytes=sum(remote.pushed.values()), uploaded=dict(remote.pushed),
                         current=pushed.current, **origin_counts(cp, opts))
+
+
+def _note_made(cp: CommitPlan, target_ref: Reference, opts: CommitOptions, digest: str) -> None:
+    """The snapshot `digest` noted as made from the root, under its restore mark (lineage.py)."""
+    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest, restore_mark(cp.root))
 
 
 def _push_again(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: CommitOptions,
@@ -146,7 +151,9 @@ def _push_image(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: Com
         if look_up:
             remote.write_config(as_tagged)
         return _Pushed(layers, image, reports, tagged[0], True, [])
-    digest, _, config_digest = remote.write_image(image, target_ref.target)
+    # Noted as made before the tag names it: a commit stopped between the two leaves the box its tag.
+    digest, _, config_digest = remote.write_image(image, target_ref.target,
+                                                  before_tag=lambda made: _note_made(cp, target_ref, opts, made))
     travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
         + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []) \
         + ([refs_digest, baseindex.EMPTY_CONFIG_DIGEST] if refs_digest else [])

@@ -148,12 +148,16 @@ class Remote:
             self.upload_from(lambda out: out.write(config), config_digest, len(config), what="config")
         return config, config_digest
 
-    def write_image(self, image: NewImage, target: str) -> tuple[str, bytes, str]:
+    def write_image(self, image: NewImage, target: str,
+                    before_tag: Optional[Callable[[str], None]] = None) -> tuple[str, bytes, str]:
         """Push a built image whose layers are already in: its config (write_config), then its
-        manifest under `target`; the tag moves only now, after every blob is in. Returns (the
-        manifest's digest, its bytes, the config's digest)."""
+        manifest under `target`; the tag moves only now, after every blob is in. `before_tag` is
+        told the manifest's digest before the tag moves. Returns (the manifest's digest, its bytes,
+        the config's digest)."""
         config, config_digest = self.write_config(image)
         manifest = image.manifest_bytes(config)
+        if before_tag is not None:
+            before_tag(sha256_digest(manifest))
         return self.put_manifest(manifest, OCI_MANIFEST, target), manifest, config_digest
 
     def _count(self, what: str, n: int) -> None:

@@ -37,7 +37,9 @@ class FaultProxy(ThreadedServer):
     - A lying registry: `lie(method, path)` may return (status, headers, body pieces) to answer
       with a body of its own (a 300 MiB manifest, ...), streamed; `endless_blob`: the digest of a
       blob whose body goes on past its end with zeros, without a length, until the client hangs up.
-    - `hold_blob`: the digest of a blob whose downloads wait (setting `holding`) until `unhold` is set.
+    - `hold_blob`: the digest of a blob whose downloads wait (setting `holding`) until `unhold` is set;
+      `hold_answer(method, path)`: True holds the registry's answer to a request it has carried out
+      (setting `holding`) until `unhold` is set.
     - `wait_for(request)`: block until a logged (method, path, status) matches, instead of polling;
       a request the upstream refused (a registry that is down) is logged with status REFUSED and
       its connection closed unanswered.
@@ -54,6 +56,7 @@ class FaultProxy(ThreadedServer):
         self.down = threading.Event()
         self.answer = lambda method, path: None
         self.lie = lambda method, path: None
+        self.hold_answer = lambda method, path: False
         self.endless_blob: Optional[str] = None
         self.hold_blob: Optional[str] = None
         self.back: Optional[threading.Event] = None
@@ -206,6 +209,9 @@ class FaultProxy(ThreadedServer):
                     proxy.cut.set()
                     return
                 proxy._log(method, path, r.status)
+                if proxy.hold_answer(method, path):
+                    proxy.holding.set()
+                    proxy.unhold.wait(300)  # the registry did it; the client has not heard yet
                 if proxy.endless_blob and path.endswith(f"/blobs/{proxy.endless_blob}") and method == "GET":
                     self._lie(method, path, r.status, {"Content-Type": "application/octet-stream"},
                               itertools.chain([r.read()], itertools.repeat(bytes(1 << 16))), length=False)
