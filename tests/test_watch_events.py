@@ -313,6 +313,32 @@ def test_the_final_snapshot_sees_a_write_through_a_map_still_held(registry, base
         assert f.read(11) == b"through map"
 
 
+@pytest.mark.parametrize("where", ["excluded", "outside"])
+def test_the_final_snapshot_sees_a_write_through_a_hard_link_no_notification_covers(registry, base_ref, box, tmp_path,
+                                                                                   old_files, where):
+    # A file of the box with another name where no notification comes from: in a directory the
+    # profile leaves out (/tmp; uv's cache links its packages into venvs) or outside the root.
+    path = os.path.join(box, "opt/app/db/log.txt")
+    write_tree(box, {"opt/app/db/log.txt": "first\n"})
+    other = os.path.join(box, "tmp/log.txt") if where == "excluded" else str(tmp_path / "elsewhere.txt")
+    os.makedirs(os.path.dirname(other), exist_ok=True)
+    os.link(path, other)
+    lines, clock = [], FakeClock()
+    repo = f"ev-final-link-{where}"
+    w = evented(registry, base_ref, box, repo, lines, clock)
+    w.tick()
+    with open(other, "a") as f:
+        f.write("written through the other name\n")
+    w.changes.events.drain()
+    assert w.changes.events.drain() == (set(), None)  # nothing notified
+    clock.advance(60)
+    assert w.final("signal SIGTERM") == 0, lines
+    assert any(line.startswith("final snapshot ") for line in lines), lines[-3:]
+    out = tmp_path / "r"
+    restore_image(f"{registry.host}/{repo}:v2", str(out))
+    assert (out / "opt/app/db/log.txt").read_text() == "first\nwritten through the other name\n"
+
+
 @pytest.mark.parametrize("via", ["box", "hardlink", "bind"])
 def test_the_final_snapshot_reads_a_mapped_file_whose_stat_data_did_not_move(registry, base_ref, box, tmp_path,
                                                                             old_files, via):

@@ -5,6 +5,7 @@ a commit's scan is its own (scan_root), each with its memo (box/scan.py's ScanMe
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Optional
 
@@ -14,7 +15,7 @@ from snapshotter.box.scan import Scan, ScanMemo, scan_box
 from snapshotter.box.writers import Writers, open_for_writing
 from snapshotter.commit.commit import own_excludes, scan_root
 from snapshotter.commit.model import CommitPlan
-from snapshotter.index.entry import Entry, gc_paused
+from snapshotter.index.entry import Entry, gc_paused, stat_stamp
 
 from .options import trace
 
@@ -56,6 +57,7 @@ class ChangeTracker:
         self.committed_scan: Optional[Scan] = None  # the commit scan the last snapshot was made from
         self.differing: list[str] = []  # paths that differ from the last snapshot, recomputed after a scan or commit
         self.pending_stale = True
+        self._linked: tuple[Optional[Scan], list[str]] = (None, [])  # a commit scan's files of more than one name
         # Change notifications: the directories changed since the loop's last scan and since the last
         # commit's, None where a full scan is due (no notifications yet, or some lost).
         self.events: Optional[ChangeEvents] = None
@@ -171,7 +173,7 @@ class ChangeTracker:
         if dirty is None or previous is None or (final and not self.complete):
             dirty = previous = None
         else:
-            dirty = dirty | previous.racy_dirs | self.mapped_dirs(writers)
+            dirty = dirty | previous.racy_dirs | self.mapped_dirs(writers) | self.moved_links()
         try:
             scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty, sink=self.log,
                              mapped=frozenset(writers.mapped_ids))
@@ -241,14 +243,35 @@ class ChangeTracker:
         found = (writers or open_for_writing()).maybe_mapped(self.commit_scan.entries)
         return {p.rpartition("/")[0] for p in found}
 
+    def moved_links(self) -> set[str]:
+        """The directories of the last commit scan's files of more than one name whose stat data
+        moved since: a write through a name no notification covers (a hard link in an excluded
+        directory, such as /tmp or a package manager's cache, or outside the root) notifies nothing
+        here, so the commits look at those files themselves (an lstat each)."""
+        scan = self.commit_scan
+        if scan is None:
+            return set()
+        if self._linked[0] is not scan:
+            self._linked = (scan, [p for p, e in scan.entries.items() if e.inode is not None])
+        moved = set()
+        for p in self._linked[1]:
+            try:
+                same = stat_stamp(os.lstat(os.path.join(self.root, p))) == scan.entries[p].stamp
+            except OSError:
+                same = False
+            if not same:
+                moved.add(p.rpartition("/")[0])
+        return moved
+
     def nothing_new(self) -> bool:
         """The box is as the last snapshot holds it, by the change notifications alone (no scan): the
         last commit scan is that snapshot's, nothing was held back from it, no notification came
         since, none was lost, no path of it changed within the memo's racy window, and no file of
-        it is mapped or open for writing (see mapped_dirs)."""
+        it is mapped or open for writing (see mapped_dirs), nor of more than one name and moved
+        (moved_links)."""
         if not (self.complete and self.committed_whole and self.commit_scan is not None
                 and self.commit_scan is self.committed_scan and not self.commit_scan.racy_dirs
-                and not self.mapped_dirs()):
+                and not self.mapped_dirs() and not self.moved_links()):
             return False
         self.drain()
         with self.events_lock:
