@@ -17,6 +17,7 @@ files the forger listed; and its push would spread it to the commit's own reposi
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -72,6 +73,38 @@ def load_cached(base_manifest_digest: str, diff_ids: list[str],
             return index
         _remove(path)
     return None
+
+
+def keep_carried(remote: Remote, base_manifest_digest: str, digest: str, log: Callable[[str], None]) -> None:
+    """Keep the index a restored snapshot carries (the blob `digest` in `remote`'s repository) as that
+    repository's. Where the state dir holds the index built here (a full restore builds it), the
+    carried one is kept only if it is the very same, and then in the built one's place: a commit
+    into another repository pushes those bytes, which its registry mounts instead of an upload."""
+    built, carried = cache_path(base_manifest_digest), cache_path(base_manifest_digest, remote.ref.name)
+    have_built = os.path.exists(built)
+    if not have_built and os.path.exists(carried):
+        return
+    if fetch(remote, base_manifest_digest, log, digest) is None or not have_built:
+        return
+    if _same_content(built, carried):
+        os.replace(carried, built)
+    else:
+        _remove(carried)  # the built one serves every commit; one that differs from it serves none
+
+
+def _same_content(a: str, b: str) -> bool:
+    """Whether two cached indexes hold the same lines, header and entries in order (read by chunks,
+    up to the first difference: the carried one may be a gzip bomb)."""
+    try:
+        with open_own(a, "rb") as ra, gzip.open(ra) as fa, open_own(b, "rb") as rb, gzip.open(rb) as fb:
+            while True:
+                x, y = fa.read(1 << 20), fb.read(1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+    except (OSError, EOFError):
+        return False
 
 
 def _remove(path: str) -> None:

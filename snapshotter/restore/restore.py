@@ -431,14 +431,12 @@ def _layer_job(pending: list[Layer], n: int, blob: Blob, in_place: bool,
 def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:
     """Cache the index of the snapshot's base that came with it (index/base.py, a small blob), so
     that the first commit on this machine into the same repository neither downloads nor reads the
-    base's layers again. Kept as that repository's: a commit into another does not trust it. Not
-    fetched when a full restore built one from the base's layers (_base_index_to_build)."""
+    base's layers again. Kept as that repository's, which a commit into another does not trust,
+    unless it is the one a full restore built from the base's layers (_base_index_to_build)."""
     base, digest = image.annotated_digest(BASE_DIGEST), image.annotated_digest(baseindex.SNAP_BASE_INDEX)
-    if not (base and digest) or os.path.exists(baseindex.cache_path(base)):
-        return
-    if not os.path.exists(baseindex.cache_path(base, remote.ref.name)):
+    if base and digest:
         try:
-            baseindex.fetch(remote, base, log, digest)
+            baseindex.keep_carried(remote, base, digest, log)
         except SnapError as e:  # an optimisation only, after every layer is in: the next commit reads the base
             log(f"warning: the snapshot's base index was not kept ({e})")
 
