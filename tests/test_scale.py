@@ -214,7 +214,7 @@ def test_a_full_restore_indexes_the_base_it_applies(registry, proxy, base_ref, b
     env = {"SNAP_STATE_DIR": str(tmp_path / "restored-machine")}
     out = tmp_path / "out"
     snap("restore", f"{registry.host}/bare:v2", "--root", str(out), env=env, check=True)
-    cache = tmp_path / "restored-machine/base-index" / (base_digest.split(":")[1] + ".jsonl.gz")
+    cache = tmp_path / "restored-machine/base-index" / (base_digest.split(":")[1] + ".built.jsonl.gz")
     built = load_index(str(cache))
     # Entry by entry what the commit built from the registry (the cache of the first commit).
     old = load_index(str(state_dir / "base-index" / cache.name))
@@ -253,7 +253,7 @@ def test_a_full_restore_of_a_plain_image_indexes_it(registry, proxy, tmp_path, m
     out = tmp_path / "out"
     snap("restore", f"{registry.host}/plain:1", "--root", str(out), env=env, check=True)
     assert (out / "real/b").read_bytes() == b"through the link" and not (out / "tmp/scratch").exists()
-    built = load_index(str(tmp_path / "restored-machine/base-index" / (image_digest.split(":")[1] + ".jsonl.gz")))
+    built = load_index(str(tmp_path / "restored-machine/base-index" / (image_digest.split(":")[1] + ".built.jsonl.gz")))
     old = base_index_of(registry, "plain", registry.manifest("plain", "1"))
     assert_same_index(built, old)
     assert built["data/big.link"].digest == built["data/big.bin"].digest == "sha256:" + hashlib.sha256(big).hexdigest()

@@ -25,7 +25,7 @@ from snapshotter.errors import IntegrityError, UsageError
 from snapshotter.index import base as baseindex
 from snapshotter.index.entry import FILE, Entry, gc_paused
 from snapshotter.index.indexer import apply_layer_to_index
-from snapshotter.index.store import load_index, save_index
+from snapshotter.index.store import save_index
 from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.layer.staging import staging_dirs
@@ -52,11 +52,11 @@ from .weights import weights_in_layers
 
 def base_index(remote: Remote, image: Image, log: Callable[[str], None],
                travelled: Optional[Remote] = None) -> dict[str, Entry]:
-    """The file index of the base image: cached by manifest digest, else the one an earlier
-    snapshot pushed into the `travelled` repository (index/base.py), else read from its layer tars."""
-    cache = baseindex.cache_path(image.manifest_digest)
+    """The file index of the base image: the one cached that a commit into the `travelled`
+    repository (the target's; None: no commit) may use, else the one an earlier snapshot pushed
+    there (index/base.py: an index is trusted as far as its source), else read from its layer tars."""
     diff_ids = image.config.get("rootfs", {}).get("diff_ids", [])  # an index of other layers is not this base's
-    index = load_index(cache, diff_ids)
+    index = baseindex.load_cached(image.manifest_digest, diff_ids, travelled.ref.name if travelled else None)
     if index is not None:
         return index
     if travelled is not None:
@@ -76,7 +76,7 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
             except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError) as e:
                 raise IntegrityError(f"base image layer {layer['digest'][:19]} is not a readable tar: {e}")
             raw.drain()  # runs the digest check at the end of the blob
-    save_index(index, cache, diff_ids)
+    save_index(index, baseindex.cache_path(image.manifest_digest), diff_ids)  # built here: trusted by every commit
     return index
 
 

@@ -148,13 +148,14 @@ def box_status(base: Optional[str], opts: CommitOptions) -> BoxStatus:
     if base is None:
         raise UsageError(f"--base is required: {opts.root!r} was never committed",
                          "name the image the box was started from, e.g. --base registry.example.com/me/base:1")
-    cp = plan_commit(base, opts)
+    tag = last_target(opts.root)  # an index fetched from its repository serves a commit there (index/base.py)
+    cp = plan_commit(base, opts, target=Remote(Reference.parse(tag), opts.transport) if tag else None)
     layers = []
     for plan in cp.plans:
         hit = cp.known(plan)
         layers.append(LayerStatus(plan.label, hit is None, hit["size"] if hit else plan.content_size,
                                   len(plan.entries) + len(plan.whiteouts)))
-    st = BoxStatus(cp.root, base, layers, len(cp.diff.deleted), cp.scan.skipped_secrets, last_target(cp.root))
+    st = BoxStatus(cp.root, base, layers, len(cp.diff.deleted), cp.scan.skipped_secrets, tag)
     st.references = len(cp.origin.references) if cp.origin and not opts.upload_origin else 0
     if st.tag:
         _tag_status(st, opts)

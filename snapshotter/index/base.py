@@ -6,10 +6,19 @@ version) is pushed as a blob into the snapshot's repository and kept referenced 
 artifact manifest of its own, tagged `snap-index-sha256-<base manifest hex>`. Not the referrers
 API: distribution 2.8 (Debian's registry) has none; not an annotation only: a registry's garbage
 collection deletes a blob no manifest lists as a descriptor. The snapshot's manifest also names
-the blob (annotation dev.snap.base-index), which a restore fetches by digest."""
+the blob (annotation dev.snap.base-index), which a restore fetches by digest.
+
+An index is trusted as far as its source. Its header's diff_ids are the base's whoever made it, so
+they prove nothing: one built on this machine from the base's layers serves every commit; one
+fetched from a repository (a restored snapshot's, or its artifact tag's) serves only commits into
+that repository, since whoever may push an index there may replace its snapshots anyway. One
+from elsewhere (a hostile snapshot restored here) would make a commit leave out, as the base's,
+files the forger listed; and its push would spread it to the commit's own repository."""
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +41,77 @@ _EMPTY_CONFIG = b"{}"
 EMPTY_CONFIG_DIGEST = sha256_digest(_EMPTY_CONFIG)
 
 
-def cache_path(base_manifest_digest: str) -> str:
-    """Where the state dir keeps the index of a base, by its manifest digest."""
+def cache_path(base_manifest_digest: str, source: Optional[str] = None) -> str:
+    """Where the state dir keeps the index of a base, by its manifest digest: the one built here
+    from the base's layers (`source` None), or the one fetched from the repository `source` (a
+    Reference's name: registry/repository), kept apart by the hash of that name."""
+    hexdigest = base_manifest_digest.split(":", 1)[1]
+    kind = "built" if source is None else "from-" + hashlib.sha256(source.encode()).hexdigest()[:32]
+    return os.path.join(sub("base-index"), f"{hexdigest}.{kind}.jsonl.gz")
+
+
+def _legacy_path(base_manifest_digest: str) -> str:
+    """An older snap's name for the cache: built here or fetched from any repository, no telling which."""
     return os.path.join(sub("base-index"), base_manifest_digest.split(":", 1)[1] + ".jsonl.gz")
+
+
+def _usable_paths(base_manifest_digest: str, repository: Optional[str]) -> list[str]:
+    """The caches a commit into `repository` (a Reference's name; None: no push) may use, best first."""
+    return [cache_path(base_manifest_digest)] + ([cache_path(base_manifest_digest, repository)] if repository else [])
+
+
+def load_cached(base_manifest_digest: str, diff_ids: list[str],
+                repository: Optional[str]) -> Optional[dict[str, Entry]]:
+    """The base's index this state dir holds that a commit into `repository` may use (the trust rule
+    above); None if none. A cache of another format or of other layers is removed (push() must not
+    send it), and so is an older snap's, whose source is unknown: a commit into the repository the
+    index came from fetches it again, others read the base once."""
+    _remove(_legacy_path(base_manifest_digest))
+    for path in _usable_paths(base_manifest_digest, repository):
+        index = load_index(path, diff_ids)
+        if index is not None:
+            return index
+        _remove(path)
+    return None
+
+
+def keep_carried(remote: Remote, base_manifest_digest: str, digest: str, log: Callable[[str], None]) -> None:
+    """Keep the index a restored snapshot carries (the blob `digest` in `remote`'s repository) as that
+    repository's. Where the state dir holds the index built here (a full restore builds it), the
+    carried one is kept only if it is the very same, and then in the built one's place: a commit
+    into another repository pushes those bytes, which its registry mounts instead of an upload."""
+    built, carried = cache_path(base_manifest_digest), cache_path(base_manifest_digest, remote.ref.name)
+    have_built = os.path.exists(built)
+    if not have_built and os.path.exists(carried):
+        return
+    if fetch(remote, base_manifest_digest, log, digest) is None or not have_built:
+        return
+    if _same_content(built, carried):
+        os.replace(carried, built)
+    else:
+        _remove(carried)  # the built one serves every commit; one that differs from it serves none
+
+
+def _same_content(a: str, b: str) -> bool:
+    """Whether two cached indexes hold the same lines, header and entries in order (read by chunks,
+    up to the first difference: the carried one may be a gzip bomb)."""
+    try:
+        with open_own(a, "rb") as ra, gzip.open(ra) as fa, open_own(b, "rb") as rb, gzip.open(rb) as fb:
+            while True:
+                x, y = fa.read(1 << 20), fb.read(1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+    except (OSError, EOFError):
+        return False
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def artifact_tag(base_manifest_digest: str) -> str:
@@ -42,13 +119,19 @@ def artifact_tag(base_manifest_digest: str) -> str:
 
 
 def push(remote: Remote, base_manifest_digest: str, sources: BlobSources) -> Optional[str]:
-    """Push the cached index of the base into `remote`'s repository, with its artifact manifest.
-    Returns the index blob's digest (for the snapshot's annotation); None if there is no cache."""
-    path = cache_path(base_manifest_digest)
-    try:
-        with open_own(path, "rb") as f:
-            data = f.read(MAX_INDEX_SIZE + 1)
-    except OSError:
+    """Push the cached index of the base into `remote`'s repository, with its artifact manifest: the
+    one a commit there may use (load_cached), never one fetched from another repository, which would
+    spread. Returns the index blob's digest (for the snapshot's annotation); None if there is none."""
+    for path in _usable_paths(base_manifest_digest, remote.ref.name):
+        try:
+            with open_own(path, "rb") as f:
+                data = f.read(MAX_INDEX_SIZE + 1)
+            break
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    else:
         return None
     if len(data) > MAX_INDEX_SIZE:
         return None
@@ -86,10 +169,10 @@ def push_artifact(remote: Remote, blobs: list[tuple[bytes, str]], media_type: st
 
 def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],
           digest: Optional[str] = None, diff_ids: Optional[list[str]] = None) -> Optional[dict[str, Entry]]:
-    """The base's index from `remote`'s repository into the state dir's cache: the blob `digest`
-    (a snapshot's annotation), else the one the artifact tag names. Digest-checked and size-capped;
-    None if the repository has none, or one of another format version or, given the base's
-    `diff_ids`, of other layers: the caller reads the base."""
+    """The base's index from `remote`'s repository into the state dir, as that repository's
+    (cache_path): the blob `digest` (a snapshot's annotation), else the one the artifact tag names.
+    Digest-checked and size-capped; None if the repository has none, or one of another format
+    version or, given the base's `diff_ids`, of other layers: the caller reads the base."""
     try:
         if digest is None:
             body, _, _ = remote.get_manifest(artifact_tag(base_manifest_digest))
@@ -100,7 +183,7 @@ def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],
             digest, size = layer["digest"], layer["size"]
             if type(size) is not int or size > MAX_INDEX_SIZE or not isinstance(digest, str):
                 return None
-        path = cache_path(base_manifest_digest)
+        path = cache_path(base_manifest_digest, remote.ref.name)
         remote.download_blob(digest, path, _capped(MAX_INDEX_SIZE, digest))
     except NotFound:
         return None  # no snapshot of this base pushed there yet

@@ -430,23 +430,24 @@ def _layer_job(pending: list[Layer], n: int, blob: Blob, in_place: bool,
 
 def _keep_base_index(remote: Remote, image: Image, log: Callable[[str], None]) -> None:
     """Cache the index of the snapshot's base that came with it (index/base.py, a small blob), so
-    that the first commit on this machine neither downloads nor reads the base's layers again."""
+    that the first commit on this machine into the same repository neither downloads nor reads the
+    base's layers again. Kept as that repository's, which a commit into another does not trust,
+    unless it is the one a full restore built from the base's layers (_base_index_to_build)."""
     base, digest = image.annotated_digest(BASE_DIGEST), image.annotated_digest(baseindex.SNAP_BASE_INDEX)
-    if not (base and digest):
-        return
-    if not os.path.exists(baseindex.cache_path(base)):
+    if base and digest:
         try:
-            baseindex.fetch(remote, base, log, digest)
+            baseindex.keep_carried(remote, base, digest, log)
         except SnapError as e:  # an optimisation only, after every layer is in: the next commit reads the base
             log(f"warning: the snapshot's base index was not kept ({e})")
 
 
 def _base_index_to_build(image: Image, base_layers: int) -> Optional[str]:
     """Where a full restore saves the index of the image's base (baseindex.cache_path), built as it
-    applies the base's layers, so that the first commit on this machine reads none of them again;
-    None when the state dir has it, or the image carries one (_keep_base_index fetches that blob)."""
+    applies the base's layers, so that the first commit on this machine, into any repository, reads
+    none of them again; built even when the image carries one, which serves only commits into its
+    own repository (index/base.py). None when the state dir has it, or no base layer is applied."""
     ann = image.annotations
-    if base_layers <= 0 or ann.get(baseindex.SNAP_BASE_INDEX) is not None:
+    if base_layers <= 0:
         return None
     # A snapshot names its base; any other image is its own base (all its layers are).
     base = image.annotated_digest(BASE_DIGEST) if SNAP_BASE_LAYERS in ann else image.manifest_digest

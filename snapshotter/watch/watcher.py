@@ -189,7 +189,8 @@ class Watcher:
               stopping: Optional[threading.Event] = None) -> CommitPlan:
         """A commit planned on a fresh scan, with the files being written held back (hooks.py)."""
         hooks = WatchHooks(self.opts, self.changes, self.big, self.tags, self.plan_memo, now, final, stopping)
-        return plan_commit(self.base, opts, self.transport, hooks=hooks)
+        # The target's repository: an index fetched from it serves this watch (index/base.py)
+        return plan_commit(self.base, opts, self.transport, self.tags.line.remote(), hooks=hooks)
 
     def _options(self, upload: bool = False, final: bool = False) -> CommitOptions:
         """With --weights-from-origin the snapshots keep the hub weights as references (a 40 GB box is
