@@ -121,6 +121,15 @@ def hostile(registry, which: str) -> str:
         innocent = tar_bytes(member("opt/app/innocent.py", data=b"x\n"))
         return push_snapshot(registry, repo, [HOSTILE_OPAQUE, innocent],
                              [skeleton_of(HOSTILE_OPAQUE), skeleton_of(claim, key=innocent)])
+    if which == "skeleton-credit-after-stream":  # layer 1's skeleton hides two whiteouts layer 2's credits
+        share = [member("usr/share/", "dir"), whiteout("usr/share/.wh..wh..opq"),
+                 *(member(d, "dir") for d in ["usr/share/doc/", *(f"usr/share/doc/pkg{i}/" for i in range(40))]),
+                 *(member(p, data=b"again\n") for p in SYSTEM_FILES if p.startswith("usr/share/"))]
+        first, first_said = tar_bytes(*share, whiteout("usr/.wh.bin"), whiteout("usr/.wh.lib")), tar_bytes(*share)
+        claim = tar_bytes(*(member(p, data=b"again\n") for p in SYSTEM_FILES if not p.startswith("usr/share/")))
+        innocent = tar_bytes(member("opt/app/innocent.py", data=b"x\n"))
+        return push_snapshot(registry, repo, [first, innocent],
+                             [skeleton_of(first_said, key=first), skeleton_of(claim, key=innocent)])
     if which == "file-over-dir":  # a regular file where usr/lib is: the extractor removes the tree
         tar = tar_bytes(member("usr/lib", data=b"not a directory\n"))
         return push_snapshot(registry, repo, [tar], [skeleton_of(tar)])
@@ -131,7 +140,8 @@ def hostile(registry, which: str) -> str:
 
 
 KINDS = ["whiteouts", "opaque", "forged-record", "no-skeleton", "skeleton-without-it", "lying-skeleton",
-         "lying-skeleton-one-blob", "skeleton-credit", "file-over-dir", "big-system-dir"]
+         "lying-skeleton-one-blob", "skeleton-credit", "skeleton-credit-after-stream", "file-over-dir",
+         "big-system-dir"]
 # the files live_root holds in the directories HOSTILE_OPAQUE empties
 SYSTEM_FILES = [*(f"usr/bin/tool{i}" for i in range(60)), *(f"usr/lib/lib{i}.so" for i in range(60)),
                 *(f"usr/share/doc/pkg{i}/README" for i in range(40))]
@@ -156,6 +166,7 @@ def test_a_snapshot_that_deletes_the_live_system_is_refused_and_the_root_is_unch
     else:  # counted: the directories named, each with the paths it deletes (a re-added one not)
         shown = {"big-system-dir": ["'/etc/ssl' 122 paths"], "opaque": ["'/usr/bin' 59 paths", "'/usr/lib' 60 paths"],
                  "skeleton-credit": ["'/usr/bin' 59 paths", "'/usr/lib' 60 paths"],
+                 "skeleton-credit-after-stream": ["'/usr/bin' 61 paths", "'/usr/lib' 61 paths"],
                  "skeleton-without-it": ["'/usr/bin' 59 paths"], "file-over-dir": ["'/usr/lib' 60 paths"]
                  }.get(which, ["'/usr/bin' 61 paths", "'/usr/lib' 61 paths"])
         assert all(s in line for s in shown), line

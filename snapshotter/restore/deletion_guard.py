@@ -97,11 +97,15 @@ def guard_live_root(remote: Remote, image: Image, todo: list[Layer], skeletons: 
     counted, where = _count(live, todo, layers, replacing, said=set())
     # A deleted path a later layer writes again is not counted, but a skeleton's word that it does is
     # not taken where the deletions would be the system's without it: those layers' own headers are.
-    crediting = [layer for layer in todo if layer.digest in said
-                 and _writes_into(layers[layer.digest].created, {t for t in where.values() if t is not None})]
-    if not counted.deletes_system and crediting and _count(live, todo, layers, replacing, said)[0].deletes_system:
+    # Again until no such word is left: a layer streamed may show deletions its skeleton hid.
+    while not counted.deletes_system:
+        targets = {t for t in where.values() if t is not None}
+        crediting = [layer for layer in todo if layer.digest in said
+                     and _writes_into(layers[layer.digest].created, targets)]
+        if not crediting or not _count(live, todo, layers, replacing, said)[0].deletes_system:
+            break
         for layer in crediting:
-            if layer.digest in said:
+            if layer.digest in said:  # each streamed once: the loop ends
                 said.discard(layer.digest)
                 layers[layer.digest], _ = _layer_deletions(remote, layer.descriptor, layer.diff_id, layer.label,
                                                            None, allow_devices, log)
