@@ -233,3 +233,16 @@ def test_an_older_snaps_last_commit_file_keeps_its_base_and_its_made_snapshots_w
     write_versioned(record._path(RootFiles(root)), record.VERSION,
                     {"root": os.path.realpath(root), "manifest": MANIFEST, "restored_at_ns": 1})
     assert made_here(root) == []
+
+
+def test_snapshots_noted_before_their_tag_moved_never_push_out_the_made_ones(state_dir, tmp_path):
+    """A commit notes its snapshot before the registry moves the tag (a stop in between keeps the box
+    its tag), one such note at a time: commits whose manifest the registry refused, however many,
+    leave the snapshots noted as made where they were, the tag's among them."""
+    root, mark = str(tmp_path / "box"), (1, 2, 3)
+    statcache.note_last_commit(root, "base", "reg/box:v1", "sha256:" + "a" * 64, mark)
+    for i in range(statcache.MADE_KEPT + 1):
+        statcache.note_last_commit(root, "base", "reg/box:v1", f"sha256:{i:064x}", mark, pending=True)
+    assert statcache.made_from(root, mark) == ["sha256:" + "a" * 64, f"sha256:{statcache.MADE_KEPT:064x}"]
+    statcache.note_last_commit(root, "base", "reg/box:v1", f"sha256:{statcache.MADE_KEPT:064x}", mark)
+    assert statcache.made_from(root, mark) == ["sha256:" + "a" * 64, f"sha256:{statcache.MADE_KEPT:064x}"]

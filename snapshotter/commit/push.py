@@ -107,9 +107,11 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
                         current=pushed.current, **origin_counts(cp, opts))
 
 
-def _note_made(cp: CommitPlan, target_ref: Reference, opts: CommitOptions, digest: str) -> None:
-    """The snapshot `digest` noted as made from the root, under its restore mark (lineage.py)."""
-    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest, restore_mark(cp.root))
+def _note_made(cp: CommitPlan, target_ref: Reference, opts: CommitOptions, digest: str,
+               pending: bool = False) -> None:
+    """The snapshot `digest` noted as made from the root, under its restore mark (lineage.py);
+    `pending`: before the tag may name it (statcache.note_last_commit)."""
+    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest, restore_mark(cp.root), pending)
 
 
 def _push_again(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: CommitOptions,
@@ -153,7 +155,8 @@ def _push_image(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: Com
         return _Pushed(layers, image, reports, tagged[0], True, [])
     # Noted as made before the tag names it: a commit stopped between the two leaves the box its tag.
     digest, _, config_digest = remote.write_image(image, target_ref.target,
-                                                  before_tag=lambda made: _note_made(cp, target_ref, opts, made))
+                                                  before_tag=lambda made: _note_made(cp, target_ref, opts, made,
+                                                                                     pending=True))
     travelled = ([index_digest, baseindex.EMPTY_CONFIG_DIGEST] if index_digest else []) \
         + (list(headers.values()) + [baseindex.EMPTY_CONFIG_DIGEST] if headers else []) \
         + ([refs_digest, baseindex.EMPTY_CONFIG_DIGEST] if refs_digest else [])

@@ -89,14 +89,20 @@ def _from_version_2(old: dict) -> dict:
             else []}
 
 
-def note_last_commit(root: str, base: str, target: str, digest: str, mark: tuple) -> None:
+def note_last_commit(root: str, base: str, target: str, digest: str, mark: tuple, pending: bool = False) -> None:
     """Remembered per root: the base, so that `snap status` needs no --base after a commit or a
     watch; the tag its snapshots are for (the moving one: `snap status` lists its diverged tags);
     the manifest digests of the last snapshots made from it, each with the root's restore mark
     (record.restore_mark) it was pushed under, so that a later commit may move a tag that names one
-    made since the last restore into the root (lineage.py)."""
-    made = [m for m in _made(root) if m[0] != digest][-(MADE_KEPT - 1):] + [[digest, list(mark)]]
-    write_versioned(_last_commit_path(root), LAST_COMMIT_VERSION, {"base": base, "target": target, "made": made})
+    made since the last restore into the root (lineage.py). `pending`: noted before the tag may name
+    it (a commit stopped between the registry's move and its note keeps the box its tag), one at a
+    time and apart from the made ones, which commits that never moved the tag so cannot push out."""
+    doc = _last_commit(root)
+    made = _made_rows(doc)
+    if not pending:
+        made = [m for m in made if m[0] != digest][-(MADE_KEPT - 1):] + [[digest, list(mark)]]
+    write_versioned(_last_commit_path(root), LAST_COMMIT_VERSION, {
+        "base": base, "target": target, "made": made, **({"pending": [digest, list(mark)]} if pending else {})})
 
 
 def last_base(root: str) -> Optional[str]:
@@ -110,11 +116,21 @@ def last_target(root: str) -> Optional[str]:
     return target if isinstance(target, str) else None
 
 
+def _made_rows(doc: dict) -> list[list]:
+    """[digest, restore mark] of each snapshot noted as made in a last-commit file, oldest first."""
+    made = doc.get("made")
+    return [m for m in made if _row(m)] if isinstance(made, list) else []
+
+
+def _row(m) -> bool:
+    return isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and isinstance(m[1], list)
+
+
 def _made(root: str) -> list[list]:
-    """[digest, restore mark] of each snapshot made from `root`, oldest first, as this version writes them."""
-    made = _last_commit(root).get("made")
-    return [m for m in made if isinstance(m, list) and len(m) == 2 and isinstance(m[0], str)
-            and isinstance(m[1], list)] if isinstance(made, list) else []
+    """[digest, restore mark] of each snapshot made from `root`, oldest first, the pending one last."""
+    doc = _last_commit(root)
+    pending = doc.get("pending")
+    return _made_rows(doc) + ([pending] if _row(pending) else [])
 
 
 def made_from(root: str, mark: Optional[tuple] = None) -> list[str]:
