@@ -27,7 +27,7 @@ from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
 from support.faults import MetadataServer, fake_dmi
 from support.images import push_base_image, snap_layers
 from support.registry import RegistryServer, digest_of, diverged_tags
-from support.run import SNAP, TIMEOUT, snap
+from support.run import SNAP, TIMEOUT, assert_one_line_error, snap
 from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, snapshot_of_tree, write_tree
 from support.watch import FAST, FakeClock, WatchProcess, watcher
 
@@ -700,3 +700,23 @@ def test_kill_9_at_random_moments_leaves_the_tag_on_a_complete_snapshot(registry
         restore_image(f"{registry.host}/kill9:v2", str(out))
         assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) in states
     assert digest_of(registry, "kill9", "v2") is not None
+
+
+@pytest.mark.parametrize("args,env,said", [
+    (["--grace", "nan"], {}, "--grace nan"),
+    (["--grace", "inf"], {}, "--grace inf"),
+    (["--grace", "1e10"], {}, "--grace 10000000000.0"),
+    (["--grace", "0"], {}, "--grace 0.0"),
+    ([], {"SNAP_WATCH_STABLE": "abc"}, "SNAP_WATCH_STABLE='abc'"),
+    ([], {"SNAP_WATCH_QUIET": "-1"}, "SNAP_WATCH_QUIET='-1'"),
+    ([], {"SNAP_WATCH_STABLE": "1e999"}, "SNAP_WATCH_STABLE='1e999'"),
+    ([], {"SNAP_WATCH_MAX_WATCHES": "abc"}, "SNAP_WATCH_MAX_WATCHES='abc'"),
+], ids=["grace-nan", "grace-inf", "grace-huge", "grace-zero", "stable-abc", "quiet-negative", "stable-huge",
+        "max-watches-abc"])
+def test_a_watch_setting_it_cannot_keep_is_refused_before_anything_is_read(registry, base_ref, box, args, env, said):
+    """A grace that is no number of seconds would skip the final snapshot at the signal (a NaN wait
+    ends at once; a huge one overflows): refused at the start, as is a tuning variable it cannot read."""
+    r = snap("watch", f"{registry.host}/badwatch:v1", "--base", base_ref, "--root", box, "--provider", "none",
+             *args, env=env, timeout=120)  # taken, the watcher would run on
+    assert_one_line_error(r, 2, said)
+    assert digest_of(registry, "badwatch", "v1") is None  # nothing pushed

@@ -3,12 +3,14 @@ through the environment."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from snapshotter import settings
 from snapshotter.commit.model import CommitOptions
 from snapshotter.errors import UsageError
 from snapshotter.layer.generate import AfterRead
@@ -16,14 +18,20 @@ from snapshotter.layer.generate import AfterRead
 from .notices import NoticeWatcher
 
 
+MAX_GRACE = 3600.0  # seconds: a provider's notice is seconds to minutes; more is a mistake, not a grace
+
+
 def _env_seconds(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
+    return settings.seconds(name, default, "unset it, or set it to a number of seconds")
 
 
 def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    return int(value) if value else None
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{name}={text!r} is not a whole number above 0", "unset it, or set it to one")
+    return int(text)
 
 
 def parse_duration(text: str) -> float:
@@ -64,8 +72,11 @@ class WatchOptions:
         """Refuse values the watcher cannot work with (before anything is read)."""
         if self.keep is not None and self.keep < 1:
             raise UsageError("--keep must be at least 1")
-        if self.every < 0 or self.grace <= 0:
-            raise UsageError("--every must be >= 0 and --grace > 0")
+        if self.every < 0:
+            raise UsageError("--every must be >= 0")
+        if not (math.isfinite(self.grace) and 0 < self.grace <= MAX_GRACE):
+            raise UsageError(f"--grace {self.grace!r} is not a number of seconds above 0 and at most {MAX_GRACE:g}",
+                             "the final snapshot's time after a signal or notice: RunPod gives 5 s, so 4")
         if not os.path.isdir(self.commit.root):
             raise UsageError(f"root {self.commit.root!r} does not exist or is not a directory")
 
