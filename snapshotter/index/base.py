@@ -24,7 +24,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
-from snapshotter.digests import sha256_digest
+from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.errors import IntegrityError, NotFound, RegistryError
 from snapshotter.oci.image import canonical, descriptor
 from snapshotter.oci.mediatypes import BASE_INDEX, BASE_INDEX_ARTIFACT, OCI_EMPTY, OCI_MANIFEST
@@ -84,12 +84,22 @@ def keep_carried(remote: Remote, base_manifest_digest: str, digest: str, log: Ca
     have_built = os.path.exists(built)
     if not have_built and os.path.exists(carried):
         return
+    if have_built and _digest_of(built) == digest:
+        return  # the snapshot carries the very index built here (one this state dir pushed): nothing to fetch
     if fetch(remote, base_manifest_digest, log, digest) is None or not have_built:
         return
     if _same_content(built, carried):
         os.replace(carried, built)
     else:
         _remove(carried)  # the built one serves every commit; one that differs from it serves none
+
+
+def _digest_of(path: str) -> Optional[str]:
+    try:
+        with open_own(path, "rb") as f:
+            return file_digest(f)
+    except OSError:
+        return None
 
 
 def _same_content(a: str, b: str) -> bool:
