@@ -39,7 +39,7 @@ def test_an_engine_that_drops_the_connection_is_exit_8_naming_it(registry, engin
         assert r.stdout == "hello\n"  # what the container said before the engine went away
 
 
-def test_a_create_the_engine_fails_is_exit_8_and_one_it_refuses_exit_2(registry, engine):
+def test_a_create_or_start_the_engine_fails_is_exit_8_and_one_it_refuses_exit_2(registry, engine):
     engine.fault = "create-500"
     assert_one_line_error(snap("run", absent(registry), "--no-gpu"), 8,
                           f"the Docker engine at {engine.address} failed to create the container",
@@ -47,6 +47,11 @@ def test_a_create_the_engine_fails_is_exit_8_and_one_it_refuses_exit_2(registry,
     engine.fault = "create-403"
     assert_one_line_error(snap("run", absent(registry), "--no-gpu"), 2,
                           "the Docker engine refused to create the container", "the engine says create-403")
+    engine.fault = "start-500"
+    assert_one_line_error(snap("run", absent(registry), "--no-gpu"), 8,
+                          f"the Docker engine at {engine.address} failed to start the container",
+                          "the engine says start-500")
+    assert ("DELETE", f"containers/{CONTAINER_ID}") in engine.seen  # it never ran: nothing left behind
 
 
 def test_the_container_runs_attached_and_exits_with_its_code(registry, engine):

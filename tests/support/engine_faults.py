@@ -27,7 +27,7 @@ class FaultyEngine(ThreadedServer):
     """Point DOCKER_HOST at `address`. `fault` picks what fails:
     - "pull-cut": the pull's progress stream is cut after its first event;
     - "attach-cut", "wait-cut": the connection is closed before any answer;
-    - "create-500", "create-403": the create is answered with that status;
+    - "create-500", "create-403", "start-500": the create, or the start, is answered with that status;
     - "hold": the attach stream says "ready" on stdout, then holds until the container is stopped.
     Otherwise the container says "hello" and exits 3. `seen`: (method, route) of every request."""
 
@@ -73,6 +73,8 @@ class FaultyEngine(ThreadedServer):
             return self._pull(h)
         if route == "containers/create" and fault in ("create-500", "create-403"):
             return self._json(h, int(fault[-3:]), {"message": f"the engine says {fault}"})
+        if route == f"containers/{CONTAINER_ID}/start" and fault == "start-500":
+            return self._json(h, 500, {"message": f"the engine says {fault}"})
         if route == "containers/create":
             return self._json(h, 201, {"Id": CONTAINER_ID, "Warnings": []})
         if route == f"containers/{CONTAINER_ID}/attach":
