@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
 
 from snapshotter.errors import (AuthError, EngineUnavailable, IntegrityError, NotFound, RegistryError,
-                                RegistryUnreachable, SnapError, UsageError, exit_code_of)
+                                RegistryUnreachable, SnapError, UsageError, TERMINATED, exit_code_of)
 from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, compression_of
 from snapshotter.oci.reference import Reference
@@ -182,11 +182,11 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
         if not detach:
             result.exit_code = _attached(ct, stream, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where the CLI turns it into one: stop what runs
-        how = "terminated" if getattr(e, "terminated", False) else "interrupted"
+        code = exit_code_of(e)
         with talking_to_engine(f"stopping container {ct.name}"):
             ct.stop(timeout=10)
-        raise Interrupted(f"{how}: container {ct.name} stopped", f"docker start -a {ct.name} runs it again",
-                          exit_code_of(e)) from None
+        raise Interrupted(f"{'terminated' if code == TERMINATED else 'interrupted'}: container {ct.name} stopped",
+                          f"docker start -a {ct.name} runs it again", code) from None
     return result
 
 
