@@ -609,3 +609,47 @@ def test_a_plain_digest_two_layers_name_is_read_checked(registry, keys):
     private = crypt_keys.load_private_key(str(keys / "rsa.pem"))[0]
     _, remote = open_image(image, Remote(ref), [private])
     assert b"".join(remote.iter_blob(sha(tar))) == tar
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_exit_6_in_every_field(registry, base_ref, box, keys, tmp_path):
+    """Every JSON snap parses of an encrypted image's text, nested as deep as a hostile image likes
+    ("[" * 100000, where the parser gives up with RecursionError): a layer's public options, its
+    JWE, that JWE's protected header, the private options the JWE wraps (for the recipient's public
+    key: anyone can make it), the manifest's seal and what the seal wraps. Each is exit 6 in one
+    line, the root not even created (before: an internal error, exit 1)."""
+    import base64
+
+    from snapshotter.crypt import jwe
+
+    target = f"{registry.host}/enc-deep:v1"
+    snap("commit", target, "--base", base_ref, "--root", box, "--encrypt-to", str(keys / "rsa.pub"), check=True)
+    manifest = manifest_of(registry, "enc-deep", "v1")
+    deep = b"[" * 100_000
+    recipient = [crypt_keys.load_public_key(str(keys / "rsa.pub"))]
+    real_jwe = json.loads(base64.b64decode(manifest["annotations"]["dev.snap.sealed"]))
+    deep_header = {**real_jwe, "protected": base64.urlsafe_b64encode(deep).decode().rstrip("=")}
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    layer_fields = {"pubopts": {layer.PUBOPTS: b64(deep)}, "jwe": {layer.KEYS_JWE: b64(deep)},
+                    "protected": {layer.KEYS_JWE: b64(json.dumps(deep_header).encode())},
+                    "private": {layer.KEYS_JWE: b64(jwe.encrypt(deep, recipient))}}
+    manifest_fields = {"sealed": b64(deep), "sealed-payload": b64(jwe.encrypt(deep, recipient))}
+    named = {"pubopts": "public options", "jwe": "JWE key", "protected": "JWE key", "private": "private options",
+             "sealed": "dev.snap.sealed", "sealed-payload": "dev.snap.sealed"}
+    victim = next(i for i, d in enumerate(manifest["layers"]) if d["mediaType"] in ENCRYPTED_TYPES)
+    forged = {}
+    for name, fields in layer_fields.items():
+        layers = [dict(d) for d in manifest["layers"]]
+        layers[victim]["annotations"] = {**layers[victim]["annotations"], **fields}
+        forged[name] = {**manifest, "layers": layers}
+    for name, sealed in manifest_fields.items():
+        forged[name] = {**manifest, "annotations": {**manifest["annotations"], "dev.snap.sealed": sealed}}
+    for name, doc in forged.items():
+        _put_manifest(registry, "enc-deep", name, doc)
+        root = tmp_path / name
+        r = snap("restore", f"{registry.host}/enc-deep:{name}", "--root", str(root),
+                 "--decryption-key", str(keys / "rsa.pem"))
+        assert_one_line_error(r, 6, named[name])
+        assert not root.exists(), name

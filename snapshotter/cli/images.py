@@ -102,10 +102,11 @@ def run_image(
     from snapshotter.origin.snapshots import run_mounts
 
     transport = RegistryOptions(username=username, password_stdin=password_stdin).transport()
-    result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
-                    env=env or [], name=name, detach=detach, transport=transport, log=say,
-                    # weights from the origin of the image snap read, fetched here, mounted read-only
-                    mounts_of=lambda image, elsewhere: run_mounts(image, transport, say, elsewhere))
+    with sigterm_stops():  # SIGTERM stops the attached container as Ctrl-C does, instead of leaving it running
+        result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
+                        env=env or [], name=name, detach=detach, transport=transport, log=say,
+                        # weights from the origin of the image snap read, fetched here, mounted read-only
+                        mounts_of=lambda image, elsewhere: run_mounts(image, transport, say, elsewhere))
     if detach:
         output.out(result.container_id)
         return

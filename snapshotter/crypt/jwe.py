@@ -128,7 +128,8 @@ def parse(document: bytes) -> tuple[str, dict, list[tuple[dict, bytes]], dict]:
         recipients = [({**shared, **(r.get("header") or {})}, unb64url(r.get("encrypted_key", ""))) for r in listed]
         for header, _ in recipients:
             _check_fields(header, HEADER_FIELDS)
-    except (ValueError, TypeError, AttributeError, binascii.Error):
+    # RecursionError: JSON nested deeper than the parser goes (a hostile image's), as malformed as any
+    except (ValueError, RecursionError, TypeError, AttributeError, binascii.Error):
         raise IntegrityError("the layer's JWE key annotation is malformed") from None
     return protected_b64, shared, recipients, doc
 

@@ -218,7 +218,7 @@ def add_recipients(annotations: dict, keys: Iterable[PrivateKey], recipients: It
 def parse_options(data: bytes, what: str) -> dict:
     try:
         options = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         options = None
     if not isinstance(options, dict):
         raise IntegrityError(f"the layer's {what} options are not a JSON object")

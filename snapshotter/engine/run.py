@@ -6,6 +6,7 @@ way the docker CLI finds it (DOCKER_HOST, else the default socket)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional, Sequence
 
 from snapshotter.errors import (AuthError, EngineUnavailable, IntegrityError, NotFound, RegistryError,
-                                RegistryUnreachable, SnapError, UsageError)
+                                RegistryUnreachable, SnapError, UsageError, TERMINATED, exit_code_of)
 from snapshotter.oci.image import Image
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX, compression_of
 from snapshotter.oci.reference import Reference
@@ -28,7 +29,14 @@ DOCKER_ZSTD = (23, 0)  # the first Docker that unpacks zstd layers (20.10 fails:
 
 
 class Interrupted(SnapError):
+    """Ctrl-C or SIGTERM while the container ran attached: it was stopped. Exit 130 or 143, as the
+    signal's (errors.exit_code_of of the KeyboardInterrupt)."""
+
     exit_code = 130
+
+    def __init__(self, message: str, hint: str = "", exit_code: int = 130):
+        super().__init__(message, hint)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -48,8 +56,27 @@ def connect():
     try:
         return docker.from_env()
     except docker.errors.DockerException as e:
-        where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-        raise EngineUnavailable(f"no Docker engine answers at {where}: {_why(e)}", RESTORE_HINT)
+        raise EngineUnavailable(f"no Docker engine answers at {engine_address()}: {_why(e)}", RESTORE_HINT)
+
+
+def engine_address() -> str:
+    """Where the engine is, as the docker CLI finds it."""
+    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+
+
+@contextlib.contextmanager
+def talking_to_engine(doing: str):
+    """Within: the engine failing mid-conversation (a dockerd restart dropping the connection, an
+    answer cut short) is EngineUnavailable naming it. requests' and the socket's errors are OSErrors,
+    which would otherwise read as a local disk's failure (exit 7)."""
+    import docker  # importable: connect() checked
+    import urllib3
+
+    try:
+        yield
+    except (OSError, docker.errors.DockerException, urllib3.exceptions.HTTPError) as e:
+        raise EngineUnavailable(f"the Docker engine at {engine_address()} failed while {doing}: {_why(e)}",
+                                "check that it runs (docker info), then run again") from None
 
 
 def engine_elsewhere(client) -> Optional[str]:
@@ -136,36 +163,59 @@ def run(ref: str, command: Optional[Sequence[str]] = None, gpus: str = "auto", p
 
     snapshot = checked_snapshot(client, reference, transport)
     binds += mounts_of(snapshot, lambda: engine_elsewhere(client)) if snapshot is not None else []
-    image = pull(client, reference, snapshot, transport, log)
+    with talking_to_engine(f"pulling {reference}"):
+        image = pull(client, reference, snapshot, transport, log)
     device_requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if want_gpus else None
-    try:
-        ct = client.containers.create(
-            image, command=list(command) if command else None, name=name, environment=parse_env(env),
-            ports={k: v[0] if len(v) == 1 else v for k, v in port_map.items()} or None,
-            volumes=binds or None, device_requests=device_requests, detach=True)
-    except docker.errors.APIError as e:
-        raise _engine_error(e, name)
+    with talking_to_engine("creating the container"):
+        try:
+            ct = client.containers.create(
+                image, command=list(command) if command else None, name=name, environment=parse_env(env),
+                ports={k: v[0] if len(v) == 1 else v for k, v in port_map.items()} or None,
+                volumes=binds or None, device_requests=device_requests, detach=True)
+        except docker.errors.APIError as e:
+            raise _engine_error(e, name, "create")
+    with talking_to_engine(f"attaching to container {ct.name}"):
+        stream = None if detach else ct.attach(stdout=True, stderr=True, stream=True, demux=True, logs=True)
     result = RunResult(ct.id, ct.name, image, None)
-    stream = None if detach else ct.attach(stdout=True, stderr=True, stream=True, demux=True, logs=True)
     try:
-        ct.start()
-    except docker.errors.APIError as e:
-        ct.remove(force=True)  # it never ran: leave nothing behind
-        raise _engine_error(e, name)
-    if detach:
-        return result
-    out, err = stdout or sys.stdout.buffer, stderr or sys.stderr.buffer
-    try:
-        for o, e in stream:
-            for data, f in ((o, out), (e, err)):
-                if data:
-                    f.write(data)
-                    f.flush()
-        result.exit_code = ct.wait()["StatusCode"]
-    except KeyboardInterrupt:
-        ct.stop(timeout=10)
-        raise Interrupted(f"interrupted: container {ct.name} stopped", f"docker start -a {ct.name} runs it again")
+        _start(ct, name)
+        if not detach:
+            result.exit_code = _attached(ct, stream, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where the CLI turns it into one: stop what runs
+        code = exit_code_of(e)
+        with talking_to_engine(f"stopping container {ct.name}"):
+            ct.stop(timeout=10)
+        raise Interrupted(f"{'terminated' if code == TERMINATED else 'interrupted'}: container {ct.name} stopped",
+                          f"docker start -a {ct.name} runs it again", code) from None
     return result
+
+
+def _start(ct, name: Optional[str]) -> None:
+    import docker
+
+    with talking_to_engine(f"starting container {ct.name}"):
+        try:
+            ct.start()
+        except docker.errors.APIError as e:
+            ct.remove(force=True)  # it never ran: leave nothing behind
+            raise _engine_error(e, name, "start")
+
+
+def _attached(ct, stream, out: BinaryIO, err: BinaryIO) -> int:
+    """Copy the container's output until it ends; its exit code. Only reading from the engine is
+    its failure: a write to our stdout that fails is ours (a closed pipe, a full disk)."""
+    frames = iter(stream)
+    while True:
+        with talking_to_engine(f"streaming the output of container {ct.name}"):
+            frame = next(frames, None)
+        if frame is None:
+            break
+        for data, f in zip(frame, (out, err)):
+            if data:
+                f.write(data)
+                f.flush()
+    with talking_to_engine(f"waiting for container {ct.name}"):
+        return ct.wait()["StatusCode"]
 
 
 def cannot_read_zstd(version: dict) -> Optional[str]:
@@ -320,7 +370,9 @@ def _version_of(client) -> dict:
         return {}
 
 
-def _engine_error(e, name: Optional[str]) -> SnapError:
+def _engine_error(e, name: Optional[str], doing: str) -> SnapError:
+    """The engine's refusal to create or start the container, by its status: a 4xx refuses what we
+    asked (a name taken, a bad option: exit 2), a 5xx (or none) is the engine's own failure (exit 8)."""
     msg = " ".join(str(e.explanation or e).split())
     if "could not select device driver" in msg and "gpu" in msg:
         return EngineUnavailable(f"the Docker engine cannot give the container GPUs ({msg})",
@@ -329,14 +381,15 @@ def _engine_error(e, name: Optional[str]) -> SnapError:
         return UsageError(f"a container named {name} already exists ({msg})",
                           f"pick another --name, or remove it: docker rm -f {name}")
     if e.status_code and 400 <= e.status_code < 500:
-        return UsageError(f"the Docker engine refused the container: {msg}")
-    return SnapError(f"the Docker engine failed to start the container: {msg}")
+        return UsageError(f"the Docker engine refused to {doing} the container: {msg}")
+    return EngineUnavailable(f"the Docker engine at {engine_address()} failed to {doing} the container: {msg}")
 
 
 def _why(e: Exception) -> str:
     text = str(e)
     for key in ("No such file or directory", "Connection refused", "Permission denied", "timed out",
-                "Name or service not known"):
+                "Name or service not known", "Remote end closed connection without response", "Connection broken",
+                "Connection reset by peer"):
         if key in text:
             return key
     return " ".join(text.split())[:200]

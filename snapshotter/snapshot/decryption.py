@@ -158,7 +158,7 @@ def _unseal(value: Optional[str], private_keys: list[PrivateKey]) -> dict:
     try:
         payload = jwe.decrypt(binascii.a2b_base64(value.encode()), private_keys)
         doc = json.loads(payload)
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise IntegrityError(f"the image's {SEALED} annotation is malformed") from None
     except IntegrityError as e:  # jwe's words are a layer's: this JWE is the manifest's
         raise IntegrityError(f"the image's {SEALED} annotation is malformed or tampered ({e})") from None
