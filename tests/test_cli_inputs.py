@@ -45,3 +45,16 @@ def test_credentials_in_the_environment_that_are_no_utf8_are_a_usage_error(comma
     r = snap(*command, env={"SNAP_USERNAME": "a", "SNAP_PASSWORD": os.fsdecode(b"\xffsecret")})
     assert_one_line_error(r, 2, "the password is not valid UTF-8")
     assert "secret" not in r.stderr
+
+
+@pytest.mark.parametrize("value", ["1e10", "-1e10", "nan", "x"])
+def test_a_knob_past_its_bound_is_taken_as_unset(monkeypatch, value):
+    """SNAP_RETRY_SCALE=1e10 once overflowed time.sleep halfway through a push: a knob past
+    SETTING_MAX is a bad value, and a bad knob's value is its default."""
+    from snapshotter import settings
+    from snapshotter.registry import retry
+
+    monkeypatch.setenv(retry.RETRY_SCALE_ENV, value)
+    assert retry.scaled(2.0) == 2.0
+    monkeypatch.setenv(retry.RETRY_SCALE_ENV, str(settings.SETTING_MAX))
+    assert retry.scaled(2.0) == 2.0 * settings.SETTING_MAX

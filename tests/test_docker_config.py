@@ -182,13 +182,14 @@ def test_a_helper_that_answers_too_much_is_killed_past_1_mib(registry, tmp_path)
     assert gone
 
 
-def test_a_helper_wait_that_is_no_number_of_seconds_is_a_usage_error(tmp_path):
-    env = {**_blocking_helper(tmp_path), "SNAP_CREDENTIAL_HELPER_TIMEOUT": "soon"}
+@pytest.mark.parametrize("wait", ["soon", "1e10"])  # 1e10: past threading's bound (an OverflowError once)
+def test_a_helper_wait_that_is_no_number_of_seconds_is_a_usage_error(tmp_path, wait):
+    env = {**_blocking_helper(tmp_path), "SNAP_CREDENTIAL_HELPER_TIMEOUT": wait}
     try:
         r = bounded_snap("logout", "ghcr.io", env=env)  # logout asks the credsStore helper
     finally:
         _release(env)
-    assert_one_line_error(r, 2, "SNAP_CREDENTIAL_HELPER_TIMEOUT='soon'", "not a number of seconds")
+    assert_one_line_error(r, 2, f"SNAP_CREDENTIAL_HELPER_TIMEOUT={wait!r}", "not a number of seconds")
     assert not os.path.exists(env["HELPER_PID"])  # never started
 
 
