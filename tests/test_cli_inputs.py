@@ -47,6 +47,16 @@ def test_credentials_in_the_environment_that_are_no_utf8_are_a_usage_error(comma
     assert "secret" not in r.stderr
 
 
+@pytest.mark.parametrize("reference", ["127.0.0.1:99999/box:v1", "127.0.0.1:65536/box", "127.0.0.1:0/box"])
+def test_a_registry_port_out_of_range_is_refused_at_parse(reference):
+    assert_one_line_error(snap("log", reference), 2, repr(reference), "port")
+
+
+@pytest.mark.parametrize("registry", ["127.0.0.1:99999", "127.0.0.1:0"])
+def test_a_login_registry_port_out_of_range_is_refused(registry):
+    assert_one_line_error(snap("logout", registry), 2, repr(registry))
+
+
 @pytest.mark.parametrize("value", ["1e10", "-1e10", "nan", "x"])
 def test_a_knob_past_its_bound_is_taken_as_unset(monkeypatch, value):
     """SNAP_RETRY_SCALE=1e10 once overflowed time.sleep halfway through a push: a knob past
@@ -58,3 +68,31 @@ def test_a_knob_past_its_bound_is_taken_as_unset(monkeypatch, value):
     assert retry.scaled(2.0) == 2.0
     monkeypatch.setenv(retry.RETRY_SCALE_ENV, str(settings.SETTING_MAX))
     assert retry.scaled(2.0) == 2.0 * settings.SETTING_MAX
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-5"])
+def test_a_wait_timeout_that_is_no_finite_number_from_0_is_a_usage_error(tmp_path, timeout):
+    """nan never timed out; -5 said "timed out after -5s"."""
+    (tmp_path / "there").write_text("x")  # landed: without the check the wait ends at once, exit 0
+    r = snap("restore", "--wait", str(tmp_path / "there"), "--root", str(tmp_path), "--timeout", timeout)
+    assert_one_line_error(r, 2, f"--timeout {timeout}")
+
+
+@pytest.mark.parametrize("profile", ["/dev/zero", "dir"])
+def test_a_profile_that_is_no_regular_file_is_named_for_what_it_is(tmp_path, profile):
+    """Both exist: "does not exist" was wrong about them."""
+    path = profile if profile.startswith("/") else str(tmp_path)
+    r = snap("commit", NOWHERE, "--base", "ubuntu:22.04", "--root", str(tmp_path), "--profile", path)
+    assert_one_line_error(r, 2, f"profile file {path!r} is not a regular file")
+
+
+@pytest.mark.parametrize("command, name", [(c, n) for c in ("commit", "verify") for n in (b"\xff\xfe", b"a\nb")]
+                         + [(c, b"file") for c in ("commit", "verify", "restore")])  # restore makes a missing root
+def test_a_bad_root_is_named_quoted(tmp_path, command, name):
+    """An undecodable byte, a newline (a forged second line), a file: the root is repr-quoted."""
+    root = os.path.join(os.fsencode(tmp_path), name)
+    if name == b"file":
+        open(root, "w").close()
+    extra = ("--base", "ubuntu:22.04") if command == "commit" else ()
+    r = snap(command, NOWHERE, "--root", os.fsdecode(root), *extra)
+    assert_one_line_error(r, 2, repr(os.fsdecode(root)))
