@@ -16,10 +16,11 @@ def _closed_stdin():
     os.close(0)
 
 
-def _stdin_from(path: str):
+def _fd_onto(path: str, target: int, flags: int = os.O_RDONLY):
+    """A preexec_fn: `path` opened as the child's fd `target` (0 stdin, 1 stdout)."""
     def swap():
-        fd = os.open(path, os.O_RDONLY)
-        os.dup2(fd, 0)
+        fd = os.open(path, flags)
+        os.dup2(fd, target)
         os.close(fd)
     return swap
 
@@ -33,7 +34,7 @@ def test_a_closed_stdin_is_a_usage_error(args):
 def test_a_password_on_stdin_that_is_no_utf8_is_a_usage_error(tmp_path, command):
     secret = tmp_path / "password"
     secret.write_bytes(b"\xff\xfesecret\n")
-    r = snap(*command, "-u", "a", "--password-stdin", preexec_fn=_stdin_from(str(secret)))
+    r = snap(*command, "-u", "a", "--password-stdin", preexec_fn=_fd_onto(str(secret), 0))
     assert_one_line_error(r, 2, "password is not valid UTF-8")
     assert "secret" not in r.stderr
 
@@ -96,3 +97,10 @@ def test_a_bad_root_is_named_quoted(tmp_path, command, name):
     extra = ("--base", "ubuntu:22.04") if command == "commit" else ()
     r = snap(command, NOWHERE, "--root", os.fsdecode(root), *extra)
     assert_one_line_error(r, 2, repr(os.fsdecode(root)))
+
+
+@pytest.mark.parametrize("args", [("--help",), ("restore", "--help"), ("--version",)])
+def test_help_or_version_onto_a_full_stdout_is_one_line(args):
+    """/dev/full refuses every write: --help ended in rich's traceback."""
+    r = snap(*args, preexec_fn=_fd_onto("/dev/full", 1, os.O_WRONLY))
+    assert_one_line_error(r, 7, "No space left on device")
