@@ -274,12 +274,13 @@ def load_profile(name_or_path: str = "default") -> Profile:
     """Load a profile by name (a file in layers/) or by path to a YAML file."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or "/" in name_or_path:
-        if not path.is_file():
-            raise UsageError(f"profile file {name_or_path} does not exist")
+        if not path.is_file():  # a directory or a device (/dev/zero: read without end) is no profile
+            what = "is not a regular file" if os.path.lexists(path) else "does not exist"
+            raise UsageError(f"profile file {name_or_path!r} {what}")
         try:
             text, source = path.read_text(encoding="utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read profile file {name_or_path}: {getattr(e, 'strerror', None) or e.reason}")
+            raise UsageError(f"cannot read profile file {name_or_path!r}: {getattr(e, 'strerror', None) or e.reason}")
     else:
         res = resources.files("snapshotter.layers") / f"{name_or_path}.yaml"
         if not res.is_file():

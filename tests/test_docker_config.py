@@ -182,13 +182,14 @@ def test_a_helper_that_answers_too_much_is_killed_past_1_mib(registry, tmp_path)
     assert gone
 
 
-def test_a_helper_wait_that_is_no_number_of_seconds_is_a_usage_error(tmp_path):
-    env = {**_blocking_helper(tmp_path), "SNAP_CREDENTIAL_HELPER_TIMEOUT": "soon"}
+@pytest.mark.parametrize("wait", ["soon", "1e10"])  # 1e10: past threading's bound (an OverflowError once)
+def test_a_helper_wait_that_is_no_number_of_seconds_is_a_usage_error(tmp_path, wait):
+    env = {**_blocking_helper(tmp_path), "SNAP_CREDENTIAL_HELPER_TIMEOUT": wait}
     try:
         r = bounded_snap("logout", "ghcr.io", env=env)  # logout asks the credsStore helper
     finally:
         _release(env)
-    assert_one_line_error(r, 2, "SNAP_CREDENTIAL_HELPER_TIMEOUT='soon'", "not a number of seconds")
+    assert_one_line_error(r, 2, f"SNAP_CREDENTIAL_HELPER_TIMEOUT={wait!r}", "not a number of seconds")
     assert not os.path.exists(env["HELPER_PID"])  # never started
 
 
@@ -419,3 +420,14 @@ def test_root_makes_and_writes_nothing_below_another_user_s_directory(tmp_path, 
     assert json.loads(written.read_text()) == {"auths": {"ghcr.io": basic(USER, PASSWORD)}}
     assert [os.stat(p).st_mode & 0o777 for p in (written.parent.parent, written.parent, written)] == [0o700, 0o700,
                                                                                                       0o600]
+
+
+def test_a_helper_answer_that_is_no_utf8_is_one_line(registry, tmp_path):
+    """JSON may escape a lone surrogate ("\\udcff"), which no Basic header can carry: it ended in
+    'internal error: UnicodeEncodeError'. The secret is never shown."""
+    answer = '{"Username": "\\udcff", "Secret": "s3cret-value"}'
+    env = {"PATH": helper_program(tmp_path, "odd", f"print({answer!r})"),
+           "DOCKER_CONFIG": config_dir(tmp_path, {"credsStore": "odd"})}
+    r = bounded_snap("log", f"{registry.host}/box", env=env)
+    assert_one_line_error(r, 4, "not valid UTF-8")
+    assert "s3cret" not in r.stderr

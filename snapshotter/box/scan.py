@@ -156,7 +156,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     clean page, and the writes after it change no stat data, so a verdict read from the content (a
     private key's head) is not kept either."""
     if not os.path.isdir(root):
-        raise UsageError(f"root {root} does not exist or is not a directory")
+        raise UsageError(f"root {root!r} does not exist or is not a directory")
     context = scan_context(root, profile, extra_excludes, metadata_only)
     root, _, extra, _ = context
     old, _, settled_ns = (memo or ScanMemo()).start(context)

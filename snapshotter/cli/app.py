@@ -22,7 +22,7 @@ from snapshotter.errors import SnapError, exit_code_of, exit_codes
 from snapshotter.registry.credentials import take_secret_env
 from snapshotter.version import __version__
 
-from .output import out, say
+from .output import drop_stdout, out, say
 
 app = typer.Typer(
     help="snap: capture a rented GPU box as an OCI image in any registry, and get it back anywhere.\n\n"
@@ -114,6 +114,12 @@ def main() -> None:
     except typer.Abort:  # Ctrl-C at a prompt (snap login's)
         say("snap: interrupted")
         sys.exit(exit_code_of(KeyboardInterrupt()))
+    except OSError as e:  # outside a command only --help or --version writes: stdout refused it
+        drop_stdout()
+        if isinstance(e, BrokenPipeError):  # its reader has gone (`snap --help | head -1`): as stdout() does
+            sys.exit(0)
+        say(error_line(e))  # /dev/full, an I/O error: said, not a traceback
+        sys.exit(exit_code_of(e))
     finally:
         # The process ends here: the cycle collector's passes over every object still alive (typer's,
         # click's and requests' modules) while the interpreter tears down cost ~0.07 CPU s, a tenth

@@ -152,5 +152,5 @@ def verify(
     result = do_verify(ref, root, opts)
     output.verified(result, root, as_json)
     if not result.ok:
-        raise VerifyFailed(f"{len(result.differences)} path(s) in {root} differ from {result.ref}",
+        raise VerifyFailed(f"{len(result.differences)} path(s) in {root!r} differ from {result.ref}",
                            "restore again to put them back")

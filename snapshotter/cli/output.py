@@ -32,11 +32,15 @@ def stdout(text: str) -> None:
     try:
         typer.echo(text)
     except BrokenPipeError:
-        # stdout's fd now points at /dev/null: what its buffer still holds goes there, at exit too,
-        # instead of raising again ("Exception ignored ... BrokenPipeError").
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        drop_stdout()
+
+
+def drop_stdout() -> None:
+    """Point stdout's fd at /dev/null, once writing to it failed: what its buffer still holds goes
+    there, at exit too, instead of raising again ("Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def as_json(doc) -> None:

@@ -129,7 +129,7 @@ def _check_options(opts: CommitOptions) -> None:
     if opts.max_layer_size < 1024 * 1024:
         raise UsageError("--max-layer-size must be at least 1MiB")
     if not os.path.isdir(opts.root):
-        raise UsageError(f"root {opts.root} does not exist or is not a directory")
+        raise UsageError(f"root {opts.root!r} does not exist or is not a directory")
     resolve_jobs(opts.jobs)  # a bad --jobs or SNAP_JOBS before anything is read
 
 

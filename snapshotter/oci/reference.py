@@ -33,7 +33,8 @@ _REMOTE_NAME = rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
 _DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
 _DOMAIN_NAME = rf"{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*"
 _IPV6 = r"\[(?:[a-fA-F0-9:]+)\]"
-_DOMAIN_AND_PORT = rf"(?:{_DOMAIN_NAME}|{_IPV6})(?::[0-9]+)?"
+_DOMAIN_AND_PORT = rf"(?:{_DOMAIN_NAME}|{_IPV6})(?::(?P<port>[0-9]+))?"
+PORT_RANGE = range(1, 65536)  # the grammar takes any digits; a port past these fails only at connect
 _TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
 _DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
 
@@ -60,9 +61,15 @@ def parse_registry(text: str) -> str:
     docker.io)."""
     host = text.split("://", 1)[1] if "://" in text else text
     host = host.split("/", 1)[0]
-    if not re.fullmatch(_DOMAIN_AND_PORT, host):
-        raise UsageError(f"registry {text!r} is not valid", "write HOST[:PORT], e.g. ghcr.io or 127.0.0.1:5000")
+    m = re.fullmatch(_DOMAIN_AND_PORT, host)
+    if not m or not _port_in_range(m["port"]):
+        raise UsageError(f"registry {text!r} is not valid", "write HOST[:PORT], e.g. ghcr.io or 127.0.0.1:5000, "
+                         "the port from 1 to 65535")
     return DOCKER_HUB if host in DOCKER_HUB_NAMES else host
+
+
+def _port_in_range(port: Optional[str]) -> bool:
+    return port is None or int(port) in PORT_RANGE
 
 
 def _split_domain(text: str) -> tuple[str, str]:
@@ -115,6 +122,8 @@ class Reference:
         name = _NAME_RE.fullmatch(m["name"])
         if not name or not name["domain"]:  # e.g. "my_host.com/x": read as a path, no valid host in front
             raise _invalid(text, f"{domain!r} is not a valid registry host")
+        if not _port_in_range(name["port"]):
+            raise _invalid(text, f"the registry's port {name['port']} is not from 1 to 65535")
         digest = m["digest"]
         if digest:
             algorithm, _, hexdigest = digest.partition(":")

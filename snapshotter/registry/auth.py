@@ -58,7 +58,11 @@ class Basic(_Auth):
 
     def __init__(self, registry: str, repository: str, credentials: Optional[tuple[str, str]]):
         super().__init__(registry, repository, credentials)
-        self.header = {"Authorization": f"Basic {_oras_auth().get_basic_auth(*credentials)}"} if credentials else {}
+        try:
+            self.header = {"Authorization": f"Basic {_oras_auth().get_basic_auth(*credentials)}"} if credentials else {}
+        except UnicodeEncodeError:  # a lone surrogate a helper's JSON escaped ("\udcff"): what is never UTF-8
+            raise AuthError(f"the credentials for registry {registry} are not valid UTF-8",
+                            "log in again: snap login REGISTRY") from None
 
     def send(self, send: Send, headers: dict) -> requests.Response:
         return send({**self.header, **headers})

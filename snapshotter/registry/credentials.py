@@ -29,6 +29,7 @@ class Credentials:
 # process it starts (`restore --then`'s app, a credential helper) inherits them.
 SECRET_ENV = ("SNAP_USERNAME", "SNAP_PASSWORD")
 _secrets: dict[str, str] = {}  # SECRET_ENV's values once taken: os.environ no longer holds them
+UTF8_HINT = "give the credentials as UTF-8 text"  # what HTTP Basic sends them as
 
 
 def take_secret_env() -> dict[str, str]:
@@ -45,20 +46,37 @@ def given_credentials(username: Optional[str], password_stdin: bool, stdin: Opti
     else SNAP_USERNAME with SNAP_PASSWORD; none (Docker's config is read per registry) otherwise."""
     secrets = take_secret_env()
     if password_stdin:
-        return Credentials(username, password_from_stdin(username, stdin))
+        return Credentials(*checked_utf8(username, password_from_stdin(username, stdin)))
     if username is not None:
         password = secrets.get("SNAP_PASSWORD")
         if password is None:
             raise UsageError("--username needs a password", "pipe it to --password-stdin, or set SNAP_PASSWORD")
-        return Credentials(username, password)
-    return Credentials(*env_credentials(secrets))
+        return Credentials(*checked_utf8(username, password))
+    return Credentials(*checked_utf8(*env_credentials(secrets)))
+
+
+def checked_utf8(username: Optional[str], password: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(username, password) if both are text a registry can be sent (UTF-8); a byte that is none (from
+    the environment or stdin) is a usage error naming the username, never the password."""
+    for what, value in ((f"the username {username!r}", username), ("the password", password)):
+        try:
+            value is None or value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"{what} is not valid UTF-8", UTF8_HINT) from None
+    return username, password
 
 
 def password_from_stdin(username: Optional[str], stdin: Optional[TextIO] = None) -> str:
     """--password-stdin's password: the first line of standard input."""
     if username is None:
         raise UsageError("--password-stdin needs --username")
-    return (stdin or sys.stdin).readline().rstrip("\r\n")
+    stdin = stdin or sys.stdin
+    if stdin is None:  # snap started with its standard input closed
+        raise UsageError("--password-stdin: standard input is closed", "pipe the password to it")
+    try:
+        return stdin.readline().rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise UsageError("--password-stdin: the password is not valid UTF-8", UTF8_HINT) from None
 
 
 def env_credentials(secrets: dict[str, str]) -> tuple[Optional[str], Optional[str]]:

@@ -14,7 +14,7 @@ from snapshotter.errors import UsageError
 from snapshotter.oci.reference import parse_registry
 
 from .auth import CredentialsRefused
-from .credentials import (Credentials, check_docker_config, env_credentials, erase_docker_credentials,
+from .credentials import (Credentials, check_docker_config, checked_utf8, env_credentials, erase_docker_credentials,
                           password_from_stdin, save_docker_credentials, take_secret_env)
 from .transport import Transport, TransportOptions
 
@@ -45,7 +45,7 @@ def login_credentials(username: Optional[str], password_stdin: bool) -> tuple[st
     else:
         password = (secrets.get("SNAP_PASSWORD") or None) if username is not None else None
         if password is None:
-            if not sys.stdin.isatty():
+            if sys.stdin is None or not sys.stdin.isatty():  # None: snap started with stdin closed
                 raise UsageError("no password given and no terminal to ask for it",
                                  "pipe it to --password-stdin with --username, or set SNAP_USERNAME and SNAP_PASSWORD")
             if username is None:
@@ -53,7 +53,7 @@ def login_credentials(username: Optional[str], password_stdin: bool) -> tuple[st
             password = getpass.getpass("Password: ")
     if not username or not password:
         raise UsageError("the username and the password must not be empty")
-    return username, password
+    return checked_utf8(username, password)
 
 
 def logout(registry: str) -> bool:

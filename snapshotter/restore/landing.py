@@ -12,6 +12,7 @@ layers before the app's start, which nothing reads yet, write their new files in
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import time
@@ -107,6 +108,8 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
     """Return once the restore into `root` has landed `path` (a path on this machine, under root);
     raise with one line on a timeout, or when no restore is running or the image lacks the file."""
+    if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):  # nan never timed out
+        raise UsageError(f"--timeout {timeout:g} is not a number of seconds from 0", "e.g. --timeout 600")
     real_root = os.path.realpath(root)
     full = os.path.abspath(path)
     rel = os.path.relpath(full, real_root)

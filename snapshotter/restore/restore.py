@@ -193,7 +193,7 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     written), and open the root for extraction."""
     reference = Reference.parse(ref)
     if os.path.exists(root) and not os.path.isdir(root):
-        raise UsageError(f"restore target {root} exists and is not a directory")
+        raise UsageError(f"restore target {root!r} exists and is not a directory")
     files = RootFiles(root)
     remote = Remote(reference, opts.transport)
     image, remote = open_image(remote.resolve(), remote, opts.decryption_keys)  # before anything is written

@@ -464,7 +464,7 @@ def _add_references(index: dict[str, Entry], doc: Optional[References]) -> None:
 def verify(ref: str, root: str, opts: Optional[VerifyOptions] = None) -> VerifyResult:
     opts = opts or VerifyOptions()
     if not os.path.isdir(root):
-        raise UsageError(f"root {root} does not exist or is not a directory")
+        raise UsageError(f"root {root!r} does not exist or is not a directory")
     if opts.strict and opts.only_snapshot:
         raise UsageError("--strict compares the whole image with the directory", "drop --only-snapshot")
     reference = Reference.parse(ref)

@@ -1,0 +1,106 @@
+"""Bad input at snap's edges (credentials, stdin, settings, references, paths, --timeout, stdout):
+one `snap: error:` line naming the value, exit 2, never a traceback or an internal error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.run import assert_one_line_error, snap
+
+NOWHERE = "127.0.0.1:9/box:v1"  # credentials are checked before any registry is asked
+
+
+def _closed_stdin():
+    os.close(0)
+
+
+def _fd_onto(path: str, target: int, flags: int = os.O_RDONLY):
+    """A preexec_fn: `path` opened as the child's fd `target` (0 stdin, 1 stdout)."""
+    def swap():
+        fd = os.open(path, flags)
+        os.dup2(fd, target)
+        os.close(fd)
+    return swap
+
+
+@pytest.mark.parametrize("args", [("log", NOWHERE, "-u", "a", "--password-stdin"), ("login", "127.0.0.1:9")])
+def test_a_closed_stdin_is_a_usage_error(args):
+    assert_one_line_error(snap(*args, preexec_fn=_closed_stdin), 2)
+
+
+@pytest.mark.parametrize("command", [("log", NOWHERE), ("login", "127.0.0.1:9")])
+def test_a_password_on_stdin_that_is_no_utf8_is_a_usage_error(tmp_path, command):
+    secret = tmp_path / "password"
+    secret.write_bytes(b"\xff\xfesecret\n")
+    r = snap(*command, "-u", "a", "--password-stdin", preexec_fn=_fd_onto(str(secret), 0))
+    assert_one_line_error(r, 2, "password is not valid UTF-8")
+    assert "secret" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [("log", NOWHERE), ("login", "127.0.0.1:9")])
+def test_credentials_in_the_environment_that_are_no_utf8_are_a_usage_error(command):
+    r = snap(*command, env={"SNAP_USERNAME": os.fsdecode(b"\xff"), "SNAP_PASSWORD": "secret"})
+    assert_one_line_error(r, 2, "username '\\udcff' is not valid UTF-8")
+    r = snap(*command, env={"SNAP_USERNAME": "a", "SNAP_PASSWORD": os.fsdecode(b"\xffsecret")})
+    assert_one_line_error(r, 2, "the password is not valid UTF-8")
+    assert "secret" not in r.stderr
+
+
+@pytest.mark.parametrize("reference", ["127.0.0.1:99999/box:v1", "127.0.0.1:65536/box", "127.0.0.1:0/box"])
+def test_a_registry_port_out_of_range_is_refused_at_parse(reference):
+    assert_one_line_error(snap("log", reference), 2, repr(reference), "port")
+
+
+@pytest.mark.parametrize("registry", ["127.0.0.1:99999", "127.0.0.1:0"])
+def test_a_login_registry_port_out_of_range_is_refused(registry):
+    assert_one_line_error(snap("logout", registry), 2, repr(registry))
+
+
+@pytest.mark.parametrize("value", ["1e10", "-1e10", "nan", "x"])
+def test_a_knob_past_its_bound_is_taken_as_unset(monkeypatch, value):
+    """SNAP_RETRY_SCALE=1e10 once overflowed time.sleep halfway through a push: a knob past
+    SETTING_MAX is a bad value, and a bad knob's value is its default."""
+    from snapshotter import settings
+    from snapshotter.registry import retry
+
+    monkeypatch.setenv(retry.RETRY_SCALE_ENV, value)
+    assert retry.scaled(2.0) == 2.0
+    monkeypatch.setenv(retry.RETRY_SCALE_ENV, str(settings.SETTING_MAX))
+    assert retry.scaled(2.0) == 2.0 * settings.SETTING_MAX
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-5"])
+def test_a_wait_timeout_that_is_no_finite_number_from_0_is_a_usage_error(tmp_path, timeout):
+    """nan never timed out; -5 said "timed out after -5s"."""
+    (tmp_path / "there").write_text("x")  # landed: without the check the wait ends at once, exit 0
+    r = snap("restore", "--wait", str(tmp_path / "there"), "--root", str(tmp_path), "--timeout", timeout)
+    assert_one_line_error(r, 2, f"--timeout {timeout}")
+
+
+@pytest.mark.parametrize("profile", ["/dev/zero", "dir"])
+def test_a_profile_that_is_no_regular_file_is_named_for_what_it_is(tmp_path, profile):
+    """Both exist: "does not exist" was wrong about them."""
+    path = profile if profile.startswith("/") else str(tmp_path)
+    r = snap("commit", NOWHERE, "--base", "ubuntu:22.04", "--root", str(tmp_path), "--profile", path)
+    assert_one_line_error(r, 2, f"profile file {path!r} is not a regular file")
+
+
+@pytest.mark.parametrize("command, name", [(c, n) for c in ("commit", "verify") for n in (b"\xff\xfe", b"a\nb")]
+                         + [(c, b"file") for c in ("commit", "verify", "restore")])  # restore makes a missing root
+def test_a_bad_root_is_named_quoted(tmp_path, command, name):
+    """An undecodable byte, a newline (a forged second line), a file: the root is repr-quoted."""
+    root = os.path.join(os.fsencode(tmp_path), name)
+    if name == b"file":
+        open(root, "w").close()
+    extra = ("--base", "ubuntu:22.04") if command == "commit" else ()
+    r = snap(command, NOWHERE, "--root", os.fsdecode(root), *extra)
+    assert_one_line_error(r, 2, repr(os.fsdecode(root)))
+
+
+@pytest.mark.parametrize("args", [("--help",), ("restore", "--help"), ("--version",)])
+def test_help_or_version_onto_a_full_stdout_is_one_line(args):
+    """/dev/full refuses every write: --help ended in rich's traceback."""
+    r = snap(*args, preexec_fn=_fd_onto("/dev/full", 1, os.O_WRONLY))
+    assert_one_line_error(r, 7, "No space left on device")
