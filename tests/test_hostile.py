@@ -18,7 +18,7 @@ import pytest
 from snapshotter.layer.extract_model import NAMES_KEPT
 
 from support.images import GZIP, MARK, PART, part_ann, part_image, push, push_annotated, repo_for
-from support.run import IS_ROOT, snap
+from support.run import IS_ROOT, assert_one_line_error, snap
 from support.tars import gzip_bytes, member, tar_bytes
 from support.trees import profile_excluding_nothing
 
@@ -395,3 +395,28 @@ def test_well_formed_parts_are_joined(registry, jail, request):
     assert (jail.root / "m/big").read_bytes() == b"first part\nsecond part\n"
     assert stat.S_IMODE(os.lstat(jail.root / "m/big").st_mode) == 0o640
     assert os.listdir(jail.root / "m") == ["big"]
+
+
+DEEP = "[" * 100_000  # JSON nested deeper than the parser goes: RecursionError, not ValueError
+
+
+@pytest.mark.parametrize("where", ["secrets", "part-links"])
+def test_an_annotation_nested_deeper_than_the_parser_goes_is_malformed_like_any(registry, request, tmp_path, where):
+    """The image's JSON annotations (jsontext.loads): a left-out list that deep lists nothing, as a
+    malformed one; part links that deep are refused, exit 6, one line. Never an internal error."""
+    tar = tar_bytes(member("opt/app/a.txt", data=b"a\n"))
+    layer_ann = {"dev.snap.layer": "rest"}
+    if where == "part-links":  # the one part of m/big, whose other names are listed on it
+        tar = tar_bytes(member("m", "dir"), member(PART.format(1, 1), data=b"part\n"))
+        layer_ann = {**part_ann("m/big", "1/1"), "dev.snap.part-links": DEEP}
+    ref = push_annotated(registry, repo_for(request), [(tar, layer_ann)],
+                         {"dev.snap.base-layers": "0", **({"dev.snap.left-out.secrets": DEEP} if where == "secrets"
+                                                          else {})})
+    (tmp_path / "root").mkdir()
+    for command in ("restore", "verify"):
+        r = snap(command, ref, "--root", str(tmp_path / "root"))
+        assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+        if where == "secrets":
+            assert r.returncode == 0, r.stderr
+        else:
+            assert_one_line_error(r, 6, "dev.snap.part-links")

@@ -4,11 +4,11 @@ it would go) and `snap tag` (put a tag on the snapshot another names: adopt a di
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from snapshotter import jsontext
 from snapshotter.digests import DIGEST
 from snapshotter.errors import IntegrityError, NotFound, RegistryError, SnapError, UsageError
 from snapshotter.oci.image import (BASE_NAME, CREATED, SNAP_BASE_LAYERS, manifest_annotations, snap_label,
@@ -79,8 +79,8 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
     for digest, tags in by_digest.items():
         body, media, _ = remote.get_manifest(digest)
         try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
+            doc = jsontext.loads(body)
+        except ValueError:
             continue
         if not isinstance(doc, dict) or (media or doc.get("mediaType")) not in MANIFEST_TYPES:
             continue  # not a snapshot (an index)
@@ -179,8 +179,8 @@ def _tag_status(st: BoxStatus, opts: CommitOptions) -> None:
 def _origin_files(remote: Remote, digest: str, where: str) -> int:
     """How many hub files the snapshot `digest` keeps as references (origin/snapshots.py)."""
     try:
-        doc = json.loads(remote.get_manifest(digest)[0])
-    except (ValueError, RecursionError):
+        doc = jsontext.loads(remote.get_manifest(digest)[0])
+    except ValueError:
         return 0  # not a manifest snap reads: nothing of it is the origin's
     note = origin.noted(manifest_annotations(doc, where)) if isinstance(doc, dict) else None
     return note["files"] if note else 0

@@ -8,6 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Optional
 
+from snapshotter import jsontext
 from snapshotter import progress
 from snapshotter.box.scan import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
@@ -183,7 +184,7 @@ def _as_tagged(image: NewImage, digest: str, manifest: bytes) -> Optional[NewIma
     the same layers, base, profile, annotations and config; else None. The time is all a commit of
     an unchanged box would change, and a tag is not moved for that."""
     try:
-        created = json.loads(manifest)["annotations"][CREATED]
+        created = jsontext.loads(manifest)["annotations"][CREATED]
     except (ValueError, KeyError, TypeError):
         return None
     if not isinstance(created, str):

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
 from cryptography.hazmat.primitives.kdf.concatkdf import ConcatKDFHash
 
+from snapshotter import jsontext
 from snapshotter.crypt.keys import KeyMismatch, PrivateKey, PublicKey
 from snapshotter.errors import IntegrityError
 
@@ -116,10 +117,10 @@ def parse(document: bytes) -> tuple[str, dict, list[tuple[dict, bytes]], dict]:
     """The protected header (as sent, and parsed), each recipient's merged header and encrypted key,
     and the document; a malformed one is an IntegrityError."""
     try:
-        doc = json.loads(document)
+        doc = jsontext.loads(document)
         _check_types(doc)
         protected_b64 = doc.get("protected", "")
-        protected = json.loads(unb64url(protected_b64)) if protected_b64 else {}
+        protected = jsontext.loads(unb64url(protected_b64)) if protected_b64 else {}
         if not isinstance(protected, dict):
             raise ValueError("the protected header is not an object")
         shared = {**protected, **(doc.get("unprotected") or {})}
@@ -128,8 +129,7 @@ def parse(document: bytes) -> tuple[str, dict, list[tuple[dict, bytes]], dict]:
         recipients = [({**shared, **(r.get("header") or {})}, unb64url(r.get("encrypted_key", ""))) for r in listed]
         for header, _ in recipients:
             _check_fields(header, HEADER_FIELDS)
-    # RecursionError: JSON nested deeper than the parser goes (a hostile image's), as malformed as any
-    except (ValueError, RecursionError, TypeError, AttributeError, binascii.Error):
+    except (ValueError, TypeError, AttributeError, binascii.Error):
         raise IntegrityError("the layer's JWE key annotation is malformed") from None
     return protected_b64, shared, recipients, doc
 

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from snapshotter import jsontext
 from snapshotter.crypt import jwe
 from snapshotter.crypt.keys import KeyMismatch, PrivateKey, PublicKey
 from snapshotter.digests import DIGEST, hasher_digest
@@ -217,8 +218,8 @@ def add_recipients(annotations: dict, keys: Iterable[PrivateKey], recipients: It
 
 def parse_options(data: bytes, what: str) -> dict:
     try:
-        options = json.loads(data)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        options = jsontext.loads(data)
+    except ValueError:
         options = None
     if not isinstance(options, dict):
         raise IntegrityError(f"the layer's {what} options are not a JSON object")

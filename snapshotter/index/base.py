@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
+from snapshotter import jsontext
 from snapshotter.digests import file_digest, sha256_digest
 from snapshotter.errors import IntegrityError, NotFound, RegistryError
 from snapshotter.oci.image import canonical, descriptor
@@ -186,7 +186,7 @@ def fetch(remote: Remote, base_manifest_digest: str, log: Callable[[str], None],
     try:
         if digest is None:
             body, _, _ = remote.get_manifest(artifact_tag(base_manifest_digest))
-            doc = json.loads(body)
+            doc = jsontext.loads(body)
             layer = doc["layers"][0]
             if doc.get("artifactType") != BASE_INDEX_ARTIFACT or layer.get("mediaType") != BASE_INDEX:
                 return None

@@ -8,6 +8,7 @@ import json
 from dataclasses import astuple, fields
 from typing import Optional, Sequence
 
+from snapshotter import jsontext
 from snapshotter.state import open_own, replace_file, versioned
 
 from .entry import Entry, gc_paused
@@ -39,14 +40,14 @@ def load_index(path: str, diff_ids: Optional[Sequence[str]] = None) -> Optional[
     hostile one, restored here) must not stand for that base in the next commit's diff."""
     try:
         with open_own(path, "rb") as raw, gzip.open(raw, "rt") as f, gc_paused():
-            header = versioned(json.loads(f.readline() or "null"), INDEX_VERSION)
+            header = versioned(jsontext.loads(f.readline() or "null"), INDEX_VERSION)
             if header is None or not isinstance(header.get("diff_ids"), list) or \
                     header != _index_header(header["diff_ids"] if diff_ids is None else diff_ids):
                 return None
             width = len(header["fields"])
             index = {}
             for line in f:
-                row = json.loads(line)
+                row = jsontext.loads(line)
                 if not isinstance(row, list) or len(row) != width:
                     return None
                 e = Entry(*row)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
+from snapshotter import jsontext
 from snapshotter.digests import DIGEST, sha256_digest
 from snapshotter.errors import IntegrityError, UsageError, printable
 
@@ -102,11 +103,11 @@ class Image:
 
     @property
     def manifest(self) -> dict:
-        return json.loads(self.manifest_bytes)
+        return jsontext.loads(self.manifest_bytes)
 
     @property
     def config(self) -> dict:
-        return json.loads(self.config_bytes)
+        return jsontext.loads(self.config_bytes)
 
     @property
     def layers(self) -> list[dict]:
@@ -332,7 +333,7 @@ def left_out_secrets(manifest: dict) -> tuple[list[str], int]:
     annotation (not snap's) lists nothing."""
     ann = annotations_of(manifest, "the image")
     try:
-        listed = json.loads(ann.get(SNAP_SECRETS, "[]"))
+        listed = jsontext.loads(ann.get(SNAP_SECRETS, "[]"))
         total = int(ann.get(SNAP_SECRETS_COUNT, len(listed)))
     except (ValueError, TypeError):
         return [], 0

@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from snapshotter import jsontext
 from snapshotter.digests import sha256_digest
 from snapshotter.errors import IntegrityError
 
@@ -166,8 +167,8 @@ class References:
         """Read back what to_json wrote; IntegrityError for anything else (another version, a field
         missing or of the wrong type, a path out of its cache)."""
         try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError):
+            doc = jsontext.loads(data)
+        except ValueError:
             doc = None
         version = (doc.get("schemaVersion"), doc.get("mediaType")) if isinstance(doc, dict) else None
         if version != (SCHEMA_VERSION, MEDIA_TYPE):

@@ -19,6 +19,7 @@ import socket
 import threading
 from typing import Callable, Optional
 
+from snapshotter import jsontext
 from snapshotter.box.diff import Diff
 from snapshotter.box.scan import Scan
 from snapshotter.errors import EngineUnavailable, IntegrityError, SnapError, UsageError
@@ -108,8 +109,8 @@ def noted(annotations: dict) -> Optional[dict]:
     if text is None:
         return None
     try:
-        note = json.loads(text)
-    except (ValueError, RecursionError, TypeError):
+        note = jsontext.loads(text)
+    except (ValueError, TypeError):
         note = None
     ok = isinstance(note, dict) and isinstance(note.get("digest"), str) and note["digest"].startswith("sha256:") \
         and all(type(note.get(k)) is int and note[k] >= 0 for k in ("size", "files", "bytes"))

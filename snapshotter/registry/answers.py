@@ -4,12 +4,12 @@ read_capped), and the short reason of a requests/urllib3 error (short_error)."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Optional
 
 import requests
 
+from snapshotter import jsontext
 from snapshotter.errors import RegistryError, RegistryUnreachable, SnapError, printable
 
 ERROR_BODY_LIMIT = 16 * 1024  # bytes of an error answer read for its message; the rest is dropped
@@ -21,8 +21,8 @@ ANSWER_READ_S = 60  # seconds it may take to arrive
 def json_object(body: bytes) -> Optional[dict]:
     """`body` as a JSON object; None if it is not one (not JSON, a list, a number)."""
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        doc = jsontext.loads(body)
+    except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
 

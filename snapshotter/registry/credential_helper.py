@@ -16,6 +16,7 @@ import subprocess
 import time
 from typing import Optional
 
+from snapshotter import jsontext
 from snapshotter import settings
 from snapshotter.errors import AuthError
 
@@ -41,8 +42,8 @@ def get(name: str, server: str) -> Optional[tuple[str, str]]:
             return None
         raise _failed(name, "get", server, code)
     try:
-        answer = json.loads(out)
-    except (ValueError, RecursionError):
+        answer = jsontext.loads(out)
+    except ValueError:
         answer = None
     if not (isinstance(answer, dict) and isinstance(answer.get("Username"), str)
             and isinstance(answer.get("Secret"), str)):

@@ -16,6 +16,7 @@ import os
 import stat
 from typing import Optional
 
+from snapshotter import jsontext
 from snapshotter.errors import AuthError, storage_error
 from snapshotter.state import another_users, replace_file
 
@@ -54,8 +55,8 @@ def load(path: str, legacy: bool = False) -> Optional[dict]:
     if not text.strip():
         return {}  # an empty file, as some tools leave: Docker takes it as no config
     try:
-        config = json.loads(text)
-    except (ValueError, RecursionError):
+        config = jsontext.loads(text)
+    except ValueError:
         config = None
     if not isinstance(config, dict):
         raise AuthError(f"Docker's config {path!r} is not a JSON object: not touching it", FIX)

@@ -11,7 +11,6 @@ writer reopen each on the registry) and its download does not check the digest.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import re
@@ -22,6 +21,7 @@ from typing import Callable, Iterator, Optional
 
 import requests
 
+from snapshotter import jsontext
 from snapshotter import settings
 from snapshotter.digests import DIGEST, hasher_digest, sha256_digest
 from snapshotter.errors import (IntegrityError, NotFound, RegistryError, RegistryUnreachable, SnapError, UsageError,
@@ -178,7 +178,7 @@ class Remote:
         A registry that lost one since (damaged storage, a blob deleted by hand) refuses the next
         manifest that lists it (BlobsUnknown): the caller then forgets these (forget_held) and asks."""
         try:
-            doc = json.loads(body)
+            doc = jsontext.loads(body)
             self.listed.update(d["digest"] for d in [doc["config"], *doc["layers"]]
                                if isinstance(d, dict) and isinstance(d.get("digest"), str))
         except (ValueError, KeyError, TypeError):

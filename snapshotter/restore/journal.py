@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from snapshotter import jsontext
 from snapshotter.errors import storage_error
 from snapshotter.state import RootFiles, open_own, replace_file, versioned
 
@@ -181,6 +182,6 @@ def _strings(value: object) -> bool:
 
 def _json_line(line: bytes):
     try:
-        return json.loads(line)
-    except (ValueError, RecursionError):
+        return jsontext.loads(line)
+    except ValueError:
         return None

@@ -7,11 +7,11 @@ applies the parts as files named FILE.snap-part-K-of-N, then joins them here int
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import stat
 
+from snapshotter import jsontext
 from snapshotter.box.scan import read_xattrs
 from snapshotter.errors import IntegrityError, printable, quoted_path, storage_error
 from snapshotter.layer.extract import Extractor
@@ -68,7 +68,7 @@ def part_links(layers: list[tuple[int, dict, str]]) -> dict[str, list[str]]:
             continue
         rel = ann.get(SNAP_PART_FILE)
         try:
-            names = json.loads(ann[SNAP_PART_LINKS]) if isinstance(ann[SNAP_PART_LINKS], str) else None
+            names = jsontext.loads(ann[SNAP_PART_LINKS]) if isinstance(ann[SNAP_PART_LINKS], str) else None
         except ValueError:
             names = None
         if not isinstance(rel, str) or not isinstance(names, list) or not all(isinstance(n, str) for n in names):

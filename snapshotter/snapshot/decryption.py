@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import binascii
 import hashlib
-import json
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
+from snapshotter import jsontext
 from snapshotter.digests import DIGEST, hasher_digest
 from snapshotter.errors import IntegrityError
 from snapshotter.oci.image import Image, annotations_of, canonical, descriptor
@@ -157,8 +157,8 @@ def _unseal(value: Optional[str], private_keys: list[PrivateKey]) -> dict:
 
     try:
         payload = jwe.decrypt(binascii.a2b_base64(value.encode()), private_keys)
-        doc = json.loads(payload)
-    except (binascii.Error, ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        doc = jsontext.loads(payload)
+    except (binascii.Error, ValueError):
         raise IntegrityError(f"the image's {SEALED} annotation is malformed") from None
     except IntegrityError as e:  # jwe's words are a layer's: this JWE is the manifest's
         raise IntegrityError(f"the image's {SEALED} annotation is malformed or tampered ({e})") from None

@@ -17,13 +17,13 @@ those the pruning box made (never another box's)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Iterable, Iterator, Optional
 
+from snapshotter import jsontext
 from snapshotter.oci.image import CREATED, manifest_annotations
 from snapshotter.oci.mediatypes import OCI_MANIFEST
 from snapshotter.oci.reference import Reference
@@ -105,8 +105,8 @@ def listing(remote: Remote, tag: str, root: Optional[str] = None) -> list[Diverg
             continue
         body, _, _ = remote.get_manifest(digest)
         try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
+            doc = jsontext.loads(body)
+        except ValueError:
             doc = None
         ann = manifest_annotations(doc, f"image {remote.ref.name}@{digest}") if isinstance(doc, dict) else {}
         found.append(DivergedTag(name, digest, ann.get(CREATED, ""), digest in made))

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from snapshotter import jsontext
 from snapshotter.errors import IntegrityError, SnapError, UsageError
 from snapshotter.oci.image import (BASE_DIGEST, BASE_NAME, CREATED, SNAP_BASE_LAYERS, SNAP_HEADERS, SNAP_MAX_LAYER,
                                    SNAP_PROFILE, Layer, NewImage, annotations_of)
@@ -242,10 +243,10 @@ class Encryption:
         """The encrypted layers of the target tag's snapshot made for these recipients, by diff_id (its
         config is clear): a commit from a new state dir reuses them instead of pushing new blobs."""
         try:
-            doc = json.loads(manifest) if manifest else None
+            doc = jsontext.loads(manifest) if manifest else None
             if not isinstance(doc, dict) or annotations_of(doc, "the tag's snapshot").get(RECIPIENTS) != self.id:
                 return
-            config = json.loads(remote.fetch_bytes(doc["config"]["digest"], doc["config"]["size"]))
+            config = jsontext.loads(remote.fetch_bytes(doc["config"]["digest"], doc["config"]["size"]))
             for desc, diff_id in zip(doc["layers"], config["rootfs"]["diff_ids"]):
                 if well_formed(desc) and annotations_of(desc, "a layer").get(RECIPIENTS) == self.id:
                     self.previous[(diff_id, desc["mediaType"])] = desc

@@ -6,12 +6,12 @@ on that cloud must not send requests to 169.254.169.254."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
 import requests
 
+from snapshotter import jsontext
 from snapshotter.errors import UsageError
 
 DMI_DIR = "/sys/class/dmi/id"
@@ -90,7 +90,7 @@ class NoticeWatcher:
             if r.status_code == 404:
                 return None
             r.raise_for_status()
-            doc = json.loads(r.text)
+            doc = jsontext.loads(r.text)
             return f"AWS spot instance-action {doc.get('action', '?')!r} at {doc.get('time', '?')!r}"
         return None
 
@@ -102,7 +102,7 @@ class NoticeWatcher:
     def _check_azure(self) -> Optional[str]:
         r = self._get("/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"})
         r.raise_for_status()
-        for event in json.loads(r.text).get("Events") or []:
+        for event in jsontext.loads(r.text).get("Events") or []:
             if isinstance(event, dict) and event.get("EventType") == "Preempt":
                 return (f"Azure scheduled event Preempt {event.get('EventId', '')!r} "
                         f"not before {event.get('NotBefore', '?')!r}")
