@@ -7,6 +7,7 @@ alone: a dir of the user's files is refused, never swept (see _check_claim()).""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -231,6 +232,26 @@ def read_marshalled(path: str) -> tuple[object, Optional[str]]:
         return marshal.loads(body), digest
     except (OSError, ValueError, EOFError, TypeError):
         return None, None
+
+
+# A full disk, a quota, a read-only mount: what refuses a state dir's write, not the write's own fault.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def if_room(write: Callable[[], object], warn: Optional[Callable[[str], None]] = None, what: str = "") -> bool:
+    """Run a state-dir write that only saves work later (a memo, a cache, the record of a push): where
+    the state dir's disk refuses it (full: a model download filled the box), skipped, said with
+    `warn`, and the command goes on (what it sends matters more). Whether it was written."""
+    try:
+        write()
+        return True
+    except OSError as e:
+        if e.errno not in _NO_ROOM:
+            raise
+        if warn is not None:
+            warn(f"warning: {what} not kept in the state dir {state_dir()!r} ({os.strerror(e.errno)}): "
+                 "free space there, or point SNAP_STATE_DIR elsewhere")
+        return False
 
 
 def write_marshalled(path: str, value) -> str:

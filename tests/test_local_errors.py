@@ -134,3 +134,28 @@ def test_a_directory_snap_may_not_read_is_named_quoted_in_the_error(registry, tm
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert_clean(r)
     assert_one_line_error(r, 7, repr(str(root / locked / "f.txt")), "Permission denied")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs for the state dir")
+def test_a_full_state_dir_disk_costs_the_memos_not_the_commit(registry, base_ref, box, tmp_path):
+    """A model download filled the disk the state dir lives on: the memos and caches a commit keeps
+    there are skipped (they only save reading), and a commit that must build a layer there says where,
+    and what to do, in one line (exit 7), not a write of a memo's "local I/O failed"."""
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(state)], check=True)
+    try:
+        env, ref = {"SNAP_STATE_DIR": str(state)}, f"{registry.host}/fullstate:v1"
+        snap("commit", ref, "--base", base_ref, "--root", box, env=env, check=True)
+        write_tree(box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: made = 'while the disk was full'\n"})
+        with open(state / "filler", "wb") as f:  # the rest of the disk
+            try:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        r = snap("commit", ref, "--base", base_ref, "--root", box, env=env)
+        assert_one_line_error(r, 7, repr(str(state / "layers")), "SNAP_STATE_DIR")
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=True)

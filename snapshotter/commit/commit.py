@@ -41,7 +41,7 @@ from snapshotter.snapshot.lineage import check_forward
 from snapshotter.snapshot.record import RestoreRecord
 from snapshotter.snapshot.statcache import StatCache
 from snapshotter.snapshot.kept import StoredWalk
-from snapshotter.state import exclusive, state_dir
+from snapshotter.state import exclusive, if_room, state_dir
 from snapshotter.tar.compress import IterReader, decompressing_reader
 
 from .hold import hold_back
@@ -76,7 +76,8 @@ def base_index(remote: Remote, image: Image, log: Callable[[str], None],
             except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError) as e:
                 raise IntegrityError(f"base image layer {layer['digest'][:19]} is not a readable tar: {e}")
             raw.drain()  # runs the digest check at the end of the blob
-    save_index(index, baseindex.cache_path(image.manifest_digest), diff_ids)  # built here: trusted by every commit
+    if_room(lambda: save_index(index, baseindex.cache_path(image.manifest_digest), diff_ids), log,
+            "the base's index")  # built here: trusted by every commit
     return index
 
 

@@ -30,6 +30,7 @@ from snapshotter.snapshot import skeleton
 from snapshotter.snapshot.encryption import side_blobs, with_sealed
 from snapshotter.snapshot.record import restore_mark
 from snapshotter.snapshot.statcache import note_last_commit
+from snapshotter.state import if_room
 
 from .base_layers import ensure_base_layers
 from .hold import hold_back
@@ -92,7 +93,7 @@ def push_commit(cp: CommitPlan, target_ref: Reference, transport: TransportOptio
         pushed = _push_again(cp, remote, target_ref, opts, tagged)
     digest, image = pushed.digest, pushed.image
     _warn_engine_limit(cp.base_layers + len(pushed.layers) + sum(len(v) for v in cp.carried.values()), opts)
-    cp.cache.save()
+    if_room(cp.cache.save, cp.log, "the stat cache")
     if cp.encryption is not None:
         cp.encryption.save(digest, str(target_ref))  # each tag keeps its last snapshot's seal
     _note_made(cp, target_ref, opts, digest)
@@ -112,7 +113,9 @@ def _note_made(cp: CommitPlan, target_ref: Reference, opts: CommitOptions, diges
                pending: bool = False) -> None:
     """The snapshot `digest` noted as made from the root, under its restore mark (lineage.py);
     `pending`: before the tag may name it (statcache.note_last_commit)."""
-    note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest, restore_mark(cp.root), pending)
+    if_room(lambda: note_last_commit(cp.root, cp.base_name, opts.moving or str(target_ref), digest,
+                                     restore_mark(cp.root), pending),
+            cp.log, f"that this box made {digest[:19]} (without it, the next commit is refused from the tag)")
 
 
 def _push_again(cp: CommitPlan, remote: Remote, target_ref: Reference, opts: CommitOptions,
@@ -236,7 +239,7 @@ def _note_pushed(cp: CommitPlan, target_ref: Reference, image: NewImage, also: l
     own = [d["digest"] for d in (base.layers if base else [])] + [layer.digest for layer in image.layers]
     cp.sources.note(target_ref.api_host, target_ref.repository,
                     own + also[:1] + ([base.config_digest] if base else []) + also[1:])
-    cp.sources.save()
+    if_room(cp.sources.save, cp.log, "where the blobs were pushed")
 
 
 def _push_settled_layers(cp: CommitPlan, remote: Remote, opts: CommitOptions) -> list[tuple[LayerPlan, LayerBlob, str]]:

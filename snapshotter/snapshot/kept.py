@@ -30,7 +30,7 @@ from snapshotter.index.entry import Entry
 from snapshotter.layer.parents import parent_copy
 from snapshotter.layer.plan import LayerPlan
 from snapshotter.profile import Profile
-from snapshotter.state import read_marshalled, root_key, sub, write_marshalled
+from snapshotter.state import if_room, read_marshalled, root_key, sub, write_marshalled
 from snapshotter.version import __version__
 
 VERSION = 3  # 2: a plan's paths as one string; 3: the walk stored by field, not by row
@@ -71,9 +71,11 @@ def _read(path: str, key: str) -> tuple[object, Optional[str]]:
     return None, None
 
 
-def _write(path: str, key: str, value) -> str:
-    """Store `value` for `key` at `path`; the digest of what was written."""
-    return write_marshalled(path, (key, value))
+def _write(path: str, key: str, value) -> Optional[str]:
+    """Store `value` for `key` at `path`; the digest of what was written, None where the state dir
+    had no room (a memo only saves reading: the next commit reads again)."""
+    written: list[str] = []
+    return written[0] if if_room(lambda: written.append(write_marshalled(path, (key, value)))) else None
 
 
 class StoredWalk:
