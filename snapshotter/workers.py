@@ -199,6 +199,9 @@ def _spawn(child_end: socket.socket, name: str) -> subprocess.Popen:
                         "run with --jobs 1 to do the work in one process") from None
 
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
 class _Forked:
     """A forked child, with the part of Popen's interface a Worker uses. Two threads may wait for
     it at once (a job's thread sees it die while another stops it): one reaps it, the other is
@@ -206,7 +209,13 @@ class _Forked:
 
     def __init__(self, child_end: socket.socket):
         parent = os.getpid()
-        self.pid = os.fork()
+        # Held over the fork: a stop signal's handler raising inside fork's own hooks (logging's lock
+        # release) is printed and lost, and the command went on; it is raised just after instead.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            self.pid = os.fork()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # the child's too: it gets none of the pending
         if self.pid == 0:  # the child: never returns
             try:
                 os.setsid()
