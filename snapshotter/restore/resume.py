@@ -6,9 +6,10 @@ the files the applied layers wrote (at most the image's entry cap, tar/reader.py
 reading no byte: every non-directory the journal lists as written, and not removed or replaced by
 a later applied layer (a whiteout, an opaque directory, a file or symlink at it or at a parent, a
 file written beneath it), is lstat'ed, and must be what the layer left (a regular file of its
-size, a symlink, a hardlink's regular file, a node). A joined file stands for its parts. The first
-layer that fails is where the restore goes back to (Journal.rewind): it and every layer after it
-are applied again. Not checked: directories (a layer's files need them, and those files are
+size, a symlink, a hardlink's regular file, a node). A joined file stands for its parts: a regular
+file of the size the journal says it was joined to, else its first part layer is where the restore
+goes back to. The first layer that fails is where the restore goes back to (Journal.rewind): it
+and every layer after it are applied again. Not checked: directories (a layer's files need them, and those files are
 checked), the bytes of a file of the right size, and layers an earlier run found in place and
 skipped (skip.py checked them then; the journal lists no files for them)."""
 
@@ -45,7 +46,10 @@ def _expected(journal: Journal) -> dict[str, tuple[int, int]]:
         part = parse_part_name(rel)
         if part is not None and part[0] in journal.joined:  # joined: its parts are removed
             layer = out.pop(rel)[0]
-            out.setdefault(part[0], (layer, LINK_SHAPE))
+            # Of the size joined; else applied again from its first part layer (a later one alone
+            # would bring some of its parts back, not all) and joined again.
+            first = min(layer, out.get(part[0], (layer, 0))[0])
+            out[part[0]] = (first, journal.joined[part[0]])
     return out
 
 
