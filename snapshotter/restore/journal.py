@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from snapshotter.errors import storage_error
 from snapshotter.state import RootFiles, open_own, replace_file, versioned
 
-VERSION = 6  # a header line, then one line per event (5 did not give a joined file's size; 4 did not say what
-# the files are; 3 did not list them)
+# A header line, then one line per event (5 gave no joined file's size or hardlink's target; 4 did not
+# say what the files are; 3 did not list them).
+VERSION = 6
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Applied:
     wrote: list[str] = field(default_factory=list)
     shapes: list[int] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
+    links: dict[str, str] = field(default_factory=dict)  # its hardlinks (of `wrote`) -> their targets
 
 
 class Journal:
@@ -39,9 +41,9 @@ class Journal:
     kept in `directory`. `load` reads what an earlier run left; `applied` and `joined` say how far it got.
 
     One JSON line with the manifest and the list, then one line per event ({"applied": n,
-    "wrote": [path, ...], "shapes": [...], "gone": [...]}, {"joined": path, "size": n} or {"rewound": n})
-    appended as it happens: linear in the layers (a whole rewrite after each of 5,000 layers was
-    quadratic). A torn last line (a kill while appending) is ignored."""
+    "wrote": [path, ...], "shapes": [...], "gone": [...], "links": {path: target}},
+    {"joined": path, "size": n} or {"rewound": n}) appended as it happens: linear in the layers (a
+    whole rewrite after each of 5,000 layers was quadratic). A torn last line (a kill while appending) is ignored."""
 
     def __init__(self, directory: str, files: RootFiles, manifest_digest: str, layers: list[str], fsync: bool):
         self.path = files.file_in(directory)  # JSON lines
@@ -99,9 +101,11 @@ class Journal:
         n, rel, back, size = event.get("applied"), event.get("joined"), event.get("rewound"), event.get("size")
         if type(n) is int and 0 < n <= len(self.layers):
             wrote, shapes, gone = event.get("wrote", []), event.get("shapes", []), event.get("gone", [])
+            links = event.get("links", {})
             if (_strings(wrote) and _strings(gone) and isinstance(shapes, list) and len(shapes) == len(wrote)
-                    and all(type(s) is int for s in shapes)):
-                self.done[n] = Applied(wrote, shapes, gone)
+                    and all(type(s) is int for s in shapes) and isinstance(links, dict)
+                    and _strings(list(links.values()))):
+                self.done[n] = Applied(wrote, shapes, gone, links)
             else:  # not as this version writes it: what that layer left is not known
                 self._forget_from(n)
         elif isinstance(rel, str) and type(size) is int and size >= 0:
@@ -114,15 +118,17 @@ class Journal:
         self.joined = {}  # files are joined once every layer is applied
 
     def record_applied(self, count: int, wrote: Sequence[str] = (), shapes: Sequence[int] = (),
-                       gone: Sequence[str] = ()) -> None:
+                       gone: Sequence[str] = (), links: Optional[dict[str, str]] = None) -> None:
         """The first `count` layers of the list are applied, the last of them writing `wrote` (what
-        each is: `shapes`) and hiding `gone` with its whiteouts."""
-        self.done[count] = Applied(list(wrote), list(shapes), list(gone))
+        each is: `shapes`; its hardlinks' targets: `links`) and hiding `gone` with its whiteouts."""
+        self.done[count] = Applied(list(wrote), list(shapes), list(gone), dict(links or {}))
         event: dict = {"applied": count}
         if wrote:
             event.update(wrote=list(wrote), shapes=list(shapes))
         if gone:
             event["gone"] = list(gone)
+        if links:
+            event["links"] = dict(links)
         self._append(event)
 
     def rewind(self, count: int) -> None:
