@@ -10,7 +10,9 @@ import subprocess
 import sys
 import threading
 
+from support.images import push_annotated
 from support.run import SNAP, TIMEOUT, assert_one_line_error, snap
+from support.tars import tar_of_files
 from support.trees import NOT_CAPTURED, SMALL_WEIGHTS, snapshot_of_tree
 
 WEIGHT = "opt/app/models/checkpoints/sd15.safetensors"  # 2 MB: a layer of its own with SMALL_WEIGHTS
@@ -228,3 +230,26 @@ def test_the_package_still_gives_its_modules_and_verbs_by_attribute():
             "assert snapshotter.commit.__name__ == 'snapshotter.commit' and callable(snapshotter.commit_box)\n"
             "assert not hasattr(snapshotter, 'no_such_thing') and not hasattr(snapshotter, '_private')\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_wait_does_not_answer_from_the_last_runs_progress_file_while_a_restore_starts(registry, proxy, tmp_path):
+    """Image A restored (its progress file says done), then a restore of image B held while it
+    resolves B: `--wait` answers for B's run, never from A's file (a.txt there, b.txt not in A)."""
+    a = push_annotated(registry, "wait-a", [(tar_of_files({"a.txt": b"a\n"}), {})])
+    push_annotated(registry, "wait-b", [(tar_of_files({"b.txt": b"b\n"}), {})])
+    root = tmp_path / "root"
+    assert snap("restore", a, "--root", str(root)).returncode == 0
+    proxy.hold_answer = lambda method, path: "/manifests/" in path
+    restore = _snap_proc("restore", f"{proxy.host}/wait-b:v1", "--root", str(root))
+    try:
+        assert proxy.holding.wait(TIMEOUT), "the restore never asked for its manifest"
+        for name in ("a.txt", "b.txt"):
+            r = snap("restore", "--wait", f"{root}/{name}", "--root", str(root), "--timeout", "0")
+            assert_one_line_error(r, 11, "timed out", name)
+        waiter = _snap_proc("restore", "--wait", f"{root}/b.txt", "--root", str(root))
+    finally:
+        proxy.unhold.set()
+    out, err = restore.communicate(timeout=TIMEOUT)
+    assert restore.returncode == 0, err
+    assert waiter.wait(TIMEOUT) == 0, waiter.communicate()
+    assert (root / "b.txt").read_bytes() == b"b\n"

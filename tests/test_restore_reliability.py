@@ -448,6 +448,56 @@ def test_join_resumes_with_no_layer_left_and_a_stale_join_temp(registry, tmp_pat
     assert (root / "m/big").read_bytes() == b"first\nsecond\n"
 
 
+def test_a_resumed_restore_links_again_a_hardlink_name_replaced_by_a_separate_file(registry, tmp_path,
+                                                                                   monkeypatch):
+    """Interrupted with the hardlink's layer applied, then its name replaced by a copy (same size): the
+    rerun does not take the copy for the link (the journal has its target) but applies that layer again."""
+    registry.push_image("relinked", "v1", [
+        tar_bytes(member("a/", "dir"), member("a/x", data=b"shared\n")),
+        tar_bytes(member("a/y", "hardlink", linkname="a/x")), layer({"c.txt": b"c\n"}),
+    ], layer_media_type=TAR)
+    ref, root = f"{registry.host}/relinked:v1", tmp_path / "root"
+    put_back = _interrupt_apply_after(monkeypatch, 2)
+    with pytest.raises(Interrupted):
+        restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
+    put_back()
+    os.unlink(root / "a/y")
+    (root / "a/y").write_bytes(b"shared\n")
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed"] == 1 and "applying layers 2 to 3 again" in r.stderr, r.stderr
+    assert os.lstat(root / "a/y").st_ino == os.lstat(root / "a/x").st_ino
+    assert (root / "c.txt").read_bytes() == b"c\n"
+
+
+def test_a_resumed_restore_joins_again_a_joined_file_cut_short(registry, tmp_path, monkeypatch):
+    """Killed after the journal says /m/big is joined (at _finish), then /m/big cut short: the rerun
+    does not take it as whole (the journal has its size) but applies its part layers again and joins."""
+    part = "m/big.snap-part-{:04d}-of-0002"
+    ref = push_annotated(registry, "joinshort", [
+        (layer({}, dirs=("m",)), {}),
+        (layer({part.format(1): b"first\n"}), part_ann("m/big", "1/2")),
+        (layer({part.format(2): b"second\n"}), part_ann("m/big", "2/2")),
+    ])
+    root = tmp_path / "root"
+
+    def killed(*args):
+        raise Interrupted()
+
+    finish = restore_module._finish
+    monkeypatch.setattr(restore_module, "_finish", killed)
+    with pytest.raises(Interrupted):
+        restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
+    monkeypatch.setattr(restore_module, "_finish", finish)
+    assert (root / "m/big").read_bytes() == b"first\nsecond\n"
+    os.truncate(root / "m/big", 3)
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed"] == 1, r.stderr  # back to the first part layer
+    assert os.listdir(root / "m") == ["big"]
+    assert (root / "m/big").read_bytes() == b"first\nsecond\n"
+
+
 # ---- mounted volumes ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["file", "symlink", "whiteout", "opaque", "parent-replaced", "parent-whited-out"])

@@ -4,11 +4,11 @@
 - Parents are resolved inside the root, following symlinks as if the root were '/', so a symlink
   in the tree can never lead a write outside it; the final component is never followed.
 - Regular files are written to a temp name in the same directory and renamed into place, so an
-  interrupted restore leaves no half-written file at an original path (unless the caller says
-  nothing reads the root yet: then a file new in a directory the layer made is written at its
-  path, and a killed run leaves it half-written there for the next run to apply again). Each is renamed when the
-  next entry is read, so a layer's last entry, if a regular file, is renamed only after the
-  caller's check of the whole stream (its diff_id: `check_end`); a failed check removes it.
+  interrupted restore leaves no half-written file at an original path (unless the caller says nothing
+  reads the root yet: then a file new in a directory the layer made is written at its path, and a
+  killed run leaves it half-written there for the next run to apply again). Each is renamed when the
+  next entry is read, so a layer's last entry, if a regular file, is renamed only after the caller's
+  check of the whole stream (its diff_id: `check_end`); a failed check removes it.
 - OCI whiteouts ('.wh.NAME') and opaque markers ('.wh..wh..opq') delete from lower layers only.
 - Owners are applied when running as root; device nodes only when asked; setuid/setgid bits and
   file capabilities (the security.capability xattr) only when asked and running as root.
@@ -17,18 +17,16 @@
   restore says what its earlier runs wrote: `count_as_written`), as Docker and podman refuse a link
   into a lower layer: a link to a file already in the root (a live box's /root/.ssh/id_rsa) would
   give it a second name, that the next commit pushes.
-- Temp files a killed run left behind ('.snap-tmp-*') are removed when a run next writes into
-  their directory.
+- Temp files a killed run left behind ('.snap-tmp-*') are removed when a run next writes into their directory.
 - A directory tree is never removed (a whiteout, or a non-directory replacing it) when a filesystem
   is mounted at or below it, nor a file mounted over: a layer must not empty a mounted volume.
 - Several extractors may apply layers into one root at once (restore's parallel apply), each
   marked `parallel`: they share only parent directories, made by whichever comes first. A
   parallel extractor never applies a whiteout, removes a directory, replaces a non-directory with
-  one, nor makes a hardlink to a file it was not told of:
-  it raises NeedsSerial, before changing anything, and the caller applies that layer again alone
-  (another extractor may hold that directory resolved: removed, a symlink could take its place).
-  Temp names carry the run's token (ExtractOptions.run_token): the sweep spares the other
-  extractors' temp files.
+  one, nor makes a hardlink to a file it was not told of: it raises NeedsSerial, before changing
+  anything, and the caller applies that layer again alone (another extractor may hold that
+  directory resolved: removed, a symlink could take its place). Temp names carry the run's token
+  (ExtractOptions.run_token): the sweep spares the other extractors' temp files.
 - Onto a root that holds a live system, the caller counted what the layer deletes before anything
   was written (restore/deletion_guard.py) and says which deletions it may make (`deletions`: each
   whiteout or opaque marker, each non-directory that replaces a directory holding anything, and
@@ -38,8 +36,7 @@
 
 The parts: extract_model.py (options, counts, NeedsSerial), roottree.py (paths scoped to the root,
 directory times, removals), fileops.py (the system calls on a member's file), indexing.py (a base
-indexed as it is applied).
-"""
+indexed as it is applied)."""
 
 from __future__ import annotations
 
@@ -90,8 +87,9 @@ class Extractor(RootTree):
         self._image_files: set[str] = set()
         self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
         self.layer_shapes: list[int] = []  # what each of them is (shape_of), for a resumed restore's check
-        # what its whiteouts hid (relative to the root; an opaque directory's ends in /)
-        self.layer_gone: list[str] = []
+        self.layer_links: dict[str, str] = {}  # its hardlinks -> their targets (real, relative): that check too
+        self._link_target = ""  # the last hardlink's target
+        self.layer_gone: list[str] = []  # what its whiteouts hid (relative to the root; an opaque directory's: /)
         # members of the layers this extractor applied: _image_files and the like grow with them
         self.entries = EntryCount()
         # {member path: where it was counted to delete}: the only deletions the next layer may make; None: any
@@ -121,8 +119,7 @@ class Extractor(RootTree):
                     utime(path, ns, ns)
 
     def count_as_written(self, rels: Iterable[str]) -> None:
-        """Let hardlinks name these files (real paths relative to the root, as `layer_files` lists
-        them): what an earlier run of the same restore wrote."""
+        """Let hardlinks name these files (real, relative to the root, as `layer_files`): an earlier run's."""
         self._image_files.update(self._real(rel) for rel in rels)
 
     def note_written(self, rel: str) -> None:
@@ -155,7 +152,7 @@ class Extractor(RootTree):
         Killed midway, such a file is half-written at its path, and the layer (not recorded as
         applied) is applied again over it. The layer's last file is still removed if check_end fails."""
         self._reset_dir_times()
-        self.layer_files, self.layer_shapes, self.layer_gone = [], [], []
+        self.layer_files, self.layer_shapes, self.layer_gone, self.layer_links = [], [], [], {}
         self.layer_dir_headers = []
         self._take = take
         self._in_place = in_place
@@ -238,6 +235,8 @@ class Extractor(RootTree):
         self._image_files.add(path)
         self.layer_files.append(path[len(self.root):].lstrip("/"))
         self.layer_shapes.append(shape_of(m))
+        if m.islnk():
+            self.layer_links[self.layer_files[-1]] = self._link_target
 
     def _skipped(self, rel: str, m: tarfile.TarInfo) -> bool:
         """A whiteout (applied here), or a member that makes nothing: a path the machine owns, a
@@ -444,6 +443,7 @@ class Extractor(RootTree):
         if stat.S_ISDIR(tst.st_mode):
             raise IntegrityError(f"hardlink {m.name!r} points at a directory: refusing a hostile layer")
         os.link(target, tmp, follow_symlinks=False)
+        self._link_target = target[len(self.root):].lstrip("/")
 
     def _leave_alone(self, rel: str, m: tarfile.TarInfo) -> bool:
         """Whether to skip an entry under never_write. Only the top of such a tree, a directory

@@ -53,6 +53,7 @@ class LayerResult:
     files: list[str]  # what it wrote (Extractor.layer_files)
     shapes: list[int]  # what each of those is (Extractor.layer_shapes)
     gone: list[str]  # what its whiteouts hid (Extractor.layer_gone)
+    links: dict[str, str]  # its hardlinks' targets (Extractor.layer_links)
     dir_headers: dict[str, tarfile.TarInfo]  # with job.parallel: the directories it set (Extractor.settle_dirs)
     touched_dirs: dict[str, tuple[int, int]]  # with job.parallel: those it only wrote into, their times before
 
@@ -122,7 +123,8 @@ def _extractor(root: str, opts: ExtractOptions, written: list[str]) -> Callable:
     def handle(job: LayerJob, on_bytes: Callable[[int], None]) -> tuple[ExtractStats, LayerResult]:
         record = apply_layer(extractor, job, on_bytes)  # looked up now: a test's hook, forked with snap
         return extractor.stats, LayerResult(record, extractor.layer_files, extractor.layer_shapes,
-                                            extractor.layer_gone, dict(extractor.layer_dir_headers),
+                                            extractor.layer_gone, dict(extractor.layer_links),
+                                            dict(extractor.layer_dir_headers),
                                             extractor.layer_touched_dirs)
 
     return handle

@@ -3,7 +3,8 @@
 One file per restore root in the state dir: {manifest digest, the digests of this run's layer
 list}, then how many of them are applied (always a prefix), with the files each layer wrote (a
 layer's hardlink may only name those: layer/extract.py), what each of them is (a file's size, a
-symlink, ...) and what its whiteouts hid, and the files joined from part layers, a line each.
+symlink, ...) and what its whiteouts hid, and the files joined from part layers (with their size), a
+line each.
 Resuming needs the same manifest and the same list: an interrupted `--only-snapshot` run says
 nothing about a full one; and a root that still holds what the applied layers wrote (resume.py),
 else the restore goes back to the first layer whose files are not all there (`rewind`). A journal
@@ -14,13 +15,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from snapshotter import jsontext
 from snapshotter.errors import storage_error
 from snapshotter.state import RootFiles, open_own, replace_file, versioned
 
-VERSION = 5  # a header line, then one line per event (4 did not say what the files are; 3 did not list them)
+# A header line, then one line per event (5 gave no joined file's size or hardlink's target; 4 did not
+# say what the files are; 3 did not list them).
+VERSION = 6
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Applied:
     wrote: list[str] = field(default_factory=list)
     shapes: list[int] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
+    links: dict[str, str] = field(default_factory=dict)  # its hardlinks (of `wrote`) -> their targets
 
 
 class Journal:
@@ -38,14 +42,14 @@ class Journal:
     kept in `directory`. `load` reads what an earlier run left; `applied` and `joined` say how far it got.
 
     One JSON line with the manifest and the list, then one line per event ({"applied": n,
-    "wrote": [path, ...], "shapes": [...], "gone": [...]}, {"joined": path} or {"rewound": n})
-    appended as it happens: linear in the layers (a whole rewrite after each of 5,000 layers was
-    quadratic). A torn last line (a kill while appending) is ignored."""
+    "wrote": [path, ...], "shapes": [...], "gone": [...], "links": {path: target}},
+    {"joined": path, "size": n} or {"rewound": n}) appended as it happens: linear in the layers (a
+    whole rewrite after each of 5,000 layers was quadratic). A torn last line (a kill while appending) is ignored."""
 
     def __init__(self, directory: str, files: RootFiles, manifest_digest: str, layers: list[str], fsync: bool):
         self.path = files.file_in(directory)  # JSON lines
         self.root, self.manifest, self.layers, self.fsync = files.root, manifest_digest, layers, fsync
-        self.joined: list[str] = []
+        self.joined: dict[str, int] = {}  # files joined from part layers -> their size
         self.done: dict[int, Applied] = {}  # layer n (from 1) of the list -> what applying it left
         self._started = False  # the file holds this run's first line
 
@@ -95,33 +99,37 @@ class Journal:
                 self._replay(event)
 
     def _replay(self, event: dict) -> None:
-        n, rel, back = event.get("applied"), event.get("joined"), event.get("rewound")
+        n, rel, back, size = event.get("applied"), event.get("joined"), event.get("rewound"), event.get("size")
         if type(n) is int and 0 < n <= len(self.layers):
             wrote, shapes, gone = event.get("wrote", []), event.get("shapes", []), event.get("gone", [])
+            links = event.get("links", {})
             if (_strings(wrote) and _strings(gone) and isinstance(shapes, list) and len(shapes) == len(wrote)
-                    and all(type(s) is int for s in shapes)):
-                self.done[n] = Applied(wrote, shapes, gone)
+                    and all(type(s) is int for s in shapes) and isinstance(links, dict)
+                    and _strings(list(links.values()))):
+                self.done[n] = Applied(wrote, shapes, gone, links)
             else:  # not as this version writes it: what that layer left is not known
                 self._forget_from(n)
-        elif isinstance(rel, str):
-            self.joined.append(rel)
+        elif isinstance(rel, str) and type(size) is int and size >= 0:
+            self.joined[rel] = size
         elif type(back) is int and back >= 0:
             self._forget_from(back + 1)
 
     def _forget_from(self, n: int) -> None:
         self.done = {k: v for k, v in self.done.items() if k < n}
-        self.joined = []  # files are joined once every layer is applied
+        self.joined = {}  # files are joined once every layer is applied
 
     def record_applied(self, count: int, wrote: Sequence[str] = (), shapes: Sequence[int] = (),
-                       gone: Sequence[str] = ()) -> None:
+                       gone: Sequence[str] = (), links: Optional[dict[str, str]] = None) -> None:
         """The first `count` layers of the list are applied, the last of them writing `wrote` (what
-        each is: `shapes`) and hiding `gone` with its whiteouts."""
-        self.done[count] = Applied(list(wrote), list(shapes), list(gone))
+        each is: `shapes`; its hardlinks' targets: `links`) and hiding `gone` with its whiteouts."""
+        self.done[count] = Applied(list(wrote), list(shapes), list(gone), dict(links or {}))
         event: dict = {"applied": count}
         if wrote:
             event.update(wrote=list(wrote), shapes=list(shapes))
         if gone:
             event["gone"] = list(gone)
+        if links:
+            event["links"] = dict(links)
         self._append(event)
 
     def rewind(self, count: int) -> None:
@@ -130,10 +138,10 @@ class Journal:
         self._forget_from(count + 1)
         self._append({"rewound": count})
 
-    def record_joined(self, rel: str) -> None:
-        """/rel is whole again (its part layers joined): said before its parts are removed."""
-        self.joined.append(rel)
-        self._append({"joined": rel})
+    def record_joined(self, rel: str, size: int) -> None:
+        """/rel is whole again (its part layers joined, `size` bytes): said before its parts are removed."""
+        self.joined[rel] = size
+        self._append({"joined": rel, "size": size})
 
     def _start(self) -> None:
         head = {"version": VERSION, "manifest": self.manifest, "layers": self.layers}

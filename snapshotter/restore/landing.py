@@ -2,8 +2,9 @@
 
 Commit puts the weights layers last (layer/plan.py), so a restore knows the point after which only
 weights remain: there it starts the app (`--then CMD`). As it goes, it keeps a small progress file
-per restore root in the state dir: its pid, the weight files named by their layers (a single-file
-layer's file, a file cut into parts) and whether each has landed, and whether the restore is done.
+per restore root in the state dir, written first thing ("starting"): its pid, the weight files named
+by their layers (a single-file layer's file, a file cut into parts) and whether each has landed, and
+whether the restore is done.
 `--wait PATH`, in another process, polls that file (it takes no lock: the restore holds it).
 A file inside a bundle or a non-weight layer is not named in advance: it counts as landed when the
 restore is done. A weight appears at its path by a rename, never half-written (layer/extract.py); the
@@ -16,7 +17,8 @@ import math
 import os
 import subprocess
 import time
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, Layer
@@ -59,10 +61,26 @@ def app_ready_after(layers: list[Layer], weights: set[str]) -> int:
 
 
 class Progress:
-    """The progress file of a restore into a root (`files`) of `layers` (in order)."""
+    """The progress file of a restore into a root (`files`). Written "starting" first thing, before
+    the image is resolved: a file an earlier run left (stopped, or done with another image) must not
+    answer `--wait` meanwhile. `running` names the weights of `layers` (in order) once they are known."""
 
-    def __init__(self, files: RootFiles, layers: list[Layer], weights: set[str]):
+    def __init__(self, files: RootFiles):
         self.path = progress_path(files)
+        self.files: dict[str, bool] = {}
+        self.state = "starting"
+        self._write()
+
+    @contextmanager
+    def stopped_on_failure(self) -> Iterator[None]:
+        """What the block raises marks the restore stopped (a `--wait` gives up at once)."""
+        try:
+            yield
+        except BaseException:
+            self.finish(ok=False)
+            raise
+
+    def running(self, layers: list[Layer], weights: set[str]) -> None:
         self.files = {rel: False for rel in (weight_file(d, weights) for d in layers) if rel}
         self.state = "running"
         self._write()
@@ -138,7 +156,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
                 if os.path.lexists(full):
                     return
                 raise NotFound(f"{path!r} is not in the image restored into {root!r}", "check the path")
-            if doc.get("state") != "running" or not _alive(doc.get("pid")):
+            if doc.get("state") not in ("starting", "running") or not _alive(doc.get("pid")):
                 raise UsageError(f"the restore into {root!r} stopped before {path!r} landed",
                                  "run the restore again: it resumes, then wait again")
         if deadline is not None and clock() >= deadline:

@@ -143,8 +143,8 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
         if extractor.dir_at(rel) is not None:
             refuse_join_over_dir(rel, rel)
         extractor.will_change(pdir)
-        _write_joined(extractor, rel, names, dfd, fsync)
-        journal.record_joined(rel)  # before the parts go: a run killed while removing them knows the file is whole
+        size = _write_joined(extractor, rel, names, dfd, fsync)
+        journal.record_joined(rel, size)  # before the parts go: a run killed removing them knows the file is whole
         for name in names:
             os.unlink(name, dir_fd=dfd)
         return True
@@ -152,9 +152,9 @@ def _join_file(extractor: Extractor, rel: str, count: int, fsync: bool, journal:
         os.close(dfd)
 
 
-def _write_joined(extractor: Extractor, rel: str, names: list[str], dfd: int, fsync: bool) -> None:
+def _write_joined(extractor: Extractor, rel: str, names: list[str], dfd: int, fsync: bool) -> int:
     """Write the parts `names` (in directory dfd) end to end as /rel, with the first part's owner,
-    mode, xattrs and times: in a temp file renamed into place."""
+    mode, xattrs and times: in a temp file renamed into place. Returns its size (for the journal)."""
     count, base = len(names), rel.rpartition("/")[2]
     tmp = f"{TMP_PREFIX}join-{os.getpid()}"
     out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
@@ -167,6 +167,7 @@ def _write_joined(extractor: Extractor, rel: str, names: list[str], dfd: int, fs
                 with os.fdopen(fd, "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 20)
             out.flush()
+            size = out.tell()
             if fsync:
                 os.fsync(out.fileno())
             if extractor.opts.same_owner:
@@ -184,6 +185,7 @@ def _write_joined(extractor: Extractor, rel: str, names: list[str], dfd: int, fs
                 set_xattr(out.fileno(), name, value, {})
             os.utime(out.fileno(), ns=(first_st.st_atime_ns, first_st.st_mtime_ns))
         os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+        return size
     finally:
         try:
             os.unlink(tmp, dir_fd=dfd)

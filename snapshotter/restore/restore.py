@@ -141,12 +141,14 @@ class _Run:
 
 
 def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
-    run = _open_run(ref, root, opts)
-    resumed = _resume(run, root, opts.log)
+    progress = Progress(RootFiles(root))  # before anything: the last run's file must not answer --wait
+    with progress.stopped_on_failure():
+        run = _open_run(ref, root, opts)
+        resumed = _resume(run, root, opts.log)
     parts = run.parts  # every file cut into parts; one whose part layers are all skipped is not joined
     skips = _planned_skips(run, resumed, parts)
     weights = {r.name for r in run.profile.layers if r.weights}
-    progress = Progress(run.files, run.todo, weights)
+    progress.running(run.todo, weights)
     ready_at = app_ready_after(run.todo, weights)
 
     def after_layer(count: int, layer: Optional[Layer]) -> None:

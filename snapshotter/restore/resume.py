@@ -6,7 +6,9 @@ the files the applied layers wrote (at most the image's entry cap, tar/reader.py
 reading no byte: every non-directory the journal lists as written, and not removed or replaced by
 a later applied layer (a whiteout, an opaque directory, a file or symlink at it or at a parent, a
 file written beneath it), is lstat'ed, and must be what the layer left (a regular file of its
-size, a symlink, a hardlink's regular file, a node). A joined file stands for its parts. The first
+size, a symlink, a hardlink's regular file: its target's inode, unless a later layer wrote the
+target anew, a node). A joined file stands for its parts: a regular file of the size the journal
+says it was joined to, else its first part layer is where the restore goes back to. The first
 layer that fails is where the restore goes back to (Journal.rewind): it and every layer after it
 are applied again. Not checked: directories (a layer's files need them, and those files are
 checked), the bytes of a file of the right size, and layers an earlier run found in place and
@@ -45,7 +47,10 @@ def _expected(journal: Journal) -> dict[str, tuple[int, int]]:
         part = parse_part_name(rel)
         if part is not None and part[0] in journal.joined:  # joined: its parts are removed
             layer = out.pop(rel)[0]
-            out.setdefault(part[0], (layer, LINK_SHAPE))
+            # Of the size joined; else applied again from its first part layer (a later one alone
+            # would bring some of its parts back, not all) and joined again.
+            first = min(layer, out.get(part[0], (layer, 0))[0])
+            out[part[0]] = (first, journal.joined[part[0]])
     return out
 
 
@@ -65,10 +70,26 @@ def _there(path: str, shape: int) -> bool:
     return stat.S_ISREG(st.st_mode) and (shape == LINK_SHAPE or st.st_size == shape)
 
 
+def _linked(root: str, rel: str, n: int, journal: Journal, expected: dict[str, tuple[int, int]]) -> bool:
+    """A hardlink that layer n wrote at /rel is still one name of its target's file (one inode), unless
+    a later layer wrote the target anew or hid it (then the two are apart, rightly)."""
+    target = journal.done[n].links.get(rel)
+    if target is None or expected.get(target, (n + 1, 0))[0] > n:
+        return True
+    try:
+        a, b = os.lstat(os.path.join(root, rel)), os.lstat(os.path.join(root, target))
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def first_missing(root: str, journal: Journal) -> Optional[tuple[int, str]]:
     """(the first applied layer n whose files are not all in `root`, one such path), or None."""
     worst: Optional[tuple[int, str]] = None
-    for rel, (n, shape) in _expected(journal).items():
-        if (worst is None or n < worst[0]) and not _there(os.path.join(root, rel), shape):
+    expected = _expected(journal)
+    for rel, (n, shape) in expected.items():
+        if (worst is None or n < worst[0]) and not (
+                _there(os.path.join(root, rel), shape)
+                and (shape != LINK_SHAPE or _linked(root, rel, n, journal, expected))):
             worst = (n, rel)
     return worst

@@ -148,7 +148,8 @@ class Scheduler:
             if n in self.headers_said and done.result.record != self.headers_said[n] and misclaimed is None:
                 misclaimed = done.label
             self._entries.add(len(done.result.files) + len(done.result.gone), f"layer {done.label}")
-            self.journal.record_applied(at + 1, done.result.files, done.result.shapes, done.result.gone)
+            self.journal.record_applied(at + 1, done.result.files, done.result.shapes, done.result.gone,
+                                        done.result.links)
             applied.append(done.label)
             self.after_layer(at + 1, layer)
             self.blobs.used(digest)
