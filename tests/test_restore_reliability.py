@@ -422,24 +422,30 @@ def test_reapplying_a_hardlink_to_a_lower_layer_file(registry, tmp_path):
     assert (root / "a/z").read_bytes() == b"after the link\n"
 
 
-def test_join_resumes_with_no_layer_left_and_a_stale_join_temp(registry, tmp_path, monkeypatch):
-    """A run killed while joining parts: every layer is applied, a join temp file is left."""
+def _two_parts_interrupted_at(registry, repo: str, root, monkeypatch, step: str) -> str:
+    """A snapshot of /m/big cut into two part layers, restored into `root` by a run stopped when it
+    reached restore.py's `step` (every layer applied by then); its reference."""
     part = "m/big.snap-part-{:04d}-of-0002"
-    ref = push_annotated(registry, "joinresume", [
+    ref = push_annotated(registry, repo, [
         (layer({}, dirs=("m",)), {}),
         (layer({part.format(1): b"first\n"}), part_ann("m/big", "1/2")),
         (layer({part.format(2): b"second\n"}), part_ann("m/big", "2/2")),
     ])
-    root = tmp_path / "root"
 
     def killed(*args):
         raise Interrupted()
 
-    join_parts = restore_module.join_parts
-    monkeypatch.setattr(restore_module, "join_parts", killed)
-    with pytest.raises(Interrupted):
-        restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
-    monkeypatch.setattr(restore_module, "join_parts", join_parts)
+    with monkeypatch.context() as m:
+        m.setattr(restore_module, step, killed)
+        with pytest.raises(Interrupted):
+            restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
+    return ref
+
+
+def test_join_resumes_with_no_layer_left_and_a_stale_join_temp(registry, tmp_path, monkeypatch):
+    """A run killed while joining parts: every layer is applied, a join temp file is left."""
+    root = tmp_path / "root"
+    ref = _two_parts_interrupted_at(registry, "joinresume", root, monkeypatch, "join_parts")
     (root / "m" / ".snap-tmp-join-4242").write_bytes(b"first\n")  # what the killed join had written
     r = snap("restore", ref, "--root", str(root), "--json")
     assert r.returncode == 0, r.stderr
@@ -473,22 +479,8 @@ def test_a_resumed_restore_links_again_a_hardlink_name_replaced_by_a_separate_fi
 def test_a_resumed_restore_joins_again_a_joined_file_cut_short(registry, tmp_path, monkeypatch):
     """Killed after the journal says /m/big is joined (at _finish), then /m/big cut short: the rerun
     does not take it as whole (the journal has its size) but applies its part layers again and joins."""
-    part = "m/big.snap-part-{:04d}-of-0002"
-    ref = push_annotated(registry, "joinshort", [
-        (layer({}, dirs=("m",)), {}),
-        (layer({part.format(1): b"first\n"}), part_ann("m/big", "1/2")),
-        (layer({part.format(2): b"second\n"}), part_ann("m/big", "2/2")),
-    ])
     root = tmp_path / "root"
-
-    def killed(*args):
-        raise Interrupted()
-
-    finish = restore_module._finish
-    monkeypatch.setattr(restore_module, "_finish", killed)
-    with pytest.raises(Interrupted):
-        restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
-    monkeypatch.setattr(restore_module, "_finish", finish)
+    ref = _two_parts_interrupted_at(registry, "joinshort", root, monkeypatch, "_finish")
     assert (root / "m/big").read_bytes() == b"first\nsecond\n"
     os.truncate(root / "m/big", 3)
     r = snap("restore", ref, "--root", str(root), "--json")
