@@ -5,6 +5,7 @@ stat cache, and its path never kept by the walk memo, so the commit after the wr
 it again too. (commit/model.py's CommitPlan.writing)"""
 
 import os
+import subprocess
 
 import pytest
 
@@ -188,3 +189,29 @@ def test_smaps_tells_a_map_that_may_write_from_one_that_may_not(old_box):
     finally:
         writer.exit()
 
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts the state dir's walk-memo folder read-only")
+def test_a_walk_the_state_dir_had_no_room_for_keeps_no_plan(registry, base_ref, old_box, state_dir, tmp_path):
+    """The walk memo could not be written (its disk full or read-only: state.if_room skips it) while
+    a file is mapped for writing: the kept plan, whose key would then name that file alone, is not
+    reused, and a file changed since is sent."""
+    write_tree(old_box, {STATE: b"\0" * 8192, "opt/app/notes.txt": "version one\n"})
+    writer = MappedWriter(os.path.join(old_box, STATE))
+    memo = state_dir / "walk-memo"
+    try:
+        writer.write("AAAA")
+        commit_box(f"{registry.host}/mapped-nowalk:v1", base_ref, CommitOptions(root=old_box))
+        subprocess.run(["mount", "--bind", str(memo), str(memo)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(memo)], check=True)
+            for tag, text in (("v2", "version one!\n"), ("v3", "VERSION TWO, longer\n")):
+                write_tree(old_box, {"opt/app/notes.txt": text})
+                commit_box(f"{registry.host}/mapped-nowalk:{tag}", base_ref, CommitOptions(root=old_box))
+        finally:
+            subprocess.run(["umount", "-l", str(memo)], check=True)
+    finally:
+        writer.exit()
+    out = tmp_path / "out"
+    restore_image(f"{registry.host}/mapped-nowalk:v3", str(out))
+    assert (out / "opt/app/notes.txt").read_text() == "VERSION TWO, longer\n"

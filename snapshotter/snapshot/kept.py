@@ -119,7 +119,9 @@ class StoredWalk:
             columns = [list(map(attrgetter(f), entries)) for f in _FIELDS]
             self.digest = _write(self.path, self.key, (columns, {p: v for p, v in seen.items() if isinstance(v, str)}))
         unkept = [[getattr(scan.entries[p], f) for f in _FIELDS] for p in sorted(scan.unkept)]
-        scan.kept_as = None if scan.racy_dirs else _key(self.digest, unkept) if unkept else self.digest
+        # No walk stored (the state dir had no room for it): no plan may be kept on its word.
+        scan.kept_as = None if scan.racy_dirs or self.digest is None else (
+            _key(self.digest, unkept) if unkept else self.digest)
 
 
 class StoredRecords:
