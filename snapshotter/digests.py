@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from typing import BinaryIO, Callable, Iterable, Optional, Union
 
 # A sha256 digest as an image may name one. Only this form is accepted, which also makes a digest
@@ -28,20 +29,29 @@ def file_digest(file: Union[str, BinaryIO], on_bytes: Optional[Callable[[int], N
     """The sha256 of a file, by path or of a binary file object read to its end; `on_bytes` is told
     each read's size (progress)."""
     if isinstance(file, str):
-        with open(file, "rb") as f:
+        with open(file, "rb", buffering=0) as f:  # read into _read_buffer: no buffer of open's own
             return file_digest(f, on_bytes)
-    if on_bytes is None and hasattr(hashlib, "file_digest"):  # Python 3.11+
-        return hasher_digest(hashlib.file_digest(file, "sha256"))
     h = hashlib.sha256()
-    buf = bytearray(2 ** 18)  # hashlib.file_digest's buffer size, reused for every read
-    view = memoryview(buf)
+    view = _read_buffer()
     while True:
-        n = file.readinto(buf)
+        n = file.readinto(view)
         if not n:
             return hasher_digest(h)
         h.update(view[:n])
         if on_bytes is not None:
             on_bytes(n)
+
+
+_buffers = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """This thread's read buffer (hashlib.file_digest's size), made once: a new one per file cost more
+    than hashing a small file (verify reads 200k of them)."""
+    view = getattr(_buffers, "view", None)
+    if view is None:
+        view = _buffers.view = memoryview(bytearray(2 ** 18))
+    return view
 
 
 def chunks_digest(chunks: Iterable[bytes]) -> str:

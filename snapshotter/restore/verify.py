@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from snapshotter import progress
 from snapshotter.box.mounts import bind_mounted_files, pseudo_mounts
 from snapshotter.box.openat import file_head
-from snapshotter.digests import chunks_digest, file_digest, hasher_digest, sha256_digest
+from snapshotter.digests import chunks_digest, hasher_digest, sha256_digest
 from snapshotter.errors import IntegrityError, UsageError, quoted_path
 from snapshotter.index.entry import (BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, clean_path, entry_from_member,
                                      entry_from_stat, self_and_parents)
@@ -50,6 +50,7 @@ from snapshotter.origin.references import References
 from snapshotter.origin.snapshots import read_document
 from snapshotter.registry.remote import Remote
 from snapshotter.registry.transport import TransportOptions
+from snapshotter.restore.contents import files_digests
 from snapshotter.snapshot.decryption import open_image
 from snapshotter.snapshot.skeleton import image_skeletons
 from snapshotter.tar.compress import IterReader, check_layer
@@ -382,12 +383,9 @@ def _compare_entry(shown: str, full: str, have: Entry, want: Entry, allow_setuid
 
 def _content_differences(contents: list[tuple[str, str, str, int]], jobs: int,
                          on_bytes: Callable[[int], None]) -> list[Difference]:
-    """Hash the files of `contents` (shown path, path, expected digest, size), `jobs` at once:
-    threads, as hashlib and file reads let go of Python's lock (measured: bench.py's verify), each
-    holding one read buffer; `on_bytes` is told what is read (progress)."""
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        digests = list(pool.map(lambda full: _content_digest(full, on_bytes), [c[1] for c in contents]))
-    return [d for (shown, _, want, _), digest in zip(contents, digests)
+    """The content differences of `contents` (shown path, path, expected digest, size), read `jobs` at once."""
+    found = files_digests([(full, size) for _, full, _, size in contents], jobs, on_bytes)
+    return [d for (shown, _, want, _), digest in zip(contents, found)
             for d in _content_difference(shown, digest, want)]
 
 
@@ -401,15 +399,6 @@ def _content_difference(shown: str, digest: str, want: str) -> list[Difference]:
 def _short(digest: str) -> str:
     """A digest as the report shows it (its first 12 hex digits), or why there is none."""
     return digest[:19] if digest.startswith("sha256:") else digest
-
-
-def _content_digest(path: str, on_bytes: Callable[[int], None]) -> str:
-    """The file's digest, or why it could not be read (permissions, an I/O error of the disk):
-    a difference of its own path, and the others are compared all the same."""
-    try:
-        return file_digest(path, on_bytes)
-    except OSError as e:
-        return f"unreadable ({e.strerror or e})"
 
 
 def _extras(root: str, index: dict[str, Entry], covered: set[str], opts: VerifyOptions,
