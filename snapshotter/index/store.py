@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import astuple, fields
+import operator
+from dataclasses import fields
 from typing import Optional, Sequence
 
 from snapshotter import jsontext
@@ -13,10 +14,12 @@ from snapshotter.state import open_own, replace_file, versioned
 
 from .entry import Entry, gc_paused
 
-# The base-index cache holds each Entry positionally (astuple: compact, quick to load). Its first
+# The base-index cache holds each Entry positionally (compact, quick to load). Its first
 # line names the format version and Entry's fields: a cache of another version or field layout is
 # rebuilt, never read into the wrong fields, and so is one of other layers (its diff_ids).
 INDEX_VERSION = 4
+_ROW = operator.attrgetter(*(f.name for f in fields(Entry)))  # an Entry's fields in order (astuple copied each deeply)
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _index_header(diff_ids: Sequence[str]) -> dict:
@@ -28,7 +31,7 @@ def save_index(index: dict[str, Entry], path: str, diff_ids: Sequence[str]) -> N
     def write(f) -> None:
         f.write(json.dumps(_index_header(diff_ids)) + "\n")
         for e in index.values():
-            f.write(json.dumps(astuple(e), separators=(",", ":")))
+            f.write(_ENCODE(_ROW(e)))
             f.write("\n")
 
     replace_file(path, write, lambda p, m: gzip.open(p, m, compresslevel=1), "wt")
