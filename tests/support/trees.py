@@ -122,7 +122,8 @@ def snapshot_of_tree(root: str, skip: tuple[str, ...] = (), exact: bool = False)
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir
-        dirnames[:] = [d for d in dirnames if os.path.join(rel_dir, d) not in skip]
+        # In name order (not the filesystem's): the first name of a hardlinked file is the same in any copy.
+        dirnames[:] = sorted(d for d in dirnames if os.path.join(rel_dir, d) not in skip)
         for name in sorted(dirnames + filenames):
             rel = os.path.join(rel_dir, name)
             if rel in skip:
