@@ -1,15 +1,12 @@
-import getpass
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from support import memtemp
 from support.faults import FaultProxy
 from support.images import push_base_image
 from support.ocicrypt import make_keys
@@ -84,24 +81,14 @@ def pytest_configure(config):
         return
     if config.getoption("record_durations"):
         config.pluginmanager.register(DurationRecorder(), "record-durations")
-    if config.option.basetemp is None and os.geteuid() == 0 and os.environ.get("SNAP_TEST_TMPFS") != "0":
-        _temp_in_memory()
+    if config.option.basetemp is None:  # read by pytest's own configure (tmpdir.py), called after a conftest's
+        config.option.basetemp = config.snap_run_folder = memtemp.run_folder()
 
 
-def _temp_in_memory() -> None:
-    """pytest's temp root (where every tmp_path lies) on a tmpfs, mounted once and left mounted: the
-    suite writes ~10 GB of registries, boxes and restores and deletes them as it goes (the retention
-    policy in pyproject.toml; ~3 GB at most at once), and on a disk that cost a sixth of its time
-    (measured: 486 s on this machine's ext4, 407 s on a tmpfs) and, on CI, the disk itself. What an
-    earlier run left there on disk goes first (the mount would hide it). Where no tmpfs can be mounted
-    (no CAP_SYS_ADMIN), the suite runs on the disk; SNAP_TEST_TMPFS=0 keeps it there."""
-    root = os.path.join(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir(),
-                        f"pytest-of-{getpass.getuser()}")
-    if os.path.ismount(root):
-        return
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "snap-test-tmp", root], capture_output=True)
+def pytest_sessionfinish(session, exitstatus):
+    folder = getattr(session.config, "snap_run_folder", None)
+    if folder:
+        memtemp.end_run(folder, exitstatus)
 
 
 class DurationRecorder:
