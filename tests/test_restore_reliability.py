@@ -11,6 +11,7 @@ import os
 import pickle
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -792,3 +793,24 @@ def test_ctrl_c_during_a_download(registry, tmp_path, state_dir, media_type):
     r = snap("restore", f"{registry.host}/ctrlcdl:v1", "--root", str(root))
     assert r.returncode == 0, r.stderr
     assert (root / "data/big.bin").read_bytes() == big and (root / "data/a.txt").read_bytes() == b"first\n"
+
+
+def test_a_blob_store_that_stops_answering_is_named_as_such(registry, tmp_path):
+    """A registry may send a blob's GET elsewhere (its object storage); when that host refuses
+    connections, the one line names it (not the registry) and says nothing of what was pushed: a
+    restore pushes nothing."""
+    tar = tar_of_files({"data/a.txt": b"a\n"}, dirs=("data",))
+    registry.push_image("elsewhere", "v1", [tar], layer_media_type=TAR, diff_ids=["sha256:" + sha(tar)])
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        gone = s.getsockname()[1]
+    proxy = FaultProxy(registry.host).start()
+    proxy.answer = lambda method, path: ((307, {"Location": f"http://127.0.0.1:{gone}/bucket/blob"})
+                                         if method == "GET" and "/blobs/" in path else None)
+    try:
+        r = snap("restore", f"{proxy.host}/elsewhere:v1", "--root", str(tmp_path / "root"),
+                 env={"SNAP_RETRY_SCALE": "0"})
+    finally:
+        proxy.stop()
+    assert_one_line_error(r, 3, f"127.0.0.1:{gone}", f"registry {proxy.host}")
+    assert "pushed" not in r.stderr, r.stderr

@@ -104,13 +104,15 @@ class Transport:
                         raise RegistryError(f"registry {registry} asked for a new token during an upload")
                     r = self._send(method, url, dict(headers), own, **kw)
             except requests.exceptions.SSLError as e:
-                raise RegistryUnreachable(f"TLS to registry {registry} failed: {short_error(e)}")
+                raise RegistryUnreachable(f"TLS to {self._host_of(method, e)} failed: {short_error(e)}")
             except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
                 if not resend:
                     raise RegistryError(f"upload to registry {registry} broke: {short_error(e)}")
                 if delay is None:
-                    raise RegistryUnreachable(f"registry {registry} stopped answering: {short_error(e)}",
-                                              "run the command again when it is back: what was pushed stays pushed")
+                    writes = method not in ("GET", "HEAD")  # a restore or verify has pushed nothing
+                    raise RegistryUnreachable(f"{self._host_of(method, e)} stopped answering: {short_error(e)}",
+                                              "run the command again when it is back"
+                                              + (": what was pushed stays pushed" if writes else ""))
                 self.backoff(delay)
                 continue
             except requests.exceptions.RequestException as e:
@@ -125,6 +127,14 @@ class Transport:
         if not stream:
             read_answer(r, f"the answer of registry {registry!r} to {method}")
         return r
+
+    def _host_of(self, method: str, e: requests.exceptions.RequestException) -> str:
+        """Who failed, for an error: the registry, or the host it redirected the request to (its object storage)."""
+        failed = origin(e.request.url if e.request is not None else "")
+        _, host, port = failed
+        if not host or failed == self.origin:
+            return f"registry {self.registry}"
+        return f"{host}:{port} (where registry {self.registry} sent the {method})"
 
     def backoff(self, seconds: float) -> None:
         """Wait before asking again (scaled: retry.py)."""
