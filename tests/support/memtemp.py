@@ -11,6 +11,7 @@ user xattrs: kernels before 6.6, SNAP_TEST_TMPFS=0), pytest's own temp root on t
 
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from typing import Optional
@@ -30,7 +31,7 @@ def run_folder() -> Optional[str]:
     except OSError:
         return None
     st = os.lstat(RUNS)
-    if not os.path.isdir(RUNS) or os.path.islink(RUNS) or st.st_uid != 0:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:  # a symlink or another's folder: not ours to mount on
         return None
     if not os.path.ismount(RUNS) and not _mounted():
         return None
