@@ -21,6 +21,7 @@ import time
 from contextlib import contextmanager
 from typing import IO, Callable, Iterator, Optional
 
+from . import jsontext
 from .errors import StorageError
 
 LOCK_NAME = "lock"
@@ -206,7 +207,7 @@ def read_versioned(path: str, version: int) -> Optional[dict]:
     damaged or of another version."""
     try:
         with open_own(path) as f:
-            return versioned(json.load(f), version)
+            return versioned(jsontext.loads(f.read()), version)
     except (OSError, ValueError):
         return None
 

@@ -12,7 +12,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Bottom first. A unit is a subpackage (snapshotter/box/) or a top-level module (snapshotter/state.py);
 # units on one floor do not import each other.
 FLOORS = [
-    {"errors", "version", "jsontext"},  # jsontext: JSON from outside, every failure a ValueError
+    {"errors", "version", "jsontext"},  # jsontext: JSON from outside and from state files, every failure a ValueError
     {"settings"},  # the SNAP_* settings: one parser for each kind of value
     {"digests", "jobs", "progress", "state", "workers"},
     {"oci"},  # the image model: no I/O

@@ -66,8 +66,9 @@ def next_version(path: str) -> None:
         json.dump({**doc, "version": doc["version"] + 1}, f)
 
 
-def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
-    root = str(tmp_path)
+def state_files(root: str) -> dict:
+    """Each state file a run leaves for `root` (and the blob sources), written; path -> what reads it
+    back (None where it is ignored)."""
     files = daemon.watch_files(root)
     lock = daemon.take_lock(files, root)
     daemon.note_pid(files, lock, "reg/box:v1", 4)
@@ -83,8 +84,21 @@ def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
             record._path(RootFiles(root)): lambda: record.restored_from(root),
             sources.path: lambda: BlobSources().repositories("reg", MANIFEST) or None}
     assert all(got() is not None for got in read.values())
-    for path, got in read.items():
+    return read
+
+
+def test_state_files_of_another_version_are_ignored(state_dir, tmp_path):
+    for path, got in state_files(str(tmp_path)).items():
         next_version(path)
+        assert got() is None, path
+
+
+def test_state_files_nested_deeper_than_the_parser_goes_are_damaged_ones(state_dir, tmp_path):
+    """A state file damaged into JSON nested past Python's recursion limit is ignored as any damaged
+    one is, never an "internal error" (RecursionError) of every later command."""
+    for path, got in state_files(str(tmp_path)).items():
+        with open(path, "w") as f:
+            f.write("[" * 100_000 + "]" * 100_000)
         assert got() is None, path
 
 

@@ -24,7 +24,6 @@ another user of a shared root) is replaced, never written through.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ import stat
 import tarfile
 from typing import BinaryIO, Callable, Iterable, Optional
 
+from snapshotter import jsontext
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError, quoted_path
@@ -203,7 +203,7 @@ class SplitLayer(io.RawIOBase):
     def __init__(self, dirpath: str, on_bytes: Optional[Callable[[int], None]] = None):
         self.dir, self.on_bytes = dirpath, on_bytes
         with open(os.path.join(dirpath, "segments.json")) as f:
-            doc = json.load(f)
+            doc = jsontext.loads(f.read())
         if versioned(doc, SEGMENTS_VERSION) is None:
             raise ValueError(f"{dirpath} is a split layer of another format version")
         segs = doc["segments"]

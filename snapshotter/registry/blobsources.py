@@ -4,10 +4,10 @@ uploading it again, so a model already in the registry is never sent twice."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable
 
+from snapshotter import jsontext
 from snapshotter.state import sub, versioned, write_versioned
 
 from .remote import Remote
@@ -27,7 +27,7 @@ class BlobSources:
         self.known: dict[str, dict[str, list[str]]] = {}
         try:
             with open(self.path) as f:
-                doc = json.load(f)
+                doc = jsontext.loads(f.read())
             if versioned(doc, VERSION) and isinstance(doc.get("registries"), dict):
                 self.known = {host: {d: [r for r in repos if isinstance(r, str)]
                                      for d, repos in blobs.items() if isinstance(repos, list)}

@@ -12,7 +12,6 @@ layers before the app's start, which nothing reads yet, write their new files in
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -20,6 +19,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
+from snapshotter import jsontext
 from snapshotter.errors import NotFound, UsageError, WaitTimeout
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_LAYER, Layer
 from snapshotter.state import RootFiles, open_own, state_dir, sub, versioned, write_versioned
@@ -138,7 +138,7 @@ def wait_landed(path: str, root: str, timeout: Optional[float],
     while True:
         try:
             with open_own(progress) as f:
-                doc = json.load(f)
+                doc = jsontext.loads(f.read())
         except FileNotFoundError:
             doc = None
         except (OSError, ValueError):

@@ -9,10 +9,10 @@ commit`), one at a time under the state dir's lock: each save merges what is on 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
+from snapshotter import jsontext
 from snapshotter.digests import DIGEST
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
 from snapshotter.state import open_own, sub
@@ -46,7 +46,7 @@ def read_state(recipients: str) -> dict:
     """The state file's fields, each kept only where well formed: {} for none, or another version."""
     try:
         with open_own(state_path(recipients)) as f:
-            doc = json.load(f)
+            doc = jsontext.loads(f.read())
     except (OSError, ValueError):
         return {}
     if not isinstance(doc, dict) or doc.get("version") != VERSION:

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Optional
 
+from snapshotter import jsontext
 from snapshotter.state import open_own, read_versioned, replace_file, root_key, sub, write_versioned
 
 VERSION = 1
@@ -37,7 +38,7 @@ class StatCache:
         self.new: dict[str, dict] = {}
         try:
             with open_own(self.path) as f:
-                doc = json.load(f)
+                doc = jsontext.loads(f.read())
             if isinstance(doc, dict) and doc.get("key") == self.key and isinstance(doc.get("layers"), dict):
                 self.old = doc["layers"]
         except (OSError, ValueError):
