@@ -191,6 +191,7 @@ class _Walk:
         self.mapped: set[str] = set()  # the paths looked at that are such a file
         self.skip_mounts = pseudo_mounts(root)
         self.mounted = bind_mounted_files(root)
+        self.special = extra | self.skip_mounts | self.mounted  # paths not walked (look_names)
         self.old = old  # the last scan's paths (ScanMemo)
         self.keeping = settled_ns is not None  # a memo to fill
         self.settled_ns = settled_ns if settled_ns is not None else -1  # paths changed before this are kept
@@ -284,46 +285,61 @@ class _Walk:
 
     def look(self, rel: str, dir_fd: int, name: str, walk: bool, same: Optional[str]) -> int:
         """visit() for any scan: lstat `rel`, take its entry from the memo or make it, and note it."""
-        last = self.old.get(rel)  # a path the last scan kept was not excluded (a path-only verdict)
-        if rel in self.extra or rel in self.skip_mounts or (last is None and self.profile.exclude.match(rel)):
-            return 0
-        if rel in self.mounted:
-            self.host_files.add(rel)
-            return 0
-        if name.startswith(WHITEOUT_PREFIX):
-            _refuse_whiteout_name(rel)
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return 0
-        except PermissionError:
-            self.unreadable.add(rel)
-            return 0
-        mapped = bool(self.mapped_ids) and (st.st_dev, st.st_ino) in self.mapped_ids
-        if mapped:
-            self.mapped.add(rel)
-        if last is not None and not mapped and _unchanged(last, st):
-            e = None if isinstance(last, str) else last
-        else:
-            e = self._read(rel, dir_fd, name, st)
-            if e is _NOT_CONTENT:
-                return 0
-        if mapped:
-            self.new.pop(rel, None)  # its stat data does not tell its bytes (scan_box)
-        elif st.st_ctime_ns < self.settled_ns and rel not in self.unsure:
-            self.new[rel] = e if e is not None else _memo_stamp(st)
-        elif self.keeping:
-            self.new.pop(rel, None)
-            self.racy.add(rel.rpartition("/")[0])
-        if e is None:
-            self.secrets.add(rel)
-            return 0
-        self.entries[rel] = e
-        if e.kind == DIR and walk and e.stamp != same:
-            self.stack.append(rel)
-        elif e.kind == FILE and rel.rpartition("/")[2] == "pyvenv.cfg":
-            self.venvs.add(rel.rpartition("/")[0])
-        return 1
+        return self.look_names(dir_fd, rel[:len(rel) - len(name)], (name,), walk, same)
+
+    def look_names(self, dir_fd: int, prefix: str, names, walk: bool = True, same: Optional[str] = None) -> int:
+        """look() at each of `names` in the open directory `dir_fd` (`prefix` + name: its path): the
+        number of entries added. One loop for a directory's names, with what it reads of the walk
+        bound once: its cost per path is most of a scan's beyond the lstat."""
+        old, special, exclude, stat = self.old.get, self.special, self.profile.exclude.match, os.stat
+        mapped_ids, settled_ns, unsure = self.mapped_ids, self.settled_ns, self.unsure
+        new, entries = self.new, self.entries
+        added = 0
+        for name in names:
+            rel = prefix + name
+            last = old(rel)  # a path the last scan kept was not excluded (a path-only verdict)
+            if rel in special:  # left out, or a file bind-mounted from the host (unless left out)
+                if not (rel in self.extra or rel in self.skip_mounts or (last is None and exclude(rel))):
+                    self.host_files.add(rel)
+                continue
+            if last is None and exclude(rel):
+                continue
+            if name.startswith(WHITEOUT_PREFIX):
+                _refuse_whiteout_name(rel)
+            try:
+                st = stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except PermissionError:
+                self.unreadable.add(rel)
+                continue
+            mapped = bool(mapped_ids) and (st.st_dev, st.st_ino) in mapped_ids
+            if mapped:
+                self.mapped.add(rel)
+            if last is not None and not mapped and _unchanged(last, st):
+                e = None if isinstance(last, str) else last
+            else:
+                e = self._read(rel, dir_fd, name, st)
+                if e is _NOT_CONTENT:
+                    continue
+            if mapped:
+                new.pop(rel, None)  # its stat data does not tell its bytes (scan_box)
+            elif st.st_ctime_ns < settled_ns and rel not in unsure:
+                new[rel] = e if e is not None else _memo_stamp(st)
+            elif self.keeping:
+                new.pop(rel, None)
+                self.racy.add(rel.rpartition("/")[0])
+            if e is None:
+                self.secrets.add(rel)
+                continue
+            entries[rel] = e
+            added += 1
+            if e.kind == DIR:
+                if walk and e.stamp != same:
+                    self.stack.append(rel)
+            elif name == "pyvenv.cfg" and e.kind == FILE:
+                self.venvs.add(rel.rpartition("/")[0])
+        return added
 
     def _read(self, rel: str, dir_fd: int, name: str, st: os.stat_result):
         """_new_entry(), with a path snap may not read noted as such (and _NOT_CONTENT returned)."""
@@ -409,7 +425,8 @@ def walk_stack(root_fd: int, walk: _Walk, progress: Optional[Callable[[int], Non
                     forget(prefix + gone)
             listed[rel_dir] = names
             walk.walked.add(rel_dir)
-            added = sum(visit(prefix + name, fd, name) for name in names)
+            added = (walk.look_names(fd, prefix, names) if forget is None
+                     else sum(visit(prefix + name, fd, name) for name in names))
         finally:
             os.close(fd)
         if progress and added:
