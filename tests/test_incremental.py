@@ -380,11 +380,11 @@ def test_a_second_commit_reads_again_only_what_changed_since_the_first(registry,
     after it reads no xattrs, symlink target or RECORD of a path whose lstat is as then, and one
     path changed (chmod: its ctime moves) is read again, and committed as it is now."""
     from snapshotter.box import records as records_module
-    from snapshotter.box import scan as scan_module
+    from snapshotter.box import memo as memo_module
 
     write_tree(box, {"opt/app/venv/lib/python3.11/site-packages/pkg/__init__.py": "x = 1\n",
                      "opt/app/venv/lib/python3.11/site-packages/pkg-1.0.dist-info/RECORD": "pkg/__init__.py,,\n"})
-    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)  # a real box's files are older than the window
+    monkeypatch.setattr(memo_module, "RACY_WINDOW_NS", 0)  # a real box's files are older than the window
     xattr_reads, record_reads = [], []
     real_listxattr, real_read = os.listxattr, records_module._read
     monkeypatch.setattr(os, "listxattr", lambda p, **kw: xattr_reads.append(p) or real_listxattr(p, **kw))
@@ -408,10 +408,10 @@ def test_a_commit_with_nothing_changed_reuses_the_last_plan(registry, base_ref, 
     """The plan is kept with the walk (snapshot/kept.py): while every entry is as the kept walk has
     it and the diff, base, RECORDs, profile and options are the same, the next commit reuses the plan
     and its keys (the same layers); a new file, or a path changed within the racy window, plans again."""
-    from snapshotter.box import scan as scan_module
+    from snapshotter.box import memo as memo_module
     from snapshotter.commit import model as model_module
 
-    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(memo_module, "RACY_WINDOW_NS", 0)
     planned = []
     real = model_module.plan_layers
     monkeypatch.setattr(model_module, "plan_layers", lambda *a, **kw: planned.append(1) or real(*a, **kw))
@@ -427,7 +427,7 @@ def test_a_commit_with_nothing_changed_reuses_the_last_plan(registry, base_ref, 
     assert len(planned) == 2 and layers("v3") != layers("v2")
     restore_image(f"{registry.host}/reuse:v3", str(tmp_path / "out"))
     assert snapshot_of_tree(str(tmp_path / "out"), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
-    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 3600 * 10**9)  # every path changed just now: not trusted
+    monkeypatch.setattr(memo_module, "RACY_WINDOW_NS", 3600 * 10**9)  # every path changed just now: not trusted
     commit_box(f"{registry.host}/reuse:v4", base_ref, CommitOptions(root=box))
     commit_box(f"{registry.host}/reuse:v5", base_ref, CommitOptions(root=box))
     assert len(planned) == 4 and layers("v5") == layers("v3")
@@ -476,10 +476,10 @@ def test_a_stored_walk_not_as_written_is_not_trusted(registry, base_ref, box, mo
     another type, a path twice) makes the walk read every path again; kept, `b.txt` would have
     gained the xattrs written into its (otherwise valid) entry. (A path's entry is made from the
     path column itself: it cannot be filed under another path.)"""
-    from snapshotter.box import scan as scan_module
+    from snapshotter.box import memo as memo_module
     from snapshotter.snapshot import kept
 
-    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)  # a real box's files are older than the window
+    monkeypatch.setattr(memo_module, "RACY_WINDOW_NS", 0)  # a real box's files are older than the window
     write_tree(box, {"opt/x/a.txt": "aaaa\n", "opt/x/b.txt": "bbbb\n"})
     commit_box(f"{registry.host}/crafted:v1", base_ref, CommitOptions(root=box))
     [path] = [os.path.join(state_dir, "walk-memo", n) for n in os.listdir(os.path.join(state_dir, "walk-memo"))]

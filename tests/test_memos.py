@@ -1,6 +1,6 @@
 """What `snap watch` keeps between its commits so that the final snapshot scales with what changed.
 
-The scan memo (box/scan.py's ScanMemo): a watcher's scans take what an unchanged path held at the last
+The scan memo (box/memo.py's ScanMemo): a watcher's scans take what an unchanged path held at the last
 scan instead of reading it again, and still see every change: a name added to or removed from a
 directory whose times were put back, a chmod, an xattr, a private key written over a file with its
 size and mtime put back, a secret appearing, a symlink retargeted. The oracle is a scan without

@@ -17,9 +17,10 @@ import time
 import pytest
 
 from snapshotter import restore_image
-from snapshotter.box import scan as scan_module
+from snapshotter.box import memo as memo_module
 from snapshotter.box.events import ChangeEvents
-from snapshotter.box.scan import ScanMemo, scan_box
+from snapshotter.box.memo import ScanMemo
+from snapshotter.box.scan import scan_box
 from snapshotter.profile import load_profile
 
 from support.mapped import MappedWriter, mapped_name, stat_data
@@ -246,7 +247,7 @@ def listing(scan):
 def old_files(monkeypatch):
     """The box's files count as older than the scan memo's racy window, as on a real box (here they
     were written a moment ago, and their directories would be listed again whatever the events)."""
-    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(memo_module, "RACY_WINDOW_NS", 0)
 
 
 def linked_pair(box):

@@ -1,5 +1,5 @@
-"""The walk of a live box: its entries as the profile selects them, and what a watcher's next walk
-keeps of this one (ScanMemo)."""
+"""The walk of a live box: its entries as the profile selects them (what the next walk keeps of
+this one: memo.py)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ import errno
 import functools
 import os
 import stat
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter.errors import StorageError, UsageError, quoted_path
-from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, clean_path, entry_from_stat, kind_of_mode,
-                                     self_and_parents, stat_stamp)
+from snapshotter.index.entry import (DIR, FILE, SYMLINK, Entry, entry_from_stat, self_and_parents)
 from snapshotter.index.paths import entry_links, resolve_in_root
 from snapshotter.profile import Profile, VenvRoots
 from snapshotter.tar.rules import SKIP_XATTRS, WHITEOUT_PREFIX
 
+from .memo import ScanMemo, memo_stamp, scan_context, unchanged
 from .mounts import bind_mounted_files, pseudo_mounts
 from .openat import DIR_FLAGS, head_at, open_beneath, open_root
 
@@ -66,71 +65,6 @@ def links_to(entries: dict[str, Entry], targets: set[str]) -> list[str]:
     if not targets:
         return []
     return [rel for rel, e in entries.items() if e.kind == SYMLINK and resolve_in_box(entries, rel) in targets]
-
-
-RACY_WINDOW_NS = 2 * 10**9  # a path changed this close to a scan is not trusted to its stat data next time
-
-
-def _memo_stamp(st: os.stat_result) -> str:
-    """A secret's mark in the ScanMemo: what _unchanged compares for an entry, as one string."""
-    return f"{stat_stamp(st)}:{st.st_size}:{st.st_mode}:{st.st_uid}:{st.st_gid}"
-
-
-def _unchanged(last, st: os.stat_result) -> bool:
-    """Is the path the one the last scan saw (ScanMemo)? Same inode, mtime and ctime in ns (the
-    entry's stamp, the stat cache's rule), type, permissions and owner, and a file of the same size.
-    (Type, permissions and owner are compared too: sshfs and some other FUSE mounts report a ctime
-    that a chmod or chown does not move.) `last` is its entry, or for a secret its _memo_stamp."""
-    if isinstance(last, str):
-        return last == _memo_stamp(st)
-    mode = st.st_mode
-    return (last.stamp == stat_stamp(st) and last.mode == mode & 0o7777 and last.uid == st.st_uid
-            and last.gid == st.st_gid and last.kind == kind_of_mode(mode)
-            and (last.kind != FILE or last.size == st.st_size) and last.inode == _link_group(last.kind, st))
-
-
-def _link_group(kind: str, st: os.stat_result) -> Optional[str]:
-    """A hard link's group ("dev:ino"): an entry kept across a remount would split or join groups."""
-    return f"{st.st_dev}:{st.st_ino}" if kind == FILE and st.st_nlink > 1 else None
-
-
-class ScanMemo:
-    """What one scan learnt of each path, kept for the next scan of the same root with the same
-    profile and options (`snap watch` keeps one): a path whose lstat is the same as then (_unchanged)
-    keeps its entry, its symlink target, xattrs, readability and secret verdict, none of which is
-    read again. The rule is the stat cache's: chmod, chown, a write, an xattr or ACL change, a new
-    link all move the ctime, which cannot be set back, and a symlink's target changes only with a
-    new inode. A path whose ctime is within RACY_WINDOW_NS of the scan is not kept (a later change
-    in the same clock tick could leave the same stat data), nor one some process maps shared-writable
-    (scan_box's `mapped`: a write through a mapping may change no stat data). Every directory is
-    still listed and every path still lstat'ed: a name created, deleted or renamed is seen whatever
-    the directory's times say, and no rule about directory mtimes is relied on."""
-
-    def __init__(self, clock: Callable[[], int] = time.time_ns):
-        self.clock = clock  # ns; injectable for tests
-        # The last finished scan's context and paths, swapped as one: a watcher's final snapshot
-        # may scan while its loop does, and a scan that fails leaves the memo as it was.
-        self._last: tuple[Optional[tuple], dict[str, Entry | str]] = (None, {})
-
-    @property
-    def seen(self) -> dict[str, Entry | str]:
-        """path -> its entry (for a secret, its _memo_stamp), as the last finished scan left them."""
-        return self._last[1]
-
-    def start(self, context: tuple) -> tuple[dict, dict, int]:
-        """(last scan's paths, this scan's, the ctime before which a path is kept) for a scan with
-        `context`; a memo made under another context is not used."""
-        last_context, seen = self._last
-        return seen if last_context == context else {}, {}, self.clock() - RACY_WINDOW_NS
-
-    def finish(self, context: tuple, seen: dict) -> None:
-        self._last = (context, seen)
-
-
-def scan_context(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
-                 metadata_only: bool = False) -> tuple:
-    """What a ScanMemo is made for: a scan of another root, profile, excludes or depth does not use it."""
-    return (os.path.realpath(root), profile, frozenset(clean_path(e) for e in extra_excludes), metadata_only)
 
 
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
@@ -268,13 +202,14 @@ class _Walk:
         it out; a directory is walked if `walk`. The number of entries added (0 or 1). In a scan of
         some directories, a directory known from the last scan is listed again if it is dirty or its
         stamp moved, and what lay below it is forgotten only if it is another directory now."""
+        prefix = rel[:len(rel) - len(name)]
         if self.previous is None:
-            return self.look(rel, dir_fd, name, walk, None)
+            return self.look_names(dir_fd, prefix, (name,), walk)
         before = self.entries.pop(rel, None)
         self._drop_verdicts(rel)
         was_dir = before is not None and before.kind == DIR and rel in self.listed
         same = before.stamp if was_dir and rel not in self.dirty_dirs else None
-        added = self.look(rel, dir_fd, name, walk, same)
+        added = self.look_names(dir_fd, prefix, (name,), walk, same)
         now = self.entries.get(rel)
         if before is None or now is None or before.stamp != now.stamp:
             self.linked.update(_inode(x) for x in (before, now) if x is not None and x.inode)
@@ -283,14 +218,10 @@ class _Walk:
                 self.forget(f"{rel}/{n}")
         return added
 
-    def look(self, rel: str, dir_fd: int, name: str, walk: bool, same: Optional[str]) -> int:
-        """visit() for any scan: lstat `rel`, take its entry from the memo or make it, and note it."""
-        return self.look_names(dir_fd, rel[:len(rel) - len(name)], (name,), walk, same)
-
     def look_names(self, dir_fd: int, prefix: str, names, walk: bool = True, same: Optional[str] = None) -> int:
-        """look() at each of `names` in the open directory `dir_fd` (`prefix` + name: its path): the
-        number of entries added. One loop for a directory's names, with what it reads of the walk
-        bound once: its cost per path is most of a scan's beyond the lstat."""
+        """For any scan, each of `names` in the open directory `dir_fd` (path: `prefix` + name) lstat'ed,
+        its entry taken from the memo or made, and noted: the number of entries added. One loop for a
+        directory (what it reads of the walk bound once): its cost per path is a scan's beyond the lstat."""
         old, special, exclude, stat = self.old.get, self.special, self.profile.exclude.match, os.stat
         mapped_ids, settled_ns, unsure = self.mapped_ids, self.settled_ns, self.unsure
         new, entries = self.new, self.entries
@@ -316,7 +247,7 @@ class _Walk:
             mapped = bool(mapped_ids) and (st.st_dev, st.st_ino) in mapped_ids
             if mapped:
                 self.mapped.add(rel)
-            if last is not None and not mapped and _unchanged(last, st):
+            if last is not None and not mapped and unchanged(last, st):
                 e = None if isinstance(last, str) else last
             else:
                 e = self._read(rel, dir_fd, name, st)
@@ -325,7 +256,7 @@ class _Walk:
             if mapped:
                 new.pop(rel, None)  # its stat data does not tell its bytes (scan_box)
             elif st.st_ctime_ns < settled_ns and rel not in unsure:
-                new[rel] = e if e is not None else _memo_stamp(st)
+                new[rel] = e if e is not None else memo_stamp(st)
             elif self.keeping:
                 new.pop(rel, None)
                 self.racy.add(rel.rpartition("/")[0])
@@ -334,9 +265,8 @@ class _Walk:
                 continue
             entries[rel] = e
             added += 1
-            if e.kind == DIR:
-                if walk and e.stamp != same:
-                    self.stack.append(rel)
+            if e.kind == DIR and walk and e.stamp != same:
+                self.stack.append(rel)
             elif name == "pyvenv.cfg" and e.kind == FILE:
                 self.venvs.add(rel.rpartition("/")[0])
         return added

@@ -19,7 +19,8 @@ import zstandard
 from snapshotter import progress
 from snapshotter.box import deletions
 from snapshotter.box.diff import Diff, diff
-from snapshotter.box.scan import Scan, ScanMemo, scan_box
+from snapshotter.box.memo import ScanMemo
+from snapshotter.box.scan import Scan, scan_box
 from snapshotter.box.writers import open_for_writing
 from snapshotter.errors import IntegrityError, UsageError
 from snapshotter.index import base as baseindex
@@ -92,7 +93,7 @@ def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, prev
               dirty: Optional[set[str]] = None, sink: progress.Sink = progress.to_stderr,
               mapped: frozenset[tuple[int, int]] = frozenset()) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
-    `memo` carries what the last such walk learnt (box/scan.py's ScanMemo); `previous` and `dirty`,
+    `memo` carries what the last such walk learnt (box/memo.py's ScanMemo); `previous` and `dirty`,
     the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
     last commit's, kept in the state dir (snapshot/kept.py). `mapped`: the files (st_dev, st_ino) some
     process maps shared-writable, which the memo does not keep (scan_box)."""

@@ -10,7 +10,7 @@ from typing import Optional
 
 from snapshotter import jsontext
 from snapshotter import progress
-from snapshotter.box.scan import RACY_WINDOW_NS
+from snapshotter.box.memo import RACY_WINDOW_NS
 from snapshotter.box.writers import BEING_WRITTEN
 from snapshotter.digests import sha256_digest
 from snapshotter.errors import RegistryError, SnapError

@@ -1,6 +1,6 @@
 """What the last commit of a root learnt, kept in the state dir for the next commit of that root
 (`snap watch` keeps the same memos in memory instead):
-  - its walk (box/scan.py's ScanMemo): a path whose lstat is as then keeps its entry, symlink
+  - its walk (box/memo.py's ScanMemo): a path whose lstat is as then keeps its entry, symlink
     target, xattrs and secret verdict, none of which is read again. The rule is the scan memo's
     own: the ctime moves with every change and cannot be set back, and a path changed within the
     memo's racy window is not kept;
@@ -25,7 +25,8 @@ from typing import Optional
 
 from snapshotter.box.records import RecordMemo, record_stamps
 from snapshotter.box.diff import Diff
-from snapshotter.box.scan import Scan, ScanMemo, scan_context
+from snapshotter.box.memo import ScanMemo, scan_context
+from snapshotter.box.scan import Scan
 from snapshotter.index.entry import Entry
 from snapshotter.layer.parents import parent_copy
 from snapshotter.layer.plan import LayerPlan
@@ -97,7 +98,7 @@ class StoredWalk:
         stored, self.digest = _read(self.path, self.key)
         try:
             if stored is not None:
-                columns, secrets = stored  # the entries by field; a secret's path -> its _memo_stamp
+                columns, secrets = stored  # the entries by field; a secret's path -> its memo_stamp
                 self.loaded = _entries(columns)
                 if not (type(secrets) is dict and set(map(type, secrets)) <= {str} and set(map(type, secrets.values()))
                         <= {str} and secrets.keys().isdisjoint(self.loaded)):

@@ -1,7 +1,7 @@
 """The watcher's change tracking: what changed in the box since the loop's last scan and since the
 last snapshot. Change notifications (box/events.py) say which directories to scan again; without
 them (or after some were lost) a scan is of the whole box. The loop's scans read metadata only;
-a commit's scan is its own (scan_root), each with its memo (box/scan.py's ScanMemo)."""
+a commit's scan is its own (scan_root), each with its memo (box/memo.py's ScanMemo)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Callable, Optional
 
 from snapshotter.box.events import ChangeEvents, EventsUnavailable
 from snapshotter.profile import Profile
-from snapshotter.box.scan import Scan, ScanMemo, scan_box
+from snapshotter.box.memo import ScanMemo
+from snapshotter.box.scan import Scan, scan_box
 from snapshotter.box.writers import Writers, open_for_writing
 from snapshotter.commit.commit import own_excludes, scan_root
 from snapshotter.commit.model import CommitPlan

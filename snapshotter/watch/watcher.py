@@ -19,7 +19,8 @@ import threading
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from snapshotter.box.scan import Scan, ScanMemo
+from snapshotter.box.memo import ScanMemo
+from snapshotter.box.scan import Scan
 from snapshotter.commit.commit import plan_commit
 from snapshotter.commit.model import SCRATCH, CommitOptions, CommitPlan, CommitResult
 from snapshotter.commit.push import grown_line, push_commit
@@ -65,7 +66,7 @@ class Watcher:
         # force: the plan is not refused for what it deletes; TagMover.judge_deletions sends such a
         # snapshot to a diverged tag. moving: the tag the immutable tags are for.
         self.commit_opts = dataclasses.replace(opts.commit, force=True, log=self.log, moving=str(self.moving))
-        # What the last scans learnt of each unchanged path (box/scan.py's ScanMemo): the loop's metadata
+        # What the last scans learnt of each unchanged path (box/memo.py's ScanMemo): the loop's metadata
         # scans and the commits' full ones each keep their own. On the watcher's clock (file times
         # are compared with it). And what the last plan made of the layers that did not change.
         memo_clock = lambda: int(opts.clock() * 1e9)  # noqa: E731
