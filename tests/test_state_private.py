@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from snapshotter.registry.blobsources import BlobSources
 from snapshotter.restore.journal import Journal
 from snapshotter.snapshot import statcache
 from snapshotter.state import MARKER, RootFiles, exclusive, root_key, sub
@@ -120,7 +121,7 @@ def test_a_journal_symlink_is_refused(registry, base_ref, jail, state_dir, tmp_p
 
 def test_snap_reads_its_files_without_following_a_symlink(state_dir, tmp_path):
     """Planted after this process checked the state dir (as a running watcher did): the stat cache,
-    the last commit's record and a journal are read as missing, never through the symlink."""
+    the last commit's record, a journal and the blob sources are read as missing, never through the symlink."""
     root = str(tmp_path / "box")
     sub()  # the check, once per process
     cache = statcache.StatCache(root, "sha256:" + "b" * 64)
@@ -130,7 +131,10 @@ def test_snap_reads_its_files_without_following_a_symlink(state_dir, tmp_path):
     journal = Journal(sub("restore-journal"), RootFiles(root), "sha256:" + "f" * 64, ["sha256:" + "1" * 64],
                       fsync=False)
     journal.record_applied(1)
-    for path in (cache.path, statcache._last_commit_path(root), journal.path):
+    sources = BlobSources()
+    sources.note("reg.example", "me/box", ["sha256:" + "2" * 64])
+    sources.save()
+    for path in (cache.path, statcache._last_commit_path(root), journal.path, sources.path):
         forged = tmp_path / (os.path.basename(path) + ".forged")
         os.rename(path, forged)
         os.symlink(forged, path)
@@ -138,6 +142,7 @@ def test_snap_reads_its_files_without_following_a_symlink(state_dir, tmp_path):
     assert statcache.last_base(root) is None
     assert not Journal(sub("restore-journal"), RootFiles(root), "sha256:" + "f" * 64, ["sha256:" + "1" * 64],
                        fsync=False).started_here()
+    assert BlobSources().known == {}
 
 
 def test_stop_never_signals_a_process_that_does_not_hold_the_watch_lock(box, state_dir):

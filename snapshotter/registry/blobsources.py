@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from snapshotter import jsontext
-from snapshotter.state import sub, versioned, write_versioned
+from snapshotter.state import read_versioned, sub, write_versioned
 
 from .remote import Remote
 
@@ -25,15 +24,11 @@ class BlobSources:
     def __init__(self) -> None:
         self.path = os.path.join(sub(), FILE_NAME)
         self.known: dict[str, dict[str, list[str]]] = {}
-        try:
-            with open(self.path) as f:
-                doc = jsontext.loads(f.read())
-            if versioned(doc, VERSION) and isinstance(doc.get("registries"), dict):
-                self.known = {host: {d: [r for r in repos if isinstance(r, str)]
-                                     for d, repos in blobs.items() if isinstance(repos, list)}
-                              for host, blobs in doc["registries"].items() if isinstance(blobs, dict)}
-        except (OSError, ValueError):
-            pass  # none yet, or damaged: nothing is known
+        doc = read_versioned(self.path, VERSION)  # None: none yet, or damaged: nothing is known
+        if doc is not None and isinstance(doc.get("registries"), dict):
+            self.known = {host: {d: [r for r in repos if isinstance(r, str)]
+                                 for d, repos in blobs.items() if isinstance(repos, list)}
+                          for host, blobs in doc["registries"].items() if isinstance(blobs, dict)}
 
     def repositories(self, registry: str, digest: str) -> list[str]:
         """The repositories of `registry` (its API host) last seen holding `digest`, newest first."""

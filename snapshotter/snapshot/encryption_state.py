@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from snapshotter import jsontext
 from snapshotter.digests import DIGEST
 from snapshotter.oci.mediatypes import ENCRYPTED_SUFFIX
-from snapshotter.state import open_own, sub
+from snapshotter.state import read_versioned, sub
 
 ENCRYPTED_DIR = "encrypted-layers"
 VERSION = 1
@@ -44,12 +43,8 @@ def state_path(recipients: str) -> str:
 
 def read_state(recipients: str) -> dict:
     """The state file's fields, each kept only where well formed: {} for none, or another version."""
-    try:
-        with open_own(state_path(recipients)) as f:
-            doc = jsontext.loads(f.read())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(doc, dict) or doc.get("version") != VERSION:
+    doc = read_versioned(state_path(recipients), VERSION)
+    if doc is None:
         return {}
     return {name: {k: v for k, v in doc[name].items() if check(k, v)}
             for name, check in (("layers", lambda k, v: well_formed(v)), ("snapshots", lambda k, v: is_seal(v)),
