@@ -263,6 +263,14 @@ def write_marshalled(path: str, value) -> str:
     return digest
 
 
+def remove_if_there(path: str) -> None:
+    """Unlink `path` (never what a symlink there points to); nothing if it is not there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., IO] = open, mode: str = "w",
                  durable: bool = False) -> None:
     """Write a file whole or not at all: `write` fills a temp file beside it, which then replaces
@@ -270,10 +278,7 @@ def replace_file(path: str, write: Callable[[IO], None], opener: Callable[..., I
     The temp file is made here, 0600 and new (no symlink followed), before `opener` opens it."""
     tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"  # threads of one process may write the same file
     try:
-        try:
-            os.unlink(tmp)  # a killed run's of the same pid and thread: the name is ours
-        except FileNotFoundError:
-            pass
+        remove_if_there(tmp)  # a killed run's of the same pid and thread: the name is ours
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         with opener(tmp, mode) as f:
             write(f)

@@ -30,7 +30,7 @@ from snapshotter.oci.image import canonical, descriptor
 from snapshotter.oci.mediatypes import BASE_INDEX, BASE_INDEX_ARTIFACT, OCI_EMPTY, OCI_MANIFEST
 from snapshotter.registry.blobsources import BlobSources, in_registry
 from snapshotter.registry.remote import Remote
-from snapshotter.state import open_own, sub
+from snapshotter.state import open_own, remove_if_there, sub
 
 from .entry import Entry
 from .store import load_index
@@ -66,12 +66,12 @@ def load_cached(base_manifest_digest: str, diff_ids: list[str],
     above); None if none. A cache of another format or of other layers is removed (push() must not
     send it), and so is an older snap's, whose source is unknown: a commit into the repository the
     index came from fetches it again, others read the base once."""
-    _remove(_legacy_path(base_manifest_digest))
+    remove_if_there(_legacy_path(base_manifest_digest))
     for path in _usable_paths(base_manifest_digest, repository):
         index = load_index(path, diff_ids)
         if index is not None:
             return index
-        _remove(path)
+        remove_if_there(path)
     return None
 
 
@@ -91,7 +91,7 @@ def keep_carried(remote: Remote, base_manifest_digest: str, digest: str, log: Ca
     if _same_content(built, carried):
         os.replace(carried, built)
     else:
-        _remove(carried)  # the built one serves every commit; one that differs from it serves none
+        remove_if_there(carried)  # the built one serves every commit; one that differs from it serves none
 
 
 def _digest_of(path: str) -> Optional[str]:
@@ -115,13 +115,6 @@ def _same_content(a: str, b: str) -> bool:
                     return True
     except (OSError, EOFError):
         return False
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def artifact_tag(base_manifest_digest: str) -> str:

@@ -54,11 +54,12 @@ from snapshotter.errors import IntegrityError, StorageError, quoted_path, storag
 from snapshotter.index.entry import clean_path
 from snapshotter.index.indexer import ImageIndexer
 from snapshotter.profile import PathSet
+from snapshotter.state import remove_if_there
 from snapshotter.tar.reader import EntryCount, TarReader
 from snapshotter.tar.rules import OPAQUE, WHITEOUT_PREFIX, HeadersDigest, check_name, header_key, whiteout_target
 
 from .extract_model import DEVICE_TYPES, ExtractOptions, NeedsSerial, creates, shape_of
-from .fileops import READ_BUFFER, Attrs, attrs_of, join, remove, set_attrs, umask, utime, write_all
+from .fileops import READ_BUFFER, Attrs, attrs_of, join, set_attrs, umask, utime, write_all
 from .indexing import IndexingReader
 from .roottree import TMP_PREFIX, RootTree
 
@@ -188,7 +189,7 @@ class Extractor(RootTree):
                 self.entries.rewind(counted, layer)
             if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
                 tmp, path = self._held
-                remove(tmp if tmp is not None else path)
+                remove_if_there(tmp if tmp is not None else path)
                 self._held = None
             self._take = None
             self.put_back_dir_times()
@@ -350,7 +351,7 @@ class Extractor(RootTree):
                 renamed = not m.islnk()
         finally:
             if not renamed:
-                remove(dest)  # in place: a regular file this layer began there
+                remove_if_there(dest)  # in place: a regular file this layer began there
 
     def _make_special(self, m: tarfile.TarInfo, tmp: str) -> None:
         """A symlink, hardlink, device node or FIFO at `tmp`."""

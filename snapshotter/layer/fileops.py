@@ -112,13 +112,6 @@ def utime(path: str, at: int, mt: int) -> None:
         pass
 
 
-def remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def mount_below(path: str) -> Optional[str]:
     """A mount point at or below directory `path` (a real path), or None."""
     mounts = read_mounts()

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 from snapshotter import jsontext
 from snapshotter.errors import storage_error
-from snapshotter.state import RootFiles, open_own, replace_file, versioned
+from snapshotter.state import RootFiles, open_own, remove_if_there, replace_file, versioned
 
 # A header line, then one line per event (5 gave no joined file's size or hardlink's target; 4 did not
 # say what the files are; 3 did not list them).
@@ -176,9 +176,7 @@ class Journal:
 
     def remove(self) -> None:
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            remove_if_there(self.path)
         except OSError as e:
             raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}",
                                 " while removing the restore journal") from e

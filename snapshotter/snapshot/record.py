@@ -19,7 +19,6 @@ this version writes them, is not used."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -30,7 +29,7 @@ from snapshotter.layer.generate import tar_headers
 from snapshotter.layer.plan import DEFAULT_MAX_LAYER_SIZE, LayerPlan
 from snapshotter.oci.image import BASE_DIGEST, SNAP_MAX_LAYER, SNAP_PROFILE, Image, select_layers
 from snapshotter.oci.mediatypes import MEDIA_TYPE
-from snapshotter.state import RootFiles, read_versioned, sub, write_versioned
+from snapshotter.state import RootFiles, read_versioned, remove_if_there, sub, write_versioned
 from snapshotter.tar.rules import header_key, headers_digest
 
 from .statcache import NO_RESTORE, blob_entry
@@ -79,10 +78,7 @@ def forget_restore(files: RootFiles) -> None:
     try:
         write_versioned(_path(files), VERSION, {"root": files.real, "started_ns": time.time_ns()})
     except OSError:
-        try:
-            os.unlink(_path(files))
-        except FileNotFoundError:
-            pass
+        remove_if_there(_path(files))
 
 
 def restore_mark(root: str) -> tuple:
