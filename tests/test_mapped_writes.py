@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from snapshotter import CommitOptions, commit_box, restore_image
-from snapshotter.box import scan as scan_module
+from snapshotter.box import memo as memo_module
 from snapshotter.commit import model as model_module
 from snapshotter.commit import push as push_module
 
@@ -38,7 +38,7 @@ def old_box(box, monkeypatch):
     """The box's files count as old (a real box's are older than the racy windows), and a file
     written a moment ago is not held back as being written (the hold is another rule)."""
     monkeypatch.setattr(push_module, "RACY_WINDOW_NS", 0)
-    monkeypatch.setattr(scan_module, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(memo_module, "RACY_WINDOW_NS", 0)
     monkeypatch.setattr(model_module, "WRITING_QUIET_S", 0)
     return box
 

@@ -20,7 +20,8 @@ import pytest
 
 from snapshotter import restore_image
 from snapshotter.box import scan as box_scan
-from snapshotter.box.scan import ScanMemo, scan_box
+from snapshotter.box.memo import ScanMemo
+from snapshotter.box.scan import scan_box
 from snapshotter.commit.commit import changes_in
 from snapshotter.index.entry import Entry, gc_paused
 from snapshotter.layer import memo as memo_module
