@@ -92,6 +92,14 @@ class Worker:
     def run(self, job: Any, on_bytes: Callable[[int], None]) -> Any:
         """The handler's result for `job`; raises what the handler raised, or WorkerDied.
         on_bytes may raise (a stop): the caller then kills the worker, mid-job."""
+        done, payload = self.call(job, on_bytes)
+        if not done:
+            raise payload
+        return payload
+
+    def call(self, job: Any, on_bytes: Callable[[int], None]) -> tuple[bool, Any]:
+        """run(), with the handler's error returned, (False, it), not raised: the worker is idle
+        again either way. Raises WorkerDied, or what on_bytes raised."""
         try:
             self.conn.send(job)
             while True:
@@ -102,9 +110,7 @@ class Worker:
         except (EOFError, OSError):  # OSError: a broken pipe, or our end closed by kill()
             code = self.proc.wait()
             raise WorkerDied(f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}") from None
-        if kind == "error":
-            raise payload
-        return payload
+        return kind != "error", payload
 
     def kill(self) -> None:
         with self._lock:
@@ -173,7 +179,7 @@ class WorkerPool:
                     raise self.stopped()
                 worker = self._idle.pop()
             try:
-                result = worker.run(job, on_bytes)
+                done, payload = worker.call(job, on_bytes)
             except WorkerDied:
                 if self._stopping:
                     raise self.stopped() from None
@@ -182,8 +188,10 @@ class WorkerPool:
                 worker.kill()  # mid-job: of no use any more
                 raise
             with self._lock:
-                self._idle.append(worker)
-            return result
+                self._idle.append(worker)  # it did the job, or said why it could not: it serves on
+            if not done:
+                raise payload
+            return payload
 
 
 # ---- starting a child -------------------------------------------------------------------------

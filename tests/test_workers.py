@@ -77,6 +77,10 @@ def test_a_worker_killed_mid_job_is_worker_died_and_a_pool_stopped_raises_its_st
 
     with WorkerPool(2, Stopped, lambda: Worker(_echo_setup, ("",), fork=fork)) as pool:
         assert pool.run(7, lambda n: None) == "7"
+        for _ in range(3):  # more errors than workers: each worker that said why serves on
+            with pytest.raises(StorageError):
+                pool.run("fail", lambda n: None)
+        assert [pool.run(n, lambda n: None) for n in (8, 9, 10)] == ["8", "9", "10"]
         threading.Timer(0, pool.stop).start()
         with pytest.raises(Stopped):
             pool.run("block", lambda n: None)
