@@ -72,6 +72,13 @@ class StorageError(SnapError):
     meaning = 'local disk'
 
 
+class DiskFull(StorageError):
+    """No room left on a local disk (or in its quota): what can go on without writing there does."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 class EngineUnavailable(SnapError):
     """No Docker engine to talk to."""
 
@@ -139,8 +146,8 @@ def printable(text: str) -> str:
 
 def storage_error(e: OSError, place: str, what: str = "", hint: str = "") -> StorageError:
     """A one-line StorageError for an OSError met while writing in `place` (`what`: doing what)."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageError(f"disk full in {place}{what}", hint or "free space and run the restore again: it resumes")
+    if e.errno in DISK_FULL:
+        return DiskFull(f"disk full in {place}{what}", hint or "free space and run the restore again: it resumes")
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return StorageError(f"cannot write in {place}{what}: {e.strerror}", hint or "check permissions, or run as root")
     return StorageError(f"cannot write in {place}{what}: {e.strerror or e}")

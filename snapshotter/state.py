@@ -27,6 +27,7 @@ from .errors import StorageError
 LOCK_NAME = "lock"
 MARKER = ".snap-state-dir"  # in a state dir snap made or claimed: only such a dir is swept and tightened
 BUILT_LAYERS = "layers"  # the state dir's folder of built layers, each removed by its user once sent
+RESERVE = "reserve"  # room kept for the notes a next commit needs (snapshot/reserve.py)
 # A built layer's name (layer/generate.py: "<digest hex>-<pid>-<n>"; an older snap's, the hex alone).
 BUILT_NAME = re.compile(r"[0-9a-f]{64}(-[0-9]+-[0-9]+)?")
 # Every name snap gives what it keeps at the top of its state dir: sub()'s first part, and its files
@@ -35,7 +36,7 @@ BUILT_NAME = re.compile(r"[0-9a-f]{64}(-[0-9]+-[0-9]+)?")
 OWN_NAMES = frozenset({
     MARKER, LOCK_NAME, "blob-sources.json", BUILT_LAYERS, "blobs", "base-index", "stat-cache", "last-commit",
     "walk-memo", "record-memo", "plan-memo", "skeletons", "containers", "restored", "restore-journal",
-    "restore-progress", "encrypted-layers", "origin-run", "watch", "parsed-profiles"})
+    "restore-progress", "encrypted-layers", "origin-run", "watch", "parsed-profiles", RESERVE})
 _held = 0  # how deep this process is in exclusive() (a commit from a container commits inside)
 _held_guard = threading.Lock()
 _checked: dict[str, str] = {}  # state dirs this process found private: as configured -> real path

@@ -8,12 +8,14 @@ import subprocess
 
 import pytest
 
+from snapshotter import CommitOptions, commit_box, restore_image
+from snapshotter.commit import push as push_module
 from snapshotter.errors import quoted_path
 
 from support.images import push
 from support.run import SNAP, TIMEOUT, assert_clean, assert_one_line_error, snap
 from support.tars import member, tar_bytes
-from support.trees import snapshot_of_tree, write_tree
+from support.trees import NOT_CAPTURED, snapshot_of_tree, write_tree
 
 
 def test_state_dir_that_cannot_be_created(registry, base_ref, box, tmp_path):
@@ -136,18 +138,16 @@ def test_a_directory_snap_may_not_read_is_named_quoted_in_the_error(registry, tm
     assert_one_line_error(r, 7, repr(str(root / locked / "f.txt")), "Permission denied")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs for the state dir")
-def test_a_full_state_dir_disk_costs_the_memos_not_the_commit(registry, base_ref, box, tmp_path):
-    """A model download filled the disk the state dir lives on: the memos and caches a commit keeps
-    there are skipped (they only save reading), and a commit that must build a layer there says where,
-    and what to do, in one line (exit 7), not a write of a memo's "local I/O failed"."""
+@pytest.fixture
+def full_state_disk(tmp_path):
+    """fill(): the state dir's disk (a 4 MiB tmpfs, SNAP_STATE_DIR's) left with no room; unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a small tmpfs for the state dir")
     state = tmp_path / "state"
     state.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(state)], check=True)
-    try:
-        env, ref = {"SNAP_STATE_DIR": str(state)}, f"{registry.host}/fullstate:v1"
-        snap("commit", ref, "--base", base_ref, "--root", box, env=env, check=True)
-        write_tree(box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: made = 'while the disk was full'\n"})
+
+    def fill() -> None:
         with open(state / "filler", "wb") as f:  # the rest of the disk
             try:
                 while True:
@@ -155,7 +155,55 @@ def test_a_full_state_dir_disk_costs_the_memos_not_the_commit(registry, base_ref
                     f.flush()
             except OSError as e:
                 assert e.errno == errno.ENOSPC
-        r = snap("commit", ref, "--base", base_ref, "--root", box, env=env)
-        assert_one_line_error(r, 7, repr(str(state / "layers")), "SNAP_STATE_DIR")
+
+    try:
+        yield state, fill
     finally:
         subprocess.run(["umount", "-l", str(state)], check=True)
+
+
+def test_a_full_state_dir_disk_costs_the_memos_not_the_commit(registry, base_ref, box, full_state_disk, tmp_path):
+    """A model download filled the disk the state dir lives on: the memos and caches a commit keeps
+    there are skipped (they only save reading), a layer there is no room to build is compressed as
+    it is sent (measured first), and the note of what this box made takes the reserve kept for it:
+    the snapshots hold the changes made while the disk was full, and the tag names the last."""
+    state, fill = full_state_disk
+    env, ref = {"SNAP_STATE_DIR": str(state)}, f"{registry.host}/fullstate:v1"
+    snap("commit", ref, "--base", base_ref, "--root", box, env=env, check=True)
+    write_tree(box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: made = 'while the disk was full'\n",
+                     "opt/app/custom_nodes/NodeC/weights.bin": os.urandom(6 << 20)})  # more than the disk holds
+    fill()
+    r = snap("commit", ref, "--base", base_ref, "--root", box, env=env)
+    assert r.returncode == 0, r.stderr
+    assert_clean(r)
+    assert f"no room to build it in {str(state / 'layers')!r}" in r.stderr
+    # The note that this box made that snapshot took the state dir's reserve: the next commit, the
+    # disk still full, moves the tag on.
+    assert "next commit is refused" not in r.stderr
+    write_tree(box, {"opt/app/custom_nodes/NodeA/nodes.py": "class A: made = 'still full'\n"})
+    r = snap("commit", ref, "--base", base_ref, "--root", box, env=env)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    snap("restore", ref, "--root", str(out), env={"SNAP_STATE_DIR": str(tmp_path / "elsewhere")}, check=True)
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_layers_packed_apart_with_a_full_state_disk_are_sent(registry, base_ref, box, full_state_disk, tmp_path,
+                                                            monkeypatch):
+    """The same with the layers packed in packer processes (side by side): the disk-full error
+    comes back from the process as such, and each layer is measured and sent by the commit."""
+    state, fill = full_state_disk
+    monkeypatch.setenv("SNAP_STATE_DIR", str(state))
+    monkeypatch.setattr(push_module, "PACK_APART_MIN", 0)  # packers whatever the layers' size
+    ref = f"{registry.host}/fullstate-apart"
+    commit_box(f"{ref}:v1", base_ref, CommitOptions(root=box, jobs=2))
+    write_tree(box, {"opt/app/custom_nodes/NodeC/weights.bin": os.urandom(6 << 20),
+                     "opt/app/venv/lib/python3.11/site-packages/newpkg/data.bin": os.urandom(6 << 20)})
+    fill()
+    result = commit_box(f"{ref}:v2", base_ref, CommitOptions(root=box, jobs=2))
+    assert {r.name: r.status for r in result.layers if r.name in ("venv", "custom_nodes")} == \
+        {"venv": "uploaded", "custom_nodes": "uploaded"}
+    out = tmp_path / "out"
+    monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "elsewhere"))
+    restore_image(f"{ref}:v2", str(out))
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)

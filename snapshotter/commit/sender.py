@@ -1,7 +1,9 @@
 """One planned layer built (or measured) and sent: a compressed one built into the state dir, in this
 process or a packer process, then uploaded unless the registry has it; one stored as is (weights)
 measured, then streamed from the box again as it is sent; encrypted, to ocicrypt, in one pass where
-its key is random (snapshot/encryption.py's upload_sealing), else counted first."""
+its key is random (snapshot/encryption.py's upload_sealing), else counted first. A compressed layer
+the state dir's disk has no room for is measured and sent as a stored one is (compressed twice):
+a box whose disk filled up is the one to snapshot before it is lost."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import dataclasses
 import threading
 from typing import Optional
 
-from snapshotter.errors import IntegrityError
+from snapshotter.errors import DiskFull, IntegrityError
 from snapshotter.jobs import cpu_count
 from snapshotter.layer.generate import LayerBlob, build_layer, measure_layer, survey_layer, write_layer
 from snapshotter.layer.packers import Packers, PackJob
@@ -36,6 +38,7 @@ class LayerSender:
         self.root, self.zstd_level, self.sources, self.remote = cp.root, cp.zstd_level, cp.sources, remote
         self.packers, self.on_pack, self.on_up = packers, on_pack, on_up
         self.encryption = cp.encryption
+        self.log = cp.log
         self.after_read = cp.hooks.after_read  # into every read of a box file, here and in the packers
         self.out_dir = sub(BUILT_LAYERS)
         # A packer's zstd gets its share of the cores; one layer in this process gets them all. Either
@@ -54,7 +57,14 @@ class LayerSender:
             except DigestFirst:
                 one_pass = False
         with self.slots:
-            blob, piece = self._pack(plan)
+            try:
+                blob, piece = self._pack(plan)
+            except DiskFull:
+                if plan.compression == "none":
+                    raise
+                self.log(f"{plan.label}: no room to build it in {self.out_dir!r}: compressed as it is sent "
+                         "instead (twice: measured first)")
+                blob, piece = self._measure(plan)
         # A built blob is held from now until it is sent and removed: a sweep by another snap process
         # leaves it, however long it waits for an upload slot (state.holding).
         with holding(blob.path) if blob.path else contextlib.nullcontext():
@@ -76,6 +86,8 @@ class LayerSender:
             return blob, NOT_SENT_TORN
         if there := in_registry(self.remote, blob.digest, self.sources):
             return blob, there
+        if blob.path is None:  # measured: no room to build it (produce)
+            return blob, self._upload_measured(plan, blob)
         self.remote.upload_blob(blob.path, blob.digest, blob.size, self.on_up, what="layers")
         return blob, "uploaded"
 
@@ -104,15 +116,20 @@ class LayerSender:
         if plan.compression != "none" and self.packers is not None:
             return self.packers.pack(PackJob(plan, self.root, self.out_dir, self.zstd_level, self.zstd_threads,
                                              skeleton.PieceWriter, self.after_read), self.on_pack)
-        headers = skeleton.PieceWriter()
         if plan.compression == "none":
             # Stored as is: hash it in one read (the hash lets other threads run), then stream it
             # again to the registry only if the registry lacks it. No copy of tens of GB on the
             # box's (often full) disk.
-            blob = measure_layer(self.root, plan, self.zstd_level, self.on_pack, headers, self.after_read)
-        else:
-            blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, self.on_pack, headers,
-                               after_read=self.after_read)
+            return self._measure(plan, self.on_pack)
+        headers = skeleton.PieceWriter()
+        blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, self.on_pack, headers,
+                           after_read=self.after_read)
+        return blob, headers.finish(blob.diff_id)
+
+    def _measure(self, plan: LayerPlan, on_bytes=None) -> tuple[LayerBlob, bytes]:
+        """The layer's digests and size, its bytes kept nowhere (_upload_measured streams it again)."""
+        headers = skeleton.PieceWriter()
+        blob = measure_layer(self.root, plan, self.zstd_level, on_bytes, headers, self.after_read)
         return blob, headers.finish(blob.diff_id)
 
     def _reads_once(self, plan: LayerPlan) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterator, Optional, Protocol
 
 from snapshotter.box.openat import Beneath, NotTheScanned
-from snapshotter.errors import StorageError
+from snapshotter.errors import DISK_FULL, DiskFull, StorageError
 from snapshotter.index.entry import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
 from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.tar.compress import Compressor
@@ -396,10 +396,10 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
     this build's own. Two builds of one layer (a watcher's background send and a commit of the same
     root, or two threads) each keep their file: one's removal after its upload, or its encryption
     in place, never reaches the file the other sends."""
-    os.makedirs(out_dir, exist_ok=True)
     build = f"{os.getpid()}-{next(_builds)}"
     tmp = os.path.join(out_dir, BUILDING_PREFIX + build)
     try:
+        os.makedirs(out_dir, exist_ok=True)
         with open(tmp, "wb") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # live: a sweep leaves it (state.py's _in_use)
             blob = _emit(f, root, plan, zstd_level, on_bytes, headers=headers, zstd_threads=zstd_threads,
@@ -410,8 +410,9 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
     except OSError as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise StorageError(f"cannot write layer {plan.name} to {out_dir!r}: {e.strerror}",
-                           "free disk space, or point SNAP_STATE_DIR at a new empty directory on a larger disk")
+        raise (DiskFull if e.errno in DISK_FULL else StorageError)(
+            f"cannot write layer {plan.name} to {out_dir!r}: {e.strerror}",
+            "free disk space, or point SNAP_STATE_DIR at a new empty directory on a larger disk") from e
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
