@@ -5,12 +5,16 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 
 import pytest
 
 from snapshotter import CommitOptions, commit_box, restore_image
 from snapshotter.commit import push as push_module
+from snapshotter.commit import sender as sender_module
+from snapshotter.commit.model import CommitHooks
 from snapshotter.errors import quoted_path
+from snapshotter.progress import Stopped
 
 from support.images import push
 from support.run import SNAP, TIMEOUT, assert_clean, assert_one_line_error, snap
@@ -207,3 +211,70 @@ def test_layers_packed_apart_with_a_full_state_disk_are_sent(registry, base_ref,
     monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "elsewhere"))
     restore_image(f"{ref}:v2", str(out))
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_file_changed_between_measuring_and_sending_a_layer_is_held_back(registry, base_ref, box,
+                                                                           full_state_disk, tmp_path, monkeypatch):
+    """No room to build the layer: it is measured, then compressed again as it is sent. A file that
+    changed in between makes other bytes (here more of them): the layer is not sent as measured, the
+    file is named and held back, and the commit goes on; the next commit sends it."""
+    state, fill = full_state_disk
+    monkeypatch.setenv("SNAP_STATE_DIR", str(state))
+    ref = f"{registry.host}/fullstate-changed"
+    commit_box(f"{ref}:v1", base_ref, CommitOptions(root=box, jobs=1))
+    changing = "opt/app/custom_nodes/NodeC/table.py"
+    write_tree(box, {changing: "x = 1\n" * 100_000, "opt/app/custom_nodes/NodeC/weights.bin": os.urandom(6 << 20)})
+    fill()
+    measure = sender_module.measure_layer
+
+    def measure_then_change(root, plan, *args, **kwargs):
+        blob = measure(root, plan, *args, **kwargs)
+        if any(e.path == changing for e in plan.entries):
+            with open(os.path.join(box, changing), "w") as f:  # the same size, bytes that compress worse
+                f.write(hashlib.sha256(b"seed").hexdigest()[:6] * 100_000)
+        return blob
+
+    monkeypatch.setattr(sender_module, "measure_layer", measure_then_change)
+    result = commit_box(f"{ref}:v1", base_ref, CommitOptions(root=box, jobs=1))
+    assert changing in result.held, result.held
+    monkeypatch.setattr(sender_module, "measure_layer", measure)
+    commit_box(f"{ref}:v1", base_ref, CommitOptions(root=box, jobs=1))
+    out = tmp_path / "out"
+    monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "elsewhere"))
+    restore_image(f"{ref}:v1", str(out))
+    assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
+
+
+def test_a_stop_while_a_layer_is_measured_for_want_of_room_is_seen_at_once(registry, base_ref, box,
+                                                                           full_state_disk, monkeypatch):
+    """The measuring pass reports its progress as the build does: a stop (Ctrl-C, SIGTERM, the
+    watcher's final snapshot) ends it at its next file, not once the whole layer is compressed."""
+    state, fill = full_state_disk
+    monkeypatch.setenv("SNAP_STATE_DIR", str(state))
+    ref = f"{registry.host}/fullstate-stop"
+    commit_box(f"{ref}:v1", base_ref, CommitOptions(root=box, jobs=1))
+    write_tree(box, {f"opt/app/custom_nodes/NodeZ/f{i:03}.bin": os.urandom(200 << 10) for i in range(40)})
+    fill()
+    stop, measuring, read_after_stop = threading.Event(), [], []
+    measure = sender_module.measure_layer
+
+    def measure_marked(*args, **kwargs):
+        measuring.append(True)
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            measuring.pop()
+
+    def after_read(path, attempt):
+        if stop.is_set():
+            read_after_stop.append(path)
+        elif measuring:
+            stop.set()
+
+    monkeypatch.setattr(sender_module, "measure_layer", measure_marked)
+    hooks = CommitHooks(after_read=after_read)
+    hooks.stopping = stop
+    with pytest.raises(Stopped):
+        commit_box(f"{ref}:v1", base_ref, CommitOptions(root=box, jobs=1), hooks)
+    measured_after_stop = [p for p in read_after_stop if "/NodeZ/" in p]  # other layers' threads: a file each
+    assert len(measured_after_stop) <= 1, read_after_stop

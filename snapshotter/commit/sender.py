@@ -57,14 +57,7 @@ class LayerSender:
             except DigestFirst:
                 one_pass = False
         with self.slots:
-            try:
-                blob, piece = self._pack(plan)
-            except DiskFull:
-                if plan.compression == "none":
-                    raise
-                self.log(f"{plan.label}: no room to build it in {self.out_dir!r}: compressed as it is sent "
-                         "instead (twice: measured first)")
-                blob, piece = self._measure(plan)
+            blob, piece = self._pack_or_measure(plan)
         # A built blob is held from now until it is sent and removed: a sweep by another snap process
         # leaves it, however long it waits for an upload slot (state.holding).
         with holding(blob.path) if blob.path else contextlib.nullcontext():
@@ -111,18 +104,45 @@ class LayerSender:
         self.remote.upload_blob(blob.path, sealed["digest"], sealed["size"], self.on_up, what="layers")
         return "uploaded"
 
-    def _pack(self, plan: LayerPlan) -> tuple[LayerBlob, bytes]:
+    def _pack_or_measure(self, plan: LayerPlan) -> tuple[LayerBlob, bytes]:
+        """_pack(), or where the state dir's disk has no room to build a compressed layer, _measure()
+        (_send then compresses it again as it is sent). The packing bar counts on from the bytes the
+        build counted, and a stop is seen while the layer is measured."""
+        counted = 0
+
+        def built(n: int) -> None:
+            nonlocal counted
+            counted += n
+            self.on_pack(n)
+
+        try:
+            return self._pack(plan, built)
+        except DiskFull:
+            if plan.compression == "none":
+                raise
+        self.log(f"{plan.label}: no room to build it in {self.out_dir!r}: compressed as it is sent instead "
+                 "(twice: measured first)")
+
+        def measured(n: int) -> None:
+            nonlocal counted
+            again = min(n, counted)  # read by the build already
+            counted -= again
+            self.on_pack(n - again)  # 0 too: it raises Stopped once the commit stops
+
+        return self._measure(plan, measured)
+
+    def _pack(self, plan: LayerPlan, on_bytes) -> tuple[LayerBlob, bytes]:
         """The layer's blob and its skeleton's piece (its headers, as written)."""
         if plan.compression != "none" and self.packers is not None:
             return self.packers.pack(PackJob(plan, self.root, self.out_dir, self.zstd_level, self.zstd_threads,
-                                             skeleton.PieceWriter, self.after_read), self.on_pack)
+                                             skeleton.PieceWriter, self.after_read), on_bytes)
         if plan.compression == "none":
             # Stored as is: hash it in one read (the hash lets other threads run), then stream it
             # again to the registry only if the registry lacks it. No copy of tens of GB on the
             # box's (often full) disk.
-            return self._measure(plan, self.on_pack)
+            return self._measure(plan, on_bytes)
         headers = skeleton.PieceWriter()
-        blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, self.on_pack, headers,
+        blob = build_layer(self.root, plan, self.out_dir, self.zstd_level, on_bytes, headers,
                            after_read=self.after_read)
         return blob, headers.finish(blob.diff_id)
 

@@ -196,7 +196,9 @@ class _StreamedUpload:
     """A write-only stream that a thread sends as request bodies: PATCHes of up to CHUNK_SIZE with
     their Content-Range (or one PUT of the whole blob), each with its Content-Length, streamed
     from a short queue so memory stays bounded. The first `skip` bytes written are what the
-    registry already holds: dropped, not sent."""
+    registry already holds: dropped, not sent. Bytes past `size` (a file that changed since it was
+    measured) are dropped too, and finish() refuses the upload: the producer goes to its end and can
+    say which file changed."""
 
     _END = object()
 
@@ -222,12 +224,12 @@ class _StreamedUpload:
     def write(self, data) -> int:
         n = len(data)
         self.written += n
-        if self.written > self.size:
-            raise _changed(self.digest, self.written, self.size)
-        dropped = max(0, min(n, self.skip - (self.written - n)))
-        if dropped < n:
-            self.parts.append(bytes(data[dropped:]))
-            self.pending += n - dropped
+        start = self.written - n
+        dropped = max(0, min(n, self.skip - start))
+        kept = min(n, max(0, self.size - start))  # none past `size`
+        if dropped < kept:
+            self.parts.append(bytes(data[dropped:kept]))
+            self.pending += kept - dropped
             if self.pending >= PIECE_SIZE:
                 self._queue()
         return n
