@@ -188,8 +188,7 @@ class Extractor(RootTree):
             if not done:  # not applied: applied again (NeedsSerial, a resumed run), it counts once
                 self.entries.rewind(counted, layer)
             if self._held is not None:  # a layer that failed: its held-back file never shows (or stays)
-                tmp, path = self._held
-                remove_if_there(tmp if tmp is not None else path)
+                remove_if_there(self._held[0] if self._held[0] is not None else self._held[1])
                 self._held = None
             self._take = None
             self.put_back_dir_times()
