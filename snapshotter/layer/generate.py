@@ -17,6 +17,7 @@ from snapshotter.box.openat import Beneath, NotTheScanned
 from snapshotter.errors import DISK_FULL, DiskFull, StorageError
 from snapshotter.index.entry import BLOCK, CHAR, DIR, FIFO, FILE, SYMLINK, Entry, stat_stamp
 from snapshotter.oci.mediatypes import MEDIA_TYPE
+from snapshotter.state import remove_if_there
 from snapshotter.tar.compress import Compressor
 from snapshotter.tar.rules import XATTR_PAX, header_bytes, layer_order, pax_mtime, whiteout_name
 
@@ -408,13 +409,11 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
             blob.path = os.path.join(out_dir, f"{blob.digest.split(':', 1)[1]}-{build}")
             os.replace(tmp, blob.path)  # still locked: unlocked only from here to its user's holding()
     except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        remove_if_there(tmp)
         raise (DiskFull if e.errno in DISK_FULL else StorageError)(
             f"cannot write layer {plan.name} to {out_dir!r}: {e.strerror}",
             "free disk space, or point SNAP_STATE_DIR at a new empty directory on a larger disk") from e
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        remove_if_there(tmp)
         raise
     return blob

@@ -29,6 +29,7 @@ from snapshotter.errors import (IntegrityError, NotFound, RegistryError, Registr
 from snapshotter.oci.image import Image, NewImage
 from snapshotter.oci.mediatypes import INDEX_TYPES, MANIFEST_TYPES, OCI_MANIFEST
 from snapshotter.oci.reference import Reference
+from snapshotter.state import remove_if_there
 
 from .answers import check, json_object, short_error
 from .transport import Transport, TransportOptions
@@ -324,8 +325,7 @@ class Remote:
         fsyncs it first (else a power loss can leave a renamed file with lost bytes: a cache
         that keeps blobs across runs must check them again, as restore does). `size`: see iter_blob."""
         part = dest + ".part"
-        if os.path.lexists(part):
-            os.unlink(part)  # an interrupted run's, or planted: never written through
+        remove_if_there(part)  # an interrupted run's, or planted: never written through
         try:
             # O_EXCL | O_NOFOLLOW: a name swapped in since is refused, not followed.
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -337,8 +337,7 @@ class Remote:
                     os.fsync(f.fileno())
             os.replace(part, dest)
         finally:
-            if os.path.lexists(part):
-                os.unlink(part)
+            remove_if_there(part)
 
     def mount_blob(self, digest: str, from_repository: str) -> bool:
         """Ask the registry to link a blob from another repository. False if it would not."""
