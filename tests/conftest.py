@@ -1,6 +1,8 @@
+import errno
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -175,3 +177,27 @@ def box(base_rootfs, tmp_path):
 def jail(tmp_path):
     """A root to restore into, with a sentinel directory next to it that nothing may touch."""
     return Jail(tmp_path)
+
+
+@pytest.fixture
+def full_state_disk(tmp_path):
+    """fill(): the state dir's disk (a 4 MiB tmpfs, SNAP_STATE_DIR's) left with no room; unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a small tmpfs for the state dir")
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(state)], check=True)
+
+    def fill() -> None:
+        with open(state / "filler", "wb") as f:  # the rest of the disk
+            try:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+
+    try:
+        yield state, fill
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=True)

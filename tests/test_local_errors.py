@@ -142,30 +142,6 @@ def test_a_directory_snap_may_not_read_is_named_quoted_in_the_error(registry, tm
     assert_one_line_error(r, 7, repr(str(root / locked / "f.txt")), "Permission denied")
 
 
-@pytest.fixture
-def full_state_disk(tmp_path):
-    """fill(): the state dir's disk (a 4 MiB tmpfs, SNAP_STATE_DIR's) left with no room; unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounts a small tmpfs for the state dir")
-    state = tmp_path / "state"
-    state.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(state)], check=True)
-
-    def fill() -> None:
-        with open(state / "filler", "wb") as f:  # the rest of the disk
-            try:
-                while True:
-                    f.write(bytes(1 << 16))
-                    f.flush()
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
-
-    try:
-        yield state, fill
-    finally:
-        subprocess.run(["umount", "-l", str(state)], check=True)
-
-
 def test_a_full_state_dir_disk_costs_the_memos_not_the_commit(registry, base_ref, box, full_state_disk, tmp_path):
     """A model download filled the disk the state dir lives on: the memos and caches a commit keeps
     there are skipped (they only save reading), a layer there is no room to build is compressed as

@@ -21,6 +21,7 @@ from snapshotter.errors import SnapError
 from snapshotter.profile import load_profile, parse_profile
 from snapshotter.registry.remote import Remote
 from snapshotter.restore.restore import RestoreOptions
+from snapshotter.watch import daemon
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
 
@@ -488,6 +489,26 @@ def test_a_signal_makes_one_final_snapshot_then_exit_0(sig, registry, base_ref, 
     assert any("final snapshot v2-" in line for line in p.seen)
     assert_restores_to(f"{registry.host}/sig-{sig.name.lower()}:v2", snapshot_of_tree(box, skip=NOT_CAPTURED),
                        tmp_path, "r")
+
+
+def test_a_watcher_whose_state_disk_fills_up_still_snapshots_and_stops_with_its_own_code(registry, base_ref, box,
+                                                                                        full_state_disk, tmp_path,
+                                                                                        monkeypatch):
+    """A model download fills the disk the state dir lives on while the watcher runs: its final
+    snapshot still goes up (a layer compressed as it is sent), the tag names it, and the watcher
+    ends with exit 0, noted in its exit file for `--stop` (the state dir's reserve)."""
+    state, fill = full_state_disk
+    monkeypatch.setenv("SNAP_STATE_DIR", str(state))
+    p = start_watch(registry, base_ref, box, "full-watch")
+    fill()
+    write_tree(box, {"opt/app/custom_nodes/NodeC/weights.bin": os.urandom(6 << 20),
+                     "opt/app/last-minute.txt": "saved while the disk was full\n"})
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.finish() == 0, "".join(p.seen)
+    assert any("no room to build it" in line for line in p.seen), "".join(p.seen)
+    assert daemon.read_versioned(daemon.watch_files(box).exit, daemon.VERSION)["code"] == 0
+    monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "elsewhere"))
+    assert_restores_to(f"{registry.host}/full-watch:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
 
 
 def test_a_watch_without_a_terminal_logs_its_snapshots_progress_with_their_time(registry, base_ref, box):
