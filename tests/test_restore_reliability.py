@@ -800,7 +800,7 @@ def test_a_blob_store_that_stops_answering_is_named_as_such(registry, tmp_path):
     connections, the one line names it (not the registry) and says nothing of what was pushed: a
     restore pushes nothing."""
     tar = tar_of_files({"data/a.txt": b"a\n"}, dirs=("data",))
-    registry.push_image("elsewhere", "v1", [tar], layer_media_type=TAR, diff_ids=["sha256:" + sha(tar)])
+    registry.push_image("blob-store-gone", "v1", [tar], layer_media_type=TAR, diff_ids=["sha256:" + sha(tar)])
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         gone = s.getsockname()[1]
@@ -808,7 +808,7 @@ def test_a_blob_store_that_stops_answering_is_named_as_such(registry, tmp_path):
     proxy.answer = lambda method, path: ((307, {"Location": f"http://127.0.0.1:{gone}/bucket/blob"})
                                          if method == "GET" and "/blobs/" in path else None)
     try:
-        r = snap("restore", f"{proxy.host}/elsewhere:v1", "--root", str(tmp_path / "root"),
+        r = snap("restore", f"{proxy.host}/blob-store-gone:v1", "--root", str(tmp_path / "root"),
                  env={"SNAP_RETRY_SCALE": "0"})
     finally:
         proxy.stop()
