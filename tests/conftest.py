@@ -180,13 +180,32 @@ def jail(tmp_path):
 
 
 @pytest.fixture
-def full_state_disk(tmp_path):
-    """fill(): the state dir's disk (a 4 MiB tmpfs, SNAP_STATE_DIR's) left with no room; unmounted afterwards."""
+def tmpfs():
+    """mount(path, size): a tmpfs at path (made if missing); all unmounted afterwards."""
     if os.geteuid() != 0:
-        pytest.skip("mounts a small tmpfs for the state dir")
-    state = tmp_path / "state"
-    state.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(state)], check=True)
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = []
+
+    def mount(d, size: str = "2m"):
+        d.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in reversed(mounted):
+        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture
+def full_state_disk(tmp_path, tmpfs):
+    """(state dir, fill): a 4 MiB tmpfs for SNAP_STATE_DIR (0700: snap's own); fill() leaves its disk no room."""
+    state = tmpfs(tmp_path / "state", "4m")
+    state.chmod(0o700)
 
     def fill() -> None:
         with open(state / "filler", "wb") as f:  # the rest of the disk
@@ -197,7 +216,4 @@ def full_state_disk(tmp_path):
             except OSError as e:
                 assert e.errno == errno.ENOSPC
 
-    try:
-        yield state, fill
-    finally:
-        subprocess.run(["umount", "-l", str(state)], check=True)
+    return state, fill

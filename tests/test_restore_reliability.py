@@ -31,7 +31,7 @@ from snapshotter.state import MARKER
 
 from support.faults import FaultProxy
 from support.images import TAR, part_ann, push_annotated
-from support.run import IS_ROOT, SNAP, assert_one_line_error, snap
+from support.run import SNAP, assert_one_line_error, snap
 from support.tars import member, tar_bytes, tar_of_files
 
 ZSTD = TAR + "+zstd"
@@ -219,28 +219,6 @@ def test_names_of_the_longest_length_restore(registry, tmp_path):
 
 
 # ---- disk full ------------------------------------------------------------------------------------
-
-@pytest.fixture
-def tmpfs():
-    """mount(path, size): a tmpfs at path (made if missing); all unmounted afterwards."""
-    if not IS_ROOT:
-        pytest.skip("mounting a tmpfs needs root")
-    mounted = []
-
-    def mount(d, size: str = "2m"):
-        d.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
-                           text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in reversed(mounted):
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], check=False)
-
 
 @pytest.fixture
 def small_disk(tmp_path, tmpfs):

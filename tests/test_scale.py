@@ -302,17 +302,11 @@ def base_manifest_digest(registry, repo="base", tag="1"):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
+def small_tmpfs(tmp_path, tmpfs):
     """A 64 MiB tmpfs (root only, 0700: it is a state dir), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = tmp_path / "small-tmpfs"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(d)], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    yield d
+    d = tmpfs(tmp_path / "small-tmpfs", "64m")
+    d.chmod(0o700)
+    return d
     subprocess.run(["umount", "-l", str(d)], check=True)
 
 
