@@ -2,9 +2,9 @@
 snapshot its tag names (statcache.note_last_commit), that a restore into a root finished
 (record.note_restore); and for the watcher's pid and exit files (`watch --stop` reads them). A model
 download that fills the disk would otherwise cost them, and the next commit would be refused from
-the tag it should move (lineage.py). One file of RESERVE_BYTES, made
-where there is room (its blocks allocated, not a sparse file); given up, once, where such a note
-finds the disk full, and made again once a note is written with room to spare."""
+the tag it should move (lineage.py). One file of RESERVE_BYTES, made where there is room (its blocks
+allocated, not a sparse file); given up, once, where such a note finds the disk full, and made again
+once a note is written with room to spare."""
 
 from __future__ import annotations
 
