@@ -410,9 +410,10 @@ def build_layer(root: str, plan: LayerPlan, out_dir: str, zstd_level: int = 3,
             os.replace(tmp, blob.path)  # still locked: unlocked only from here to its user's holding()
     except OSError as e:
         remove_if_there(tmp)
-        raise (DiskFull if e.errno in DISK_FULL else StorageError)(
+        full = e.errno in DISK_FULL  # the commit then sends the layer as it compresses it (commit/sender.py)
+        raise (DiskFull if full else StorageError)(
             f"cannot write layer {plan.name} to {out_dir!r}: {e.strerror}",
-            "free disk space, or point SNAP_STATE_DIR at a new empty directory on a larger disk") from e
+            "free disk space" if full else "check that disk, or point SNAP_STATE_DIR at a writable directory") from e
     except BaseException:
         remove_if_there(tmp)
         raise
