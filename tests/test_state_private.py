@@ -16,7 +16,7 @@ import pytest
 from snapshotter.registry.blobsources import BlobSources
 from snapshotter.restore.journal import Journal
 from snapshotter.snapshot import statcache
-from snapshotter.state import MARKER, RootFiles, exclusive, root_key, sub
+from snapshotter.state import MARKER, RootFiles, exclusive, root_key, sub, write_versioned
 from snapshotter.watch import daemon
 
 from support.images import repo_for
@@ -156,7 +156,7 @@ def test_stop_never_signals_a_process_that_does_not_hold_the_watch_lock(box, sta
     try:
         assert bystander.stdout.readline() == "ready\n"
         files = daemon.watch_files(str(box))
-        daemon.write_versioned(files.pid, daemon.VERSION, {"pid": bystander.pid, "target": "reg/box:v1", "grace": 4})
+        write_versioned(files.pid, daemon.VERSION, {"pid": bystander.pid, "target": "reg/box:v1", "grace": 4})
         lock = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)  # held by this test's process, not by the bystander
         try:

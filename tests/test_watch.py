@@ -21,6 +21,7 @@ from snapshotter.errors import SnapError
 from snapshotter.profile import load_profile, parse_profile
 from snapshotter.registry.remote import Remote
 from snapshotter.restore.restore import RestoreOptions
+from snapshotter.state import read_versioned
 from snapshotter.watch import daemon
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
@@ -506,7 +507,7 @@ def test_a_watcher_whose_state_disk_fills_up_still_snapshots_and_stops_with_its_
     p.proc.send_signal(signal.SIGTERM)
     assert p.finish() == 0, "".join(p.seen)
     assert any("no room to build it" in line for line in p.seen), "".join(p.seen)
-    assert daemon.read_versioned(daemon.watch_files(box).exit, daemon.VERSION)["code"] == 0
+    assert read_versioned(daemon.watch_files(box).exit, daemon.VERSION)["code"] == 0
     monkeypatch.setenv("SNAP_STATE_DIR", str(tmp_path / "elsewhere"))
     assert_restores_to(f"{registry.host}/full-watch:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
 

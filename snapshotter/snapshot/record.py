@@ -32,7 +32,7 @@ from snapshotter.oci.mediatypes import MEDIA_TYPE
 from snapshotter.state import RootFiles, read_versioned, remove_if_there, sub, write_versioned
 from snapshotter.tar.rules import header_key, headers_digest
 
-from .reserve import noted
+from .reserve import write_note
 from .statcache import NO_RESTORE, blob_entry
 
 VERSION = 1
@@ -65,7 +65,7 @@ def note_restore(files: RootFiles, image: Image, applied_headers: dict[str, str]
            "base": ann.get(BASE_DIGEST), "profile": ann.get(SNAP_PROFILE), "max_layer": max_layer,
            "started": started.to_json(), "ended": ended.to_json(), "restored_at_ns": ended.wall_ns, "layers": layers}
     try:
-        noted(lambda: write_versioned(_path(files), VERSION, doc))
+        write_note(_path(files), VERSION, doc)
     except OSError:
         return 0
     return len(layers)

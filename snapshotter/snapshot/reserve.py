@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Callable
-
 from snapshotter.errors import DISK_FULL
-from snapshotter.state import RESERVE, open_own, replace_file, sub
+from snapshotter.state import RESERVE, open_own, replace_file, sub, write_versioned
 
 RESERVE_BYTES = 1 << 20  # a note is a few KiB; the rest is for the temp file each is replaced through
 
 
-def noted(write: Callable[[], None]) -> None:
-    """Run `write` (a note's replace_file): where the disk is full, again once the reserve is given up."""
+def write_note(path: str, version: int, fields: dict) -> None:
+    """state.write_versioned for such a note: where the disk is full, again once the reserve is given up."""
     try:
-        write()
+        write_versioned(path, version, fields)
     except OSError as e:
         if e.errno not in DISK_FULL or not _give_up():
             raise
-        write()
+        write_versioned(path, version, fields)
         return
     _keep()
 

@@ -16,9 +16,9 @@ import os
 from typing import Optional
 
 from snapshotter import jsontext
-from snapshotter.state import open_own, read_versioned, replace_file, root_key, sub, write_versioned
+from snapshotter.state import open_own, read_versioned, replace_file, root_key, sub
 
-from .reserve import noted
+from .reserve import write_note
 
 VERSION = 1
 BLOB_FIELDS = {"digest": str, "diff_id": str, "size": int, "media_type": str}  # what a hit gives commit
@@ -104,8 +104,8 @@ def note_last_commit(root: str, base: str, target: str, digest: str, mark: tuple
     made = _made_rows(doc)
     if not pending:
         made = [m for m in made if m[0] != digest][-(MADE_KEPT - 1):] + [[digest, list(mark)]]
-    noted(lambda: write_versioned(_last_commit_path(root), LAST_COMMIT_VERSION, {
-        "base": base, "target": target, "made": made, **({"pending": [digest, list(mark)]} if pending else {})}))
+    write_note(_last_commit_path(root), LAST_COMMIT_VERSION, {
+        "base": base, "target": target, "made": made, **({"pending": [digest, list(mark)]} if pending else {})})
 
 
 def last_base(root: str) -> Optional[str]:

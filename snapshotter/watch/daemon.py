@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from snapshotter.errors import NotFound, SnapError, StorageError, UsageError, WaitTimeout, exit_code_of
-from snapshotter.snapshot.reserve import noted
-from snapshotter.state import open_own, read_versioned, root_key, sub, write_versioned
+from snapshotter.snapshot.reserve import write_note
+from snapshotter.state import open_own, read_versioned, root_key, sub
 
 from .watcher import WatchOptions, exit_now, watch
 
@@ -81,7 +81,7 @@ def note_pid(files: WatchFiles, lock: int, target: str, grace: float) -> None:
     flock is the starter's (kept across the fork); the POSIX lock names this very process, which is
     how `--stop` knows the pid it signals is the watcher's (lock_holder)."""
     fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other process can: this one holds the flock
-    noted(lambda: write_versioned(files.pid, VERSION, {"pid": os.getpid(), "target": target, "grace": grace}))
+    write_note(files.pid, VERSION, {"pid": os.getpid(), "target": target, "grace": grace})
 
 
 def lock_holder(files: WatchFiles) -> Optional[int]:
@@ -103,7 +103,7 @@ def note_exit(files: WatchFiles, code: int, error: str = "") -> None:
     A disk with no room for it (the state dir's reserve spent) does not change the watcher's own code:
     `--stop` then says it left none."""
     try:
-        noted(lambda: write_versioned(files.exit, VERSION, {"pid": os.getpid(), "code": code, "error": error}))
+        write_note(files.exit, VERSION, {"pid": os.getpid(), "code": code, "error": error})
     except OSError:
         pass
 
