@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import IO, Callable, Iterator, Optional
 
 from . import jsontext
-from .errors import StorageError
+from .errors import DISK_FULL, StorageError
 
 LOCK_NAME = "lock"
 MARKER = ".snap-state-dir"  # in a state dir snap made or claimed: only such a dir is swept and tightened
@@ -237,7 +237,7 @@ def read_marshalled(path: str) -> tuple[object, Optional[str]]:
 
 
 # A full disk, a quota, a read-only mount: what refuses a state dir's write, not the write's own fault.
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+_NO_ROOM = (*DISK_FULL, errno.EROFS)
 
 
 def if_room(write: Callable[[], object], warn: Optional[Callable[[str], None]] = None, what: str = "") -> bool:
