@@ -117,9 +117,8 @@ class LayerSender:
 
         try:
             return self._pack(plan, built)
-        except DiskFull:
-            if plan.compression == "none":
-                raise
+        except DiskFull:  # only a build writes to the state dir: a layer stored as is is measured already
+            pass
         self.log(f"{plan.label}: no room to build it in {self.out_dir!r}: compressed as it is sent instead "
                  "(twice: measured first)")
 
