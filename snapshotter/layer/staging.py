@@ -35,6 +35,7 @@ from snapshotter import jsontext
 from snapshotter.box.mounts import inside, read_mounts
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError, quoted_path
+from snapshotter.layer.direct import DIRECT_MIN, DirectFile
 from snapshotter.state import versioned, write_versioned
 from snapshotter.tar.reader import MAX_META, header_number, pax_records
 
@@ -53,10 +54,11 @@ def _padded(size: int) -> int:
 
 
 class _Splitter:
-    """Consumes a tar stream in arbitrary pieces and writes it to `dirpath` as skeleton + contents."""
+    """Consumes a tar stream in arbitrary pieces and writes it to `dirpath` as skeleton + contents
+    (those of DIRECT_MIN or more past the page cache if `direct`: layer/direct.py)."""
 
-    def __init__(self, dirpath: str, durable: bool):
-        self.dir, self.durable = dirpath, durable
+    def __init__(self, dirpath: str, durable: bool, direct: bool):
+        self.dir, self.durable, self.direct = dirpath, durable, direct
         self.skeleton = open(os.path.join(dirpath, "skeleton"), "wb")
         self.segments: list[list] = []  # ["s", length] (from the skeleton) | ["c", name, length]
         self.offset = 0  # in the tar stream
@@ -66,7 +68,7 @@ class _Splitter:
         self.pad = 0  # zeros after the current content
         self.pax: Optional[bytes] = None  # PAX records being collected
         self.pax_size: Optional[int] = None  # the "size" record for the next member
-        self.content: Optional[BinaryIO] = None
+        self.content: Optional[BinaryIO | DirectFile] = None
 
     # -- output
     def _skel(self, data: bytes) -> None:
@@ -82,7 +84,7 @@ class _Splitter:
         name = f"c{len(self.segments)}"
         # 0600 like the extractor's temp files: the file is renamed into place before its mode is set
         fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self.content = os.fdopen(fd, "wb")
+        self.content = DirectFile(fd) if self.direct and size >= DIRECT_MIN else os.fdopen(fd, "wb")
         self.segments.append(["c", name, size])
 
     def _content_end(self) -> None:
@@ -174,17 +176,17 @@ def _pax_size(data: bytes) -> Optional[int]:
     return int(size) if size is not None and size.isdigit() else None
 
 
-def download_split(chunks: Iterable[bytes], dest: str, durable: bool = False) -> None:
-    """Write a verified-as-it-ends uncompressed layer stream to the directory `dest`, split.
-    `chunks` must raise at its end if the bytes do not match their digest (Remote.iter_blob):
-    only then is `dest.part` renamed to `dest`."""
+def download_split(chunks: Iterable[bytes], dest: str, durable: bool = False, direct: bool = False) -> None:
+    """Write a verified-as-it-ends uncompressed layer stream to the directory `dest`, split (its big
+    files past the page cache if `direct`). `chunks` must raise at its end if the bytes do not match
+    their digest (Remote.iter_blob): only then is `dest.part` renamed to `dest`."""
     part = dest + ".part"
     if os.path.islink(part):
         os.unlink(part)  # planted: never written through
     shutil.rmtree(part, ignore_errors=True)
     os.makedirs(part, 0o700)
     try:
-        splitter = _Splitter(part, durable)
+        splitter = _Splitter(part, durable, direct)
         try:
             for chunk in chunks:
                 splitter.feed(chunk)

@@ -20,6 +20,7 @@ from snapshotter import progress
 from snapshotter.digests import file_digest
 from snapshotter.errors import IntegrityError, StorageError, storage_error
 from snapshotter.jobs import cpu_count
+from snapshotter.layer.direct import direct_allowed
 from snapshotter.layer.staging import SPLIT_SUFFIX, SplitLayer, StagingDirs, download_split
 from snapshotter.oci.image import SNAP_CONTENT, Layer
 from snapshotter.registry.remote import Remote
@@ -52,6 +53,8 @@ class Downloads:
         # Only a layer applied once: applying takes its big files away.
         self._split = {layer.digest for layer in layers
                        if layer.diff_id == layer.digest and self._uses[layer.digest] == 1}
+        # Their big files past the page cache (layer/direct.py): not a part, which is read back to be joined.
+        self._direct = {layer.digest for layer in layers if layer.digest in self._split and layer.part_file is None}
         self._paths = self._staging_paths(layers, staging)
         self._check_disks()
         self._stopping = threading.Event()
@@ -107,7 +110,8 @@ class Downloads:
             self._update(size)
         elif digest in self._split:
             _remove_blob(path)
-            download_split(self._remote.iter_blob(digest, self._update, size), path, durable=self._durable)
+            download_split(self._remote.iter_blob(digest, self._update, size), path, durable=self._durable,
+                           direct=digest in self._direct and direct_allowed(os.path.dirname(path)))
         else:
             self._remote.download_blob(digest, path, self._update, durable=self._durable, size=size)
         self._app_first.fetched(digest)

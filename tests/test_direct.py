@@ -1,0 +1,151 @@
+"""Big files written past the page cache (layer/direct.py): the bytes are exact whatever the
+filesystem takes, the page cache holds none of what went direct, and a restore writes its weights
+that way."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from snapshotter.layer.direct import DIRECT_FS, DIRECT_MIN, DirectFile, direct_allowed, filesystem_type
+from support.run import snap
+from support.trees import SMALL_WEIGHTS
+
+MODEL = "opt/app/models/checkpoints/big.safetensors"
+
+
+@pytest.fixture
+def disk_dir():
+    """A directory on a local disk's filesystem (not the suite's tmpfs), removed afterwards."""
+    d = tempfile.mkdtemp(prefix="snap-direct-", dir="/var/tmp")
+    try:
+        if filesystem_type(os.path.realpath(d)) not in DIRECT_FS:
+            pytest.skip(f"/var/tmp is on {filesystem_type(d)!r} here, not a local disk's filesystem")
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs: a filesystem that refuses O_DIRECT."""
+    d = tmp_path / "ramfs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {r.stderr.strip()}")
+    yield str(d)
+    subprocess.run(["umount", str(d)], check=False)
+
+
+def resident_bytes(path: str) -> int:
+    """How much of a file the page cache holds (mincore over a private mapping of it)."""
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        start = ctypes.c_char.from_buffer(m)
+        try:
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            del start
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+def pattern(size: int) -> bytes:
+    block = hashlib.sha256(str(size).encode()).digest() * 2048  # 64 KiB, not zeros
+    return (block * (size // len(block) + 1))[:size]
+
+
+def write_in_pieces(path: str, data: bytes, pieces: list[int], buffer: int) -> DirectFile:
+    f = DirectFile(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), buffer)
+    at = 0
+    for n in pieces:
+        f.write(data[at:at + n])
+        at += n
+    f.write(data[at:])
+    direct = f.direct
+    f.close()
+    f.direct = direct  # as it was before the tail
+    return f
+
+
+SIZES = [0, 1, 4095, 4096, 4097, 65536, 65536 * 3 + 17, 1 << 20]
+PIECES = [[], [1, 4095, 3], [70000, 7], [65536, 65536]]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("pieces", PIECES)
+def test_a_direct_file_holds_exactly_its_bytes(disk_dir, size, pieces):
+    path = os.path.join(disk_dir, "f")
+    data = pattern(size)
+    f = write_in_pieces(path, data, pieces, buffer=65536)
+    with open(path, "rb") as r:
+        assert r.read() == data
+    assert f.direct  # the filesystem took O_DIRECT
+
+
+def test_what_went_direct_is_not_in_the_page_cache(disk_dir):
+    data = pattern((8 << 20) + 100)
+    direct, cached = os.path.join(disk_dir, "direct"), os.path.join(disk_dir, "cached")
+    write_in_pieces(direct, data, [3 << 20], buffer=1 << 20)
+    with open(cached, "wb") as f:
+        f.write(data)
+    assert resident_bytes(cached) >= len(data) // 2  # the measure sees a file written through the cache
+    assert resident_bytes(direct) <= mmap.PAGESIZE  # the tail only
+    with open(direct, "rb") as f:
+        assert f.read() == data
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_the_bytes_through_the_cache(ramfs):
+    data = pattern((1 << 20) + 5)
+    path = os.path.join(ramfs, "f")
+    f = write_in_pieces(path, data, [12345], buffer=65536)
+    assert not f.direct
+    with open(path, "rb") as r:
+        assert r.read() == data
+
+
+def test_a_write_the_disk_refuses_direct_goes_on_through_the_cache(disk_dir):
+    """A buffer of no block's multiple: its first direct write is refused (EINVAL), and the rest of
+    the file is written through the page cache from there."""
+    data = pattern(100_000)
+    path = os.path.join(disk_dir, "f")
+    f = write_in_pieces(path, data, [999, 1], buffer=1000)
+    assert not f.direct
+    with open(path, "rb") as r:
+        assert r.read() == data
+
+
+def test_direct_writes_only_on_a_local_disks_filesystem(disk_dir, tmpfs, tmp_path):
+    assert direct_allowed(disk_dir)
+    shm = tmp_path / "shm"
+    tmpfs(shm, "1m")
+    assert not direct_allowed(str(shm))
+    assert not direct_allowed(str(shm / "below" / "not-made-yet"))  # the deepest mount above it
+
+
+def test_a_restore_writes_a_big_weight_past_the_page_cache(registry, base_ref, box, disk_dir, tmp_path):
+    """A weight of DIRECT_MIN or more lands byte for byte, and none of it is in the page cache (the
+    restore root on a local disk's filesystem); a small weight is written as before."""
+    profile = tmp_path / "small-weights.yaml"
+    profile.write_text(SMALL_WEIGHTS)
+    data = pattern(DIRECT_MIN + 4321)
+    with open(os.path.join(box, MODEL), "wb") as f:
+        f.write(data)
+    snap("commit", f"{registry.host}/direct:v1", "--base", base_ref, "--root", box, "--profile", str(profile),
+         check=True)
+    root = os.path.join(disk_dir, "root")
+    snap("restore", f"{registry.host}/direct:v1", "--root", root, check=True)
+    assert resident_bytes(os.path.join(root, MODEL)) <= 2 * mmap.PAGESIZE  # before it is read here
+    with open(os.path.join(root, MODEL), "rb") as f:
+        assert f.read() == data
