@@ -1,6 +1,6 @@
-"""Big files written past the page cache (layer/direct.py): the bytes are exact whatever the
-filesystem takes, the page cache holds none of what went direct, and a restore writes its weights
-that way."""
+"""Big files written past the page cache (layer/direct.py), and the weights' download priority
+(restore/priority.py): the bytes are exact whatever the filesystem takes, the page cache holds none
+of what went direct, and a restore writes its weights that way."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import mmap
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 
 import pytest
 
 from snapshotter.layer.direct import DIRECT_FS, DIRECT_MIN, DirectFile, direct_allowed, filesystem_type
+from snapshotter.restore.priority import WEIGHTS_NICE, WeightsPriority, idle_undoable
 from support.run import snap
 from support.trees import SMALL_WEIGHTS
 
@@ -132,6 +135,61 @@ def test_direct_writes_only_on_a_local_disks_filesystem(disk_dir, tmpfs, tmp_pat
     tmpfs(shm, "1m")
     assert not direct_allowed(str(shm))
     assert not direct_allowed(str(shm / "below" / "not-made-yet"))  # the deepest mount above it
+
+
+def _policy_and_nice(tid: int) -> tuple[int, int]:
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def _lowered_then(priority: WeightsPriority, then) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(policy, nice) of a thread right after it lowered itself, and after `then()` ran."""
+    seen: list = []
+    go_on, lowered = threading.Event(), threading.Event()
+
+    def thread() -> None:
+        priority.lower()
+        seen.append(_policy_and_nice(threading.get_native_id()))
+        lowered.set()
+        go_on.wait(60)
+        seen.append(_policy_and_nice(threading.get_native_id()))
+
+    t = threading.Thread(target=thread)
+    t.start()
+    assert lowered.wait(60)
+    then()
+    go_on.set()
+    t.join(60)
+    return seen[0], seen[1]
+
+
+def test_a_weights_thread_runs_on_idle_cores_until_the_app_is_in_then_below_it():
+    if not idle_undoable():
+        pytest.skip("this process cannot leave SCHED_IDLE (no CAP_SYS_NICE)")
+    priority = WeightsPriority(app_in=False)
+    during, after = _lowered_then(priority, priority.app_in)
+    assert during[0] == os.SCHED_IDLE
+    assert after == (os.SCHED_OTHER, WEIGHTS_NICE)
+    # Lowered once the app is in: below the app at once.
+    during, _ = _lowered_then(priority, lambda: None)
+    assert during == (os.SCHED_OTHER, WEIGHTS_NICE)
+
+
+def test_without_the_right_to_leave_sched_idle_weights_run_at_a_nice_value():
+    """Where a thread could not leave SCHED_IDLE (a container without CAP_SYS_NICE), it is never put
+    there: a CPU-bound app would starve the weights it waits for."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("dropping CAP_SYS_NICE needs root and setpriv")
+    code = ("import os, threading; from snapshotter.restore.priority import WeightsPriority, idle_undoable\n"
+            "p = WeightsPriority(app_in=False); seen = []\n"
+            "def t():\n"
+            "    p.lower(); tid = threading.get_native_id()\n"
+            "    seen.append((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))\n"
+            "th = threading.Thread(target=t); th.start(); th.join()\n"
+            "print(idle_undoable(), *seen[0])\n")
+    r = subprocess.run(["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", str(os.SCHED_OTHER), str(WEIGHTS_NICE)]
 
 
 def test_a_restore_writes_a_big_weight_past_the_page_cache(registry, base_ref, box, disk_dir, tmp_path):

@@ -56,6 +56,9 @@ def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_ha
     try:
         assert started.wait(TIMEOUT), "the app never started"
         assert got == ["weight=absent venv=present\n"]  # the app ran with its venv, before the weight
+        # The app is in: the weight's download (held) no longer runs only on idle cores, but below the app.
+        threads = _priorities(str(restore.pid))
+        assert SCHED_IDLE not in [policy for policy, _ in threads] and any(map(_below_the_app, threads)), threads
         assert restore.poll() is None  # it cannot end: the weight is held
         r = snap("restore", "--wait", f"{root}/{WEIGHT}", "--root", str(root), "--timeout", "0")
         assert_one_line_error(r, 11, "timed out", "sd15.safetensors")
@@ -76,13 +79,27 @@ def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_ha
     assert_one_line_error(r, 2, "no restore")
 
 
-def _nice(tid: str) -> int:
-    """The nice value of a thread of this process (0 if it is gone)."""
+SCHED_IDLE = 5
+
+
+def _priority(tid: str, pid: str = "self") -> tuple[int, int]:
+    """(scheduling policy, nice value) of a thread of process `pid`; (0, 0) if it is gone."""
     try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[16])
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # from field 3, the state
+        return int(fields[38]), int(fields[16])
     except (OSError, IndexError, ValueError):
-        return 0
+        return 0, 0
+
+
+def _priorities(pid: str = "self") -> list[tuple[int, int]]:
+    return [_priority(tid, pid) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+def _below_the_app(priority: tuple[int, int]) -> bool:
+    from snapshotter.restore.priority import WEIGHTS_NICE
+    policy, nice = priority
+    return policy == SCHED_IDLE or nice >= WEIGHTS_NICE
 
 
 def _note_blocked_streams(monkeypatch, blocked: threading.Event) -> None:
@@ -112,7 +129,7 @@ def test_no_weight_is_requested_before_the_apps_blobs_are_in(registry, proxy, ba
     """On a link the downloads share, the app's blobs go first: while the venv's blob is on its way
     (held by the proxy), a free download stream waits its turn instead of taking part of the link
     for a weight. The venv is let go once a weight waits (or, out of order, is requested)."""
-    from snapshotter.restore import download, restore
+    from snapshotter.restore import restore
     profile = tmp_path / "small-weights.yaml"
     profile.write_text(SMALL_WEIGHTS)
     snap("commit", f"{registry.host}/order-dl:v1", "--base", base_ref, "--root", box, "--profile", str(profile),
@@ -126,12 +143,12 @@ def test_no_weight_is_requested_before_the_apps_blobs_are_in(registry, proxy, ba
     went_on = threading.Event()  # a weight waits its turn, or is requested
     requested_while_held: list[bool] = []
 
-    niced: list[int] = []  # the highest nice value among the restore's threads as a weight is requested
+    lowered: list[bool] = []  # whether a thread of the restore is below the app's unpacking as a weight is requested
 
     def lie(method, path):
         if method == "GET" and path.rsplit("/", 1)[-1] in weights:
             requested_while_held.append(not proxy.unhold.is_set())
-            niced.append(max(_nice(tid) for tid in os.listdir("/proc/self/task")))
+            lowered.append(any(_below_the_app(p) for p in _priorities()))
             went_on.set()
         return None  # forwarded
 
@@ -148,7 +165,7 @@ def test_no_weight_is_requested_before_the_apps_blobs_are_in(registry, proxy, ba
         worker.join(TIMEOUT)
     assert done, "the restore failed"
     assert requested_while_held == [False] * len(weights)  # each weight once, after the venv
-    assert min(niced) >= download.WEIGHTS_NICE  # a weight downloads below the app's unpacking
+    assert lowered and all(lowered)  # a weight downloads below the app's unpacking
     assert snapshot_of_tree(str(root), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 

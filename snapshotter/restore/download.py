@@ -3,7 +3,7 @@
 Each distinct blob downloads once, into the staging dir of the filesystem its layer's files land on
 (layer/staging.py: inside the restore root, not the state dir), and is handed over only once its digest is
 checked: no unverified byte reaches the target. The app's blobs download first, the weights' after
-them at a lower CPU priority (AppFirst). A blob that an interrupted run left is hashed again and
+them at a lower CPU priority (AppFirst, priority.py). A blob that an interrupted run left is hashed again and
 used; a blob goes once the last layer that needs it is applied."""
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from snapshotter.layer.direct import direct_allowed
 from snapshotter.layer.staging import SPLIT_SUFFIX, SplitLayer, StagingDirs, download_split
 from snapshotter.oci.image import SNAP_CONTENT, Layer
 from snapshotter.registry.remote import Remote
+from snapshotter.restore.priority import WeightsPriority
 
 # Streams at once: each costs a core while it hashes and writes, and the layers are applied in a
 # process of their own beside them; more streams than cores only slowed the restore down.
 DOWNLOAD_WORKERS = max(2, min(4, cpu_count()))
-WEIGHTS_NICE = 10  # the nice value of a thread downloading weights
 
 
 class Blob(NamedTuple):
@@ -90,7 +90,14 @@ class Downloads:
     def __exit__(self, *exc) -> Optional[bool]:
         if exc[0] is not None:
             self.stop()
-        return self._running.__exit__(*exc)
+        try:
+            return self._running.__exit__(*exc)
+        finally:
+            self._app_first.priority.forget()
+
+    def app_applied(self) -> None:
+        """The app's layers are applied: the weights' downloads need no longer yield to their unpacking."""
+        self._app_first.priority.app_in()
 
     def stop(self) -> None:
         """Stop downloading: streams give up at their next chunk, waiting ones wake, queued ones are
@@ -146,6 +153,7 @@ class AppFirst:
     def __init__(self, app_digests: set[str], stopping: threading.Event):
         self._app, self._left, self._stopping = frozenset(app_digests), set(app_digests), stopping
         self._lock, self._open = threading.Lock(), threading.Event()
+        self.priority = WeightsPriority(app_in=not app_digests)
         if not self._left:
             self._open.set()
 
@@ -153,7 +161,7 @@ class AppFirst:
         """Return when the download of `digest` may start; raise Stopped if the restore stops first."""
         if digest not in self._app:
             self._open.wait()
-            _yield_cpu()
+            self.priority.lower()
         if self._stopping.is_set():
             raise progress.Stopped()
 
@@ -166,19 +174,6 @@ class AppFirst:
     def stop(self) -> None:
         """Wake the waiting downloads (they find `stopping` set and give up)."""
         self._open.set()
-
-
-def _yield_cpu() -> None:
-    """Lower this thread's CPU priority (it downloads weights from now on: all the app's blobs
-    were taken first): on a box with few cores, hashing and writing weights at link speed takes
-    most of a core, which the app's unpacking, then the app, need more. Linux sets a thread's
-    nice value by its id; where that is refused, the thread goes on as it is."""
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < WEIGHTS_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, WEIGHTS_NICE)
-    except OSError:
-        pass
 
 
 def _lands_at(layer: Layer) -> Optional[str]:

@@ -342,17 +342,16 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
                   index_base: Optional[tuple[int, str]] = None, ready_at: int = 0,
                   weights: frozenset[str] = frozenset(), skips: Optional[SkipPlan] = None
                   ) -> tuple[list[str], dict[str, str]]:
-    """Apply the layers the journal does not list as applied, each as soon as its blob is downloaded
-    and verified while the later ones still download (download.py), snap's own several at once
-    (schedule.py), noting them in the journal in order (and telling `after_layer` how many are
-    applied). `index_base` (n, path), for a restore from the first layer: the applier indexes the
-    first n layers, the base's, and saves the index at path. Returns (labels of the layers applied,
-    {layer digest: digest of its tar headers} for snap's own layers), the extraction's counts added
-    to `stats`. The blobs of the first `ready_at` layers (the app's: `--then` starts it once they are
-    applied) download before any other (AppFirst), and those that are not `weights` layers write
-    their new files in place. The layers `skips` skips (the root holds them, skip.py) are neither
-    downloaded nor applied, and count as applied once the layers below them whose skeletons it went
-    by are seen to be as they said."""
+    """Apply the layers the journal does not list as applied, each once its blob is downloaded and
+    verified while the later ones still download (download.py), snap's own several at once
+    (schedule.py), noting them in the journal in order (telling `after_layer` how many are applied).
+    `index_base` (n, path), for a restore from the first layer: the applier indexes the first n
+    layers, the base's, and saves the index at path. Returns (labels of the layers applied, {layer
+    digest: digest of its tar headers} for snap's own layers), the extraction's counts added to
+    `stats`. The first `ready_at` layers are the app's (`--then` starts it once they are applied):
+    their blobs download first, the weights' below their unpacking (priority.py), and those not
+    `weights` layers write their new files in place. The layers `skips` skips (skip.py) are neither
+    downloaded nor applied, and count as applied once the layers below them are seen as it said."""
     resumed, journal = run.journal.applied, run.journal
     pending = run.todo[resumed:]
     skips = skips or SkipPlan({})
@@ -373,6 +372,11 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
             job.deletions = run.claims.get(pending[n].digest, {})
         return job
 
+    def applied(count: int, layer: Optional[Layer]) -> None:
+        if count >= ready_at:  # before the app starts: the weights no longer yield to its unpacking
+            downloads.app_applied()
+        after_layer(count, layer)
+
     alone = {n for n, layer in enumerate(pending) if not layer.snap_label or downloads.kept_split(layer.digest)
              or (index_base is not None and n < index_base[0])}
     # One extraction process per layer applied at once, each holding one layer's stream (schedule.py).
@@ -386,7 +390,7 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
         stack.enter_context(downloads)
         for worker in workers:
             stack.enter_context(worker)
-        scheduler = Scheduler(pending, alone, skipped, resumed, downloads, layer_job, workers, journal, after_layer,
+        scheduler = Scheduler(pending, alone, skipped, resumed, downloads, layer_job, workers, journal, applied,
                               run.extractor, lambda layer, blob, label: _note_mislabelled(layer, blob, label, opts.log),
                               said)
         try:
