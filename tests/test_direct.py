@@ -26,11 +26,17 @@ MODEL = "opt/app/models/checkpoints/big.safetensors"
 
 @pytest.fixture
 def disk_dir():
-    """A directory on a local disk's filesystem (not the suite's tmpfs), removed afterwards."""
+    """A directory on a local disk's filesystem (not the suite's tmpfs) where direct writes bypass
+    the page cache, removed afterwards."""
     d = tempfile.mkdtemp(prefix="snap-direct-", dir="/var/tmp")
     try:
-        if filesystem_type(os.path.realpath(d)) not in DIRECT_FS:
-            pytest.skip(f"/var/tmp is on {filesystem_type(d)!r} here, not a local disk's filesystem")
+        kind = filesystem_type(os.path.realpath(d))
+        if kind not in DIRECT_FS:
+            pytest.skip(f"/var/tmp is on {kind!r} here, not a local disk's filesystem")
+        probe = os.path.join(d, "probe")
+        if not write_in_pieces(probe, pattern(1 << 16), [], buffer=1 << 16).direct or resident_bytes(probe):
+            pytest.skip(f"direct writes on this {kind} go through the page cache all the same")
+        os.unlink(probe)
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -137,6 +143,27 @@ def test_direct_writes_only_on_a_local_disks_filesystem(disk_dir, tmpfs, tmp_pat
     assert not direct_allowed(str(shm / "below" / "not-made-yet"))  # the deepest mount above it
 
 
+def test_a_mount_hidden_by_one_over_it_does_not_count(tmp_path):
+    """A ramfs at a/b, then a tmpfs mounted over a: a/b/x is on the tmpfs, whatever mountinfo still lists."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    a = tmp_path / "a"
+    (a / "b").mkdir(parents=True)
+    mounted = []
+    try:
+        for kind, where in (("ramfs", a / "b"), ("tmpfs", a)):
+            r = subprocess.run(["mount", "-t", kind, kind, str(where)], capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot mount a {kind} here: {r.stderr.strip()}")
+            mounted.append(where)
+        assert filesystem_type(str(a / "b" / "x")) == "tmpfs"
+        (a / "b").mkdir()
+        assert filesystem_type(str(a / "b")) == "tmpfs"
+    finally:
+        for where in reversed(mounted):
+            subprocess.run(["umount", str(where)], check=False)
+
+
 def _policy_and_nice(tid: int) -> tuple[int, int]:
     return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
 
@@ -168,10 +195,10 @@ def test_a_weights_thread_runs_on_idle_cores_until_the_app_is_in_then_below_it()
     priority = WeightsPriority(app_in=False)
     during, after = _lowered_then(priority, priority.app_in)
     assert during[0] == os.SCHED_IDLE
-    assert after == (os.SCHED_OTHER, WEIGHTS_NICE)
+    assert after[0] == os.SCHED_OTHER and after[1] >= WEIGHTS_NICE
     # Lowered once the app is in: below the app at once.
     during, _ = _lowered_then(priority, lambda: None)
-    assert during == (os.SCHED_OTHER, WEIGHTS_NICE)
+    assert during[0] == os.SCHED_OTHER and during[1] >= WEIGHTS_NICE
 
 
 def test_without_the_right_to_leave_sched_idle_weights_run_at_a_nice_value():
@@ -179,7 +206,8 @@ def test_without_the_right_to_leave_sched_idle_weights_run_at_a_nice_value():
     there: a CPU-bound app would starve the weights it waits for."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("dropping CAP_SYS_NICE needs root and setpriv")
-    code = ("import os, threading; from snapshotter.restore.priority import WeightsPriority, idle_undoable\n"
+    code = ("import os, resource, threading; from snapshotter.restore.priority import WeightsPriority, idle_undoable\n"
+            "resource.setrlimit(resource.RLIMIT_NICE, (0, 0))\n"
             "p = WeightsPriority(app_in=False); seen = []\n"
             "def t():\n"
             "    p.lower(); tid = threading.get_native_id()\n"
@@ -189,7 +217,8 @@ def test_without_the_right_to_leave_sched_idle_weights_run_at_a_nice_value():
     r = subprocess.run(["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", sys.executable, "-c", code],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", str(os.SCHED_OTHER), str(WEIGHTS_NICE)]
+    undoable, policy, nice = r.stdout.split()
+    assert (undoable, int(policy)) == ("False", os.SCHED_OTHER) and int(nice) >= WEIGHTS_NICE
 
 
 def test_a_restore_writes_a_big_weight_past_the_page_cache(registry, base_ref, box, disk_dir, tmp_path):

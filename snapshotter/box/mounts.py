@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from snapshotter.index.entry import clean_path
@@ -24,6 +24,7 @@ _OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
 class Mount:
     point: str  # absolute path of the mount point
     fstype: str
+    dev: str = field(default="", compare=False)  # "major:minor", as the st_dev of a file there
 
 
 def unescape(field: bytes) -> str:
@@ -40,7 +41,7 @@ def parse_mountinfo(data: bytes) -> list[Mount]:
         except ValueError:
             continue
         if sep + 1 < len(fields):
-            out.append(Mount(unescape(fields[4]), unescape(fields[sep + 1])))
+            out.append(Mount(unescape(fields[4]), unescape(fields[sep + 1]), fields[2].decode(errors="replace")))
     return out
 
 

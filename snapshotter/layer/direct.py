@@ -29,15 +29,31 @@ DIRECT_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "overlay"}
 
 
 def filesystem_type(path: str) -> Optional[str]:
-    """The type of the filesystem `path` (a real absolute path) is on, as /proc/self/mountinfo says
-    (the mount deepest above it; the last one mounted there), or None where it cannot be read."""
-    best: Optional[tuple[int, str]] = None
+    """The type of the filesystem `path` (a real absolute path) is on, as /proc/self/mountinfo says:
+    the deepest mount above it whose device is the one its nearest existing directory is on (not one
+    mounted over since), the last one mounted there; None where mountinfo cannot be read."""
+    dev = _device(path)
+    best: Optional[tuple[bool, int, str]] = None
     for m in read_mounts() or ():
         point = m.point.rstrip("/")
         if path == m.point or path.startswith(point + "/"):
-            if best is None or len(point) >= best[0]:
-                best = (len(point), m.fstype)
-    return best[1] if best else None
+            rank = (m.dev == dev, len(point), m.fstype)
+            if best is None or rank[:2] >= best[:2]:
+                best = rank
+    return best[2] if best else None
+
+
+def _device(path: str) -> Optional[str]:
+    """ "major:minor" of the device of `path`, or of its nearest existing parent."""
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            if path in ("/", ""):
+                return None
+            path = os.path.dirname(path)
+            continue
+        return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
 def direct_allowed(directory: str) -> bool:
@@ -52,9 +68,13 @@ class DirectFile:
 
     def __init__(self, fd: int, buffer: int = BUFFER):
         self.fd = fd
-        self._buf = mmap.mmap(-1, buffer)  # page-aligned, as O_DIRECT wants
-        self._filled = 0
-        self.direct = _set_direct(fd, True)
+        try:
+            self._buf = mmap.mmap(-1, buffer)  # page-aligned, as O_DIRECT wants
+            self._filled = 0
+            self.direct = _set_direct(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @property
     def closed(self) -> bool:
@@ -91,6 +111,11 @@ class DirectFile:
         try:
             self.flush()
         finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Close without writing what the buffer holds (the file is given up: an error)."""
+        if self.fd >= 0:
             self._buf.close()
             os.close(self.fd)
             self.fd = -1

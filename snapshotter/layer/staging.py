@@ -162,6 +162,9 @@ class _Splitter:
         write_versioned(os.path.join(self.dir, "segments.json"), SEGMENTS_VERSION, {"segments": self.segments})
 
     def close(self) -> None:
+        """Close what is still open (an error: the split is given up), writing nothing more."""
+        if isinstance(self.content, DirectFile):
+            self.content.discard()
         for f in (self.content, self.skeleton):
             if f is not None and not f.closed:
                 f.close()
