@@ -1,14 +1,17 @@
-"""The CPU priority of the threads that download weights: below the app's unpacking, then below the app.
+"""The CPU priority of the threads that download weights: far below the app's unpacking, then below the app.
 
 On a box with few cores, hashing and writing weights at link speed takes most of a core, which the
 app's unpacking needs (`--then` starts the app once its layers are applied). Until they are, a
-thread downloading a weight runs at SCHED_IDLE: on a core nothing else wants, which on a box with
-many cores is most of them. Once they are applied it runs at nice WEIGHTS_NICE instead: the app may
-want every core, and must not starve the weights it will load.
+thread downloading a weight runs at nice UNPACKING_NICE: it gets a core when the unpacking leaves one,
+which on a box with many cores is most of them. Once they are applied it runs at nice WEIGHTS_NICE:
+the app may want every core, and must not starve the weights it will load. (Not SCHED_IDLE, which
+measured the same here: a thread that seldom runs can be stopped holding the GIL, and the restore's
+own thread then waits for it.)
 
-Leaving SCHED_IDLE takes CAP_SYS_NICE (or a raised RLIMIT_NICE), which a container seldom has: where a
-thread of ours cannot leave it (tried once per process), the weights run at nice WEIGHTS_NICE from
-the start. Linux sets a thread's priority by its id; where that is refused, the thread goes on as it is."""
+Going back from UNPACKING_NICE to WEIGHTS_NICE takes CAP_SYS_NICE (or a raised RLIMIT_NICE), which a
+container seldom has: where a thread of ours cannot (tried once per process), the weights run at nice
+WEIGHTS_NICE from the start. Linux sets a thread's nice value by its id; where that is refused, the
+thread goes on as it is."""
 
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import os
 import threading
 from typing import Optional
 
-WEIGHTS_NICE = 10  # the nice value of a thread downloading weights once the app's layers are applied
+UNPACKING_NICE = 19  # the nice value of a thread downloading weights while the app's layers are applied
+WEIGHTS_NICE = 10  # and once they are
 
-_undoable: Optional[bool] = None  # whether a thread of this process can leave SCHED_IDLE
+_undoable: Optional[bool] = None  # whether a thread of this process can go back from UNPACKING_NICE
 
 
 class WeightsPriority:
@@ -28,42 +32,45 @@ class WeightsPriority:
     def __init__(self, app_in: bool):
         self._lock = threading.Lock()
         self._app_in = app_in
-        self._idle: set[int] = set()  # the ids of the threads at SCHED_IDLE
+        self._lowest: dict[int, int] = {}  # the threads at UNPACKING_NICE: their id -> the nice value to go back to
 
     def lower(self) -> None:
-        """Lower the calling thread's priority: it downloads weights from now on."""
+        """Lower the calling thread's priority: it downloads weights from now on. A process that runs
+        nicer already keeps its own value where it is the higher."""
         tid = threading.get_native_id()
+        after = max(_nice(tid), WEIGHTS_NICE)
         with self._lock:
-            if not self._app_in and idle_undoable() and _set_idle(tid, True):
-                self._idle.add(tid)
+            if not self._app_in and undoable() and _set_nice(tid, max(after, UNPACKING_NICE)):
+                self._lowest[tid] = after
                 return
-        _set_nice(tid)
+        _set_nice(tid, after)
 
     def app_in(self) -> None:
-        """The app's layers are applied: the threads at SCHED_IDLE go to nice WEIGHTS_NICE."""
+        """The app's layers are applied: the threads at UNPACKING_NICE go to WEIGHTS_NICE."""
         with self._lock:
             self._app_in = True
-            tids, self._idle = self._idle, set()
-        for tid in tids:
-            if _set_idle(tid, False):
-                _set_nice(tid)
+            lowest, self._lowest = self._lowest, {}
+        for tid, after in lowest.items():
+            _set_nice(tid, after)
 
     def forget(self) -> None:
         """The threads are gone (their ids may name others): nothing is changed from now on."""
         with self._lock:
             self._app_in = True
-            self._idle.clear()
+            self._lowest.clear()
 
 
-def idle_undoable() -> bool:
-    """Whether a thread of this process can go to SCHED_IDLE and back (asked once, of a thread of its own)."""
+def undoable() -> bool:
+    """Whether a thread of this process can go to UNPACKING_NICE and back to WEIGHTS_NICE (asked once,
+    of a thread of its own)."""
     global _undoable
     if _undoable is None:
         result: list[bool] = []
 
         def probe() -> None:
             tid = threading.get_native_id()
-            result.append(_set_idle(tid, True) and _set_idle(tid, False))
+            after = max(_nice(tid), WEIGHTS_NICE)
+            result.append(_set_nice(tid, max(after, UNPACKING_NICE)) and _set_nice(tid, after))
 
         t = threading.Thread(target=probe, name="snap-priority-probe")
         t.start()
@@ -72,18 +79,17 @@ def idle_undoable() -> bool:
     return _undoable
 
 
-def _set_idle(tid: int, idle: bool) -> bool:
-    """Put thread `tid` at SCHED_IDLE, or back at the normal policy; whether it took."""
+def _nice(tid: int) -> int:
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
-    except (OSError, AttributeError):
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:
+        return 0
+
+
+def _set_nice(tid: int, nice: int) -> bool:
+    """Set thread `tid` to nice `nice`; whether it took."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
         return False
     return True
-
-
-def _set_nice(tid: int) -> None:
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < WEIGHTS_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, WEIGHTS_NICE)
-    except OSError:
-        pass
