@@ -348,10 +348,10 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
     `index_base` (n, path), for a restore from the first layer: the applier indexes the first n
     layers, the base's, and saves the index at path. Returns (labels of the layers applied, {layer
     digest: digest of its tar headers} for snap's own layers), the extraction's counts added to
-    `stats`. The first `ready_at` layers are the app's (`--then` starts it once they are applied):
-    their blobs download first, the weights' below their unpacking (priority.py), and those not
-    `weights` layers write their new files in place. The layers `skips` skips (skip.py) are neither
-    downloaded nor applied, and count as applied once the layers below them are seen as it said."""
+    `stats`. The first `ready_at` layers are the app's (`--then` starts it once they are applied): their
+    blobs download first, the weights' below their unpacking (priority.py), and those not `weights`
+    write their new files in place. The layers `skips` skips (skip.py) are neither downloaded nor
+    applied, and count as applied once the layers below them are seen to be as it said."""
     resumed, journal = run.journal.applied, run.journal
     pending = run.todo[resumed:]
     skips = skips or SkipPlan({})
@@ -363,9 +363,8 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
                           staging, durable=opts.extract.fsync)
 
     def layer_job(n: int, blob: Blob) -> LayerJob:
-        # Until the app's layers are applied nothing runs from the root (--then starts it after
-        # them): their new files are written in place. Weights always land whole (one may come
-        # before the app's last layer, or all before the joins of part files).
+        # Nothing runs from the root until the app's layers are applied: their new files are written in place.
+        # Weights always land whole (one may come before the app's last layer, or all before the joins of parts).
         in_place = resumed + n < ready_at and weight_file(pending[n], weights) is None
         job = _layer_job(pending, n, blob, in_place, index_base)
         if run.claims is not None:
