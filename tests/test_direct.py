@@ -168,13 +168,15 @@ def _nice_of(tid: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, tid)
 
 
-def _lowered_then(priority: WeightsPriority, then) -> tuple[int, int]:
-    """The nice value of a thread right after it lowered itself, and after `then()` ran."""
+def _lowered_then(priority: WeightsPriority, then, times: int = 1) -> tuple[int, int]:
+    """The nice value of a thread right after it lowered itself `times` times (a weight each), and
+    after `then()` ran."""
     seen: list = []
     go_on, lowered = threading.Event(), threading.Event()
 
     def thread() -> None:
-        priority.lower()
+        for _ in range(times):
+            priority.lower()
         seen.append(_nice_of(threading.get_native_id()))
         lowered.set()
         go_on.wait(60)
@@ -196,6 +198,8 @@ def test_a_weights_thread_runs_far_below_the_unpacking_until_the_app_is_in_then_
         pytest.skip("the suite itself runs at a nice value of WEIGHTS_NICE or more")
     priority = WeightsPriority(app_in=False)
     assert _lowered_then(priority, priority.app_in) == (UNPACKING_NICE, WEIGHTS_NICE)
+    twice = WeightsPriority(app_in=False)  # a thread that takes a second weight before the app is in
+    assert _lowered_then(twice, twice.app_in, times=2) == (UNPACKING_NICE, WEIGHTS_NICE)
     # Lowered once the app is in: below the app at once.
     assert _lowered_then(priority, lambda: None) == (WEIGHTS_NICE, WEIGHTS_NICE)
     assert _nice_of(0) < WEIGHTS_NICE  # the other threads keep their own

@@ -38,8 +38,8 @@ class WeightsPriority:
         """Lower the calling thread's priority: it downloads weights from now on. A process that runs
         nicer already keeps its own value where it is the higher."""
         tid = threading.get_native_id()
-        after = max(_nice(tid), WEIGHTS_NICE)
         with self._lock:
+            after = self._lowest.get(tid) or max(_nice(tid), WEIGHTS_NICE)  # lowered before: what it had then
             if not self._app_in and undoable() and _set_nice(tid, max(after, UNPACKING_NICE)):
                 self._lowest[tid] = after
                 return
