@@ -1,9 +1,9 @@
 """Writing a big file past the page cache (O_DIRECT), where its filesystem is a local disk's.
 
 A restore writes each weight once, and nothing reads it before the app loads it. Through the page
-cache, every page of a weight is first filled by the CPU (the kernel's copy: ~0.8 s per GiB here,
-where the guest's memory is backed lazily, about as much as the weight's download and hashing
-together), then written back to the disk. Written with O_DIRECT from one reused, page-aligned buffer,
+cache, every page of a weight is first filled by the CPU (the kernel's copy: 0.8-2.2 s per GiB on a
+VM whose memory is backed lazily, more than the weight's download and hashing together), then
+written back to the disk. Written with O_DIRECT from one reused, page-aligned buffer,
 the disk reads it by DMA: that CPU goes to the app's unpacking, and the weights no longer push the
 app's fresh files out of the cache. The app then reads a weight from the disk the first time it
 loads it.
