@@ -280,6 +280,37 @@ def test_kill_9_mid_fetch_then_rerun_resumes_only_what_is_missing(committed, ori
     assert had >= 1 << 20 and len(big) == 1 and big[0].headers.get("range") == f"bytes={had}-"
 
 
+def test_the_origins_fetch_threads_yield_to_the_apps_unpacking_then_run_below_the_app(committed, hub, tmp_path,
+                                                                                      monkeypatch):
+    """An in-process restore: a blob from the origin is held mid-way by the CDN while the app's layers
+    apply. Once the app is in, the thread fetching it runs at WEIGHTS_NICE: lowered as a weight's
+    download (priority.py), then raised back with the registry's."""
+    from snapshotter.restore.priority import WEIGHTS_NICE
+    from snapshotter.restore.restore import RestoreOptions, restore_image
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.cdn.reached.clear()
+    hub.cdn.release.clear()
+    hub.cdn.pause[BIG_SHA] = (1 << 20) + 5
+    app_in = threading.Event()
+    done: list = []
+    out = str(tmp_path / "restored")
+    worker = threading.Thread(target=lambda: done.append(
+        restore_image(committed[0], out, RestoreOptions(on_app_ready=app_in.set))))
+    worker.start()
+    try:
+        assert hub.cdn.reached.wait(TIMEOUT) and app_in.wait(TIMEOUT), "the restore got nowhere"
+        fetching = [t.native_id for t in threading.enumerate() if t.name.startswith("origin-fetch_")]
+        assert fetching
+        nices = {os.getpriority(os.PRIO_PROCESS, tid) for tid in fetching}
+    finally:
+        del hub.cdn.pause[BIG_SHA]
+        hub.cdn.release.set()
+        worker.join(TIMEOUT)
+    assert done, "the restore failed"
+    assert nices == {max(WEIGHTS_NICE, os.getpriority(os.PRIO_PROCESS, 0))}
+
+
 def test_upload_origin_makes_the_snapshot_self_contained(registry, base_ref, origin_box, hub, tmp_path, state_dir):
     ref = f"{registry.host}/origin-up:v1"
     env = commit_env(hub)

@@ -102,13 +102,19 @@ class FetchReport:
 
 
 def fetch_all(root: str, refs: list[Reference], source: Origin, workers: int = 4,
-              on_bytes: OnBytes = None) -> FetchReport:
+              on_bytes: OnBytes = None, on_thread: Callable[[], None] = lambda: None) -> FetchReport:
     """Every blob the references name, `workers` at a time, each once; every one is tried whatever
-    the others do, so that a failure loses nothing else."""
+    the others do, so that a failure loses nothing else. `on_thread` is called in the fetching
+    thread before each blob (the restore lowers its priority there)."""
     blobs = list({r.blob_path: r for r in refs}.values())
     report = FetchReport()
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = pool.map(lambda r: _fetch_one(root, r, source, on_bytes), blobs)
+
+    def fetch_one(ref: Reference):
+        on_thread()
+        return _fetch_one(root, ref, source, on_bytes)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="origin-fetch") as pool:
+        results = pool.map(fetch_one, blobs)
         for ref, result in zip(blobs, results):
             if isinstance(result, SnapError):
                 report.failed.append((ref.blob_path, result))

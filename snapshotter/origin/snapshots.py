@@ -132,30 +132,34 @@ def read_document(remote: Remote, annotations: dict) -> Optional[References]:
     return References.from_json(data)
 
 
-def fetch_into(root: str, doc: References, log: Callable[[str], None], workers: int = FETCHES) -> FetchReport:
-    """Fetch every referenced blob into `root` from the origin this side names (HF_ENDPOINT, HF_TOKEN)."""
+def fetch_into(root: str, doc: References, log: Callable[[str], None], workers: int = FETCHES,
+               on_thread: Callable[[], None] = lambda: None) -> FetchReport:
+    """Fetch every referenced blob into `root` from the origin this side names (HF_ENDPOINT, HF_TOKEN);
+    `on_thread` as fetch_all's."""
     source = Origin.from_env()
     blobs = {r.blob_path: r.size for r in doc.references}
     log(f"fetching {len(blobs)} file(s) of weights from the origin {source.endpoint!r}")
-    return fetch_all(root, list(doc.references), source, workers)
+    return fetch_all(root, list(doc.references), source, workers, on_thread=on_thread)
 
 
 class BackgroundFetch:
     """fetch_into in a thread of its own, started before the layers apply: the weights arrive from
-    the origin while the registry's layers do, and `--then`'s app does not wait for them."""
+    the origin while the registry's layers do, and `--then`'s app does not wait for them. Each
+    fetching thread calls `on_thread` first (the restore's priority for weights)."""
 
-    def __init__(self, root: str, doc: References, log: Callable[[str], None]):
+    def __init__(self, root: str, doc: References, log: Callable[[str], None], on_thread: Callable[[], None]):
         self.root, self.doc = root, doc
         self.report: Optional[FetchReport] = None
         self.error: Optional[BaseException] = None
         self.files = len({r.blob_path for r in doc.references})
         self.bytes = sum({r.blob_path: r.size for r in doc.references}.values())
-        self._thread = threading.Thread(target=self._run, args=(root, doc, log), name="origin-fetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(root, doc, log, on_thread), name="origin-fetch",
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, root: str, doc: References, log: Callable[[str], None]) -> None:
+    def _run(self, root: str, doc: References, log: Callable[[str], None], on_thread: Callable[[], None]) -> None:
         try:
-            self.report = fetch_into(root, doc, log)
+            self.report = fetch_into(root, doc, log, on_thread=on_thread)
         except BaseException as e:  # noqa: BLE001 - handed to finish(), in the restore's thread
             self.error = e
 
@@ -172,10 +176,12 @@ class BackgroundFetch:
 
 
 def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str], None],
-                profile: Optional[Profile] = None) -> Optional[BackgroundFetch]:
+                profile: Optional[Profile] = None, on_thread: Callable[[], None] = lambda: None
+                ) -> Optional[BackgroundFetch]:
     """The snapshot's references fetched in the background (None for a snapshot without); a snapshot
     whose hub files the layers hold (--upload-origin) is said so in one line. A blob, symlink or ref
-    at a path the restore `profile` excludes (never written) is neither fetched nor made."""
+    at a path the restore `profile` excludes (never written) is neither fetched nor made. Each
+    fetching thread calls `on_thread` before each blob."""
     uploaded = annotations.get(SNAP_ORIGIN_UPLOADED, "")
     if uploaded.isdigit():
         log(f"weights from the origin: {int(uploaded)} hub file(s) come from the registry's copy "
@@ -188,7 +194,7 @@ def start_fetch(root: str, remote: Remote, annotations: dict, log: Callable[[str
     if doc is None or not doc.references:
         return None
     Origin.from_env()  # a bad HF_ENDPOINT is a usage error before anything is written
-    return BackgroundFetch(root, doc, log)
+    return BackgroundFetch(root, doc, log, on_thread)
 
 
 def run_mounts(image: Image, transport: TransportOptions, log: Callable[[str], None],

@@ -37,14 +37,14 @@ class Blob(NamedTuple):
 
 
 class Downloads:
-    """The blobs of `layers` (in the order they are applied), downloaded
-    in that order by DOWNLOAD_WORKERS threads while the context is open, the app's (`app`, their
-    digests) before any other. Leaving the context on an error stops the downloads in flight at
-    their next chunk instead of waiting for them to end (a weight on a slow link takes minutes).
+    """The blobs of `layers` (in the order they are applied), downloaded in that order by
+    DOWNLOAD_WORKERS threads while the context is open, the app's (`app`, their digests) before any
+    other, the weights' at `priority`. Leaving the context on an error stops the downloads in flight
+    at their next chunk instead of waiting for them to end (a weight on a slow link takes minutes).
     Making one checks that the target's disk has room for them all, and starts no thread."""
 
     def __init__(self, remote: Remote, layers: list[Layer], app: set[str], staging: StagingDirs,
-                 durable: bool):
+                 durable: bool, priority: WeightsPriority):
         self._remote, self._durable, self._staging = remote, durable, staging
         self._sizes = {layer.digest: layer.size for layer in layers}
         self._uses = Counter(layer.digest for layer in layers)
@@ -58,7 +58,7 @@ class Downloads:
         self._paths = self._staging_paths(layers, staging)
         self._check_disks()
         self._stopping = threading.Event()
-        self._app_first = AppFirst(app, self._stopping)
+        self._app_first = AppFirst(app, self._stopping, priority)
         self._futures: dict[str, Future] = {}
 
     def verified(self, digest: str) -> Blob:
@@ -90,14 +90,7 @@ class Downloads:
     def __exit__(self, *exc) -> Optional[bool]:
         if exc[0] is not None:
             self.stop()
-        try:
-            return self._running.__exit__(*exc)
-        finally:
-            self._app_first.priority.forget()
-
-    def app_applied(self) -> None:
-        """The app's layers are applied: the weights' downloads need no longer yield to their unpacking."""
-        self._app_first.priority.app_in()
+        return self._running.__exit__(*exc)
 
     def stop(self) -> None:
         """Stop downloading: streams give up at their next chunk, waiting ones wake, queued ones are
@@ -150,10 +143,9 @@ class AppFirst:
     from the app's blobs, and so delays the app's start by as much. Weights start as soon as the
     app's blobs are downloaded, not applied: the link never idles while the app unpacks."""
 
-    def __init__(self, app_digests: set[str], stopping: threading.Event):
+    def __init__(self, app_digests: set[str], stopping: threading.Event, priority: WeightsPriority):
         self._app, self._left, self._stopping = frozenset(app_digests), set(app_digests), stopping
-        self._lock, self._open = threading.Lock(), threading.Event()
-        self.priority = WeightsPriority(app_in=not app_digests)
+        self._lock, self._open, self._priority = threading.Lock(), threading.Event(), priority
         if not self._left:
             self._open.set()
 
@@ -161,7 +153,7 @@ class AppFirst:
         """Return when the download of `digest` may start; raise Stopped if the restore stops first."""
         if digest not in self._app:
             self._open.wait()
-            self.priority.lower()
+            self._priority.lower()
         if self._stopping.is_set():
             raise progress.Stopped()
 

@@ -1,4 +1,5 @@
-"""The CPU priority of the threads that download weights: far below the app's unpacking, then below the app.
+"""The CPU priority of the threads that download weights (the registry's weights layers, the origin's
+blobs): far below the app's unpacking, then below the app.
 
 On a box with few cores, hashing and writing weights at link speed takes most of a core, which the
 app's unpacking needs (`--then` starts the app once its layers are applied). Until they are, a
@@ -27,7 +28,7 @@ _undoable: Optional[bool] = None  # whether a thread of this process can go back
 
 class WeightsPriority:
     """The priority of weights' download threads for one restore. `app_in`: the app's layers are applied
-    already (or there are none)."""
+    already (or there are none). Shared by the threads of several pools."""
 
     def __init__(self, app_in: bool):
         self._lock = threading.Lock()
@@ -50,13 +51,8 @@ class WeightsPriority:
         with self._lock:  # held throughout: a thread lowering itself meanwhile finds the app in
             self._app_in = True
             for tid, after in self._lowest.items():
-                _set_nice(tid, after)
-            self._lowest.clear()
-
-    def forget(self) -> None:
-        """The threads are gone (their ids may name others): nothing is changed from now on."""
-        with self._lock:
-            self._app_in = True
+                if os.path.exists(f"/proc/self/task/{tid}"):  # not a thread that is gone (its id another's)
+                    _set_nice(tid, after)
             self._lowest.clear()
 
 

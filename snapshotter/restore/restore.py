@@ -61,6 +61,7 @@ from .download import Blob, Downloads
 from .journal import Journal
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
+from .priority import WeightsPriority
 from .resume import first_missing
 from .schedule import Scheduler, SkipsUntrusted
 from .skip import RootRules, SkipPlan, plan_skips
@@ -138,6 +139,8 @@ class _Run:
     links: dict[str, list[str]]  # their other names
     skeletons: Callable[[], dict[str, skeleton.Skeleton]]
     claims: Optional[Claims]  # onto a live root: what each layer may delete (deletion_guard.py)
+    # The weights' download threads, the registry's and the origin's: below the app's unpacking (priority.py)
+    weights_priority: WeightsPriority = field(default_factory=lambda: WeightsPriority(app_in=False))
 
 
 def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
@@ -154,10 +157,13 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
     def after_layer(count: int, layer: Optional[Layer]) -> None:
         if layer is not None:
             progress.landed(layer, weights)
-        if count == ready_at and opts.on_app_ready is not None:
-            opts.on_app_ready()
+        if count == ready_at:  # before the app starts: the weights no longer yield to its unpacking
+            run.weights_priority.app_in()
+            if opts.on_app_ready is not None:
+                opts.on_app_ready()
 
-    weights_fetch = origin.start_fetch(run.extractor.root, run.remote, run.image.annotations, opts.log, run.profile)
+    weights_fetch = origin.start_fetch(run.extractor.root, run.remote, run.image.annotations, opts.log, run.profile,
+                                       run.weights_priority.lower)
     forget_restore(run.files)  # until this one finishes, the root did not come from any image (snapshot/lineage.py)
     started = stamp()
     staging = StagingDirs(root, run.image.manifest_digest, opts.log)
@@ -360,7 +366,7 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
     fetched = [layer for n, layer in enumerate(pending) if n not in skipped]
     downloads = Downloads(run.remote, fetched, {layer.digest for n, layer in enumerate(pending)
                                                 if n not in skipped and n < ready_at - resumed},
-                          staging, durable=opts.extract.fsync)
+                          staging, opts.extract.fsync, run.weights_priority)
 
     def layer_job(n: int, blob: Blob) -> LayerJob:
         # Nothing runs from the root until the app's layers are applied: their new files are written in place.
@@ -370,11 +376,6 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
         if run.claims is not None:
             job.deletions = run.claims.get(pending[n].digest, {})
         return job
-
-    def applied(count: int, layer: Optional[Layer]) -> None:
-        if count >= ready_at:  # before the app starts: the weights no longer yield to its unpacking
-            downloads.app_applied()
-        after_layer(count, layer)
 
     alone = {n for n, layer in enumerate(pending) if not layer.snap_label or downloads.kept_split(layer.digest)
              or (index_base is not None and n < index_base[0])}
@@ -389,7 +390,7 @@ def _apply_layers(run: _Run, staging: StagingDirs, opts: RestoreOptions,
         stack.enter_context(downloads)
         for worker in workers:
             stack.enter_context(worker)
-        scheduler = Scheduler(pending, alone, skipped, resumed, downloads, layer_job, workers, journal, applied,
+        scheduler = Scheduler(pending, alone, skipped, resumed, downloads, layer_job, workers, journal, after_layer,
                               run.extractor, lambda layer, blob, label: _note_mislabelled(layer, blob, label, opts.log),
                               said)
         try:
