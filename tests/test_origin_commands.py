@@ -285,8 +285,10 @@ def test_the_origins_fetch_threads_yield_to_the_apps_unpacking_then_run_below_th
     """An in-process restore: a blob from the origin is held mid-way by the CDN while the app's layers
     apply. Once the app is in, the thread fetching it runs at WEIGHTS_NICE: lowered as a weight's
     download (priority.py), then raised back with the registry's."""
-    from snapshotter.restore.priority import WEIGHTS_NICE
+    from snapshotter.restore.priority import UNPACKING_NICE, WEIGHTS_NICE
     from snapshotter.restore.restore import RestoreOptions, restore_image
+    if os.getpriority(os.PRIO_PROCESS, 0) >= WEIGHTS_NICE:
+        pytest.skip("the suite itself runs at a nice value of WEIGHTS_NICE or more")
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     hub.cdn.reached.clear()
@@ -308,7 +310,8 @@ def test_the_origins_fetch_threads_yield_to_the_apps_unpacking_then_run_below_th
         hub.cdn.release.set()
         worker.join(TIMEOUT)
     assert done, "the restore failed"
-    assert nices == {max(WEIGHTS_NICE, os.getpriority(os.PRIO_PROCESS, 0))}
+    # The thread held mid-blob is at WEIGHTS_NICE; a pool thread that took no blob keeps its own.
+    assert max(nices) == WEIGHTS_NICE and UNPACKING_NICE not in nices, nices
 
 
 def test_upload_origin_makes_the_snapshot_self_contained(registry, base_ref, origin_box, hub, tmp_path, state_dir):

@@ -48,10 +48,11 @@ class WeightsPriority:
 
     def app_in(self) -> None:
         """The app's layers are applied: the threads at UNPACKING_NICE go to WEIGHTS_NICE."""
+        known = os.path.isdir("/proc/self/task")  # this process's threads, where /proc shows them
         with self._lock:  # held throughout: a thread lowering itself meanwhile finds the app in
             self._app_in = True
             for tid, after in self._lowest.items():
-                if os.path.exists(f"/proc/self/task/{tid}"):  # not a thread that is gone (its id another's)
+                if not known or os.path.exists(f"/proc/self/task/{tid}"):  # not a thread gone (its id another's)
                     _set_nice(tid, after)
             self._lowest.clear()
 
