@@ -16,7 +16,8 @@ import threading
 
 import pytest
 
-from snapshotter.layer.direct import DIRECT_FS, DIRECT_MIN, DirectFile, direct_allowed, filesystem_type
+from snapshotter.box.mounts import filesystem_type
+from snapshotter.layer.direct import DIRECT_FS, DIRECT_MIN, DirectFile, direct_allowed
 from snapshotter.restore.priority import UNPACKING_NICE, WEIGHTS_NICE, WeightsPriority, undoable
 from support.run import snap
 from support.trees import SMALL_WEIGHTS

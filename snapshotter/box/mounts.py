@@ -63,6 +63,33 @@ def inside(root: str, point: str) -> Optional[str]:
     return point[len(prefix):] if point.startswith(prefix) else None
 
 
+def filesystem_type(path: str) -> Optional[str]:
+    """The type of the filesystem `path` (a real absolute path) is on, as /proc/self/mountinfo says:
+    the deepest mount above it whose device is the one its nearest existing directory is on (not one
+    mounted over since), the last one mounted there; None where mountinfo cannot be read."""
+    dev = _device(path)
+    best: Optional[tuple[bool, int, str]] = None
+    for m in read_mounts() or ():
+        if inside(m.point, path) is not None:
+            rank = (m.dev == dev, len(m.point.rstrip("/")), m.fstype)
+            if best is None or rank[:2] >= best[:2]:
+                best = rank
+    return best[2] if best else None
+
+
+def _device(path: str) -> Optional[str]:
+    """ "major:minor" of the device of `path`, or of its nearest existing parent."""
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            if path in ("/", ""):
+                return None
+            path = os.path.dirname(path)
+            continue
+        return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
 # Filesystems that are views of the kernel, never content of the box.
 PSEUDO_FS = {
     "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "mqueue", "debugfs", "tracefs", "securityfs",

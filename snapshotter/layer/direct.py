@@ -18,42 +18,12 @@ import errno
 import fcntl
 import mmap
 import os
-from typing import Optional
-
-from snapshotter.box.mounts import read_mounts
+from snapshotter.box.mounts import filesystem_type
 
 DIRECT_MIN = 64 << 20  # smaller files go through the page cache: a weight is hundreds of MiB to GBs
 BUFFER = 8 << 20  # one direct write; a multiple of any disk's logical block size
 BLOCK = 4096  # the tail is written through the page cache from the last multiple of this
 DIRECT_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "overlay"}
-
-
-def filesystem_type(path: str) -> Optional[str]:
-    """The type of the filesystem `path` (a real absolute path) is on, as /proc/self/mountinfo says:
-    the deepest mount above it whose device is the one its nearest existing directory is on (not one
-    mounted over since), the last one mounted there; None where mountinfo cannot be read."""
-    dev = _device(path)
-    best: Optional[tuple[bool, int, str]] = None
-    for m in read_mounts() or ():
-        point = m.point.rstrip("/")
-        if path == m.point or path.startswith(point + "/"):
-            rank = (m.dev == dev, len(point), m.fstype)
-            if best is None or rank[:2] >= best[:2]:
-                best = rank
-    return best[2] if best else None
-
-
-def _device(path: str) -> Optional[str]:
-    """ "major:minor" of the device of `path`, or of its nearest existing parent."""
-    while True:
-        try:
-            st = os.stat(path)
-        except OSError:
-            if path in ("/", ""):
-                return None
-            path = os.path.dirname(path)
-            continue
-        return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
 def direct_allowed(directory: str) -> bool:
