@@ -250,9 +250,9 @@ def if_room(write: Callable[[], object], warn: Optional[Callable[[str], None]] =
     except OSError as e:
         if e.errno not in _NO_ROOM:
             raise
-        if warn is not None:
+        if warn is not None:  # not "point SNAP_STATE_DIR elsewhere": a new one would not know what this box made
             warn(f"warning: {what} not kept in the state dir {state_dir()!r} ({os.strerror(e.errno)}): "
-                 "free space there, or point SNAP_STATE_DIR elsewhere")
+                 + ("make it writable" if e.errno == errno.EROFS else "free space there"))
         return False
 
 

@@ -157,6 +157,10 @@ def test_a_full_state_dir_disk_costs_the_memos_not_the_commit(registry, base_ref
     assert r.returncode == 0, r.stderr
     assert_clean(r)
     assert f"no room to build it in {str(state / 'layers')!r}" in r.stderr
+    # What was skipped is said with what to do: free space there (a new state dir would not know
+    # what this box made, and its next commit would be refused from the tag).
+    assert "not kept in the state dir" in r.stderr and "free space there" in r.stderr
+    assert "SNAP_STATE_DIR" not in r.stderr
     # The note that this box made that snapshot took the state dir's reserve: the next commit, the
     # disk still full, moves the tag on.
     assert "next commit is refused" not in r.stderr
