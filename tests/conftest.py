@@ -181,17 +181,18 @@ def jail(tmp_path):
 
 @pytest.fixture
 def tmpfs():
-    """mount(path, size): a tmpfs at path (made if missing); all unmounted afterwards."""
+    """mount(path, size): a tmpfs at path (made if missing); kind="ramfs" for a ramfs (no size, no
+    O_DIRECT); all unmounted afterwards, the last mounted first."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     mounted = []
 
-    def mount(d, size: str = "2m"):
+    def mount(d, size: str = "2m", kind: str = "tmpfs"):
         d.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
-                           text=True)
+        options = ["-o", f"size={size}"] if kind == "tmpfs" else []
+        r = subprocess.run(["mount", "-t", kind, *options, kind, str(d)], capture_output=True, text=True)
         if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+            pytest.skip(f"cannot mount a {kind} here: {r.stderr.strip()}")
         mounted.append(d)
         return d
 
