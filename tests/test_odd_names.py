@@ -109,21 +109,56 @@ def test_a_watcher_snapshots_odd_names_and_logs_them_escaped(registry, base_ref,
     assert snapshot_of_tree(str(out), skip=NOT_CAPTURED) == snapshot_of_tree(box, skip=NOT_CAPTURED)
 
 
-@pytest.mark.parametrize("name", [".wh.config", ".wh..wh..opq", ".wh.dir\n\x1b[2J/"])
-def test_a_name_no_layer_can_hold_is_refused_up_front_in_one_line(registry, base_ref, box, name):
-    """`.wh.NAME` in the box: a layer holding it would delete NAME on restore. Commit, status and
-    watch refuse it before anything is sent, naming it escaped; exit 2."""
+WHITEOUT_NAMES = [".wh.config", ".wh..wh..opq", ".wh.dir\n\x1b[2J/"]
+
+
+def _whiteout_named(box: str, name: str) -> str:
     rel = "opt/app/" + name.rstrip("/")
     if name.endswith("/"):
-        os.makedirs(os.path.join(box, rel))
+        _write(os.path.join(box, rel, "inside"), b"x")
     else:
         _write(os.path.join(box, rel), b"x")
+    return rel
+
+
+@pytest.mark.parametrize("name", WHITEOUT_NAMES)
+def test_a_name_no_layer_can_hold_is_refused_up_front_in_one_line(registry, base_ref, box, name):
+    """`.wh.NAME` in the box: a layer holding it would delete NAME on restore. Commit and status
+    refuse it before anything is sent, naming it escaped; exit 2."""
+    rel = _whiteout_named(box, name)
     target = f"{registry.host}/whiteout-named:v1"
-    for args in (("commit", target, "--base", base_ref, "--root", box), ("status", "--base", base_ref, "--root", box),
-                 ("watch", target, "--base", base_ref, "--root", box)):
+    for args in (("commit", target, "--base", base_ref, "--root", box), ("status", "--base", base_ref, "--root", box)):
         r = run(*args)
         assert_one_line_error(r, 2, quoted_path(rel), "whiteout", "exclude")
     assert registry.session().get(f"{registry.url}/v2/whiteout-named/tags/list").status_code == 404
+
+
+@pytest.mark.parametrize("name, later", [(WHITEOUT_NAMES[0], False), (WHITEOUT_NAMES[2], False),
+                                         (WHITEOUT_NAMES[1], True), (WHITEOUT_NAMES[2], True)])
+def test_a_watcher_leaves_out_a_name_no_layer_can_hold_and_saves_the_rest(registry, base_ref, box, tmp_path, request,
+                                                                         name, later):
+    """The same name under `snap watch` (there when it starts, or made while it watches) is left out
+    and named once, escaped; the rest of the box, a change made after it included, is snapshotted
+    and the final snapshot exits 0. A watcher that stopped over one name left the box unsaved."""
+    target = f"{registry.host}/{repo_for(request)}:v1"
+    rel = None if later else _whiteout_named(box, name)
+    p = WatchProcess(target, "--base", base_ref, "--root", box, "--every", "1h",
+                     env={"SNAP_WATCH_QUIET": "3600", "SNAP_QUIET": "", "SNAP_PROGRESS": "lines"})
+    p.wait_for(" moved to it")  # the first snapshot
+    if later:
+        rel = _whiteout_named(box, name)
+    _write(os.path.join(box, "opt/app/after.txt"), b"saved by the final snapshot\n")
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.finish() == 0, "".join(p.seen)
+    told = [line for line in p.seen if "left out: " + quoted_path(rel) in line]
+    assert len(told) == 1 and "whiteout" in told[0], "".join(p.seen)
+    assert not [c for line in p.seen for c in line.rstrip("\n") if not c.isprintable()], p.seen
+    out = tmp_path / "out"
+    assert run("restore", target, "--root", str(out)).returncode == 0
+    assert not os.path.lexists(os.path.join(out, rel))
+    assert os.path.exists(os.path.join(out, "opt/app/after.txt"))
+    skip = (*NOT_CAPTURED, rel)
+    assert snapshot_of_tree(str(out), skip=skip) == snapshot_of_tree(box, skip=skip)
 
 
 def test_an_image_with_odd_names_restores_and_verifies_alike(registry, request, tmp_path):

@@ -43,6 +43,7 @@ class Scan:
     touched: Optional[set[str]] = None  # a scan of some directories: the paths it looked at, gone ones too
     kept_as: Optional[str] = None  # the digest of the stored walk that holds every entry (snapshot/kept.py)
     unkept: frozenset[str] = frozenset()  # entries some process maps shared-writable: in no memo (scan_box's `mapped`)
+    whiteout_named: list[str] = field(default_factory=list)  # `.wh.*` paths left out (scan_box's `leave_out_whiteouts`)
 
     @functools.cached_property
     def _left_out(self) -> frozenset[str]:
@@ -70,7 +71,8 @@ def links_to(entries: dict[str, Entry], targets: set[str]) -> list[str]:
 def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
              progress: Optional[Callable[[int], None]] = None, metadata_only: bool = False,
              memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
-             dirty: Optional[set[str]] = None, mapped: frozenset[tuple[int, int]] = frozenset()) -> Scan:
+             dirty: Optional[set[str]] = None, mapped: frozenset[tuple[int, int]] = frozenset(),
+             leave_out_whiteouts: bool = False) -> Scan:
     """Walk the live box. Excluded paths and pseudo filesystems are not descended into; secrets are
     left out (and listed) unless the profile opts in, and so are files bind-mounted from the host.
     `metadata_only` (a watcher looking for changes) reads no symlink targets, xattrs or permissions:
@@ -88,7 +90,11 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     link outside the root, a bind mount). The memo keeps none of them (the scan's `unkept`), and
     takes their entries anew: a write through a mapping moves the times only at its first write to a
     clean page, and the writes after it change no stat data, so a verdict read from the content (a
-    private key's head) is not kept either."""
+    private key's head) is not kept either.
+
+    A path named as an OCI whiteout (`.wh.NAME`), which no layer can hold, is refused (UsageError);
+    with `leave_out_whiteouts` it is left out and listed (`whiteout_named`): a watcher must not lose
+    the rest of the box over one name."""
     if not os.path.isdir(root):
         raise UsageError(f"root {root!r} does not exist or is not a directory")
     context = scan_context(root, profile, extra_excludes, metadata_only)
@@ -97,6 +103,7 @@ def scan_box(root: str, profile: Profile, extra_excludes: tuple[str, ...] = (),
     partial = previous is not None and dirty is not None and memo is not None and bool(old) and not profile.include
     walk = _Walk(root, profile, extra, metadata_only, old, settled_ns if memo is not None else None,
                  previous if partial else None, mapped)
+    walk.leave_out_whiteouts = leave_out_whiteouts
     root_fd = open_root(root)  # (the root itself may be a symlink: --root names it)
     try:
         if profile.include:
@@ -138,6 +145,8 @@ class _Walk:
         self.host_files: set[str] = set(previous.host_files) if previous else set()
         self.new: dict[str, Entry | str] = dict(old) if previous else {}  # this scan's paths, for the memo
         self.unsure: set[str] = set()  # paths read incompletely (an xattr the disk refused): not kept
+        self.leave_out_whiteouts = False  # see scan_box
+        self.whiteout_named: set[str] = set()  # the `.wh.*` paths this walk left out
         self.racy: set[str] = set()  # directories holding a path the memo does not keep (changed within its window)
         self.touched: set[str] = set()
         self.linked: set[str] = set()  # inode numbers of files with other names, looked at in a partial scan
@@ -236,7 +245,10 @@ class _Walk:
             if last is None and exclude(rel):
                 continue
             if name.startswith(WHITEOUT_PREFIX):
-                _refuse_whiteout_name(rel)
+                if not self.leave_out_whiteouts:
+                    _refuse_whiteout_name(rel)
+                self.whiteout_named.add(rel)
+                continue
             try:
                 st = stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except (FileNotFoundError, NotADirectoryError):
@@ -305,7 +317,8 @@ class _Walk:
         return Scan(entries, venvs, sorted(self.secrets), self.skip_mounts, sorted(self.host_files),
                     sorted(self.unreadable), listed=self.listed, racy_dirs=self.racy,
                     touched=self.touched if self.previous is not None else None,
-                    unkept=frozenset(p for p in self.mapped if p in entries))
+                    unkept=frozenset(p for p in self.mapped if p in entries),
+                    whiteout_named=sorted(self.whiteout_named))
 
 
 def _refuse_whiteout_name(rel: str) -> None:

@@ -91,7 +91,7 @@ def own_excludes(root: str) -> tuple[str, ...]:
 
 def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
               dirty: Optional[set[str]] = None, sink: progress.Sink = progress.to_stderr,
-              mapped: frozenset[tuple[int, int]] = frozenset()) -> Scan:
+              mapped: frozenset[tuple[int, int]] = frozenset(), leave_out_whiteouts: bool = False) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
     `memo` carries what the last such walk learnt (box/memo.py's ScanMemo); `previous` and `dirty`,
     the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
@@ -101,7 +101,7 @@ def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, prev
     stored = StoredWalk(root, profile, extra) if memo is None else None
     with progress.bar("scanning box", unit="files", sink=sink) as b:
         scan = scan_box(root, profile, extra, progress.safe_update(b), memo=stored.memo() if stored else memo,
-                        previous=previous, dirty=dirty, mapped=mapped)
+                        previous=previous, dirty=dirty, mapped=mapped, leave_out_whiteouts=leave_out_whiteouts)
     if stored is not None:
         stored.save(scan)
     return scan

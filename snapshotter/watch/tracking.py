@@ -16,7 +16,9 @@ from snapshotter.box.scan import Scan, scan_box
 from snapshotter.box.writers import Writers, open_for_writing
 from snapshotter.commit.commit import own_excludes, scan_root
 from snapshotter.commit.model import CommitPlan
+from snapshotter.errors import quoted_path
 from snapshotter.index.entry import Entry, gc_paused, stat_stamp
+from snapshotter.tar.rules import WHITEOUT_PREFIX
 
 from .options import trace
 
@@ -69,6 +71,7 @@ class ChangeTracker:
         self.tick_scan: Optional[Scan] = None  # the loop's last scan, and the last commit's
         self.commit_scan: Optional[Scan] = None
         self.lost_told = False
+        self.whiteouts_told: set[str] = set()  # `.wh.*` paths left out and said so (_tell_whiteouts)
 
     # ---- change notifications ----------------------------------------------------------------
 
@@ -151,12 +154,13 @@ class ChangeTracker:
         try:
             with gc_paused():
                 scan = scan_box(self.root, self.profile, own_excludes(self.root), metadata_only=True,
-                                memo=self.tick_memo, previous=previous, dirty=dirty)
+                                memo=self.tick_memo, previous=previous, dirty=dirty, leave_out_whiteouts=True)
         except BaseException:
             with self.events_lock:
                 self.tick_dirty = None  # what was taken is lost: the next scan is full
             raise
         self.tick_scan = scan
+        self._tell_whiteouts(scan)
         trace(self.log, "scan: the whole box" if dirty is None else f"scan: {len(dirty)} changed directories")
         return scan
 
@@ -177,13 +181,23 @@ class ChangeTracker:
             dirty = dirty | previous.racy_dirs | self.mapped_dirs(writers) | self.moved_links()
         try:
             scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty, sink=self.log,
-                             mapped=frozenset(writers.mapped_ids))
+                             mapped=frozenset(writers.mapped_ids), leave_out_whiteouts=True)
         except BaseException:
             with self.events_lock:
                 self.commit_dirty = None
             raise
         self.commit_scan = scan
+        self._tell_whiteouts(scan)
         return scan
+
+    def _tell_whiteouts(self, scan: Scan) -> None:
+        """Name each path left out for its `.wh.` name, once: `snap commit` refuses such a box, but a
+        watcher that stopped for one name would leave the rest of the box unsaved."""
+        for rel in scan.whiteout_named:
+            if rel not in self.whiteouts_told:
+                self.whiteouts_told.add(rel)
+                self.log(f"left out: {quoted_path(rel)} (named as an OCI whiteout, {WHITEOUT_PREFIX!r} first: no "
+                         f"layer can hold it); rename it to have it in the snapshots")
 
     def observe(self, scan: Scan, now: float) -> list[str]:
         """Note a scan: paths whose token changed since the last one get `since` = now. A scan of
