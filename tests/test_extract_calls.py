@@ -6,11 +6,16 @@ the layer made is its members' parent without a lookup of the path to it. The tr
 import io
 import os
 import stat
+import struct
 import tarfile
 
 import pytest
 
 from snapshotter.layer.extract import Extractor
+
+from support.images import push
+from support.run import snap
+from support.tars import member, tar_bytes
 
 DEPTH, LEAVES, FILES = 8, 12, 5
 
@@ -200,3 +205,34 @@ def test_a_layer_of_directories_already_there_sets_little(tmp_path, dir_calls):
     for d in ("venv", "venv/lib", "venv/lib/site"):
         st = os.lstat(root / d)
         assert (st.st_atime_ns, st.st_mtime_ns) == (1_600_000_000 * 10**9,) * 2, d
+
+
+# A default ACL of user::rwx, group::r-x, other::--- (`setfacl -d -m o::---` on a 0755 directory),
+# as the kernel stores it (acl_ea_header and entries: tag, perm, id).
+DEFAULT_ACL_NO_OTHER = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF)
+                                                       for tag, perm in ((0x01, 7), (0x04, 5), (0x20, 0)))
+ACL_MODES = {"top/": 0o755, "top/a.txt": 0o644, "top/run.sh": 0o755, "top/sub/": 0o711, "top/sub/k": 0o604,
+             "top/secret": 0o600, "here.txt": 0o644, "bin/": 0o755}
+LATER_MODES = {"top/b.txt": 0o644, "here2.txt": 0o664, "bin/tool": 0o755}
+
+
+def test_a_restore_under_a_default_acl_gives_every_mode_the_image_does(registry, request, tmp_path):
+    """A directory with a default ACL gives what is made in it the ACL's modes, not the umask's (here
+    no bits for others): each file and directory, new in a directory a layer made or not, still ends
+    with its mode from the image."""
+    root = tmp_path / "root"
+    root.mkdir()
+    try:
+        os.setxattr(root, "system.posix_acl_default", DEFAULT_ACL_NO_OTHER)
+    except OSError as e:
+        pytest.skip(f"this filesystem takes no default ACL: {e.strerror}")
+
+    def layer(modes: dict) -> bytes:
+        return tar_bytes(*(member(name, "dir", mode=mode) if name.endswith("/") else
+                           member(name, data=name.encode(), mode=mode) for name, mode in modes.items()))
+
+    ref = push(registry, request, layer(ACL_MODES), layer(LATER_MODES))
+    r = snap("restore", ref, "--root", str(root))
+    assert r.returncode == 0, r.stderr
+    for name, mode in {**ACL_MODES, **LATER_MODES}.items():
+        assert stat.S_IMODE(os.lstat(root / name).st_mode) == mode, name

@@ -295,7 +295,7 @@ class Extractor(RootTree):
             self._times_right.add(path)  # not set again unless a member changes what it holds
         if self.parallel:
             self.layer_dir_headers.append((landed, m))
-        self._dir_times.pop(path, None)
+        self._header_applied(path)
         self._written.add(path)
         self._dir_cache[rel] = path  # a real directory now: its members' parent, resolved without a lookup
 
@@ -311,8 +311,8 @@ class Extractor(RootTree):
                 raise NeedsSerial(landed) from None  # a layer applied meanwhile put a non-directory there
             return attrs_of(st)  # another extractor made it meanwhile: a parent directory both layers hold
         self._made_dir(path)
-        if self._umask is None or path.rpartition("/")[0] not in self._plain_dirs:
-            return None  # a setgid parent may give it its group and its setgid bit
+        if self._umask is None or path.rpartition("/")[0] not in self._plain_dirs or not self._umask_rules(path):
+            return None  # a setgid parent may give it its group and its setgid bit; a default ACL, its mode
         return mode & ~self._umask, *self._owner
 
     def _make_non_dir(self, reader: Optional[TarReader], m: tarfile.TarInfo, pdir: str, path: str, new: bool,
@@ -402,7 +402,7 @@ class Extractor(RootTree):
         create = mode if mode <= 0o777 and self._umask is not None else 0o600
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
         owner = self._owner if pdir in self._plain_dirs else (-1, -1)
-        created = (create & ~self._umask, *owner) if self._umask is not None else None
+        created = (create & ~self._umask, *owner) if self._umask is not None and self._umask_rules(tmp) else None
         try:
             if staged is not None:
                 with open(staged, "rb") as src:

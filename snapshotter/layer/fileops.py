@@ -18,6 +18,7 @@ XATTR_NAME_MAX, XATTR_SIZE_MAX = 255, 1 << 16  # Linux's limits (limits.h)
 _ON_FD: dict = {}
 _NOFOLLOW = {"follow_symlinks": False}
 Attrs = tuple[int, int, int]  # (mode, uid, gid) a path has: set_attrs's `created`
+DEFAULT_ACL = "system.posix_acl_default"
 
 
 def attrs_of(st: os.stat_result) -> Attrs:
@@ -72,6 +73,16 @@ def umask() -> Optional[int]:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def has_default_acl(directory: str) -> bool:
+    """Whether `directory` has a default ACL: what is made in it then gets its mode from the ACL, not
+    the umask (and a directory made in it inherits the ACL). Not known: True (a chmod too many)."""
+    try:
+        os.getxattr(directory, DEFAULT_ACL, follow_symlinks=False)
+    except OSError as e:
+        return e.errno not in (errno.ENODATA, errno.ENOTSUP)
+    return True
 
 
 def set_xattr(path, name: str, value: str, nofollow: dict) -> None:

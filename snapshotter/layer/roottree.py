@@ -16,7 +16,7 @@ from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.index.paths import resolve_in_root
 
 from .extract_model import ExtractOptions, ExtractStats, NeedsSerial
-from .fileops import join, mount_below, utime
+from .fileops import has_default_acl, join, mount_below, utime
 
 TMP_PREFIX = ".snap-tmp-"
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
@@ -44,6 +44,7 @@ class RootTree:
         self._written: set[str] = set()  # real paths this layer created (whiteouts must spare them)
         self._new_dirs: set[str] = set()  # directories this layer created: they hold only what it wrote
         self._times_right: set[str] = set()  # of _layer_dirs: those with their header's times, unchanged since
+        self._acl_dirs: dict[str, bool] = {}  # directories -> whether they have a default ACL (_umask_rules)
 
     def put_back_dir_times(self) -> None:
         """Put back the times of directories we only wrote into, then set this layer's own directory
@@ -76,6 +77,17 @@ class RootTree:
             return None
         self._dir_cache[rel] = path  # what lies below resolves from it
         return st
+
+    def _umask_rules(self, made: str) -> bool:
+        """Whether `made`, just created, got its mode from the umask: not where its directory has a
+        default ACL, which the kernel applies instead (a file created 0644 under `default:other::---`
+        is 0640). Read once per directory and layer (another extractor may meanwhile give one an
+        ACL from its header), and again once a header is applied to it (_header_applied)."""
+        pdir = made.rpartition("/")[0]
+        acl = self._acl_dirs.get(pdir)
+        if acl is None:
+            acl = self._acl_dirs[pdir] = has_default_acl(pdir)
+        return not acl
 
     def _rel(self, path: str) -> str:
         return path[len(self._root_prefix):] if path != self.root else ""
@@ -162,6 +174,13 @@ class RootTree:
         of a killed run: no sweep, which saves a directory read per new directory."""
         self._new_dirs.add(path)
         self._cleaned.add(path)
+        self._acl_dirs.pop(path, None)  # perhaps one removed, that had no default ACL: it inherits its parent's
+
+    def _header_applied(self, path: str) -> None:
+        """Directory `path` has its header's attributes (its xattrs may give it a default ACL); its
+        times are set once what it holds is in."""
+        self._dir_times.pop(path, None)
+        self._acl_dirs.pop(path, None)
 
     def _locate(self, rel: str, create: bool = True) -> tuple[str, str]:
         """(real parent dir, final path) for a member; the final component is not followed.
