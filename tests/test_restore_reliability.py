@@ -12,6 +12,7 @@ import pickle
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import zstandard
 
 from snapshotter import workers
 from snapshotter.errors import IntegrityError, StorageError
+from snapshotter.layer.extract_model import ExtractOptions
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
 from snapshotter.restore import journal as journal_module
 from snapshotter.restore import restore as restore_module
@@ -596,6 +598,31 @@ def test_a_journal_of_another_version_is_not_resumed_from(registry, tmp_path, st
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["resumed"] == 0 and "starting over" in r.stderr
     assert (root / "a.txt").read_bytes() == b"a\n" and (root / "b.txt").read_bytes() == b"b\n"
+
+
+def test_a_restore_resumed_with_other_options_starts_over(registry, tmp_path, state_dir, monkeypatch):
+    """A run with a profile that never writes /etc/app.conf and with --allow-setuid, interrupted after
+    its first layer, then run again with neither: the layer it applied does not count as applied
+    (it followed other rules), so the root ends as a restore with this run's options makes it."""
+    first = tar_bytes(member("etc/", "dir"), member("etc/app.conf", data=b"conf\n"),
+                      member("bin/", "dir"), member("bin/tool", data=b"tool\n", mode=0o4755))
+    registry.push_image("rules", "v1", [first, layer({"b.txt": b"b\n"}), layer({"c.txt": b"c\n"})],
+                        layer_media_type=TAR)
+    ref, root = f"{registry.host}/rules:v1", tmp_path / "root"
+    profile = tmp_path / "narrow.yaml"
+    profile.write_text("name: narrow\nlayers:\n  - name: rest\nexclude:\n  - /etc/app.conf\n")
+    put_back = _interrupt_apply_after(monkeypatch, 1)
+    with pytest.raises(Interrupted):
+        restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False, profile=str(profile),
+                                                     extract=ExtractOptions(allow_setuid=True)))
+    put_back()
+    assert not (root / "etc/app.conf").exists() and (root / "bin/tool").exists()
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["resumed"] == 0 and "with other options" in r.stderr, r.stderr
+    assert (root / "etc/app.conf").read_bytes() == b"conf\n"
+    assert stat.S_IMODE(os.lstat(root / "bin/tool").st_mode) == 0o755  # without --allow-setuid: no setuid bit
+    assert (root / "c.txt").read_bytes() == b"c\n"
 
 
 # ---- the extraction process -------------------------------------------------------------------

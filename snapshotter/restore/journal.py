@@ -1,17 +1,20 @@
 """The restore journal: how far a restore into a root got, so that running it again resumes.
 
 One file per restore root in the state dir: {manifest digest, the digests of this run's layer
-list}, then how many of them are applied (always a prefix), with the files each layer wrote (a
-layer's hardlink may only name those: layer/extract.py), what each of them is (a file's size, a
-symlink, ...) and what its whiteouts hid, and the files joined from part layers (with their size), a
-line each.
+list, a digest of the options that decide what a layer writes (`rules_digest`)}, then how many of
+them are applied (always a prefix), with the files each layer wrote (a layer's hardlink may only
+name those: layer/extract.py), what each of them is (a file's size, a symlink, ...) and what its
+whiteouts hid, and the files joined from part layers (with their size), a line each.
 Resuming needs the same manifest and the same list: an interrupted `--only-snapshot` run says
-nothing about a full one; and a root that still holds what the applied layers wrote (resume.py),
-else the restore goes back to the first layer whose files are not all there (`rewind`). A journal
-of another format version, or another image, means starting over."""
+nothing about a full one; the same options: layers applied under another --profile or without
+--allow-setuid must not stay beside layers applied now; and a root that still holds what the
+applied layers wrote (resume.py), else the restore goes back to the first layer whose files are
+not all there (`rewind`). A journal of another format version, another image, or other options,
+means starting over."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -19,11 +22,12 @@ from typing import Callable, Optional, Sequence
 
 from snapshotter import jsontext
 from snapshotter.errors import storage_error
+from snapshotter.layer.extract_model import ExtractOptions
 from snapshotter.state import RootFiles, open_own, remove_if_there, replace_file, versioned
 
-# A header line, then one line per event (5 gave no joined file's size or hardlink's target; 4 did not
-# say what the files are; 3 did not list them).
-VERSION = 6
+# A header line, then one line per event (6 did not say which options wrote the layers; 5 gave no joined
+# file's size or hardlink's target; 4 did not say what the files are; 3 did not list them).
+VERSION = 7
 
 
 @dataclass
@@ -39,16 +43,19 @@ class Applied:
 
 class Journal:
     """The journal of a restore of `manifest_digest` (its `layers`, by digest) into a root (`files`),
-    kept in `directory`. `load` reads what an earlier run left; `applied` and `joined` say how far it got.
+    kept in `directory`, under options whose rules_digest is `rules`. `load` reads what an earlier run
+    left; `applied` and `joined` say how far it got.
 
     One JSON line with the manifest and the list, then one line per event ({"applied": n,
     "wrote": [path, ...], "shapes": [...], "gone": [...], "links": {path: target}},
     {"joined": path, "size": n} or {"rewound": n}) appended as it happens: linear in the layers (a
     whole rewrite after each of 5,000 layers was quadratic). A torn last line (a kill while appending) is ignored."""
 
-    def __init__(self, directory: str, files: RootFiles, manifest_digest: str, layers: list[str], fsync: bool):
+    def __init__(self, directory: str, files: RootFiles, manifest_digest: str, layers: list[str], fsync: bool,
+                 rules: str = ""):
         self.path = files.file_in(directory)  # JSON lines
         self.root, self.manifest, self.layers, self.fsync = files.root, manifest_digest, layers, fsync
+        self.rules = rules
         self.joined: dict[str, int] = {}  # files joined from part layers -> their size
         self.done: dict[int, Applied] = {}  # layer n (from 1) of the list -> what applying it left
         self._started = False  # the file holds this run's first line
@@ -86,9 +93,13 @@ class Journal:
         exists, head, events = self._read()
         if not exists:
             return
+        why = None
         if not events:
             why = ("was interrupted with another image or layer selection" if isinstance(head, dict)
                    else f"left an unreadable journal ({self.path})")
+        elif head.get("rules") != self.rules:  # the layers it applied follow other rules than this run's
+            why = "was interrupted with other options (--profile, --allow-setuid, --allow-devices, or another user)"
+        if why is not None:
             log(f"an earlier restore into {self.root} {why}: starting over, applying all {len(self.layers)} layer(s)")
             self._start()  # at once: the tree is about to change under what the old journal says
             return
@@ -144,7 +155,7 @@ class Journal:
         self._append({"joined": rel, "size": size})
 
     def _start(self) -> None:
-        head = {"version": VERSION, "manifest": self.manifest, "layers": self.layers}
+        head = {"version": VERSION, "manifest": self.manifest, "layers": self.layers, "rules": self.rules}
         self._write(lambda: replace_file(self.path, lambda f: f.write(json.dumps(head) + "\n"), durable=self.fsync))
         self._started = True
 
@@ -180,6 +191,15 @@ class Journal:
         except OSError as e:
             raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}",
                                 " while removing the restore journal") from e
+
+
+def rules_digest(options: ExtractOptions) -> str:
+    """A digest of what decides what applying a layer writes: owners, setuid bits and capabilities,
+    device nodes, the paths never written (the profile's), and whether this process runs as root
+    (which some of them need). Not fsync, nor the run's token."""
+    rules = {"root": os.geteuid() == 0, "same_owner": options.same_owner, "allow_setuid": options.allow_setuid,
+             "allow_devices": options.allow_devices, "never_write": sorted(options.never_write)}
+    return "sha256:" + hashlib.sha256(json.dumps(rules, sort_keys=True).encode()).hexdigest()
 
 
 def _strings(value: object) -> bool:

@@ -58,7 +58,7 @@ from snapshotter.tar.compress import label_mismatch, sniff_compression, stream_h
 from .applier import ExtractWorker, LayerJob, workers_memory_allows
 from .deletion_guard import Claims, guard_live_root, holds_system, refuse_live_system
 from .download import Blob, Downloads
-from .journal import Journal
+from .journal import Journal, rules_digest
 from .landing import Progress, app_ready_after, weight_file
 from .parts import join_parts, part_files, part_links
 from .priority import WeightsPriority
@@ -207,14 +207,16 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     image, remote = open_image(remote.resolve(), remote, opts.decryption_keys)  # before anything is written
     todo = select_layers(image, opts.only_snapshot)
     parts, links = part_files(todo), part_links(todo)  # a malformed image is refused before anything is written
+    profile = restore_profile(image, opts.profile)
+    # A layer never writes into a staging dir: it holds the verified blobs of the layers after it.
+    # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
+    extract = dataclasses.replace(opts.extract, never_write=(*profile.exclude.patterns, f"{STAGING_PREFIX}*"),
+                                  run_token=secrets.token_hex(4))
     journal = Journal(_state_sub("restore-journal"), files, image.manifest_digest, [layer.digest for layer in todo],
-                      opts.extract.fsync)
+                      extract.fsync, rules_digest(extract))
     base_layers = len(todo) - snapshot_layer_count(image) if not opts.only_snapshot else 0
     if base_layers > 0 and not opts.force and not journal.started_here():
         refuse_live_system(root, image, base_layers)
-    profile = restore_profile(image, opts.profile)
-    # A layer never writes into a staging dir: it holds the verified blobs of the layers after it.
-    never_write = (*profile.exclude.patterns, f"{STAGING_PREFIX}*")
     # Snapshot layers onto a live system: never its deletion (a snapshot of a wrong --root holds
     # whiteouts of /bin, /etc, /usr), counted from the layers before anything is written. A full
     # restore onto one is refused above, or forced.
@@ -222,11 +224,9 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     # Fetched once, when the guard or skip.py first needs them.
     skeletons = functools.cache(lambda: skeleton.image_skeletons(remote, image, opts.log))
     joins = {rel: links.get(rel, []) for rel in parts}
-    claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(never_write),
+    claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(extract.never_write),
                              opts.extract.allow_devices, joins, opts.log) if live else None
-    # The run's token, in its temp names: one extraction process does not sweep another's (layer/extract.py).
-    extractor = _open_root(root, dataclasses.replace(opts.extract, never_write=never_write,
-                                                     run_token=secrets.token_hex(4)))
+    extractor = _open_root(root, extract)
     return _Run(reference, files, remote, image, todo, journal, extractor, profile, base_layers, parts, links,
                 skeletons, claims)
 
