@@ -14,7 +14,10 @@ import tarfile
 
 import pytest
 
-from support.images import CAP_NET_BIND, xattr_snapshot
+from snapshotter.restore.journal import Journal
+from snapshotter.restore.restore import RestoreOptions, restore_image
+
+from support.images import CAP_NET_BIND, part_ann, xattr_snapshot
 from support.run import snap
 from support.tars import member, tar_bytes
 from support.trees import NOT_CAPTURED, flip_byte, make_box, snapshot_of_tree, write_tree
@@ -393,14 +396,18 @@ def _skeleton(tar: bytes, diff_id: str) -> bytes:
     return piece.finish(diff_id)
 
 
-def _hand_made(registry, repo: str, layers: list[tuple[bytes, bytes | None]]) -> str:
+def _hand_made(registry, repo: str, layers: list[tuple[bytes, bytes | None]], annotations: list | None = None,
+               cut: int | None = None) -> str:
     """A snapshot of snap's own layers from (tar, the tar its headers blob describes or None for
-    itself): each layer's headers blob names the layer's diff_id."""
+    itself): each layer's headers blob names the layer's diff_id. `annotations`: each layer's own
+    (else those of a rest layer); `cut`: the size files were cut into part layers at."""
     diff_ids = ["sha256:" + hashlib.sha256(tar).hexdigest() for tar, _ in layers]
     heads = [registry.push_blob(repo, _skeleton(said or tar, d)) for (tar, said), d in zip(layers, diff_ids)]
+    annotations = annotations or [{"dev.snap.layer": "rest"}] * len(layers)
     registry.push_image(repo, "v1", [gzip.compress(tar, mtime=0) for tar, _ in layers], diff_ids=diff_ids,
-                        layer_annotations=[{"dev.snap.headers": h, "dev.snap.layer": "rest"} for h in heads],
-                        manifest_annotations={"dev.snap.base-layers": "0"})
+                        layer_annotations=[{"dev.snap.headers": h, **a} for h, a in zip(heads, annotations)],
+                        manifest_annotations={"dev.snap.base-layers": "0",
+                                              **({"dev.snap.max-layer-size": str(cut)} if cut else {})})
     return f"{registry.host}/{repo}:v1"
 
 
@@ -439,6 +446,39 @@ def test_a_path_an_applied_layer_deletes_then_makes_again_is_not_skipped_below(r
     doc, err = _restore_again(ref, root, tmp_path / "s1")
     assert (root / "d/f").read_bytes() == b"precious\n", err
     assert doc["skipped_layers"] == 0
+
+
+def test_a_restore_killed_between_recording_two_skipped_parts_of_a_file_resumes(registry, tmp_path, monkeypatch):
+    """The root holds m/big, so both its part layers are skipped; a run killed once the journal lists
+    the first part as done but not the second: the rerun skips both again (applying the second alone
+    would leave one part of the file to join, and every later run refused it)."""
+    part = "m/big.snap-part-{:04d}-of-0002"
+    ref = _hand_made(registry, "skippedparts", [
+        (tar_bytes(member("m", "dir")), None),
+        (tar_bytes(member(part.format(1), data=b"first.\n")), None),
+        (tar_bytes(member(part.format(2), data=b"second\n")), None),
+        (tar_bytes(member("c.txt", data=b"c\n")), None),
+    ], [{"dev.snap.layer": "rest"}, part_ann("m/big", "1/2"), part_ann("m/big", "2/2"), {"dev.snap.layer": "rest"}],
+        cut=7)
+    root = tmp_path / "root"
+    snap("restore", ref, "--root", str(root), env={"SNAP_STATE_DIR": str(tmp_path / "s0")}, check=True)
+    assert (root / "m/big").read_bytes() == b"first.\nsecond\n"
+    record = Journal.record_applied
+
+    def killed_before_the_second_part(self, count, *args, **kwargs):
+        if count == 3:
+            raise KeyboardInterrupt()
+        return record(self, count, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(Journal, "record_applied", killed_before_the_second_part)
+        with pytest.raises(KeyboardInterrupt):
+            restore_image(ref, str(root), RestoreOptions(seed_stat_cache=False))
+    r = snap("restore", ref, "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["skipped_layers"] == 3, r.stdout  # both parts, and the layer after them
+    assert "only some of the part layers of /m/big" in r.stderr, r.stderr
+    assert sorted(os.listdir(root / "m")) == ["big"] and (root / "m/big").read_bytes() == b"first.\nsecond\n"
 
 
 TOOL = "srv/app/bin/tool"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter.box.clock import Stamp, stamp
-from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, printable, storage_error
+from snapshotter.errors import IntegrityError, SnapError, StorageError, UsageError, storage_error
 from snapshotter.index import base as baseindex
 from snapshotter.jobs import resolve_jobs
 from snapshotter.layer.extract import Extractor
@@ -235,10 +235,10 @@ def _resume(run: _Run, root: str, log: Callable[[str], None]) -> int:
     """How many layers an earlier run applied that this one need not: the journal's, rewound to the
     first of them whose files are no longer all in the root (resume.py)."""
     run.journal.load(log)
-    lost = first_missing(root, run.journal) if run.journal.applied else None
+    lost = first_missing(root, run.journal, run.todo) if run.journal.applied else None
     if lost is not None:
-        log(f"an earlier restore applied layer {lost[0]}, but /{printable(lost[1])} is not in {root} as it left it: "
-            f"applying layers {lost[0]} to {len(run.todo)} again")
+        log(f"an earlier restore applied layer {lost[0]}, but {lost[1]}: applying layers {lost[0]} to {len(run.todo)} "
+            "again")
         run.journal.rewind(lost[0] - 1)
     resumed = run.journal.applied
     if resumed:

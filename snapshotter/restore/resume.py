@@ -12,17 +12,22 @@ says it was joined to, else its first part layer is where the restore goes back 
 layer that fails is where the restore goes back to (Journal.rewind): it and every layer after it
 are applied again. Not checked: directories (a layer's files need them, and those files are
 checked), the bytes of a file of the right size, and layers an earlier run found in place and
-skipped (skip.py checked them then; the journal lists no files for them)."""
+skipped (skip.py checked them then; the journal lists no files for them). But the part layers of
+a file are skipped all together or not at all: a run killed once the journal listed some of them
+(skipped, no file written) and not the others goes back to the first of them, else the others,
+checked alone, would be applied and leave a file that cannot be joined."""
 
 from __future__ import annotations
 
 import os
 import stat
-from typing import Optional
+from typing import Optional, Sequence
 
+from snapshotter.errors import printable
 from snapshotter.index.entry import self_and_parents
 from snapshotter.layer.extract_model import LINK_SHAPE, OTHER_SHAPE, SYMLINK_SHAPE
 from snapshotter.layer.plan import parse_part_name
+from snapshotter.oci.image import SNAP_PART_FILE
 
 from .journal import Journal
 
@@ -83,8 +88,27 @@ def _linked(root: str, rel: str, n: int, journal: Journal, expected: dict[str, t
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def first_missing(root: str, journal: Journal) -> Optional[tuple[int, str]]:
-    """(the first applied layer n whose files are not all in `root`, one such path), or None."""
+def _split_skipped_parts(journal: Journal, todo: Sequence[tuple[int, dict, str]]) -> Optional[tuple[int, str]]:
+    """(the first part layer n of a file that the journal lists as done with no file written, while
+    it does not list all the file's parts yet, that file), or None."""
+    parts: dict[str, list[int]] = {}
+    for n, (_, desc, _) in enumerate(todo, 1):
+        ann = desc.get("annotations") or {}
+        rel = ann.get(SNAP_PART_FILE) if isinstance(ann, dict) else None
+        if isinstance(rel, str):
+            parts.setdefault(rel, []).append(n)
+    worst: Optional[tuple[int, str]] = None
+    for rel, ns in parts.items():
+        done = [n for n in ns if n <= journal.applied]
+        # A part layer applied writes its part; one listed with none was skipped (or wrote nothing: applied again).
+        if done and len(done) < len(ns) and any(n not in journal.done or not journal.done[n].wrote for n in done):
+            worst = min(worst or (done[0], rel), (done[0], rel))
+    return worst
+
+
+def first_missing(root: str, journal: Journal, todo: Sequence[tuple[int, dict, str]]) -> Optional[tuple[int, str]]:
+    """(the first applied layer n whose files are not all in `root`, or that is a part of a file
+    skipped with only some of its other parts: what is wrong, in words), or None."""
     worst: Optional[tuple[int, str]] = None
     expected = _expected(journal)
     for rel, (n, shape) in expected.items():
@@ -92,4 +116,9 @@ def first_missing(root: str, journal: Journal) -> Optional[tuple[int, str]]:
                 _there(os.path.join(root, rel), shape)
                 and (shape != LINK_SHAPE or _linked(root, rel, n, journal, expected))):
             worst = (n, rel)
+    if worst is not None:
+        worst = (worst[0], f"/{printable(worst[1])} is not in {root} as it left it")
+    split = _split_skipped_parts(journal, todo)
+    if split is not None and (worst is None or split[0] < worst[0]):
+        worst = (split[0], f"it found in place only some of the part layers of /{printable(split[1])}")
     return worst
