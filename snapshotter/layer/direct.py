@@ -18,6 +18,8 @@ import errno
 import fcntl
 import mmap
 import os
+from typing import Optional
+
 from snapshotter.box.mounts import filesystem_type
 
 DIRECT_MIN = 64 << 20  # smaller files go through the page cache: a weight is hundreds of MiB to GBs
@@ -38,11 +40,14 @@ class DirectFile:
 
     def __init__(self, fd: int, buffer: int = BUFFER):
         self.fd = fd
+        buf: Optional[mmap.mmap] = None
         try:
-            self._buf = mmap.mmap(-1, buffer)  # page-aligned, as O_DIRECT wants
+            buf = self._buf = mmap.mmap(-1, buffer)  # page-aligned, as O_DIRECT wants
             self._filled = 0
             self.direct = _set_direct(fd, True)
         except BaseException:
+            if buf is not None:
+                buf.close()  # its `buffer` bytes now, not whenever the traceback lets it go
             os.close(fd)
             raise
 
@@ -107,12 +112,15 @@ class DirectFile:
 
 
 def _set_direct(fd: int, on: bool) -> bool:
-    """Turn O_DIRECT on or off for `fd`; whether it is on after."""
+    """Turn O_DIRECT on or off for `fd`; whether it is on after. Turning it on may be refused (then
+    it stays off); turning it off may not: the writes that follow are those O_DIRECT refuses."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
+        if not on:  # left on, the caller would retry the refused write for ever
+            raise OSError(e.errno, "the filesystem refuses both a direct write and turning direct writes off") from e
         return bool(flags & os.O_DIRECT)
     return on
