@@ -36,7 +36,7 @@ BUILT_NAME = re.compile(r"[0-9a-f]{64}(-[0-9]+-[0-9]+)?")
 OWN_NAMES = frozenset({
     MARKER, LOCK_NAME, "blob-sources.json", BUILT_LAYERS, "blobs", "base-index", "stat-cache", "last-commit",
     "walk-memo", "record-memo", "plan-memo", "skeletons", "containers", "restored", "restore-journal",
-    "restore-progress", "encrypted-layers", "origin-run", "watch", "parsed-profiles", RESERVE})
+    "restore-in-place", "restore-progress", "encrypted-layers", "origin-run", "watch", "parsed-profiles", RESERVE})
 _held = 0  # how deep this process is in exclusive() (a commit from a container commits inside)
 _held_guard = threading.Lock()
 _checked: dict[str, str] = {}  # state dirs this process found private: as configured -> real path

@@ -23,6 +23,7 @@ import zstandard
 
 from snapshotter import workers
 from snapshotter.errors import IntegrityError, StorageError
+from snapshotter.layer import inplace
 from snapshotter.layer.extract_model import ExtractOptions
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
 from snapshotter.restore import journal as journal_module
@@ -194,6 +195,110 @@ def test_killed_restore_leaves_no_half_file_and_resumes(registry, tmp_path, stat
             got[os.path.relpath(p, root)] = (file_sha(p), oct(st.st_mode & 0o7777), int(st.st_mtime))
     assert got == {k: (sha(v), "0o640", MTIME) for k, v in want.items()}
     assert snap("verify", ref, "--root", str(root)).returncode == 0
+
+
+def _in_place_images(registry) -> tuple[str, str, bytes]:
+    """v1: a big file in a directory its layer makes (new there: written at its path, no temp, before
+    any app could read it); v2: another image, without that path. (v1, v2, the big file's bytes)."""
+    big = os.urandom(MiB) * (HELD_FILE // MiB)
+    for tag, tar in (("v1", layer({"app/big.bin": big, "app/after.txt": b"after\n"}, dirs=("app",))),
+                     ("v2", layer({"other/x.txt": b"x\n"}, dirs=("other",)))):
+        registry.push_image("in-place", tag, [zstandard.ZstdCompressor(level=1).compress(tar)],
+                            layer_media_type=ZSTD, diff_ids=["sha256:" + sha(tar)])
+    return f"{registry.host}/in-place:v1", f"{registry.host}/in-place:v2", big
+
+
+def _held_in_place(registry, root) -> tuple[str, str, bytes, subprocess.Popen, list[int]]:
+    """A restore of v1 held mid-way through its big file, written at its path."""
+    v1, v2, big = _in_place_images(registry)
+    proc, children = start_paused_restore(v1, root)
+    assert children, "the layers are applied in a child process"
+    assert stale_temps(root) == [] and 0 < os.path.getsize(root / "app/big.bin") < len(big), "held mid-file, in place"
+    return v1, v2, big, proc, children
+
+
+def test_a_file_a_killed_restore_was_writing_in_place_is_removed_by_the_next_restore_of_any_image(
+        registry, tmp_path, state_dir):
+    """Killed (kill -9) mid-way through a file written at its path, a restore leaves it half-written.
+    The next restore into the root removes it first, and says so, even of another image that lacks
+    the path: a torn file is never left where a restore said it was done."""
+    root = tmp_path / "root"
+    root.mkdir()
+    _, v2, _, proc, children = _held_in_place(registry, root)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert wait_gone(children)
+    proc.stdout.close()
+    proc.stderr.close()
+    assert (root / "app/big.bin").exists()  # half-written, as the killed run left it
+
+    r = snap("restore", v2, "--root", str(root))
+    assert r.returncode == 0, r.stderr
+    assert not (root / "app/big.bin").exists()
+    assert [line for line in r.stderr.splitlines() if "half-written" in line and "/app/big.bin" in line], r.stderr
+    assert (root / "other/x.txt").read_bytes() == b"x\n"
+    assert not os.listdir(state_dir / "restore-journal") and not os.listdir(state_dir / "restore-in-place")
+
+
+def test_a_restore_that_fails_removes_the_file_it_was_writing_in_place(registry, tmp_path, state_dir):
+    """The extraction process dies mid-file (as it is stopped when another layer fails): the restore
+    fails, and the half-written file does not stay at its path. A rerun restores it whole."""
+    root = tmp_path / "root"
+    root.mkdir()
+    v1, _, big, proc, children = _held_in_place(registry, root)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode not in (0, None), err
+    assert not (root / "app/big.bin").exists(), err
+    assert [line for line in err.splitlines() if "half-written" in line and "/app/big.bin" in line], err
+
+    r = snap("restore", v1, "--root", str(root))
+    assert r.returncode == 0, r.stderr
+    assert file_sha(root / "app/big.bin") == sha(big)
+    assert (root / "app/after.txt").read_bytes() == b"after\n"
+
+
+def test_the_in_place_sweep_removes_only_each_processs_unfinished_file(tmp_path):
+    """Of each process, only the file its last line names, if that file is still the one it wrote
+    (its inode): not one of a layer applied whole, nor one replaced since, nor another process's
+    finished one; a torn last line is ignored."""
+    log_path = str(tmp_path / "log")
+
+    def write(log: inplace.InPlaceLog, name: str) -> str:
+        path = str(tmp_path / name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        log.writing(path, fd)
+        os.write(fd, b"part")
+        os.close(fd)
+        return path
+
+    log = inplace.InPlaceLog(log_path)
+    write(log, "done")
+    write(log, "replaced")
+    log.layer_applied()
+    write(log, "torn")  # finished: this process's next line is a later file
+    pid = os.fork()
+    if pid == 0:  # another extraction process: its last layer applied whole
+        try:
+            child = inplace.InPlaceLog(log_path)
+            write(child, "child")
+            child.layer_applied()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    again = write(inplace.InPlaceLog(log_path), "again")  # this pid's line after the child's
+    os.unlink(again)
+    with open(again, "wb") as f:  # replaced since: another inode at the path
+        f.write(b"someone else's")
+    with open(log_path, "ab") as f:
+        f.write(b'[1, "/etc/pass')  # a kill while appending
+    assert inplace.sweep(log_path) == []  # this pid's last line names `again`, no longer that file
+    assert sorted(os.listdir(tmp_path)) == ["again", "child", "done", "replaced", "torn"]
+    log = inplace.InPlaceLog(log_path)
+    write(log, "last")
+    assert inplace.sweep(log_path) == [str(tmp_path / "last")]
+    assert sorted(os.listdir(tmp_path)) == ["again", "child", "done", "replaced", "torn"]  # the log too is gone
 
 
 def test_stale_temp_files_are_removed_when_their_directory_is_written(registry, tmp_path):

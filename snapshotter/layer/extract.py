@@ -5,8 +5,8 @@
   in the tree can never lead a write outside it; the final component is never followed.
 - Regular files are written to a temp name in the same directory and renamed into place, so an
   interrupted restore leaves no half-written file at an original path (unless the caller says nothing
-  reads the root yet: then a file new in a directory the layer made is written at its path, and a
-  killed run leaves it half-written there for the next run to apply again). Each is renamed when the
+  reads the root yet: then a file new in a directory the layer made is written at its path, noted in
+  `in_place_log` for a killed run's file to be removed: inplace.py). Each is renamed when the
   next entry is read, so a layer's last entry, if a regular file, is renamed only after the caller's
   check of the whole stream (its diff_id: `check_end`); a failed check removes it.
 - OCI whiteouts ('.wh.NAME') and opaque markers ('.wh..wh..opq') delete from lower layers only.
@@ -70,8 +70,7 @@ class Extractor(RootTree):
         self.record: Optional[HeadersDigest] = None  # set to digest the headers of the next layer
         self.indexer: Optional[ImageIndexer] = None  # to index the layers applied (a restore's base: IndexingReader)
         self._take: Optional[Callable[[int, int], Optional[str]]] = None  # see apply()
-        # (temp, path) of the last regular file, not yet renamed; (None, path) if written in place
-        self._held: Optional[tuple[Optional[str], str]] = None
+        self._held: Optional[tuple[Optional[str], str]] = None  # the last file: (temp, path), (None, path) in place
         self._in_place = False  # see apply()
         self._never = PathSet(self.opts.never_write)
         self._room = 0  # bytes still free on the target at the last look, less what was written since
@@ -82,9 +81,8 @@ class Extractor(RootTree):
         # Directories this layer made and set from their header without the setgid bit: a file
         # created in one is owned by this process's user and group (see _write_file).
         self._plain_dirs: set[str] = set()
-        # Real paths of the non-directories written (by any layer, or counted: count_as_written):
-        # the only files a hardlink may name. A path a layer then deletes stays: nothing but the
-        # image can write there again.
+        # Real paths of the non-directories written (by any layer, or counted: count_as_written): the only
+        # files a hardlink may name. A path a layer then deletes stays: only the image can write there again.
         self._image_files: set[str] = set()
         self.layer_files: list[str] = []  # those the last layer applied wrote, as paths relative to the root
         self.layer_shapes: list[int] = []  # what each of them is (shape_of), for a resumed restore's check
@@ -148,10 +146,9 @@ class Extractor(RootTree):
         unseen (its temp removed). A last entry of another kind is in place by then.
 
         `in_place`: nothing reads the root yet (the app has not started: restore/restore.py), so a regular
-        file new in a directory this layer made is written at its path, not in a temp file renamed
-        there: a venv is tens of thousands of files, and the rename was a tenth of applying it.
-        Killed midway, such a file is half-written at its path, and the layer (not recorded as
-        applied) is applied again over it. The layer's last file is still removed if check_end fails."""
+        file new in a directory this layer made is written at its path, not to a temp file renamed
+        there (the rename was a tenth of applying a venv). Killed midway, it is half-written at its path
+        until the next run removes it (inplace.py). The last file is still removed if check_end fails."""
         self._reset_dir_times()
         self.layer_files, self.layer_shapes, self.layer_gone, self.layer_links = [], [], [], {}
         self.layer_dir_headers = []
@@ -318,8 +315,8 @@ class Extractor(RootTree):
     def _make_non_dir(self, reader: Optional[TarReader], m: tarfile.TarInfo, pdir: str, path: str, new: bool,
                       rel: str) -> None:
         """Make a non-directory member at `path` (nothing, or no directory, there now: `new` if nothing)."""
-        # A short name: the member's own name may already be NAME_MAX bytes long.
-        # No leftover can be there: _locate swept the directory of stale temp files on first use.
+        # A short name (the member's own may be NAME_MAX bytes long). No leftover can be there: _locate swept
+        # the directory of stale temp files on first use.
         tmp = join(pdir, self._tmp_name)
         in_place = self._in_place and new and m.isreg() and pdir in self._new_dirs  # see apply()
         dest = path if in_place else tmp
@@ -394,13 +391,15 @@ class Extractor(RootTree):
                     raise
                 # The state dir is on another filesystem than this directory: copied below.
         self._reserve(m.size, rel)
-        # Written with os.write on the fd, not through a file object: a venv is tens of thousands
-        # of small files, and a buffered writer per file cost more than the writes themselves.
-        # A plain file written at its path is created with its mode (what the umask leaves of it),
-        # in a directory that gives it this process's owner: no chmod or chown after.
+        # Written with os.write on the fd, not through a file object: in a venv's tens of thousands of
+        # small files, a buffered writer per file cost more than the writes. A plain file written at its
+        # path is created with its mode (what the umask leaves), in a directory that gives it this
+        # process's owner: no chmod or chown after.
         mode = m.mode & 0o7777
         create = mode if mode <= 0o777 and self._umask is not None else 0o600
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
+        if self.in_place_log is not None and tmp.rpartition("/")[2] != self._tmp_name:  # in place: apply()
+            self.in_place_log.writing(tmp, fd)
         owner = self._owner if pdir in self._plain_dirs else (-1, -1)
         created = (create & ~self._umask, *owner) if self._umask is not None and self._umask_rules(tmp) else None
         try:

@@ -23,6 +23,7 @@ class ExtractOptions:
     # machine owns: never written, replaced or deleted, whatever the layers hold.
     never_write: tuple[str, ...] = ()
     run_token: str = ""  # in this run's temp names: the sweep spares them (other extractors of the run write them)
+    in_place_log: str = ""  # where each process notes the file it writes in place (inplace.py); "": nowhere
 
 
 class NeedsSerial(Exception):

@@ -17,6 +17,7 @@ from snapshotter.index.paths import resolve_in_root
 
 from .extract_model import ExtractOptions, ExtractStats, NeedsSerial
 from .fileops import has_default_acl, join, mount_below, utime
+from .inplace import InPlaceLog
 
 TMP_PREFIX = ".snap-tmp-"
 _STALE_TMP = re.compile(r"\.snap-tmp-(?:join-)?\d+(?:-.*)?", re.S)  # ours (and restore's part joins), any pid
@@ -36,6 +37,8 @@ class RootTree:
         self._dir_cache: dict[str, str] = {}
         self.parallel = False  # other extractors write into the root meanwhile (see NeedsSerial)
         self.layer_touched_dirs: dict[str, tuple[int, int]] = {}
+        # The files written at their paths (Extractor.apply's in_place), noted for a killed run's to be removed
+        self.in_place_log = InPlaceLog(self.opts.in_place_log) if self.opts.in_place_log else None
         self._reset_dir_times()
 
     def _reset_dir_times(self) -> None:

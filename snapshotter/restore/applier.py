@@ -76,6 +76,8 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
             check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
                         lambda stream, check: extractor.apply(stream, layer=what, check_end=check,
                                                               in_place=job.in_place))
+    if extractor.in_place_log is not None:
+        extractor.in_place_log.layer_applied()  # what it wrote in place is whole
     if job.save_index and extractor.indexer is not None:
         try:
             save_index(extractor.indexer.index, job.save_index, job.index_diff_ids)

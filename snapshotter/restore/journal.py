@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from snapshotter import jsontext
-from snapshotter.errors import storage_error
+from snapshotter.errors import quoted_path, storage_error
+from snapshotter.layer import inplace
 from snapshotter.layer.extract_model import ExtractOptions
-from snapshotter.state import RootFiles, open_own, remove_if_there, replace_file, versioned
+from snapshotter.state import RootFiles, open_own, remove_if_there, replace_file, sub, versioned
 
 # A header line, then one line per event (6 did not say which options wrote the layers; 5 gave no joined
 # file's size or hardlink's target; 4 did not say what the files are; 3 did not list them).
@@ -54,6 +55,7 @@ class Journal:
     def __init__(self, directory: str, files: RootFiles, manifest_digest: str, layers: list[str], fsync: bool,
                  rules: str = ""):
         self.path = files.file_in(directory)  # JSON lines
+        self.in_place_log = files.file_in(sub("restore-in-place"))  # JSON lines too: layer/inplace.py
         self.root, self.manifest, self.layers, self.fsync = files.root, manifest_digest, layers, fsync
         self.rules = rules
         self.joined: dict[str, int] = {}  # files joined from part layers -> their size
@@ -90,6 +92,7 @@ class Journal:
         return bool(self._read()[2])
 
     def load(self, log: Callable[[str], None]) -> None:
+        self.sweep(log)  # before anything: a file an earlier run was writing in place when it stopped
         exists, head, events = self._read()
         if not exists:
             return
@@ -188,9 +191,22 @@ class Journal:
     def remove(self) -> None:
         try:
             remove_if_there(self.path)
+            remove_if_there(self.in_place_log)
         except OSError as e:
             raise storage_error(e, f"snap's state dir {os.path.dirname(self.path)!r}",
                                 " while removing the restore journal") from e
+
+    def sweep(self, log: Callable[[str], None]) -> None:
+        """Remove the files a run (this one, failed, or an earlier one, killed) left half-written at
+        their paths (layer/inplace.py); one that cannot be removed is said, and tried again next run."""
+        try:
+            removed = inplace.sweep(self.in_place_log)
+        except OSError as e:
+            log(f"snap: warning: could not remove a file a stopped restore left half-written in {self.root} ({e}): "
+                "the next restore into it tries again")
+            return
+        for path in removed:
+            log(f"removed {quoted_path(path)}: a stopped restore left it half-written")
 
 
 def rules_digest(options: ExtractOptions) -> str:

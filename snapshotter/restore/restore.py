@@ -187,8 +187,8 @@ def _restore_image(ref: str, root: str, opts: RestoreOptions) -> RestoreResult:
         report = weights_fetch.finish() if weights_fetch is not None else None
     except BaseException as e:
         progress.finish(ok=False)
-        # Kept for the next run, unless the image is refused or the disk is full: running it again
-        # will not help, or needs the room back.
+        run.journal.sweep(opts.log)  # the extraction processes are stopped: a file one was writing goes
+        # Kept for the next run, unless the image is refused or the disk is full (a rerun needs the room back).
         staging.remove(keep_downloads=not isinstance(e, (IntegrityError, UsageError, StorageError)))
         raise
     seeded = _finish(run, headers if opts.seed_stat_cache else {}, started, opts)
@@ -226,7 +226,7 @@ def _open_run(ref: str, root: str, opts: RestoreOptions) -> _Run:
     joins = {rel: links.get(rel, []) for rel in parts}
     claims = guard_live_root(remote, image, todo, skeletons(), root, live, PathSet(extract.never_write),
                              opts.extract.allow_devices, joins, opts.log) if live else None
-    extractor = _open_root(root, extract)
+    extractor = _open_root(root, dataclasses.replace(extract, in_place_log=journal.in_place_log))
     return _Run(reference, files, remote, image, todo, journal, extractor, profile, base_layers, parts, links,
                 skeletons, claims)
 
