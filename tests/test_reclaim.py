@@ -382,6 +382,40 @@ def test_a_watcher_on_the_tag_stops_moving_it_once_a_restore_into_its_root_fails
     assert _restored_tree(f"{registry.host}/rollback:v2", tmp_path / "v2") == work
 
 
+def test_a_restore_seen_while_the_registry_fails_is_still_seen_once_it_answers(registry, proxy, base_ref, box,
+                                                                              tmp_path, monkeypatch):
+    """Review finding: the look at the tag after a restore into the root failed half-way (the
+    registry's tag list answered 503); the watcher had already noted the restore as seen, so at the
+    next tick it moved the tag onto the half-restored box, and the tag's snapshot of the work was gone."""
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    for tag, notes in (("v1", "v1 notes\n"), ("v2", "v2 notes\n")):
+        write_tree(box, {"opt/app/notes.txt": notes, f"opt/app/{tag}-only.txt": tag})
+        snap("commit", f"{registry.host}/rollback-outage:{tag}", "--base", base_ref, "--root", box, check=True)
+    root = tmp_path / "root"
+    restore_image(f"{registry.host}/rollback-outage:v2", str(root))
+    lines, clock = [], FakeClock()
+    w = watcher(proxy, base_ref, str(root), "rollback-outage", lines, clock, every=0)
+    write_tree(str(root), {"opt/app/work.txt": "work on v2\n"})
+    w.tick()
+    made = digest_of(registry, "rollback-outage", "v2")
+    work = _restored_tree(f"{registry.host}/rollback-outage:v2", tmp_path / "made")
+
+    _failing_restore(registry, proxy, "rollback-outage", "v1", root)
+    write_tree(str(root), {"opt/app/notes.txt": "v1 notes\n"})
+    proxy.answer = lambda method, path: (503, {}) if "/tags/list" in path else None
+    clock.advance(1)
+    w.tick()
+    assert "trying again in 1s" in lines[-1], lines
+    proxy.answer = lambda method, path: None
+    clock.advance(1)
+    w.tick()
+    assert digest_of(registry, "rollback-outage", "v2") == made, lines
+    [tag] = diverged_tags(registry, "rollback-outage")
+    assert _restored_tree(f"{registry.host}/rollback-outage:{tag}", tmp_path / "out") == snapshot_of_tree(
+        str(root), skip=NOT_CAPTURED)
+    assert _restored_tree(f"{registry.host}/rollback-outage:v2", tmp_path / "v2") == work
+
+
 def test_a_diverged_tag_adopted_with_snap_tag_puts_the_watcher_back_on_the_tag(registry, base_ref, box, base_rootfs,
                                                                               tmp_path):
     """Adopting: `snap tag` moves the tag onto the diverged snapshot (only with --force where it names

@@ -174,11 +174,16 @@ class Line:
         """Decide the target tag (the rule above). True on the first check, whenever the target
         changed, and after a restore into the root since the last check: what its snapshot holds
         (self.digest) and which files a restore wrote are then to be read again."""
-        first, remote = not self.checked, self.remote()
+        remote = self.remote()
         mark = restore_mark(self.root)  # first: a restore after this look is seen at the next one
-        restored, self.mark = self.checked and mark != self.mark, mark
+        changed = self._decide(remote, not self.checked, self.checked and mark != self.mark)
+        # Kept only once decided: a look the registry failed leaves the restore to be seen at the next
+        # one (else the box that a restore wrote into half-way would go on moving the tag).
+        self.checked, self.mark = True, mark
+        return changed
+
+    def _decide(self, remote: Remote, first: bool, restored: bool) -> bool:
         current, ok = movable(remote, self.main, self.root, self.force, self.origins)
-        self.checked = True
         if ok and self.refused is None:
             was, self.diverged, self.digest = self.diverged, None, current
             if was:
