@@ -313,6 +313,37 @@ def test_a_restore_of_the_tag_that_finishes_later_puts_the_watcher_back_on_it(re
     assert (root / "opt/app/shared.txt").read_text() == "the tag's version\n"  # the restore's; the work's is in `first`
 
 
+def test_a_restore_back_onto_the_tag_whose_snapshot_could_not_be_read_is_read_at_the_next_look(
+        registry, proxy, base_ref, box, base_rootfs, tmp_path, monkeypatch):
+    """Review finding: the watcher went back to the tag after a restore of it finished, but reading the
+    tag's snapshot failed (503): the next looks said nothing changed, so the restored weight stayed
+    "still being written" (the restore's end unread) and was left out of the tag's next snapshot,
+    whose held files were kept at the diverged tag's versions."""
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    write_tree(box, {WEIGHT: os.urandom(2 * MiB)})
+    os.utime(os.path.join(box, WEIGHT), (1_700_000_000, 1_700_000_000))  # long stable, as restored
+    target, good, root = _tag_and_bare_box(registry, base_ref, box, base_rootfs, tmp_path, "reread", {})
+    lines, clock = [], FakeClock()
+    w = watcher(proxy, base_ref, str(root), "reread", lines, clock, profile=parse_profile(SMALL_WEIGHTS), every=0,
+                stable=5)
+    write_tree(str(root), {"opt/app/mine.txt": "work\n"})
+    w.tick()
+    [first] = diverged_tags(registry, "reread")
+
+    restore_image(f"{proxy.host}/reread:v2", str(root), RestoreOptions(only_snapshot=True))
+    write_tree(str(root), {"opt/app/after.txt": "on the tag again\n"})
+    proxy.answer = lambda method, path: (503, {}) if method == "GET" and path.endswith(f"/manifests/{good}") else None
+    clock.advance(1)
+    w.tick()
+    assert any("moving it again" in line for line in lines) and "trying again in 1s" in lines[-1], lines
+    proxy.answer = lambda method, path: None
+    clock.advance(1)
+    w.tick()
+    assert not [line for line in lines if "held back" in line], lines
+    assert digest_of(registry, "reread", "v2") != good and WEIGHT in snap_layers(registry.manifest("reread", "v2"))
+    assert _restored_tree(target, tmp_path / "main") == snapshot_of_tree(str(root), skip=NOT_CAPTURED)
+
+
 def test_a_diverged_tag_is_never_moved_again_once_a_restore_wrote_into_the_root(registry, proxy, base_ref, box,
                                                                                 base_rootfs, tmp_path, monkeypatch):
     """Red-team finding: the restore failed, the watcher saved the work to v2-diverged-T1; the box

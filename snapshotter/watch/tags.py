@@ -40,14 +40,18 @@ class TagMover:
         # (hold.hold_back).
         self.line = Line(moving, transport, root, force, origins, log, clock)
         self.previous_files: dict[str, list[Layer]] = {}
+        self.stale = False  # the target changed, but its snapshot's files could not be read yet
 
     def check(self) -> bool:
         """Where the snapshots go (Line: the moving tag while this box came from or made what it
         names, else a diverged tag of its own); when that changed (True), the layers of one file each
-        of the snapshot the target tag names are what a file being written is kept at."""
-        if not self.line.check():
+        of the snapshot the target tag names are what a file being written is kept at. Until they
+        are read (the registry failed), none are: the next check reads them, and is True then."""
+        if not (self.line.check() or self.stale):
             return False
+        self.stale, self.previous_files = True, {}  # never the old target's versions on the new one
         self.previous_files = last_snapshot_files(self.line.remote(), self.root, self.line.digest)
+        self.stale = False
         return True
 
     def holds_weights(self) -> bool:

@@ -208,10 +208,11 @@ class Watcher:
         """Commit under a new immutable tag, then move the moving tag to it. The immutable tag's
         name, or None when the box matched the moving tag's snapshot already (first, final).
         `stopping` set: the commit gives up at its next chunk (the final snapshot wants the lock)."""
-        if self.tags.line.diverged or self.tags.line.restored():
+        if self.tags.line.diverged or self.tags.line.restored() or self.tags.stale:
             # Diverged: the moving tag again, or (after a restore here) a new diverged tag. On the moving
             # tag: a restore wrote into the root since the last look (failed half-way: the box no longer
             # came from the tag's snapshot), so the lineage is decided again, as `snap commit` would.
+            # Stale: the last look failed before it read the target's snapshot.
             self.check_lineage()
         seq = self.tags.begin()
         now = self.opts.clock()
