@@ -292,6 +292,11 @@ class ChangeTracker:
         with self.events_lock:
             return self.commit_dirty == set() and self.complete
 
+    def racy(self) -> bool:
+        """Whether the last snapshot's scan or the last commit scan saw a path changed within the
+        memo's racy window: its stat data may be as then while its bytes are not."""
+        return any(s is not None and s.racy_dirs for s in (self.committed_scan, self.commit_scan))
+
     def snapshotted(self, tokens: dict[str, tuple], cp: CommitPlan) -> None:
         """A snapshot is in: the box as it holds it (`tokens`), made from `cp`."""
         self.committed = tokens

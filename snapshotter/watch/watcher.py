@@ -235,9 +235,11 @@ class Watcher:
             self.log(f"{self.tags.line.ref(self.tags.line.tag)} already holds this box: nothing to send")
             self._snapshotted(tokens, now, cp)
             return None
-        if final and tokens == self.changes.committed and not cp.writing:
+        if final and tokens == self.changes.committed and not (cp.writing or cp.held or self.changes.racy()):
             # One scan, the commit's own, tells: the box is as the last snapshot has it. Not while
-            # a file is mapped for writing: its writes after the first change no stat data.
+            # a file is mapped for writing (its writes after the first change no stat data), nor
+            # with a file held back (it is in no snapshot as it is: the line says so), nor with a path
+            # changed within the scans' racy window (a later write in its clock tick moves no time).
             return None
         result = push_commit(cp, self.tags.line.ref(tag), self.transport, opts)
         self.origin_uploaded = self.origin_uploaded or opts.upload_origin
