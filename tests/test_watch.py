@@ -377,6 +377,50 @@ def test_keep_prunes_only_the_diverged_tags_this_box_made_never_another_boxs(reg
                        tmp_path, "r")
 
 
+def test_the_final_snapshot_prunes_nothing(registry, proxy, base_ref, box, tmp_path, monkeypatch):
+    """Review finding: --keep's pruning ran inside the final snapshot, after the tag moved: a registry
+    whose tag list then failed made `snap watch` exit non-zero saying the tag still named the snapshot
+    before. The final snapshot prunes nothing (the next watcher does); the tag names it, exit 0."""
+    monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
+    lines, clock = [], FakeClock()
+    w = watcher(proxy, base_ref, box, "final-keep", lines, clock, every=0, keep=1, grace=60)
+    w.tick()
+    write_tree(box, {"opt/app/last-minute.txt": "saved by the final snapshot\n"})
+    proxy.answer = lambda method, path: (503, {}) if "/tags/list" in path else None
+    assert w.final("signal SIGTERM") == 0, lines
+    snaps = w.tags.snapshot_tags(tags(registry, "final-keep"))
+    assert len(snaps) == 2 and lines[-1].startswith(f"final snapshot {snaps[-1]} pushed"), lines
+    assert digest_of(registry, "final-keep", "v2") == digest_of(registry, "final-keep", snaps[-1])
+    assert_restores_to(f"{registry.host}/final-keep:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
+class FullLog(list):
+    """The watcher's lines; once `full`, writing a snapshot's line fails as on a full disk."""
+
+    full = False
+
+    def append(self, msg: str) -> None:
+        if self.full and msg.startswith("snapshot "):
+            raise OSError(28, "No space left on device")
+        super().append(msg)
+
+
+def test_a_final_snapshot_that_fails_after_its_tag_moved_says_the_tag_names_it(registry, base_ref, box, tmp_path):
+    """What fails once the tag names the final snapshot (here its log line: the log's disk is full)
+    loses nothing: exit 0, the tag named, the failure a warning, never "v2 still names" the one before."""
+    lines, clock = FullLog(), FakeClock()
+    w = watcher(registry, base_ref, box, "final-moved", lines, clock, every=0, grace=60)
+    w.tick()
+    write_tree(box, {"opt/app/last-minute.txt": "saved by the final snapshot\n"})
+    lines.full = True
+    assert w.final("signal SIGTERM") == 0, lines
+    snaps = w.tags.snapshot_tags(tags(registry, "final-moved"))
+    assert lines[-2].startswith(f"final snapshot {snaps[-1]} pushed; {registry.host}/final-moved:v2 names it"), lines
+    assert lines[-1] == "warning: the final snapshot then failed: [Errno 28] No space left on device", lines
+    assert digest_of(registry, "final-moved", "v2") == digest_of(registry, "final-moved", snaps[-1])
+    assert_restores_to(f"{registry.host}/final-moved:v2", snapshot_of_tree(box, skip=NOT_CAPTURED), tmp_path, "r")
+
+
 def test_a_registry_outage_is_retried_and_never_stops_the_loop(base_rootfs, box, tmp_path):
     reg = RegistryServer(str(tmp_path / "reg")).start()
     try:

@@ -22,6 +22,7 @@ class Handover:
         self.commit_lock = threading.Lock()  # one commit at a time
         self.final_started = threading.Event()
         self.inflight: Optional[threading.Event] = None  # the loop's commit in flight gives up once set
+        self.moved: Optional[str] = None  # the final snapshot's tag, once the target tag names it
 
     def loop_commit(self) -> Optional[threading.Event]:
         """A commit of the loop may start (its `stopping` event), unless the final snapshot has (None)."""
@@ -75,18 +76,28 @@ def final_snapshot(w: Snapshots, reason: str) -> int:
             done.set()
 
     threading.Thread(target=work, name="final snapshot", daemon=True).start()
-    current_tag = w.tags.current
-    target, last = line.tag, "its last snapshot" if current_tag == line.tag else current_tag
-    current = f"{target} still names {last}" if current_tag else f"{target} was not moved"
-    if not done.wait(grace):
-        w.log(f"snap: error: the final snapshot did not finish within the {grace:g}s grace ({current})")
-        return 1
-    if "error" in box:
-        w.log(f"snap: error: the final snapshot failed: {box['error']} ({current})")
-        return exit_code_of(box["error"])
+    finished = done.wait(grace)
     where, note = line.ref(line.tag), f" ({line.note()})" if line.diverged else ""
+    if not finished or "error" in box:
+        return _unfinished(w, box.get("error"), f"{where}{note}")
     if box["tag"] is None:
         w.log(f"nothing changed since {w.tags.current or 'the last snapshot'}: {where} is current{note}")
     else:
         w.log(f"final snapshot {box['tag']} pushed; {where} names it{note}")
     return 0
+
+
+def _unfinished(w: Snapshots, error: Optional[BaseException], where: str) -> int:
+    """The final snapshot failed or ran past the grace: the exit code, and what the target tag names.
+    Once it named the final snapshot the box is saved (0): what was left undone is a warning."""
+    grace, line, moved = w.opts.grace, w.tags.line, w.handover.moved
+    why = f"failed: {error}" if error is not None else f"did not finish within the {grace:g}s grace"
+    if moved is not None:
+        w.log(f"final snapshot {moved} pushed; {where} names it")
+        w.log(f"warning: the final snapshot then {why}")
+        return 0
+    current_tag = w.tags.current
+    target, last = line.tag, "its last snapshot" if current_tag == line.tag else current_tag
+    current = f"{target} still names {last}" if current_tag else f"{target} was not moved"
+    w.log(f"snap: error: the final snapshot {why} ({current})")
+    return 1 if error is None else exit_code_of(error)

@@ -243,11 +243,11 @@ class Watcher:
             return None
         result = push_commit(cp, self.tags.line.ref(tag), self.transport, opts)
         self.origin_uploaded = self.origin_uploaded or opts.upload_origin
-        self._pushed(cp, result, tag, seq, scanned, last, now)
+        self._pushed(cp, result, tag, seq, scanned, last, now, final)
         return tag
 
     def _pushed(self, cp: CommitPlan, result: CommitResult, tag: str, seq: int, scanned: dict[str, tuple],
-                last: dict[str, tuple], now: float) -> None:
+                last: dict[str, tuple], now: float, final: bool) -> None:
         """A snapshot is in the registry under `tag`: say what was held back, move the target tag."""
         # The push may hold back more (files that tore while read) or read one after all: as pushed,
         # a held file is in this snapshot at the last one's version (kept), or pending until taken.
@@ -262,13 +262,15 @@ class Watcher:
             self.changes.mark_dirty(p.rpartition("/")[0] for p in cp.held)
         trace(self.log, f"pushed {tag}")
         moved = self.tags.move(seq, tag, result.manifest_digest)
+        if final and moved:
+            self.handover.moved = tag  # the box is saved: final.py says so, whatever comes after
         self._snapshotted(tokens, now, cp)
         self.tags.previous_files = file_layers(result.snap_layers)
         self.snapshots += 1
         sent = [layer for layer in result.layers if layer.status == "uploaded"]
         self.log(f"snapshot {result.ref.repository}:{tag} pushed ({len(result.layers)} layers, {len(sent)} sent; "
                  f"{result.sent()}){self.tags.said(tag, moved)}")
-        if self.opts.keep:
+        if self.opts.keep and not final:  # round trips the grace has no room for: the next watcher prunes
             self.tags.prune(self.opts.keep)
 
     def _tell_held(self, cp: CommitPlan, kept: set[str]) -> None:
