@@ -26,7 +26,7 @@ from snapshotter.watch import daemon
 from snapshotter.watch.notices import detect_provider, notice_watcher
 from snapshotter.watch.watcher import STOP_SIGNALS, Watcher, WatchOptions, watch
 
-from support.faults import MetadataServer, fake_dmi
+from support.faults import HostileServer, MetadataServer, fake_dmi
 from support.images import push_base_image, snap_layers
 from support.registry import RegistryServer, digest_of, diverged_tags
 from support.run import SNAP, TIMEOUT, assert_one_line_error, snap
@@ -596,6 +596,31 @@ def test_the_provider_is_read_from_dmi_files_only(tmp_path):
                                     chassis_asset_tag="none")) is None
     assert detect_provider(str(tmp_path / "missing")) is None
     assert notice_watcher("auto", "http://127.0.0.1:9", str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("provider,path,bad,good", [
+    ("aws", "/latest/meta-data/spot/instance-action", b'"terminate"',
+     b'{"action": "terminate", "time": "2026-12-03T12:00:00Z"}'),
+    ("azure", "/metadata/scheduledevents?api-version=2020-07-01", b'{"Events": 3}',
+     b'{"Events": [{"EventId": "A1", "EventType": "Preempt", "NotBefore": "soon"}]}'),
+    ("azure", "/metadata/scheduledevents?api-version=2020-07-01", b"[1, 2]", b'{"Events": []}'),
+], ids=["aws-string", "azure-events-number", "azure-list"])
+def test_a_metadata_answer_of_no_notices_form_is_no_notice_said_once(provider, path, bad, good):
+    """Review finding: JSON that is not an object (or Events not a list) raised AttributeError out of
+    check(), and the notices thread died silently: no reclaim notice was ever seen again."""
+    server = HostileServer().start()
+    try:
+        answers = {("PUT", "/latest/api/token"): [b"token"], ("GET", path): [bad]}
+        server.answer = lambda method, p: (200, {"Content-Type": "application/json"}, answers[(method, p)]) \
+            if (method, p) in answers else (404, {}, [])
+        notices, lines = notice_watcher(provider, f"http://{server.host}"), []
+        assert notices.check(lines.append) is None and notices.check(lines.append) is None
+        assert len(lines) == 1 and "taken as no notice" in lines[0] and "not" in lines[0], lines
+        answers[("GET", path)] = [good]
+        assert (notices.check(lines.append) is not None) == (good != b'{"Events": []}')
+        assert len(lines) == 1, lines
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("provider,dmi", [

@@ -7,7 +7,7 @@ on that cloud must not send requests to 169.254.169.254."""
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import requests
 
@@ -62,14 +62,21 @@ class NoticeWatcher:
         self.session.trust_env = False  # metadata requests never go through an HTTP proxy from the environment
         self._aws_token: Optional[str] = None
         self.last_error: Optional[str] = None
+        self.malformed_told = False
 
-    def check(self) -> Optional[str]:
+    def check(self, log: Callable[[str], None] = lambda msg: None) -> Optional[str]:
+        """The notice, or None. An answer that is no notice's form is none too, said once in `log`
+        (it would be at every poll); one that failed (not up yet, a timeout) is not said."""
         try:
             notice = getattr(self, f"_check_{self.provider}")()
             self.last_error = None
             return notice
         except (requests.RequestException, ValueError) as e:
             self.last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            if not isinstance(e, requests.RequestException) and not self.malformed_told:
+                self.malformed_told = True
+                log(f"reclaim notices: the {self.provider} metadata service at {self.base_url} answered no notice's "
+                    f"form ({self.last_error}); taken as no notice")
             return None
 
     def _get(self, path: str, headers: dict) -> requests.Response:
@@ -90,7 +97,7 @@ class NoticeWatcher:
             if r.status_code == 404:
                 return None
             r.raise_for_status()
-            doc = jsontext.loads(r.text)
+            doc = _object(r.text, "spot/instance-action")
             return f"AWS spot instance-action {doc.get('action', '?')!r} at {doc.get('time', '?')!r}"
         return None
 
@@ -102,11 +109,22 @@ class NoticeWatcher:
     def _check_azure(self) -> Optional[str]:
         r = self._get("/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"})
         r.raise_for_status()
-        for event in jsontext.loads(r.text).get("Events") or []:
+        events = _object(r.text, "scheduledevents").get("Events") or []
+        if not isinstance(events, list):
+            raise ValueError("scheduledevents' Events is not a list")
+        for event in events:
             if isinstance(event, dict) and event.get("EventType") == "Preempt":
                 return (f"Azure scheduled event Preempt {event.get('EventId', '')!r} "
                         f"not before {event.get('NotBefore', '?')!r}")
         return None
+
+
+def _object(text: str, what: str) -> dict:
+    """The JSON object a metadata answer holds; else a ValueError (an answer of no notice's form)."""
+    doc = jsontext.loads(text)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} is JSON but not an object")
+    return doc
 
 
 def notice_watcher(provider: str = "auto", base_url: Optional[str] = None,

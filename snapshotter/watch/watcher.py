@@ -325,7 +325,7 @@ def watch(target: str, base: str, opts: WatchOptions, on_ready: Callable[[], Non
     def notices() -> None:
         notice = opts.notices
         while notice is not None and not stop.wait(opts.notice_poll):
-            found = notice.check()
+            found = notice.check(opts.log)
             if found and not reason:
                 reason.append(f"reclaim notice: {found}")
                 stop.set()
