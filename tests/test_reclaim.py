@@ -315,10 +315,10 @@ def test_a_restore_of_the_tag_that_finishes_later_puts_the_watcher_back_on_it(re
 
 def test_a_restore_back_onto_the_tag_whose_snapshot_could_not_be_read_is_read_at_the_next_look(
         registry, proxy, base_ref, box, base_rootfs, tmp_path, monkeypatch):
-    """Review finding: the watcher went back to the tag after a restore of it finished, but reading the
-    tag's snapshot failed (503): the next looks said nothing changed, so the restored weight stayed
-    "still being written" (the restore's end unread) and was left out of the tag's next snapshot,
-    whose held files were kept at the diverged tag's versions."""
+    """The watcher goes back to the tag after a restore of it finished, and reading the tag's
+    snapshot fails (503): the next look reads it again, so the restored weight is not taken for one
+    still being written (the restore's end read) and is in the tag's next snapshot, not kept at the
+    diverged tag's version."""
     monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
     write_tree(box, {WEIGHT: os.urandom(2 * MiB)})
     os.utime(os.path.join(box, WEIGHT), (1_700_000_000, 1_700_000_000))  # long stable, as restored
@@ -415,9 +415,9 @@ def test_a_watcher_on_the_tag_stops_moving_it_once_a_restore_into_its_root_fails
 
 def test_a_restore_seen_while_the_registry_fails_is_still_seen_once_it_answers(registry, proxy, base_ref, box,
                                                                               tmp_path, monkeypatch):
-    """Review finding: the look at the tag after a restore into the root failed half-way (the
-    registry's tag list answered 503); the watcher had already noted the restore as seen, so at the
-    next tick it moved the tag onto the half-restored box, and the tag's snapshot of the work was gone."""
+    """The look at the tag after a restore into the root failed half-way fails too (the registry's
+    tag list answers 503): the restore is not noted as seen until a look succeeds, so the next tick
+    does not move the tag onto the half-restored box, and the tag's snapshot of the work stays."""
     monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
     for tag, notes in (("v1", "v1 notes\n"), ("v2", "v2 notes\n")):
         write_tree(box, {"opt/app/notes.txt": notes, f"opt/app/{tag}-only.txt": tag})
@@ -649,9 +649,9 @@ def test_a_file_being_written_keeps_its_last_snapshot_version_or_is_left_out(reg
 
 
 def test_a_final_snapshot_with_a_file_still_being_written_says_which_and_is_not_current(registry, base_ref, box):
-    """Review finding: a file held back from the last snapshot and still being written at the signal
-    made the final snapshot say "nothing changed: ... is current" (the box as the last snapshot has
-    it, held files aside) and name no file held, while that file was in no snapshot."""
+    """A file held back from the last snapshot and still being written at the signal: the final
+    snapshot does not say "nothing changed: ... is current" (the box as the last snapshot has it,
+    held files aside), and names the file held, which is in no snapshot as it is."""
     lines, clock = [], FakeClock()
     w = watcher(registry, base_ref, box, "held-final", lines, clock, every=0, stable=3600)
     image = os.path.join(box, "opt/app/output/img-0001.png")

@@ -378,9 +378,9 @@ def test_keep_prunes_only_the_diverged_tags_this_box_made_never_another_boxs(reg
 
 
 def test_the_final_snapshot_prunes_nothing(registry, proxy, base_ref, box, tmp_path, monkeypatch):
-    """Review finding: --keep's pruning ran inside the final snapshot, after the tag moved: a registry
-    whose tag list then failed made `snap watch` exit non-zero saying the tag still named the snapshot
-    before. The final snapshot prunes nothing (the next watcher does); the tag names it, exit 0."""
+    """--keep's pruning is not done inside the final snapshot, after the tag moved (a registry whose
+    tag list then fails would make `snap watch` exit non-zero): the next watcher prunes. The tag
+    names the final snapshot, exit 0."""
     monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
     lines, clock = [], FakeClock()
     w = watcher(proxy, base_ref, box, "final-keep", lines, clock, every=0, keep=1, grace=60)
@@ -606,8 +606,8 @@ def test_the_provider_is_read_from_dmi_files_only(tmp_path):
     ("azure", "/metadata/scheduledevents?api-version=2020-07-01", b"[1, 2]", b'{"Events": []}'),
 ], ids=["aws-string", "azure-events-number", "azure-list"])
 def test_a_metadata_answer_of_no_notices_form_is_no_notice_said_once(provider, path, bad, good):
-    """Review finding: JSON that is not an object (or Events not a list) raised AttributeError out of
-    check(), and the notices thread died silently: no reclaim notice was ever seen again."""
+    """JSON that is not an object (or Events not a list) is no notice, said once: it must not end the
+    notices thread, after which no reclaim notice would be seen again."""
     server = HostileServer().start()
     try:
         answers = {("PUT", "/latest/api/token"): [b"token"], ("GET", path): [bad]}
