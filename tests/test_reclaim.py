@@ -32,6 +32,7 @@ from snapshotter.oci.reference import is_tag
 from snapshotter.profile import parse_profile
 from snapshotter.restore.restore import RestoreOptions
 from snapshotter.snapshot import diverged
+from snapshotter.watch import hooks as hooks_module
 
 from support.images import push_base_image, snap_layers
 from support.registry import blobs_in, digest_of, diverged_tags
@@ -840,6 +841,53 @@ def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(regi
     out = tmp_path / "after"
     restore_image(f"{registry.host}/one-at-a-time:v2", str(out))
     assert (out / "opt/app/late.txt").read_text() == "written just before the reclaim\n"
+
+
+def test_the_final_snapshot_stops_the_loops_commit_in_its_scan_and_scans_only_what_changed(
+        registry, base_ref, box, tmp_path, monkeypatch):
+    """The loop's commit is in its scan when the final snapshot starts: it gives up there, at its next
+    directory, not after a scan and a plan the final then makes again inside its grace; and what it
+    took of the changed directories is put back, so the final's own scan is of those, not the box."""
+    lines, clock = [], FakeClock()
+    w = watcher(registry, base_ref, box, "stop-in-scan", lines, clock, every=0, grace=60)
+    clock.advance(60)  # the box long settled: the first scan's memo keeps every path
+    w.tick()
+    assert w.changes.events is not None, "change notifications: the commit scans are of changed directories"
+    entered, planned = threading.Event(), []
+    real_safe_update, real_hold = progress.safe_update, hooks_module.WatchHooks.hold
+
+    def safe_update(b):  # the loop's commit scan: held at its first directory until the final starts
+        update = real_safe_update(b)
+        if threading.current_thread() is not loop:
+            return update
+
+        def held(n):
+            if not entered.is_set():
+                entered.set()
+                assert w.handover.final_started.wait(TIMEOUT)
+            update(n)
+        return held
+
+    def hold(self, scan, root):
+        planned.append(threading.current_thread() is loop)
+        return real_hold(self, scan, root)
+
+    monkeypatch.setattr(progress, "safe_update", safe_update)
+    monkeypatch.setattr(hooks_module.WatchHooks, "hold", hold)
+    for d in ("a", "b", "c"):  # several changed directories: the scan reports after each
+        write_tree(box, {f"opt/app/late-{d}/note.txt": f"written just before the reclaim: {d}\n"})
+    clock.advance(1)
+    loop = threading.Thread(target=lambda: pytest.raises(progress.Stopped, w.tick))
+    loop.start()
+    assert entered.wait(TIMEOUT)
+    assert w.final("signal SIGTERM") == 0, lines
+    loop.join(TIMEOUT)
+    assert planned == [False], "the loop's commit planned after the final snapshot started"
+    assert w.changes.commit_scan.touched is not None, "the final snapshot scanned the whole box"
+    out = tmp_path / "after"
+    restore_image(f"{registry.host}/stop-in-scan:v2", str(out))
+    for d in ("a", "b", "c"):
+        assert (out / f"opt/app/late-{d}/note.txt").read_text() == f"written just before the reclaim: {d}\n"
 
 
 # ---- a seeded reclaim cycle ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tarfile
+import threading
 import time
 import zlib
 from typing import Callable, Optional
@@ -91,16 +92,20 @@ def own_excludes(root: str) -> tuple[str, ...]:
 
 def scan_root(root: str, profile: Profile, memo: Optional[ScanMemo] = None, previous: Optional[Scan] = None,
               dirty: Optional[set[str]] = None, sink: progress.Sink = progress.to_stderr,
-              mapped: frozenset[tuple[int, int]] = frozenset(), leave_out_whiteouts: bool = False) -> Scan:
+              mapped: frozenset[tuple[int, int]] = frozenset(), leave_out_whiteouts: bool = False,
+              stopping: Optional[threading.Event] = None) -> Scan:
     """Walk the box as a commit sees it (the profile's excludes and snap's state dir left out);
     `memo` carries what the last such walk learnt (box/memo.py's ScanMemo); `previous` and `dirty`,
     the directories changed since that walk (a watcher's change notifications). Without a `memo`, the
     last commit's, kept in the state dir (snapshot/kept.py). `mapped`: the files (st_dev, st_ino) some
-    process maps shared-writable, which the memo does not keep (scan_box)."""
+    process maps shared-writable, which the memo does not keep (scan_box). `stopping` set: the walk
+    gives up at its next directory (progress.Stopped)."""
     extra = own_excludes(root)
     stored = StoredWalk(root, profile, extra) if memo is None else None
     with progress.bar("scanning box", unit="files", sink=sink) as b:
-        scan = scan_box(root, profile, extra, progress.safe_update(b), memo=stored.memo() if stored else memo,
+        update = progress.safe_update(b)
+        update = progress.stoppable(update, stopping) if stopping is not None else update
+        scan = scan_box(root, profile, extra, update, memo=stored.memo() if stored else memo,
                         previous=previous, dirty=dirty, mapped=mapped, leave_out_whiteouts=leave_out_whiteouts)
     if stored is not None:
         stored.save(scan)

@@ -15,6 +15,7 @@ from snapshotter.commit.model import CommitHooks
 from snapshotter.index.entry import Entry
 from snapshotter.layer.memo import PlanMemo
 from snapshotter.oci.image import Image, Layer
+from snapshotter.progress import Stopped
 from snapshotter.snapshot.record import restored_at_ns
 
 from .bigfiles import BigFiles
@@ -35,7 +36,11 @@ class WatchHooks(CommitHooks):
         self.scan: Optional[Scan] = None  # the commit scan this commit is planned from (changes)
 
     def changes(self, base_img: Optional[Image], index: dict[str, Entry]):
-        scan = self.scan = self.tracker.commit_scan_now(self.final, self.writers)
+        # A loop's commit gives up as soon as the final snapshot wants the lock: not only at its push,
+        # after a scan and a plan the final then makes again, in its grace.
+        scan = self.scan = self.tracker.commit_scan_now(self.final, self.writers, self.stopping)
+        if self.stopping is not None and self.stopping.is_set():
+            raise Stopped()
         commit = self.opts.commit
         return scan, changes_in(scan, self.tracker.root, commit.profile, index, commit.rehash)
 

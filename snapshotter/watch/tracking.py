@@ -18,6 +18,7 @@ from snapshotter.commit.commit import own_excludes, scan_root
 from snapshotter.commit.model import CommitPlan
 from snapshotter.errors import quoted_path
 from snapshotter.index.entry import Entry, gc_paused, stat_stamp
+from snapshotter.progress import Stopped
 from snapshotter.tar.rules import WHITEOUT_PREFIX
 
 from .options import trace
@@ -164,13 +165,15 @@ class ChangeTracker:
         trace(self.log, "scan: the whole box" if dirty is None else f"scan: {len(dirty)} changed directories")
         return scan
 
-    def commit_scan_now(self, final: bool, writers: Optional[Writers] = None) -> Scan:
+    def commit_scan_now(self, final: bool, writers: Optional[Writers] = None,
+                        stopping: Optional[threading.Event] = None) -> Scan:
         """A commit's scan: of the directories changed since the last commit's, where notifications
         say which (and the loop's scans saw nothing they missed: their changes are added). The final
         snapshot's is whole where notifications miss some directories: no later full scan finds a
         change made there since the loop's last. The directories of the files some process maps
         shared-writable (`writers`, the commit's: see mapped_dirs) are listed again, and the memo
-        keeps none of those files, found by identity (box/scan.py's scan_box)."""
+        keeps none of those files, found by identity (box/scan.py's scan_box). `stopping` set: the
+        scan gives up at its next directory (the final snapshot wants the lock)."""
         self.drain()
         dirty = self._take_dirty("commit")
         previous = self.commit_scan
@@ -181,10 +184,13 @@ class ChangeTracker:
             dirty = dirty | previous.racy_dirs | self.mapped_dirs(writers) | self.moved_links()
         try:
             scan = scan_root(self.root, self.profile, self.commit_memo, previous, dirty, sink=self.log,
-                             mapped=frozenset(writers.mapped_ids), leave_out_whiteouts=True)
-        except BaseException:
+                             mapped=frozenset(writers.mapped_ids), leave_out_whiteouts=True, stopping=stopping)
+        except BaseException as e:
             with self.events_lock:
-                self.commit_dirty = None
+                # Given up for the final snapshot: what was taken is put back, so that its scan too
+                # is of the changed directories, not the whole box. Else lost: the next scan is whole.
+                gave_up = isinstance(e, Stopped) and dirty is not None and self.commit_dirty is not None
+                self.commit_dirty = self.commit_dirty | dirty if gave_up else None
             raise
         self.commit_scan = scan
         self._tell_whiteouts(scan)
