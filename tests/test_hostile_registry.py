@@ -11,6 +11,11 @@ import os
 
 import pytest
 
+from snapshotter.errors import IntegrityError
+from snapshotter.oci.reference import Reference
+from snapshotter.registry.remote import Remote
+from snapshotter.snapshot.files import last_snapshot_files
+
 from support.images import TAR, push, push_annotated, repo_for
 from support.run import PEAK_LIMIT_KIB, snap_with_peak
 from support.tars import member, tar_bytes
@@ -119,6 +124,24 @@ def test_malformed_configs_are_bad_images(registry, jail, request, tmp_path, con
     _put_manifest(registry, repo, "v1", doc, OCI_MANIFEST)
     for code, line, _ in both(jail, tmp_path, f"{registry.host}/{repo}:v1"):
         assert code == 6 and "config" in line, line
+
+
+def test_a_tag_naming_no_readable_image_gives_a_watcher_no_versions_to_keep(registry, request, tmp_path):
+    """A watcher reads the files of the snapshot its tag names, to keep a file being written at that
+    version. A tag naming a document that is not a readable image gives none, not an error: an error
+    there would be met again at every look, and no snapshot of the box would ever be made."""
+    repo = repo_for(request)
+    cfg = json.dumps(["a", "list"]).encode()
+    blob = tar_bytes(member("f", data=b"x"))
+    doc = {"schemaVersion": 2, "mediaType": OCI_MANIFEST,
+           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                      "digest": registry.push_blob(repo, cfg), "size": len(cfg)},
+           "layers": [{"mediaType": TAR, "digest": registry.push_blob(repo, blob), "size": len(blob)}]}
+    digest = _put_manifest(registry, repo, "v2", doc, OCI_MANIFEST)
+    remote = Remote(Reference.parse(f"{registry.host}/{repo}:v2"))
+    with pytest.raises(IntegrityError):
+        remote.resolve(digest)
+    assert last_snapshot_files(remote, str(tmp_path), digest) == {}
 
 
 @pytest.mark.parametrize("base_layers", ["-1", "5", "one", "2.0"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from snapshotter.errors import NotFound, SnapError
+from snapshotter.errors import IntegrityError, NotFound, SnapError
 from snapshotter.layer.plan import holds_one_file, parse_part_annotation
 from snapshotter.oci.image import SNAP_CONTENT, SNAP_PART, Image, Layer, annotations_of, snapshot_layer_count
 from snapshotter.registry.remote import Remote
@@ -45,7 +45,7 @@ def last_snapshot_files(remote: Remote, root: str, current: Optional[str]) -> di
         return {}
     try:
         return image_file_layers(remote.resolve(digest))
-    except NotFound:
+    except (NotFound, IntegrityError):  # gone, or not an image snap can read: no versions to keep
         return {}
 
 
