@@ -24,11 +24,12 @@ import zstandard
 from snapshotter import workers
 from snapshotter.errors import IntegrityError, StorageError
 from snapshotter.layer import inplace
+from snapshotter.layer.extract import Extractor
 from snapshotter.layer.extract_model import ExtractOptions
 from snapshotter.layer.staging import SPLIT_SUFFIX, StagingDirs, download_split, staging_dirs
 from snapshotter.restore import journal as journal_module
 from snapshotter.restore import restore as restore_module
-from snapshotter.restore.applier import ExtractWorker
+from snapshotter.restore.applier import ExtractWorker, LayerJob, apply_layer
 from snapshotter.restore.restore import RestoreOptions, restore_image
 from snapshotter.state import MARKER
 
@@ -260,45 +261,62 @@ def test_a_restore_that_fails_removes_the_file_it_was_writing_in_place(registry,
 
 
 def test_the_in_place_sweep_removes_only_each_processs_unfinished_file(tmp_path):
-    """Of each process, only the file its last line names, if that file is still the one it wrote
-    (its inode): not one of a layer applied whole, nor one replaced since, nor another process's
-    finished one; a torn last line is ignored."""
+    """Of each process, only the file its last line names, and only while it is still one being
+    written (regular, one name, mode 000): not one of a layer ended, nor one finished or replaced
+    since, nor another process's, nor a path never made; a torn last line is ignored."""
     log_path = str(tmp_path / "log")
 
-    def write(log: inplace.InPlaceLog, name: str) -> str:
+    def write(log: inplace.InPlaceLog, name: str, finish: bool = True) -> str:
         path = str(tmp_path / name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        log.writing(path, fd)
+        log.writing(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0)
         os.write(fd, b"part")
+        if finish:
+            os.fchmod(fd, 0o644)
         os.close(fd)
         return path
 
     log = inplace.InPlaceLog(log_path)
-    write(log, "done")
-    write(log, "replaced")
-    log.layer_applied()
-    write(log, "torn")  # finished: this process's next line is a later file
+    write(log, "ended", finish=False)
+    log.layer_ended()
     pid = os.fork()
-    if pid == 0:  # another extraction process: its last layer applied whole
+    if pid == 0:  # another extraction process, stopped mid-file
         try:
-            child = inplace.InPlaceLog(log_path)
-            write(child, "child")
-            child.layer_applied()
+            write(inplace.InPlaceLog(log_path), "child", finish=False)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
-    again = write(inplace.InPlaceLog(log_path), "again")  # this pid's line after the child's
-    os.unlink(again)
-    with open(again, "wb") as f:  # replaced since: another inode at the path
-        f.write(b"someone else's")
-    with open(log_path, "ab") as f:
-        f.write(b'[1, "/etc/pass')  # a kill while appending
-    assert inplace.sweep(log_path) == []  # this pid's last line names `again`, no longer that file
-    assert sorted(os.listdir(tmp_path)) == ["again", "child", "done", "replaced", "torn"]
-    log = inplace.InPlaceLog(log_path)
-    write(log, "last")
-    assert inplace.sweep(log_path) == [str(tmp_path / "last")]
-    assert sorted(os.listdir(tmp_path)) == ["again", "child", "done", "replaced", "torn"]  # the log too is gone
+    assert inplace.sweep(log_path) == ([str(tmp_path / "child")], [])
+    assert sorted(os.listdir(tmp_path)) == ["ended"]  # the log is gone too
+
+    for name, last in (("finished", lambda p: None), ("replaced", lambda p: (os.unlink(p), open(p, "wb").close())),
+                       ("linked", lambda p: os.link(p, p + "-2")), ("never-made", os.unlink)):
+        log = inplace.InPlaceLog(log_path)
+        path = write(log, name, finish=name == "finished")
+        last(path)
+        with open(log_path, "ab") as f:
+            f.write(b'[1, "/etc/pass')  # a kill while appending
+        assert inplace.sweep(log_path) == ([], []), name
+    assert sorted(os.listdir(tmp_path)) == ["ended", "finished", "linked", "linked-2", "replaced"]
+
+
+def test_a_layer_given_up_ends_its_processs_in_place_line_and_a_finished_file_has_its_mode(tmp_path):
+    """A layer that fails (a hostile member after a file written in place) ends the process's line:
+    the file it finished keeps its mode and stays out of any sweep (an app may later reuse its inode
+    or rewrite it); only the file a kill stops mid-way is left 000."""
+    blob = tmp_path / "layer.tar"
+    blob.write_bytes(tar_bytes(member("app/", "dir", mode=0o755), member("app/done.py", data=b"x = 1\n", mode=0o644),
+                               member("../outside", data=b"hostile")))
+    root, log_path = tmp_path / "root", str(tmp_path / "log")
+    root.mkdir()
+    extractor = Extractor(str(root), ExtractOptions(in_place_log=log_path))
+    job = LayerJob(str(blob), TAR, "sha256:" + sha(blob.read_bytes()), False, "1", False, in_place=True)
+    with pytest.raises(IntegrityError):
+        apply_layer(extractor, job, lambda n: None)
+    rows = [json.loads(line) for line in open(log_path, "rb").read().splitlines()]
+    assert rows == [[os.getpid(), str(root / "app/done.py")], [os.getpid()]]
+    assert stat.S_IMODE(os.lstat(root / "app/done.py").st_mode) == 0o644
+    assert inplace.sweep(log_path) == ([], []) and (root / "app/done.py").read_bytes() == b"x = 1\n"
 
 
 def test_stale_temp_files_are_removed_when_their_directory_is_written(registry, tmp_path):

@@ -392,14 +392,14 @@ class Extractor(RootTree):
                 # The state dir is on another filesystem than this directory: copied below.
         self._reserve(m.size, rel)
         # Written with os.write on the fd, not through a file object: in a venv's tens of thousands of
-        # small files, a buffered writer per file cost more than the writes. A plain file written at its
-        # path is created with its mode (what the umask leaves), in a directory that gives it this
-        # process's owner: no chmod or chown after.
-        mode = m.mode & 0o7777
-        create = mode if mode <= 0o777 and self._umask is not None else 0o600
+        # small files, a buffered writer per file cost more than the writes. A plain file is created with
+        # its mode (what the umask leaves), in a directory that gives it this process's owner: no chmod or
+        # chown after. One noted as written at its path (apply) is made 000 until whole: inplace.py.
+        mode, noted = m.mode & 0o7777, self.in_place_log is not None and tmp.rpartition("/")[2] != self._tmp_name
+        create = 0 if noted else mode if mode <= 0o777 and self._umask is not None else 0o600
+        if noted:
+            self.in_place_log.writing(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
-        if self.in_place_log is not None and tmp.rpartition("/")[2] != self._tmp_name:  # in place: apply()
-            self.in_place_log.writing(tmp, fd)
         owner = self._owner if pdir in self._plain_dirs else (-1, -1)
         created = (create & ~self._umask, *owner) if self._umask is not None and self._umask_rules(tmp) else None
         try:

@@ -3,10 +3,13 @@ that none is left torn. A process killed midway (kill -9, or stopped with its si
 layer failed) leaves the file it was writing half-written at its path; a rerun of the same image
 writes it again, but one of another image, or no rerun at all, would keep it. `sweep` removes it.
 
-The log is one line per file, appended once it is created ([pid, path, st_dev, st_ino]), and one
-when a layer is applied whole ([pid]): a process's last line, if a file's, names the only file of
-its own that may be torn. Lines are appended with O_APPEND, one write each: several processes'
-do not interleave."""
+The log is one line per file, appended before the file is made ([pid, path]), and one when the
+process is done with a layer ([pid]: applied, or given up with its own files cleaned up). A
+process's last line, if a file's, names the only file of its own that may be torn. Such a file is
+made with no permission bits, and given its mode once its bytes are in (Extractor._write_file):
+the sweep removes only a regular file of one name with mode 000 at that path, never one made or
+finished since. Lines are appended with O_APPEND, one write each: several processes' do not
+interleave."""
 
 from __future__ import annotations
 
@@ -25,13 +28,13 @@ class InPlaceLog:
         self.path = path
         self._fd: Optional[int] = None
 
-    def writing(self, path: str, fd: int) -> None:
-        """The file at `path` (open as `fd`) is being written in place."""
-        st = os.fstat(fd)
-        self._append([os.getpid(), path, st.st_dev, st.st_ino])
+    def writing(self, path: str) -> None:
+        """The file at `path` is about to be made and written in place, with mode 000 until it is whole."""
+        self._append([os.getpid(), path])
 
-    def layer_applied(self) -> None:
-        """The layer is applied whole: what this process wrote in place is complete."""
+    def layer_ended(self) -> None:
+        """Nothing this process wrote in place is half-written: its layer was applied, or gave up
+        having removed the file it was writing."""
         if self._fd is not None:  # a process that wrote nothing in place has nothing to end
             self._append([os.getpid()])
 
@@ -41,15 +44,15 @@ class InPlaceLog:
         os.write(self._fd, json.dumps(row).encode() + b"\n")
 
 
-def sweep(path: str) -> list[str]:
+def sweep(path: str) -> tuple[list[str], list[str]]:
     """Remove each file the log at `path` names as being written when its process stopped (the
-    process's last line, if it is still that file: same device and inode), then the log. The paths
-    removed. A file that cannot be removed raises OSError, and the log stays for the next sweep."""
+    process's last line, if the file there is still one being written: regular, one name, mode 000),
+    then the log. (The paths removed, those that could not be: "path (why)".)"""
     try:
         with open_own(path, "rb") as f:
             lines = f.read().split(b"\n")
     except FileNotFoundError:
-        return []
+        return [], []
     last: dict[int, list] = {}
     for line in lines:
         try:
@@ -58,16 +61,18 @@ def sweep(path: str) -> list[str]:
             continue  # a torn last line (a kill while appending), or the empty one after the last
         if isinstance(row, list) and row and isinstance(row[0], int):
             last[row[0]] = row
-    removed = []
+    removed, failed = [], []
     for row in last.values():
-        if len(row) != 4 or not isinstance(row[1], str):
-            continue  # the process's last layer was applied whole
+        if len(row) != 2 or not isinstance(row[1], str):
+            continue  # the process's last layer ended
         try:
             st = os.lstat(row[1])
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and not st.st_mode & 0o7777:
+                os.unlink(row[1])
+                removed.append(row[1])
         except (FileNotFoundError, NotADirectoryError):
-            continue
-        if stat.S_ISREG(st.st_mode) and [st.st_dev, st.st_ino] == row[2:]:
-            remove_if_there(row[1])
-            removed.append(row[1])
+            pass  # never made, or gone since
+        except OSError as e:
+            failed.append(f"{row[1]!r} ({e.strerror or e})")
     remove_if_there(path)
-    return removed
+    return removed, failed

@@ -68,16 +68,18 @@ def apply_layer(extractor: Extractor, job: LayerJob, on_bytes: Callable[[int], N
     if job.base_layer is None or job.base_layer == 0:
         extractor.indexer = ImageIndexer() if job.base_layer == 0 else None
     what = f"layer {job.label}"
-    if job.split:  # its digest, checked at download, is its diff_id
-        with SplitLayer(job.path, on_bytes) as layer:
-            extractor.apply(layer, take=layer.take, layer=what, in_place=job.in_place)
-    else:
-        with open(job.path, "rb") as raw:
-            check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
-                        lambda stream, check: extractor.apply(stream, layer=what, check_end=check,
-                                                              in_place=job.in_place))
-    if extractor.in_place_log is not None:
-        extractor.in_place_log.layer_applied()  # what it wrote in place is whole
+    try:
+        if job.split:  # its digest, checked at download, is its diff_id
+            with SplitLayer(job.path, on_bytes) as layer:
+                extractor.apply(layer, take=layer.take, layer=what, in_place=job.in_place)
+        else:
+            with open(job.path, "rb") as raw:
+                check_layer(_CountingFile(raw, on_bytes), job.media_type, job.diff_id, job.label,
+                            lambda stream, check: extractor.apply(stream, layer=what, check_end=check,
+                                                                  in_place=job.in_place))
+    finally:
+        if extractor.in_place_log is not None:  # applied, or given up with its half-written file removed
+            extractor.in_place_log.layer_ended()
     if job.save_index and extractor.indexer is not None:
         try:
             save_index(extractor.indexer.index, job.save_index, job.index_diff_ids)

@@ -198,15 +198,16 @@ class Journal:
 
     def sweep(self, log: Callable[[str], None]) -> None:
         """Remove the files a run (this one, failed, or an earlier one, killed) left half-written at
-        their paths (layer/inplace.py); one that cannot be removed is said, and tried again next run."""
+        their paths (layer/inplace.py); one that cannot be removed is said."""
         try:
-            removed = inplace.sweep(self.in_place_log)
+            removed, failed = inplace.sweep(self.in_place_log)
         except OSError as e:
-            log(f"snap: warning: could not remove a file a stopped restore left half-written in {self.root} ({e}): "
-                "the next restore into it tries again")
-            return
+            removed, failed = [], [f"the list of them, {self.in_place_log!r} ({e.strerror or e})"]
         for path in removed:
             log(f"removed {quoted_path(path)}: a stopped restore left it half-written")
+        if failed:
+            log(f"snap: warning: could not remove what a stopped restore left half-written: {', '.join(failed)}; "
+                "remove it by hand")
 
 
 def rules_digest(options: ExtractOptions) -> str:
