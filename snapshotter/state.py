@@ -181,7 +181,7 @@ def open_own(path: str, mode: str = "r") -> IO:
 def root_key(root: str, length: int = 32) -> str:
     """The name a box root's files in the state dir go by: the sha256 of its real path (the same
     root however it is spelt), in hex, cut to `length` digits."""
-    return hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:length]
+    return hashlib.sha256(os.fsencode(os.path.realpath(root))).hexdigest()[:length]
 
 
 class RootFiles:

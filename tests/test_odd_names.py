@@ -95,6 +95,23 @@ def test_odd_names_commit_restore_verify_byte_for_byte_and_print_escaped(registr
     assert {d["path"] for d in json.loads(r.stdout)["differences"]} == {"/" + changed, "/" + gone}
 
 
+def test_a_root_whose_path_is_not_utf8_commits_restores_and_verifies(registry, tmp_path):
+    """A root (box or restore target) whose own path holds a byte that is not UTF-8: its files in the
+    state dir are named by the path's bytes; no internal error."""
+    box = os.path.join(str(tmp_path), "box\udcff\x1b")  # b"box\xff\x1b" on disk
+    _write(os.path.join(box, "opt/app/f.txt"), b"in an odd root\n")
+    ref = f"{registry.host}/odd-root:v1"
+    for args in (("status", "--base", "scratch", "--root", box),
+                 ("commit", ref, "--base", "scratch", "--root", box)):
+        r = run(*args)
+        assert r.returncode == 0 and "internal error" not in r.stderr, r.stderr
+    out = os.path.join(str(tmp_path), "out\udcfe")
+    assert run("restore", ref, "--root", out).returncode == 0
+    assert snapshot_of_tree(out) == snapshot_of_tree(box)
+    r = run("verify", ref, "--root", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_a_watcher_snapshots_odd_names_and_logs_them_escaped(registry, base_ref, box, tmp_path):
     odd_box(box)
     p = WatchProcess(f"{registry.host}/oddwatch:v2", "--base", base_ref, "--root", box, "--every", "1h",
