@@ -42,6 +42,9 @@ def test_log_lists_snapshots_newest_first_with_their_new_layers(registry, base_r
     text = snap("log", f"{repo}:snap-b", check=True).stdout.splitlines()
     assert text[0].split("  ")[0] in (", ".join(newest["tags"]),)
     assert any(line.startswith("    new: ") for line in text)
+    # By digest (any, even one not there): the repository's snapshots, as by a tag of it.
+    for digest in (with_model["digest"], "sha256:" + "0" * 64):
+        assert json.loads(snap("log", f"{repo}@{digest}", "--json", check=True).stdout) == snaps
 
 
 def test_log_of_a_repository_without_snapshots_is_one_line(registry, base_rootfs):

@@ -66,7 +66,7 @@ def snapshot_log(target: str, transport: Optional[TransportOptions] = None,
         more = f" and {len(malformed) - MALFORMED_SHOWN} more" if len(malformed) > MALFORMED_SHOWN else ""
         log(f"warning: the registry lists {len(malformed)} name(s) in {ref.name} that are not tags, "
             f"left out: {named}{more}")
-    of_target = set(names(ref.tag, tags))
+    of_target = set(names(ref.tag, tags)) if ref.tag else set()  # REPO@DIGEST: the repository, as REPO
     for tag in tags:
         if not is_tag(tag):
             continue
