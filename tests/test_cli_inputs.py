@@ -99,6 +99,18 @@ def test_a_bad_root_is_named_quoted(tmp_path, command, name):
     assert_one_line_error(r, 2, repr(os.fsdecode(root)))
 
 
+@pytest.mark.parametrize("option", [("--compression", "bogus"), ("--compression", ""), ("--max-layer-size", "0")])
+@pytest.mark.parametrize("daemon", [(), ("--daemon",)], ids=["foreground", "daemon"])
+def test_a_watch_option_a_commit_refuses_is_refused_before_the_watch_starts(tmp_path, option, daemon):
+    """What `snap commit` refuses, `snap watch` refuses too, at once and before it detaches: not a
+    watcher that says it runs, then dies (or, with the registry away, retries for ever)."""
+    box = tmp_path / "box"
+    box.mkdir()
+    r = snap("watch", NOWHERE, "--base", "scratch", "--root", str(box), *option, *daemon,
+             env={"SNAP_STATE_DIR": str(tmp_path / "state")}, timeout=120)  # unrefused, a foreground one runs on
+    assert_one_line_error(r, 2, option[0], repr(option[1]) if option[0] == "--compression" else "1MiB")
+
+
 @pytest.mark.parametrize("args", [("--help",), ("restore", "--help"), ("--version",)])
 def test_help_or_version_onto_a_full_stdout_is_one_line(args):
     """/dev/full refuses every write: --help ended in rich's traceback."""

@@ -130,9 +130,9 @@ def box_changes(root: str, profile: Profile, index: dict[str, Entry], rehash: bo
     return scan, changes_in(scan, root, profile, index, rehash)
 
 
-def _check_options(opts: CommitOptions) -> None:
+def check_options(opts: CommitOptions) -> None:
     if opts.compression not in (None, "zstd", "gzip"):
-        raise UsageError(f"--compression {opts.compression} is not known: use zstd or gzip")
+        raise UsageError(f"--compression {opts.compression!r} is not known", "use zstd or gzip")
     if opts.max_layer_size < 1024 * 1024:
         raise UsageError("--max-layer-size must be at least 1MiB")
     if not os.path.isdir(opts.root):
@@ -147,7 +147,7 @@ def plan_commit(base: str, opts: CommitOptions, transport: Optional[TransportOpt
     from the `target` repository (the caller's connection to it) when the state dir lacks it (an
     earlier snapshot pushed it).
     `hooks`: what the caller answers at the commit's named points (model.CommitHooks)."""
-    _check_options(opts)
+    check_options(opts)
     hooks = hooks or CommitHooks()
     scratch = base == SCRATCH
     if opts.profile.include and not scratch:
@@ -220,7 +220,7 @@ def commit_box(target: str, base: str, opts: Optional[CommitOptions] = None,
 
 
 def _commit_box(target: str, base: str, opts: CommitOptions, hooks: CommitHooks) -> CommitResult:
-    _check_options(opts)
+    check_options(opts)
     target_ref = Reference.parse(target)
     if target_ref.digest:
         raise UsageError("commit needs a tag to push to",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from snapshotter import settings
+from snapshotter.commit.commit import check_options
 from snapshotter.commit.model import CommitOptions
 from snapshotter.errors import UsageError
 from snapshotter.layer.generate import AfterRead
@@ -77,8 +78,7 @@ class WatchOptions:
         if not (math.isfinite(self.grace) and 0 < self.grace <= MAX_GRACE):
             raise UsageError(f"--grace {self.grace!r} is not a number of seconds above 0 and at most {MAX_GRACE:g}",
                              "the final snapshot's time after a signal or notice: RunPod gives 5 s, so 4")
-        if not os.path.isdir(self.commit.root):
-            raise UsageError(f"root {self.commit.root!r} does not exist or is not a directory")
+        check_options(self.commit)  # the root, --compression, --max-layer-size, --jobs: before a detach
 
 
 def trace(log: Callable[[str], None], msg: str) -> None:
