@@ -83,13 +83,13 @@ def test_a_file_that_changes_while_a_packer_reads_it_is_held_back(registry, base
 
 # `snap commit TARGET --base BASE --root ROOT --jobs 2` with a hook in its packers (given through the
 # commit's hooks, which the command line has no flag for), and layers packed apart however small. The
-# library's commit_box in the command line's own wrappers, as cli/capture.py's commit runs it: SIGTERM
-# stops it as Ctrl-C does (sigterm_stops), and it ends with one line and the exit code (app.command).
+# library's commit_box in the command line's own wrapper, as cli/capture.py's commit runs it: SIGTERM
+# stops it as Ctrl-C does, and it ends with one line and the exit code (app.command).
 _WITH_HOOK = """
 import os, pickle, sys
 import typer
 from snapshotter import CommitOptions, commit_box
-from snapshotter.cli.app import command, sigterm_stops
+from snapshotter.cli.app import command
 from snapshotter.cli.output import say
 from snapshotter.commit import push
 from snapshotter.commit.model import CommitHooks
@@ -99,8 +99,7 @@ after_read.maker = os.getpid()  # snap's own process reads on (the weights)
 
 @command
 def commit(target, base, root):
-    with sigterm_stops():
-        commit_box(target, base, CommitOptions(root=root, jobs=2, log=say), CommitHooks(after_read))
+    commit_box(target, base, CommitOptions(root=root, jobs=2, log=say), CommitHooks(after_read))
 
 try:
     commit(*sys.argv[2:])

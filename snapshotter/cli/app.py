@@ -73,13 +73,16 @@ def sigterm_stops():
 
 def command(fn):
     """A command whose every exception ends it with one line on stderr and exit_code_of's code;
-    never a traceback for bad input (a bug's with SNAP_DEBUG=1)."""
+    never a traceback for bad input (a bug's with SNAP_DEBUG=1). SIGTERM stops any command as Ctrl-C
+    does (one line, exit 143): each may wait on a registry or a restore, and what writes is made to
+    stop cleanly on Ctrl-C already. `snap watch` takes SIGTERM over for its final snapshot."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            progress.check_settings()
-            return fn(*args, **kwargs)
+            with sigterm_stops():
+                progress.check_settings()
+                return fn(*args, **kwargs)
         except _TYPER_WAYS_OUT:
             raise  # typer's own ways out (an exit code chosen by the command, a usage error)
         except (Exception, KeyboardInterrupt) as e:

@@ -10,7 +10,6 @@ from snapshotter.errors import UsageError
 from snapshotter.registry.options import RegistryOptions
 
 from . import output
-from .app import sigterm_stops
 from .options import (AS_FOR_COMMIT, Diverge, EncryptSecret, EncryptTo, Every, Grace, Include, Jobs, JsonOut, Keep,
                       MaxLayerSize, Provider, PushForce, UploadOrigin, WeightsFromOrigin, with_registry)
 from .output import say
@@ -57,8 +56,7 @@ def commit(
         raise UsageError("--base is required",
                          "name the image the box was started from, e.g. --base registry.example.com/me/base:1")
     else:
-        with sigterm_stops():
-            result = commit_box(target, base, opts)
+        result = commit_box(target, base, opts)
     output.commit_left_out(result)
     if as_json:
         output.as_json(output.with_ref(result))

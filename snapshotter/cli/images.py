@@ -10,7 +10,6 @@ from snapshotter.errors import UsageError, VerifyFailed
 from snapshotter.registry.options import RegistryOptions
 
 from . import output
-from .app import sigterm_stops
 from .options import (DecryptionKey, DecryptionKeyPasswordFile, Jobs, JsonOut, PasswordStdin, Ref, RestoreForce,
                       RestoreProfile, Then, Username, Wait, with_registry)
 from .output import say
@@ -63,8 +62,7 @@ def restore(
         extract=ExtractOptions(allow_devices=allow_devices, allow_setuid=allow_setuid, fsync=fsync),
         transport=registry.transport(), log=say, decryption_keys=_decryption_keys(decryption_key, password_file),
     )
-    with sigterm_stops():
-        result = restore_image(ref, root, opts)
+    result = restore_image(ref, root, opts)
     output.restored(result, root, as_json)
 
 
@@ -102,11 +100,11 @@ def run_image(
     from snapshotter.origin.snapshots import run_mounts
 
     transport = RegistryOptions(username=username, password_stdin=password_stdin).transport()
-    with sigterm_stops():  # SIGTERM stops the attached container as Ctrl-C does, instead of leaving it running
-        result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
-                        env=env or [], name=name, detach=detach, transport=transport, log=say,
-                        # weights from the origin of the image snap read, fetched here, mounted read-only
-                        mounts_of=lambda image, elsewhere: run_mounts(image, transport, say, elsewhere))
+    # SIGTERM (app.command) stops the attached container as Ctrl-C does, instead of leaving it running
+    result = do_run(ref, command, gpus="none" if no_gpu else "auto", ports=publish or [], volumes=volume or [],
+                    env=env or [], name=name, detach=detach, transport=transport, log=say,
+                    # weights from the origin of the image snap read, fetched here, mounted read-only
+                    mounts_of=lambda image, elsewhere: run_mounts(image, transport, say, elsewhere))
     if detach:
         output.out(result.container_id)
         return

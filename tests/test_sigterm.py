@@ -1,0 +1,110 @@
+"""SIGTERM stops any command that waits (on a registry that never answers, on a restore) as Ctrl-C
+does: one `snap: terminated` line and exit 143, never a silent death by the default handler."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import struct
+import subprocess
+
+import pytest
+
+from snapshotter.restore.landing import VERSION, progress_path
+from snapshotter.state import RootFiles
+from support.run import SNAP, TIMEOUT
+from support.sockets import RawServer
+
+TERMINATED = "snap: terminated (run the command again: a commit re-sends only what is missing, a restore resumes)"
+
+
+@pytest.fixture
+def silent():
+    """A registry that takes every connection and never answers."""
+    s = RawServer("silent").start()
+    yield s
+    s.stop()
+
+
+def _start(*args: str) -> subprocess.Popen:
+    p = subprocess.Popen([*SNAP, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    p.stdin.write("secret\n")  # snap login's --password-stdin; unread by the others
+    p.stdin.close()
+    p.stdin = None  # communicate() must not flush it again
+    return p
+
+
+def _assert_terminated(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=TIMEOUT)
+    assert p.returncode == 143, (p.returncode, out, err)
+    assert [line for line in err.splitlines() if line.startswith("snap:")] == [TERMINATED], err
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", [
+    ["verify", "{host}/box:v1", "--root", "{root}"],
+    ["log", "{host}/box:v1"],
+    ["status", "--base", "{host}/base:1", "--root", "{root}"],
+    ["tag", "{host}/box:v1-diverged-20260101T120000Z", "v1"],
+    ["login", "{host}", "--username", "someone", "--password-stdin"],
+    ["restore", "{host}/box:v1", "--root", "{root}"],
+    ["commit", "{host}/box:v1", "--base", "{host}/base:1", "--root", "{root}"],
+], ids=lambda c: c[0])
+def test_sigterm_while_a_registry_is_waited_for_is_one_line_and_143(silent, tmp_path, command):
+    root = tmp_path / "box"
+    root.mkdir()
+    (root / "file.txt").write_text("x\n")
+    p = _start(*(arg.format(host=silent.host, root=root) for arg in command))
+    assert silent.connected.wait(TIMEOUT), p.communicate()  # it waits on the registry's answer now
+    _assert_terminated(p)
+
+
+def test_sigterm_while_restore_wait_waits_is_one_line_and_143(tmp_path):
+    """`restore --wait` on a restore that runs (its progress file says so) and has not landed the
+    file: once snap has read the progress file twice, it is in its loop, waiting."""
+    root = tmp_path / "root"
+    root.mkdir()
+    progress = progress_path(RootFiles(str(root)))
+    running = {"version": VERSION, "state": "running", "pid": os.getpid(), "files": {}}
+    with open(os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump(running, f)
+    with _reads_of(progress) as reads:
+        p = _start("restore", "--wait", str(root / "weights.bin"), "--root", str(root))
+        reads(p, 2)
+    _assert_terminated(p)
+
+
+IN_CLOSE_NOWRITE = 0x10
+_EVENT = struct.Struct("iIII")  # struct inotify_event without its name: a file's own watch has none
+
+
+@contextlib.contextmanager
+def _reads_of(path: str):
+    """reads(p, n): return once process p has read `path` (opened it and closed it, writing nothing)
+    n times, as inotify tells; fail at once if p ends first."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    assert fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(path), IN_CLOSE_NOWRITE) >= 0, ctypes.get_errno()
+
+    def reads(p: subprocess.Popen, n: int) -> None:
+        gone = os.pidfd_open(p.pid)  # readable once p has ended
+        try:
+            while n > 0:
+                ready = select.select([fd, gone], [], [], TIMEOUT)[0]
+                assert fd in ready, ("ended" if ready else "hung", p.poll() is not None and p.communicate())
+                events = os.read(fd, 4096)
+                n -= sum(_EVENT.unpack_from(events, at)[1] & IN_CLOSE_NOWRITE != 0
+                         for at in range(0, len(events), _EVENT.size))
+        finally:
+            os.close(gone)
+
+    try:
+        yield reads
+    finally:
+        os.close(fd)
