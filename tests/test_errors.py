@@ -10,6 +10,7 @@ import snapshotter
 from snapshotter import cli
 
 from support.run import assert_one_line_error, free_port, snap
+from support.sockets import RawServer
 
 
 def test_unknown_base_image(registry, box):
@@ -21,6 +22,30 @@ def test_registry_not_reachable(box):
     port = free_port()
     r = snap("commit", f"127.0.0.1:{port}/x:v1", "--base", f"127.0.0.1:{port}/base:1", "--root", box)
     assert_one_line_error(r, 3, "not reachable", f"127.0.0.1:{port}")
+
+
+NOT_RUNNING = "(check the host and port, and that the registry is running)"
+
+
+@pytest.mark.parametrize("kind, said", [
+    (None, f"registry {{host}} is not reachable: Connection refused {NOT_RUNNING}"),
+    ("reset", f"registry {{host}} is not reachable: Connection reset by peer {NOT_RUNNING}"),
+    ("garbage", f"registry {{host}} is not reachable: the server's answer is not HTTP {NOT_RUNNING}"),
+    # plain http met a hang-up, TLS an EOF mid-handshake: TLS's failure is the one said
+    ("close", "TLS to registry {host} failed: the TLS connection was closed mid-handshake (pass --ca-cert FILE for "
+              "a private CA, or --plain-http for a registry without TLS)"),
+], ids=["refused", "reset", "garbage", "tls-eof"])
+def test_an_unreachable_registry_is_said_in_plain_words(kind, said, tmp_path):
+    """The innermost cause of the connection's failure (short_error), never urllib3's repr cut short."""
+    server = RawServer(kind).start() if kind else None
+    host = server.host if server else f"127.0.0.1:{free_port()}"
+    try:
+        r = snap("restore", f"{host}/x:v1", "--root", str(tmp_path / "root"))
+    finally:
+        if server:
+            server.stop()
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert r.stderr.splitlines() == [f"snap: error: {said.format(host=host)}"]
 
 
 def test_a_plain_http_registry_that_is_down_behind_its_proxy_is_not_reachable_not_a_tls_error(proxy, box):

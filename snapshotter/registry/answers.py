@@ -4,10 +4,15 @@ read_capped), and the short reason of a requests/urllib3 error (short_error)."""
 
 from __future__ import annotations
 
+import http.client
+import re
+import ssl
 import time
 from typing import Optional
 
 import requests
+import urllib3
+from urllib3.exceptions import ProtocolError
 
 from snapshotter import jsontext
 from snapshotter.errors import RegistryError, RegistryUnreachable, SnapError, printable
@@ -102,13 +107,53 @@ def _error_body(r: requests.Response) -> bytes:
 
 
 def short_error(e: Optional[BaseException]) -> str:
-    """The last, most specific line of a requests/urllib3 error chain."""
+    """Why a request failed, in plain words: the innermost cause of a requests/urllib3 error chain
+    (an OSError's strerror, ...), never the repr of a connection pool cut short."""
     if e is None:
         return "no answer"
-    text = str(e)
-    for key in ("Connection refused", "Name or service not known", "timed out", "certificate verify failed",
-                "No route to host", "Temporary failure in name resolution"):
-        if key in text:
-            return key
-    return text.splitlines()[0][:200]
+    chain = _causes(e)
+    for cause in reversed(chain):  # the innermost that says something
+        words = _plain_words(cause, chain)
+        if words:
+            return words
+    text = printable((str(chain[-1]).splitlines() or [""])[0])
+    return text if 0 < len(text) <= 200 else type(chain[-1]).__name__  # a whole line or a name, never cut
 
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """`e` and the exceptions behind it, outermost first. requests puts its cause in args, urllib3
+    in `reason` or args, Python in __cause__ (raise from) and __context__ (raised while handling)."""
+    chain: list[BaseException] = []
+    while e is not None and len(chain) < 16 and all(e is not c for c in chain):
+        chain.append(e)
+        inner = (e.__cause__, getattr(e, "reason", None), *e.args, e.__context__)
+        e = next((x for x in inner if isinstance(x, BaseException) and all(x is not c for c in chain)), None)
+    return chain
+
+
+_SSL_CODES = re.compile(r"^\[[^\]]*\]\s*|\s*\(_ssl\.c:\d+\)$")  # OpenSSL's "[SSL: CODE] " and " (_ssl.c:1006)"
+
+
+def _plain_words(e: BaseException, chain: list[BaseException]) -> str:
+    """What `e` means to a user, or "" where it is only a wrapper of another."""
+    if isinstance(e, SnapError):
+        return str(e)
+    if isinstance(e, ssl.SSLEOFError):
+        # urllib3 calls a connection that broke within an answer "Connection broken"
+        within = any(isinstance(c, ProtocolError) and str(c).startswith("Connection broken") for c in chain)
+        return f"the TLS connection was closed mid-{'answer' if within else 'handshake'}"
+    if isinstance(e, ssl.SSLError):
+        return printable(_SSL_CODES.sub("", str(e.strerror or e))) or "TLS failed"
+    if isinstance(e, http.client.RemoteDisconnected):  # a ConnectionResetError without strerror
+        return "the server closed the connection without answering"
+    if isinstance(e, OSError) and e.strerror:  # "Connection refused", "Network is unreachable", DNS's gaierror
+        return e.strerror
+    if isinstance(e, (TimeoutError, urllib3.exceptions.TimeoutError)):
+        return "timed out"
+    if isinstance(e, http.client.IncompleteRead):
+        return "the answer was cut short"
+    if isinstance(e, http.client.LineTooLong):
+        return "the server's answer has a line too long for HTTP"
+    if isinstance(e, http.client.HTTPException):  # BadStatusLine, UnknownProtocol, ...
+        return "the server's answer is not HTTP"
+    return ""
