@@ -265,10 +265,11 @@ def _ended_before(files: WatchFiles, pid: int, root: str, log: Callable[[str], N
     done = _read_json(files.exit)
     if done.get("pid") == pid and isinstance(done.get("code"), int):
         code, why = done["code"], done.get("error") or _last_line(files.log)
-    else:
-        code, why = 1, f"it left no exit code (killed?); its log: {_last_line(files.log)}"
-    log(f"snap watch (pid {pid}) of {root!r} had already ended with code {code}: {why}")
-    return code
+        log(f"snap watch (pid {pid}) of {root!r} had already ended with code {code}: {why}")
+        return code
+    log(f"snap watch (pid {pid}) of {root!r} had already ended leaving no exit code (killed?), so 1; "
+        f"the last line of its log: {_last_line(files.log)}")
+    return 1
 
 
 def _last_line(path: str) -> str:
