@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -764,6 +765,23 @@ def test_stop_tells_the_code_of_a_watcher_that_already_ended(base_rootfs, box, t
     assert stop.stderr.count("\n") == 1, stop.stderr
     assert "had already ended with code 4: snap: error: registry" in stop.stderr and "SNAP_USERNAME" in stop.stderr
     assert "snap: error: registry" in out.read_text()  # the watcher's error reached its starter's stderr too
+
+
+def test_stop_of_a_watcher_killed_with_9_says_it_left_no_exit_code(registry, base_ref, box, tmp_path, state_dir):
+    """A detached watcher killed with -9 left no exit code: `--stop` says that, in one line, and exits 1."""
+    with open(tmp_path / "starter-stderr", "w") as err:
+        assert start_daemon(registry.host, base_ref, box, "killed-daemon", err).returncode == 0
+    pid = json.loads(next((state_dir / "watch").glob("*.pid")).read_text())["pid"]
+    fd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        select.select([fd], [], [], TIMEOUT)  # gone: its lock with it
+    finally:
+        os.close(fd)
+    stop = snap("watch", "--stop", "--root", box)
+    assert stop.returncode == 1 and stop.stderr.count("\n") == 1, stop.stderr
+    assert f"(pid {pid})" in stop.stderr and "leaving no exit code (killed?)" in stop.stderr, stop.stderr
+    assert "with code" not in stop.stderr, stop.stderr
 
 
 def test_kill_9_at_random_moments_leaves_the_tag_on_a_complete_snapshot(registry, base_ref, box, tmp_path):
