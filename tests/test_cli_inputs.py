@@ -79,6 +79,19 @@ def test_a_wait_timeout_that_is_no_finite_number_from_0_is_a_usage_error(tmp_pat
     assert_one_line_error(r, 2, f"--timeout {timeout}")
 
 
+@pytest.mark.parametrize("args, said", [
+    (("--timeout", "5"), "--timeout goes with --wait"),
+    (("--then", ""), "--then needs a command"), (("--then", "  "), "--then needs a command"),
+    (("--ca-cert", "."), "is not a file"), (("--ca-cert", "missing\n.pem"), repr("missing\n.pem")),
+])
+def test_restore_options_that_cannot_do_what_they_say_are_refused(tmp_path, args, said):
+    """A --timeout without --wait was ignored, an empty --then 'started', and a directory given as
+    --ca-cert was said not to exist: each is one line, exit 2, before any registry is asked."""
+    args = tuple(str(tmp_path) if a == "." else a for a in args)
+    r = snap("restore", NOWHERE, "--root", str(tmp_path / "root"), *args)
+    assert_one_line_error(r, 2, said)
+
+
 @pytest.mark.parametrize("profile", ["/dev/zero", "dir"])
 def test_a_profile_that_is_no_regular_file_is_named_for_what_it_is(tmp_path, profile):
     """Both exist: "does not exist" was wrong about them."""

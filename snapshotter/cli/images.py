@@ -56,6 +56,10 @@ def restore(
         return
     if ref is None or root is None:
         raise UsageError("snap restore needs an image and --root", "run `snap restore REF --root DIR`")
+    if timeout is not None:
+        raise UsageError("--timeout goes with --wait", "run `snap restore --wait PATH --timeout SECONDS`")
+    if then is not None and not then.strip():
+        raise UsageError("--then needs a command", "e.g. --then 'python main.py --listen'")
     opts = RestoreOptions(
         only_snapshot=only_snapshot, force=force, profile=profile, jobs=resolve_jobs(jobs),
         on_app_ready=(lambda: _started(start_then(then), then)) if then is not None else None,

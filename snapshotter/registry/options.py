@@ -35,7 +35,8 @@ def reach(plain_http: bool = False, ca_cert: Optional[str] = None, insecure_tls:
           credentials: Optional[Credentials] = None) -> TransportOptions:
     """TransportOptions for how to talk to the registry (`snap login` brings its own credentials)."""
     if ca_cert and not os.path.isfile(ca_cert):
-        raise UsageError(f"CA certificate {ca_cert} does not exist")
+        what = "is not a file" if os.path.lexists(ca_cert) else "does not exist"
+        raise UsageError(f"CA certificate {ca_cert!r} {what}", "--ca-cert takes the PEM file of the registry's CA")
     return TransportOptions(
         plain_http=True if plain_http else None,  # None: auto
         ca_bundle=ca_cert,
