@@ -78,8 +78,8 @@ class Extractor(RootTree):
         self._umask = umask()
         self._tmp_name = f"{TMP_PREFIX}{os.getpid()}-{self.opts.run_token or 0}"  # in a forked worker: its own pid
         self._owner = (os.geteuid(), os.getegid())
-        # Directories this layer made and set from their header without the setgid bit: a file
-        # created in one is owned by this process's user and group (see _write_file).
+        # Directories this layer made and set from their header without the setgid bit: a directory
+        # made in one is owned by this process's user and group (see _mkdir).
         self._plain_dirs: set[str] = set()
         # Real paths of the non-directories written (by any layer, or counted: count_as_written): the only
         # files a hardlink may name. A path a layer then deletes stays: only the image can write there again.
@@ -392,16 +392,15 @@ class Extractor(RootTree):
                 # The state dir is on another filesystem than this directory: copied below.
         self._reserve(m.size, rel)
         # Written with os.write on the fd, not through a file object: in a venv's tens of thousands of
-        # small files, a buffered writer per file cost more than the writes. A plain file is created with
-        # its mode (what the umask leaves), in a directory that gives it this process's owner: no chmod or
-        # chown after. One noted as written at its path (apply) is made 000 until whole: inplace.py.
+        # small files, a buffered writer per file cost more than the writes. A file is created with its
+        # mode, and what it got (fstat) is not set again: no chmod or chown after, mostly. One noted as
+        # written at its path (apply) is made 000 until whole: inplace.py.
         mode, noted = m.mode & 0o7777, self.in_place_log is not None and tmp.rpartition("/")[2] != self._tmp_name
         create = 0 if noted else mode if mode <= 0o777 and self._umask is not None else 0o600
         if noted:
             self.in_place_log.writing(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
-        owner = self._owner if pdir in self._plain_dirs else (-1, -1)
-        created = (create & ~self._umask, *owner) if self._umask is not None and self._umask_rules(tmp) else None
+        created = attrs_of(os.fstat(fd))  # as made: a default ACL or a setgid directory may have changed it
         try:
             if staged is not None:
                 with open(staged, "rb") as src:
