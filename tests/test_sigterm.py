@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import select
@@ -16,8 +17,10 @@ import pytest
 
 from snapshotter.restore.landing import VERSION, progress_path
 from snapshotter.state import RootFiles
+from support.images import TAR
 from support.run import SNAP, TIMEOUT
 from support.sockets import RawServer
+from support.tars import member, tar_bytes
 
 TERMINATED = "snap: terminated (run the command again: a commit re-sends only what is missing, a restore resumes)"
 
@@ -63,6 +66,22 @@ def test_sigterm_while_a_registry_is_waited_for_is_one_line_and_143(silent, tmp_
     p = _start(*(arg.format(host=silent.host, root=root) for arg in command))
     assert silent.connected.wait(TIMEOUT), p.communicate()  # it waits on the registry's answer now
     _assert_terminated(p)
+
+
+def test_sigterm_while_verify_reads_a_layer_gives_the_layer_up(registry, proxy, tmp_path):
+    """verify reads layers in threads: at SIGTERM the one being read is given up at its next chunk,
+    not read to its end first (a multi-GB layer took minutes, past a `docker stop`'s 10 s)."""
+    big = os.urandom(32 << 20)
+    tar = tar_bytes(member("weights.bin", data=big))
+    registry.push_image("sigterm-verify", "v1", [tar], layer_media_type=TAR,
+                        diff_ids=["sha256:" + hashlib.sha256(tar).hexdigest()])
+    proxy.throttle, proxy.midway_at = 512 << 10, 1 << 20  # the whole layer: about a minute
+    root = tmp_path / "root"
+    root.mkdir()
+    p = _start("verify", f"{proxy.host}/sigterm-verify:v1", "--root", str(root))
+    assert proxy.midway.wait(TIMEOUT), p.communicate()
+    _assert_terminated(p)
+    assert proxy.blob_bytes_sent < len(tar), "the layer was read to its end after the signal"
 
 
 def test_sigterm_while_restore_wait_waits_is_one_line_and_143(tmp_path):

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import os
 import stat
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -144,8 +145,10 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
         if SNAP_PART_FILE in desc.get("annotations", {}):
             return None
         held = holder.hold(remote, layer, entries) if holder else None
-        return held if held is not None else _read_layer(remote, desc, diff_id, layer_label(desc, i), log, entries)
+        return held if held is not None else _read_layer(remote, desc, diff_id, layer_label(desc, i), log, entries,
+                                                          stopping)
 
+    stopping = threading.Event()  # set when this ends early: the layers being read give up at their next chunk
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         waiting = iter(layers)
         ahead: deque = deque()  # (layer, its future): `jobs` read at once, each dropped once indexed
@@ -176,6 +179,7 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
                     deleted.update(indexer.end_layer())
                 deleted -= index.keys()
         finally:
+            stopping.set()
             for _, f in ahead:
                 f.cancel()
     for rel in (*index, *deleted):
@@ -184,18 +188,21 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
 
 
 def read_blob(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
-               consume: Callable) -> None:
-    """Stream a layer's blob through check_layer (digest and diff_id checked) into `consume`."""
+               consume: Callable, stopping: Optional[threading.Event] = None) -> None:
+    """Stream a layer's blob through check_layer (digest and diff_id checked) into `consume`;
+    `stopping` set: it gives up at its next chunk (progress.Stopped)."""
     def note(msg: str) -> None:
         log(f"warning: {label}: {msg}")
 
     with progress.bar(f"reading {label}", desc["size"]) as bar:
-        blob = IterReader(remote.iter_blob(desc["digest"], progress.safe_update(bar), desc["size"]))
+        update = progress.safe_update(bar)
+        update = progress.stoppable(update, stopping) if stopping is not None else update
+        blob = IterReader(remote.iter_blob(desc["digest"], update, desc["size"]))
         check_layer(blob, desc["mediaType"], diff_id, label, consume, note)
 
 
 def _read_layer(remote: Remote, desc: dict, diff_id: str, label: str, log: Callable[[str], None],
-                entries: EntryCount) -> Members:
+                entries: EntryCount, stopping: Optional[threading.Event] = None) -> Members:
     """A layer's members, each regular file's with the digest of its data (ImageIndexer.add wants
     it only for those)."""
     out: Members = []
@@ -204,7 +211,7 @@ def _read_layer(remote: Remote, desc: dict, diff_id: str, label: str, log: Calla
         for reader, m in iter_members(stream, f"layer {label}", entries):
             out.append((m, chunks_digest(data_chunks(reader)) if m.isreg() else None))
 
-    read_blob(remote, desc, diff_id, label, log, consume)
+    read_blob(remote, desc, diff_id, label, log, consume, stopping)
     return out
 
 
