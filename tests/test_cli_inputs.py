@@ -122,6 +122,7 @@ def test_a_watch_option_a_commit_refuses_is_refused_before_the_watch_starts(tmp_
     r = snap("watch", NOWHERE, "--base", "scratch", "--root", str(box), *option, *daemon,
              env={"SNAP_STATE_DIR": str(tmp_path / "state")}, timeout=120)  # unrefused, a foreground one runs on
     assert_one_line_error(r, 2, option[0], repr(option[1]) if option[0] == "--compression" else "1MiB")
+    assert not (tmp_path / "state" / "watch").exists(), "refused after its lock and pid file were made"
 
 
 @pytest.mark.parametrize("args", [("--help",), ("restore", "--help"), ("--version",)])

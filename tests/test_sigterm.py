@@ -84,6 +84,25 @@ def test_sigterm_while_verify_reads_a_layer_gives_the_layer_up(registry, proxy, 
     assert proxy.blob_bytes_sent < len(tar), "the layer was read to its end after the signal"
 
 
+def test_sigterm_to_a_daemon_starter_says_the_watcher_goes_on(silent, tmp_path, state_dir):
+    """`snap watch --daemon` waits for its watcher to be ready; stopped then (SIGTERM, as a start
+    script's timeout does), the starter says the watcher goes on and how to stop it: not "run the
+    command again", which a second watcher of the root would refuse."""
+    box = tmp_path / "box"
+    box.mkdir()
+    p = _start("watch", f"{silent.host}/box:v1", "--base", "scratch", "--root", str(box), "--every", "1h", "--daemon")
+    assert silent.connected.wait(TIMEOUT), p.communicate()  # the watcher asks the registry: not ready yet
+    pid = json.loads(next((state_dir / "watch").glob("*.pid")).read_text())["pid"]
+    try:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=TIMEOUT)
+        said = [line for line in err.splitlines() if line.startswith("snap:")]
+        assert p.returncode == 143 and len(said) == 1 and "the watcher goes on" in said[0], err
+        os.kill(pid, 0)  # it does
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_sigterm_while_restore_wait_waits_is_one_line_and_143(tmp_path):
     """`restore --wait` on a restore that runs (its progress file says so) and has not landed the
     file: once snap has read the progress file twice, it is in its loop, waiting."""

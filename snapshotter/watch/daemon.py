@@ -121,6 +121,9 @@ def detach(files: WatchFiles, keep: tuple[int, ...] = ()) -> Callable[[], None]:
         os.close(w)
         _relay_until_ready(r, files)
     os.close(r)
+    # The starter's SIGTERM handler (cli's: stop as Ctrl-C does) is not the watcher's: until watch()
+    # takes SIGTERM over for its final snapshot, it ends the watcher as before.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.setsid()
     if os.fork() > 0:
         os._exit(0)  # the middle process: the watcher is now no session leader, reparented to init
@@ -187,14 +190,20 @@ class _Tee:
 
 def _relay_until_ready(r: int, files: WatchFiles) -> None:
     buf = b""
-    with os.fdopen(r, "rb", buffering=0) as pipe:
-        while chunk := pipe.read(4096):
-            buf += chunk
-            if READY.encode() in buf:
-                sys.stderr.write(buf.split(READY.encode())[0].decode(errors="replace"))
-                sys.stderr.write(f"detached: pid file {files.pid}, log {files.log}\n")
-                sys.stderr.flush()
-                os._exit(0)
+    try:
+        with os.fdopen(r, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(4096):
+                buf += chunk
+                if READY.encode() in buf:
+                    sys.stderr.write(buf.split(READY.encode())[0].decode(errors="replace"))
+                    sys.stderr.write(f"detached: pid file {files.pid}, log {files.log}\n")
+                    sys.stderr.flush()
+                    os._exit(0)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (cli's Terminated) of the starter: not of the watcher
+        sys.stderr.write(f"snap: the starter was stopped; the watcher goes on (pid file {files.pid}, log {files.log}): "
+                         "`snap watch --stop --root ROOT` stops it\n")
+        sys.stderr.flush()
+        os._exit(exit_code_of(e))
     sys.stderr.write(buf.decode(errors="replace"))
     sys.stderr.flush()
     os._exit(_read_json(files.exit).get("code") or 1)
@@ -204,6 +213,7 @@ def serve(target: str, base: str, opts: WatchOptions, detached: bool = False) ->
     """Be the one watcher of its root until its final snapshot, then exit the process with its code
     (threads still sending are not waited for). Detached (`--daemon`): in the background, its log
     in the state dir. The pid file and the exit file are what `--stop` reads."""
+    opts.check()  # a usage error where it was typed, before the lock, the pid file and the detach
     root = opts.commit.root
     files = watch_files(root)
     lock = take_lock(files, root)
