@@ -319,6 +319,22 @@ def test_a_layer_given_up_ends_its_processs_in_place_line_and_a_finished_file_ha
     assert inplace.sweep(log_path) == ([], []) and (root / "app/done.py").read_bytes() == b"x = 1\n"
 
 
+def test_a_file_the_image_leaves_with_no_permission_bits_never_goes_in_place(tmp_path):
+    """A half-written file at its path is told by its mode 000: one the image wants at 000 (or left
+    so once its setuid bit is stripped) goes by a temp name, so no sweep can take it for one."""
+    blob = tmp_path / "layer.tar"
+    blob.write_bytes(tar_bytes(member("app/", "dir", mode=0o755), member("app/locked", data=b"x", mode=0o000),
+                               member("app/setuid", data=b"y", mode=0o4000), member("app/plain", data=b"z")))
+    root, log_path = tmp_path / "root", str(tmp_path / "log")
+    root.mkdir()
+    extractor = Extractor(str(root), ExtractOptions(in_place_log=log_path, allow_setuid=False))
+    apply_layer(extractor, LayerJob(str(blob), TAR, "sha256:" + sha(blob.read_bytes()), False, "1", False,
+                                    in_place=True), lambda n: None)
+    rows = [json.loads(line) for line in open(log_path, "rb").read().splitlines()]
+    assert rows == [[os.getpid(), str(root / "app/plain")], [os.getpid()]]
+    assert [stat.S_IMODE(os.lstat(root / "app" / n).st_mode) for n in ("locked", "setuid")] == [0, 0]
+
+
 def test_stale_temp_files_are_removed_when_their_directory_is_written(registry, tmp_path):
     registry.push_image("stale", "v1", [layer({"d/x.txt": b"x\n"}, dirs=("d",))], layer_media_type=TAR)
     root = tmp_path / "root"

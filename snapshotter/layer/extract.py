@@ -318,7 +318,8 @@ class Extractor(RootTree):
         # A short name (the member's own may be NAME_MAX bytes long). No leftover can be there: _locate swept
         # the directory of stale temp files on first use.
         tmp = join(pdir, self._tmp_name)
-        in_place = self._in_place and new and m.isreg() and pdir in self._new_dirs  # see apply()
+        # See apply(); a file to be left with no permission bits goes by a temp name: a half-written one is 000
+        in_place = self._in_place and new and m.isreg() and pdir in self._new_dirs and m.mode & 0o777 != 0
         dest = path if in_place else tmp
         renamed = False
         try:
