@@ -48,6 +48,17 @@ def test_an_unreachable_registry_is_said_in_plain_words(kind, said, tmp_path):
     assert r.stderr.splitlines() == [f"snap: error: {said.format(host=host)}"]
 
 
+def test_a_proxy_that_refuses_is_said_to_be_the_proxy(registry, tmp_path):
+    """Through HTTP(S)_PROXY a refused connection is the proxy's: said so, or the user looks at a
+    registry that is running."""
+    proxy = f"http://127.0.0.1:{free_port()}"
+    env = {"HTTP_PROXY": proxy, "HTTPS_PROXY": proxy, "NO_PROXY": "", "no_proxy": ""}
+    r = snap("restore", f"{registry.host}/x:v1", "--root", str(tmp_path / "root"), env=env)
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert r.stderr.splitlines() == [f"snap: error: registry {registry.host} is not reachable: the proxy: "
+                                     f"Connection refused {NOT_RUNNING}"]
+
+
 def test_a_plain_http_registry_that_is_down_behind_its_proxy_is_not_reachable_not_a_tls_error(proxy, box):
     """A loopback proxy whose registry is down hangs up on plain http and answers TLS with plain http
     (a 400): the registry is not reachable; no TLS advice (--ca-cert) for a registry without TLS."""

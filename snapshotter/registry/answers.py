@@ -112,10 +112,12 @@ def short_error(e: Optional[BaseException]) -> str:
     if e is None:
         return "no answer"
     chain = _causes(e)
+    # Through a proxy (HTTPS_PROXY), what failed may be the proxy, not the registry: said first.
+    via = "the proxy: " if any(isinstance(c, urllib3.exceptions.ProxyError) for c in chain) else ""
     for cause in reversed(chain):  # the innermost that says something
         words = _plain_words(cause, chain)
         if words:
-            return words
+            return via + words
     text = printable((str(chain[-1]).splitlines() or [""])[0])
     return text if 0 < len(text) <= 200 else type(chain[-1]).__name__  # a whole line or a name, never cut
 
