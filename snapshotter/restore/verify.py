@@ -127,8 +127,7 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
     """The image's paths, those its layers delete, its hardlinks. Layers are read with restore's
     checks: an image restore refuses is refused here too. `jobs` layers are downloaded, decompressed
     and hashed at once (threads: zstd, zlib and hashlib let go of Python's lock); their members go
-    into the index in layer order. A layer the `holder` finds whole in the directory is not
-    downloaded: its members come from its headers."""
+    into the index in layer order. A layer the `holder` finds whole in the directory is not read."""
     index: dict[str, Entry] = {}
     deleted: set[str] = set()
     linked: dict[str, object] = {}
@@ -136,8 +135,8 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
     links = part_links(layers)
     for rel in (*part_files(layers), *links, *(n for names in links.values() for n in names)):
         _check_fits(rel)  # the part annotations restore refuses are refused here too
-
     entries = EntryCount()  # the image's members: the layers read ahead and the index are bounded by it
+    stopping = threading.Event()  # set when this ends early: the layers being read give up at their next chunk
 
     def read(layer: tuple[int, dict, str]) -> Optional[Members]:
         """Layer's members with their content digests; None for a part layer, read in order below."""
@@ -145,10 +144,8 @@ def image_index(remote: Remote, layers: list[Layer], log: Callable[[str], None] 
         if SNAP_PART_FILE in desc.get("annotations", {}):
             return None
         held = holder.hold(remote, layer, entries) if holder else None
-        return held if held is not None else _read_layer(remote, desc, diff_id, layer_label(desc, i), log, entries,
-                                                          stopping)
-
-    stopping = threading.Event()  # set when this ends early: the layers being read give up at their next chunk
+        return held if held is not None else _read_layer(remote, desc, diff_id, layer_label(desc, i), log,
+                                                          entries, stopping)
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         waiting = iter(layers)
         ahead: deque = deque()  # (layer, its future): `jobs` read at once, each dropped once indexed
