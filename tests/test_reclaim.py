@@ -268,6 +268,22 @@ def _tag_and_bare_box(registry, base_ref, box, base_rootfs, tmp_path, repo: str,
     return target, digest_of(registry, repo, "v2"), root
 
 
+def _working_on_v2(registry, upstream, base_ref, box, tmp_path, repo: str):
+    """v1 and v2 of a box committed, v2 restored into a root, a watcher of it that has snapshotted
+    work done there: (root, watcher, its lines, its clock, v2's digest now, the tree v2 holds)."""
+    for tag, notes in (("v1", "v1 notes\n"), ("v2", "v2 notes\n")):
+        write_tree(box, {"opt/app/notes.txt": notes, f"opt/app/{tag}-only.txt": tag})
+        snap("commit", f"{registry.host}/{repo}:{tag}", "--base", base_ref, "--root", box, check=True)
+    root = tmp_path / "root"
+    restore_image(f"{registry.host}/{repo}:v2", str(root))
+    lines, clock = [], FakeClock()
+    w = watcher(upstream, base_ref, str(root), repo, lines, clock, every=0)
+    write_tree(str(root), {"opt/app/work.txt": "work on v2\n"})
+    w.tick()
+    return root, w, lines, clock, digest_of(registry, repo, "v2"), _restored_tree(f"{registry.host}/{repo}:v2",
+                                                                                   tmp_path / "made")
+
+
 def _failing_restore(registry, proxy, repo: str, tag: str, root) -> None:
     """A restore of `tag` into `root` that stops with an error before its snap layers are in (the
     registry answers 503 for them), as one that fails half-way: it wrote into the root (the restore
@@ -387,18 +403,8 @@ def test_a_watcher_on_the_tag_stops_moving_it_once_a_restore_into_its_root_fails
     wrote into the root is no longer this box's work: the watcher sees the restore at its next
     snapshot and saves to a diverged tag, as `snap commit` refuses."""
     monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
-    for tag, notes in (("v1", "v1 notes\n"), ("v2", "v2 notes\n")):
-        write_tree(box, {"opt/app/notes.txt": notes, f"opt/app/{tag}-only.txt": tag})
-        snap("commit", f"{registry.host}/rollback:{tag}", "--base", base_ref, "--root", box, check=True)
-    root = tmp_path / "root"
-    restore_image(f"{registry.host}/rollback:v2", str(root))
-    lines, clock = [], FakeClock()
-    w = watcher(registry, base_ref, str(root), "rollback", lines, clock, every=0)
-    write_tree(str(root), {"opt/app/work.txt": "work on v2\n"})
-    w.tick()
-    made = digest_of(registry, "rollback", "v2")  # this box's snapshot now
-    work = _restored_tree(f"{registry.host}/rollback:v2", tmp_path / "made")
-    assert work == snapshot_of_tree(str(root), skip=NOT_CAPTURED)
+    root, w, lines, clock, made, work = _working_on_v2(registry, registry, base_ref, box, tmp_path, "rollback")
+    assert work == snapshot_of_tree(str(root), skip=NOT_CAPTURED)  # made: this box's snapshot now
 
     _failing_restore(registry, proxy, "rollback", "v1", root)
     write_tree(str(root), {"opt/app/notes.txt": "v1 notes\n"})  # what the half-way restore wrote
@@ -420,17 +426,7 @@ def test_a_restore_seen_while_the_registry_fails_is_still_seen_once_it_answers(r
     tag list answers 503): the restore is not noted as seen until a look succeeds, so the next tick
     does not move the tag onto the half-restored box, and the tag's snapshot of the work stays."""
     monkeypatch.setenv("SNAP_RETRY_SCALE", "0")
-    for tag, notes in (("v1", "v1 notes\n"), ("v2", "v2 notes\n")):
-        write_tree(box, {"opt/app/notes.txt": notes, f"opt/app/{tag}-only.txt": tag})
-        snap("commit", f"{registry.host}/rollback-outage:{tag}", "--base", base_ref, "--root", box, check=True)
-    root = tmp_path / "root"
-    restore_image(f"{registry.host}/rollback-outage:v2", str(root))
-    lines, clock = [], FakeClock()
-    w = watcher(proxy, base_ref, str(root), "rollback-outage", lines, clock, every=0)
-    write_tree(str(root), {"opt/app/work.txt": "work on v2\n"})
-    w.tick()
-    made = digest_of(registry, "rollback-outage", "v2")
-    work = _restored_tree(f"{registry.host}/rollback-outage:v2", tmp_path / "made")
+    root, w, lines, clock, made, work = _working_on_v2(registry, proxy, base_ref, box, tmp_path, "rollback-outage")
 
     _failing_restore(registry, proxy, "rollback-outage", "v1", root)
     write_tree(str(root), {"opt/app/notes.txt": "v1 notes\n"})
@@ -805,6 +801,20 @@ def _poke(box: str, path: str) -> None:
         f.write(os.urandom(16))
 
 
+LOOP = "the loop's tick"  # the thread _final_beside_the_loop ticks in
+
+
+def _final_beside_the_loop(w, clock, entered: threading.Event, lines: list) -> None:
+    """The loop ticks, a commit due, in a thread of its own; once it is held (`entered`), the final
+    snapshot starts, stops that commit and makes its own (exit 0)."""
+    clock.advance(1)
+    loop = threading.Thread(target=lambda: pytest.raises(progress.Stopped, w.tick), name=LOOP)
+    loop.start()
+    assert entered.wait(TIMEOUT)
+    assert w.final("signal SIGTERM") == 0, lines
+    loop.join(TIMEOUT)
+
+
 def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(registry, base_ref, box, tmp_path,
                                                                             monkeypatch):
     """The trial: the final snapshot failed (a layer file of the state dir gone) while the loop's own
@@ -831,12 +841,7 @@ def test_the_final_snapshot_stops_the_loops_commit_and_never_runs_beside_it(regi
 
     monkeypatch.setattr(push_module, "push_layers", push_layers)
     write_tree(box, {"opt/app/late.txt": "written just before the reclaim\n"})
-    clock.advance(1)
-    loop = threading.Thread(target=lambda: pytest.raises(progress.Stopped, w.tick))
-    loop.start()
-    assert entered.wait(TIMEOUT)
-    assert w.final("signal SIGTERM") == 0, lines
-    loop.join(TIMEOUT)
+    _final_beside_the_loop(w, clock, entered, lines)
     assert stopped.is_set() and max(overlap) == 1
     out = tmp_path / "after"
     restore_image(f"{registry.host}/one-at-a-time:v2", str(out))
@@ -858,7 +863,7 @@ def test_the_final_snapshot_stops_the_loops_commit_in_its_scan_and_scans_only_wh
 
     def safe_update(b):  # the loop's commit scan: held at its first directory until the final starts
         update = real_safe_update(b)
-        if threading.current_thread() is not loop:
+        if threading.current_thread().name != LOOP:
             return update
 
         def held(n):
@@ -869,19 +874,14 @@ def test_the_final_snapshot_stops_the_loops_commit_in_its_scan_and_scans_only_wh
         return held
 
     def hold(self, scan, root):
-        planned.append(threading.current_thread() is loop)
+        planned.append(threading.current_thread().name == LOOP)
         return real_hold(self, scan, root)
 
     monkeypatch.setattr(progress, "safe_update", safe_update)
     monkeypatch.setattr(hooks_module.WatchHooks, "hold", hold)
     for d in ("a", "b", "c"):  # several changed directories: the scan reports after each
         write_tree(box, {f"opt/app/late-{d}/note.txt": f"written just before the reclaim: {d}\n"})
-    clock.advance(1)
-    loop = threading.Thread(target=lambda: pytest.raises(progress.Stopped, w.tick))
-    loop.start()
-    assert entered.wait(TIMEOUT)
-    assert w.final("signal SIGTERM") == 0, lines
-    loop.join(TIMEOUT)
+    _final_beside_the_loop(w, clock, entered, lines)
     assert planned == [False], "the loop's commit planned after the final snapshot started"
     assert w.changes.commit_scan.touched is not None, "the final snapshot scanned the whole box"
     out = tmp_path / "after"
