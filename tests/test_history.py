@@ -5,7 +5,7 @@ import os
 import subprocess
 
 from support.images import push_base_image
-from support.registry import digest_of, diverged_tags
+from support.registry import RegistryServer, digest_of, diverged_tags
 from support.run import snap
 from support.trees import write_tree
 
@@ -79,6 +79,24 @@ def test_status_says_what_a_commit_would_send_and_pushes_nothing(registry, base_
     assert any(line.startswith("custom_nodes: changed, would send") for line in lines), r.stdout
     assert any(line.startswith("venv: unchanged, skipped") for line in lines), r.stdout
     assert lines[-1].startswith("1 of ")
+
+
+def test_status_of_a_scratch_box_needs_no_registry(tmp_path):
+    """With --base scratch there is no base to read: status reads the box alone, and says the tag was
+    not looked up when its registry is away (it exited 3 before: the last commit's registry was
+    asked before anything else)."""
+    box = tmp_path / "box"
+    write_tree(str(box), {"opt/app/f.txt": "x\n"})
+    reg = RegistryServer(str(tmp_path / "reg")).start()
+    try:
+        snap("commit", f"{reg.host}/scratch-box:v1", "--base", "scratch", "--root", str(box), check=True)
+    finally:
+        reg.stop()
+    write_tree(str(box), {"opt/app/g.txt": "y\n"})
+    r = snap("status", "--base", "scratch", "--root", str(box), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [layer["changed"] for layer in doc["layers"]] == [True] and "not reachable" in doc["tags_error"], doc
 
 
 def test_status_without_base_before_any_commit_is_one_line(box):

@@ -23,7 +23,7 @@ from snapshotter.snapshot.lineage import movable
 from snapshotter.snapshot.statcache import last_base, last_target
 
 from .commit import plan_commit
-from .model import CommitOptions
+from .model import SCRATCH, CommitOptions
 
 MALFORMED_SHOWN, MALFORMED_SHOWN_CHARS = 5, 200  # a hostile list of thousands stays one short line
 
@@ -148,8 +148,8 @@ def box_status(base: Optional[str], opts: CommitOptions) -> BoxStatus:
     if base is None:
         raise UsageError(f"--base is required: {opts.root!r} was never committed",
                          "name the image the box was started from, e.g. --base registry.example.com/me/base:1")
-    tag = last_target(opts.root)  # an index fetched from its repository serves a commit there (index/base.py)
-    cp = plan_commit(base, opts, target=Remote(Reference.parse(tag), opts.transport) if tag else None)
+    tag = last_target(opts.root)
+    cp = plan_commit(base, opts, target=_index_source(tag, base, opts.transport))
     layers = []
     for plan in cp.plans:
         hit = cp.known(plan)
@@ -160,6 +160,18 @@ def box_status(base: Optional[str], opts: CommitOptions) -> BoxStatus:
     if st.tag:
         _tag_status(st, opts)
     return st
+
+
+def _index_source(tag: Optional[str], base: str, transport: TransportOptions) -> Optional[Remote]:
+    """The last commit's repository, where a base's index may be fetched from (index/base.py); None
+    when there is no base to index, or the registry cannot be reached: the status reads the box, and
+    the base's own repository serves its index."""
+    if not tag or base == SCRATCH:
+        return None
+    try:
+        return Remote(Reference.parse(tag), transport)
+    except SnapError:
+        return None
 
 
 def _tag_status(st: BoxStatus, opts: CommitOptions) -> None:
