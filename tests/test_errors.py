@@ -172,8 +172,9 @@ def test_a_command_line_click_refuses_is_one_error_line(args, said):
 
 
 def test_snap_alone_still_shows_the_help():
+    """On stdout, and nothing on stderr (it had a stray empty line)."""
     r = snap()
-    assert r.returncode == 2 and "Usage:" in r.stderr + r.stdout and "commit" in r.stderr + r.stdout
+    assert r.returncode == 2 and "Usage:" in r.stdout and "commit" in r.stdout and r.stderr == "", r.stderr
 
 
 # A watcher that does not end on SIGTERM: it holds the watch lock as `snap watch` does (flock, then

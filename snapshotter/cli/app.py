@@ -136,7 +136,8 @@ def _usage_error(e) -> int:
     `snap: error:` line, as any other bad input, instead of click's usage panel. `snap` alone
     still shows the help."""
     if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):
-        e.show()
+        if text := e.format_message():  # typer's rich help has printed itself already (to stdout): ""
+            out(text)
         return e.exit_code
     ctx = getattr(e, "ctx", None)
     command = f"snap {ctx.info_name}" if ctx is not None and ctx.parent is not None else "snap"
