@@ -74,9 +74,13 @@ def password_from_stdin(username: Optional[str], stdin: Optional[TextIO] = None)
     if stdin is None:  # snap started with its standard input closed
         raise UsageError("--password-stdin: standard input is closed", "pipe the password to it")
     try:
-        return stdin.readline().rstrip("\r\n")
+        password = stdin.readline().rstrip("\r\n")
     except UnicodeDecodeError:
         raise UsageError("--password-stdin: the password is not valid UTF-8", UTF8_HINT) from None
+    if not password:  # an empty pipe (a secret that was never set): no registry takes it
+        raise UsageError("--password-stdin: standard input gave no password (its first line is empty)",
+                         "pipe the password to it, e.g. printf %s \"$TOKEN\" | snap ...")
+    return password
 
 
 def env_credentials(secrets: dict[str, str]) -> tuple[Optional[str], Optional[str]]:
