@@ -278,6 +278,9 @@ def available_profiles() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("snapshotter.layers").iterdir() if p.name.endswith(".yaml"))
 
 
+PROFILE_MAX = 1 << 20  # bytes of a profile file: the shipped ones are under 4 KiB
+
+
 def load_profile(name_or_path: str = "default") -> Profile:
     """Load a profile by name (a file in layers/) or by path to a YAML file."""
     path = Path(name_or_path)
@@ -285,6 +288,9 @@ def load_profile(name_or_path: str = "default") -> Profile:
         if not path.is_file():  # a directory or a device (/dev/zero: read without end) is no profile
             what = "is not a regular file" if os.path.lexists(path) else "does not exist"
             raise UsageError(f"profile file {name_or_path!r} {what}")
+        if path.stat().st_size > PROFILE_MAX:  # a profile is a few KiB: parsing MBs of YAML took 100s of MB
+            raise UsageError(f"profile file {name_or_path!r} is {path.stat().st_size:,} bytes: over the "
+                             f"{PROFILE_MAX // 1024} KiB a profile may be")
         try:
             text, source = path.read_text(encoding="utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as e:

@@ -39,6 +39,25 @@ def test_a_password_on_stdin_that_is_no_utf8_is_a_usage_error(tmp_path, command)
     assert "secret" not in r.stderr
 
 
+@pytest.mark.parametrize("given", [b"", b"\n", b"\r\nsecret\n"], ids=["nothing", "empty-line", "empty-first-line"])
+@pytest.mark.parametrize("command", [("log", NOWHERE), ("login", "127.0.0.1:9")])
+def test_an_empty_password_on_stdin_is_a_usage_error(tmp_path, command, given):
+    """An empty pipe (a CI secret never set) is said so, before any registry is asked with it."""
+    secret = tmp_path / "password"
+    secret.write_bytes(given)
+    r = snap(*command, "-u", "a", "--password-stdin", preexec_fn=_fd_onto(str(secret), 0))
+    assert_one_line_error(r, 2, "gave no password")
+    assert "secret" not in r.stderr
+
+
+def test_a_profile_file_too_big_to_be_one_is_refused_at_once(tmp_path):
+    """A profile is a few KiB: a 12 MB one took 16 s and ~800 MB to parse before it was refused."""
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"exclude:\n" + b"  - /x\n" * (2 << 20 >> 3))
+    r = snap("status", "--base", "scratch", "--root", str(tmp_path), "--profile", str(big))
+    assert_one_line_error(r, 2, repr(str(big)), "KiB a profile may be")
+
+
 @pytest.mark.parametrize("command", [("log", NOWHERE), ("login", "127.0.0.1:9")])
 def test_credentials_in_the_environment_that_are_no_utf8_are_a_usage_error(command):
     r = snap(*command, env={"SNAP_USERNAME": os.fsdecode(b"\xff"), "SNAP_PASSWORD": "secret"})
