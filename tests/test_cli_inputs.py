@@ -50,6 +50,16 @@ def test_an_empty_password_on_stdin_is_a_usage_error(tmp_path, command, given):
     assert "secret" not in r.stderr
 
 
+@pytest.mark.parametrize("given, said", [("ftp://127.0.0.1:9", "is not valid"),
+                                         ("https://127.0.0.1:9/v1/\x1b[2J", "not logged in to 127.0.0.1:9")])
+def test_login_and_logout_name_the_registry_as_the_host_it_is(given, said, tmp_path):
+    """Only http(s):// may lead a registry's name; what is printed is its host, not what was typed (a
+    path, an escape sequence)."""
+    r = snap("logout", given, env={"DOCKER_CONFIG": str(tmp_path)})
+    assert said in r.stdout + r.stderr and "\x1b" not in r.stdout + r.stderr, (r.stdout, r.stderr)
+    assert r.returncode == (2 if said == "is not valid" else 0)
+
+
 def test_a_profile_file_too_big_to_be_one_is_refused_at_once(tmp_path):
     """A profile is a few KiB: a 12 MB one took 16 s and ~800 MB to parse before it was refused."""
     big = tmp_path / "big.yaml"

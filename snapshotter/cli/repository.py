@@ -81,14 +81,16 @@ def login(
     from snapshotter.registry.login import login as do_login
     from snapshotter.registry.login import login_credentials
 
-    parse_registry(registry)  # a bad name is said before any password is asked for
+    host = parse_registry(registry)  # a bad name is said before any password is asked for
     username, password = login_credentials(username, password_stdin)
     where = do_login(registry, username, password, reach(plain_http, ca_cert, insecure_tls))
-    out(f"logged in to {registry}: credentials kept in {where}")
+    out(f"logged in to {host}: credentials kept in {where}")  # the host, not what was typed (a path, ESC)
 
 
 def logout(registry: Registry):
     """Forget a registry's credentials (as `docker logout`): its entry in Docker's config, or the credential helper's."""  # noqa: E501 (help)
+    from snapshotter.oci.reference import parse_registry
     from snapshotter.registry.login import logout as do_logout
 
-    out(f"logged out of {registry}" if do_logout(registry) else f"not logged in to {registry}")
+    host = parse_registry(registry)  # said as the host it names, not as typed (a path, ESC)
+    out(f"logged out of {host}" if do_logout(registry) else f"not logged in to {host}")

@@ -59,10 +59,10 @@ def parse_registry(text: str) -> str:
     """The registry a `snap login REGISTRY` names: host[:port], as Docker takes it (a scheme and a
     path, as in https://index.docker.io/v1/, are dropped; Docker Hub under any of its names is
     docker.io)."""
-    host = text.split("://", 1)[1] if "://" in text else text
-    host = host.split("/", 1)[0]
+    scheme, sep, rest = text.partition("://")
+    host = (rest if sep else text).split("/", 1)[0]
     m = re.fullmatch(_DOMAIN_AND_PORT, host)
-    if not m or not _port_in_range(m["port"]):
+    if not m or not _port_in_range(m["port"]) or (sep and scheme not in ("http", "https")):
         raise UsageError(f"registry {text!r} is not valid", "write HOST[:PORT], e.g. ghcr.io or 127.0.0.1:5000, "
                          "the port from 1 to 65535")
     return DOCKER_HUB if host in DOCKER_HUB_NAMES else host
